@@ -1,0 +1,28 @@
+"""forge_jax: functional JAX kernels for LLM inference.
+
+Pure ops that run under ``jax.jit``, ``vmap`` and ``grad`` on every platform
+through XLA, with Pallas kernels swapped in by the dispatch registry where the
+hardware allows. See README.md for a tour.
+"""
+
+from forge_jax import backends, dispatch, tolerances
+from forge_jax.dispatch import ImplementationError, explain, use_implementation
+from forge_jax.ops import (
+    RopeScaling,
+    attention,
+    embedding,
+    matmul,
+    rms_norm,
+    rope,
+    rope_cos_sin,
+    silu_mul,
+    softmax,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ImplementationError", "RopeScaling", "attention", "backends", "dispatch", "embedding",
+    "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
+    "tolerances", "use_implementation",
+]

@@ -1,0 +1,188 @@
+"""Backend discovery: what JAX sees here and which implementations can run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from forge_jax import _compat, dispatch
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    id: int
+    platform: str
+    device_kind: str
+    memory_total_bytes: int | None
+    memory_free_bytes: int | None
+    compute_capability: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformInfo:
+    name: str
+    devices: tuple[DeviceInfo, ...]
+    error: str | None  # why JAX cannot see this platform, when it cannot
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplementationInfo:
+    op: str
+    name: str
+    available: bool
+    reason: str | None
+    auto_on: tuple[str, ...]  # platforms where auto selection considers it
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolchainInfo:
+    name: str
+    available: bool
+    reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    jax_version: str
+    jaxlib_version: str
+    default_backend: str
+    platforms: tuple[PlatformInfo, ...]
+    toolchains: tuple[ToolchainInfo, ...]
+    implementations: tuple[ImplementationInfo, ...]
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        return tuple(d for p in self.platforms for d in p.devices)
+
+    def __str__(self) -> str:
+        out = [f"forge_jax on JAX {self.jax_version} (jaxlib {self.jaxlib_version}), "
+               f"default backend: {self.default_backend}", "", "Platforms:"]
+        for p in self.platforms:
+            if not p.devices:
+                out.append(f"  {p.name}: none ({p.error})")
+                continue
+            out.append(f"  {p.name}: {len(p.devices)} device(s)")
+            for d in p.devices:
+                extra = []
+                if d.memory_total_bytes is not None:
+                    extra.append(f"memory {_gib(d.memory_total_bytes)} total")
+                if d.memory_free_bytes is not None:
+                    extra.append(f"{_gib(d.memory_free_bytes)} free")
+                if d.compute_capability:
+                    extra.append(f"compute capability {d.compute_capability}")
+                tail = f" ({', '.join(extra)})" if extra else ""
+                out.append(f"    [{d.id}] {d.device_kind}{tail}")
+        out += ["", "Toolchains:"]
+        for t in self.toolchains:
+            out.append(f"  {t.name}: {'yes' if t.available else 'no, ' + str(t.reason)}")
+        out += ["", "Implementations (op: name -> status):"]
+        for i in self.implementations:
+            status = "available" if i.available else f"unavailable: {i.reason}"
+            auto = f"auto on {', '.join(i.auto_on)}" if i.auto_on else "by name only"
+            out.append(f"  {i.op}: {i.name} -> {status} [{auto}]")
+        return "\n".join(out)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _device_info(d: Any) -> DeviceInfo:
+    total = free = None
+    try:
+        stats = d.memory_stats() or {}
+    except Exception:  # Not every backend implements memory_stats().
+        stats = {}
+    if "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        free = total - int(stats.get("bytes_in_use", 0))
+    cc = getattr(d, "compute_capability", None)
+    return DeviceInfo(id=d.id, platform=d.platform, device_kind=d.device_kind,
+                      memory_total_bytes=total, memory_free_bytes=free,
+                      compute_capability=str(cc) if cc else None)
+
+
+def _platform_info(name: str) -> PlatformInfo:
+    try:
+        devices = jax.devices(name)
+    except RuntimeError as e:
+        return PlatformInfo(name, (), str(e).splitlines()[0][:160])
+    return PlatformInfo(name, tuple(_device_info(d) for d in devices), None)
+
+
+def has_platform(name: str) -> bool:
+    try:
+        return bool(jax.devices(name))
+    except RuntimeError:
+        return False
+
+
+def gpu_compute_capability() -> str | None:
+    """The compute capability of the first GPU (e.g. "9.0"), or None."""
+    if not has_platform("gpu"):
+        return None
+    cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+    return str(cc) if cc else None
+
+
+def toolchains() -> tuple[ToolchainInfo, ...]:
+    """Whether each kernel toolchain can run in this process, and if not, why."""
+    gpu, tpu = has_platform("gpu"), has_platform("tpu")
+    try:
+        _compat.pallas()
+        pallas = None
+    except Exception as e:  # Pallas itself failed to import: report it, do not crash.
+        pallas = f"jax.experimental.pallas not importable: {e}"
+    rows = [ToolchainInfo("Pallas interpret mode (any platform)", pallas is None, pallas)]
+    rows.append(ToolchainInfo(
+        "Pallas Triton (GPU)", pallas is None and gpu,
+        pallas or (None if gpu else "no GPU device")))
+    cc = gpu_compute_capability()
+    mosaic_gpu = None if cc and float(cc) >= 9.0 else (
+        f"needs compute capability >= 9.0, GPU has {cc}" if cc else "no GPU device")
+    rows.append(ToolchainInfo("Pallas Mosaic GPU (Hopper+)", pallas is None and mosaic_gpu is None,
+                              pallas or mosaic_gpu))
+    rows.append(ToolchainInfo("Pallas Mosaic TPU", pallas is None and tpu,
+                              pallas or (None if tpu else "no TPU device")))
+    if not _compat.module_available("jax_triton"):
+        jt = "jax-triton not installed (pip install 'forge-jax[gpu]')"
+    elif not gpu:
+        jt = "jax-triton not importable: needs a GPU jaxlib and a GPU"
+    else:
+        jt = None
+    rows.append(ToolchainInfo("jax-triton", jt is None, jt))
+    return tuple(rows)
+
+
+def summary() -> Summary:
+    """A structured report of versions, devices, toolchains and implementations.
+
+    ``print(fj.backends.summary())`` or ``forge-jax info`` shows it as text.
+    """
+    impls = []
+    for op in dispatch.ops():
+        for name, impl in dispatch.implementations(op).items():
+            try:
+                reason = impl.available()
+            except Exception as e:  # A broken availability probe is a reason, not a crash.
+                reason = f"availability check failed: {e}"
+            impls.append(ImplementationInfo(op, name, reason is None, reason,
+                                            tuple(sorted(impl.priority)), impl.description))
+    return Summary(
+        jax_version=jax.__version__,
+        jaxlib_version=jax.lib.__version__ if hasattr(jax.lib, "__version__") else _jaxlib(),
+        default_backend=jax.default_backend(),
+        platforms=tuple(_platform_info(p) for p in PLATFORMS),
+        toolchains=toolchains(),
+        implementations=tuple(impls),
+    )
+
+
+def _jaxlib() -> str:
+    import jaxlib
+
+    return getattr(jaxlib, "__version__", "unknown")

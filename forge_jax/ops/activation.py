@@ -1,0 +1,104 @@
+"""Elementwise activations and softmax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forge_jax import _checks, dispatch
+
+
+def _silu_mul_args(gate, up):
+    _checks.array("gate", gate)
+    _checks.array("up", up)
+    if tuple(gate.shape) != tuple(up.shape):
+        raise ValueError(f"gate and up must have the same shape: {gate.shape=}, {up.shape=}")
+    if gate.dtype != up.dtype:
+        raise TypeError(f"gate and up must have the same dtype: {gate.dtype=}, {up.dtype=}")
+    return dict(gate=gate, up=up)
+
+
+def silu_mul(gate, up, *, implementation=None):
+    """The gated-linear-unit activation of Llama's MLP: ``silu(gate) * up``.
+
+    ``silu(g) = g * sigmoid(g)``, computed in float32.
+
+    Args:
+      gate, up: arrays of the same shape and float dtype.
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      ``silu(gate) * up`` in the inputs' dtype.
+    """
+    return dispatch.call("silu_mul", _silu_mul_args(gate, up), implementation)
+
+
+dispatch.define("silu_mul", _silu_mul_args)
+
+
+@dispatch.register("silu_mul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="jnp, float32 math")
+def silu_mul_xla(gate, up):
+    with jax.named_scope("silu_mul"):
+        g = gate.astype(jnp.float32)
+        return (jax.nn.silu(g) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def _softmax_args(x, *, axis=-1, where=None):
+    _checks.array("x", x, min_ndim=1)
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis must be an int in [-{x.ndim}, {x.ndim}), got {axis=!r}")
+    if where is not None:
+        _checks.array("where", where, kind="bool")
+        try:
+            shape = np.broadcast_shapes(tuple(where.shape), tuple(x.shape))
+        except ValueError:
+            shape = None
+        if shape != tuple(x.shape):
+            raise ValueError(f"where must broadcast to x's shape: {where.shape=}, {x.shape=}")
+    return dict(x=x, axis=axis % x.ndim, where=where)
+
+
+def softmax(x, *, axis=-1, where=None, implementation=None):
+    """Numerically safe softmax along ``axis``, with an optional mask.
+
+    ``softmax(x)_i = exp(x_i - m) / sum_j exp(x_j - m)`` over the entries where
+    ``where`` is true (all entries if ``where`` is None), with ``m`` the row's
+    maximum; masked entries get 0. A row with no valid entry (all masked, or all
+    ``-inf``) returns zeros, never NaN, and so does its gradient. Math in float32.
+
+    Args:
+      x: any-rank float array.
+      axis: the axis to normalise over.
+      where: optional boolean mask broadcastable to ``x.shape``; True = valid.
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      An array like ``x`` (shape and dtype).
+    """
+    return dispatch.call("softmax", _softmax_args(x, axis=axis, where=where), implementation)
+
+
+dispatch.define("softmax", _softmax_args)
+
+
+def safe_softmax_f32(x, axis, where):
+    """float32 softmax that returns zeros (and zero gradients) for fully masked rows."""
+    x = x.astype(jnp.float32)
+    valid = jnp.broadcast_to(True if where is None else where, x.shape) & (x > -jnp.inf)
+    # Masked entries are replaced before exp so that neither the value nor the
+    # gradient can see an inf - inf.
+    x = jnp.where(valid, x, 0.0)
+    m = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.where(valid, jnp.exp(x - m), 0.0)
+    s = jnp.sum(e, axis=axis, keepdims=True)
+    return e / jnp.where(s > 0, s, 1.0)
+
+
+@dispatch.register("softmax", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="jnp, float32 math, zero rows when fully masked")
+def softmax_xla(x, *, axis, where):
+    with jax.named_scope("softmax"):
+        return safe_softmax_f32(x, axis, where).astype(x.dtype)

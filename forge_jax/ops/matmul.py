@@ -1,0 +1,108 @@
+"""General matrix multiply: ``alpha * op(a) @ op(b) + beta * c``."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forge_jax import _checks, dispatch
+
+
+def _matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
+                 out_dtype=None):
+    _checks.array("a", a, min_ndim=2)
+    _checks.array("b", b, min_ndim=2)
+    for name, flag in (("trans_a", trans_a), ("trans_b", trans_b)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {name}={flag!r}")
+    alpha = _checks.number("alpha", alpha)
+    beta = _checks.number("beta", beta)
+    k_a = a.shape[-2] if trans_a else a.shape[-1]
+    k_b = b.shape[-1] if trans_b else b.shape[-2]
+    if k_a != k_b:
+        raise ValueError(
+            f"contracting dimensions disagree: {a.shape=} ({trans_a=}) has K={k_a}, "
+            f"{b.shape=} ({trans_b=}) has K={k_b}")
+    try:
+        batch = np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+    except ValueError:
+        raise ValueError(
+            f"batch dimensions do not broadcast: {a.shape=} and {b.shape=}") from None
+    m = a.shape[-1] if trans_a else a.shape[-2]
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    out_shape = (*batch, m, n)
+    if out_dtype is None:
+        out_dtype = jnp.promote_types(a.dtype, b.dtype)
+    out_dtype = jnp.dtype(out_dtype)
+    if c is not None:
+        _checks.array("c", c)
+        try:
+            broadcast = np.broadcast_shapes(tuple(c.shape), out_shape)
+        except ValueError:
+            broadcast = None
+        if broadcast != out_shape:
+            raise ValueError(
+                f"c must broadcast to the product's shape {out_shape}, got {c.shape=}")
+        if isinstance(beta, float) and beta == 0.0:
+            raise ValueError(
+                "c was given with beta=0.0, so it would be ignored; pass beta=1.0 to add c")
+    elif not (isinstance(beta, numbers.Real) and beta == 0.0):
+        raise ValueError(f"beta={beta!r} needs c, but c is None")
+    return dict(a=a, b=b, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta, c=c,
+                out_dtype=out_dtype)
+
+
+def matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
+           out_dtype=None, implementation=None):
+    """General matrix multiply with float32 accumulation.
+
+    Computes ``alpha * op(a) @ op(b) + beta * c`` where ``op(x)`` swaps the last
+    two axes of ``x`` when the matching ``trans_*`` flag is set. Leading (batch)
+    dimensions broadcast as in ``jnp.matmul``. Products accumulate in float32 (or
+    float64 for float64 inputs); ``alpha``, ``beta`` and ``c`` are applied in that
+    precision and the result is cast once to ``out_dtype``.
+
+    Args:
+      a: ``[..., M, K]`` (``[..., K, M]`` if ``trans_a``), float32/float16/bfloat16.
+      b: ``[..., K, N]`` (``[..., N, K]`` if ``trans_b``).
+      trans_a, trans_b: transpose the last two axes of ``a`` / ``b``.
+      alpha, beta: scalars (Python numbers or scalar arrays).
+      c: optional array broadcastable to ``[..., M, N]``; required when ``beta != 0``.
+      out_dtype: result dtype; defaults to the promoted dtype of ``a`` and ``b``.
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      ``[..., M, N]`` in ``out_dtype``.
+    """
+    args = _matmul_args(a, b, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta, c=c,
+                        out_dtype=out_dtype)
+    return dispatch.call("matmul", args, implementation)
+
+
+dispatch.define("matmul", _matmul_args)
+
+
+def _acc_dtype(*dtypes):
+    return jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes) else jnp.float32
+
+
+@dispatch.register("matmul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="jnp.matmul with float32 accumulation")
+def matmul_xla(a, b, *, trans_a, trans_b, alpha, beta, c, out_dtype):
+    acc = _acc_dtype(a.dtype, b.dtype)
+    if a.dtype != b.dtype:  # Mixed inputs: compute in the accumulation dtype.
+        a, b = a.astype(acc), b.astype(acc)
+    if trans_a:
+        a = jnp.swapaxes(a, -1, -2)
+    if trans_b:
+        b = jnp.swapaxes(b, -1, -2)
+    with jax.named_scope("matmul"):
+        out = jnp.matmul(a, b, preferred_element_type=acc)
+        if not (isinstance(alpha, float) and alpha == 1.0):
+            out = out * jnp.asarray(alpha, acc)
+        if c is not None:
+            out = out + jnp.asarray(beta, acc) * c.astype(acc)
+        return out.astype(out_dtype)

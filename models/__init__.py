@@ -1,0 +1,1 @@
+"""Flax NNX models composed only of forge_jax ops."""

@@ -1,0 +1,23 @@
+"""Test harness set-up. Runs before JAX initialises its backends.
+
+* 4 CPU devices, so that pmap / sharding variants run on a laptop or CI machine.
+* Strict dtype promotion: an op that mixes float32 and bfloat16 without saying
+  so is a bug (silent upcasts double memory traffic), so tests make it an error.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+os.environ.pop("FORGE_JAX_IMPLEMENTATION", None)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+import hypothesis  # noqa: E402
+
+hypothesis.settings.register_profile(
+    "ci", max_examples=25, deadline=None, derandomize=True,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
