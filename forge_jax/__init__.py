@@ -5,13 +5,17 @@ through XLA, with Pallas kernels swapped in by the dispatch registry where the
 hardware allows. See README.md for a tour.
 """
 
-from forge_jax import backends, dispatch, tolerances
+from forge_jax import backends, dispatch, kv_cache, tolerances
 from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
     RopeScaling,
     attention,
+    copy_pages,
     embedding,
     matmul,
+    paged_attention,
+    paged_gather,
+    paged_write,
     rms_norm,
     rope,
     rope_cos_sin,
@@ -25,4 +29,5 @@ __all__ = [
     "ImplementationError", "RopeScaling", "attention", "backends", "dispatch", "embedding",
     "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
     "tolerances", "use_implementation",
+    "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
 ]

@@ -1,0 +1,327 @@
+"""Paged KV-cache ops: write tokens into pages, gather pages, attend over pages, copy pages.
+
+A paged cache keeps each layer's keys (and values) in one pool of fixed-size pages,
+``[kv_heads, num_pages, page_size, head_dim]`` (the layout of JAX's Pallas
+``paged_attention``: a page of one head is a contiguous ``[page_size, head_dim]`` tile).
+Sequence ``b`` owns the pages its block table names, in order: its token at position
+``i`` lives in page ``block_tables[b, i // page_size]`` at offset ``i % page_size``, i.e.
+in *slot* ``page * page_size + offset`` of the flattened pool. Which pages a sequence
+owns is decided on the host by :class:`forge_jax.kv_cache.BlockManager`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _checks, dispatch
+from forge_jax.ops.attention import attention_reference, check_heads, check_masking
+
+
+def _check_pages(k_pages, v_pages):
+    _checks.array("k_pages", k_pages, ndim=4)
+    _checks.array("v_pages", v_pages, ndim=4)
+    if tuple(k_pages.shape) != tuple(v_pages.shape):
+        raise ValueError(
+            f"k_pages and v_pages must have the same shape [kv_heads, num_pages, page_size, "
+            f"head_dim]: {k_pages.shape=}, {v_pages.shape=}")
+    if k_pages.dtype != v_pages.dtype:
+        raise TypeError(f"k_pages and v_pages must have the same dtype: "
+                        f"{k_pages.dtype=}, {v_pages.dtype=}")
+
+
+def _check_tables(block_tables, lengths):
+    _checks.array("block_tables", block_tables, ndim=2, kind="int")
+    _checks.array("lengths", lengths, ndim=1, kind="int")
+    if lengths.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"lengths must be [batch] = ({block_tables.shape[0]},) to match "
+                         f"block_tables [batch, max_pages], got {lengths.shape=}, "
+                         f"{block_tables.shape=}")
+
+
+# ---------------------------------------------------------------------------------------
+# paged_write
+
+
+def _paged_write_args(k_pages, v_pages, k, v, slots):
+    _check_pages(k_pages, v_pages)
+    _checks.array("k", k, ndim=3)
+    _checks.array("v", v, ndim=3)
+    _checks.array("slots", slots, ndim=1, kind="int")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape [tokens, kv_heads, head_dim]: "
+                         f"{k.shape=}, {v.shape=}")
+    kv_heads, _, _, head_dim = k_pages.shape
+    if tuple(k.shape[1:]) != (kv_heads, head_dim):
+        raise ValueError(
+            f"k must be [tokens, kv_heads, head_dim] = [tokens, {kv_heads}, {head_dim}] to match "
+            f"k_pages [kv_heads, num_pages, page_size, head_dim], got {k.shape=}, "
+            f"{k_pages.shape=}")
+    if slots.shape[0] != k.shape[0]:
+        raise ValueError(f"slots must be [tokens] = ({k.shape[0]},), got {slots.shape=}")
+    return dict(k_pages=k_pages, v_pages=v_pages, k=k, v=v, slots=slots)
+
+
+def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
+    """Writes one key/value vector per token into the page pools.
+
+    ``k_pages[h, s // page_size, s % page_size] = k[t, h]`` for every token ``t`` with
+    slot ``s = slots[t] >= 0`` (the same for ``v``). A negative slot means "skip this
+    token" (padding); slots at or beyond ``num_pages * page_size`` are skipped as well.
+    If two tokens name the same slot, which one lands is unspecified. ``k`` and ``v``
+    are cast to the pages' dtype.
+
+    The op is pure; under ``jax.jit`` with the pages donated
+    (``donate_argnames=("k_pages", "v_pages")`` or a donated cache pytree) XLA performs
+    the scatter in place, so a write costs O(tokens), not a copy of the pool.
+
+    Args:
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype.
+      k, v: ``[tokens, kv_heads, head_dim]``, any float dtype.
+      slots: int ``[tokens]``, ``page * page_size + offset`` or negative to skip.
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      ``(k_pages, v_pages)``, updated, with the input shapes and dtypes.
+    """
+    args = _paged_write_args(k_pages, v_pages, k, v, slots)
+    return dispatch.call("paged_write", args, implementation)
+
+
+dispatch.define("paged_write", _paged_write_args)
+
+
+def _scatter_tokens(pages, x, slots):
+    kv_heads, num_pages, page_size, head_dim = pages.shape
+    capacity = num_pages * page_size
+    # jnp's .at[] wraps negative indices around; send them out of bounds to be dropped.
+    slots = slots.astype(jnp.int32)
+    slots = jnp.where(slots < 0, capacity, slots)
+    flat = pages.reshape(kv_heads, capacity, head_dim)
+    x = jnp.swapaxes(x.astype(pages.dtype), 0, 1)  # [kv_heads, tokens, head_dim]
+    flat = flat.at[:, slots].set(x, mode="drop", unique_indices=False)
+    return flat.reshape(pages.shape)
+
+
+@dispatch.register("paged_write", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="scatter into the flattened pool, mode='drop'")
+def paged_write_xla(k_pages, v_pages, k, v, slots):
+    with jax.named_scope("paged_write"):
+        return _scatter_tokens(k_pages, k, slots), _scatter_tokens(v_pages, v, slots)
+
+
+# ---------------------------------------------------------------------------------------
+# paged_gather
+
+
+def _paged_gather_args(pages, block_tables, lengths):
+    _checks.array("pages", pages, ndim=4)
+    _check_tables(block_tables, lengths)
+    return dict(pages=pages, block_tables=block_tables, lengths=lengths)
+
+
+def paged_gather(pages, block_tables, lengths, *, implementation=None):
+    """Gathers each sequence's pages into a dense ``[batch, seq, kv_heads, head_dim]`` array.
+
+    ``out[b, i, h] = pages[h, block_tables[b, i // page_size], i % page_size]`` for
+    ``i < lengths[b]`` and ``0`` for ``i >= lengths[b]``: whatever the unused tail of the
+    last page or the unused block-table entries hold never reaches the result (unused
+    entries may hold any value, even out of range). Only the pages the block tables name
+    are read.
+
+    Args:
+      pages: ``[kv_heads, num_pages, page_size, head_dim]``.
+      block_tables: int ``[batch, max_pages]``, page indices in sequence order.
+      lengths: int ``[batch]``, tokens of each sequence.
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      ``[batch, max_pages * page_size, kv_heads, head_dim]`` in ``pages.dtype``.
+    """
+    args = _paged_gather_args(pages, block_tables, lengths)
+    return dispatch.call("paged_gather", args, implementation)
+
+
+dispatch.define("paged_gather", _paged_gather_args)
+
+
+def gather_pages(pages, block_tables, lengths):
+    """The XLA gather: ``[batch, max_pages * page_size, kv_heads, head_dim]``, zero past lengths."""
+    kv_heads, num_pages, page_size, head_dim = pages.shape
+    batch, max_pages = block_tables.shape
+    lengths = lengths.astype(jnp.int32)
+    used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
+    # Unused entries may hold garbage: read page 0 instead (masked below), and clip the
+    # rest so that no index wraps around or reads out of bounds.
+    table = jnp.where(used, block_tables.astype(jnp.int32), 0)
+    dense = jnp.take(pages, table, axis=1, mode="clip")  # [h, b, m, p, d]
+    dense = jnp.transpose(dense, (1, 2, 3, 0, 4)).reshape(
+        batch, max_pages * page_size, kv_heads, head_dim)
+    valid = jnp.arange(max_pages * page_size, dtype=jnp.int32)[None, :] < lengths[:, None]
+    return jnp.where(valid[:, :, None, None], dense, jnp.zeros((), pages.dtype))
+
+
+@dispatch.register("paged_gather", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="jnp.take of the named pages, zeroed past lengths")
+def paged_gather_xla(pages, block_tables, lengths):
+    with jax.named_scope("paged_gather"):
+        return gather_pages(pages, block_tables, lengths)
+
+
+# ---------------------------------------------------------------------------------------
+# paged_attention
+
+
+def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
+                          q_positions=None, sliding_window=None, logits_soft_cap=None):
+    _checks.array("q", q, ndim=(3, 4))
+    _check_pages(k_pages, v_pages)
+    _check_tables(block_tables, lengths)
+    batch = q.shape[0]
+    q_len = 1 if q.ndim == 3 else q.shape[1]
+    q_heads, head_dim = q.shape[-2:]
+    kv_heads = k_pages.shape[0]
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"q and block_tables disagree on batch: {q.shape=}, "
+                         f"{block_tables.shape=}")
+    if head_dim != k_pages.shape[3]:
+        raise ValueError(f"q and k_pages disagree on head_dim: {q.shape=}, {k_pages.shape=}")
+    check_heads(q_heads, kv_heads, q.shape, k_pages.shape)
+    if q_positions is not None:
+        _checks.array("q_positions", q_positions, ndim=(1, 2) if q.ndim == 3 else 2, kind="int")
+        if q_positions.ndim == 1:
+            q_positions = q_positions[:, None]
+        if tuple(q_positions.shape) != (batch, q_len):
+            raise ValueError(
+                f"q_positions must be [batch, q_len] = {(batch, q_len)}, got {q_positions.shape=}")
+    scale, sliding_window, logits_soft_cap = check_masking(
+        scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return dict(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
+                lengths=lengths, scale=scale, q_positions=q_positions,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q_positions=None,
+                    sliding_window=None, logits_soft_cap=None, implementation=None):
+    """Attention of new queries over a paged KV cache (decode and chunked prefill).
+
+    The same computation as :func:`forge_jax.attention` on the keys and values that
+    :func:`paged_gather` would return, with ``kv_lengths=lengths``: query ``t`` of
+    sequence ``b`` at absolute position ``p`` sees key ``j`` iff ``j <= p``,
+    ``j < lengths[b]`` and ``j > p - sliding_window`` (when given); logits are
+    ``scale * q . k`` (soft-capped to ``cap * tanh(x / cap)`` when ``logits_soft_cap``
+    is given), softmax and the weighted sum of values run in float32; query head ``h``
+    reads kv head ``h // (q_heads // kv_heads)`` (GQA/MQA).
+
+    ``lengths[b]`` counts the tokens in the cache *including* the new ones, so with
+    the default positions the new queries are the last ``q_len`` tokens:
+    ``p = lengths[b] - q_len + t`` (bottom-right alignment, per sequence). Only the
+    first ``lengths[b]`` slots of a sequence are ever attended, whatever the rest of its
+    last page or its unused block-table entries hold. A query that sees no key (e.g.
+    ``lengths[b] == 0``) returns zeros.
+
+    The pages may be stored in a narrower dtype than ``q`` (e.g. a bfloat16 cache with
+    float32 queries); the math is float32 either way.
+
+    Args:
+      q: ``[batch, q_heads, head_dim]`` (decode: one new token per sequence) or
+        ``[batch, q_len, q_heads, head_dim]``.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``,
+        ``q_heads % kv_heads == 0``.
+      block_tables: int ``[batch, max_pages]``, each sequence's pages in order.
+      lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
+      scale: logit scale, default ``1 / sqrt(head_dim)``.
+      q_positions: optional int ``[batch, q_len]`` (``[batch]`` also accepted for 3-D
+        ``q``), each query's absolute position; default ``lengths[b] - q_len + t``.
+      sliding_window: optional positive int; a query sees itself and the
+        ``sliding_window - 1`` keys before it.
+      logits_soft_cap: optional positive float.
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      The shape of ``q``, in ``q.dtype``.
+    """
+    args = _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, scale=scale,
+                                 q_positions=q_positions, sliding_window=sliding_window,
+                                 logits_soft_cap=logits_soft_cap)
+    return dispatch.call("paged_attention", args, implementation)
+
+
+dispatch.define("paged_attention", _paged_attention_args)
+
+
+@dispatch.register("paged_attention", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="gather the named pages, then dense masked attention")
+def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positions,
+                        sliding_window, logits_soft_cap):
+    decode = q.ndim == 3
+    if decode:
+        q = q[:, None]
+    batch, q_len = q.shape[:2]
+    lengths = lengths.astype(jnp.int32)
+    if q_positions is None:
+        q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    with jax.named_scope("paged_attention"):
+        # Only the pages the block tables name: [batch, max_pages * page_size, kv_heads, head_dim].
+        k = gather_pages(k_pages, block_tables, lengths)
+        v = gather_pages(v_pages, block_tables, lengths)
+        out = attention_reference(q, k, v, scale=scale, causal=True, q_positions=q_positions,
+                                  kv_lengths=lengths, sliding_window=sliding_window,
+                                  logits_soft_cap=logits_soft_cap)
+    return out[:, 0] if decode else out
+
+
+# ---------------------------------------------------------------------------------------
+# copy_pages
+
+
+def _copy_pages_args(k_pages, v_pages, copies):
+    _check_pages(k_pages, v_pages)
+    _checks.array("copies", copies, ndim=2, kind="int")
+    if copies.shape[1] != 2:
+        raise ValueError(f"copies must be [n, 2] rows of (src, dst), got {copies.shape=}")
+    return dict(k_pages=k_pages, v_pages=v_pages, copies=copies)
+
+
+def copy_pages(k_pages, v_pages, copies, *, implementation=None):
+    """Copies whole pages, for copy-on-write of shared pages.
+
+    ``k_pages[:, dst] = k_pages[:, src]`` (and the same for ``v_pages``) for every row
+    ``(src, dst)`` of ``copies`` with ``src >= 0``; rows with a negative ``src`` (or a
+    negative or out-of-range ``dst``) are skipped, so callers can pad ``copies`` to a
+    fixed shape. All sources are read before any destination is written; each
+    destination should appear at most once (:class:`forge_jax.kv_cache.BlockManager`
+    guarantees both). With the pages donated under ``jax.jit`` the copy is in place.
+
+    Args:
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype.
+      copies: int ``[n, 2]``, rows ``(src, dst)`` of page indices.
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      ``(k_pages, v_pages)`` with the copies applied.
+    """
+    args = _copy_pages_args(k_pages, v_pages, copies)
+    return dispatch.call("copy_pages", args, implementation)
+
+
+dispatch.define("copy_pages", _copy_pages_args)
+
+
+def _copy(pages, src, dst):
+    rows = jnp.take(pages, src, axis=1, mode="clip")  # [kv_heads, n, page_size, head_dim]
+    return pages.at[:, dst].set(rows, mode="drop")
+
+
+@dispatch.register("copy_pages", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="gather the source pages, scatter to the destinations")
+def copy_pages_xla(k_pages, v_pages, copies):
+    num_pages = k_pages.shape[1]
+    copies = copies.astype(jnp.int32)
+    src, dst = copies[:, 0], copies[:, 1]
+    skip = (src < 0) | (src >= num_pages) | (dst < 0)
+    # Skipped rows write out of bounds (dropped); .at[] would wrap a negative dst around.
+    dst = jnp.where(skip, num_pages, dst)
+    src = jnp.where(skip, 0, src)
+    with jax.named_scope("copy_pages"):
+        return _copy(k_pages, src, dst), _copy(v_pages, src, dst)
