@@ -1,0 +1,858 @@
+"""A Llama-family decoder in Flax NNX, built only from forge_jax ops.
+
+Covers what Hugging Face's ``LlamaForCausalLM`` configs describe: multi-head, grouped
+and multi-query attention, ``head_dim`` different from ``hidden_size //
+num_attention_heads``, tied or separate output embeddings, optional attention and MLP
+biases, and RoPE with no scaling or with the ``linear`` and ``llama3`` scalings.
+Anything else (another architecture, another rope type, another activation) is
+refused when the config is read, never run wrongly.
+
+Every numerical step is a forge_jax op (``fj.embedding``, ``fj.rms_norm`` with the
+fused residual add, ``fj.rope``, ``fj.attention`` or the KV cache's ``attend``,
+``fj.silu_mul``, ``fj.matmul``), so ``fj.use_implementation(...)`` switches the whole
+model.
+
+Usage::
+
+    from models import llama
+    model = llama.from_pretrained("path/to/hf_llama_dir")
+    logits = model(tokens)                                  # [batch, seq, vocab]
+    new_tokens = llama.generate(model, [[1, 2, 3], [1, 5]], max_new_tokens=16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can read it)
+import numpy as np
+from flax import nnx
+
+import forge_jax as fj
+from forge_jax import memory as fj_memory
+from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
+from models import sampling as sampling_lib
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+# Config keys that change the computation and that forge_jax does not implement: refused
+# when present with a value other than the harmless one.
+_HARMLESS = {
+    "pretraining_tp": (None, 1),  # tensor-parallel slicing in training; same maths.
+    "attention_dropout": (None, 0.0, 0),
+    "mlp_dropout": (None, 0.0, 0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama decoder, named as in a Hugging Face ``config.json``.
+
+    ``num_key_value_heads`` defaults to ``num_attention_heads`` (MHA) and ``head_dim``
+    to ``hidden_size // num_attention_heads``. ``rope_scaling`` is a
+    :class:`forge_jax.RopeScaling` (an HF-style dict is converted) or None.
+    ``eos_token_id`` is an int, a tuple of ints (Llama 3 lists several) or None.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: fj.RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    hidden_act: str = "silu"
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
+        if self.num_key_value_heads is None:
+            set_("num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not a multiple of "
+                    f"num_attention_heads={self.num_attention_heads}; give head_dim explicitly")
+            set_("head_dim", self.hidden_size // self.num_attention_heads)
+        _positive_int("num_key_value_heads", self.num_key_value_heads)
+        _positive_int("head_dim", self.head_dim)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got head_dim={self.head_dim}")
+        if isinstance(self.rope_scaling, Mapping):
+            set_("rope_scaling", fj.RopeScaling.from_hf(dict(self.rope_scaling)))
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, fj.RopeScaling):
+            raise TypeError(f"rope_scaling must be a forge_jax.RopeScaling, a dict or None, "
+                            f"got {self.rope_scaling!r}")
+        if isinstance(self.eos_token_id, list | tuple):
+            set_("eos_token_id", tuple(int(e) for e in self.eos_token_id))
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act={self.hidden_act!r}: Llama uses 'silu'")
+        if self.model_type != "llama":
+            raise ValueError(f"unsupported model_type={self.model_type!r}: this is the Llama model")
+        if not (isinstance(self.rms_norm_eps, int | float) and self.rms_norm_eps > 0):
+            raise ValueError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """``eos_token_id`` as a (possibly empty) tuple."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` dict (transformers 4 or 5 format).
+
+        Reads the RoPE settings from the older top-level keys (``rope_theta``,
+        ``rope_scaling``) or from the transformers-5 ``rope_parameters`` dict
+        (``{"rope_type": ..., "rope_theta": ..., <scaling fields>}``). Keys that do not
+        affect inference (``torch_dtype``, ``initializer_range``, ...) are ignored.
+
+        Raises:
+          ValueError: another architecture or ``model_type``, an unsupported rope type
+            or activation, or a setting forge_jax does not implement.
+        """
+        config = dict(config)
+        model_type = config.get("model_type", "llama")
+        architectures = config.get("architectures") or list(SUPPORTED_ARCHITECTURES)
+        unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+        if model_type != "llama" or unsupported:
+            raise ValueError(
+                f"unsupported checkpoint: model_type={model_type!r}, "
+                f"architectures={architectures!r}; forge_jax's Llama model reads "
+                f"model_type 'llama' with architectures {list(SUPPORTED_ARCHITECTURES)}")
+        for key, allowed in _HARMLESS.items():
+            if config.get(key) not in allowed:
+                raise ValueError(f"unsupported config setting {key}={config[key]!r}")
+        theta, scaling = _rope_from_hf(config)
+        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "rope_scaling"}
+        kwargs = {k: config[k] for k in fields if k in config and config[k] is not None}
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in kwargs]
+        if missing:
+            raise ValueError(f"config.json lacks required keys {missing}")
+        return cls(**kwargs, rope_theta=theta, rope_scaling=scaling)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+
+
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+              "original_max_position_embeddings"}
+
+
+def _rope_from_hf(config: dict) -> tuple[float, fj.RopeScaling | None]:
+    """(rope_theta, scaling) from either HF config format."""
+    params = config.get("rope_parameters")
+    if params is None:
+        theta = config.get("rope_theta", 10000.0)
+        rope = config.get("rope_scaling")
+    else:
+        if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
+            raise ValueError(f"unsupported rope_parameters {params!r}: expected one flat dict "
+                             f"(per-layer-type RoPE is not part of the Llama architecture)")
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        rope = params
+    if rope:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in (None, "default") and "factor" in rope:
+            raise ValueError(f"rope parameters {rope!r} give a factor but no rope_type")
+        unknown = set(rope) - _ROPE_KEYS
+        if unknown and kind in ("linear", "llama3", "default", None):
+            # e.g. "attention_factor" or "partial_rotary_factor": not part of these types in
+            # transformers, and forge_jax will not guess what they mean.
+            raise ValueError(f"unsupported rope parameters {sorted(unknown)} in {rope!r}")
+    return float(theta), fj.RopeScaling.from_hf(dict(rope) if rope else None)
+
+
+# --------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x @ W + b``. The one place that knows how projection weights are stored.
+
+    ``kernel`` is ``[in_features, out_features]``; Hugging Face stores ``[out, in]``
+    and :meth:`kernel_from_hf` converts. To try another layout, change
+    ``kernel_from_hf``, ``hf_shape`` and ``__call__`` together.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = jnp.dtype(dtype)
+        self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+
+    @staticmethod
+    def kernel_from_hf(weight: np.ndarray) -> np.ndarray:
+        """HF's torch layout ``[out, in]`` -> the stored layout."""
+        return weight.T
+
+    def hf_shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def __call__(self, x: jax.Array, *, out_dtype=None) -> jax.Array:
+        """x ``[..., in_features]`` -> ``[..., out_features]`` in ``out_dtype`` (default: dtype)."""
+        out_dtype = self.dtype if out_dtype is None else out_dtype
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).astype(self.dtype)  # [m, in]
+        kernel = self.kernel[...].astype(self.dtype)
+        if self.bias is None:
+            y = fj.matmul(x2, kernel, out_dtype=out_dtype)
+        else:
+            y = fj.matmul(x2, kernel, beta=1.0, c=self.bias[...].astype(self.dtype),
+                          out_dtype=out_dtype)
+        return y.reshape(*lead, self.out_features)
+
+
+class RMSNorm(nnx.Module):
+    """Holds the ``weight`` [dim] of an RMSNorm; the model calls ``fj.rms_norm`` with it."""
+
+    def __init__(self, dim: int, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+
+class LlamaAttention(nnx.Module):
+    """The q/k/v/o projections of one layer; the attention itself runs in the model loop."""
+
+    def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype):
+        c = config
+        kw = dict(use_bias=c.attention_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, **kw)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, **kw)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, **kw)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
+
+
+class LlamaMLP(nnx.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype):
+        c = config
+        kw = dict(use_bias=c.mlp_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, **kw)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, **kw)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, **kw)
+
+    def __call__(self, x):
+        with jax.named_scope("mlp"):
+            return self.down_proj(fj.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype):
+        self.input_layernorm = RMSNorm(config.hidden_size, param_dtype=param_dtype)
+        self.self_attn = LlamaAttention(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, param_dtype=param_dtype)
+        self.mlp = LlamaMLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+
+class Llama(nnx.Module):
+    """A Llama decoder with its output head (HF ``LlamaForCausalLM``).
+
+    Args:
+      config: the :class:`LlamaConfig`.
+      rngs: ``nnx.Rngs`` for the random initialisation (normal, std 0.02, as HF's
+        ``initializer_range``; norms start at 1, biases at 0).
+      dtype: the compute dtype of activations (weights are cast to it at use).
+      param_dtype: the storage dtype of the weights.
+
+    Each layer's weights live in their own module (``self.layers[i]``), not in stacked
+    ``[layers, ...]`` arrays: indexing a stacked array inside ``jit`` made XLA copy the
+    layer's weights on every decode step on CPU.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        c = config
+        self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), param_dtype))
+        self.layers = nnx.List([
+            LlamaDecoderLayer(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, param_dtype=param_dtype)
+        self.lm_head = None if c.tie_word_embeddings else Linear(
+            c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs, dtype=dtype,
+            param_dtype=param_dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Full causal forward without a cache.
+
+        Args:
+          tokens: int32 ``[batch, seq]``, token ``t`` at position ``t``.
+
+        Returns:
+          float32 logits ``[batch, seq, vocab_size]``.
+        """
+        _check_tokens(tokens, self.config.vocab_size)
+        batch, seq = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+
+        def attend(i, q, k, v, cache):
+            return fj.attention(q, k, v, causal=True), cache
+
+        hidden, _ = self._decoder(tokens, positions, attend, None)
+        return self._logits(hidden)
+
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array, cache,
+                       *, logits_at: jax.Array | None = None):
+        """Forward over new tokens that attend to themselves and to a KV cache.
+
+        Each layer writes the new keys/values into ``cache`` at ``positions`` (padding,
+        ``valid == False``, is not written) and attends with the cache's ``attend``:
+        a query at position ``p`` of sequence ``b`` sees the cached keys ``0..p`` of that
+        sequence. After the call ``cache.lengths[b]`` is ``max(old length, 1 + the
+        largest valid position of b)``.
+
+        Args:
+          tokens: int32 ``[batch, t]``.
+          positions: int32 ``[batch, t]``, absolute positions (contiguous per sequence,
+            continuing the cache: the first new position of ``b`` is ``cache.lengths[b]``).
+          valid: bool ``[batch, t]``; False marks padding.
+          cache: a ``forge_jax.kv_cache.ContiguousKVCache`` or ``PagedKVCache`` with
+            ``num_hidden_layers`` layers.
+          logits_at: optional int32 ``[batch]``: compute logits only at these indices
+            of the ``t`` axis (e.g. each prompt's last token), saving the vocabulary
+            projection of the others.
+
+        Returns:
+          ``(logits, cache)``: float32 logits ``[batch, t, vocab]``, or ``[batch, vocab]``
+          with ``logits_at``; and the updated cache.
+        """
+        new_lengths = jnp.maximum(
+            cache.lengths.astype(jnp.int32),
+            jnp.max(jnp.where(valid, positions.astype(jnp.int32) + 1, 0), axis=1))
+
+        def attend(i, q, k, v, cache):
+            cache = cache.write(i, k, v, positions, valid)
+            return cache.attend(i, q, q_positions=positions, kv_lengths=new_lengths), cache
+
+        hidden, cache = self._decoder(tokens, positions, attend, cache)
+        cache = cache.with_lengths(new_lengths)
+        if logits_at is not None:
+            hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None],
+                                         axis=1)[:, 0]  # [batch, hidden]
+        return self._logits(hidden), cache
+
+    def _decoder(self, tokens, positions, attend: Callable, cache):
+        """The layer stack; returns the final-normed hidden states ``[batch, t, hidden]``."""
+        c = self.config
+        batch, t = tokens.shape
+        x = fj.embedding(self.embed_tokens[...], tokens).astype(self.dtype)  # [b, t, d]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{i}"):
+                # Pre-norm block, with the residual add fused into the next norm:
+                # residual += delta; y = norm(residual).
+                w = layer.input_layernorm.weight[...]
+                if residual is None:
+                    y, residual = fj.rms_norm(x, w, eps=c.rms_norm_eps), x
+                else:
+                    y, residual = fj.rms_norm(x, w, eps=c.rms_norm_eps, residual=residual)
+                attn = layer.self_attn
+                q = attn.q_proj(y).reshape(batch, t, c.num_attention_heads, c.head_dim)
+                k = attn.k_proj(y).reshape(batch, t, c.num_key_value_heads, c.head_dim)
+                v = attn.v_proj(y).reshape(batch, t, c.num_key_value_heads, c.head_dim)
+                q = fj.rope(q, positions, theta=c.rope_theta, scaling=c.rope_scaling)
+                k = fj.rope(k, positions, theta=c.rope_theta, scaling=c.rope_scaling)
+                o, cache = attend(i, q, k, v, cache)  # [b, t, heads, head_dim]
+                x = attn.o_proj(o.reshape(batch, t, c.num_attention_heads * c.head_dim))
+                y, residual = fj.rms_norm(x, layer.post_attention_layernorm.weight[...],
+                                          eps=c.rms_norm_eps, residual=residual)
+                x = layer.mlp(y)
+        hidden = fj.rms_norm(x, self.norm.weight[...], eps=c.rms_norm_eps, residual=residual)[0]
+        return hidden, cache
+
+    def _logits(self, hidden):
+        """hidden ``[..., hidden_size]`` -> float32 logits ``[..., vocab]``."""
+        with jax.named_scope("lm_head"):
+            if self.lm_head is not None:
+                return self.lm_head(hidden, out_dtype=jnp.float32)
+            lead = hidden.shape[:-1]
+            table = self.embed_tokens[...].astype(self.dtype)  # [vocab, hidden]
+            logits = fj.matmul(hidden.reshape(-1, hidden.shape[-1]), table, trans_b=True,
+                               out_dtype=jnp.float32)
+            return logits.reshape(*lead, table.shape[0])
+
+
+def _check_tokens(tokens, vocab_size):
+    if not hasattr(tokens, "dtype") or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an int array, got {tokens!r:.80}")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got tokens.shape={tokens.shape}")
+
+
+# --------------------------------------------------------------------------------------
+# Loading Hugging Face checkpoints
+# --------------------------------------------------------------------------------------
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: the message names the file or tensor."""
+
+
+# Buffers some older checkpoints carry that are not parameters (recomputed from the config).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _hf_parameters(model: Llama) -> dict[str, tuple[nnx.Param, tuple[int, ...], Callable]]:
+    """HF tensor name -> (the parameter, the tensor's HF shape, HF array -> stored array)."""
+    same = lambda w: w
+    out = {"model.embed_tokens.weight": (model.embed_tokens, model.embed_tokens.shape, same),
+           "model.norm.weight": (model.norm.weight, model.norm.weight.shape, same)}
+
+    def linear(name, lin: Linear):
+        out[f"{name}.weight"] = (lin.kernel, lin.hf_shape(), lin.kernel_from_hf)
+        if lin.bias is not None:
+            out[f"{name}.bias"] = (lin.bias, lin.bias.shape, same)
+
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weight = getattr(layer, norm).weight
+            out[f"{p}.{norm}.weight"] = (weight, weight.shape, same)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            linear(f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj))
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            linear(f"{p}.mlp.{proj}", getattr(layer.mlp, proj))
+    if model.lm_head is not None:
+        linear("lm_head", model.lm_head)
+    return out
+
+
+def _safetensors_files(path: pathlib.Path) -> dict[pathlib.Path, list[str] | None]:
+    """The checkpoint's files, each with the tensor names the index assigns it (or None)."""
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        files: dict[pathlib.Path, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(path / file, []).append(name)
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{index} names the shard {file.name}, which is missing")
+        return files
+    if single.is_file():
+        return {single: None}
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise CheckpointError(
+            f"{path} holds only pickle checkpoints (*.bin/*.pt); forge_jax reads safetensors "
+            f"only (never pickle). Convert with transformers' save_pretrained(..., "
+            f"safe_serialization=True).")
+    raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_config(path: str | os.PathLike) -> LlamaConfig:
+    """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file)."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    try:
+        return LlamaConfig.from_hf(raw)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{file}: {e}") from None
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> Llama:
+    """Loads a Hugging Face Llama-family checkpoint directory.
+
+    Reads ``config.json`` and ``model.safetensors`` (or the shards named by
+    ``model.safetensors.index.json``) with the safetensors library; pickle files are
+    never opened. Tensors of any float dtype (bfloat16 included) are cast to
+    ``param_dtype``. With ``tie_word_embeddings`` the output head reuses
+    ``model.embed_tokens.weight`` (an ``lm_head.weight`` in the file is then ignored,
+    as transformers does).
+
+    Args:
+      path: the checkpoint directory.
+      dtype: compute dtype of the model.
+      param_dtype: storage dtype of the weights; defaults to ``dtype``.
+
+    Returns:
+      A :class:`Llama` holding the checkpoint's weights.
+
+    Raises:
+      CheckpointError (a ValueError): unreadable or unsupported config, missing
+        files, or a missing, mis-shaped or unexpected tensor (named in the message).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = pathlib.Path(path)
+    config = load_config(path)
+    param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                         param_dtype=param_dtype))
+    expected = _hf_parameters(model)
+    loaded: set[str] = set()
+    for file, names in _safetensors_files(path).items():
+        try:
+            handle = safe_open(file, framework="numpy")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {file}: {e}") from None
+        with handle as f:
+            keys = set(f.keys())
+            if names is not None and set(names) - keys:
+                raise CheckpointError(f"{file.name} lacks tensors its index assigns to it: "
+                                      f"{sorted(set(names) - keys)[:5]}")
+            for name in sorted(keys):
+                if name.endswith(_IGNORED_SUFFIXES) or (
+                        name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(
+                        f"unexpected tensor {name!r} in {file.name}: not a parameter of a "
+                        f"Llama with this config.json")
+                param, hf_shape, convert = expected[name]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(hf_shape):
+                    raise CheckpointError(f"tensor {name!r} in {file.name} has shape {shape}, "
+                                          f"expected {tuple(hf_shape)} from config.json")
+                array = f.get_tensor(name)
+                if not np.issubdtype(array.dtype, np.floating) and array.dtype != jnp.bfloat16:
+                    raise CheckpointError(
+                        f"tensor {name!r} in {file.name} has dtype {array.dtype}, expected float")
+                param.value = jnp.asarray(convert(array).astype(param_dtype))
+                loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:5]}{more}")
+    return model
+
+
+# --------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings and sizes of one :func:`generate_with_stats` call.
+
+    Attributes:
+      batch: the number of prompts.
+      padded_batch, prompt_bucket, cache_len: the bucketed shapes the steps ran with
+        (batch padded to a power of two, prompts padded to a power of two >= 8, cache
+        length per sequence).
+      cache: "paged" or "contiguous".
+      prompt_tokens: prompt tokens summed over the batch (padding excluded).
+      new_tokens: tokens returned, summed over the batch.
+      decode_tokens: tokens produced by decode steps (the first new token of each
+        prompt comes from the prefill).
+      decode_steps: decode steps run.
+      compile_seconds: tracing and compiling both steps (about 0 when cached).
+      prefill_seconds: the prefill step, compilation excluded.
+      decode_seconds: all decode steps, compilation excluded.
+    """
+
+    batch: int
+    padded_batch: int
+    prompt_bucket: int
+    cache_len: int
+    cache: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    compile_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens processed per second by the prefill."""
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens generated per second by the decode steps (all sequences together)."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
+def _prefill_step(state, cache, tokens, lengths, key, *, graphdef, sampling):
+    """Prefill of right-padded prompts ``tokens`` [batch, t] with ``lengths`` [batch];
+    returns the first new token of each prompt (int32 [batch]) and the cache."""
+    model = nnx.merge(graphdef, state)
+    batch, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+    valid = positions < lengths[:, None]
+    logits, cache = model.forward_cached(tokens, positions, valid, cache,
+                                         logits_at=jnp.maximum(lengths - 1, 0))
+    return sampling_lib.sample(logits, jax.random.fold_in(key, 0), sampling), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
+def _decode_step(state, cache, tokens, active, key, step, *, graphdef, sampling):
+    """One token per sequence: ``tokens`` [batch] at position ``cache.lengths``; rows with
+    ``active`` False (batch padding) are not written. Returns (next tokens, cache)."""
+    model = nnx.merge(graphdef, state)
+    positions = cache.lengths[:, None]  # [batch, 1]
+    logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
+                                         logits_at=jnp.zeros_like(cache.lengths))
+    return sampling_lib.sample(logits, jax.random.fold_in(key, step), sampling), cache
+
+
+def _check_prompts(prompts, vocab_size) -> list[list[int]]:
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of lists of token ids, got "
+                         f"{prompts!r:.80}")
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0 or not (np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"prompts[{i}] must be a non-empty list of ints, got {prompt!r:.80}")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): "
+                             f"min {ids.min()}, max {ids.max()}")
+        out.append([int(x) for x in ids])
+    return out
+
+
+def _eos_set(eos_token_id) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int | np.integer) and not isinstance(eos_token_id, bool):
+        return frozenset([int(eos_token_id)])
+    if isinstance(eos_token_id, Sequence | set | frozenset) and all(
+            isinstance(e, int | np.integer) and not isinstance(e, bool) for e in eos_token_id):
+        return frozenset(int(e) for e in eos_token_id)
+    raise TypeError(f"eos_token_id must be an int, a collection of ints or None, got "
+                    f"{eos_token_id!r}")
+
+
+def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                        temperature: float = 0.0, top_k: int | None = None,
+                        top_p: float | None = None, seed: int = 0, cache: str = "paged",
+                        page_size: int = 16, eos_token_id: int | Sequence[int] | None = None,
+                        cache_dtype=None, progress: Callable[[int, int], None] | None = None
+                        ) -> tuple[list[list[int]], GenerationStats]:
+    """:func:`generate`, also returning a :class:`GenerationStats` with the timings.
+
+    ``progress``, when given, is called on the host as ``progress(done, total)`` after
+    the prefill and after each decode step (``done`` new tokens per sequence so far,
+    ``total = max_new_tokens``), e.g. to drive a progress bar.
+    """
+    config = model.config
+    prompts = _check_prompts(prompts, config.vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    if cache not in ("paged", "contiguous"):
+        raise ValueError(f"cache must be 'paged' or 'contiguous', got {cache=!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size=!r}")
+    sampling = sampling_lib.SamplingParams(float(temperature), top_k,
+                                           None if top_p is None else float(top_p))
+    eos = _eos_set(eos_token_id)
+    cache_dtype = model.dtype if cache_dtype is None else jnp.dtype(cache_dtype)
+
+    batch = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    padded_batch = _next_pow2(batch)
+    prompt_bucket = max(8, _next_pow2(int(lengths.max())))
+    cache_len = _next_pow2(prompt_bucket + max_new_tokens)
+    max_pages = -(-cache_len // page_size)
+    if cache == "paged":
+        cache_len = max_pages * page_size
+    stats = GenerationStats(batch=batch, padded_batch=padded_batch, prompt_bucket=prompt_bucket,
+                            cache_len=cache_len, cache=cache, prompt_tokens=int(lengths.sum()))
+    if max_new_tokens == 0:
+        return [[] for _ in prompts], stats
+
+    # Inputs, padded to the bucketed shapes: prompts right-padded with token 0 (never
+    # written to the cache), extra batch rows with length 0 (never written either).
+    tokens = np.zeros((padded_batch, prompt_bucket), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    padded_lengths = np.zeros((padded_batch,), np.int32)
+    padded_lengths[:batch] = lengths
+    active = np.arange(padded_batch) < batch
+
+    kv_dim = config.num_key_value_heads * config.head_dim
+    if cache == "paged":
+        pages_per_seq = [-(-(int(n) + max_new_tokens) // page_size) for n in lengths]
+        num_pages = min(_next_pow2(sum(pages_per_seq)), padded_batch * max_pages)
+        cache_bytes = 2 * config.num_hidden_layers * num_pages * page_size * kv_dim
+    else:
+        cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
+    cache_bytes *= jnp.dtype(cache_dtype).itemsize
+    need = fj_memory.estimate_inference_memory(
+        config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
+        param_dtype=model.param_dtype, dtype=model.dtype, cache_dtype=cache_dtype)
+    fj_memory.check_fits(cache_bytes + need.activations,
+                         what=f"a {cache} KV cache for {padded_batch} x {cache_len} tokens "
+                              f"plus activations")
+
+    if cache == "paged":
+        manager = BlockManager(num_pages, page_size)
+        for b in range(batch):
+            manager.allocate(b, int(lengths[b]) + max_new_tokens)
+        block_tables = np.zeros((padded_batch, max_pages), np.int32)
+        block_tables[:batch] = manager.block_tables(list(range(batch)), max_pages)
+        kv = PagedKVCache.create(num_layers=config.num_hidden_layers, num_pages=num_pages,
+                                 page_size=page_size, kv_heads=config.num_key_value_heads,
+                                 head_dim=config.head_dim, dtype=cache_dtype,
+                                 block_tables=block_tables)
+    else:
+        kv = ContiguousKVCache.create(num_layers=config.num_hidden_layers, batch=padded_batch,
+                                      max_len=cache_len, kv_heads=config.num_key_value_heads,
+                                      head_dim=config.head_dim, dtype=cache_dtype)
+
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(seed)
+    tokens, padded_lengths, active = (jnp.asarray(tokens), jnp.asarray(padded_lengths),
+                                      jnp.asarray(active))
+    step0 = jnp.asarray(1, jnp.int32)
+    statics = dict(graphdef=graphdef, sampling=sampling)
+    # Compile ahead of time (cached by jit after the first call) so that the timings
+    # below measure the steps alone.
+    start = time.perf_counter()
+    prefill = _prefill_step.lower(state, kv, tokens, padded_lengths, key, **statics).compile()
+    decode = None
+    if max_new_tokens > 1:
+        decode = _decode_step.lower(state, kv, tokens[:, 0], active, key, step0,
+                                    **statics).compile()
+    stats.compile_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    next_tokens, kv = prefill(state, kv, tokens, padded_lengths, key)
+    next_tokens.block_until_ready()
+    stats.prefill_seconds = time.perf_counter() - start
+    if progress is not None:
+        progress(1, max_new_tokens)
+
+    outputs = [next_tokens]
+    host = np.asarray(next_tokens)[:batch]
+    done = np.zeros((batch,), bool)
+    if eos:
+        done |= np.isin(host, list(eos))
+    start = time.perf_counter()
+    for step in range(1, max_new_tokens):
+        if done.all():
+            break
+        next_tokens, kv = decode(state, kv, next_tokens, active, key,
+                                 jnp.asarray(step, jnp.int32))
+        outputs.append(next_tokens)
+        stats.decode_steps += 1
+        stats.decode_tokens += int((~done).sum())
+        if eos:  # Reading the tokens back syncs the host; only needed to stop early.
+            done |= np.isin(np.asarray(next_tokens)[:batch], list(eos))
+        if progress is not None:
+            progress(step + 1, max_new_tokens)
+    jax.block_until_ready(outputs)
+    stats.decode_seconds = time.perf_counter() - start if stats.decode_steps else 0.0
+
+    generated = np.stack([np.asarray(t) for t in outputs], axis=1)[:batch]  # [batch, steps]
+    results = []
+    for row in generated:
+        row = [int(t) for t in row]
+        for i, t in enumerate(row):
+            if t in eos:
+                row = row[:i + 1]
+                break
+        results.append(row)
+    stats.new_tokens = sum(len(r) for r in results)
+    return results, stats
+
+
+def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int = 0, cache: str = "paged", page_size: int = 16,
+             eos_token_id: int | Sequence[int] | None = None) -> list[list[int]]:
+    """Generates continuations of a batch of prompts of different lengths.
+
+    Runs one jitted prefill over the right-padded prompts, then jitted decode steps of
+    one token per sequence, each with the KV cache donated (updated in place). The
+    model is split with ``nnx.split`` outside the steps and merged inside, so the
+    weights are arguments of the compiled steps, not constants. Shapes are bucketed
+    (batch to a power of two, prompt length to a power of two >= 8, cache length to a
+    power of two) so that a later call with similar shapes reuses the compiled steps.
+
+    Args:
+      model: a :class:`Llama`.
+      prompts: a list of token-id lists (each non-empty, ids in ``[0, vocab_size)``).
+      max_new_tokens: tokens to generate per prompt (>= 0).
+      temperature: 0 for greedy decoding; otherwise sampling from
+        ``softmax(logits / temperature)`` after the top-k / top-p filters.
+      top_k: keep the ``top_k`` most likely tokens (None: all).
+      top_p: nucleus sampling with Hugging Face's semantics (None: off).
+      seed: seed of the ``jax.random`` key used for sampling.
+      cache: ``"paged"`` (pages allocated with ``forge_jax.kv_cache.BlockManager`` for
+        prompt + ``max_new_tokens`` up front) or ``"contiguous"``. Both give the same
+        greedy tokens.
+      page_size: tokens per page of the paged cache.
+      eos_token_id: an id or a collection of ids; a sequence stops after generating one
+        of them, and the eos token *is included* in its output (as transformers'
+        ``generate`` returns it). None: always ``max_new_tokens`` tokens. (The model's
+        ``config.eos_token_ids`` are not applied unless passed here.)
+
+    Returns:
+      For each prompt, the list of new token ids (the prompt not included).
+
+    Raises:
+      ValueError: bad prompts or arguments.
+      forge_jax.memory.InsufficientMemoryError: the KV cache and activations would not fit
+        in the device's free memory.
+
+    See :func:`generate_with_stats` for the same call with timings (prefill and decode
+    tokens/s) and a progress callback.
+    """
+    return generate_with_stats(model, prompts, max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed, cache=cache,
+                               page_size=page_size, eos_token_id=eos_token_id)[0]

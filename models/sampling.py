@@ -1,0 +1,86 @@
+"""Token sampling on device: greedy, temperature, top-k and top-p (nucleus).
+
+The filters follow Hugging Face transformers' logits warpers and their order in
+``generate``: divide by the temperature, then keep the top-k logits (ties with the
+k-th value kept), then keep the smallest set of most probable tokens whose
+probability reaches ``top_p`` (a token is dropped when the cumulative probability
+of the tokens less probable than or as probable as it, in ascending order, is at
+most ``1 - top_p``; the most probable token is always kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token; hashable, so it can be a static jit argument.
+
+    Attributes:
+      temperature: 0 for greedy (argmax); otherwise the logits are divided by it.
+      top_k: keep only the k largest logits (None: all).
+      top_p: nucleus threshold in (0, 1] (None or 1.0: no filtering).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) \
+                or not self.temperature >= 0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(
+                self.top_k, int) or self.top_k <= 0):
+            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(
+                self.top_p, int | float) or not 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature, top-k and top-p applied to float32 logits ``[batch, vocab]``.
+
+    Returns float32 ``[batch, vocab]`` with the filtered-out entries at ``-inf``.
+    """
+    logits = logits.astype(jnp.float32) / jnp.float32(params.temperature)
+    vocab = logits.shape[-1]
+    if params.top_k is not None and params.top_k < vocab:
+        kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]  # [batch, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if params.top_p is not None and params.top_p < 1.0:
+        order = jnp.argsort(logits, axis=-1)  # ascending, [batch, vocab]
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        drop_sorted = cumulative <= jnp.float32(1.0 - params.top_p)
+        drop_sorted = drop_sorted.at[..., -1].set(False)  # always keep the most probable
+        drop = jnp.zeros_like(drop_sorted).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return logits
+
+
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
+    """Picks one token per row.
+
+    Args:
+      logits: float ``[batch, vocab]``.
+      key: a ``jax.random`` key (unused when greedy).
+      params: the :class:`SamplingParams`.
+
+    Returns:
+      int32 ``[batch]``: the argmax when ``params.temperature == 0`` (the first index
+      on ties, as ``torch.argmax``), else a draw from the filtered distribution.
+    """
+    if params.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits, params)
+    return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
