@@ -558,7 +558,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                 if not np.issubdtype(array.dtype, np.floating) and array.dtype != jnp.bfloat16:
                     raise CheckpointError(
                         f"tensor {name!r} in {file.name} has dtype {array.dtype}, expected float")
-                param.value = jnp.asarray(convert(array).astype(param_dtype))
+                param.set_value(jnp.asarray(convert(array).astype(param_dtype)))
                 loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if missing:
@@ -726,8 +726,9 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
 
     kv_dim = config.num_key_value_heads * config.head_dim
     if cache == "paged":
-        pages_per_seq = [-(-(int(n) + max_new_tokens) // page_size) for n in lengths]
-        num_pages = min(_next_pow2(sum(pages_per_seq)), padded_batch * max_pages)
+        # The pool depends on the bucketed shapes only (so other prompt lengths in the same
+        # buckets reuse the compiled steps): room for every row at full length.
+        num_pages = padded_batch * max_pages
         cache_bytes = 2 * config.num_hidden_layers * num_pages * page_size * kv_dim
     else:
         cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
