@@ -1,0 +1,240 @@
+"""Independent float64 NumPy references for the forge_jax ops.
+
+Written from the op specifications (the Foundation issue, Hugging Face transformers'
+RoPE definitions), not from forge_jax's code: nothing here imports forge_jax or JAX.
+Every function takes NumPy (or JAX) arrays of any float dtype, upcasts them to
+float64 and returns float64, so tests compare an op's output against the exact
+result for the inputs the op actually received (round inputs to the op's dtype
+first, see :func:`round_to`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+import numpy as np
+
+
+def f64(x) -> np.ndarray:
+    """``x`` as a float64 NumPy array (works for bfloat16 JAX arrays too)."""
+    return np.asarray(x).astype(np.float64)
+
+
+def round_to(x, dtype) -> np.ndarray:
+    """``x`` rounded to ``dtype`` (e.g. bfloat16) and returned as float64."""
+    return np.asarray(x, np.float64).astype(np.dtype(dtype)).astype(np.float64)
+
+
+# --- matmul -------------------------------------------------------------------------------
+
+
+def matmul_ref(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None):
+    """``alpha * op(a) @ op(b) + beta * c`` with broadcasting batch dimensions."""
+    a, b = f64(a), f64(b)
+    if trans_a:
+        a = np.swapaxes(a, -1, -2)
+    if trans_b:
+        b = np.swapaxes(b, -1, -2)
+    # Explicit sum over K instead of np.matmul, so that the reference does not share a
+    # BLAS code path with anything: out[..., m, n] = sum_k a[..., m, k] * b[..., k, n].
+    out = (a[..., :, :, None] * b[..., None, :, :]).sum(axis=-2)
+    out = float(alpha) * out
+    if c is not None:
+        out = out + float(beta) * f64(c)
+    return out
+
+
+# --- norms and activations ----------------------------------------------------------------
+
+
+def rms_norm_ref(x, weight, *, eps=1e-6, residual=None, h_dtype=None):
+    """RMSNorm of ``h = x (+ residual)``.
+
+    Args:
+      h_dtype: if given, ``h`` is rounded to this dtype before it is normalised (the
+        documented semantics of the fused add-and-norm: the residual stream is stored
+        in ``x.dtype`` and exactly that is normalised).
+
+    Returns:
+      ``y`` when ``residual`` is None, else ``(y, h)`` with ``h`` unrounded.
+    """
+    x, w = f64(x), f64(weight)
+    h = x if residual is None else x + f64(residual)
+    hn = round_to(h, h_dtype) if h_dtype is not None else h
+    y = w * hn / np.sqrt(np.mean(hn**2, axis=-1, keepdims=True) + eps)
+    return y if residual is None else (y, h)
+
+
+def sigmoid_ref(x):
+    x = f64(x)
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # Overflow-free form of 1 / (1 + exp(-x)).
+
+
+def silu_mul_ref(gate, up):
+    g = f64(gate)
+    return g * sigmoid_ref(g) * f64(up)
+
+
+def softmax_ref(x, *, axis=-1, where=None):
+    """Masked softmax; ``-inf`` entries count as masked; a row with nothing valid -> zeros."""
+    x = f64(x)
+    valid = np.isfinite(x) | (x == np.inf)
+    if where is not None:
+        valid = valid & np.broadcast_to(np.asarray(where, bool), x.shape)
+    x = np.moveaxis(x, axis, -1)
+    valid = np.moveaxis(valid, axis, -1)
+    out = np.zeros_like(x)
+    for idx in np.ndindex(*x.shape[:-1]):
+        row, ok = x[idx], valid[idx]
+        if not ok.any():
+            continue
+        e = np.exp(row[ok] - row[ok].max())
+        out[idx][ok] = e / e.sum()
+    return np.moveaxis(out, -1, axis)
+
+
+# --- RoPE ---------------------------------------------------------------------------------
+
+
+def rope_inv_freq_ref(head_dim, *, theta=10000.0, scaling=None):
+    """The RoPE inverse frequencies as Hugging Face transformers defines them.
+
+    ``inv_freq[i] = 1 / theta ** (2i / head_dim)``; ``scaling`` is None or an object with
+    ``kind``, ``factor`` and (llama3) ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings`` attributes:
+
+    * linear (``_compute_linear_scaling_rope_parameters``): ``inv_freq / factor``;
+    * llama3 (``_compute_llama3_parameters``): wavelengths ``2 pi / f`` shorter than
+      ``old / high_freq_factor`` keep ``f``, longer than ``old / low_freq_factor`` get
+      ``f / factor``, and in between ``(1 - s) f / factor + s f`` with
+      ``s = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+
+    HF keeps the table in float32, so the result is rounded to float32 (returned as
+    float64).
+    """
+    freqs = []
+    for i in range(head_dim // 2):
+        f = 1.0 / theta ** (2 * i / head_dim)
+        if scaling is not None and scaling.kind == "linear":
+            f = f / scaling.factor
+        elif scaling is not None and scaling.kind == "llama3":
+            old = scaling.original_max_position_embeddings
+            low, high = scaling.low_freq_factor, scaling.high_freq_factor
+            wavelen = 2 * math.pi / f
+            if wavelen < old / high:
+                pass
+            elif wavelen > old / low:
+                f = f / scaling.factor
+            else:
+                s = (old / wavelen - low) / (high - low)
+                f = (1 - s) * f / scaling.factor + s * f
+        elif scaling is not None:
+            raise ValueError(f"unknown scaling kind {scaling.kind!r}")
+        freqs.append(f)
+    return round_to(np.array(freqs), np.float32)
+
+
+def rope_angles_ref(positions, head_dim, *, theta=10000.0, scaling=None):
+    """``positions * inv_freq``, ``[..., head_dim // 2]``.
+
+    The angle is the float32 product (what HF computes, and what the op documents:
+    float32 angles); the product of two float32 numbers is exact in float64, so
+    rounding it once to float32 gives exactly the float32 product.
+    """
+    pos = round_to(np.asarray(positions), np.float32)
+    inv = rope_inv_freq_ref(head_dim, theta=theta, scaling=scaling)
+    return round_to(pos[..., None] * inv, np.float32)
+
+
+def rope_cos_sin_ref(positions, head_dim, *, theta=10000.0, scaling=None):
+    angles = rope_angles_ref(positions, head_dim, theta=theta, scaling=scaling)
+    return np.cos(angles), np.sin(angles)
+
+
+def rope_ref(x, positions, *, theta=10000.0, scaling=None, interleaved=False):
+    """RoPE on ``x [batch, seq, heads, head_dim]`` at ``positions [batch, seq]``.
+
+    ``interleaved=False``: HF ``x * cos + rotate_half(x) * sin`` with ``cos``/``sin``
+    tables of the frequencies repeated twice (``cat((freqs, freqs))``) and
+    ``rotate_half(x) = cat(-x2, x1)``. ``interleaved=True``: the pair
+    ``(x[2i], x[2i+1])`` is the complex number ``x[2i] + i x[2i+1]`` multiplied by
+    ``exp(i angle_i)`` (the original Meta code).
+    """
+    x = f64(x)
+    head_dim = x.shape[-1]
+    angles = rope_angles_ref(positions, head_dim, theta=theta, scaling=scaling)[:, :, None, :]
+    if interleaved:
+        z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * angles)
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = z.real, z.imag
+        return out
+    emb = np.concatenate([angles, angles], axis=-1)
+    half = head_dim // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * np.cos(emb) + rotated * np.sin(emb)
+
+
+# --- attention and embedding --------------------------------------------------------------
+
+
+def attention_mask_ref(batch, q_len, kv_len, *, causal=True, q_positions=None,
+                       kv_lengths=None, sliding_window=None):
+    """Boolean ``[batch, q_len, kv_len]``: key ``j`` visible to the query at position ``p``
+    iff ``(not causal or j <= p) and j < kv_lengths[b] and j > p - sliding_window``."""
+    if q_positions is None:
+        q_positions = np.broadcast_to(kv_len - q_len + np.arange(q_len), (batch, q_len))
+    q_positions = np.asarray(q_positions, np.int64)
+    mask = np.zeros((batch, q_len, kv_len), bool)
+    for b in range(batch):
+        for t in range(q_len):
+            p = int(q_positions[b, t])
+            for j in range(kv_len):
+                ok = (not causal) or j <= p
+                if kv_lengths is not None:
+                    ok = ok and j < int(np.asarray(kv_lengths)[b])
+                if sliding_window is not None:
+                    ok = ok and j > p - sliding_window
+                mask[b, t, j] = ok
+    return mask
+
+
+def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
+                  sliding_window=None, logits_soft_cap=None):
+    """Scaled dot-product attention, float64.
+
+    Args:
+      q: ``[batch, q_len, q_heads, head_dim]``.
+      k, v: ``[batch, kv_len, kv_heads, head_dim]`` with ``q_heads % kv_heads == 0``;
+        query head ``h`` reads kv head ``h // (q_heads // kv_heads)``.
+      scale: logit scale, default ``1 / sqrt(head_dim)``.
+      causal, q_positions, kv_lengths, sliding_window: the visibility rule of
+        :func:`attention_mask_ref`; positions default to bottom-right alignment
+        ``kv_len - q_len + t``.
+      logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax.
+
+    Returns:
+      float64 ``[batch, q_len, q_heads, head_dim]``; a query that sees no key gives zeros.
+    """
+    q, k, v = f64(q), f64(k), f64(v)
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    assert q_heads % kv_heads == 0, (q.shape, k.shape)
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    mask = attention_mask_ref(batch, q_len, kv_len, causal=causal, q_positions=q_positions,
+                              kv_lengths=kv_lengths, sliding_window=sliding_window)
+    out = np.zeros((batch, q_len, q_heads, v.shape[-1]))
+    for b in range(batch):
+        for h in range(q_heads):
+            kh = h // group
+            logits = scale * (q[b, :, h, :] @ k[b, :, kh, :].T)  # [q_len, kv_len]
+            if logits_soft_cap is not None:
+                logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+            probs = softmax_ref(logits, axis=-1, where=mask[b])
+            out[b, :, h, :] = probs @ v[b, :, kh, :]
+    return out
+
+
+def embedding_ref(table, ids):
+    return f64(table)[np.asarray(ids)]
