@@ -97,6 +97,18 @@ def _float_dtype(dtype: Any) -> jnp.dtype:
     return dtype
 
 
+def _compute_dtype(q_dtype, cache_dtype) -> jnp.dtype:
+    """The dtype attention runs in: q's when the cache matches it, else float32 (or float64).
+
+    Explicit, because strict dtype promotion has no bfloat16/float16 -> float32 path.
+    """
+    if jnp.dtype(q_dtype) == jnp.dtype(cache_dtype):
+        return jnp.dtype(q_dtype)
+    if jnp.dtype(jnp.float64) in (jnp.dtype(q_dtype), jnp.dtype(cache_dtype)):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
 def _replace_layer(arrays: tuple, layer: int, new: jax.Array) -> tuple:
     return arrays[:layer] + (new,) + arrays[layer + 1:]
 
@@ -179,6 +191,7 @@ class ContiguousKVCache:
         layer = _layer_index(layer, self.num_layers)
         _check_write(k, v, positions, valid, batch=self.batch, kv_heads=self.kv_heads,
                      head_dim=self.head_dim)
+        k, v, positions, valid = map(jnp.asarray, (k, v, positions, valid))
         positions = positions.astype(jnp.int32)
         # Skipped tokens go out of bounds and are dropped (.at[] would wrap negatives).
         keep = valid & (positions >= 0)
@@ -186,8 +199,10 @@ class ContiguousKVCache:
         rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None],
                                 positions.shape)
         with jax.named_scope("kv_cache_write"):
-            new_k = self.k[layer].at[rows, positions].set(k.astype(self.dtype), mode="drop")
-            new_v = self.v[layer].at[rows, positions].set(v.astype(self.dtype), mode="drop")
+            new_k = jnp.asarray(self.k[layer]).at[rows, positions].set(
+                k.astype(self.dtype), mode="drop")
+            new_v = jnp.asarray(self.v[layer]).at[rows, positions].set(
+                v.astype(self.dtype), mode="drop")
         return dataclasses.replace(self, k=_replace_layer(self.k, layer, new_k),
                                    v=_replace_layer(self.v, layer, new_v))
 
@@ -214,7 +229,7 @@ class ContiguousKVCache:
         layer = _layer_index(layer, self.num_layers)
         _checks.array("q", q, ndim=4)
         k, v = self.k[layer], self.v[layer]
-        compute = jnp.promote_types(q.dtype, self.dtype)
+        compute = _compute_dtype(q.dtype, self.dtype)
         out = attention(q.astype(compute), k.astype(compute), v.astype(compute), scale=scale,
                         q_positions=q_positions, kv_lengths=kv_lengths,
                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
@@ -310,10 +325,10 @@ class PagedKVCache:
         A token is skipped when ``valid`` is False, its position is negative, or it lies
         beyond the block table (``position >= max_pages * page_size``).
         """
-        positions = positions.astype(jnp.int32)
+        positions = jnp.asarray(positions, jnp.int32)
         index = positions // self.page_size  # [batch, t] index into the block table
         keep = valid & (positions >= 0) & (index < self.max_pages)
-        page = jnp.take_along_axis(self.block_tables.astype(jnp.int32),
+        page = jnp.take_along_axis(jnp.asarray(self.block_tables, jnp.int32),
                                    jnp.clip(index, 0, self.max_pages - 1), axis=1)
         return jnp.where(keep, page * self.page_size + positions % self.page_size, -1)
 

@@ -106,6 +106,7 @@ def _scatter_tokens(pages, x, slots):
 @dispatch.register("paged_write", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="scatter into the flattened pool, mode='drop'")
 def paged_write_xla(k_pages, v_pages, k, v, slots):
+    k_pages, v_pages, k, v, slots = map(jnp.asarray, (k_pages, v_pages, k, v, slots))
     with jax.named_scope("paged_write"):
         return _scatter_tokens(k_pages, k, slots), _scatter_tokens(v_pages, v, slots)
 
@@ -147,6 +148,7 @@ dispatch.define("paged_gather", _paged_gather_args)
 
 def gather_pages(pages, block_tables, lengths):
     """The XLA gather: ``[batch, max_pages * page_size, kv_heads, head_dim]``, zero past lengths."""
+    pages, block_tables, lengths = map(jnp.asarray, (pages, block_tables, lengths))
     kv_heads, num_pages, page_size, head_dim = pages.shape
     batch, max_pages = block_tables.shape
     lengths = lengths.astype(jnp.int32)
@@ -254,6 +256,7 @@ dispatch.define("paged_attention", _paged_attention_args)
                    description="gather the named pages, then dense masked attention")
 def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positions,
                         sliding_window, logits_soft_cap):
+    q, lengths = jnp.asarray(q), jnp.asarray(lengths)
     decode = q.ndim == 3
     if decode:
         q = q[:, None]
@@ -261,6 +264,7 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_
     lengths = lengths.astype(jnp.int32)
     if q_positions is None:
         q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    q_positions = jnp.asarray(q_positions)
     with jax.named_scope("paged_attention"):
         # Only the pages the block tables name: [batch, max_pages * page_size, kv_heads, head_dim].
         k = gather_pages(k_pages, block_tables, lengths)
@@ -316,6 +320,7 @@ def _copy(pages, src, dst):
 @dispatch.register("copy_pages", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="gather the source pages, scatter to the destinations")
 def copy_pages_xla(k_pages, v_pages, copies):
+    k_pages, v_pages, copies = map(jnp.asarray, (k_pages, v_pages, copies))
     num_pages = k_pages.shape[1]
     copies = copies.astype(jnp.int32)
     src, dst = copies[:, 0], copies[:, 1]

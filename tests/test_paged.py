@@ -1,0 +1,408 @@
+"""Paged KV-cache ops: paged_write, paged_gather, paged_attention, copy_pages.
+
+Every pool is filled with garbage (large random values) wherever no sequence token
+lives (the tail of each last page, spare pages) and unused block-table entries hold
+huge random integers: none of it may reach a result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import forge_jax as fj
+from forge_jax import tolerances
+
+GARBAGE = 3e3
+
+
+# --- an independent float64 reference -----------------------------------------------------
+
+
+def attention_np(q, k, v, lengths, *, positions=None, scale=None, window=None, cap=None):
+    """float64 attention of ``q [b, t, hq, d]`` over dense ``k, v [b, s, hk, d]``.
+
+    Query ``t`` of sequence ``b`` at position ``p`` (default ``lengths[b] - t_len + t``)
+    sees key ``j`` iff ``j <= p``, ``j < lengths[b]`` and ``j > p - window``.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, t_len, q_heads, head_dim = q.shape
+    group = q_heads // k.shape[2]
+    lengths = np.asarray(lengths)
+    if positions is None:
+        positions = lengths[:, None] - t_len + np.arange(t_len)[None, :]
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        for h in range(q_heads):
+            for t in range(t_len):
+                p = int(positions[b, t])
+                j = np.arange(k.shape[1])
+                seen = (j <= p) & (j < lengths[b])
+                if window is not None:
+                    seen &= j > p - window
+                if not seen.any():
+                    continue
+                logits = scale * (k[b, seen, h // group] @ q[b, t, h])
+                if cap is not None:
+                    logits = cap * np.tanh(logits / cap)
+                w = np.exp(logits - logits.max())
+                out[b, t, h] = (w / w.sum()) @ v[b, seen, h // group]
+    return out
+
+
+def _f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def _close(out, ref, dtype, factor=1.0):
+    out = _f64(out)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.isfinite(out).all()
+    assert np.abs(ref).max() > 0
+    tol = tolerances.scaled(tolerances.tolerance(dtype), factor)
+    np.testing.assert_allclose(out, ref, **tol.as_kwargs())
+
+
+# --- random paged caches ------------------------------------------------------------------
+
+
+def make_paged(rng, lengths, *, page_size, kv_heads, head_dim, dtype, spare_pages=3,
+               spare_entries=1):
+    """Random sequences scattered over randomly permuted pages of a garbage-filled pool.
+
+    Returns (k_pages, v_pages, block_tables, dense_k, dense_v) with dense_* the float64
+    ``[batch, max_pages * page_size, kv_heads, head_dim]`` ground truth (zero past the
+    lengths), exactly as rounded to ``dtype``.
+    """
+    lengths = np.asarray(lengths)
+    batch = len(lengths)
+    pages_per_seq = [-(-int(n) // page_size) for n in lengths]
+    max_pages = max(pages_per_seq) + spare_entries
+    num_pages = sum(pages_per_seq) + spare_pages
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    garbage = lambda: rng.choice([-1, 1], shape) * rng.uniform(GARBAGE, 2 * GARBAGE, shape)
+    k_pages, v_pages = garbage(), garbage()
+    # Unused entries: huge values of either sign (a wrapped negative index would read a page).
+    tables = rng.integers(-2**30, 2**30, (batch, max_pages))
+    dense_k = np.zeros((batch, max_pages * page_size, kv_heads, head_dim))
+    dense_v = np.zeros_like(dense_k)
+    order = rng.permutation(num_pages)
+    cursor = 0
+    for b, n in enumerate(lengths):
+        for i in range(pages_per_seq[b]):
+            tables[b, i] = order[cursor]
+            cursor += 1
+        for pos in range(int(n)):
+            kv = rng.standard_normal((2, kv_heads, head_dim))
+            kv = kv.astype(np.dtype(dtype)).astype(np.float64)
+            dense_k[b, pos], dense_v[b, pos] = kv
+            page, off = tables[b, pos // page_size], pos % page_size
+            k_pages[:, page, off], v_pages[:, page, off] = kv
+    return (jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+            jnp.asarray(tables, jnp.int32), dense_k, dense_v)
+
+
+def _lengths(page_size):
+    # Ragged: a single token, a partly filled last page, an exact number of pages, longer.
+    return np.array([1, 2 * page_size + 3, 4 * page_size, 37])
+
+
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+# jitted once per shape: the masking arguments are static.
+paged_attention = jax.jit(fj.paged_attention, static_argnames=(
+    "scale", "sliding_window", "logits_soft_cap", "implementation"))
+attention = jax.jit(fj.attention, static_argnames=(
+    "scale", "causal", "sliding_window", "logits_soft_cap", "implementation"))
+paged_gather = jax.jit(fj.paged_gather)
+
+
+# --- paged_attention ----------------------------------------------------------------------
+
+
+# Each page size with decode and multi-token queries; MHA/GQA/MQA spread over them.
+@pytest.mark.parametrize("page_size,heads,q_len", [
+    (1, "mha", None), (1, "gqa", 3), (8, "mqa", None), (8, "mha", 3), (16, "gqa", None),
+    (16, "mqa", 3)])
+def test_paged_attention_matches_references(page_size, heads, q_len):
+    rng = np.random.default_rng([page_size, q_len or 0])
+    q_heads, kv_heads = HEADS[heads]
+    head_dim = 16
+    lengths = _lengths(page_size)
+    k_pages, v_pages, tables, dense_k, dense_v = make_paged(
+        rng, lengths, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim,
+        dtype=jnp.float32)
+    batch = len(lengths)
+    q_shape = (batch, q_heads, head_dim) if q_len is None else (batch, q_len, q_heads, head_dim)
+    q = jnp.asarray(rng.standard_normal(q_shape), jnp.float32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    out = paged_attention(q, k_pages, v_pages, tables, lens)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    q4 = q[:, None] if q_len is None else q
+    ref = attention_np(q4, dense_k, dense_v, lengths)
+    ref = ref[:, 0] if q_len is None else ref
+    _close(out, ref, jnp.float32)
+    # Against fj.attention on the gathered dense K/V, same positions.
+    t = q4.shape[1]
+    positions = lens[:, None] - t + jnp.arange(t)[None, :]
+    k = paged_gather(k_pages, tables, lens)
+    v = paged_gather(v_pages, tables, lens)
+    dense = attention(q4, k, v, q_positions=positions, kv_lengths=lens)
+    dense = dense[:, 0] if q_len is None else dense
+    np.testing.assert_allclose(_f64(out), _f64(dense), **tolerances.tolerance(
+        jnp.float32).as_kwargs())
+
+
+@pytest.mark.parametrize("dtype,q_dtype,window,cap", [
+    (jnp.bfloat16, jnp.bfloat16, None, None), (jnp.bfloat16, jnp.float32, 5, None),
+    (jnp.float16, jnp.float16, None, 4.0), (jnp.float32, jnp.float32, 9, 2.5),
+    (jnp.float32, jnp.float32, 1, None), (jnp.bfloat16, jnp.float32, 9, 2.5)])
+def test_paged_attention_dtypes_window_cap(dtype, q_dtype, window, cap):
+    rng = np.random.default_rng(7)
+    page_size, q_heads, kv_heads, head_dim = 8, 6, 2, 32
+    lengths = np.array([21, 3, 8, 16])
+    k_pages, v_pages, tables, dense_k, dense_v = make_paged(
+        rng, lengths, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    q = jnp.asarray(rng.standard_normal((4, 4, q_heads, head_dim)) * 2, q_dtype)
+    out = paged_attention(q, k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32),
+                          sliding_window=window, logits_soft_cap=cap, scale=0.3)
+    assert out.dtype == q.dtype
+    ref = attention_np(_f64(q), dense_k, dense_v, lengths, scale=0.3, window=window, cap=cap)
+    _close(out, ref, q_dtype)
+
+
+def test_paged_attention_explicit_positions_and_decode_forms():
+    """Chunked prefill with explicit (and padded) positions; 3-D q equals its 4-D form."""
+    rng = np.random.default_rng(3)
+    lengths = np.array([12, 30, 5])
+    k_pages, v_pages, tables, dense_k, dense_v = make_paged(
+        rng, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    positions = np.array([[8, 9, 10, 11], [20, 21, 22, 23], [3, 4, -1, -1]], np.int32)
+    q = jnp.asarray(rng.standard_normal((3, 4, 4, 8)), jnp.float32)
+    out = paged_attention(q, k_pages, v_pages, tables, lens, q_positions=positions)
+    ref = attention_np(q, dense_k, dense_v, lengths, positions=positions)
+    _close(out, ref, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out[2, 2:]), 0.0)  # sees no key
+    # Decode: [batch, heads, dim] with [batch] or [batch, 1] positions == the 4-D call.
+    qd = q[:, 0]
+    full = paged_attention(qd[:, None], k_pages, v_pages, tables, lens)
+    for pos in (None, lens - 1, (lens - 1)[:, None]):
+        got = paged_attention(qd, k_pages, v_pages, tables, lens, q_positions=pos)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, 0]), atol=1e-6)
+
+
+def test_paged_attention_empty_sequence_gives_zeros():
+    rng = np.random.default_rng(4)
+    k_pages, v_pages, tables, _, _ = make_paged(
+        rng, [5, 1], page_size=4, kv_heads=1, head_dim=8, dtype=jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 2, 8)), jnp.float32)
+    out = paged_attention(q, k_pages, v_pages, tables, jnp.asarray([5, 0], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+    assert np.abs(np.asarray(out[0])).max() > 0
+
+
+def test_paged_attention_reads_only_the_named_pages():
+    """The XLA implementation's scratch scales with the block tables, not with the pool."""
+    kv_heads, num_pages, page_size, head_dim = 2, 4096, 16, 64
+    pool = jax.ShapeDtypeStruct((kv_heads, num_pages, page_size, head_dim), jnp.float32)
+    q = jax.ShapeDtypeStruct((8, 8, head_dim), jnp.float32)
+    tables = jax.ShapeDtypeStruct((8, 4), jnp.int32)
+    lens = jax.ShapeDtypeStruct((8,), jnp.int32)
+    compiled = jax.jit(fj.paged_attention).lower(q, pool, pool, tables, lens).compile()
+    pool_bytes = kv_heads * num_pages * page_size * head_dim * 4
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < pool_bytes / 20, (temp, pool_bytes)
+
+
+# --- paged_gather -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_paged_gather_exact_and_zero_past_lengths(page_size):
+    rng = np.random.default_rng(page_size)
+    lengths = _lengths(page_size)
+    k_pages, _, tables, dense_k, _ = make_paged(
+        rng, lengths, page_size=page_size, kv_heads=3, head_dim=8, dtype=jnp.bfloat16)
+    out = paged_gather(k_pages, tables, jnp.asarray(lengths, jnp.int32))
+    assert out.shape == dense_k.shape and out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_f64(out), dense_k)  # zeros past each length included
+
+
+# --- paged_write --------------------------------------------------------------------------
+
+
+def _pool(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape) * GARBAGE, dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_paged_write_exact_placement_and_padding(page_size):
+    rng = np.random.default_rng(11)
+    kv_heads, num_pages, head_dim, tokens = 2, 12, 4, 9
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    k_pages, v_pages = _pool(rng, shape, jnp.bfloat16), _pool(rng, shape, jnp.bfloat16)
+    capacity = num_pages * page_size
+    slots = rng.permutation(capacity)[:tokens].astype(np.int32)
+    slots[[1, 4]] = -1  # padding
+    slots[6] = -capacity  # would wrap around to slot 0 if negatives were not masked
+    if capacity > tokens:
+        slots[7] = capacity + 3  # out of range: skipped too
+    k = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), jnp.float32)
+    new_k, new_v = jax.jit(fj.paged_write)(k_pages, v_pages, k, v, jnp.asarray(slots))
+    assert new_k.dtype == jnp.bfloat16 and new_k.shape == shape
+    for pages, new, x in ((k_pages, new_k, k), (v_pages, new_v, v)):
+        want = np.asarray(pages).astype(np.float32).reshape(kv_heads, capacity, head_dim)
+        for t, s in enumerate(slots):
+            if 0 <= s < capacity:
+                want[:, s] = np.asarray(x[t].astype(jnp.bfloat16)).astype(np.float32)
+        np.testing.assert_array_equal(
+            np.asarray(new).astype(np.float32).reshape(kv_heads, capacity, head_dim), want)
+
+
+def test_paged_write_donated_updates_in_place():
+    rng = np.random.default_rng(12)
+    kv_heads, num_pages, page_size, head_dim = 2, 2048, 16, 32
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    k_pages, v_pages = _pool(rng, shape), _pool(rng, shape)
+    k = jnp.asarray(rng.standard_normal((4, kv_heads, head_dim)), jnp.float32)
+    slots = jnp.asarray([5, -1, 700, 32767], jnp.int32)
+    step = jax.jit(fj.paged_write, donate_argnums=(0, 1))
+    compiled = step.lower(k_pages, v_pages, k, k, slots).compile()
+    pool_bytes = 4 * math.prod(shape)
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes / 100
+    expect = np.asarray(k_pages).reshape(kv_heads, -1, head_dim)[:, 5].copy()
+    new_k, _ = step(k_pages, v_pages, k, k, slots)
+    assert k_pages.is_deleted() and v_pages.is_deleted()
+    flat = np.asarray(new_k).reshape(kv_heads, -1, head_dim)
+    np.testing.assert_array_equal(flat[:, 5], np.asarray(k[0]))
+    np.testing.assert_array_equal(flat[:, 32767], np.asarray(k[3]))
+    assert not np.array_equal(flat[:, 5], expect)
+
+
+# --- copy_pages ---------------------------------------------------------------------------
+
+
+def test_copy_pages_copies_and_skips_padding_rows():
+    rng = np.random.default_rng(13)
+    shape = (2, 8, 4, 8)
+    k_pages, v_pages = _pool(rng, shape), _pool(rng, shape)
+    copies = np.array([[1, 5], [-1, 0], [3, 2], [-1, -1], [1, 7]], np.int32)
+    new_k, new_v = jax.jit(fj.copy_pages, donate_argnums=(0, 1))(
+        jnp.array(k_pages), jnp.array(v_pages), jnp.asarray(copies))
+    for old, new in ((k_pages, new_k), (v_pages, new_v)):
+        want = np.asarray(old).copy()
+        for src, dst in copies:
+            if src >= 0:
+                want[:, dst] = np.asarray(old)[:, src]
+        np.testing.assert_array_equal(np.asarray(new), want)
+    # Sources are read before destinations are written: a swap works.
+    swapped, _ = jax.jit(fj.copy_pages)(k_pages, v_pages, jnp.asarray([[0, 1], [1, 0]], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(swapped[:, 0]), np.asarray(k_pages[:, 1]))
+    np.testing.assert_array_equal(np.asarray(swapped[:, 1]), np.asarray(k_pages[:, 0]))
+
+
+# --- chex variants ------------------------------------------------------------------------
+
+
+class PagedVariantsTest(parameterized.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True, with_device=True, without_device=True)
+    def test_attention_and_write_agree_across_variants(self):
+        rng = np.random.default_rng(21)
+        lengths = np.array([9, 2, 16])
+        k_pages, v_pages, tables, dense_k, dense_v = make_paged(
+            rng, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
+        q = jnp.asarray(rng.standard_normal((3, 2, 4, 8)), jnp.float32)
+        lens = jnp.asarray(lengths, jnp.int32)
+        attend = self.variant(lambda q, k, v, t, n: fj.paged_attention(
+            q, k, v, t, n, sliding_window=6, logits_soft_cap=5.0))
+        out = attend(q, k_pages, v_pages, tables, lens)
+        ref = attention_np(q, dense_k, dense_v, lengths, window=6, cap=5.0)
+        _close(out, ref, jnp.float32)
+        new = jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.float32)
+        slots = jnp.asarray([int(tables[0, 2]) * 4 + 1, -1, int(tables[2, 3]) * 4 + 3],
+                            jnp.int32)
+        write = self.variant(fj.paged_write)
+        nk, nv = write(k_pages, v_pages, new, -new, slots)
+        np.testing.assert_array_equal(np.asarray(nk[:, tables[0, 2], 1]), np.asarray(new[0]))
+        np.testing.assert_array_equal(np.asarray(nv[:, tables[2, 3], 3]), -np.asarray(new[2]))
+        np.testing.assert_array_equal(np.asarray(nk[:, tables[1, 0]]),
+                                      np.asarray(k_pages[:, tables[1, 0]]))
+        gather = self.variant(fj.paged_gather)
+        np.testing.assert_array_equal(_f64(gather(k_pages, tables, lens)), dense_k)
+
+
+# --- dispatch and validation --------------------------------------------------------------
+
+
+def test_registered_with_dispatch():
+    rng = np.random.default_rng(0)
+    k_pages, v_pages, tables, _, _ = make_paged(
+        rng, [3], page_size=2, kv_heads=1, head_dim=4, dtype=jnp.float32)
+    q = jnp.ones((1, 2, 4), jnp.float32)
+    lens = jnp.asarray([3], jnp.int32)
+    assert fj.explain("paged_attention", q, k_pages, v_pages, tables, lens).implementation == "xla"
+    for op in ("paged_write", "paged_gather", "paged_attention", "copy_pages"):
+        assert "xla" in fj.dispatch.implementations(op)
+    fj.paged_attention(q, k_pages, v_pages, tables, lens, implementation="xla")
+    assert fj.dispatch.last_selection("paged_attention").implementation == "xla"
+    with pytest.raises(fj.ImplementationError, match="no implementation 'nope'"):
+        fj.paged_attention(q, k_pages, v_pages, tables, lens, implementation="nope")
+
+
+def _bad_calls():
+    f32, i32 = jnp.float32, jnp.int32
+    pages = jnp.ones((2, 5, 4, 8), f32)
+    q = jnp.ones((3, 4, 8), f32)
+    t = jnp.zeros((3, 2), i32)
+    n = jnp.ones((3,), i32)
+    tok = jnp.ones((6, 2, 8), f32)
+    s = jnp.zeros((6,), i32)
+    return [
+        (lambda: fj.paged_attention(q[0], pages, pages, t, n), ValueError, "q must have rank"),
+        (lambda: fj.paged_attention(q, pages[0], pages[0], t, n), ValueError, "k_pages"),
+        (lambda: fj.paged_attention(q, pages, pages[:, :4], t, n), ValueError,
+         "same shape"),
+        (lambda: fj.paged_attention(q, pages, pages.astype(jnp.bfloat16), t, n), TypeError,
+         "same dtype"),
+        (lambda: fj.paged_attention(q[..., :4], pages, pages, t, n), ValueError, "head_dim"),
+        (lambda: fj.paged_attention(jnp.ones((3, 3, 8), f32), pages, pages, t, n), ValueError,
+         "multiple of kv_heads"),
+        (lambda: fj.paged_attention(q, pages, pages, t[:2], n), ValueError, "lengths"),
+        (lambda: fj.paged_attention(q, pages, pages, t[:2], n[:2]), ValueError, "batch"),
+        (lambda: fj.paged_attention(q, pages, pages, t.astype(f32), n), TypeError,
+         "block_tables must be an integer"),
+        (lambda: fj.paged_attention(q, pages, pages, t, n, q_positions=jnp.zeros((3, 2), i32)),
+         ValueError, "q_positions"),
+        (lambda: fj.paged_attention(q, pages, pages, t, n, sliding_window=0), ValueError,
+         "sliding_window"),
+        (lambda: fj.paged_attention(q, pages, pages, t, n, logits_soft_cap=-1.0), ValueError,
+         "logits_soft_cap"),
+        (lambda: fj.paged_write(pages, pages, tok, tok, s[:5]), ValueError, "slots"),
+        (lambda: fj.paged_write(pages, pages, tok[:, :1], tok[:, :1], s), ValueError,
+         "kv_heads"),
+        (lambda: fj.paged_write(pages, pages, tok, tok[:5], s), ValueError, "same shape"),
+        (lambda: fj.paged_write(pages, pages, tok, tok, s.astype(f32)), TypeError, "slots"),
+        (lambda: fj.paged_gather(pages, t, n[:2]), ValueError, "lengths"),
+        (lambda: fj.paged_gather(pages[0], t, n), ValueError, "pages must have rank 4"),
+        (lambda: fj.copy_pages(pages, pages, jnp.zeros((2, 3), i32)), ValueError, r"\[n, 2\]"),
+        (lambda: fj.copy_pages(pages, pages, jnp.zeros((2,), i32)), ValueError, "copies"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())))
+def test_bad_arguments_raise_with_names(case):
+    call, error, match = _bad_calls()[case]
+    with pytest.raises(error, match=match):
+        call()
