@@ -527,6 +527,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     path = pathlib.Path(path)
     config = load_config(path)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+    weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
+                                                  param_dtype=param_dtype).weights
+    fj_memory.check_fits(weights, what=f"the weights of {path} in {param_dtype.name}")
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
                                          param_dtype=param_dtype))
     expected = _hf_parameters(model)
@@ -623,28 +626,35 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def _prefill_step(state, cache, tokens, lengths, key, *, graphdef, sampling):
+def _sample(logits, key, temperature, top_p, mode):
+    greedy, top_k, use_top_p = mode
+    return sampling_lib.sample(logits, key, temperature=0.0 if greedy else temperature,
+                               top_k=top_k, top_p=top_p if use_top_p else None)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
+def _prefill_step(state, cache, tokens, lengths, key, temperature, top_p, *, graphdef, mode):
     """Prefill of right-padded prompts ``tokens`` [batch, t] with ``lengths`` [batch];
-    returns the first new token of each prompt (int32 [batch]) and the cache."""
+    returns the first new token of each prompt (int32 [batch]) and the cache.
+    ``mode`` is :attr:`SamplingParams.mode`; temperature and top_p are float32 scalars."""
     model = nnx.merge(graphdef, state)
     batch, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     valid = positions < lengths[:, None]
     logits, cache = model.forward_cached(tokens, positions, valid, cache,
                                          logits_at=jnp.maximum(lengths - 1, 0))
-    return sampling_lib.sample(logits, jax.random.fold_in(key, 0), sampling), cache
+    return _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, mode), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def _decode_step(state, cache, tokens, active, key, step, *, graphdef, sampling):
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
+def _decode_step(state, cache, tokens, active, key, step, temperature, top_p, *, graphdef, mode):
     """One token per sequence: ``tokens`` [batch] at position ``cache.lengths``; rows with
     ``active`` False (batch padding) are not written. Returns (next tokens, cache)."""
     model = nnx.merge(graphdef, state)
     positions = cache.lengths[:, None]  # [batch, 1]
     logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
                                          logits_at=jnp.zeros_like(cache.lengths))
-    return sampling_lib.sample(logits, jax.random.fold_in(key, step), sampling), cache
+    return _sample(logits, jax.random.fold_in(key, step), temperature, top_p, mode), cache
 
 
 def _check_prompts(prompts, vocab_size) -> list[list[int]]:
@@ -760,19 +770,23 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
     tokens, padded_lengths, active = (jnp.asarray(tokens), jnp.asarray(padded_lengths),
                                       jnp.asarray(active))
     step0 = jnp.asarray(1, jnp.int32)
-    statics = dict(graphdef=graphdef, sampling=sampling)
+    # Temperature and top_p are arguments, not constants: changing them does not recompile.
+    temp = jnp.asarray(sampling.temperature, jnp.float32)
+    top_p = jnp.asarray(1.0 if sampling.top_p is None else sampling.top_p, jnp.float32)
+    statics = dict(graphdef=graphdef, mode=sampling.mode)
     # Compile ahead of time (cached by jit after the first call) so that the timings
     # below measure the steps alone.
     start = time.perf_counter()
-    prefill = _prefill_step.lower(state, kv, tokens, padded_lengths, key, **statics).compile()
+    prefill = _prefill_step.lower(state, kv, tokens, padded_lengths, key, temp, top_p,
+                                  **statics).compile()
     decode = None
     if max_new_tokens > 1:
-        decode = _decode_step.lower(state, kv, tokens[:, 0], active, key, step0,
+        decode = _decode_step.lower(state, kv, tokens[:, 0], active, key, step0, temp, top_p,
                                     **statics).compile()
     stats.compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
-    next_tokens, kv = prefill(state, kv, tokens, padded_lengths, key)
+    next_tokens, kv = prefill(state, kv, tokens, padded_lengths, key, temp, top_p)
     next_tokens.block_until_ready()
     stats.prefill_seconds = time.perf_counter() - start
     if progress is not None:
@@ -788,7 +802,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
         if done.all():
             break
         next_tokens, kv = decode(state, kv, next_tokens, active, key,
-                                 jnp.asarray(step, jnp.int32))
+                                 jnp.asarray(step, jnp.int32), temp, top_p)
         outputs.append(next_tokens)
         stats.decode_steps += 1
         stats.decode_tokens += int((~done).sum())

@@ -46,21 +46,36 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature, top-k and top-p applied to float32 logits ``[batch, vocab]``.
+    @property
+    def mode(self) -> tuple[bool, int | None, bool]:
+        """The static part, ``(greedy, top_k, uses top_p)``: what changes the compiled code.
+        ``temperature`` and ``top_p`` themselves can be traced values."""
+        return self.greedy, self.top_k, self.top_p is not None and self.top_p < 1.0
 
-    Returns float32 ``[batch, vocab]`` with the filtered-out entries at ``-inf``.
+
+def filter_logits(logits: jax.Array, *, temperature=1.0, top_k: int | None = None,
+                  top_p=None) -> jax.Array:
+    """Temperature, top-k and top-p applied to logits ``[batch, vocab]``.
+
+    Args:
+      logits: float ``[batch, vocab]``.
+      temperature: a positive float or a traced float32 scalar.
+      top_k: a Python int (static) or None.
+      top_p: None (no nucleus filter), a float in (0, 1] or a traced float32 scalar.
+
+    Returns:
+      float32 ``[batch, vocab]`` with the filtered-out entries at ``-inf``.
     """
-    logits = logits.astype(jnp.float32) / jnp.float32(params.temperature)
+    logits = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
     vocab = logits.shape[-1]
-    if params.top_k is not None and params.top_k < vocab:
-        kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]  # [batch, 1]
+    if top_k is not None and top_k < vocab:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]  # [batch, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if params.top_p is not None and params.top_p < 1.0:
+    if top_p is not None:
         order = jnp.argsort(logits, axis=-1)  # ascending, [batch, vocab]
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
         cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        drop_sorted = cumulative <= jnp.float32(1.0 - params.top_p)
+        drop_sorted = cumulative <= 1.0 - jnp.asarray(top_p, jnp.float32)
         drop_sorted = drop_sorted.at[..., -1].set(False)  # always keep the most probable
         drop = jnp.zeros_like(drop_sorted).at[
             jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
@@ -68,19 +83,21 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return logits
 
 
-def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k: int | None = None,
+           top_p=None) -> jax.Array:
     """Picks one token per row.
 
     Args:
       logits: float ``[batch, vocab]``.
       key: a ``jax.random`` key (unused when greedy).
-      params: the :class:`SamplingParams`.
+      temperature: a Python ``0``/``0.0`` selects greedy decoding (argmax, the first
+        index on ties as ``torch.argmax``); otherwise a positive float or traced scalar.
+      top_k, top_p: as in :func:`filter_logits`.
 
     Returns:
-      int32 ``[batch]``: the argmax when ``params.temperature == 0`` (the first index
-      on ties, as ``torch.argmax``), else a draw from the filtered distribution.
+      int32 ``[batch]``.
     """
-    if params.greedy:
+    if isinstance(temperature, int | float) and temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits, params)
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)

@@ -178,6 +178,9 @@ def test_sampling_is_seeded_and_filters_reduce_to_greedy(model):
     assert llama.generate(model, PROMPTS, 6, seed=1, **hot) == a
     assert llama.generate(model, PROMPTS, 6, seed=2, **hot) != a
     assert llama.generate(model, PROMPTS, 6, seed=1, cache="contiguous", **hot) == a
+    with _count_traces() as events:  # another temperature / top_p reuses the compiled steps
+        llama.generate(model, PROMPTS, 6, seed=1, **(hot | dict(temperature=0.5, top_p=0.7)))
+    assert not [e for e in events if e.startswith("/jax/core/compile")], events
 
 
 def _filter_reference(logits, temperature, top_k, top_p):
@@ -203,8 +206,8 @@ def _filter_reference(logits, temperature, top_k, top_p):
     (1.0, 5, None), (0.7, None, 0.9), (1.3, 20, 0.5), (1.0, None, 1.0), (2.0, 1, 0.3)])
 def test_filter_logits_matches_reference(temperature, top_k, top_p):
     logits = np.random.default_rng(4).normal(0, 3, (6, 50)).astype(np.float32)
-    params = sampling.SamplingParams(temperature, top_k, top_p)
-    got = np.asarray(sampling.filter_logits(jnp.asarray(logits), params))
+    got = np.asarray(sampling.filter_logits(jnp.asarray(logits), temperature=temperature,
+                                            top_k=top_k, top_p=top_p))
     ref = _filter_reference(logits, temperature, top_k, top_p)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
     kept = np.isfinite(ref)
@@ -220,20 +223,21 @@ def test_filter_logits_matches_transformers():
     for warper in (transformers.TemperatureLogitsWarper(0.8), transformers.TopKLogitsWarper(10),
                    transformers.TopPLogitsWarper(0.8)):
         scores = warper(None, scores)
-    got = np.asarray(sampling.filter_logits(
-        jnp.asarray(logits), sampling.SamplingParams(0.8, 10, 0.8)))
+    got = np.asarray(sampling.filter_logits(jnp.asarray(logits), temperature=0.8, top_k=10,
+                                            top_p=0.8))
+    # Traced temperature and top_p give the same filter.
+    traced = jax.jit(lambda x, t, p: sampling.filter_logits(x, temperature=t, top_k=10, top_p=p))
+    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(logits), 0.8, 0.8)), got)
     np.testing.assert_array_equal(np.isinf(got), np.isinf(scores.numpy()))
 
 
 def test_sample_follows_the_filtered_distribution():
     logits = jnp.tile(jnp.asarray([[2.0, 1.0, 0.5, 0.0, -1.0]]), (20000, 1))
-    params = sampling.SamplingParams(0.7, top_k=3)
-    draws = np.asarray(sampling.sample(logits, jax.random.key(0), params))
+    draws = np.asarray(sampling.sample(logits, jax.random.key(0), temperature=0.7, top_k=3))
     freq = np.bincount(draws, minlength=5) / draws.size
     p = np.exp(np.array([2.0, 1.0, 0.5]) / 0.7)
     np.testing.assert_allclose(freq, np.concatenate([p / p.sum(), [0, 0]]), atol=0.015)
-    assert np.asarray(sampling.sample(logits[:2], jax.random.key(0),
-                                      sampling.SamplingParams())).tolist() == [0, 0]
+    assert np.asarray(sampling.sample(logits[:2], jax.random.key(0))).tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -293,12 +297,13 @@ def test_steps_donate_the_cache(model):
     graphdef, state = nnx.split(model)
     cache = _make_cache("paged", batch=4, max_len=16)
     tokens = jnp.ones((4, 8), jnp.int32)
+    sample = (jnp.float32(0.0), jnp.float32(1.0))
+    mode = sampling.SamplingParams().mode
     first, new = llama._prefill_step(state, cache, tokens, jnp.full((4,), 8, jnp.int32),
-                                     jax.random.key(0), graphdef=graphdef,
-                                     sampling=sampling.SamplingParams())
+                                     jax.random.key(0), *sample, graphdef=graphdef, mode=mode)
     assert cache.k_pages[0].is_deleted() and not new.k_pages[0].is_deleted()
     _, newer = llama._decode_step(state, new, first, jnp.ones((4,), bool), jax.random.key(0),
-                                  jnp.asarray(1, jnp.int32), graphdef=graphdef,
-                                  sampling=sampling.SamplingParams())
+                                  jnp.asarray(1, jnp.int32), *sample, graphdef=graphdef,
+                                  mode=mode)
     assert new.k_pages[0].is_deleted()
     np.testing.assert_array_equal(np.asarray(newer.lengths), [9, 9, 9, 9])

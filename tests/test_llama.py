@@ -195,6 +195,11 @@ def test_bfloat16_checkpoint(hf, tmp_path):
     assert logits16.dtype == np.float32
     # bfloat16 activations: ~3 significant digits per op.
     assert np.abs(logits16 - expected).max() < 0.05 * np.abs(expected).max()
+    assert all(len(r) == 4 for r in llama.generate(model16, PROMPTS, 4))  # bf16 cache path
+    # bfloat16 storage with float32 compute: the upcast is exact, so float32 results.
+    mixed = llama.from_pretrained(tmp_path, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    assert mixed.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    np.testing.assert_allclose(_logits(mixed, tokens), expected, **LOGITS_TOL.as_kwargs())
 
 
 # ---------------------------------------------------------------------------------------
