@@ -35,8 +35,18 @@ def _matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=N
     n = b.shape[-2] if trans_b else b.shape[-1]
     out_shape = (*batch, m, n)
     if out_dtype is None:
-        out_dtype = jnp.promote_types(a.dtype, b.dtype)
-    out_dtype = jnp.dtype(out_dtype)
+        try:
+            out_dtype = jnp.promote_types(a.dtype, b.dtype)
+        except (TypeError, ValueError) as e:  # e.g. strict promotion: jax.dtypes.TypePromotionError
+            raise TypeError(
+                f"{a.dtype=} and {b.dtype=} have no implicit result type; pass out_dtype ({e})"
+            ) from None
+    try:
+        out_dtype = jnp.dtype(out_dtype)
+    except TypeError:
+        raise TypeError(f"out_dtype must be a float dtype, got {out_dtype=!r}") from None
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"out_dtype must be a float dtype, got out_dtype={out_dtype.name}")
     if c is not None:
         _checks.array("c", c)
         try:
