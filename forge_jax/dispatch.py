@@ -245,20 +245,29 @@ def _platform(args: Mapping[str, Any]) -> str:
 def _auto(
     impls: Mapping[str, Implementation], args: Mapping[str, Any], platform: str,
     rejected: dict[str, str],
-) -> Implementation | None:
+) -> tuple[Implementation | None, bool]:
+    """The first supported implementation in priority order, and whether one ranked
+    above it was rejected (a fallback). Records in ``rejected`` why every other
+    implementation does not run, so that :func:`explain` accounts for all of them."""
     ranked = sorted(
         (impl for impl in impls.values() if platform in impl.priority),
         key=lambda impl: -impl.priority[platform],
     )
+    chosen, fell_back = None, False
     for impl in ranked:
+        if chosen is not None:
+            rejected.setdefault(impl.name, f"lower priority on {platform} than {chosen.name!r}")
+            continue
         reason = impl.available() or impl.supports(args, platform)
         if reason is None:
-            return impl
-        rejected.setdefault(impl.name, reason)
+            chosen = impl
+        else:
+            rejected.setdefault(impl.name, reason)
+            fell_back = True
     for impl in impls.values():
         if platform not in impl.priority and impl.name not in rejected:
             rejected[impl.name] = f"not chosen automatically on {platform} (ask for it by name)"
-    return None
+    return chosen, fell_back
 
 
 def select(op: str, args: Mapping[str, Any], implementation: str | None = None) -> Selection:
@@ -290,14 +299,15 @@ def _select(
                 f"on {platform}: {reason}"
             )
         rejected[name] = reason
-    chosen = _auto(impls, args, platform, rejected)
+    preference_rejected = bool(rejected)
+    chosen, fell_back = _auto(impls, args, platform, rejected)
     if chosen is None:
         raise ImplementationError(
             f"no implementation of {op!r} can serve these arguments on {platform}: {rejected}"
         )
     selection = Selection(op, chosen.name, platform, "auto" if name is None else
                           f"auto, {source} preference {name!r} rejected", rejected)
-    if rejected:
+    if fell_back or preference_rejected:
         logger.debug("%s", selection)
     return chosen, selection
 
