@@ -1,0 +1,237 @@
+"""The implementation registry: auto choice, override precedence, fallback reasons,
+strict errors, and trace-time selection.
+
+A fake implementation that returns a recognisable constant (42) proves which
+implementation ran; the ``fake`` fixture registers it and restores the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, normal, rng
+from reference import rms_norm_ref, softmax_ref
+
+import forge_jax as fj
+from forge_jax import dispatch
+
+MARK = 42.0
+
+
+class Fake:
+    """A registered fake implementation; counts its calls (i.e. its traces under jit)."""
+
+    def __init__(self, op, *, priority=None, reason=None, unavailable=None):
+        self.op, self.calls, self.reason, self.unavailable = op, [], reason, unavailable
+        dispatch.register(op, "fake", priority=priority, supports=self._supports,
+                          available=lambda: self.unavailable, description="test fake")(self)
+
+    def _supports(self, args, platform):
+        self.seen = (dict(args), platform)
+        return self.reason
+
+    def __call__(self, **args):
+        self.calls.append(args)
+        x = args.get("x")
+        out = jnp.full(x.shape, MARK, x.dtype)
+        return (out, out) if args.get("residual") is not None else out
+
+
+@pytest.fixture
+def fake():
+    """``fake(op, priority=..., reason=..., unavailable=...)`` registers a fake."""
+    registered = []
+
+    def make(op="rms_norm", **kw):
+        impl = Fake(op, **kw)
+        registered.append(op)
+        return impl
+
+    yield make
+    for op in registered:
+        dispatch.unregister(op, "fake")
+    for op in registered:
+        assert "fake" not in dispatch.implementations(op)
+
+
+@pytest.fixture
+def xw():
+    g = rng(60)
+    return normal(g, (3, 8)), normal(g, (8,))
+
+
+def is_fake(out):
+    return np.all(np.asarray(out, np.float64) == MARK)
+
+
+def test_auto_picks_xla_on_cpu(xw):
+    x, w = xw
+    sel = fj.explain("rms_norm", x, w)
+    assert (sel.implementation, sel.source, sel.platform) == ("xla", "auto", "cpu")
+    out = fj.rms_norm(x, w)
+    assert_close(out, rms_norm_ref(x, w))
+    assert dispatch.last_selection("rms_norm").implementation == "xla"
+    for op in ("matmul", "rms_norm", "silu_mul", "softmax", "rope", "attention", "embedding"):
+        assert "xla" in dispatch.implementations(op)
+        assert "cpu" in dispatch.implementations(op)["xla"].priority
+
+
+def test_higher_priority_implementation_wins_auto(fake, xw):
+    impl = fake(priority={"cpu": 10, "gpu": 10})
+    x, w = xw
+    assert is_fake(fj.rms_norm(x, w))
+    assert len(impl.calls) == 1
+    sel = dispatch.last_selection("rms_norm")
+    assert (sel.implementation, sel.source) == ("fake", "auto")
+    assert sel.rejected == {"xla": "lower priority on cpu than 'fake'"}  # explain() says why
+    # The implementation receives the validated arguments, and sees them in supports().
+    assert impl.calls[0]["eps"] == 1e-6 and impl.calls[0]["residual"] is None
+    assert impl.seen[1] == "cpu" and impl.seen[0]["x"] is x
+
+
+def test_fake_on_another_op_needs_no_op_code(fake):
+    impl = fake("softmax", priority={"cpu": 5})
+    x = normal(rng(61), (2, 5))
+    assert is_fake(fj.softmax(x))
+    assert impl.calls[0]["axis"] == 1  # axis arrives normalised
+    assert_close(fj.softmax(x, implementation="xla"), softmax_ref(x))
+
+
+def test_rejecting_supports_falls_back_with_reason(fake, xw, capsys, caplog):
+    reason = "needs head_dim % 128 == 0, got 8"
+    impl = fake(priority={"cpu": 10}, reason=reason)
+    x, w = xw
+    with caplog.at_level(logging.DEBUG, logger="forge_jax.dispatch"):
+        out = fj.rms_norm(x, w)
+    assert_close(out, rms_norm_ref(x, w))  # the XLA result, not the fake's 42s
+    assert not impl.calls
+    sel = dispatch.last_selection("rms_norm")
+    assert sel.implementation == "xla" and sel.rejected == {"fake": reason}
+    explained = fj.explain("rms_norm", x, w)
+    assert explained.implementation == "xla" and explained.rejected["fake"] == reason
+    assert reason in str(explained) and "'fake'" in str(explained)
+    assert any(reason in r.getMessage() for r in caplog.records)  # the debug log has it
+    captured = capsys.readouterr()  # ...and nothing is printed, no traceback
+    assert captured.out == "" and captured.err == ""
+
+
+def test_unavailable_toolchain_is_a_fallback_reason(fake, xw):
+    fake(priority={"cpu": 10}, unavailable="jax-triton not importable: needs a GPU jaxlib")
+    sel = fj.explain("rms_norm", *xw)
+    assert sel.implementation == "xla"
+    assert "jax-triton not importable" in sel.rejected["fake"]
+
+
+def test_by_name_only_implementation_is_never_automatic(fake, xw):
+    impl = fake(priority=None)
+    x, w = xw
+    assert not is_fake(fj.rms_norm(x, w))
+    assert not impl.calls
+    assert "not chosen automatically" in fj.explain("rms_norm", x, w).rejected["fake"]
+    assert is_fake(fj.rms_norm(x, w, implementation="fake"))
+
+
+def test_precedence_call_beats_context_beats_env(fake, xw, monkeypatch):
+    fake(priority=None)
+    x, w = xw
+
+    def ran():
+        out = fj.rms_norm(x, w)
+        sel = dispatch.last_selection("rms_norm")
+        return ("fake" if is_fake(out) else "xla"), sel.implementation, sel.source
+
+    assert ran() == ("xla", "xla", "auto")
+    monkeypatch.setenv(dispatch.ENV_VAR, "fake")
+    assert ran() == ("fake", "fake", "env")
+    with fj.use_implementation("xla"):
+        assert ran() == ("xla", "xla", "context")
+        with fj.use_implementation("fake"):  # the innermost block wins
+            assert ran() == ("fake", "fake", "context")
+        out = fj.rms_norm(x, w, implementation="fake")
+        assert is_fake(out) and dispatch.last_selection("rms_norm").source == "call"
+        with fj.use_implementation(None):  # back to auto, even with the env var set
+            assert ran() == ("xla", "xla", "auto")
+    with fj.use_implementation("fake"):
+        out = fj.rms_norm(x, w, implementation="xla")
+        assert not is_fake(out) and dispatch.last_selection("rms_norm").source == "call"
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    assert ran() == ("xla", "xla", "auto")
+
+
+def test_env_and_context_preferences_fall_back(fake, xw, monkeypatch, capsys):
+    fake(priority=None, reason="fake cannot do this")
+    x, w = xw
+    monkeypatch.setenv(dispatch.ENV_VAR, "fake")
+    assert not is_fake(fj.rms_norm(x, w))
+    sel = dispatch.last_selection("rms_norm")
+    assert sel.implementation == "xla" and sel.rejected["fake"] == "fake cannot do this"
+    assert "env preference 'fake' rejected" in sel.source
+    # An op without an implementation of that name falls back too (e.g. "pallas" for a
+    # model whose ops do not all have a kernel).
+    monkeypatch.setenv(dispatch.ENV_VAR, "no_such_impl")
+    assert_close(fj.rms_norm(x, w), rms_norm_ref(x, w))
+    assert "no implementation 'no_such_impl'" in dispatch.last_selection("rms_norm").rejected[
+        "no_such_impl"]
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    with fj.use_implementation("fake"):
+        assert not is_fake(fj.rms_norm(x, w))
+    with fj.use_implementation("fake", strict=True), pytest.raises(
+            fj.ImplementationError, match="fake cannot do this"):
+        fj.rms_norm(x, w)
+    assert capsys.readouterr().out == ""
+
+
+def test_explicit_unsupported_implementation_raises(fake, xw):
+    fake(priority={"cpu": 10}, reason="head_dim 8 is not a multiple of 128")
+    x, w = xw
+    with pytest.raises(fj.ImplementationError,
+                       match=r"'fake'.*implementation=.*head_dim 8 is not a multiple of 128"):
+        fj.rms_norm(x, w, implementation="fake")
+    with pytest.raises(fj.ImplementationError, match=r"no implementation 'nope'.*'xla'"):
+        fj.rms_norm(x, w, implementation="nope")
+    with pytest.raises(fj.ImplementationError, match="head_dim 8"):
+        fj.explain("rms_norm", x, w, implementation="fake")
+    # ImplementationError is a ValueError, so generic handlers still catch it.
+    assert issubclass(fj.ImplementationError, ValueError)
+
+
+def test_selection_happens_once_at_trace_time(fake, xw):
+    impl = fake(priority={"cpu": 10})
+    x, w = xw
+    f = jax.jit(lambda x, w: fj.rms_norm(x, w) * 2)
+    for i in range(3):
+        assert np.all(np.asarray(f(x + i, w)) == 2 * MARK)
+    assert len(impl.calls) == 1  # traced once, dispatched once
+    # The choice is baked into the trace: a later preference does not change the
+    # compiled function, a new shape (a new trace) does.
+    with fj.use_implementation("xla"):
+        assert is_fake(f(x, w) / 2)
+        out = f(x[:2], w)
+    assert not is_fake(out / 2)
+    assert len(impl.calls) == 1
+
+
+def test_registry_guards(fake):
+    fake(priority=None)
+    with pytest.raises(ValueError, match="already registered"):
+        dispatch.register("rms_norm", "fake")(lambda **kw: None)
+    with pytest.raises(KeyError, match="no implementation 'ghost'"):
+        dispatch.unregister("rms_norm", "ghost")
+    with pytest.raises(KeyError, match="unknown op"):
+        dispatch.implementations("no_such_op")
+    assert {"matmul", "rms_norm", "attention"} <= set(dispatch.ops())
+
+
+def test_selection_under_transformations_uses_the_default_platform(fake):
+    impl = fake(priority={"cpu": 10})
+    g = rng(62)
+    x, w = normal(g, (4, 3, 8)), normal(g, (8,))
+    out = jax.vmap(lambda x: fj.rms_norm(x, w))(x)
+    assert is_fake(out) and impl.seen[1] == "cpu"
+    grad = jax.grad(lambda w: jnp.sum(fj.rms_norm(x, w, implementation="xla")))(w)
+    assert np.isfinite(np.asarray(grad)).all()
+    assert dispatch.last_selection("rms_norm").implementation == "xla"
