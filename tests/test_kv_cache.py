@@ -278,6 +278,102 @@ def test_caches_agree_with_each_other_and_reference(cache_dtype):
         lengths += 1
 
 
+@jax.jit
+def _cow_step(cache, copies, tables, k, v, q, positions, lengths):
+    cache = cache.copy_pages(copies).with_block_tables(tables)
+    cache = cache.write(0, k, v, positions, jnp.ones(positions.shape, bool))
+    return cache, cache.attend(0, q, q_positions=positions, kv_lengths=lengths)
+
+
+def test_forked_sequences_copy_on_write_end_to_end():
+    """Parallel sampling: one prompt, three continuations sharing its pages."""
+    rng = np.random.default_rng(5)
+    page_size, max_pages, kv_heads, q_heads, head_dim = 4, 4, 2, 4, 8
+    manager = BlockManager(num_pages=16, page_size=page_size)
+    ids = ["a", "b", "c"]
+    manager.allocate("pad", 3)  # pages are not handed out from 0
+    prompt = rng.standard_normal((2, 6, kv_heads, head_dim))
+    manager.allocate("a", 6)
+    cache = PagedKVCache.create(num_layers=1, num_pages=16, page_size=page_size,
+                                kv_heads=kv_heads, head_dim=head_dim, dtype=jnp.float32,
+                                block_tables=manager.block_tables(["a"], max_pages))
+    cache = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape) * GARBAGE, x.dtype)
+        if x.ndim == 4 else x, cache)
+    positions = jnp.arange(6, dtype=jnp.int32)[None]
+    cache = cache.write(0, jnp.asarray(prompt[0][None], jnp.float32),
+                        jnp.asarray(prompt[1][None], jnp.float32), positions,
+                        jnp.ones((1, 6), bool))
+    manager.fork("a", "b")
+    manager.fork("a", "c")
+    assert manager.usage().used_pages == 3
+    dense = np.zeros((2, 3, 12, kv_heads, head_dim))
+    dense[:, :, :6] = prompt[:, None]
+    lengths = np.full(3, 6)
+    for step_ in range(3):
+        for s in ids:
+            manager.append(s)
+        copies = manager.take_pending_copies()
+        assert len(copies) == (2 if step_ == 0 else 0)  # a and b copy the shared page, c keeps it
+        padded = np.full((3, 2), -1, np.int32)  # fixed shape: one compilation
+        padded[:len(copies)] = copies
+        new = rng.standard_normal((2, 3, 1, kv_heads, head_dim))
+        dense[:, np.arange(3), lengths] = new[:, :, 0]
+        pos = np.asarray(lengths[:, None], np.int32)
+        lengths = lengths + 1
+        q = rng.standard_normal((3, 1, q_heads, head_dim))
+        cache, out = _cow_step(cache, padded, manager.block_tables(ids, max_pages),
+                               *(jnp.asarray(x, jnp.float32) for x in (new[0], new[1], q)),
+                               pos, lengths.astype(np.int32))
+        ref = attention_np(q, dense[0], dense[1], np.asarray(pos), lengths)
+        np.testing.assert_allclose(_f64(out), ref, **tolerances.tolerance(
+            jnp.float32).as_kwargs())
+    for s in [*ids, "pad"]:
+        manager.free(s)
+    assert manager.usage() == CacheUsage(0, 16, 16, 0, 0)
+
+
+def test_decode_loop_example():
+    """The README's decode loop: allocate, write, attend, append, free."""
+    num_layers, kv_heads, q_heads, head_dim, page_size, max_pages = 2, 2, 4, 16, 8, 4
+    manager = BlockManager(num_pages=32, page_size=page_size)
+    cache = PagedKVCache.create(num_layers=num_layers, num_pages=32, page_size=page_size,
+                                kv_heads=kv_heads, head_dim=head_dim, dtype=jnp.bfloat16,
+                                block_tables=np.zeros((2, max_pages), np.int32))
+
+    @jax.jit
+    def layer_step(cache, q, k, v, positions, valid, lengths):  # what one layer of a model does
+        cache = cache.write(0, k, v, positions, valid)
+        return cache, cache.attend(0, q, q_positions=positions, kv_lengths=lengths)
+
+    rng = np.random.default_rng(6)
+    prompts = [5, 11]
+    for seq, n in enumerate(prompts):
+        manager.allocate(seq, n)  # returns the prompt's slots, if you write them directly
+    cache = cache.with_block_tables(manager.block_tables([0, 1], max_pages))
+    t = max(prompts)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
+    valid = positions < jnp.asarray(prompts)[:, None]
+    lengths = jnp.asarray(prompts, jnp.int32)
+    x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    cache, out = layer_step(cache, x(2, t, q_heads, head_dim), x(2, t, kv_heads, head_dim),
+                            x(2, t, kv_heads, head_dim), positions, valid, lengths)
+    for _ in range(10):  # decode: one token per sequence per step
+        for seq in (0, 1):
+            manager.append(seq)
+        cache = cache.copy_pages(manager.take_pending_copies())
+        cache = cache.with_block_tables(manager.block_tables([0, 1], max_pages))
+        cache, out = layer_step(cache, x(2, 1, q_heads, head_dim), x(2, 1, kv_heads, head_dim),
+                                x(2, 1, kv_heads, head_dim), lengths[:, None],
+                                jnp.ones((2, 1), bool), lengths + 1)
+        lengths = lengths + 1
+        assert out.shape == (2, 1, q_heads, head_dim) and np.isfinite(_f64(out)).all()
+    assert [manager.seq_len(s) for s in (0, 1)] == [15, 21]
+    manager.free(0)
+    manager.free(1)
+    assert manager.usage().used_pages == 0
+
+
 class CacheVariantsTest(parameterized.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True, with_device=True, without_device=True)

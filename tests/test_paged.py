@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import chex
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
@@ -75,7 +77,7 @@ def _close(out, ref, dtype, factor=1.0):
 
 
 def make_paged(rng, lengths, *, page_size, kv_heads, head_dim, dtype, spare_pages=3,
-               spare_entries=1):
+               spare_entries=1, max_pages=None, num_pages=None):
     """Random sequences scattered over randomly permuted pages of a garbage-filled pool.
 
     Returns (k_pages, v_pages, block_tables, dense_k, dense_v) with dense_* the float64
@@ -85,8 +87,8 @@ def make_paged(rng, lengths, *, page_size, kv_heads, head_dim, dtype, spare_page
     lengths = np.asarray(lengths)
     batch = len(lengths)
     pages_per_seq = [-(-int(n) // page_size) for n in lengths]
-    max_pages = max(pages_per_seq) + spare_entries
-    num_pages = sum(pages_per_seq) + spare_pages
+    max_pages = max_pages or max(pages_per_seq) + spare_entries
+    num_pages = num_pages or sum(pages_per_seq) + spare_pages
     shape = (kv_heads, num_pages, page_size, head_dim)
     garbage = lambda: rng.choice([-1, 1], shape) * rng.uniform(GARBAGE, 2 * GARBAGE, shape)
     k_pages, v_pages = garbage(), garbage()
@@ -222,6 +224,69 @@ def test_paged_attention_reads_only_the_named_pages():
     pool_bytes = kv_heads * num_pages * page_size * head_dim * 4
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < pool_bytes / 20, (temp, pool_bytes)
+
+
+def test_paged_attention_grad_and_vmap():
+    rng = np.random.default_rng(8)
+    lengths = np.array([7, 2, 12])
+    k_pages, v_pages, tables, dense_k, dense_v = make_paged(
+        rng, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 2, 4, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def paged_loss(q, k_pages, v_pages):
+        return jnp.sum(fj.paged_attention(q, k_pages, v_pages, tables, lens) * w)
+
+    def dense_loss(q, k, v):
+        positions = lens[:, None] - 2 + jnp.arange(2)[None, :]
+        return jnp.sum(fj.attention(q, k, v, q_positions=positions, kv_lengths=lens) * w)
+
+    grads = jax.jit(jax.grad(paged_loss, argnums=(0, 1, 2)))(q, k_pages, v_pages)
+    k, v = jnp.asarray(dense_k, jnp.float32), jnp.asarray(dense_v, jnp.float32)
+    dq, dk, dv = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))(q, k, v)
+    tol = tolerances.tolerance(jnp.float32).as_kwargs()
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(dq), **tol)
+    # The pool's gradient is the dense one scattered back to the slots; garbage gets none.
+    for g_pages, g_dense in ((grads[1], dk), (grads[2], dv)):
+        back = np.asarray(fj.paged_gather(g_pages, tables, lens))
+        np.testing.assert_allclose(back, np.asarray(g_dense), **tol)
+        assert np.abs(np.asarray(g_pages)).sum() == pytest.approx(
+            np.abs(np.asarray(g_dense)).sum(), rel=1e-5)
+    # vmap over a stacked layer axis equals one call per layer.
+    k2 = jnp.stack([k_pages, -k_pages])
+    v2 = jnp.stack([v_pages, 2 * v_pages])
+    q2 = jnp.stack([q, q[::-1]])
+    out = jax.jit(jax.vmap(fj.paged_attention, in_axes=(0, 0, 0, None, None)))(
+        q2, k2, v2, tables, lens)
+    for layer in range(2):
+        np.testing.assert_allclose(
+            np.asarray(out[layer]),
+            np.asarray(paged_attention(q2[layer], k2[layer], v2[layer], tables, lens)), **tol)
+
+
+@hypothesis.given(
+    lengths=st.lists(st.integers(0, 16), min_size=3, max_size=3),
+    shift=st.integers(-3, 2),
+    masking=st.sampled_from([(None, None), (3, None), (None, 1.5)]),
+    seed=st.integers(0, 2**16))
+def test_paged_attention_fuzz(lengths, shift, masking, seed):
+    """Random ragged lengths (empty included) and query positions; fixed shapes."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array(lengths)
+    k_pages, v_pages, tables, dense_k, dense_v = make_paged(
+        rng, lengths, page_size=4, kv_heads=1, head_dim=8, dtype=jnp.float32, max_pages=4,
+        num_pages=14)
+    q = jnp.asarray(rng.standard_normal((3, 2, 3, 8)), jnp.float32)
+    positions = (lengths[:, None] - 2 + shift + np.arange(2)[None, :]).astype(np.int32)
+    window, cap = masking
+    out = paged_attention(q, k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32),
+                          q_positions=jnp.asarray(positions), sliding_window=window,
+                          logits_soft_cap=cap)
+    ref = attention_np(q, dense_k, dense_v, lengths, positions=positions, window=window, cap=cap)
+    out = _f64(out)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, **tolerances.tolerance(jnp.float32).as_kwargs())
 
 
 # --- paged_gather -------------------------------------------------------------------------
