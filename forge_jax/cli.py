@@ -63,12 +63,18 @@ class GenerateError(Exception):
 
 
 class _ProgressLine:
-    """A one-line progress bar on a stream: ``generating [#####.....] 12/32 tokens``."""
+    """A one-line progress bar on a stream: ``generating [#####.....] 12/32 tokens``.
 
-    def __init__(self, stream, *, width: int = 30):
-        self.stream, self.width, self.drawn = stream, width, False
+    Called as ``progress(done, total)`` by ``generate_with_stats``; draws nothing unless
+    ``enabled``.
+    """
+
+    def __init__(self, stream, *, enabled: bool, width: int = 30):
+        self.stream, self.enabled, self.width, self.drawn = stream, enabled, width, False
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
         filled = self.width * done // max(total, 1)
         self.stream.write(f"\rgenerating [{'#' * filled}{'.' * (self.width - filled)}] "
                           f"{done}/{total} tokens")
@@ -219,6 +225,8 @@ def _run_prompts(model, tokenizer, path, args, progress) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import contextlib
 
+    import jax
+
     import forge_jax as fj
     from forge_jax import dispatch
     from forge_jax.memory import InsufficientMemoryError
@@ -250,9 +258,13 @@ def _generate(args: argparse.Namespace) -> int:
                                 f"--prompt-ids 1,2,3")
         print(_describe(model, path, args))
         show = args.progress if args.progress is not None else sys.stderr.isatty()
-        progress = _ProgressLine(sys.stderr) if show else _ProgressLine(_NullStream())
-        context = (fj.use_implementation(args.implementation) if args.implementation
-                   else contextlib.nullcontext())
+        progress = _ProgressLine(sys.stderr, enabled=show)
+        context = contextlib.nullcontext()
+        if args.implementation:
+            # Ops choose their implementation when traced, and jit's cache does not know the
+            # preference: drop steps compiled earlier in this process under another one.
+            jax.clear_caches()
+            context = fj.use_implementation(args.implementation)
         with context:
             if task is not None and not args.prompt and args.prompt_ids is None:
                 _run_task(model, task, args, progress)
@@ -266,14 +278,6 @@ def _generate(args: argparse.Namespace) -> int:
         return 1
     _print_selections()
     return 0
-
-
-class _NullStream:
-    def write(self, text: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
