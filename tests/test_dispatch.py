@@ -20,6 +20,7 @@ import forge_jax as fj
 from forge_jax import dispatch
 
 MARK = 42.0
+PLATFORM = jax.default_backend()  # "cpu" here; the GPU machine runs the same tests
 
 
 class Fake:
@@ -71,30 +72,31 @@ def is_fake(out):
 def test_auto_picks_xla_on_cpu(xw):
     x, w = xw
     sel = fj.explain("rms_norm", x, w)
-    assert (sel.implementation, sel.source, sel.platform) == ("xla", "auto", "cpu")
+    assert (sel.implementation, sel.source, sel.platform) == ("xla", "auto", PLATFORM)
     out = fj.rms_norm(x, w)
     assert_close(out, rms_norm_ref(x, w))
     assert dispatch.last_selection("rms_norm").implementation == "xla"
     for op in ("matmul", "rms_norm", "silu_mul", "softmax", "rope", "attention", "embedding"):
         assert "xla" in dispatch.implementations(op)
-        assert "cpu" in dispatch.implementations(op)["xla"].priority
+        assert PLATFORM in dispatch.implementations(op)["xla"].priority
 
 
 def test_higher_priority_implementation_wins_auto(fake, xw):
-    impl = fake(priority={"cpu": 10, "gpu": 10})
+    impl = fake(priority={PLATFORM: 10})
     x, w = xw
     assert is_fake(fj.rms_norm(x, w))
     assert len(impl.calls) == 1
     sel = dispatch.last_selection("rms_norm")
     assert (sel.implementation, sel.source) == ("fake", "auto")
-    assert sel.rejected == {"xla": "lower priority on cpu than 'fake'"}  # explain() says why
+    # explain() also says why the others did not run.
+    assert sel.rejected == {"xla": f"lower priority on {PLATFORM} than 'fake'"}
     # The implementation receives the validated arguments, and sees them in supports().
     assert impl.calls[0]["eps"] == 1e-6 and impl.calls[0]["residual"] is None
-    assert impl.seen[1] == "cpu" and impl.seen[0]["x"] is x
+    assert impl.seen[1] == PLATFORM and impl.seen[0]["x"] is x
 
 
 def test_fake_on_another_op_needs_no_op_code(fake):
-    impl = fake("softmax", priority={"cpu": 5})
+    impl = fake("softmax", priority={PLATFORM: 5})
     x = normal(rng(61), (2, 5))
     assert is_fake(fj.softmax(x))
     assert impl.calls[0]["axis"] == 1  # axis arrives normalised
@@ -103,7 +105,7 @@ def test_fake_on_another_op_needs_no_op_code(fake):
 
 def test_rejecting_supports_falls_back_with_reason(fake, xw, capsys, caplog):
     reason = "needs head_dim % 128 == 0, got 8"
-    impl = fake(priority={"cpu": 10}, reason=reason)
+    impl = fake(priority={PLATFORM: 10}, reason=reason)
     x, w = xw
     with caplog.at_level(logging.DEBUG, logger="forge_jax.dispatch"):
         out = fj.rms_norm(x, w)
@@ -120,7 +122,7 @@ def test_rejecting_supports_falls_back_with_reason(fake, xw, capsys, caplog):
 
 
 def test_unavailable_toolchain_is_a_fallback_reason(fake, xw):
-    fake(priority={"cpu": 10}, unavailable="jax-triton not importable: needs a GPU jaxlib")
+    fake(priority={PLATFORM: 10}, unavailable="jax-triton not importable: needs a GPU jaxlib")
     sel = fj.explain("rms_norm", *xw)
     assert sel.implementation == "xla"
     assert "jax-triton not importable" in sel.rejected["fake"]
@@ -186,7 +188,7 @@ def test_env_and_context_preferences_fall_back(fake, xw, monkeypatch, capsys):
 
 
 def test_explicit_unsupported_implementation_raises(fake, xw):
-    fake(priority={"cpu": 10}, reason="head_dim 8 is not a multiple of 128")
+    fake(priority={PLATFORM: 10}, reason="head_dim 8 is not a multiple of 128")
     x, w = xw
     with pytest.raises(fj.ImplementationError,
                        match=r"'fake'.*implementation=.*head_dim 8 is not a multiple of 128"):
@@ -200,7 +202,7 @@ def test_explicit_unsupported_implementation_raises(fake, xw):
 
 
 def test_selection_happens_once_at_trace_time(fake, xw):
-    impl = fake(priority={"cpu": 10})
+    impl = fake(priority={PLATFORM: 10})
     x, w = xw
     f = jax.jit(lambda x, w: fj.rms_norm(x, w) * 2)
     for i in range(3):
@@ -227,11 +229,11 @@ def test_registry_guards(fake):
 
 
 def test_selection_under_transformations_uses_the_default_platform(fake):
-    impl = fake(priority={"cpu": 10})
+    impl = fake(priority={PLATFORM: 10})
     g = rng(62)
     x, w = normal(g, (4, 3, 8)), normal(g, (8,))
     out = jax.vmap(lambda x: fj.rms_norm(x, w))(x)
-    assert is_fake(out) and impl.seen[1] == "cpu"
+    assert is_fake(out) and impl.seen[1] == PLATFORM
     grad = jax.grad(lambda w: jnp.sum(fj.rms_norm(x, w, implementation="xla")))(w)
     assert np.isfinite(np.asarray(grad)).all()
     assert dispatch.last_selection("rms_norm").implementation == "xla"
