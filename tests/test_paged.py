@@ -345,7 +345,12 @@ def test_paged_write_donated_updates_in_place():
     step = jax.jit(fj.paged_write, donate_argnums=(0, 1))
     compiled = step.lower(k_pages, v_pages, k, k, slots).compile()
     pool_bytes = 4 * math.prod(shape)
-    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes / 100
+    stats = compiled.memory_analysis()
+    assert stats.temp_size_in_bytes < pool_bytes / 100
+    assert stats.alias_size_in_bytes >= 2 * pool_bytes  # outputs live in the donated inputs
+    pool_type = f"f32[{','.join(map(str, shape))}]"
+    assert not [line for line in compiled.as_text().splitlines()
+                if " copy(" in line and pool_type in line]
     expect = np.asarray(k_pages).reshape(kv_heads, -1, head_dim)[:, 5].copy()
     new_k, _ = step(k_pages, v_pages, k, k, slots)
     assert k_pages.is_deleted() and v_pages.is_deleted()

@@ -99,7 +99,7 @@ def _scatter_tokens(pages, x, slots):
     slots = jnp.where(slots < 0, capacity, slots)
     flat = pages.reshape(kv_heads, capacity, head_dim)
     x = jnp.swapaxes(x.astype(pages.dtype), 0, 1)  # [kv_heads, tokens, head_dim]
-    flat = flat.at[:, slots].set(x, mode="drop", unique_indices=False)
+    flat = flat.at[:, slots].set(x, mode="drop")
     return flat.reshape(pages.shape)
 
 
