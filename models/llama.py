@@ -632,8 +632,22 @@ def _sample(logits, key, temperature, top_p, mode):
                                top_k=top_k, top_p=top_p if use_top_p else None)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
-def _prefill_step(state, cache, tokens, lengths, key, temperature, top_p, *, graphdef, mode):
+def _implementation_key():
+    """The active implementation preference (``fj.use_implementation``, the environment).
+
+    Ops pick their implementation when traced and jit's cache does not see the
+    preference, so the steps take it as a static argument: one compiled step per
+    preference.
+    """
+    return fj.dispatch._preference(None)
+
+
+_STATIC = ("graphdef", "mode", "implementation_key")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _prefill_step(state, cache, tokens, lengths, key, temperature, top_p, *, graphdef, mode,
+                  implementation_key=None):
     """Prefill of right-padded prompts ``tokens`` [batch, t] with ``lengths`` [batch];
     returns the first new token of each prompt (int32 [batch]) and the cache.
     ``mode`` is :attr:`SamplingParams.mode`; temperature and top_p are float32 scalars."""
@@ -646,8 +660,9 @@ def _prefill_step(state, cache, tokens, lengths, key, temperature, top_p, *, gra
     return _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, mode), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
-def _decode_step(state, cache, tokens, active, key, step, temperature, top_p, *, graphdef, mode):
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _decode_step(state, cache, tokens, active, key, step, temperature, top_p, *, graphdef, mode,
+                 implementation_key=None):
     """One token per sequence: ``tokens`` [batch] at position ``cache.lengths``; rows with
     ``active`` False (batch padding) are not written. Returns (next tokens, cache)."""
     model = nnx.merge(graphdef, state)
@@ -773,7 +788,8 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
     # Temperature and top_p are arguments, not constants: changing them does not recompile.
     temp = jnp.asarray(sampling.temperature, jnp.float32)
     top_p = jnp.asarray(1.0 if sampling.top_p is None else sampling.top_p, jnp.float32)
-    statics = dict(graphdef=graphdef, mode=sampling.mode)
+    statics = dict(graphdef=graphdef, mode=sampling.mode,
+                   implementation_key=_implementation_key())
     # Compile ahead of time (cached by jit after the first call) so that the timings
     # below measure the steps alone.
     start = time.perf_counter()

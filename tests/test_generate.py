@@ -142,6 +142,10 @@ def test_second_call_does_not_recompile():
         tokens, stats = llama.generate_with_stats(model, PROMPTS, 8)
     assert not [e for e in events if e.startswith("/jax/core/compile")], events
     assert stats.compile_seconds < 1.0
+    # Ops choose their implementation at trace time: another preference compiles anew.
+    with _count_traces() as events, fj.use_implementation("xla"):
+        assert llama.generate(model, PROMPTS, 8) == tokens
+    assert "/jax/core/compile/jaxpr_trace_duration" in events
 
 
 def test_eos_stops_a_sequence_and_is_included(model):
