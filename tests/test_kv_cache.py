@@ -668,8 +668,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(n=st.integers(-3, -1))
     def bad_calls(self, n):
         before = self._snapshot()
-        with pytest.raises(KeyError):
-            self.manager.free(self.next_id + 7)  # never allocated (or a double free)
+        with pytest.raises(KeyError, match="never allocated"):
+            self.manager.free(self.next_id + 7)
+        freed = sorted(set(range(self.next_id)) - set(self.tokens))
+        if freed:
+            with pytest.raises(KeyError, match="already freed"):
+                self.manager.free(freed[-1])  # a double free
+            with pytest.raises(KeyError):
+                self.manager.append(freed[0])
         with pytest.raises(ValueError):
             self.manager.allocate(self.next_id, n)
         if self.tokens:
