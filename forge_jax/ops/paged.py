@@ -231,7 +231,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``,
         ``q_heads % kv_heads == 0``.
       block_tables: int ``[batch, max_pages]``, each sequence's pages in order.
-      lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
+      lengths: int ``[batch]``, tokens in the cache per sequence, new ones included;
+        at most ``max_pages * page_size`` (keys beyond the block table do not exist).
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       q_positions: optional int ``[batch, q_len]`` (``[batch]`` also accepted for 3-D
         ``q``), each query's absolute position; default ``lengths[b] - q_len + t``.
