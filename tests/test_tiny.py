@@ -12,6 +12,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file
 
 import forge_jax as fj
@@ -128,23 +129,32 @@ def test_export_reproduces_the_shipped_tensors(model):
 # -------------------------------------------------------------------------- accuracy
 
 
-def test_accuracy_on_fresh_problems_and_caches_agree(model, problems):
-    paged, stats = tasks.solve(model, problems, cache="paged")
-    contiguous, _ = tasks.solve(model, problems, cache="contiguous")
+@pytest.fixture(scope="module")
+def solved(model, problems):
+    """Greedy answers to ``problems`` with the paged cache: (generated ids, stats)."""
+    return tasks.solve(model, problems, cache="paged")
+
+
+def forward(model, ids):
+    """The full uncached forward (what training used), jitted: float32 logits as NumPy."""
+    return np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+
+
+def test_accuracy_on_fresh_problems_and_caches_agree(model, problems, solved):
+    paged, stats = solved
     accuracy = tasks.accuracy(problems, paged)
     assert accuracy >= 0.9, f"{accuracy=:.3f} on {len(problems)} held-out problems"
-    assert paged == contiguous
     assert stats.decode_steps > 0
+    contiguous, _ = tasks.solve(model, problems, cache="contiguous")
+    assert paged == contiguous
 
 
-def test_full_forward_agrees_with_generation(model, problems):
-    """The uncached forward (what training used) predicts the answers that generation wrote."""
-    ids, mask = tasks.encode_problems(problems[:16], with_answer=True)
-    pred = np.asarray(jnp.argmax(model(jnp.asarray(ids)), axis=-1))
+def test_full_forward_agrees_with_generation(model, problems, solved):
+    """Teacher-forced argmax of the uncached forward says the same right/wrong as generation."""
+    ids, mask = tasks.encode_problems(problems, with_answer=True)
+    pred = forward(model, ids).argmax(-1)
     teacher_forced = np.all((pred[:, :-1] == ids[:, 1:]) | (mask[:, :-1] == 0), axis=-1)
-    generated, _ = tasks.solve(model, problems[:16])
-    by_generation = [tasks.is_correct(p, g) for p, g in zip(problems[:16], generated,
-                                                               strict=True)]
+    by_generation = [tasks.is_correct(p, g) for p, g in zip(problems, solved[0], strict=True)]
     assert teacher_forced.tolist() == by_generation
 
 
@@ -160,20 +170,20 @@ def hf_model():
     return torch, transformers, hf
 
 
-def test_transformers_loads_the_artifact_and_agrees(hf_model, model, problems):
+def test_transformers_loads_the_artifact_and_agrees(hf_model, model, problems, solved):
     torch, transformers, hf = hf_model
     hf_tok = transformers.AutoTokenizer.from_pretrained(TINY)
-    sample = problems[:3]
-    ours, _ = tasks.solve(model, sample)
-    for p, generated in zip(sample, ours, strict=True):
+    for p, generated in list(zip(problems, solved[0], strict=True))[:4]:
         prompt = tasks.encode_prompt(p)
         assert hf_tok(p.prompt)["input_ids"] == prompt
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=len(generated),
                               do_sample=False, eos_token_id=tasks.EOS_ID,
                               pad_token_id=tasks.PAD_ID)
-            hf_logits = hf(torch.tensor([prompt])).logits.numpy()
         assert out[0, len(prompt):].tolist() == generated, p.prompt
-        logits = np.asarray(model(jnp.asarray([prompt], jnp.int32)))
-        tol = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
-        np.testing.assert_allclose(logits, hf_logits, atol=tol.atol, rtol=tol.rtol)
+    # Logits of a right-padded batch: causal, so every real position is unaffected by padding.
+    ids, _ = tasks.encode_problems(problems[:16], with_answer=True)
+    with torch.no_grad():
+        hf_logits = hf(torch.tensor(ids)).logits.numpy()
+    tol = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
+    np.testing.assert_allclose(forward(model, ids), hf_logits, **tol.as_kwargs())
