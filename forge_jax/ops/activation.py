@@ -90,7 +90,8 @@ def safe_softmax_f32(x, axis, where):
     # Masked entries are replaced before exp so that neither the value nor the
     # gradient can see an inf - inf.
     x = jnp.where(valid, x, 0.0)
-    m = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis, keepdims=True)
+    # initial=-inf: an empty axis (e.g. attention over zero keys) is a fully masked row.
+    m = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis, keepdims=True, initial=-jnp.inf)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     e = jnp.where(valid, jnp.exp(x - m), 0.0)
     s = jnp.sum(e, axis=axis, keepdims=True)

@@ -107,7 +107,9 @@ def visible_mask(q_positions, kv_len, *, causal, kv_lengths, sliding_window):
     if kv_lengths is not None:
         mask &= j < kv_lengths.astype(jnp.int32)[:, None, None]
     if sliding_window is not None:
-        mask &= j > p - sliding_window
+        # A window wider than any int32 position distance hides nothing; clamping it keeps
+        # `p - window` inside int32 (positions are assumed to lie in [-2**30, 2**30)).
+        mask &= j > p - min(sliding_window, 2**30)
     return mask
 
 

@@ -65,6 +65,11 @@ class RopeScaling:
         if kind not in ROPE_KINDS:
             raise ValueError(
                 f"unsupported rope type {kind!r} (supported: default, {', '.join(ROPE_KINDS)})")
+        needed = ("factor",) if kind == "linear" else (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [key for key in needed if key not in config]
+        if missing:
+            raise ValueError(f"{kind} rope scaling needs {missing} in the config, got {config=}")
         if kind == "linear":
             return cls("linear", float(config["factor"]))
         return cls("llama3", float(config["factor"]), float(config["low_freq_factor"]),
