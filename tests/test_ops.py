@@ -460,6 +460,19 @@ def test_attention_fully_masked_queries_give_zeros():
     assert_close(out, attention_ref(q2, k[:1, :3], v[:1, :3]), dtype=jnp.float32)
 
 
+def test_attention_without_keys_and_with_huge_window():
+    g = rng(22)
+    q, k, v = _qkv(g, 2, 3, 4, 2, 1, 8)
+    # kv_len 0: no query sees a key, so every output is zero (not a reduction error).
+    out = jcall(fj.attention, q, k[:, :0], v[:, :0])
+    assert out.shape == q.shape
+    np.testing.assert_array_equal(f64(out), 0.0)
+    np.testing.assert_array_equal(f64(jcall(fj.softmax, q[..., :0])), np.zeros((2, 3, 2, 0)))
+    # A window wider than int32 hides nothing (and does not overflow).
+    out = jcall(fj.attention, q, k, v, sliding_window=2**40)
+    assert_close(out, attention_ref(q, k, v))
+
+
 @hypothesis.settings(max_examples=12)
 @hypothesis.given(
     batch=st.integers(1, 2), q_len=st.integers(1, 6), extra_kv=st.integers(0, 5),

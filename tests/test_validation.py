@@ -117,6 +117,9 @@ CASES = {
         ValueError, r"original_max_position_embeddings=0"),
     "scaling_from_hf": (lambda: fj.RopeScaling.from_hf({"rope_type": "yarn", "factor": 2.0}),
         ValueError, r"'yarn'"),
+    "scaling_from_hf_missing": (lambda: fj.RopeScaling.from_hf({"rope_type": "llama3",
+                                                                 "factor": 8.0}),
+        ValueError, r"llama3 rope scaling needs \['low_freq_factor'"),
     # attention
     "attn_q_rank": (lambda: fj.attention(z(2, 3, 8), KV, KV),
         ValueError, r"q must have rank 4.*q\.shape=\(2, 3, 8\)"),
@@ -196,3 +199,11 @@ def test_no_silent_broadcast_of_wrong_shapes():
         fj.rms_norm(z(3, 4), z(4), residual=z(1, 4))
     with pytest.raises(ValueError, match="weight"):
         fj.rms_norm(z(3, 4), z(1))
+
+
+def test_rope_scaling_from_hf_formats():
+    assert fj.RopeScaling.from_hf(None) is None
+    assert fj.RopeScaling.from_hf({"rope_type": "default", "rope_theta": 1e4}) is None
+    # The pre-4.45 HF key "type" still works.
+    assert fj.RopeScaling.from_hf({"type": "linear", "factor": 2.0}) == fj.RopeScaling(
+        "linear", 2.0)
