@@ -319,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "fn"):
         parser.print_help()
         return 2
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:  # e.g. `forge-jax generate | head`: stop quietly, as Unix tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
