@@ -125,3 +125,27 @@ def test_vmap_matches_batched_call():
     out = jax.jit(jax.vmap(fj.attention))(q, k, v)
     ref = np.stack([attention_ref(q[i], k[i], v[i]) for i in range(3)])
     assert_close(out, ref)
+
+
+def test_vmap_rms_norm_residual_and_rope():
+    g = rng(63)
+    x, r, w = normal(g, (3, 2, 16)), normal(g, (3, 2, 16)), normal(g, (16,))
+    y, h = jax.jit(jax.vmap(lambda x, r: fj.rms_norm(x, w, residual=r)))(x, r)
+    y_ref, h_ref = rms_norm_ref(x, w, residual=r, h_dtype=jnp.float32)
+    assert_close(y, y_ref)
+    assert_close(h, h_ref)
+    xr = normal(g, (3, 1, 4, 2, 8))
+    pos = jnp.asarray(g.integers(0, 50, (3, 1, 4)), jnp.int32)
+    out = jax.jit(jax.vmap(lambda x, p: fj.rope(x, p, interleaved=True)))(xr, pos)
+    ref = np.stack([rope_ref(xr[i], pos[i], interleaved=True) for i in range(3)])
+    assert_close(out, ref)
+
+
+def test_cpu_results_are_bitwise_reproducible():
+    # The determinism policy in forge_jax/tolerances.py: same program, same inputs, same bits.
+    g = rng(64)
+    q, k, v = normal(g, (2, 5, 4, 8)), normal(g, (2, 5, 2, 8)), normal(g, (2, 5, 2, 8))
+    f = jax.jit(lambda q, k, v: fj.attention(q, k, v, logits_soft_cap=5.0))
+    np.testing.assert_array_equal(np.asarray(f(q, k, v)), np.asarray(f(q, k, v)))
+    a, b = normal(g, (7, 33)), normal(g, (33, 5))
+    np.testing.assert_array_equal(np.asarray(fj.matmul(a, b)), np.asarray(fj.matmul(a, b)))
