@@ -183,3 +183,12 @@ def test_embedding_grad():
     grads = check_grads(lambda t: fj.embedding(t, jnp.asarray(ids)),
                         lambda t: embedding_ref(t, ids), (table,), seed=49)
     np.testing.assert_array_equal(f64(grads[0])[[2, 4, 5]], 0.0)  # rows never looked up
+
+
+def test_attention_grad_with_huge_logits_is_finite():
+    g = rng(50)
+    q, k, v = normal(g, (1, 3, 2, 4)), normal(g, (1, 5, 1, 4)), normal(g, (1, 5, 1, 4))
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fj.attention(q, k, v, scale=1e4)),
+                             argnums=(0, 1, 2)))(q, k, v)
+    for gr in grads:
+        assert np.isfinite(f64(gr)).all()

@@ -314,10 +314,13 @@ def test_rope_inv_freq_matches_hugging_face():
             params.update(low_freq_factor=scaling.low_freq_factor,
                           high_freq_factor=scaling.high_freq_factor,
                           original_max_position_embeddings=8192)
-        config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2,
-                                          rope_parameters=params,
-                                          max_position_embeddings=131072)
-        inv_hf, _ = rope_utils.ROPE_INIT_FUNCTIONS[scaling.kind](config, None)
+        init = rope_utils.ROPE_INIT_FUNCTIONS[scaling.kind]
+        base = dict(hidden_size=256, num_attention_heads=2, max_position_embeddings=131072)
+        try:  # transformers >= 5: rope_parameters
+            inv_hf, _ = init(transformers.LlamaConfig(**base, rope_parameters=params), None)
+        except (TypeError, KeyError, AttributeError):  # 4.x: rope_theta + rope_scaling
+            config = transformers.LlamaConfig(**base, rope_theta=500000.0, rope_scaling=params)
+            inv_hf, _ = init(config, None)
         np.testing.assert_allclose(
             rope_inv_freq_ref(128, theta=500000.0, scaling=scaling),
             inv_hf.double().numpy(), rtol=1e-6)
