@@ -30,7 +30,7 @@ def triton_compiler_params(**kwargs: Any) -> Any:
     """
     from jax.experimental.pallas import triton as pltriton
 
-    cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+    cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
     return cls(**kwargs)
 
 

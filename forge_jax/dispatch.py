@@ -230,6 +230,27 @@ def _preference(implementation: str | None) -> tuple[str | None, str, bool]:
     return None, "auto", False
 
 
+def current_preference() -> tuple[str | None, str, bool]:
+    """The implementation preference in force here: ``(name, source, strict)``.
+
+    ``source`` is "context" (:func:`use_implementation`), "env"
+    (``FORGE_JAX_IMPLEMENTATION``) or "auto" (``name`` None). Since ops choose their
+    implementation when traced, a cache of compiled functions should key on this.
+    """
+    return _preference(None)
+
+
+def _check(impl: Implementation, args: Mapping[str, Any], platform: str) -> str | None:
+    """``None`` if ``impl`` can serve ``args`` on ``platform``, else the reason why not.
+
+    A probe that raises is a reason too: dispatch reports it instead of crashing.
+    """
+    try:
+        return impl.available() or impl.supports(args, platform)
+    except Exception as e:
+        return f"its supports/available check raised {type(e).__name__}: {e}"
+
+
 def _platform(args: Mapping[str, Any]) -> str:
     """The platform the op will run on: that of its committed inputs, else the default."""
     for value in args.values():
@@ -258,7 +279,7 @@ def _auto(
         if chosen is not None:
             rejected.setdefault(impl.name, f"lower priority on {platform} than {chosen.name!r}")
             continue
-        reason = impl.available() or impl.supports(args, platform)
+        reason = _check(impl, args, platform)
         if reason is None:
             chosen = impl
         else:
@@ -290,7 +311,7 @@ def _select(
         if impl is None:
             reason = f"{op!r} has no implementation {name!r} (registered: {sorted(impls)})"
         else:
-            reason = impl.available() or impl.supports(args, platform)
+            reason = _check(impl, args, platform)
         if reason is None:
             return impl, Selection(op, name, platform, source, rejected)
         if strict:
@@ -332,8 +353,14 @@ def last_selection(op: str) -> Selection | None:
 
 
 def last_selections() -> Mapping[str, Selection]:
-    """The most recent selection of every op called so far in this process."""
+    """The most recent selection of every op called (or traced) so far in this process,
+    or since the last :func:`clear_selections`."""
     return dict(_LAST)
+
+
+def clear_selections() -> None:
+    """Forgets the recorded selections, e.g. before a run whose ops you want to report."""
+    _LAST.clear()
 
 
 def define(op: str, binder: Callable[..., dict[str, Any]]) -> None:

@@ -237,3 +237,35 @@ def test_selection_under_transformations_uses_the_default_platform(fake):
     grad = jax.grad(lambda w: jnp.sum(fj.rms_norm(x, w, implementation="xla")))(w)
     assert np.isfinite(np.asarray(grad)).all()
     assert dispatch.last_selection("rms_norm").implementation == "xla"
+
+
+def test_a_probe_that_raises_is_a_reason_not_a_crash(fake, xw, capsys):
+    x, w = xw
+    impl = fake(priority={PLATFORM: 100})
+
+    def broken(args, platform):
+        raise RuntimeError("probe exploded")
+
+    dispatch.register("rms_norm", "fake", priority={PLATFORM: 100}, supports=broken,
+                      replace=True)(impl)
+    sel = fj.explain("rms_norm", x, w)
+    assert sel.implementation == "xla"
+    assert "RuntimeError: probe exploded" in sel.rejected["fake"]
+    assert_close(fj.rms_norm(x, w), rms_norm_ref(x, w))
+    with pytest.raises(fj.ImplementationError, match="probe exploded"):
+        fj.rms_norm(x, w, implementation="fake")
+    assert capsys.readouterr() == ("", "")
+
+
+def test_current_preference_and_clear_selections(xw, monkeypatch):
+    x, w = xw
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.current_preference() == (None, "auto", False)
+    with fj.use_implementation("xla", strict=True):
+        assert dispatch.current_preference() == ("xla", "context", True)
+    monkeypatch.setenv(dispatch.ENV_VAR, "xla")
+    assert dispatch.current_preference() == ("xla", "env", False)
+    fj.rms_norm(x, w)
+    assert "rms_norm" in dispatch.last_selections()
+    dispatch.clear_selections()
+    assert dispatch.last_selections() == {}

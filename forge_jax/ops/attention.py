@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from forge_jax import _checks, dispatch
 from forge_jax.ops.activation import safe_softmax_f32
@@ -37,8 +38,9 @@ def _attention_args(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k disagree on head_dim: {q.shape=}, {k.shape=}")
     check_heads(q.shape[2], k.shape[2], q.shape, k.shape)
-    if not isinstance(causal, bool):
+    if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal=!r}")
+    causal = bool(causal)
     batch, q_len = q.shape[:2]
     if q_positions is not None:
         _checks.array("q_positions", q_positions, ndim=2, kind="int")
