@@ -225,8 +225,6 @@ def _run_prompts(model, tokenizer, path, args, progress) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import contextlib
 
-    import jax
-
     import forge_jax as fj
     from forge_jax import dispatch
     from forge_jax.memory import InsufficientMemoryError
@@ -261,10 +259,9 @@ def _generate(args: argparse.Namespace) -> int:
         progress = _ProgressLine(sys.stderr, enabled=show)
         context = contextlib.nullcontext()
         if args.implementation:
-            # Ops choose their implementation when traced, and jit's cache does not know the
-            # preference: drop steps compiled earlier in this process under another one.
-            jax.clear_caches()
+            # generate() keys its compiled steps on the preference, so no cache to clear.
             context = fj.use_implementation(args.implementation)
+        fj.dispatch.clear_selections()  # Report the ops of this run only.
         with context:
             if task is not None and not args.prompt and args.prompt_ids is None:
                 _run_task(model, task, args, progress)
