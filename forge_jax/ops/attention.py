@@ -127,8 +127,13 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
         q_positions = jnp.broadcast_to(
             kv_len - q_len + jnp.arange(q_len, dtype=jnp.int32), (batch, q_len))
     qg = q.reshape(batch, q_len, kv_heads, groups, head_dim)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg.astype(jnp.float32), k.astype(jnp.float32),
-                        preferred_element_type=jnp.float32)
+    if q.dtype != k.dtype:
+        qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
+    # Products of two bfloat16/float16 values are exact in float32, so equal low-precision
+    # operands stay as they are; float32 ones ask for full precision, since GPUs default to
+    # TF32 and TPUs to bfloat16 passes for float32 dots (free on CPU).
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32,
+                        precision=jax.lax.Precision.HIGHEST)
     logits = logits * jnp.asarray(scale, jnp.float32)
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
@@ -136,7 +141,7 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
                         sliding_window=sliding_window)
     probs = safe_softmax_f32(logits, -1, mask[:, None, None, :, :])  # [b, k, g, t, s]
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32),
-                     preferred_element_type=jnp.float32)
+                     preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
 
 
