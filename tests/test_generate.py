@@ -35,6 +35,8 @@ def _random_model(config=CONFIG, seed=0) -> llama.Llama:
             shape = param[...].shape
             if path[-2:-1] and str(path[-2]).endswith("norm"):
                 value = gen.uniform(0.5, 1.5, shape)
+            elif path[-1] == "kernel":  # kernels are [out, in]; drawn [in, out] as before
+                value = gen.normal(0.0, 0.25, shape[::-1]).T
             else:
                 value = gen.normal(0.0, 0.25 if len(shape) > 1 else 0.1, shape)
             param.set_value(jnp.asarray(value, jnp.float32))

@@ -267,9 +267,10 @@ def test_unsupported_config_is_refused(tmp_path, overrides, match):
 def test_loads_a_checkpoint_written_by_safetensors(tmp_path):
     tensors = _write_checkpoint(tmp_path, _config_dict())
     model = llama.from_pretrained(tmp_path)
-    kernel = model.layers[1].self_attn.k_proj.kernel[...]
+    k_proj = model.layers[1].self_attn.k_proj
     np.testing.assert_array_equal(
-        np.asarray(kernel), tensors["model.layers.1.self_attn.k_proj.weight"].T)
+        np.asarray(k_proj.kernel[...]),
+        k_proj.kernel_from_hf(tensors["model.layers.1.self_attn.k_proj.weight"]))
 
 
 def _mutated_checkpoint(tmp_path, mutate):
@@ -359,4 +360,6 @@ def test_layers_are_separate_modules():
     """Per-layer weights, not stacked [layers, ...] arrays (a per-step copy on CPU)."""
     model = llama.Llama(llama.LlamaConfig.from_hf(_config_dict()), rngs=nnx.Rngs(0))
     assert len(model.layers) == BASE["num_hidden_layers"]
-    assert model.layers[0].mlp.up_proj.kernel[...].shape == (64, 128)
+    up_proj = model.layers[0].mlp.up_proj
+    assert up_proj.kernel[...].shape == up_proj.kernel_from_hf(np.zeros(up_proj.hf_shape())).shape
+    assert (up_proj.in_features, up_proj.out_features) == (64, 128)

@@ -105,12 +105,18 @@ def matmul_xla(a, b, *, trans_a, trans_b, alpha, beta, c, out_dtype):
     acc = _acc_dtype(a.dtype, b.dtype)
     if a.dtype != b.dtype:  # Mixed inputs: compute in the accumulation dtype.
         a, b = a.astype(acc), b.astype(acc)
-    if trans_a:
-        a = jnp.swapaxes(a, -1, -2)
-    if trans_b:
-        b = jnp.swapaxes(b, -1, -2)
     with jax.named_scope("matmul"):
-        out = jnp.matmul(a, b, preferred_element_type=acc)
+        if a.ndim == 2 and b.ndim == 2:
+            # The transposes as contracting dimensions, not as transpose ops: XLA on CPU
+            # then reads a [N, K] weight in place (no transposed copy in the fusion).
+            dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+            out = jax.lax.dot_general(a, b, dims, preferred_element_type=acc)
+        else:
+            if trans_a:
+                a = jnp.swapaxes(a, -1, -2)
+            if trans_b:
+                b = jnp.swapaxes(b, -1, -2)
+            out = jnp.matmul(a, b, preferred_element_type=acc)
         if not (isinstance(alpha, float) and alpha == 1.0):
             out = out * jnp.asarray(alpha, acc)
         if c is not None:

@@ -93,14 +93,15 @@ dispatch.define("paged_write", _paged_write_args)
 
 def _scatter_tokens(pages, x, slots):
     kv_heads, num_pages, page_size, head_dim = pages.shape
-    capacity = num_pages * page_size
-    # jnp's .at[] wraps negative indices around; send them out of bounds to be dropped.
     slots = slots.astype(jnp.int32)
-    slots = jnp.where(slots < 0, capacity, slots)
-    flat = pages.reshape(kv_heads, capacity, head_dim)
+    # Scatter into the 4-D pool by (page, offset): scattering into the pool reshaped to
+    # [kv_heads, capacity, head_dim] made XLA on CPU copy the whole pool, several times,
+    # whenever the step also read the pool (attention after the write).
+    # Negative slots (skipped tokens) go out of bounds and are dropped: .at[] would wrap
+    # them around. Slots past the pool land on pages >= num_pages, dropped too.
+    page = jnp.where(slots < 0, num_pages, slots // page_size)
     x = jnp.swapaxes(x.astype(pages.dtype), 0, 1)  # [kv_heads, tokens, head_dim]
-    flat = flat.at[:, slots].set(x, mode="drop")
-    return flat.reshape(pages.shape)
+    return pages.at[:, page, slots % page_size].set(x, mode="drop")
 
 
 @dispatch.register("paged_write", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},

@@ -1,0 +1,25 @@
+"""The benchmark scripts keep running: each in its ``--quick`` smoke mode (tiny shapes,
+seconds). Nothing here is timed; the figures live in BENCHMARKS.md."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_decode_cpu_quick_prints_the_table():
+    pytest.importorskip("torch", reason="the benchmark compares with transformers on torch")
+    pytest.importorskip("transformers", reason="the benchmark compares with transformers")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode_cpu.py"), "--quick"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = result.stdout
+    for row in ("memory bandwidth", "weights read per token", "limit (weights / bandwidth)",
+                "forge_jax, paged cache", "forge_jax, contiguous cache",
+                "forge_jax, bf16 checkpoint", "HF transformers eager"):
+        assert row in out, out
+    assert "% of limit" in out and "x HF" in out, out
