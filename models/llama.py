@@ -589,9 +589,11 @@ class GenerationStats:
       cache: "paged" or "contiguous".
       prompt_tokens: prompt tokens summed over the batch (padding excluded).
       new_tokens: tokens returned, summed over the batch.
-      decode_tokens: tokens produced by decode steps (the first new token of each
-        prompt comes from the prefill).
-      decode_steps: decode steps run.
+      decode_tokens: tokens returned that decode steps produced (the first new token of
+        each prompt comes from the prefill).
+      decode_steps: decode steps run. With ``eos_token_id``, one more than needed when
+        every sequence stops early (eos is checked one step behind, so the host never
+        stalls the device).
       compile_seconds: tracing and compiling both steps (about 0 when cached).
       prefill_seconds: the prefill step, compilation excluded.
       decode_seconds: all decode steps, compilation excluded.
@@ -812,10 +814,11 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
         progress(1, max_new_tokens)
 
     outputs = [next_tokens]
-    host = np.asarray(next_tokens)[:batch]
     done = np.zeros((batch,), bool)
     if eos:
-        done |= np.isin(host, list(eos))
+        done |= np.isin(np.asarray(next_tokens)[:batch], list(eos))
+    eos_ids = np.asarray(sorted(eos), np.int32)
+    unchecked = None  # the latest tokens not yet compared with eos
     start = time.perf_counter()
     for step in range(1, max_new_tokens):
         if done.all():
@@ -824,9 +827,13 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
                                  jnp.asarray(step, jnp.int32), temp, top_p)
         outputs.append(next_tokens)
         stats.decode_steps += 1
-        stats.decode_tokens += int((~done).sum())
-        if eos:  # Reading the tokens back syncs the host; only needed to stop early.
-            done |= np.isin(np.asarray(next_tokens)[:batch], list(eos))
+        if eos:
+            # Stopping early needs the tokens on the host. Reading the previous step's
+            # while this one is queued keeps the device busy; the cost is at most one
+            # step past the last eos, whose tokens are cut off below.
+            if unchecked is not None:
+                done |= np.isin(np.asarray(unchecked)[:batch], eos_ids)
+            unchecked = next_tokens
         if progress is not None:
             progress(step + 1, max_new_tokens)
     jax.block_until_ready(outputs)
@@ -842,6 +849,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
                 break
         results.append(row)
     stats.new_tokens = sum(len(r) for r in results)
+    stats.decode_tokens = stats.new_tokens - batch  # the prefill gave each its first token
     return results, stats
 
 
