@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _checks, dispatch
-from forge_jax.ops.attention import attention_reference, check_heads, check_masking
+from forge_jax.ops.activation import safe_softmax_f32
+from forge_jax.ops.attention import check_heads, check_masking, visible_mask
 
 
 def _check_pages(k_pages, v_pages):
@@ -268,13 +269,55 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_
         q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
     q_positions = jnp.asarray(q_positions)
     with jax.named_scope("paged_attention"):
-        # Only the pages the block tables name: [batch, max_pages * page_size, kv_heads, head_dim].
-        k = gather_pages(k_pages, block_tables, lengths)
-        v = gather_pages(v_pages, block_tables, lengths)
-        out = attention_reference(q, k, v, scale=scale, causal=True, q_positions=q_positions,
-                                  kv_lengths=lengths, sliding_window=sliding_window,
-                                  logits_soft_cap=logits_soft_cap)
+        out = _attend_pages(q, k_pages, v_pages, block_tables, lengths, scale=scale,
+                            q_positions=q_positions, sliding_window=sliding_window,
+                            logits_soft_cap=logits_soft_cap)
     return out[:, 0] if decode else out
+
+
+def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positions,
+                  sliding_window, logits_soft_cap):
+    """:func:`attention_reference` over the pages the block tables name, kept head-major.
+
+    The gathered pages stay in the pool's layout, ``[kv_heads, batch, seq, head_dim]``,
+    which is also the layout the per-head products want: going through the dense
+    ``[batch, seq, kv_heads, head_dim]`` of :func:`gather_pages` cost two transposed
+    copies of every layer's keys and values per decode step on CPU.
+    """
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    max_pages = block_tables.shape[1]
+    seq = max_pages * page_size
+    groups = q_heads // kv_heads
+    if scale is None:
+        scale = head_dim ** -0.5
+    # As in gather_pages: unused table entries may hold garbage, read page 0 instead.
+    used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
+    table = jnp.where(used, jnp.asarray(block_tables).astype(jnp.int32), 0)
+    k = jnp.take(k_pages, table, axis=1, mode="clip").reshape(kv_heads, batch, seq, head_dim)
+    v = jnp.take(v_pages, table, axis=1, mode="clip").reshape(kv_heads, batch, seq, head_dim)
+    # Slots past a sequence's length may hold anything (stale pages, NaN): zero the values
+    # so that their zero probabilities keep them out (masked logits are replaced anyway).
+    valid = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]  # [batch, seq]
+    v = jnp.where(valid[None, :, :, None], v, jnp.zeros((), v.dtype))
+    qg = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim), (2, 0, 3, 1, 4))
+    qg = qg.reshape(kv_heads, batch, groups * q_len, head_dim)
+    if qg.dtype != k.dtype:
+        qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
+    # Full float32 precision, as attention_reference asks (GPU TF32, TPU bfloat16 passes).
+    logits = jnp.einsum("kbqh,kbsh->kbqs", qg, k, preferred_element_type=jnp.float32,
+                        precision=jax.lax.Precision.HIGHEST)
+    logits = logits.reshape(kv_heads, batch, groups, q_len, seq) * jnp.asarray(scale, jnp.float32)
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    mask = visible_mask(q_positions, seq, causal=True, kv_lengths=lengths,
+                        sliding_window=sliding_window)  # [batch, q_len, seq]
+    probs = safe_softmax_f32(logits, -1, mask[None, :, None])  # [k, b, g, t, s]
+    out = jnp.einsum("kbqs,kbsh->kbqh", probs.reshape(kv_heads, batch, groups * q_len, seq),
+                     v.astype(jnp.float32), preferred_element_type=jnp.float32,
+                     precision=jax.lax.Precision.HIGHEST)
+    out = jnp.transpose(out.reshape(kv_heads, batch, groups, q_len, head_dim), (1, 3, 0, 2, 4))
+    return out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------
