@@ -98,6 +98,20 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k: int | N
       int32 ``[batch]``.
     """
     if isinstance(temperature, int | float) and temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return _argmax(logits)
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+
+def _argmax(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32: the first maximum, or the first NaN.
+
+    Two plain reductions (max, then the smallest index that reaches it) instead of
+    argmax's (value, index) pair reduction, which took ~170 us over a 32000-entry
+    vocabulary on CPU against ~30 us, i.e. over 1% of a 125M model's decode step.
+    """
+    vocab = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN if any entry is NaN
+    hit = (logits == top) | jnp.isnan(logits)
+    index = jnp.arange(vocab, dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, index, jnp.int32(vocab)), axis=-1)
