@@ -20,10 +20,13 @@ Determinism:
   reorder float32 sums between runs or processes; set
   ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` for run-to-run equality. Pallas
   kernels with a fixed grid and no atomics are deterministic per shape.
-* TPU: deterministic for a given program; the MXU's default matmul precision for
-  float32 inputs is reduced (bfloat16 passes), so pass ``precision="highest"`` in
-  your own code where float32 matmul accuracy matters; forge_jax's XLA ops request
-  float32 accumulation.
+* TPU: deterministic for a given program.
+
+Precision: GPUs run float32 dots as TF32 and TPUs as bfloat16 passes by default, which
+would miss the float32 tolerance above; forge_jax's XLA ``matmul`` and ``attention``
+ask for ``Precision.HIGHEST`` on float32 operands (no cost on CPU). bfloat16 and
+float16 operands keep their native speed: their products are exact in float32 and
+accumulate in float32.
 """
 
 from __future__ import annotations

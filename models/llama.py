@@ -645,7 +645,7 @@ def _implementation_key():
     preference, so the steps take it as a static argument: one compiled step per
     preference.
     """
-    return fj.dispatch._preference(None)
+    return fj.dispatch.current_preference()
 
 
 _STATIC = ("graphdef", "mode", "implementation_key")

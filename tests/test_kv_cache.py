@@ -736,3 +736,27 @@ TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = hypothesis.settings(
     max_examples=100, stateful_step_count=40, deadline=None, derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+
+
+def test_decode_step_write_then_attend_does_not_copy_the_pool():
+    """A model's decode step writes the new token and then attends in the same jit: the
+    pool must still be updated in place, with scratch memory for the named pages only."""
+    num_pages, page_size, kv_heads, head_dim = 2048, 4, 2, 32
+    cache = _paged(num_layers=2, num_pages=num_pages, page_size=page_size, kv_heads=kv_heads,
+                   head_dim=head_dim, tables=np.arange(8).reshape(4, 2))
+    pool_bytes = num_pages * page_size * kv_heads * head_dim * 4
+    k = jnp.asarray(np.random.default_rng(30).standard_normal((4, 1, kv_heads, head_dim)),
+                    jnp.float32)
+    q = jnp.concatenate([k, -k], axis=2)  # 4 query heads over 2 kv heads
+    pos = jnp.asarray([[0], [3], [5], [7]], jnp.int32)
+
+    def step(cache, q, k):
+        for layer in range(2):
+            cache = cache.write(layer, k, k, pos, jnp.ones((4, 1), bool))
+            q = cache.attend(layer, q, q_positions=pos, kv_lengths=pos[:, 0] + 1)
+        return cache, q
+
+    compiled = jax.jit(step, donate_argnames="cache").lower(cache, q, k).compile()
+    stats = compiled.memory_analysis()
+    assert stats.temp_size_in_bytes < pool_bytes / 20
+    assert stats.alias_size_in_bytes >= 4 * pool_bytes

@@ -95,6 +95,12 @@ def matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
 dispatch.define("matmul", _matmul_args)
 
 
+# float32 operands at full precision: GPUs default to TF32 and TPUs to bfloat16 passes for
+# float32 dots, which would miss the float32 tolerance. Free on CPU; bfloat16 and float16
+# operands are unaffected (their products are exact in float32).
+_FULL = jax.lax.Precision.HIGHEST
+
+
 def _acc_dtype(*dtypes):
     return jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes) else jnp.float32
 
@@ -110,13 +116,13 @@ def matmul_xla(a, b, *, trans_a, trans_b, alpha, beta, c, out_dtype):
             # The transposes as contracting dimensions, not as transpose ops: XLA on CPU
             # then reads a [N, K] weight in place (no transposed copy in the fusion).
             dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-            out = jax.lax.dot_general(a, b, dims, preferred_element_type=acc)
+            out = jax.lax.dot_general(a, b, dims, preferred_element_type=acc, precision=_FULL)
         else:
             if trans_a:
                 a = jnp.swapaxes(a, -1, -2)
             if trans_b:
                 b = jnp.swapaxes(b, -1, -2)
-            out = jnp.matmul(a, b, preferred_element_type=acc)
+            out = jnp.matmul(a, b, preferred_element_type=acc, precision=_FULL)
         if not (isinstance(alpha, float) and alpha == 1.0):
             out = out * jnp.asarray(alpha, acc)
         if c is not None:
