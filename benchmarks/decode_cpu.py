@@ -91,8 +91,11 @@ def measure_bandwidth(x: jax.Array, repeats: int) -> float:
 def weight_bytes_per_token(model: llama.Llama) -> int:
     """Bytes of weights one decode token reads: all of them, the embedding table aside
     (one row), the output head in full (the table itself when tied)."""
-    total = 0
-    for name, (param, _, _) in llama._hf_parameters(model).items():
+    total, seen = 0, set()
+    for name, (param, *_) in llama._hf_parameters(model).items():
+        if id(param) in seen:  # a fused projection holds several HF tensors
+            continue
+        seen.add(id(param))
         array = param[...]
         if name == "model.embed_tokens.weight":
             rows = array.shape[0] if model.config.tie_word_embeddings else 1

@@ -144,15 +144,7 @@ def train(cfg: TrainConfig = TrainConfig(), *, log=print) -> llama.Llama:
 
 def hf_state_dict(model: llama.Llama) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face names, in HF's layout (float32 NumPy)."""
-    out = {}
-    for name, (param, hf_shape, from_hf) in llama._hf_parameters(model).items():
-        stored = np.asarray(param[...], np.float32)
-        # from_hf maps HF's layout to ours: the identity or a transpose. Invert it, and check.
-        array = stored if from_hf(stored) is stored else np.ascontiguousarray(stored.T)
-        if array.shape != tuple(hf_shape) or not np.array_equal(from_hf(array), stored):
-            raise ValueError(f"cannot convert {name} of shape {stored.shape} to HF's {hf_shape}")
-        out[name] = array
-    return out
+    return llama.hf_state_dict(model)
 
 
 def save_pretrained(model: llama.Llama, path: str | pathlib.Path, *,

@@ -152,9 +152,12 @@ def test_second_call_does_not_recompile():
 
 def test_eos_stops_a_sequence_and_is_included(model):
     free = llama.generate(model, PROMPTS, 8)
-    eos = free[0][2]
+    # A token that first appears after the start of some row, so that one sequence stops
+    # mid-way (whatever the random weights generate).
+    eos, stop = next((t, i) for row in free for i, t in enumerate(row)
+                     if 0 < i < len(row) - 1 and t not in row[:i])
     expected = [row[:row.index(eos) + 1] if eos in row else row for row in free]
-    assert expected[0] == free[0][:3]
+    assert any(len(row) == stop + 1 < 8 for row in expected)
     assert llama.generate(model, PROMPTS, 8, eos_token_id=eos) == expected
     assert llama.generate(model, PROMPTS, 8, eos_token_id=[free[0][0], free[1][0], free[2][0]]
                           ) == [[row[0]] for row in free]

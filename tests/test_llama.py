@@ -198,7 +198,7 @@ def test_bfloat16_checkpoint(hf, tmp_path):
     assert all(len(r) == 4 for r in llama.generate(model16, PROMPTS, 4))  # bf16 cache path
     # bfloat16 storage with float32 compute: the upcast is exact, so float32 results.
     mixed = llama.from_pretrained(tmp_path, dtype=jnp.float32, param_dtype=jnp.bfloat16)
-    assert mixed.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    assert mixed.layers[0].mlp.gate_up_proj.kernel[...].dtype == jnp.bfloat16
     np.testing.assert_allclose(_logits(mixed, tokens), expected, **LOGITS_TOL.as_kwargs())
 
 
@@ -220,10 +220,8 @@ def _write_checkpoint(directory: pathlib.Path, config: dict, tensors: dict | Non
     (directory / "config.json").write_text(json.dumps(config))
     if tensors is None:
         model = llama.Llama(llama.LlamaConfig.from_hf(config), rngs=nnx.Rngs(0))
-        tensors = {}
-        for name, (param, hf_shape, _) in llama._hf_parameters(model).items():
-            value = np.asarray(param[...])
-            tensors[name] = np.ascontiguousarray(value.T if value.shape != hf_shape else value)
+        tensors = {name: np.ascontiguousarray(value)
+                   for name, value in llama.hf_state_dict(model).items()}
     save_file(tensors, str(directory / "model.safetensors"))
     return tensors
 
@@ -267,10 +265,14 @@ def test_unsupported_config_is_refused(tmp_path, overrides, match):
 def test_loads_a_checkpoint_written_by_safetensors(tmp_path):
     tensors = _write_checkpoint(tmp_path, _config_dict())
     model = llama.from_pretrained(tmp_path)
-    k_proj = model.layers[1].self_attn.k_proj
+    qkv = model.layers[1].self_attn.qkv_proj
+    rows = dict(qkv.hf_parts())["k_proj"]
     np.testing.assert_array_equal(
-        np.asarray(k_proj.kernel[...]),
-        k_proj.kernel_from_hf(tensors["model.layers.1.self_attn.k_proj.weight"]))
+        np.asarray(qkv.kernel[...])[rows],
+        qkv.kernel_from_hf(tensors["model.layers.1.self_attn.k_proj.weight"]))
+    assert llama.hf_state_dict(model).keys() == tensors.keys()
+    for name, value in llama.hf_state_dict(model).items():  # export is load's inverse
+        np.testing.assert_array_equal(value, tensors[name])
 
 
 def _mutated_checkpoint(tmp_path, mutate):
@@ -360,6 +362,7 @@ def test_layers_are_separate_modules():
     """Per-layer weights, not stacked [layers, ...] arrays (a per-step copy on CPU)."""
     model = llama.Llama(llama.LlamaConfig.from_hf(_config_dict()), rngs=nnx.Rngs(0))
     assert len(model.layers) == BASE["num_hidden_layers"]
-    up_proj = model.layers[0].mlp.up_proj
-    assert up_proj.kernel[...].shape == up_proj.kernel_from_hf(np.zeros(up_proj.hf_shape())).shape
-    assert (up_proj.in_features, up_proj.out_features) == (64, 128)
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert gate_up.kernel[...].shape == gate_up.kernel_from_hf(np.zeros(gate_up.hf_shape())).shape
+    assert (gate_up.in_features, gate_up.out_features) == (64, 2 * 128)
+    assert model.layers[0].mlp.gate_up_proj is not model.layers[1].mlp.gate_up_proj
