@@ -111,18 +111,6 @@ def _float_dtype(dtype: Any) -> jnp.dtype:
     return dtype
 
 
-def _compute_dtype(q_dtype, cache_dtype) -> jnp.dtype:
-    """The dtype attention runs in: q's when the cache matches it, else float32 (or float64).
-
-    Explicit, because strict dtype promotion has no bfloat16/float16 -> float32 path.
-    """
-    if jnp.dtype(q_dtype) == jnp.dtype(cache_dtype):
-        return jnp.dtype(q_dtype)
-    if jnp.dtype(jnp.float64) in (jnp.dtype(q_dtype), jnp.dtype(cache_dtype)):
-        return jnp.dtype(jnp.float64)
-    return jnp.dtype(jnp.float32)
-
-
 def _replace_layer(arrays: tuple, layer: int, new: jax.Array) -> tuple:
     return arrays[:layer] + (new,) + arrays[layer + 1:]
 
@@ -242,13 +230,12 @@ class ContiguousKVCache:
         """
         layer = _layer_index(layer, self.num_layers)
         _checks.array("q", q, ndim=4)
-        k, v = self.k[layer], self.v[layer]
-        compute = _compute_dtype(q.dtype, self.dtype)
-        out = attention(q.astype(compute), k.astype(compute), v.astype(compute), scale=scale,
-                        q_positions=q_positions, kv_lengths=kv_lengths,
-                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                        implementation=implementation)
-        return out.astype(q.dtype)
+        # fj.attention reads a cache of another dtype as is (float32 math, q.dtype out):
+        # no cast of the whole cache per step.
+        return attention(q, self.k[layer], self.v[layer], scale=scale,
+                         q_positions=q_positions, kv_lengths=kv_lengths,
+                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                         implementation=implementation)
 
     def with_lengths(self, lengths) -> ContiguousKVCache:
         """The same cache with ``lengths`` (int ``[batch]``) replaced."""

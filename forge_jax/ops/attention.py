@@ -115,6 +115,15 @@ def visible_mask(q_positions, kv_len, *, causal, kv_lengths, sliding_window):
     return mask
 
 
+def masked_probs(logits, mask, *, scale, logits_soft_cap):
+    """float32 attention probabilities: ``softmax(cap(scale * logits))`` over the visible keys
+    (the last axis), zeros for a query that sees none. ``mask`` broadcasts to ``logits``."""
+    logits = logits * jnp.asarray(scale, jnp.float32)
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    return safe_softmax_f32(logits, -1, mask)
+
+
 def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, sliding_window,
                         logits_soft_cap):
     """The XLA implementation: materialises the ``[batch, heads, q_len, kv_len]`` logits."""
@@ -134,12 +143,10 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
     # TF32 and TPUs to bfloat16 passes for float32 dots (free on CPU).
     logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32,
                         precision=jax.lax.Precision.HIGHEST)
-    logits = logits * jnp.asarray(scale, jnp.float32)
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     mask = visible_mask(q_positions, kv_len, causal=causal, kv_lengths=kv_lengths,
                         sliding_window=sliding_window)
-    probs = safe_softmax_f32(logits, -1, mask[:, None, None, :, :])  # [b, k, g, t, s]
+    probs = masked_probs(logits, mask[:, None, None, :, :], scale=scale,
+                         logits_soft_cap=logits_soft_cap)  # [b, k, g, t, s]
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32),
                      preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)

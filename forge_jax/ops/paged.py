@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _checks, dispatch
-from forge_jax.ops.activation import safe_softmax_f32
-from forge_jax.ops.attention import check_heads, check_masking, visible_mask
+from forge_jax.ops.attention import check_heads, check_masking, masked_probs, visible_mask
 
 
 def _check_pages(k_pages, v_pages):
@@ -106,7 +105,7 @@ def _scatter_tokens(pages, x, slots):
 
 
 @dispatch.register("paged_write", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
-                   description="scatter into the flattened pool, mode='drop'")
+                   description="scatter by (page, offset), mode='drop'")
 def paged_write_xla(k_pages, v_pages, k, v, slots):
     k_pages, v_pages, k, v, slots = map(jnp.asarray, (k_pages, v_pages, k, v, slots))
     with jax.named_scope("paged_write"):
@@ -150,19 +149,27 @@ dispatch.define("paged_gather", _paged_gather_args)
 
 def gather_pages(pages, block_tables, lengths):
     """The XLA gather: ``[batch, max_pages * page_size, kv_heads, head_dim]``, zero past lengths."""
-    pages, block_tables, lengths = map(jnp.asarray, (pages, block_tables, lengths))
-    kv_heads, num_pages, page_size, head_dim = pages.shape
-    batch, max_pages = block_tables.shape
-    lengths = lengths.astype(jnp.int32)
-    used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
-    # Unused entries may hold garbage: read page 0 instead (masked below), and clip the
-    # rest so that no index wraps around or reads out of bounds.
-    table = jnp.where(used, block_tables.astype(jnp.int32), 0)
-    dense = jnp.take(pages, table, axis=1, mode="clip")  # [h, b, m, p, d]
-    dense = jnp.transpose(dense, (1, 2, 3, 0, 4)).reshape(
-        batch, max_pages * page_size, kv_heads, head_dim)
-    valid = jnp.arange(max_pages * page_size, dtype=jnp.int32)[None, :] < lengths[:, None]
+    pages, lengths = jnp.asarray(pages), jnp.asarray(lengths).astype(jnp.int32)
+    kv_heads, _, _, head_dim = pages.shape
+    named, valid = _named_pages(pages, block_tables, lengths)  # [h, b, s, d], [b, s]
+    dense = jnp.transpose(named, (1, 2, 0, 3))  # [b, s, h, d]
     return jnp.where(valid[:, :, None, None], dense, jnp.zeros((), pages.dtype))
+
+
+def _named_pages(pages, block_tables, lengths):
+    """The pages the block tables name, head-major ``[kv_heads, batch, seq, head_dim]``
+    with ``seq = max_pages * page_size``, and which of those slots are valid
+    (``[batch, seq]``, slot < length). Invalid slots hold anything."""
+    kv_heads, _, page_size, head_dim = pages.shape
+    batch, max_pages = block_tables.shape
+    used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
+    # Unused entries may hold garbage: read page 0 instead, and clip the rest so that no
+    # index wraps around or reads out of bounds.
+    table = jnp.where(used, jnp.asarray(block_tables).astype(jnp.int32), 0)
+    seq = max_pages * page_size
+    named = jnp.take(pages, table, axis=1, mode="clip").reshape(kv_heads, batch, seq, head_dim)
+    valid = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
+    return named, valid
 
 
 @dispatch.register("paged_gather", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
@@ -285,20 +292,15 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
     copies of every layer's keys and values per decode step on CPU.
     """
     batch, q_len, q_heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
-    max_pages = block_tables.shape[1]
-    seq = max_pages * page_size
+    kv_heads = k_pages.shape[0]
     groups = q_heads // kv_heads
     if scale is None:
         scale = head_dim ** -0.5
-    # As in gather_pages: unused table entries may hold garbage, read page 0 instead.
-    used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
-    table = jnp.where(used, jnp.asarray(block_tables).astype(jnp.int32), 0)
-    k = jnp.take(k_pages, table, axis=1, mode="clip").reshape(kv_heads, batch, seq, head_dim)
-    v = jnp.take(v_pages, table, axis=1, mode="clip").reshape(kv_heads, batch, seq, head_dim)
+    k, valid = _named_pages(k_pages, block_tables, lengths)  # [k, b, s, h], [b, s]
+    v, _ = _named_pages(v_pages, block_tables, lengths)
+    seq = k.shape[2]
     # Slots past a sequence's length may hold anything (stale pages, NaN): zero the values
     # so that their zero probabilities keep them out (masked logits are replaced anyway).
-    valid = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]  # [batch, seq]
     v = jnp.where(valid[None, :, :, None], v, jnp.zeros((), v.dtype))
     qg = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim), (2, 0, 3, 1, 4))
     qg = qg.reshape(kv_heads, batch, groups * q_len, head_dim)
@@ -307,12 +309,11 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
     # Full float32 precision, as attention_reference asks (GPU TF32, TPU bfloat16 passes).
     logits = jnp.einsum("kbqh,kbsh->kbqs", qg, k, preferred_element_type=jnp.float32,
                         precision=jax.lax.Precision.HIGHEST)
-    logits = logits.reshape(kv_heads, batch, groups, q_len, seq) * jnp.asarray(scale, jnp.float32)
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    logits = logits.reshape(kv_heads, batch, groups, q_len, seq)
     mask = visible_mask(q_positions, seq, causal=True, kv_lengths=lengths,
                         sliding_window=sliding_window)  # [batch, q_len, seq]
-    probs = safe_softmax_f32(logits, -1, mask[None, :, None])  # [k, b, g, t, s]
+    probs = masked_probs(logits, mask[None, :, None], scale=scale,
+                         logits_soft_cap=logits_soft_cap)  # [k, b, g, t, s]
     out = jnp.einsum("kbqs,kbsh->kbqh", probs.reshape(kv_heads, batch, groups * q_len, seq),
                      v.astype(jnp.float32), preferred_element_type=jnp.float32,
                      precision=jax.lax.Precision.HIGHEST)
