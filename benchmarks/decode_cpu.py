@@ -9,7 +9,7 @@ measures in one run:
 * the bytes of weights one decode token reads (every weight once; of the embedding table
   only the token's row; the output head in full) and the limit they set,
   ``bytes / bandwidth`` in ms/token;
-* our decode ms/token through ``models.llama.generate_with_stats`` (greedy, batch 1),
+* our decode ms/token through ``forge_jax.models.llama.generate_with_stats`` (greedy, batch 1),
   paged and contiguous cache, compilation excluded;
 * Hugging Face transformers' eager decode ms/token on the same checkpoint
   (``torch.inference_mode``, greedy, its KV cache; a manual loop timing only the decode
@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from models import llama  # noqa: E402
+from forge_jax.models import llama  # noqa: E402
 
 FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=12, num_key_value_heads=4)

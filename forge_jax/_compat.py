@@ -7,7 +7,9 @@ Python 3.12). Kernels import what differs from this module, never from
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import warnings
 from typing import Any
 
 import jax
@@ -32,6 +34,55 @@ def triton_compiler_params(**kwargs: Any) -> Any:
 
     cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
     return cls(**kwargs)
+
+
+# JAX 0.11 warns at every lowering of a Triton-backend pallas_call (Mosaic GPU is reached
+# only through plgpu.kernel there). forge_jax's GPU kernels choose Triton on purpose (it runs
+# on compute capability 8.x, where Mosaic GPU does not), so the kernels filter exactly this
+# message, as a DeprecationWarning, once they are first used; nothing else is silenced.
+TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be removed in"
+                      r" a future JAX version")
+
+
+@functools.cache
+def filter_triton_deprecation() -> None:
+    """Ignores :data:`TRITON_DEPRECATION` (only that message, only as a DeprecationWarning).
+
+    JAX emits it when the pallas_call is lowered, i.e. when the user's outer ``jit``
+    compiles, after the kernel wrapper has returned; a ``catch_warnings`` block around
+    the wrapper would not see it, so the filter is installed when a kernel is traced.
+    """
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def triton_load(ref: Any, idx: Any = None, *, mask: Any = None, other: Any = None) -> Any:
+    """Masked load of a Triton-lowered kernel (``pl.load`` is deprecated for it)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    idx = ... if idx is None else idx
+    return pltriton.load(ref.at[idx], mask=mask, other=other)
+
+
+def triton_store(ref: Any, idx: Any, val: Any, *, mask: Any = None) -> None:
+    """Masked store of a Triton-lowered kernel (``pl.store`` is deprecated for it)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    idx = ... if idx is None else idx
+    pltriton.store(ref.at[idx], val, mask=mask)
+
+
+def export_for_cuda(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Lowers ``jax.jit(fn)(*args, **kwargs)`` exactly as for a CUDA GPU, on any machine.
+
+    The Pallas-to-Triton lowering runs here and raises where a GPU would (e.g. a block
+    whose size is not a power of two); only the Triton-to-PTX compile needs the device.
+    Returns the ``jax.export.Exported``.
+    """
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+        return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=checks)(*args, **kwargs)
 
 
 def tpu_interpret_params() -> Any:

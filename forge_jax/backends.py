@@ -37,6 +37,8 @@ class ImplementationInfo:
     reason: str | None
     auto_on: tuple[str, ...]  # platforms where auto selection considers it
     description: str
+    platforms: tuple[str, ...] | None = None  # None: every platform
+    unverified_on: tuple[str, ...] = ()  # ranked there once verified on that hardware
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,10 @@ class Summary:
         for i in self.implementations:
             status = "available" if i.available else f"unavailable: {i.reason}"
             auto = f"auto on {', '.join(i.auto_on)}" if i.auto_on else "by name only"
-            out.append(f"  {i.op}: {i.name} -> {status} [{auto}]")
+            if i.unverified_on:
+                auto += f"; not yet verified on {', '.join(i.unverified_on)}"
+            where = f" ({', '.join(i.platforms)})" if i.platforms is not None else ""
+            out.append(f"  {i.op}: {i.name}{where} -> {status} [{auto}]")
         return "\n".join(out)
 
 
@@ -165,13 +170,19 @@ def summary() -> Summary:
     """
     impls = []
     for op in dispatch.ops():
-        for name, impl in dispatch.implementations(op).items():
+        for impl in dispatch.registrations(op):
+            name = impl.name
             try:
                 reason = impl.available()
             except Exception as e:  # A broken availability probe is a reason, not a crash.
                 reason = f"availability check failed: {e}"
-            impls.append(ImplementationInfo(op, name, reason is None, reason,
-                                            tuple(sorted(impl.priority)), impl.description))
+            unverified = tuple(sorted(p for p in impl.priority
+                                      if impl.verified is not None and p not in impl.verified))
+            impls.append(ImplementationInfo(
+                op, name, reason is None, reason,
+                tuple(sorted(p for p in impl.priority if p not in unverified)),
+                impl.description,
+                None if impl.platforms is None else tuple(sorted(impl.platforms)), unverified))
     return Summary(
         jax_version=jax.__version__,
         jaxlib_version=jax.lib.__version__ if hasattr(jax.lib, "__version__") else _jaxlib(),

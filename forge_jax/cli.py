@@ -90,9 +90,9 @@ class _ProgressLine:
 def _tiny_dir():
     import pathlib
 
-    import models
+    import forge_jax.models
 
-    return pathlib.Path(models.__file__).parent / "tiny"
+    return pathlib.Path(forge_jax.models.__file__).parent / "tiny"
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -113,7 +113,7 @@ def _load(args: argparse.Namespace):
 
     import jax.numpy as jnp
 
-    from models import llama
+    from forge_jax.models import llama
 
     path = pathlib.Path(args.checkpoint) if args.checkpoint else _tiny_dir()
     model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))  # errors name the problem
@@ -164,7 +164,7 @@ def _print_selections() -> None:
 def _run_task(model, task, args, progress) -> None:
     import numpy as np
 
-    from models import tasks
+    from forge_jax.models import tasks
 
     n = args.num_problems
     if n <= 0:
@@ -192,7 +192,7 @@ def _run_task(model, task, args, progress) -> None:
 
 
 def _run_prompts(model, tokenizer, path, args, progress) -> None:
-    from models import llama
+    from forge_jax.models import llama
 
     if args.prompt_ids is not None:
         prompts = [_parse_ids(args.prompt_ids)]
@@ -228,7 +228,7 @@ def _generate(args: argparse.Namespace) -> int:
     import forge_jax as fj
     from forge_jax import dispatch
     from forge_jax.memory import InsufficientMemoryError
-    from models import llama, tasks
+    from forge_jax.models import llama, tasks
 
     prog = "forge-jax generate"
     try:
@@ -245,7 +245,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.top_p is not None and not 0 < args.top_p <= 1:
             raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
         if args.implementation is not None:
-            known = sorted({name for op in dispatch.ops() for name in dispatch.implementations(op)})
+            known = dispatch.names()
             if args.implementation not in known:
                 raise GenerateError(f"unknown --implementation {args.implementation!r}; "
                                     f"registered: {', '.join(known)}")

@@ -10,8 +10,17 @@ implementation is a plain function registered under ``(op, name)`` together with
   process at all (used by :func:`forge_jax.backends.summary`);
 * ``priority``: a mapping ``platform -> int``. Auto selection tries the
   implementations that name the platform, highest priority first. An
-  implementation that names no platform (e.g. ``"pallas_interpret"``) is only
-  ever used when asked for by name.
+  implementation that names no platform (e.g. ``"pallas_gpu_interpret"``) is only
+  ever used when asked for by name;
+* ``platforms``: the platforms this registration serves (``None``: any). One name
+  may be registered several times for disjoint platforms: ``"pallas"`` is the
+  Triton kernel on ``"gpu"`` and the Mosaic kernel on ``"tpu"``, each with its own
+  ``supports``;
+* ``verified``: for hand-written kernels, a mapping ``platform -> record`` of where
+  the kernel was compiled, checked and measured faster than XLA (device, JAX
+  version, date). With ``verified`` given, auto selection ranks the kernel on a
+  platform only once that platform has a record; until then it runs by name and
+  :func:`explain` says it is not yet verified there.
 
 Which implementation runs, most specific first:
 
@@ -63,6 +72,11 @@ class Implementation:
     available: AvailableFn
     priority: Mapping[str, int]
     description: str = ""
+    platforms: frozenset[str] | None = None
+    verified: Mapping[str, str] | None = None
+
+    def serves(self, platform: str) -> bool:
+        return self.platforms is None or platform in self.platforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +115,10 @@ def _always_available() -> None:
     return None
 
 
-# The registry: op name -> implementation name -> Implementation. Together with
-# the user's override below, the only module-level mutable state in forge_jax.
-_REGISTRY: dict[str, dict[str, Implementation]] = {}
+# The registry: op name -> implementation name -> its registrations (one per set of
+# platforms). Together with the user's override below, the only module-level mutable
+# state in forge_jax.
+_REGISTRY: dict[str, dict[str, tuple[Implementation, ...]]] = {}
 # The last selection made for each op (inspectable; e.g. the CLI reports it).
 _LAST: dict[str, Selection] = {}
 # op name -> the function that validates a call's arguments into the mapping
@@ -121,6 +136,8 @@ def register(
     supports: SupportsFn | None = None,
     available: AvailableFn | None = None,
     description: str = "",
+    platforms: tuple[str, ...] | None = None,
+    verified: Mapping[str, str] | None = None,
     replace: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator registering ``fn`` as implementation ``name`` of ``op``.
@@ -134,14 +151,26 @@ def register(
         mapping of the op's arguments (arrays may be tracers: use shapes and dtypes).
       available: ``available() -> None | reason``, whether the toolchain works here.
       description: one line for :func:`forge_jax.backends.summary`.
+      platforms: the platforms this registration serves; ``None``: every platform.
+        Registrations of one name must not overlap.
+      verified: platform -> where the kernel was verified (device, JAX version,
+        date). Given, auto selection ranks it only on platforms with a record.
       replace: allow replacing an existing registration (tests, user overrides).
     """
+    served = None if platforms is None else frozenset(platforms)
+    if priority and served is not None and set(priority) - served:
+        raise ValueError(f"{op!r}/{name!r}: priority names platforms it does not serve: "
+                         f"{priority=}, {platforms=}")
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         impls = _REGISTRY.setdefault(op, {})
-        if name in impls and not replace:
-            raise ValueError(f"implementation {name!r} of op {op!r} is already registered")
-        impls[name] = Implementation(
+        existing = impls.get(name, ())
+        clash = [i for i in existing
+                 if i.platforms is None or served is None or i.platforms & served]
+        if clash and not replace:
+            raise ValueError(f"implementation {name!r} of op {op!r} is already registered"
+                             + ("" if served is None else f" for {sorted(served)}"))
+        impls[name] = tuple(i for i in existing if i not in clash) + (Implementation(
             op=op,
             name=name,
             fn=fn,
@@ -149,7 +178,9 @@ def register(
             available=available or _always_available,
             priority=dict(priority or {}),
             description=description,
-        )
+            platforms=served,
+            verified=None if verified is None else dict(verified),
+        ),)
         return fn
 
     return decorator
@@ -169,12 +200,38 @@ def ops() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def implementations(op: str) -> Mapping[str, Implementation]:
-    """The registered implementations of ``op`` by name."""
+def implementations(op: str, platform: str | None = None) -> Mapping[str, Implementation]:
+    """The implementations of ``op`` that serve ``platform`` (default: JAX's default
+    backend), by name."""
     _load_plugins()
     if op not in _REGISTRY:
         raise KeyError(f"unknown op {op!r}; known ops: {sorted(_REGISTRY)}")
-    return dict(_REGISTRY[op])
+    platform = platform or jax.default_backend()
+    return {name: v for name, variants in _REGISTRY[op].items()
+            for v in variants if v.serves(platform)}
+
+
+def registrations(op: str) -> tuple[Implementation, ...]:
+    """Every registration of ``op``, on every platform."""
+    _load_plugins()
+    if op not in _REGISTRY:
+        raise KeyError(f"unknown op {op!r}; known ops: {sorted(_REGISTRY)}")
+    return tuple(v for variants in _REGISTRY[op].values() for v in variants)
+
+
+def names() -> tuple[str, ...]:
+    """Every implementation name some op has registered (on any platform)."""
+    _load_plugins()
+    return tuple(sorted({name for impls in _REGISTRY.values() for name in impls}))
+
+
+def check_name(name: str, what: str = "implementation") -> None:
+    """Raises ValueError if no op has registered an implementation called ``name``
+    (a typo: a name some ops lack is a preference, and they fall back)."""
+    known = names()
+    if name not in known:
+        raise ValueError(f"{what} {name!r} is not registered by any op; "
+                         f"registered: {', '.join(known)}")
 
 
 def _load_plugins() -> None:
@@ -184,7 +241,7 @@ def _load_plugins() -> None:
         return
     _PLUGINS_LOADED = True
     try:
-        importlib.import_module("pallas_kernels")
+        importlib.import_module("forge_jax.pallas_kernels")
     except ImportError as e:  # Only the XLA implementations then; say so once.
         logger.debug("pallas_kernels not importable, XLA implementations only: %s", e)
 
@@ -197,9 +254,14 @@ def use_implementation(name: str | None, *, strict: bool = False) -> Iterator[No
     traced (or called eagerly) inside the block. ``strict=True`` raises
     :class:`ImplementationError` for an op that cannot use ``name`` instead of
     falling back to auto selection. ``name=None`` restores auto selection.
+
+    A name that no op has registered is a typo and raises ValueError at once,
+    listing the registered names.
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"use_implementation takes a name or None, got {name=!r}")
+    if name is not None:
+        check_name(name, "use_implementation:")
     stack = _stack()
     stack.append((name, strict))
     try:
@@ -226,6 +288,7 @@ def _preference(implementation: str | None) -> tuple[str | None, str, bool]:
         return name, "context", strict
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
+        check_name(env, f"{ENV_VAR}=")
         return env, "env", False
     return None, "auto", False
 
@@ -263,6 +326,10 @@ def _platform(args: Mapping[str, Any]) -> str:
     return jax.default_backend()
 
 
+def _unverified(impl: Implementation, platform: str) -> bool:
+    return impl.verified is not None and platform not in impl.verified
+
+
 def _auto(
     impls: Mapping[str, Implementation], args: Mapping[str, Any], platform: str,
     rejected: dict[str, str],
@@ -270,8 +337,16 @@ def _auto(
     """The first supported implementation in priority order, and whether one ranked
     above it was rejected (a fallback). Records in ``rejected`` why every other
     implementation does not run, so that :func:`explain` accounts for all of them."""
+    for impl in impls.values():
+        if platform in impl.priority and _unverified(impl, platform):
+            reason = _check(impl, args, platform)
+            rejected.setdefault(impl.name, (
+                f"not yet verified on a {platform.upper()} (runs by name; ranked automatically "
+                "once compiled, checked and measured faster there)"
+                + (f"; it could not serve these arguments anyway: {reason}" if reason else "")))
     ranked = sorted(
-        (impl for impl in impls.values() if platform in impl.priority),
+        (impl for impl in impls.values()
+         if platform in impl.priority and not _unverified(impl, platform)),
         key=lambda impl: -impl.priority[platform],
     )
     chosen, fell_back = None, False
@@ -300,16 +375,21 @@ def _select(
     op: str, args: Mapping[str, Any], implementation: str | None
 ) -> tuple[Implementation, Selection]:
     _load_plugins()
-    impls = _REGISTRY.get(op)
-    if not impls:
+    if not _REGISTRY.get(op):
         raise KeyError(f"no implementation registered for op {op!r}")
     platform = _platform(args)
+    impls = {name: v for name, variants in _REGISTRY[op].items()
+             for v in variants if v.serves(platform)}
     name, source, strict = _preference(implementation)
     rejected: dict[str, str] = {}
     if name is not None:
         impl = impls.get(name)
-        if impl is None:
-            reason = f"{op!r} has no implementation {name!r} (registered: {sorted(impls)})"
+        if impl is None and name in _REGISTRY[op]:
+            served = sorted(p for v in _REGISTRY[op][name] for p in (v.platforms or ()))
+            reason = f"{op!r} implementation {name!r} serves {served}, not {platform}"
+        elif impl is None:
+            reason = (f"{op!r} has no implementation {name!r} "
+                      f"(registered: {sorted(_REGISTRY[op])})")
         else:
             reason = _check(impl, args, platform)
         if reason is None:

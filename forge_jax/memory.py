@@ -76,7 +76,7 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
     """Estimates the memory of running a Llama-family model.
 
     Args:
-      config: a ``models.llama.LlamaConfig`` or a Hugging Face ``config.json`` dict
+      config: a ``forge_jax.models.llama.LlamaConfig`` or a Hugging Face ``config.json`` dict
         (anything with the HF field names: ``vocab_size``, ``hidden_size``,
         ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``, and
         optionally ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``,

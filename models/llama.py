@@ -14,7 +14,7 @@ model.
 
 Usage::
 
-    from models import llama
+    from forge_jax.models import llama
     model = llama.from_pretrained("path/to/hf_llama_dir")
     logits = model(tokens)                                  # [batch, seq, vocab]
     new_tokens = llama.generate(model, [[1, 2, 3], [1, 5]], max_new_tokens=16)
@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can read it)
 import numpy as np
 from flax import nnx
+from forge_jax.models import sampling as sampling_lib
 
 import forge_jax as fj
 from forge_jax import memory as fj_memory
 from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
-from models import sampling as sampling_lib
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 

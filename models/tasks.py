@@ -90,7 +90,7 @@ class AdditionTask:
 
 def task_from_config(config: dict) -> AdditionTask | None:
     """The task a checkpoint's ``config.json`` says its model solves (its ``forge_jax_task``
-    entry, written by ``models.train_tiny``), or None for any other checkpoint."""
+    entry, written by ``forge_jax.models.train_tiny``), or None for any other checkpoint."""
     entry = config.get("forge_jax_task")
     if not isinstance(entry, dict) or entry.get("name") != "addition":
         return None
@@ -134,9 +134,9 @@ def solve(model, problems: Sequence[Problem], *, progress=None, **generate_kwarg
     """Generates the model's answers to ``problems`` in one batch (greedy by default).
 
     Args:
-      model: a ``models.llama.Llama`` trained on this task.
+      model: a ``forge_jax.models.llama.Llama`` trained on this task.
       problems: the problems.
-      progress: passed to ``models.llama.generate_with_stats``.
+      progress: passed to ``forge_jax.models.llama.generate_with_stats``.
       **generate_kwargs: other arguments of ``generate_with_stats`` (``cache``, ``temperature``,
         ...); ``max_new_tokens`` defaults to the longest possible answer (one digit more
         than the longest operand) plus its eos.
@@ -145,7 +145,7 @@ def solve(model, problems: Sequence[Problem], *, progress=None, **generate_kwarg
       ``(generated, stats)``: the new token ids of each problem (eos included when
       produced) and the ``GenerationStats``.
     """
-    from models import llama
+    from forge_jax.models import llama
 
     longest = max(len(str(max(p.a, p.b))) + 1 for p in problems)
     generate_kwargs.setdefault("max_new_tokens", longest + 1)

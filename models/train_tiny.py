@@ -1,25 +1,26 @@
 """Trains the embedded tiny model on the addition task and writes it to ``models/tiny/``.
 
     pip install -e ".[train]"
-    python -m models.train_tiny                  # ~4 minutes on 2 shared CPU cores
-    python -m models.train_tiny --out /tmp/tiny --steps 300
+    python -m forge_jax.models.train_tiny                  # ~4 minutes on 2 shared CPU cores
+    python -m forge_jax.models.train_tiny --out /tmp/tiny --steps 300
 
-The model is :class:`models.llama.Llama` itself, trained through its full causal forward
+The model is :class:`forge_jax.models.llama.Llama` itself, trained through its full causal forward
 (``model(tokens)``), so the shipped weights are exactly what the library computes with. The
 loss is the cross-entropy of the answer digits and the eos (the prompt is given, not learned).
 Everything is seeded (model initialisation, problem sampling), so a rerun reproduces the
 artifact (bit for bit on the machine that made it; other CPUs or XLA versions may round
-differently). Training never sees the ~10% of problems that ``models.tasks`` holds out, and
-every accuracy reported (here, in tests, by ``forge-jax generate``) is measured on those.
+differently). Training never sees the ~10% of problems that ``forge_jax.models.tasks`` holds
+out, and every accuracy reported (here, in tests, by ``forge-jax generate``) is measured on those.
 
 The output directory is a Hugging Face Llama checkpoint: ``config.json``, ``model.safetensors``
 (float32, HF tensor names and ``[out, in]`` layout), ``tokenizer.json`` (the character-level
-tokenizer of :mod:`models.tasks`) and ``tokenizer_config.json``, so transformers'
+tokenizer of :mod:`forge_jax.models.tasks`) and ``tokenizer_config.json``, so transformers'
 ``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it too.
 ``config.json`` also carries a ``forge_jax_task`` entry (ignored by transformers and by
 ``LlamaConfig.from_hf``) that tells ``forge-jax generate`` which task the model solves.
-After saving, the script reloads the directory with ``models.llama.from_pretrained`` and reports
-the greedy exact-match accuracy on held-out problems.
+After saving, the script reloads the directory with
+``forge_jax.models.llama.from_pretrained`` and reports the greedy exact-match accuracy on
+held-out problems.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from models import llama, tasks
+from forge_jax.models import llama, tasks
 
 TINY_DIR = pathlib.Path(__file__).parent / "tiny"
 
@@ -93,11 +93,12 @@ def _batch(task: tasks.AdditionTask, rng: np.random.Generator, n: int, split: st
 
 
 def train(cfg: TrainConfig = TrainConfig(), *, log=print) -> llama.Llama:
-    """Trains a :class:`models.llama.Llama` with the ``TINY_CONFIG`` shape; returns it."""
+    """Trains a :class:`forge_jax.models.llama.Llama` with the ``TINY_CONFIG`` shape; returns it."""
     try:
         import optax
     except ImportError:
-        raise SystemExit("models.train_tiny needs optax: pip install -e '.[train]'") from None
+        raise SystemExit(
+            "forge_jax.models.train_tiny needs optax: pip install -e '.[train]'") from None
 
     task = tasks.AdditionTask(cfg.max_digits)
     config = llama.LlamaConfig.from_hf(TINY_CONFIG)
@@ -166,8 +167,9 @@ def save_pretrained(model: llama.Llama, path: str | pathlib.Path, *,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.train_tiny", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m forge_jax.models.train_tiny", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(TINY_DIR), help="output directory (%(default)s)")
     defaults = TrainConfig()
     for field in dataclasses.fields(TrainConfig):

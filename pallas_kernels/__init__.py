@@ -12,4 +12,4 @@ imported lazily because it needs a GPU jaxlib) and TPU kernels (``tpu/``, Mosaic
 ragged paged attention) arrive in their own issues.
 """
 
-from pallas_kernels import gpu, tpu  # noqa: F401  (importing registers their kernels)
+from forge_jax.pallas_kernels import gpu, tpu  # noqa: F401  (importing registers their kernels)

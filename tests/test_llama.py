@@ -3,7 +3,7 @@
 Parity: tiny random-weight ``LlamaForCausalLM`` configs (MHA, GQA, MQA, tied and
 untied embeddings, head_dim != hidden / heads, biases, linear and llama3 RoPE
 scaling, the old and the transformers-5 config formats) are saved with
-``save_pretrained`` (safetensors), loaded with :func:`models.llama.from_pretrained`,
+``save_pretrained`` (safetensors), loaded with :func:`forge_jax.models.llama.from_pretrained`,
 and must give transformers' logits within the float32 tolerance and the same greedy
 continuations. Those tests skip where torch/transformers are not installed; the
 loading-error tests write their checkpoints with safetensors alone and always run.
@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from forge_jax.models import llama
 from safetensors.numpy import load_file, save_file
 
 import forge_jax as fj
-from models import llama
 
 # A whole model is ~30 sequential float32 ops deep; its logits (of order 1-10) may stray
 # by a few float32 ulps per op from transformers' (different summation order).

@@ -1,7 +1,7 @@
 """The embedded tiny model (models/tiny): the shipped artifact, its tokenizer and its task.
 
 The model is loaded from the committed files, never trained here (``python -m
-models.train_tiny`` takes minutes). Accuracy is measured on fresh held-out problems (ones
+forge_jax.models.train_tiny`` takes minutes). Accuracy is measured on fresh held-out problems (ones
 training never saw), with greedy decoding through the real ``generate``, both caches.
 """
 
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from forge_jax.models import llama, tasks, train_tiny
 from safetensors.numpy import load_file
 
 import forge_jax as fj
-from models import llama, tasks, train_tiny
 
 TINY = train_tiny.TINY_DIR
 TASK = tasks.AdditionTask(max_digits=3)

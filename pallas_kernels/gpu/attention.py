@@ -1,0 +1,1 @@
+"""Pallas GPU kernel: attention (in progress)."""

@@ -1,0 +1,1 @@
+"""Pallas GPU kernel: paged_attention (in progress)."""

@@ -1,0 +1,1 @@
+"""Pallas GPU kernel: rms_norm (in progress)."""

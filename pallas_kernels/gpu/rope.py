@@ -1,0 +1,1 @@
+"""Pallas GPU kernel: rope (in progress)."""

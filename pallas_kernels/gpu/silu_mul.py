@@ -1,0 +1,1 @@
+"""Pallas GPU kernel: silu_mul (in progress)."""
