@@ -53,8 +53,9 @@ def fake():
         return impl
 
     yield make
-    for op in registered:
-        dispatch.unregister(op, "fake")
+    for op in set(registered):
+        if "fake" in dispatch.implementations(op):
+            dispatch.unregister(op, "fake")
     for op in registered:
         assert "fake" not in dispatch.implementations(op)
 
@@ -173,11 +174,12 @@ def test_env_and_context_preferences_fall_back(fake, xw, monkeypatch, capsys):
     assert sel.implementation == "xla" and sel.rejected["fake"] == "fake cannot do this"
     assert "env preference 'fake' rejected" in sel.source
     # An op without an implementation of that name falls back too (e.g. "pallas" for a
-    # model whose ops do not all have a kernel).
-    monkeypatch.setenv(dispatch.ENV_VAR, "no_such_impl")
+    # model whose ops do not all have a kernel), as long as some op has it.
+    fake("softmax", priority=None)
+    dispatch.unregister("rms_norm", "fake")
     assert_close(fj.rms_norm(x, w), rms_norm_ref(x, w))
-    assert "no implementation 'no_such_impl'" in dispatch.last_selection("rms_norm").rejected[
-        "no_such_impl"]
+    assert "no implementation 'fake'" in dispatch.last_selection("rms_norm").rejected["fake"]
+    fake(priority=None, reason="fake cannot do this")
     monkeypatch.delenv(dispatch.ENV_VAR)
     with fj.use_implementation("fake"):
         assert not is_fake(fj.rms_norm(x, w))
@@ -269,3 +271,67 @@ def test_current_preference_and_clear_selections(xw, monkeypatch):
     assert "rms_norm" in dispatch.last_selections()
     dispatch.clear_selections()
     assert dispatch.last_selections() == {}
+
+
+def test_a_name_no_op_registered_is_a_typo(xw, monkeypatch):
+    x, w = xw
+    typo = r"'palas' is not registered by any op; registered: .*xla"
+    with pytest.raises(ValueError, match=typo), fj.use_implementation("palas"):
+        pass
+    monkeypatch.setenv(dispatch.ENV_VAR, "palas")
+    with pytest.raises(ValueError, match=r"FORGE_JAX_IMPLEMENTATION= 'palas' is not registered"):
+        fj.rms_norm(x, w)
+
+
+class PlatformVariant:
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __call__(self, **args):
+        return jnp.full(args["x"].shape, self.mark, args["x"].dtype)
+
+
+def test_one_name_serves_several_platforms_each_with_its_own_supports(xw):
+    x, w = xw
+    other = "tpu" if PLATFORM != "tpu" else "gpu"
+    dispatch.register("rms_norm", "variant", platforms=(PLATFORM,),
+                      supports=lambda a, p: None)(PlatformVariant(1.0))
+    dispatch.register("rms_norm", "variant", platforms=(other,),
+                      supports=lambda a, p: "never")(PlatformVariant(2.0))
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            dispatch.register("rms_norm", "variant", platforms=(PLATFORM,))(PlatformVariant(3.0))
+        assert float(fj.rms_norm(x, w, implementation="variant")[0, 0]) == 1.0
+        assert {i.platforms for i in dispatch.registrations("rms_norm")
+                if i.name == "variant"} == {frozenset({PLATFORM}), frozenset({other})}
+        assert dispatch.implementations("rms_norm", other)["variant"].supports({}, other) == "never"
+    finally:
+        dispatch.unregister("rms_norm", "variant")
+    dispatch.register("rms_norm", "variant", platforms=(other,))(PlatformVariant(2.0))
+    try:
+        with pytest.raises(fj.ImplementationError, match=f"serves \\['{other}'\\], not {PLATFORM}"):
+            fj.rms_norm(x, w, implementation="variant")
+    finally:
+        dispatch.unregister("rms_norm", "variant")
+
+
+def test_an_unverified_kernel_runs_by_name_and_explain_says_why_not_auto(xw):
+    x, w = xw
+    dispatch.register("rms_norm", "kernel", priority={PLATFORM: 100}, verified={})(
+        PlatformVariant(MARK))
+    try:
+        sel = fj.explain("rms_norm", x, w)
+        assert sel.implementation == "xla"
+        assert f"not yet verified on a {PLATFORM.upper()}" in sel.rejected["kernel"]
+        assert float(fj.rms_norm(x, w, implementation="kernel")[0, 0]) == MARK
+        info = {(i.op, i.name): i for i in fj.backends.summary().implementations}
+        assert info["rms_norm", "kernel"].unverified_on == (PLATFORM,)
+        assert info["rms_norm", "kernel"].auto_on == ()
+    finally:
+        dispatch.unregister("rms_norm", "kernel")
+    dispatch.register("rms_norm", "kernel", priority={PLATFORM: 100},
+                      verified={PLATFORM: "test machine, JAX x, today"})(PlatformVariant(MARK))
+    try:
+        assert fj.explain("rms_norm", x, w).implementation == "kernel"
+    finally:
+        dispatch.unregister("rms_norm", "kernel")
