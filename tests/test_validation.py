@@ -207,3 +207,40 @@ def test_rope_scaling_from_hf_formats():
     # The pre-4.45 HF key "type" still works.
     assert fj.RopeScaling.from_hf({"type": "linear", "factor": 2.0}) == fj.RopeScaling(
         "linear", 2.0)
+
+
+INT_DTYPES = ("int2", "int4", "int8", "int16", "int32", "int64",
+              "uint2", "uint4", "uint8", "uint16", "uint32", "uint64")
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+def test_embedding_ids_of_every_integer_dtype(dtype):
+    # A vocabulary larger than 16-bit ids can count: every id a dtype can hold is valid, and
+    # must be compared with the vocabulary size in a type that holds both (not the ids' own).
+    vocab, dim = 70_000, 3
+    dtype = np.dtype(getattr(jnp, dtype))
+    gen = np.random.default_rng(abs(hash(dtype.name)) % 2**32)
+    table = jnp.asarray(gen.standard_normal((vocab, dim)), F32)
+    info = jnp.iinfo(dtype)
+    top = min(int(info.max), vocab - 1)
+    host = np.concatenate([gen.integers(0, top + 1, 13), [0, top]]).astype(dtype)
+    expected = np.asarray(table)[host.astype(np.int64)]
+    embed = jax.jit(fj.embedding)
+    np.testing.assert_array_equal(np.asarray(fj.embedding(table, host)), expected)  # concrete
+    np.testing.assert_array_equal(np.asarray(embed(table, jnp.asarray(host))), expected)
+    bad = []
+    if info.min < 0:
+        bad.append(int(info.min))
+    if info.max >= vocab:
+        bad += [vocab, int(info.max)]
+    for value in bad:
+        ids = np.array([top, value, 0], dtype=object).astype(dtype)
+        with pytest.raises(ValueError, match=rf"\[0, {vocab}\).*{'min' if value < 0 else 'max'} "
+                                             rf"{value}"):
+            fj.embedding(table, ids)
+        traced = np.asarray(embed(table, jnp.asarray(ids)))
+        # A traced id that is out of range gives NaN, never another row (x64 is off, so
+        # 64-bit ids reach the jitted op as 32-bit ones; the largest wrap, still invalid).
+        if jnp.asarray(ids).dtype.itemsize == dtype.itemsize or value == vocab:
+            assert np.isnan(traced[1]).all(), (value, traced)
+        np.testing.assert_array_equal(traced[[0, 2]], np.asarray(table)[[top, 0]])
