@@ -343,17 +343,26 @@ class Llama(nnx.Module):
             c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs, dtype=dtype,
             param_dtype=param_dtype)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, allow_beyond_max_positions: bool = False
+                 ) -> jax.Array:
         """Full causal forward without a cache.
 
         Args:
           tokens: int32 ``[batch, seq]``, token ``t`` at position ``t``.
+          allow_beyond_max_positions: run a ``seq`` longer than the config's
+            ``max_position_embeddings`` (for a RoPE scaling that extends the range);
+            otherwise such a sequence raises ValueError.
 
         Returns:
           float32 logits ``[batch, seq, vocab_size]``.
         """
         _check_tokens(tokens, self.config.vocab_size)
         batch, seq = tokens.shape
+        if seq > self.config.max_position_embeddings and not allow_beyond_max_positions:
+            raise ValueError(
+                f"tokens.shape={tuple(tokens.shape)} has {seq} positions, beyond the model's "
+                f"max_position_embeddings={self.config.max_position_embeddings}; pass "
+                f"allow_beyond_max_positions=True if its RoPE scaling extends the range")
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
         def attend(i, q, k, v, cache):
@@ -382,6 +391,9 @@ class Llama(nnx.Module):
           logits_at: optional int32 ``[batch]``: compute logits only at these indices
             of the ``t`` axis (e.g. each prompt's last token), saving the vocabulary
             projection of the others.
+
+        Positions are traced values, so nothing here compares them with
+        ``max_position_embeddings``: :func:`generate` does, before it runs.
 
         Returns:
           ``(logits, cache)``: float32 logits ``[batch, t, vocab]``, or ``[batch, vocab]``
@@ -652,6 +664,8 @@ class GenerationStats:
         (batch padded to a power of two, prompts padded to a power of two >= 8, cache
         length per sequence).
       cache: "paged" or "contiguous".
+      max_new_tokens: the tokens asked for per prompt (0: nothing ran; 1: the prefill
+        gives the only token, so there are no decode steps).
       prompt_tokens: prompt tokens summed over the batch (padding excluded).
       new_tokens: tokens returned, summed over the batch.
       decode_tokens: tokens returned that decode steps produced (the first new token of
@@ -669,6 +683,7 @@ class GenerationStats:
     prompt_bucket: int
     cache_len: int
     cache: str
+    max_new_tokens: int = 0
     prompt_tokens: int = 0
     new_tokens: int = 0
     decode_tokens: int = 0
@@ -742,7 +757,30 @@ def _decode_step(state, cache, tokens, active, key, step, temperature, top_p, *,
     return _sample(logits, jax.random.fold_in(key, step), temperature, top_p, mode), cache
 
 
+def _check_prompt_array(prompts, vocab_size) -> list[list[int]]:
+    """A NumPy or JAX ``[batch, seq]`` integer array of equal-length prompts -> lists."""
+    if isinstance(prompts, jax.core.Tracer):
+        raise TypeError("prompts must be concrete token ids, not a traced array: generate "
+                        "runs its own jitted steps and needs the ids on the host")
+    if not jnp.issubdtype(prompts.dtype, jnp.integer):
+        raise TypeError(f"prompts must hold integer token ids, got "
+                        f"prompts.dtype={np.dtype(prompts.dtype).name}")
+    if prompts.ndim != 2:
+        hint = " (one prompt: prompts[None])" if prompts.ndim == 1 else ""
+        raise ValueError(f"prompts as an array must be [batch, seq], got "
+                         f"prompts.shape={tuple(prompts.shape)}{hint}")
+    if 0 in prompts.shape:
+        raise ValueError(f"prompts must be non-empty, got prompts.shape={tuple(prompts.shape)}")
+    ids = np.asarray(prompts)
+    lo, hi = int(ids.min()), int(ids.max())  # Python ints: no overflow whatever the dtype
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"prompts has token ids outside [0, {vocab_size}): min {lo}, max {hi}")
+    return ids.astype(np.int64).tolist()
+
+
 def _check_prompts(prompts, vocab_size) -> list[list[int]]:
+    if hasattr(prompts, "ndim") and hasattr(prompts, "dtype"):
+        return _check_prompt_array(prompts, vocab_size)
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of lists of token ids, got "
                          f"{prompts!r:.80}")
@@ -758,6 +796,62 @@ def _check_prompts(prompts, vocab_size) -> list[list[int]]:
     return out
 
 
+def check_sequence_length(config: LlamaConfig, prompt_tokens: int, max_new_tokens: int, *,
+                          allow_beyond_max_positions: bool = False, what: str = "the prompt"
+                          ) -> None:
+    """Raises ValueError if ``prompt_tokens + max_new_tokens`` exceeds the config's
+    ``max_position_embeddings`` (unless ``allow_beyond_max_positions``, for a model whose
+    RoPE scaling extends the range). ``what`` names the prompt in the message."""
+    total = prompt_tokens + max_new_tokens
+    limit = config.max_position_embeddings
+    if total > limit and not allow_beyond_max_positions:
+        raise ValueError(
+            f"{what} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} the "
+            f"sequence reaches {total} positions, beyond the model's "
+            f"max_position_embeddings={limit}. Pass allow_beyond_max_positions=True if its "
+            f"RoPE scaling extends the range")
+
+
+def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
+                page_size: int) -> tuple[int, int, int, int]:
+    """(padded batch, prompt bucket, cache length per sequence, pages per sequence)."""
+    padded_batch = _next_pow2(batch)
+    prompt_bucket = max(8, _next_pow2(longest_prompt))
+    cache_len = _next_pow2(prompt_bucket + max_new_tokens)
+    max_pages = -(-cache_len // page_size)
+    if cache == "paged":
+        cache_len = max_pages * page_size
+    return padded_batch, prompt_bucket, cache_len, max_pages
+
+
+def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
+                          max_new_tokens: int, cache: str = "paged", page_size: int = 16,
+                          param_dtype=jnp.float32, dtype=jnp.float32, cache_dtype=None) -> None:
+    """Raises ``forge_jax.memory.InsufficientMemoryError`` if :func:`generate` with these
+    sizes would not fit its KV cache and activations in the device's free memory.
+
+    :func:`generate` runs this check itself; it is public so that a caller can run it
+    before building a large batch of prompts (the CLI does, for ``--num-problems``).
+    """
+    cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
+    padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
+        batch, longest_prompt, max_new_tokens, cache, page_size)
+    kv_dim = config.num_key_value_heads * config.head_dim
+    if cache == "paged":
+        # The pool depends on the bucketed shapes only (so other prompt lengths in the same
+        # buckets reuse the compiled steps): room for every row at full length.
+        cache_bytes = 2 * config.num_hidden_layers * padded_batch * max_pages * page_size * kv_dim
+    else:
+        cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
+    cache_bytes *= cache_dtype.itemsize
+    need = fj_memory.estimate_inference_memory(
+        config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
+        param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype)
+    fj_memory.check_fits(cache_bytes + need.activations,
+                         what=f"a {cache} KV cache for {padded_batch} x {cache_len} tokens "
+                              f"plus activations")
+
+
 def _eos_set(eos_token_id) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
@@ -770,11 +864,13 @@ def _eos_set(eos_token_id) -> frozenset[int]:
                     f"{eos_token_id!r}")
 
 
-def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                        temperature: float = 0.0, top_k: int | None = None,
-                        top_p: float | None = None, seed: int = 0, cache: str = "paged",
-                        page_size: int = 16, eos_token_id: int | Sequence[int] | None = None,
-                        cache_dtype=None, progress: Callable[[int, int], None] | None = None
+def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+                        max_new_tokens: int, *, temperature: float = 0.0,
+                        top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                        cache: str = "paged", page_size: int = 16,
+                        eos_token_id: int | Sequence[int] | None = None, cache_dtype=None,
+                        progress: Callable[[int, int], None] | None = None,
+                        allow_beyond_max_positions: bool = False
                         ) -> tuple[list[list[int]], GenerationStats]:
     """:func:`generate`, also returning a :class:`GenerationStats` with the timings.
 
@@ -788,10 +884,17 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    check_sequence_length(config, len(prompts[longest]), max_new_tokens,
+                          allow_beyond_max_positions=allow_beyond_max_positions,
+                          what=f"prompts[{longest}]")
     if cache not in ("paged", "contiguous"):
         raise ValueError(f"cache must be 'paged' or 'contiguous', got {cache=!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
         raise ValueError(f"page_size must be a positive int, got {page_size=!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) \
+            or not -2**63 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed=!r}")
     sampling = sampling_lib.SamplingParams(float(temperature), top_k,
                                            None if top_p is None else float(top_p))
     eos = _eos_set(eos_token_id)
@@ -799,14 +902,11 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
 
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
-    padded_batch = _next_pow2(batch)
-    prompt_bucket = max(8, _next_pow2(int(lengths.max())))
-    cache_len = _next_pow2(prompt_bucket + max_new_tokens)
-    max_pages = -(-cache_len // page_size)
-    if cache == "paged":
-        cache_len = max_pages * page_size
+    padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
+        batch, int(lengths.max()), max_new_tokens, cache, page_size)
     stats = GenerationStats(batch=batch, padded_batch=padded_batch, prompt_bucket=prompt_bucket,
-                            cache_len=cache_len, cache=cache, prompt_tokens=int(lengths.sum()))
+                            cache_len=cache_len, cache=cache, max_new_tokens=max_new_tokens,
+                            prompt_tokens=int(lengths.sum()))
     if max_new_tokens == 0:
         return [[] for _ in prompts], stats
 
@@ -819,23 +919,13 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
     padded_lengths[:batch] = lengths
     active = np.arange(padded_batch) < batch
 
-    kv_dim = config.num_key_value_heads * config.head_dim
-    if cache == "paged":
-        # The pool depends on the bucketed shapes only (so other prompt lengths in the same
-        # buckets reuse the compiled steps): room for every row at full length.
-        num_pages = padded_batch * max_pages
-        cache_bytes = 2 * config.num_hidden_layers * num_pages * page_size * kv_dim
-    else:
-        cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
-    cache_bytes *= jnp.dtype(cache_dtype).itemsize
-    need = fj_memory.estimate_inference_memory(
-        config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
-        param_dtype=model.param_dtype, dtype=model.dtype, cache_dtype=cache_dtype)
-    fj_memory.check_fits(cache_bytes + need.activations,
-                         what=f"a {cache} KV cache for {padded_batch} x {cache_len} tokens "
-                              f"plus activations")
+    check_generation_fits(config, batch=batch, longest_prompt=int(lengths.max()),
+                          max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
+                          param_dtype=model.param_dtype, dtype=model.dtype,
+                          cache_dtype=cache_dtype)
 
     if cache == "paged":
+        num_pages = padded_batch * max_pages
         manager = BlockManager(num_pages, page_size)
         for b in range(batch):
             manager.allocate(b, int(lengths[b]) + max_new_tokens)
@@ -918,10 +1008,11 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]], max_new_
     return results, stats
 
 
-def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int = 0, cache: str = "paged", page_size: int = 16,
-             eos_token_id: int | Sequence[int] | None = None) -> list[list[int]]:
+def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+             max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, cache: str = "paged",
+             page_size: int = 16, eos_token_id: int | Sequence[int] | None = None,
+             allow_beyond_max_positions: bool = False) -> list[list[int]]:
     """Generates continuations of a batch of prompts of different lengths.
 
     Runs one jitted prefill over the right-padded prompts, then jitted decode steps of
@@ -933,10 +1024,13 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
 
     Args:
       model: a :class:`Llama`.
-      prompts: a list of token-id lists (each non-empty, ids in ``[0, vocab_size)``).
+      prompts: a list of token-id lists (each non-empty, ids in ``[0, vocab_size)``), or a
+        NumPy or JAX integer array ``[batch, seq]`` of equal-length prompts.
       max_new_tokens: tokens to generate per prompt (>= 0).
       temperature: 0 for greedy decoding; otherwise sampling from
-        ``softmax(logits / temperature)`` after the top-k / top-p filters.
+        ``softmax(logits / temperature)`` after the top-k / top-p filters. A temperature
+        below float32's smallest normal number (~1.18e-38) is greedy too: float32
+        cannot divide by it faithfully, and the distribution it asks for is the argmax.
       top_k: keep the ``top_k`` most likely tokens (None: all).
       top_p: nucleus sampling with Hugging Face's semantics (None: off).
       seed: seed of the ``jax.random`` key used for sampling.
@@ -948,12 +1042,17 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
         of them, and the eos token *is included* in its output (as transformers'
         ``generate`` returns it). None: always ``max_new_tokens`` tokens. (The model's
         ``config.eos_token_ids`` are not applied unless passed here.)
+      allow_beyond_max_positions: run prompts whose length plus ``max_new_tokens``
+        exceeds ``config.max_position_embeddings`` (for a model whose RoPE scaling
+        extends the range); otherwise they raise ValueError before any work.
 
     Returns:
       For each prompt, the list of new token ids (the prompt not included).
 
     Raises:
-      ValueError: bad prompts or arguments.
+      ValueError: bad prompts or arguments, or a sequence longer than
+        ``config.max_position_embeddings``.
+      TypeError: a prompt array of a non-integer dtype.
       forge_jax.memory.InsufficientMemoryError: the KV cache and activations would not fit
         in the device's free memory.
 
@@ -962,4 +1061,5 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
     """
     return generate_with_stats(model, prompts, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, seed=seed, cache=cache,
-                               page_size=page_size, eos_token_id=eos_token_id)[0]
+                               page_size=page_size, eos_token_id=eos_token_id,
+                               allow_beyond_max_positions=allow_beyond_max_positions)[0]

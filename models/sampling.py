@@ -14,6 +14,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# Temperatures below float32's smallest normal number are greedy: float32 cannot divide
+# logits by them faithfully (a denormal may be flushed to zero, 1e-50 rounds to zero, and
+# the quotients overflow to inf, which samples the first index instead of the largest),
+# and the distribution they ask for is the argmax anyway.
+GREEDY_BELOW = float(np.finfo(np.float32).tiny)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +30,8 @@ class SamplingParams:
 
     Attributes:
       temperature: 0 for greedy (argmax); otherwise the logits are divided by it.
+        Below :data:`GREEDY_BELOW` (~1.18e-38, float32's smallest normal) it is greedy
+        too; above float32's largest finite value it is refused.
       top_k: keep only the k largest logits (None: all).
       top_p: nucleus threshold in (0, 1] (None or 1.0: no filtering).
     """
@@ -32,8 +42,9 @@ class SamplingParams:
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) \
-                or not self.temperature >= 0 or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+                or not 0 <= self.temperature <= _FLOAT32_MAX:
+            raise ValueError(f"temperature must be a number >= 0 that float32 holds (finite, "
+                             f"<= {_FLOAT32_MAX:.4g}), got {self.temperature!r}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(
                 self.top_k, int) or self.top_k <= 0):
             raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
@@ -43,8 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
-
+        return self.temperature < GREEDY_BELOW
 
     @property
     def mode(self) -> tuple[bool, int | None, bool]:
@@ -90,15 +100,20 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k: int | N
     Args:
       logits: float ``[batch, vocab]``.
       key: a ``jax.random`` key (unused when greedy).
-      temperature: a Python ``0``/``0.0`` selects greedy decoding (argmax, the first
-        index on ties as ``torch.argmax``); otherwise a positive float or traced scalar.
+      temperature: a Python number below :data:`GREEDY_BELOW` (``0`` included) selects
+        greedy decoding (argmax, the first index on ties as ``torch.argmax``); otherwise a
+        positive float or traced scalar.
       top_k, top_p: as in :func:`filter_logits`.
 
     Returns:
       int32 ``[batch]``.
     """
-    if isinstance(temperature, int | float) and temperature == 0:
+    if isinstance(temperature, int | float) and temperature < GREEDY_BELOW:
         return _argmax(logits)
+    # Shifted so the largest logit is 0 (the distribution is unchanged): divided by a tiny
+    # temperature, the others then go to -inf instead of all overflowing to +inf.
+    logits = logits.astype(jnp.float32)
+    logits = logits - jnp.max(logits, axis=-1, keepdims=True)
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 

@@ -258,12 +258,23 @@ def test_sample_follows_the_filtered_distribution():
     (dict(cache="ring"), "cache"),
     (dict(page_size=0), "page_size"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), r"temperature.*got nan"),
+    (dict(temperature=float("inf")), r"temperature.*got inf"),
+    (dict(temperature=1e39), r"temperature.*float32.*got 1e\+39"),  # inf in float32
+    (dict(seed=2**63), r"seed=9223372036854775808"),
+    (dict(seed=1.5), r"seed=1\.5"),
+    (dict(prompts=np.ones((2, 3), np.float32)), r"prompts\.dtype=float32"),
+    (dict(prompts=jnp.ones((2, 3), bool)), r"prompts\.dtype=bool"),
+    (dict(prompts=np.arange(3)), r"\[batch, seq\].*prompts\.shape=\(3,\).*prompts\[None\]"),
+    (dict(prompts=jnp.zeros((1, 2, 3), jnp.int32)), r"prompts\.shape=\(1, 2, 3\)"),
+    (dict(prompts=np.zeros((2, 0), np.int32)), r"non-empty.*prompts\.shape=\(2, 0\)"),
+    (dict(prompts=np.array([[1, 96]], np.uint8)), r"outside \[0, 96\).*max 96"),
     (dict(top_k=0), "top_k"),
     (dict(top_p=1.5), "top_p"),
 ])
 def test_generate_rejects_bad_arguments(model, kwargs, match):
     call = dict(prompts=PROMPTS, max_new_tokens=4) | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         llama.generate(model, call.pop("prompts"), call.pop("max_new_tokens"), **call)
 
 
@@ -275,7 +286,7 @@ def test_generate_checks_memory_before_allocating(model, monkeypatch):
     monkeypatch.setattr(memory, "device_free_bytes", lambda device=None: (1 << 20, "test device"))
     with pytest.raises(memory.InsufficientMemoryError,
                        match=r"needs \d+\.\d\d GiB, test device has 0\.00 GiB free"):
-        llama.generate(model, PROMPTS, 100_000)
+        llama.generate(model, PROMPTS, 100_000, allow_beyond_max_positions=True)
 
 
 def test_check_fits():
@@ -316,3 +327,70 @@ def test_steps_donate_the_cache(model):
                                   mode=mode)
     assert new.k_pages[0].is_deleted()
     np.testing.assert_array_equal(np.asarray(newer.lengths), [9, 9, 9, 9])
+
+
+@pytest.mark.parametrize("kind", ["numpy", "jax"])
+def test_generate_takes_a_2d_int_array_of_prompts(model, kind):
+    gen = np.random.default_rng()
+    ids = gen.integers(0, CONFIG.vocab_size, (3, 7))
+    dtype = np.uint8 if kind == "numpy" else np.int32  # a narrow dtype works too
+    prompts = np.asarray(ids, dtype) if kind == "numpy" else jnp.asarray(ids, jnp.int32)
+    expected = llama.generate(model, ids.tolist(), 5)
+    assert llama.generate(model, prompts, 5) == expected
+    tokens, stats = llama.generate_with_stats(model, prompts, 5)
+    assert tokens == expected and stats.batch == 3 and stats.prompt_tokens == 21
+
+
+SHORT = dataclasses.replace(CONFIG, max_position_embeddings=16)
+
+
+def test_sequences_beyond_max_positions_are_refused_before_any_work(monkeypatch):
+    model = _random_model(SHORT)
+    gen = np.random.default_rng()
+    prompts = [gen.integers(0, 96, 5).tolist(), gen.integers(0, 96, 12).tolist()]
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the memory check ran: the refusal came too late")
+
+    with monkeypatch.context() as m:
+        m.setattr(memory, "check_fits", no_work)
+        # prompt + new tokens: 12 + 5 = 17 > 16
+        with pytest.raises(ValueError, match=r"prompts\[1\] has 12 tokens; with "
+                                             r"max_new_tokens=5 .* 17 positions.*"
+                                             r"max_position_embeddings=16"):
+            llama.generate(model, prompts, 5)
+        with pytest.raises(ValueError, match=r"17 positions.*max_position_embeddings=16"):
+            llama.generate_with_stats(model, np.asarray([prompts[1] + [3] * 5]), 0)
+        with pytest.raises(ValueError, match=r"tokens\.shape=\(2, 17\) has 17 positions.*"
+                                             r"max_position_embeddings=16"):
+            model(jnp.asarray(gen.integers(0, 96, (2, 17)), jnp.int32))
+    # Exactly at the limit runs; beyond it runs when asked to (e.g. for a RoPE scaling that
+    # extends the range: SHORT has linear scaling 2.0).
+    assert [len(r) for r in llama.generate(model, prompts, 4)] == [4, 4]
+    assert [len(r) for r in llama.generate(model, prompts, 5,
+                                           allow_beyond_max_positions=True)] == [5, 5]
+    logits = model(jnp.asarray(gen.integers(0, 96, (1, 17)), jnp.int32),
+                   allow_beyond_max_positions=True)
+    assert logits.shape == (1, 17, 96) and np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-50, 5e-324])
+def test_a_temperature_below_float32_normals_is_greedy(model, temperature):
+    # float32 flushes or rounds these to 0 (or divides logits into +inf): before, the token
+    # sampled was index 0 whatever the logits said.
+    assert sampling.SamplingParams(temperature).greedy
+    greedy = llama.generate(model, PROMPTS, 4)
+    assert llama.generate(model, PROMPTS, 4, temperature=temperature, seed=7) == greedy
+
+
+def test_a_tiny_normal_temperature_samples_the_largest_logit():
+    # 1e-37 is a normal float32, but logits / 1e-37 overflow to +inf; sample() must still
+    # pick the largest logit, never the first of the overflowing ones.
+    gen = np.random.default_rng()
+    logits = gen.uniform(20.0, 60.0, (16, 50)).astype(np.float32)
+    want = logits.argmax(-1)
+    for temperature in (1e-37, 1e-38, jnp.float32(1e-37)):
+        got = sampling.sample(jnp.asarray(logits), jax.random.key(int(gen.integers(1 << 30))),
+                              temperature=temperature)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert not sampling.SamplingParams(1e-37).greedy
