@@ -1,1 +1,311 @@
-"""Pallas GPU kernel: paged_attention (in progress)."""
+"""Pallas GPU kernel (Triton lowering): paged attention, split over the keys (flash-decoding).
+
+Grid ``(batch, kv_heads * row_blocks, splits)``: each program takes the query rows of one
+GQA group of one sequence (``q_len * group`` rows, query-major, padded to a power of two),
+walks its share of the sequence's pages through the block table, ``pages_per_compute_block``
+pages at a time, straight from the pool (no gathered copy), and keeps an online softmax.
+It writes the unnormalised float32 output with the running max and sum; an XLA epilogue
+merges the splits with logsumexp weights. Pages past a sequence's length, before every
+query's sliding window, or after every query's position are never visited.
+
+The attention contract is that of :func:`forge_jax.paged_attention` (its XLA implementation
+is the reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from forge_jax.pallas_kernels.gpu import _common
+from jax import lax
+
+from forge_jax import _compat
+
+pl = _compat.pallas()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet.
+VERIFIED: dict[str, str] = {}
+
+MAX_Q_LEN = 16  # decode and short chunks; longer prefill belongs to the dense kernel
+MAX_HEAD_DIM = 256
+MIN_DOT = 16  # Triton dots need every dimension >= 16
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Positions are assumed to lie in [-2**30, 2**30): clamping them (and the window) keeps
+# `p - window` and `p + 1` inside int32.
+_POS_LIMIT = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Launch parameters for one head-dim bucket.
+
+    ``block_k``: keys per compute block (``pages_per_compute_block = block_k // page_size``,
+    at least one page); ``max_splits``: the most programs one sequence's keys are split
+    over (fewer when it has fewer compute blocks); ``block_rows``: query rows per program.
+    """
+
+    block_k: int
+    max_splits: int
+    block_rows: int
+    num_warps: int
+    num_stages: int
+
+
+# Padded head dim -> launch parameters; the largest bucket >= head_dim applies. Untuned
+# defaults in the range of JAX's own paged-attention kernel, pending GPU measurements.
+LAUNCH: Mapping[int, Launch] = {
+    64: Launch(block_k=64, max_splits=16, block_rows=64, num_warps=4, num_stages=2),
+    128: Launch(block_k=64, max_splits=16, block_rows=64, num_warps=4, num_stages=2),
+    256: Launch(block_k=32, max_splits=16, block_rows=32, num_warps=8, num_stages=2),
+}
+
+
+def launch_params(head_dim: int) -> Launch:
+    padded = max(MIN_DOT, _common.next_pow2(head_dim))
+    for bucket in sorted(LAUNCH):
+        if padded <= bucket:
+            return LAUNCH[bucket]
+    return LAUNCH[max(LAUNCH)]
+
+
+def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
+            o_ref, m_ref, l_ref,  # outputs
+            *, head_dim, page_size, pages_per_compute_block, blocks_per_split, scale,
+            sliding_window, logits_soft_cap, pv_dtype):
+    # q_ref [rows, head_dim_pad]; pos_ref [rows]; lo_ref, hi_ref [1]: the keys any row of
+    # this sequence sees lie in [lo, hi); tables_ref [pages]; k_ref, v_ref
+    # [num_pages, page_size, head_dim_pad] (one kv head, the whole pool, read in place).
+    rows, head_dim_pad = q_ref.shape
+    block_k = pages_per_compute_block * page_size
+    split = pl.program_id(2)
+    q = q_ref[...]
+    pos = pos_ref[...]
+    key_lo, key_hi = lo_ref[0], hi_ref[0]
+    # The pool's head dim is not padded: padded columns are masked loads (zeros).
+    kv_mask = jnp.broadcast_to((jnp.arange(head_dim_pad) < head_dim)[None, None, :],
+                               (pages_per_compute_block, page_size, head_dim_pad))
+
+    offsets = jnp.arange(page_size, dtype=jnp.int32)[None, :, None]
+    dims = jnp.arange(head_dim_pad, dtype=jnp.int32)[None, None, :]
+
+    def load(ref, pages):
+        # All three indices as arrays: a gather of whole page rows, masked past head_dim.
+        x = _compat.triton_load(ref, (pages[:, None, None], offsets, dims), mask=kv_mask,
+                                other=0)
+        return x.reshape(block_k, head_dim_pad)
+
+    def body(block, carry):
+        o, m, l_sum = carry
+        pages = tables_ref[pl.ds(block * pages_per_compute_block, pages_per_compute_block)]
+        k = load(k_ref, pages)
+        qk = q
+        if q.dtype != k.dtype:
+            qk, k = q.astype(jnp.float32), k.astype(jnp.float32)
+        # HIGHEST: float32 operands as IEEE products (Triton's default is TF32).
+        s = lax.dot_general(qk, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)  # [rows, block_k]
+        s = s * scale
+        if logits_soft_cap is not None:
+            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+        j = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        visible = (j[None, :] <= pos[:, None]) & (j[None, :] < key_hi)
+        if sliding_window is not None:
+            visible &= j[None, :] > pos[:, None] - sliding_window
+        # where, not a bias: keys no row may see can hold NaN or inf.
+        s = jnp.where(visible, s, -jnp.inf)
+        m_next = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
+        p = jnp.exp(s - m_safe[:, None])
+        correction = jnp.exp(m - m_safe)
+        l_sum = correction * l_sum + p.sum(axis=-1)
+        # Zero probabilities do not hide NaN values (0 * NaN = NaN): zero every value
+        # row no query of this sequence sees.
+        v = load(v_ref, pages)
+        v = jnp.where(((j >= key_lo) & (j < key_hi))[:, None], v, jnp.zeros((), v.dtype))
+        pv = lax.dot_general(p.astype(pv_dtype), v.astype(pv_dtype), (((1,), (0,)), ((), ())),
+                             precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+        return correction[:, None] * o + pv, m_next, l_sum
+
+    first = jnp.maximum(split * blocks_per_split, key_lo // block_k)
+    last = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(key_hi, block_k))
+    init = (jnp.zeros((rows, head_dim_pad), jnp.float32),
+            jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    o, m, l_sum = lax.fori_loop(first, last, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l_sum
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "sliding_window", "logits_soft_cap", "pages_per_compute_block", "num_splits",
+    "block_rows", "num_warps", "num_stages", "interpret"))
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
+                    q_positions=None, sliding_window=None, logits_soft_cap=None,
+                    pages_per_compute_block=None, num_splits=None, block_rows=None,
+                    num_warps=None, num_stages=None, interpret=False):
+    """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
+
+    Args:
+      q: ``[batch, q_heads, head_dim]`` or ``[batch, q_len, q_heads, head_dim]``.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``.
+      block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
+        anything.
+      lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
+      scale, q_positions, sliding_window, logits_soft_cap: as in the op.
+      pages_per_compute_block: pages per K/V block, a power of two with
+        ``pages_per_compute_block * page_size >= 16`` (default from :data:`LAUNCH`:
+        ``block_k // page_size``, at least 1). A page size that is not a power of two
+        cannot lower (the block's rows must be a power of two).
+      num_splits: programs over one sequence's keys (default: :data:`LAUNCH`'s
+        ``max_splits``, at most one per compute block).
+      block_rows: query rows per program (a power of two >= 16).
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run in Pallas' interpreter (any platform).
+
+    Returns:
+      The shape of ``q``, in ``q.dtype``.
+    """
+    _compat.filter_triton_deprecation()
+    decode = q.ndim == 3
+    if decode:
+        q = q[:, None]
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_pages = block_tables.shape[1]
+    group = q_heads // kv_heads
+    launch = launch_params(head_dim)
+    head_dim_pad = max(MIN_DOT, _common.next_pow2(head_dim))
+    if pages_per_compute_block is None:
+        pages_per_compute_block = max(1, launch.block_k // _common.next_pow2(page_size))
+    block_k = pages_per_compute_block * page_size
+    if pages_per_compute_block & (pages_per_compute_block - 1) or block_k < MIN_DOT:
+        raise ValueError(f"{pages_per_compute_block=} must be a power of two and "
+                         f"{pages_per_compute_block=} * {page_size=} >= {MIN_DOT} "
+                         "(a K/V block is one Triton dot operand)")
+    num_blocks = -(-max_pages // pages_per_compute_block)
+    num_splits = min(num_splits or launch.max_splits, num_blocks)
+    blocks_per_split = -(-num_blocks // num_splits)
+    rows = q_len * group
+    block_rows = block_rows or min(launch.block_rows, max(MIN_DOT, _common.next_pow2(rows)))
+    if block_rows < MIN_DOT or block_rows & (block_rows - 1):
+        raise ValueError(f"{block_rows=} must be a power of two >= {MIN_DOT}")
+    row_blocks = -(-rows // block_rows)
+    rows_pad = row_blocks * block_rows
+    if scale is None:
+        scale = head_dim ** -0.5
+
+    with jax.named_scope("paged_attention"):
+        # Small per-sequence bookkeeping in XLA; the pool itself is only read by the kernel.
+        capacity = max_pages * page_size
+        lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, capacity)
+        if q_positions is None:
+            q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
+        pos = jnp.clip(jnp.asarray(q_positions).astype(jnp.int32).reshape(batch, q_len),
+                       -_POS_LIMIT, _POS_LIMIT)
+        window = None if sliding_window is None else min(sliding_window, _POS_LIMIT)
+        key_hi = jnp.clip(jnp.minimum(lengths, pos.max(axis=1) + 1), 0, capacity)
+        key_lo = (jnp.zeros_like(key_hi) if window is None
+                  else jnp.clip(pos.min(axis=1) - window + 1, 0, capacity))
+        # Row r of a group is query r // group (query-major); padded rows see no key.
+        row_pos = jnp.pad(jnp.repeat(pos, group, axis=1), ((0, 0), (0, rows_pad - rows)),
+                          constant_values=-1)
+        # Entries past a sequence's pages may be garbage: read page 0 there (masked), and
+        # never index outside the pool.
+        used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
+        tables = jnp.where(used, jnp.clip(jnp.asarray(block_tables).astype(jnp.int32), 0,
+                                          num_pages - 1), 0)
+        tables = jnp.pad(tables, ((0, 0), (0, num_splits * blocks_per_split
+                                           * pages_per_compute_block - max_pages)))
+        qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+        qg = jnp.pad(qg.reshape(batch, kv_heads, rows, head_dim),
+                     ((0, 0), (0, 0), (0, rows_pad - rows), (0, head_dim_pad - head_dim)))
+        # Probabilities meet the values in the values' dtype when the queries share it
+        # (flash-attention practice); float32 queries over a narrow cache stay float32.
+        pv_dtype = k_pages.dtype if q.dtype == k_pages.dtype else jnp.float32
+
+        kernel = functools.partial(
+            _kernel, head_dim=head_dim, page_size=page_size,
+            pages_per_compute_block=pages_per_compute_block, blocks_per_split=blocks_per_split,
+            scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
+            pv_dtype=pv_dtype)
+        pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim_pad),
+                                lambda b, i, s: (i // row_blocks, 0, 0, 0))
+        o, m, l_sum = pl.pallas_call(
+            kernel,
+            grid=(batch, kv_heads * row_blocks, num_splits),
+            in_specs=[
+                pl.BlockSpec((None, None, block_rows, head_dim_pad),
+                            lambda b, i, s: (b, i // row_blocks, i % row_blocks, 0)),
+                pl.BlockSpec((None, block_rows), lambda b, i, s: (b, i % row_blocks)),
+                pl.BlockSpec((1,), lambda b, i, s: (b,)),
+                pl.BlockSpec((1,), lambda b, i, s: (b,)),
+                pl.BlockSpec((None, tables.shape[1]), lambda b, i, s: (b, 0)),
+                pool_spec,
+                pool_spec,
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, None, block_rows, head_dim_pad),
+                            lambda b, i, s: (b, i // row_blocks, s, i % row_blocks, 0)),
+                pl.BlockSpec((None, None, None, block_rows),
+                            lambda b, i, s: (b, i // row_blocks, s, i % row_blocks)),
+                pl.BlockSpec((None, None, None, block_rows),
+                            lambda b, i, s: (b, i // row_blocks, s, i % row_blocks)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows_pad, head_dim_pad),
+                                     jnp.float32),
+                jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows_pad), jnp.float32),
+                jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows_pad), jnp.float32),
+            ],
+            compiler_params=_compat.triton_compiler_params(
+                num_warps=num_warps or launch.num_warps,
+                num_stages=num_stages or launch.num_stages),
+            interpret=interpret,
+            name="forge_jax_paged_attention",
+        )(qg, row_pos, key_lo, key_hi, tables, k_pages, v_pages)
+
+        out = _merge_splits(o, m, l_sum)[:, :, :rows, :head_dim]  # [b, k, t * g, d]
+        out = out.reshape(batch, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
+        out = out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
+    return out[:, 0] if decode else out
+
+
+def _merge_splits(o, m, l_sum):
+    """Combines the splits' partial results ``o [b, k, s, r, d]``, ``m, l_sum [b, k, s, r]``
+    with logsumexp weights; a row that saw no key gets zeros, NaN propagates."""
+    m_max = m.max(axis=2)
+    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    w = jnp.exp(m - m_safe[:, :, None])  # [b, k, s, r]
+    total = (w * l_sum).sum(axis=2)
+    out = (w[..., None] * o).sum(axis=2)
+    return jnp.where(total[..., None] == 0, 0.0, out / total[..., None])
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel lowers for these arguments, else why not."""
+    q, k_pages = args["q"], args["k_pages"]
+    q_len = 1 if q.ndim == 3 else q.shape[1]
+    page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+    for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
+        if jnp.dtype(dtype) not in _DTYPES:
+            return f"{name}.dtype={jnp.dtype(dtype).name}: Triton dots take float32/16 and bfloat16"
+    if q_len > MAX_Q_LEN:
+        return (f"q_len={q_len} > {MAX_Q_LEN}: the split-K decode kernel holds all of a group's "
+                "queries in one tile; long prefill chunks belong to dense attention")
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim={head_dim} > {MAX_HEAD_DIM} does not fit this kernel's register tiles"
+    if page_size & (page_size - 1):
+        return (f"page_size={page_size} is not a power of two: a K/V block of whole pages "
+                "must have a power-of-two number of rows for the Triton lowering")
+    return None
+
+
+_common.register(
+    "paged_attention", paged_attention, supports=supports, verified=VERIFIED,
+    description="flash-decoding over the block tables, split over the keys")
