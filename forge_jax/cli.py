@@ -16,6 +16,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """A short tour: each op once, checked against NumPy, with the implementation used."""
+    _check_seed(args.seed)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -59,7 +60,59 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 class GenerateError(Exception):
-    """A problem with the user's input to ``generate``: reported as one line, exit code 2."""
+    """A problem with the user's input to a command: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, ``--top-k x``) are one line on stderr, exit
+    code 2, like every other bad input: no usage block, no SystemExit out of ``main``."""
+
+    def error(self, message):
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+class _UsageError(Exception):
+    """An argparse error, already prefixed with the (sub)command's name."""
+
+
+_SEED_LIMIT = 2**63  # jax.random.key takes a C long; numpy's generator a non-negative int
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed < _SEED_LIMIT:
+        raise GenerateError(f"--seed must be in [0, 2**63), got {seed}")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag of ``generate``, before anything is read or loaded."""
+    import math
+
+    import numpy as np
+
+    if args.prompt and args.prompt_ids is not None:
+        raise GenerateError("give --prompt or --prompt-ids, not both")
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
+        raise GenerateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.top_k is not None and args.top_k < 1:
+        raise GenerateError(f"--top-k must be >= 1, got {args.top_k}")
+    largest = float(np.finfo(np.float32).max)
+    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= largest):
+        raise GenerateError(f"--temperature must be a finite number >= 0 (at most float32's "
+                            f"{largest:.4g}), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.num_problems < 1:
+        raise GenerateError(f"--num-problems must be >= 1, got {args.num_problems}")
+    if args.show < 0:
+        raise GenerateError(f"--show must be >= 0, got {args.show}")
+    _check_seed(args.seed)
+    if args.implementation is not None:
+        from forge_jax import dispatch
+
+        known = dispatch.names()
+        if args.implementation not in known:
+            raise GenerateError(f"unknown --implementation {args.implementation!r}; "
+                                f"registered: {', '.join(known)}")
 
 
 class _ProgressLine:
@@ -106,17 +159,16 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _load(args: argparse.Namespace):
-    """(model, raw config dict, tokenizer or None, checkpoint path) for ``args``."""
+def _read_checkpoint(args: argparse.Namespace):
+    """(config, raw config dict, tokenizer or None, checkpoint path) for ``args``: everything
+    but the weights, so that inputs are checked before the model is loaded."""
     import json
     import pathlib
-
-    import jax.numpy as jnp
 
     from forge_jax.models import llama
 
     path = pathlib.Path(args.checkpoint) if args.checkpoint else _tiny_dir()
-    model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))  # errors name the problem
+    config = llama.load_config(path)  # errors name the problem
     raw = json.loads((path / "config.json").read_text())
     tokenizer = None
     if (path / "tokenizer.json").is_file():
@@ -126,7 +178,45 @@ def _load(args: argparse.Namespace):
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # the tokenizers library raises its own exception types
             raise GenerateError(f"cannot read {path / 'tokenizer.json'}: {e}") from None
-    return model, raw, tokenizer, path
+    return config, raw, tokenizer, path
+
+
+def _prompts(args, config, tokenizer, path) -> list[list[int]]:
+    """The token ids of ``--prompt`` / ``--prompt-ids``, checked against the model's vocabulary."""
+    vocab = config.vocab_size
+    if args.prompt_ids is not None:
+        ids = _parse_ids(args.prompt_ids)
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise GenerateError(f"--prompt-ids {bad} outside the vocabulary [0, {vocab})")
+        return [ids]
+    if tokenizer is None:
+        raise GenerateError(f"{path} has no tokenizer.json: give token ids with --prompt-ids")
+    prompts = []
+    for text in args.prompt:
+        try:
+            ids = tokenizer.encode(text).ids
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise GenerateError(f"--prompt {text!r} cannot be encoded with "
+                                f"{path / 'tokenizer.json'}: {e}") from None
+        if not ids:
+            raise GenerateError(f"--prompt {text!r} encodes to no tokens")
+        bad = sorted({i for i in ids if not 0 <= i < vocab})
+        if bad:
+            raise GenerateError(f"--prompt {text!r} encodes to token ids {bad} outside the "
+                                f"model's vocabulary [0, {vocab}): {path / 'tokenizer.json'} "
+                                f"does not match the checkpoint")
+        prompts.append(ids)
+    return prompts
+
+
+def _check_length(args, config, path, prompt_tokens: int, max_new: int, what: str) -> None:
+    limit = config.max_position_embeddings
+    if prompt_tokens + max_new > limit and not args.allow_long_context:
+        raise GenerateError(
+            f"{what} has {prompt_tokens} tokens; with --max-new-tokens {max_new} that is "
+            f"{prompt_tokens + max_new} positions, beyond max_position_embeddings={limit} of "
+            f"{path}; pass --allow-long-context if the model's RoPE scaling extends its range")
 
 
 def _describe(model, path, args) -> str:
@@ -143,22 +233,60 @@ def _describe(model, path, args) -> str:
 
 
 def _print_stats(stats) -> None:
+    if stats.max_new_tokens == 0:
+        print("prefill: not run (--max-new-tokens 0: no token to generate)")
+        print("decode:  not run")
+        return
     print(f"prefill: {stats.prompt_tokens} prompt tokens in {stats.prefill_seconds * 1e3:.1f} ms"
           f" = {stats.prefill_tokens_per_s:,.0f} tokens/s (batch {stats.batch})")
     if stats.decode_steps:
         print(f"decode:  {stats.decode_tokens} tokens in {stats.decode_steps} steps, "
               f"{stats.decode_ms_per_step:.2f} ms/step = {stats.decode_tokens_per_s:,.0f} tokens/s")
+    elif stats.max_new_tokens == 1:
+        print("decode:  no decode steps (--max-new-tokens 1: the prefill gives the only token)")
     else:
-        print("decode:  no decode steps (every sequence ended at its first token)")
-    print(f"compile: {stats.compile_seconds:.1f} s (prefill and decode steps; not in the rates)")
+        print("decode:  no decode steps (every sequence stopped at an end-of-sequence token "
+              "from the prefill)")
+    steps = "the prefill step" if stats.max_new_tokens == 1 else "prefill and decode steps"
+    print(f"compile: {stats.compile_seconds:.1f} s ({steps}; not in the rates)")
 
 
 def _print_selections() -> None:
     from forge_jax import dispatch
 
+    selections = dispatch.last_selections()
+    if not selections:
+        print("implementations used: none (no op ran)")
+        return
     print("implementations used:")
-    for op, sel in sorted(dispatch.last_selections().items()):
+    for op, sel in sorted(selections.items()):
         print(f"  {op:16s} {sel.implementation} ({sel.source}, {sel.platform})")
+
+
+def _task_new_tokens(task, args) -> int:
+    """``--max-new-tokens``, or the longest possible answer and its eos (``tasks.solve``
+    uses at most this)."""
+    return task.max_answer_chars + 1 if args.max_new_tokens is None else args.max_new_tokens
+
+
+def _check_task(task, config, args, path) -> None:
+    """A task run's length and memory, checked before any problem is drawn: a huge
+    ``--num-problems`` is refused here, not after a long loop building its prompts."""
+    import jax.numpy as jnp
+
+    from forge_jax.memory import InsufficientMemoryError
+    from forge_jax.models import llama
+
+    prompt_tokens = 1 + task.max_prompt_chars  # <bos> and the longest prompt
+    max_new = _task_new_tokens(task, args)
+    _check_length(args, config, path, prompt_tokens, max_new, "the longest problem")
+    dtype = jnp.dtype(args.dtype)
+    try:
+        llama.check_generation_fits(config, batch=args.num_problems, longest_prompt=prompt_tokens,
+                                    max_new_tokens=max_new, cache=args.cache, param_dtype=dtype,
+                                    dtype=dtype)
+    except InsufficientMemoryError as e:
+        raise GenerateError(f"--num-problems {args.num_problems} is too many: {e}") from None
 
 
 def _run_task(model, task, args, progress) -> None:
@@ -167,16 +295,21 @@ def _run_task(model, task, args, progress) -> None:
     from forge_jax.models import tasks
 
     n = args.num_problems
-    if n <= 0:
-        raise GenerateError(f"--num-problems must be positive, got {n}")
     problems = task.sample(np.random.default_rng(args.seed), n, split="test")
+    # Without --max-new-tokens, tasks.solve sizes the answers to these problems.
     kw = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
     generated, stats = tasks.solve(
         model, problems, cache=args.cache, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, progress=progress, **kw)
+        top_p=args.top_p, seed=args.seed, progress=progress,
+        allow_beyond_max_positions=args.allow_long_context, **kw)
     progress.close()
     print(f"task: {task.max_digits}-digit addition; the model writes the sum's digits "
           f"least significant first, then <eos>")
+    if stats.max_new_tokens == 0:
+        print(f"accuracy: not measured (--max-new-tokens 0: no answers generated for the "
+              f"{n} problems)")
+        _print_stats(stats)
+        return
     for p, ids in list(zip(problems, generated, strict=True))[:args.show]:
         text, finished = tasks.decode(ids)
         value = tasks.read_answer(text)
@@ -191,27 +324,18 @@ def _run_task(model, task, args, progress) -> None:
     _print_stats(stats)
 
 
-def _run_prompts(model, tokenizer, path, args, progress) -> None:
+def _prompt_new_tokens(args) -> int:
+    return 32 if args.max_new_tokens is None else args.max_new_tokens
+
+
+def _run_prompts(model, tokenizer, prompts, args, progress) -> None:
     from forge_jax.models import llama
 
-    if args.prompt_ids is not None:
-        prompts = [_parse_ids(args.prompt_ids)]
-        vocab = model.config.vocab_size
-        bad = [i for i in prompts[0] if not 0 <= i < vocab]
-        if bad:
-            raise GenerateError(f"--prompt-ids {bad} outside the vocabulary [0, {vocab})")
-    else:
-        if tokenizer is None:
-            raise GenerateError(f"{path} has no tokenizer.json: give token ids with --prompt-ids")
-        prompts = [tokenizer.encode(text).ids for text in args.prompt]
-        empty = [t for t, ids in zip(args.prompt, prompts, strict=True) if not ids]
-        if empty:
-            raise GenerateError(f"--prompt {empty[0]!r} encodes to no tokens")
     eos = model.config.eos_token_ids or None
-    max_new = 32 if args.max_new_tokens is None else args.max_new_tokens
     generated, stats = llama.generate_with_stats(
-        model, prompts, max_new, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, cache=args.cache, eos_token_id=eos, progress=progress)
+        model, prompts, _prompt_new_tokens(args), temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, eos_token_id=eos,
+        progress=progress, allow_beyond_max_positions=args.allow_long_context)
     progress.close()
     for prompt, ids in zip(prompts, generated, strict=True):
         print(f"prompt ids:    {prompt}")
@@ -225,35 +349,33 @@ def _run_prompts(model, tokenizer, path, args, progress) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import contextlib
 
+    import jax.numpy as jnp
+
     import forge_jax as fj
-    from forge_jax import dispatch
     from forge_jax.memory import InsufficientMemoryError
     from forge_jax.models import llama, tasks
 
     prog = "forge-jax generate"
     try:
-        if args.prompt and args.prompt_ids is not None:
-            raise GenerateError("give --prompt or --prompt-ids, not both")
-        for name in ("max_new_tokens", "top_k"):
-            value = getattr(args, name)
-            if value is not None and value < (0 if name == "max_new_tokens" else 1):
-                raise GenerateError(f"--{name.replace('_', '-')} must be "
-                                    f"{'>= 0' if name == 'max_new_tokens' else '>= 1'}, "
-                                    f"got {value}")
-        if args.temperature < 0:
-            raise GenerateError(f"--temperature must be >= 0, got {args.temperature}")
-        if args.top_p is not None and not 0 < args.top_p <= 1:
-            raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
-        if args.implementation is not None:
-            known = dispatch.names()
-            if args.implementation not in known:
-                raise GenerateError(f"unknown --implementation {args.implementation!r}; "
-                                    f"registered: {', '.join(known)}")
-        model, raw, tokenizer, path = _load(args)
+        # Every input is checked before the weights are loaded: the flags, then what needs
+        # only config.json and tokenizer.json (prompt ids, lengths, the task's memory).
+        _check_flags(args)
+        config, raw, tokenizer, path = _read_checkpoint(args)
         task = tasks.task_from_config(raw)
-        if task is None and not args.prompt and args.prompt_ids is None:
+        prompts = None
+        if args.prompt or args.prompt_ids is not None:
+            prompts = _prompts(args, config, tokenizer, path)
+            longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+            what = ("--prompt-ids" if args.prompt_ids is not None
+                    else f"--prompt {args.prompt[longest]!r}")
+            _check_length(args, config, path, len(prompts[longest]), _prompt_new_tokens(args),
+                          what)
+        elif task is None:
             raise GenerateError(f"{path} is not a forge_jax task model: give --prompt TEXT or "
                                 f"--prompt-ids 1,2,3")
+        else:
+            _check_task(task, config, args, path)
+        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))
         print(_describe(model, path, args))
         show = args.progress if args.progress is not None else sys.stderr.isatty()
         progress = _ProgressLine(sys.stderr, enabled=show)
@@ -263,10 +385,10 @@ def _generate(args: argparse.Namespace) -> int:
             context = fj.use_implementation(args.implementation)
         fj.dispatch.clear_selections()  # Report the ops of this run only.
         with context:
-            if task is not None and not args.prompt and args.prompt_ids is None:
+            if prompts is None:
                 _run_task(model, task, args, progress)
             else:
-                _run_prompts(model, tokenizer, path, args, progress)
+                _run_prompts(model, tokenizer, prompts, args, progress)
     except (GenerateError, llama.CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -278,7 +400,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="forge-jax", description="forge_jax: functional JAX kernels for LLM inference")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="versions, devices, toolchains and implementations").set_defaults(
@@ -311,13 +433,27 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--show", type=int, default=5, help="problems to print (default 5)")
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="progress bar on stderr (default: when stderr is a terminal)")
+    gen.add_argument("--allow-long-context", action="store_true",
+                     help="run prompt + new tokens beyond the model's max_position_embeddings "
+                          "(for a RoPE scaling that extends its range)")
     gen.set_defaults(fn=_generate)
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named with the subcommand they were given to
+            command = getattr(args, "command", None)
+            prog = f"forge-jax {command}" if command else "forge-jax"
+            raise _UsageError(f"{prog}: error: unrecognized arguments: {' '.join(extra)}")
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     if not hasattr(args, "fn"):
         parser.print_help()
         return 2
     try:
         return args.fn(args)
+    except GenerateError as e:  # info and demo; generate reports its own
+        print(f"forge-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # e.g. `forge-jax generate | head`: stop quietly, as Unix tools do
         import os
 

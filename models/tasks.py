@@ -74,6 +74,8 @@ class AdditionTask:
         """
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split=!r}")
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n=!r}")
         want_held_out = split == "test"
         out = []
         while len(out) < n:

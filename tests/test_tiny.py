@@ -71,6 +71,13 @@ def test_splits_are_disjoint_and_cover_every_operand_length():
     assert 0.05 < held_out_fraction < 0.2  # the rejection sampler drew both kinds
 
 
+
+@pytest.mark.parametrize("n", [-1, 2.0, True, None])
+def test_sample_rejects_a_bad_count(n):
+    with pytest.raises(ValueError, match=rf"n={n!r}"):
+        tasks.AdditionTask().sample(np.random.default_rng(), n)
+
+
 def test_training_batch_masks_the_answer_and_eos_only():
     ids, mask = tasks.encode_problems([tasks.Problem(7, 5), tasks.Problem(123, 459)],
                                       with_answer=True)
