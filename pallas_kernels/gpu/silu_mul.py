@@ -1,1 +1,148 @@
-"""Pallas GPU kernel: silu_mul (in progress)."""
+"""Pallas GPU kernel (Triton lowering): the gated activation ``silu(gate) * up``.
+
+The inputs are flattened to one dimension; grid ``(cdiv(size, block_size),)``, each program
+reads ``block_size`` elements of ``gate`` and ``up`` once and writes the product once, the
+last block masked. Math in float32. The contract is that of :func:`forge_jax.silu_mul` (its
+XLA implementation is the reference).
+
+The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from forge_jax.pallas_kernels.gpu import _common
+
+from forge_jax import _compat
+from forge_jax.ops.activation import silu_mul_xla
+
+pl = _compat.pallas()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet.
+VERIFIED: dict[str, str] = {}
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Block starts are int32 (program id * block size): stay well clear of 2**31.
+MAX_SIZE = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Elements per program and Triton launch parameters."""
+
+    block_size: int
+    num_warps: int
+    num_stages: int = 1
+
+
+# Device kind -> launch parameters; "default" when no kind matches. Untuned (16 elements,
+# two 16-byte bf16 vectors, per thread), pending GPU measurements.
+LAUNCH: Mapping[str, Launch] = {
+    "default": Launch(block_size=4096, num_warps=8),
+}
+
+
+def launch_params(device_kind: str | None = None) -> Launch:
+    """The launch parameters on ``device_kind``."""
+    return next((p for kind, p in LAUNCH.items() if device_kind and kind in device_kind),
+                LAUNCH["default"])
+
+
+def _device_kind() -> str | None:
+    return jax.devices("gpu")[0].device_kind if _common.gpu_reason("gpu") is None else None
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.silu_mul` arguments, else why not."""
+    gate = args["gate"]
+    if jnp.dtype(gate.dtype) not in _DTYPES:
+        return f"gate.dtype={jnp.dtype(gate.dtype).name}; the kernel reads float32/bf16/f16"
+    if gate.size > MAX_SIZE:
+        return f"{gate.size=} > {MAX_SIZE}: the kernel's block offsets are int32"
+    return None
+
+
+def _kernel(gate_ref, up_ref, out_ref, *, size):
+    # [block_size] each; the last block runs past the array's end, hence the mask.
+    block_size = gate_ref.shape[0]
+    mask = pl.program_id(0) * block_size + jnp.arange(block_size) < size
+    g = _compat.triton_load(gate_ref, mask=mask, other=0).astype(jnp.float32)
+    u = _compat.triton_load(up_ref, mask=mask, other=0).astype(jnp.float32)
+    # silu(g) = g * sigmoid(g), written as g / (1 + exp(-g)): for g -> -inf, exp(-g)
+    # overflows to inf and the quotient is -0, as sigmoid's limit.
+    _compat.triton_store(out_ref, None, (g / (1.0 + jnp.exp(-g)) * u).astype(out_ref.dtype),
+                         mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_warps", "num_stages",
+                                             "interpret"))
+def silu_mul_forward(gate, up, *, block_size, num_warps, num_stages, interpret=False):
+    """The kernel alone (no VJP): ``silu(gate) * up``.
+
+    Args:
+      gate, up: arrays of one shape and dtype (float32/bfloat16/float16).
+      block_size: elements per program (a power of two).
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run in Pallas' interpreter (any platform).
+    """
+    _compat.filter_triton_deprecation()
+    if gate.size == 0:
+        return jnp.zeros(gate.shape, gate.dtype)
+    size = gate.size
+    spec = pl.BlockSpec((block_size,), lambda i: (i,))
+    out = pl.pallas_call(
+        functools.partial(_kernel, size=size),
+        grid=(pl.cdiv(size, block_size),),
+        in_specs=[spec, spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct((size,), gate.dtype),
+        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
+                                                       num_stages=num_stages),
+        interpret=interpret,
+        name="forge_jax_silu_mul",
+    )(gate.reshape(size), up.reshape(size))
+    return out.reshape(gate.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _silu_mul(gate, up, launch_and_interpret):
+    launch, interpret = launch_and_interpret
+    return silu_mul_forward(gate, up, block_size=launch.block_size, num_warps=launch.num_warps,
+                            num_stages=launch.num_stages, interpret=interpret)
+
+
+def _silu_mul_fwd(gate, up, launch_and_interpret):
+    return _silu_mul(gate, up, launch_and_interpret), (gate, up)
+
+
+def _silu_mul_bwd(launch_and_interpret, saved, cotangent):
+    del launch_and_interpret
+    return jax.vjp(silu_mul_xla, *saved)[1](cotangent)
+
+
+_silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
+
+
+def silu_mul(gate, up, *, block_size=None, num_warps=None, num_stages=None, interpret=False):
+    """:func:`forge_jax.silu_mul` through the kernel; differentiable (XLA VJP).
+
+    Args:
+      gate, up: as :func:`forge_jax.silu_mul`.
+      block_size, num_warps, num_stages: override the :data:`LAUNCH` table's entry.
+      interpret: run in Pallas' interpreter (any platform).
+    """
+    launch = launch_params(None if interpret else _device_kind())
+    launch = dataclasses.replace(
+        launch, **{k: v for k, v in dict(block_size=block_size, num_warps=num_warps,
+                                         num_stages=num_stages).items() if v is not None})
+    return _silu_mul(gate, up, (launch, interpret))
+
+
+_common.register("silu_mul", silu_mul, supports=supports, verified=VERIFIED,
+                 description="flattened blocks, float32 math")
