@@ -1,1 +1,336 @@
-"""Pallas GPU kernel: attention (in progress)."""
+"""Pallas GPU kernel (Triton lowering): flash attention, forward in Pallas, backward by XLA.
+
+Grid ``(batch, kv_heads, row_blocks)``. The queries of one GQA group are laid out
+query-major as ``q_len * group`` rows (row ``r`` is query ``r // group``, head
+``r % group`` of the group), so one program serves ``block_q`` such rows: every K/V block
+is read once for all the group's heads, for any group size (9/3, 12/4, 14/2), with no
+padding of the group and no repeat of K/V in memory. Each program walks the K/V blocks
+with an online softmax (float32), visiting only the blocks some row can see: the loop
+bounds come from its rows' smallest and largest positions, the sequence's ``kv_lengths``
+and the sliding window. Head dims that are not a power of two (80, 96) are read and
+written with masked loads/stores of the next power of two; K/V are read in place.
+
+The contract is that of :func:`forge_jax.attention`: positions are explicit
+``q_positions``, else ``kv_lengths[b] - q_len + t`` with ``kv_lengths``, else
+``kv_len - q_len + t``. K/V slots that no query of the program's rows may see are
+never read as values (masked loads give zeros), so NaN/inf there cannot leak; a key
+hidden from one row but visible to another is hidden by ``where`` on the logits
+(a NaN *value* in such a slot reaches the rows that may not see it only through
+``0 * NaN``, which the K/V cache never holds: garbage lives past ``kv_lengths``).
+
+Backward: ``jax.custom_vjp`` whose backward pass is the VJP of the XLA reference
+(:func:`forge_jax.ops.attention.attention_reference`, which materialises the
+``[batch, heads, q_len, kv_len]`` probabilities) with the same explicit positions and
+lengths. This is a deliberate choice: no Pallas backward kernel has been written and
+checked yet, so gradients cost what XLA's attention gradients cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from forge_jax.pallas_kernels.gpu import _common
+from jax import lax
+
+from forge_jax import _compat
+from forge_jax.ops.attention import attention_reference
+
+pl = _compat.pallas()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet.
+VERIFIED: dict[str, str] = {}
+
+MAX_HEAD_DIM = 256
+MIN_DOT = 16  # Triton dots need every dimension >= 16
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Positions are assumed to lie in [-2**30, 2**30): clamping them (and the window) keeps
+# `p - window + 1` and `p + 1` inside int32.
+_POS_LIMIT = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Launch parameters for one padded head dim: ``block_q`` query rows (flattened
+    ``(query, group head)`` pairs) and ``block_k`` keys per program step."""
+
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (device kind, padded head dim) -> launch parameters; "default" serves any device without
+# its own entry, and the smallest bucket >= the padded head dim applies. Untuned defaults
+# in the range of JAX's own flash-attention kernel, pending GPU measurements.
+LAUNCH: Mapping[str, Mapping[int, Launch]] = {
+    "default": {
+        64: Launch(block_q=64, block_k=64, num_warps=4, num_stages=2),
+        128: Launch(block_q=64, block_k=64, num_warps=4, num_stages=2),
+        256: Launch(block_q=32, block_k=32, num_warps=8, num_stages=2),
+    },
+}
+
+
+def launch_params(head_dim: int, device_kind: str = "default") -> Launch:
+    table = LAUNCH.get(device_kind, LAUNCH["default"])
+    padded = max(MIN_DOT, _common.next_pow2(head_dim))
+    for bucket in sorted(table):
+        if padded <= bucket:
+            return table[bucket]
+    return table[max(table)]
+
+
+def _device_kind(interpret: bool) -> str:
+    if interpret:
+        return "default"
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    return gpus[0].device_kind if gpus else "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel and its VJP need besides the arrays (hashable for jit)."""
+
+    scale: float
+    causal: bool
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
+def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
+            o_ref,  # output
+            *, head_dim, block_q, block_k, scale, causal, sliding_window, logits_soft_cap):
+    # q_ref, o_ref [rows, head_dim_pad] (rows = q_len * group of one kv head); pos_ref [rows];
+    # len_ref [1]: valid keys of this sequence; k_ref, v_ref [kv_len, head_dim_pad].
+    rows = q_ref.shape[0]
+    kv_len, head_dim_pad = k_ref.shape
+    row0 = pl.program_id(2) * block_q
+    row_ids = row0 + jnp.arange(block_q, dtype=jnp.int32)
+    row_ok = row_ids < rows
+    col_ok = jnp.arange(head_dim_pad, dtype=jnp.int32) < head_dim
+    q_mask = row_ok[:, None] & col_ok[None, :]
+    rows_slice = pl.ds(row0, block_q)
+    q = _compat.triton_load(q_ref, (rows_slice, slice(None)), mask=q_mask, other=0)
+    pos = _compat.triton_load(pos_ref, (rows_slice,), mask=row_ok, other=0)
+
+    # The keys any row of this block may see lie in [key_lo, key_hi).
+    key_hi = jnp.minimum(len_ref[0], kv_len)
+    if causal:
+        key_hi = jnp.minimum(key_hi, jnp.max(jnp.where(row_ok, pos, -_POS_LIMIT)) + 1)
+    key_lo = jnp.int32(0)
+    if sliding_window is not None:
+        key_lo = jnp.maximum(
+            key_lo, jnp.min(jnp.where(row_ok, pos, _POS_LIMIT)) - sliding_window + 1)
+
+    # float32 operands as IEEE products (Triton's default for float32 dots is TF32);
+    # bfloat16/float16 products are exact in float32 anyway.
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+
+    def body(block, carry):
+        o, m, l_sum = carry
+        j = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        # Slots outside [key_lo, key_hi) are never read: zeros, whatever they hold.
+        slot_ok = (j >= key_lo) & (j < key_hi)
+        kv_mask = slot_ok[:, None] & col_ok[None, :]
+        keys = pl.ds(block * block_k, block_k)
+        k = _compat.triton_load(k_ref, (keys, slice(None)), mask=kv_mask, other=0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)  # [block_q, block_k]
+        s = s * scale
+        if logits_soft_cap is not None:
+            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+        visible = jnp.broadcast_to(slot_ok[None, :], s.shape)
+        if causal:
+            visible &= j[None, :] <= pos[:, None]
+        if sliding_window is not None:
+            visible &= j[None, :] > pos[:, None] - sliding_window
+        s = jnp.where(visible, s, -jnp.inf)
+        m_next = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
+        p = jnp.exp(s - m_safe[:, None])
+        correction = jnp.exp(m - m_safe)
+        l_sum = correction * l_sum + p.sum(axis=-1)
+        v = _compat.triton_load(v_ref, (keys, slice(None)), mask=kv_mask, other=0)
+        # A zero probability does not hide a NaN/inf value (0 * NaN = NaN), and a slot in
+        # [key_lo, key_hi) may still be hidden from some rows: non-finite values leave the
+        # product, and (rarely, hence the cond) mark NaN the columns of the rows that see them.
+        finite = jnp.isfinite(v)
+        v = jnp.where(finite, v, jnp.zeros((), v.dtype))
+        # Probabilities meet the values in the values' dtype (flash-attention practice).
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+        o = correction[:, None] * o + pv
+
+        def mark_nonfinite(o):
+            hits = lax.dot_general(visible.astype(v.dtype), (~finite).astype(v.dtype),
+                                   (((1,), (0,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)  # [block_q, head_dim]
+            return jnp.where(hits > 0, jnp.nan, o)
+
+        any_nonfinite = jnp.max(jnp.where(finite, 0.0, 1.0)) > 0
+        o = lax.cond(any_nonfinite, mark_nonfinite, lambda o: o, o)
+        return o, m_next, l_sum
+
+    init = (jnp.zeros((block_q, head_dim_pad), jnp.float32),
+            jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    # key_lo >= 0; a negative key_hi (every row before key 0) gives an empty loop.
+    first = lax.div(key_lo, block_k)
+    last = lax.div(jnp.maximum(key_hi, 0) + block_k - 1, block_k)
+    o, _, l_sum = lax.fori_loop(first, last, body, init)
+    # A row that saw no key has l_sum == 0 and o == 0: zeros. NaN stays NaN.
+    o = o / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]
+    _compat.triton_store(o_ref, (rows_slice, slice(None)), o.astype(o_ref.dtype), mask=q_mask)
+
+
+def _forward(q, k, v, positions, lengths, st: _Static):
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    rows = q_len * group
+    head_dim_pad = max(MIN_DOT, _common.next_pow2(head_dim))
+    qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.reshape(batch, kv_heads, rows, head_dim)
+    row_pos = jnp.repeat(positions, group, axis=1)  # [batch, rows]
+    kernel = functools.partial(
+        _kernel, head_dim=head_dim, block_q=st.block_q, block_k=st.block_k, scale=st.scale,
+        causal=st.causal, sliding_window=st.sliding_window,
+        logits_soft_cap=st.logits_soft_cap)
+    # Blocks of head_dim_pad columns over arrays of head_dim: every access is masked.
+    rows_spec = pl.BlockSpec((None, None, rows, head_dim_pad), lambda b, h, i: (b, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, kv_len, None, head_dim_pad), lambda b, h, i: (b, 0, h, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, pl.cdiv(rows, st.block_q)),
+        in_specs=[
+            rows_spec, kv_spec, kv_spec,
+            pl.BlockSpec((None, rows), lambda b, h, i: (b, 0)),
+            pl.BlockSpec((1,), lambda b, h, i: (b,)),
+        ],
+        out_specs=rows_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=_compat.triton_compiler_params(num_warps=st.num_warps,
+                                                      num_stages=st.num_stages),
+        interpret=st.interpret,
+        name="forge_jax_flash_attention",
+    )(qg, k, v, row_pos, lengths)
+    out = out.reshape(batch, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, q_len, q_heads, head_dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, positions, lengths, st):
+    return _forward(q, k, v, positions, lengths, st)
+
+
+def _attention_fwd(q, k, v, positions, lengths, st):
+    return _forward(q, k, v, positions, lengths, st), (q, k, v, positions, lengths)
+
+
+def _attention_bwd(st, residuals, g):
+    q, k, v, positions, lengths = residuals
+    kv_len = k.shape[1]
+    # K/V slots no query may see can hold NaN/inf; inside the reference's einsums a zero
+    # probability or cotangent times NaN would still be NaN, so they are zeroed first (and
+    # get zero gradients through the `where`).
+    j = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+    seen = j < lengths[:, None]  # [batch, kv_len]: some query of the sequence sees key j
+    if st.causal:
+        seen &= j <= positions.max(axis=1)[:, None]
+    if st.sliding_window is not None:
+        seen &= j > positions.min(axis=1)[:, None] - st.sliding_window
+    seen = seen[:, :, None, None]
+
+    def reference(q, k, v):
+        return attention_reference(
+            q, jnp.where(seen, k, jnp.zeros((), k.dtype)),
+            jnp.where(seen, v, jnp.zeros((), v.dtype)), scale=st.scale, causal=st.causal,
+            q_positions=positions, kv_lengths=lengths, sliding_window=st.sliding_window,
+            logits_soft_cap=st.logits_soft_cap)
+
+    _, vjp = jax.vjp(reference, q, k, v)
+    return (*vjp(g), None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "causal", "sliding_window", "logits_soft_cap", "block_q", "block_k",
+    "num_warps", "num_stages", "interpret"))
+def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
+                    sliding_window=None, logits_soft_cap=None, block_q=None, block_k=None,
+                    num_warps=None, num_stages=None, interpret=False):
+    """Flash attention (see :func:`forge_jax.attention` for the contract).
+
+    Args:
+      q: ``[batch, q_len, q_heads, head_dim]``, float32/bfloat16/float16.
+      k, v: ``[batch, kv_len, kv_heads, head_dim]`` in ``q.dtype``,
+        ``q_heads % kv_heads == 0``; ``head_dim <= 256``, any value.
+      scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
+      block_q: query rows per program, a power of two >= 16; a row is one (query, group
+        head) pair. Default from :data:`LAUNCH`, at most the rows of one group.
+      block_k: keys per step, a power of two >= 16 (default from :data:`LAUNCH`).
+      num_warps, num_stages: Triton launch parameters (default from :data:`LAUNCH`).
+      interpret: run in Pallas' interpreter (any platform).
+
+    Returns:
+      ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; differentiable in q, k, v.
+    """
+    _compat.filter_triton_deprecation()
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    launch = launch_params(head_dim, _device_kind(interpret))
+    rows = q_len * (q_heads // kv_heads)
+    block_q = block_q or min(launch.block_q, max(MIN_DOT, _common.next_pow2(rows)))
+    block_k = block_k or min(launch.block_k, max(MIN_DOT, _common.next_pow2(kv_len)))
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value < MIN_DOT or value & (value - 1):
+            raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT} "
+                             "(one dimension of a Triton dot)")
+    if q.size == 0 or kv_len == 0:  # nothing to launch; a query with no keys gets zeros
+        return jnp.zeros(q.shape, q.dtype)
+    window = None if sliding_window is None else min(int(sliding_window), _POS_LIMIT)
+    st = _Static(scale=float(head_dim ** -0.5 if scale is None else scale), causal=causal,
+                 sliding_window=window, logits_soft_cap=logits_soft_cap, block_q=block_q,
+                 block_k=block_k, num_warps=num_warps or launch.num_warps,
+                 num_stages=num_stages or launch.num_stages, interpret=interpret)
+    with jax.named_scope("flash_attention"):
+        if kv_lengths is None:
+            raw = jnp.full((batch,), kv_len, jnp.int32)
+        else:
+            raw = jnp.clip(kv_lengths.astype(jnp.int32), -_POS_LIMIT, _POS_LIMIT)
+        lengths = jnp.clip(raw, 0, kv_len)  # keys past kv_len do not exist anyway
+        if q_positions is None:
+            # Bottom-right per sequence: the last query sits at the last valid key.
+            positions = raw[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
+        else:
+            positions = jnp.clip(q_positions.astype(jnp.int32), -_POS_LIMIT, _POS_LIMIT)
+        return _attention(q, k, v, positions, lengths, st)
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel lowers for these arguments, else why not."""
+    q, k, v = args["q"], args["k"], args["v"]
+    if jnp.dtype(q.dtype) not in _DTYPES:
+        return f"q.dtype={jnp.dtype(q.dtype).name}: Triton dots take float32/16 and bfloat16"
+    if jnp.dtype(k.dtype) != jnp.dtype(q.dtype) or jnp.dtype(v.dtype) != jnp.dtype(q.dtype):
+        return (f"q.dtype={jnp.dtype(q.dtype).name}, k.dtype={jnp.dtype(k.dtype).name}, "
+                f"v.dtype={jnp.dtype(v.dtype).name}: a Triton dot needs equal operand types")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim={q.shape[-1]} > {MAX_HEAD_DIM} does not fit this kernel's tiles"
+    return None
+
+
+_common.register(
+    "attention", flash_attention, supports=supports, verified=VERIFIED,
+    description="flash attention, GQA groups per program, XLA-VJP backward")
