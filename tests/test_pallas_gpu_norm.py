@@ -204,3 +204,11 @@ def test_pallas_rejects_compute_capability_below_8(monkeypatch):
     assert "compute capability >= 8.0; this GPU has 7.5" in pallas.supports(_args(x, w, r), "gpu")
     monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "8.0")
     assert pallas.supports(_args(x, w, r), "gpu") is None
+
+
+def test_vmap_lowers_for_cuda():
+    x = jax.ShapeDtypeStruct((3, 2, 576), jnp.bfloat16)
+    fn = jax.vmap(lambda x, r, w: kernel.rms_norm(x, w, eps=1e-6, residual=r),
+                  in_axes=(0, 0, None))
+    text = _compat.export_for_cuda(fn, x, x, jax.ShapeDtypeStruct((576,), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in text.mlir_module()

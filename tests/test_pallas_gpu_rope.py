@@ -191,3 +191,11 @@ def test_pallas_rejects_compute_capability_below_8(monkeypatch):
     assert "compute capability >= 8.0; this GPU has 7.5" in pallas.supports(args, "gpu")
     monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "9.0")
     assert pallas.supports(args, "gpu") is None
+
+
+def test_vmap_lowers_for_cuda():
+    fn = jax.vmap(lambda x, pos: kernel.rope(x, pos, theta=1e4, scaling=None, interleaved=False),
+                  in_axes=(0, None))
+    text = _compat.export_for_cuda(fn, jax.ShapeDtypeStruct((2, 2, 3, 9, 64), jnp.bfloat16),
+                                   jax.ShapeDtypeStruct((2, 3), jnp.int32)).mlir_module()
+    assert "__gpu$xla.gpu.triton" in text

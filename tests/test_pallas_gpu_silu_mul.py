@@ -141,3 +141,9 @@ def test_pallas_rejects_compute_capability_below_8(monkeypatch):
         dict(gate=gate, up=up), "gpu")
     monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "8.6")
     assert pallas.supports(dict(gate=gate, up=up), "gpu") is None
+
+
+def test_vmap_lowers_for_cuda():
+    gate = jax.ShapeDtypeStruct((3, 2, 1536), jnp.bfloat16)
+    text = _compat.export_for_cuda(jax.vmap(kernel.silu_mul), gate, gate).mlir_module()
+    assert "__gpu$xla.gpu.triton" in text
