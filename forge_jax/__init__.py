@@ -16,6 +16,7 @@ from forge_jax.ops import (
     paged_attention,
     paged_gather,
     paged_write,
+    ragged_paged_attention,
     rms_norm,
     rope,
     rope_cos_sin,
@@ -30,4 +31,5 @@ __all__ = [
     "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
     "tolerances", "use_implementation",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
+    "ragged_paged_attention",
 ]

@@ -1,0 +1,276 @@
+"""Ragged paged attention: one call attends the new tokens of a mix of sequences.
+
+A serving step packs the new tokens of every scheduled sequence (prefill chunks and
+decode tokens alike) into one ``[total_tokens, q_heads, head_dim]`` array, sequence
+after sequence, as ``cu_q_lens`` (cumulative query lengths) describes. All shapes are
+static, so one compiled step serves any mix: ``num_seqs``, ``cu_q_lens``,
+``kv_lengths`` and the block tables are data. The pages are laid out as in
+:mod:`forge_jax.ops.paged`.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forge_jax import _checks, dispatch
+from forge_jax.ops.attention import check_heads, check_masking, masked_probs, visible_mask
+from forge_jax.ops.paged import _check_pages, _named_pages
+
+# Query rows attended per step of the XLA implementation. Every row gathers its own
+# sequence's pages, so scratch grows as rows x pages_per_seq x page_size x kv_heads x
+# head_dim; stepping through the rows in blocks keeps a long prefill from materialising
+# that for all of its tokens at once, while a decode batch of up to this many rows runs
+# as one block.
+_ROWS_PER_STEP = 256
+
+
+def _check_num_seqs(num_seqs, max_seqs):
+    if isinstance(num_seqs, (bool, np.bool_)):
+        raise TypeError(f"num_seqs must be an int or an int32 scalar array, got {num_seqs=!r}")
+    if isinstance(num_seqs, numbers.Integral):
+        return int(num_seqs)
+    if not hasattr(num_seqs, "shape") or not hasattr(num_seqs, "dtype"):
+        raise TypeError(f"num_seqs must be an int or an int32 scalar array, "
+                        f"got {type(num_seqs).__name__}: {num_seqs!r:.80}")
+    if tuple(num_seqs.shape) != ():
+        raise ValueError(f"num_seqs must be a scalar, got num_seqs.shape={tuple(num_seqs.shape)}")
+    if not jnp.issubdtype(num_seqs.dtype, jnp.integer):
+        raise TypeError(f"num_seqs must be an integer scalar, "
+                        f"got num_seqs.dtype={jnp.dtype(num_seqs.dtype).name}")
+    return num_seqs
+
+
+def _concrete(x):
+    """``x`` as a NumPy value, or ``None`` when it is traced (its value is unknown)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x).astype(np.int64)
+
+
+def _check_values(block_tables, kv_lengths, cu_q_lens, num_seqs, *, total_tokens, num_pages,
+                  page_size):
+    """The value checks possible on the concrete arguments (none under ``jax.jit``)."""
+    max_seqs, pages_per_seq = block_tables.shape
+    n, cu = _concrete(num_seqs), _concrete(cu_q_lens)
+    if n is not None and not 0 <= n <= max_seqs:
+        raise ValueError(f"num_seqs must be in [0, max_seqs={max_seqs}] "
+                         f"(max_seqs = block_tables.shape[0]), got num_seqs={int(n)}")
+    if cu is not None and cu[0] != 0:
+        raise ValueError(f"cu_q_lens must start at 0, got cu_q_lens[0]={cu[0]}")
+    if n is None or cu is None:
+        return
+    n = int(n)
+    # Only the first num_seqs sequences are described; the entries after them are ignored.
+    for i in range(n):
+        if cu[i + 1] < cu[i]:
+            raise ValueError(f"cu_q_lens must be non-decreasing over its first num_seqs + 1 = "
+                             f"{n + 1} entries, got cu_q_lens[{i}]={cu[i]} > "
+                             f"cu_q_lens[{i + 1}]={cu[i + 1]}")
+    if cu[n] > total_tokens:
+        raise ValueError(f"cu_q_lens[num_seqs={n}]={cu[n]} exceeds the {total_tokens} rows of q "
+                         f"(q.shape[0])")
+    kv = _concrete(kv_lengths)
+    if kv is None:
+        return
+    capacity = pages_per_seq * page_size
+    for i in range(n):
+        q_len = cu[i + 1] - cu[i]
+        if not q_len <= kv[i] <= capacity:
+            raise ValueError(
+                f"sequence {i}: kv_lengths[{i}]={kv[i]} must count its {q_len} new tokens "
+                f"(cu_q_lens[{i + 1}] - cu_q_lens[{i}]) and fit its block table "
+                f"(pages_per_seq * page_size = {pages_per_seq} * {page_size} = {capacity})")
+    tables = _concrete(block_tables)
+    if tables is None:
+        return
+    for i in range(n):
+        used = tables[i, :-(-kv[i] // page_size)] if kv[i] else tables[i, :0]
+        bad = np.flatnonzero((used < 0) | (used >= num_pages))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(f"block_tables[{i}, {j}]={used[j]} names no page of k_pages "
+                             f"(num_pages={num_pages}); sequence {i} uses its first "
+                             f"{used.size} entries (kv_lengths[{i}]={kv[i]})")
+
+
+def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
+                 scale=None, sliding_window=None, logits_soft_cap=None):
+    _checks.array("q", q, ndim=3)
+    _check_pages(k_pages, v_pages)
+    _checks.array("block_tables", block_tables, ndim=2, kind="int")
+    _checks.array("kv_lengths", kv_lengths, ndim=1, kind="int")
+    _checks.array("cu_q_lens", cu_q_lens, ndim=1, kind="int")
+    max_seqs = block_tables.shape[0]
+    if kv_lengths.shape[0] != max_seqs:
+        raise ValueError(f"kv_lengths must be [max_seqs] = ({max_seqs},) to match block_tables "
+                         f"[max_seqs, pages_per_seq], got {kv_lengths.shape=}, "
+                         f"{block_tables.shape=}")
+    if cu_q_lens.shape[0] != max_seqs + 1:
+        raise ValueError(f"cu_q_lens must be [max_seqs + 1] = ({max_seqs + 1},) to match "
+                         f"block_tables [max_seqs, pages_per_seq], got {cu_q_lens.shape=}, "
+                         f"{block_tables.shape=}")
+    num_seqs = _check_num_seqs(num_seqs, max_seqs)
+    kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q and k_pages disagree on head_dim: {q.shape=}, {k_pages.shape=}")
+    if q.shape[1] == 0:
+        raise ValueError(f"q_heads (q.shape[1]) must be positive, got {q.shape=}")
+    check_heads(q.shape[1], kv_heads, q.shape, k_pages.shape)
+    scale, sliding_window, logits_soft_cap = check_masking(
+        scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    _check_values(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens=q.shape[0],
+                  num_pages=num_pages, page_size=page_size)
+    return dict(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
+                kv_lengths=kv_lengths, cu_q_lens=cu_q_lens, num_seqs=num_seqs, scale=scale,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
+                           scale=None, sliding_window=None, logits_soft_cap=None,
+                           implementation=None):
+    """Attention of a ragged batch of new tokens over a paged KV cache (mixed prefill + decode).
+
+    Sequence ``i < num_seqs`` owns the query rows ``cu_q_lens[i]:cu_q_lens[i + 1]``; they are
+    its last ``n_i = cu_q_lens[i + 1] - cu_q_lens[i]`` tokens, whose keys and values (the
+    new ones included) are already in its pages, ``kv_lengths[i]`` tokens in all. Row ``r``
+    of sequence ``i`` sits at position ``p = kv_lengths[i] - (cu_q_lens[i + 1] - r)``
+    (bottom-right alignment, per sequence) and computes
+
+    ``out[r, h] = sum_j softmax_j(cap(scale * q[r, h] . k[i, j, h // g])) * v[i, j, h // g]``
+
+    over the keys ``j`` it sees: ``j <= p``, ``j < kv_lengths[i]`` and, with a sliding
+    window, ``j > p - sliding_window``. Here ``k[i, j] = k_pages[:, block_tables[i, j //
+    page_size], j % page_size]``, ``g = q_heads // kv_heads`` and ``cap(x) = logits_soft_cap
+    * tanh(x / logits_soft_cap)`` when a soft cap is given. Logits, softmax and the weighted
+    sum run in float32. This is :func:`forge_jax.paged_attention` of each sequence's rows,
+    and :func:`forge_jax.attention` on its gathered keys and values.
+
+    Whatever the slots a query does not see hold (stale or NaN values, the tail of a last
+    page, unused pages and block-table entries) never reaches its output; NaN in data a
+    query sees propagates. A query that sees no key returns zeros. Rows from
+    ``cu_q_lens[num_seqs]`` on are padding and return zeros whatever ``q`` holds there;
+    sequences ``i >= num_seqs`` are ignored, whatever their entries of ``block_tables``,
+    ``kv_lengths`` and ``cu_q_lens[i + 1]`` hold.
+
+    Values are checked where they are concrete: ``0 <= num_seqs <= max_seqs``,
+    ``cu_q_lens[0] == 0`` and non-decreasing up to ``cu_q_lens[num_seqs] <= total_tokens``,
+    ``n_i <= kv_lengths[i] <= pages_per_seq * page_size`` and every page a sequence uses in
+    ``[0, num_pages)``. Under ``jax.jit`` they cannot be; out-of-range values are then safe
+    (nothing is read out of bounds) but give these results: ``num_seqs`` is clamped to
+    ``[0, max_seqs]``; a page id outside ``[0, num_pages)`` is clamped into it (that row
+    reads another page); keys beyond the block table do not exist; a query at a negative
+    position (``n_i > kv_lengths[i]``) sees nothing and returns zeros; a row outside its
+    sequence's range (``cu_q_lens`` decreasing) returns zeros.
+
+    Args:
+      q: ``[total_tokens, q_heads, head_dim]``, the sequences' new tokens, concatenated.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype (may differ
+        from ``q``'s; the math is float32 either way), ``q_heads % kv_heads == 0``.
+      block_tables: int ``[max_seqs, pages_per_seq]``, each sequence's pages in order.
+      kv_lengths: int ``[max_seqs]``, tokens in the cache per sequence, new ones included.
+      cu_q_lens: int ``[max_seqs + 1]``, ``cu_q_lens[0] == 0``, non-decreasing: sequence
+        ``i``'s rows of ``q`` are ``cu_q_lens[i]:cu_q_lens[i + 1]``.
+      num_seqs: int scalar (a Python int or an int32 array, possibly traced), the number of
+        sequences in this step.
+      scale: logit scale, default ``1 / sqrt(head_dim)``.
+      sliding_window: optional positive int; a query sees itself and the
+        ``sliding_window - 1`` keys before it.
+      logits_soft_cap: optional positive float.
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      ``[total_tokens, q_heads, head_dim]`` in ``q.dtype``.
+    """
+    args = _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs,
+                        scale=scale, sliding_window=sliding_window,
+                        logits_soft_cap=logits_soft_cap)
+    return dispatch.call("ragged_paged_attention", args, implementation)
+
+
+dispatch.define("ragged_paged_attention", _ragged_args)
+
+
+def _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens):
+    """Each query row's block table ``[tokens, pages_per_seq]``, kv length ``[tokens]`` (0 for
+    padding rows, which therefore see nothing and read no page) and position ``[tokens]``."""
+    max_seqs = block_tables.shape[0]
+    cu = cu_q_lens.astype(jnp.int32)
+    kv = kv_lengths.astype(jnp.int32)
+    n = jnp.clip(jnp.asarray(num_seqs).astype(jnp.int32), 0, max_seqs)
+    # Ends of the active sequences, then "never": sorted whenever cu_q_lens is valid, so the
+    # search finds each row's sequence; ignored sequences' entries play no part.
+    ends = jnp.where(jnp.arange(max_seqs) < n, cu[1:], jnp.iinfo(jnp.int32).max)
+    rows = jnp.arange(total_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # [tokens], in [0, max_seqs]
+    active = seq < n
+    seq = jnp.minimum(seq, max_seqs - 1)
+    active &= rows >= cu[seq]
+    end = cu[seq + 1]
+    lengths = jnp.where(active, kv[seq], 0)
+    positions = jnp.where(active, kv[seq] - (end - rows), -1)
+    return block_tables[seq], lengths, positions
+
+
+def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, sliding_window,
+                 logits_soft_cap):
+    """Each row of ``q [rows, q_heads, head_dim]`` over the pages of its own block table."""
+    rows, q_heads, head_dim = q.shape
+    kv_heads = k_pages.shape[0]
+    groups = q_heads // kv_heads
+    k, _ = _named_pages(k_pages, tables, lengths)  # [kv_heads, rows, seq, head_dim]
+    v, _ = _named_pages(v_pages, tables, lengths)
+    seq = k.shape[2]
+    mask = visible_mask(positions[:, None], seq, causal=True, kv_lengths=lengths,
+                        sliding_window=sliding_window)[:, 0]  # [rows, seq]
+    # Hidden slots may hold NaN or inf (a zero probability times NaN is still NaN): each
+    # row zeroes the values it does not see. A non-finite value it sees makes its output NaN
+    # (the attention contract), also where the probability underflowed to zero.
+    v = jnp.where(mask[None, :, :, None], v, jnp.zeros((), v.dtype))
+    finite = jnp.isfinite(v)
+    seen_non_finite = jnp.any(~finite, axis=2)[:, :, None, :]  # [k, rows, 1, d]
+    v = jnp.where(finite, v, jnp.zeros((), v.dtype))
+    qg = jnp.swapaxes(q.reshape(rows, kv_heads, groups, head_dim), 0, 1)  # [k, rows, g, d]
+    if qg.dtype != k.dtype:
+        qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
+    # Full float32 precision, as attention_reference asks (GPU TF32, TPU bfloat16 passes).
+    logits = jnp.einsum("krgd,krsd->krgs", qg, k, preferred_element_type=jnp.float32,
+                        precision=jax.lax.Precision.HIGHEST)
+    probs = masked_probs(logits, mask[None, :, None, :], scale=scale,
+                         logits_soft_cap=logits_soft_cap)
+    out = jnp.einsum("krgs,krsd->krgd", probs, v.astype(jnp.float32),
+                     preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.where(seen_non_finite, jnp.float32(jnp.nan), out)
+    return jnp.swapaxes(out, 0, 1).reshape(rows, q_heads, head_dim).astype(q.dtype)
+
+
+@dispatch.register("ragged_paged_attention", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="each row gathers its sequence's pages (in row blocks), "
+                               "masked float32 softmax")
+def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
+                               num_seqs, *, scale, sliding_window, logits_soft_cap):
+    q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
+    total_tokens, q_heads, head_dim = q.shape
+    if scale is None:
+        scale = head_dim ** -0.5
+    if total_tokens == 0 or block_tables.shape[0] == 0 or k_pages.shape[1] == 0:
+        return jnp.zeros(q.shape, q.dtype)  # no row can see a key
+    with jax.named_scope("ragged_paged_attention"):
+        tables, lengths, positions = _token_rows(
+            jnp.asarray(block_tables).astype(jnp.int32), jnp.asarray(kv_lengths),
+            jnp.asarray(cu_q_lens), num_seqs, total_tokens)
+        attend = lambda q, tables, lengths, positions: _attend_rows(
+            q, k_pages, v_pages, tables, lengths, positions, scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        if total_tokens <= _ROWS_PER_STEP:
+            return attend(q, tables, lengths, positions)
+        steps = -(-total_tokens // _ROWS_PER_STEP)
+        pad = steps * _ROWS_PER_STEP - total_tokens
+        # Pad rows have length 0: they see nothing and are dropped below.
+        blocks = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
+            steps, _ROWS_PER_STEP, *x.shape[1:]) for x in (q, tables, lengths, positions)]
+        out = jax.lax.map(lambda xs: attend(*xs), tuple(blocks))
+        return out.reshape(-1, q_heads, head_dim)[:total_tokens]

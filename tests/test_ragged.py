@@ -1,0 +1,391 @@
+"""ragged_paged_attention: a mix of prefill and decode sequences in one call.
+
+Every cache slot no query may see holds NaN: the tail of each last page, spare pages,
+the slots a sliding window hides from all of a sequence's queries, the pages of
+sequences past ``num_seqs``. Ignored sequences' block tables, lengths and
+``cu_q_lens`` entries hold garbage, and the padding rows of ``q`` hold NaN. The op is
+compared with a float64 reference written from the ragged definition, with
+``fj.paged_attention`` on the same pages (one padded sequence per batch row) and with
+``fj.attention`` on the keys and values ``fj.paged_gather`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
+import numpy as np
+import pytest
+from helpers import assert_close
+from reference import f64
+
+import forge_jax as fj
+from forge_jax import dispatch, tolerances
+
+MASKING = ("scale", "sliding_window", "logits_soft_cap", "implementation")
+ragged = jax.jit(fj.ragged_paged_attention, static_argnames=MASKING)
+paged_attention = jax.jit(fj.paged_attention, static_argnames=MASKING)
+attention = jax.jit(fj.attention, static_argnames=MASKING + ("causal",))
+paged_gather = jax.jit(fj.paged_gather)
+
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+
+
+@dataclasses.dataclass
+class Step:
+    """One ragged step: the op's arguments, and the float64 truth behind them."""
+
+    q: jax.Array
+    k_pages: jax.Array  # NaN wherever no query may look
+    v_pages: jax.Array
+    k_clean: jax.Array  # the same, but finite in the slots a sliding window hides
+    v_clean: jax.Array
+    block_tables: jax.Array
+    kv_lengths: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: int
+    dense_k: np.ndarray  # float64 [num_seqs, pages_per_seq * page_size, kv_heads, head_dim]
+    dense_v: np.ndarray
+
+    def args(self, clean=False):
+        k, v = (self.k_clean, self.v_clean) if clean else (self.k_pages, self.v_pages)
+        return (self.q, k, v, self.block_tables, self.kv_lengths, self.cu_q_lens,
+                jnp.int32(self.num_seqs))
+
+
+def make_step(rng, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, heads, head_dim,
+              dtype, q_dtype=None, window=None, spare_pages=3, pages_per_seq=None, num_pages=None):
+    """Random sequences on randomly permuted pages of a NaN-filled pool."""
+    q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
+    n = len(q_lens)
+    q_heads, kv_heads = HEADS[heads]
+    used = [-(-int(x) // page_size) for x in kv_lens]
+    pages_per_seq = pages_per_seq or max(used) + 1
+    num_pages = num_pages or sum(used) + spare_pages
+    capacity = pages_per_seq * page_size
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    k_pages, v_pages = np.full(shape, np.nan), np.full(shape, np.nan)
+    k_clean, v_clean = np.full(shape, np.nan), np.full(shape, np.nan)
+    # Ignored sequences and unused entries: huge values of either sign.
+    tables = rng.integers(-2**30, 2**30, (max_seqs, pages_per_seq))
+    kv = rng.integers(-2**30, 2**30, max_seqs)
+    cu = rng.integers(-2**30, 2**30, max_seqs + 1)
+    cu[0] = 0
+    cu[1:n + 1] = np.cumsum(q_lens)
+    kv[:n] = kv_lens
+    dense_k = np.zeros((n, capacity, kv_heads, head_dim))
+    dense_v = np.zeros_like(dense_k)
+    order = iter(rng.permutation(num_pages))
+    for i in range(n):
+        tables[i, :used[i]] = [next(order) for _ in range(used[i])]
+        first = kv_lens[i] - q_lens[i]  # the earliest new token's position
+        for pos in range(kv_lens[i]):
+            kv_val = rng.standard_normal((2, kv_heads, head_dim)).astype(np.dtype(dtype))
+            dense_k[i, pos], dense_v[i, pos] = kv_val.astype(np.float64)
+            page, off = tables[i, pos // page_size], pos % page_size
+            k_clean[:, page, off], v_clean[:, page, off] = kv_val
+            hidden = q_lens[i] == 0 or (window is not None and pos <= first - window)
+            if not hidden:
+                k_pages[:, page, off], v_pages[:, page, off] = kv_val
+    q = rng.standard_normal((total_tokens, q_heads, head_dim))
+    q[cu[n]:] = np.nan  # padding rows
+    as_pool = lambda x: jnp.asarray(x, dtype)
+    return Step(jnp.asarray(q, q_dtype or dtype), as_pool(k_pages), as_pool(v_pages),
+                as_pool(k_clean), as_pool(v_clean), jnp.asarray(tables, jnp.int32),
+                jnp.asarray(kv, jnp.int32), jnp.asarray(cu, jnp.int32), n, dense_k, dense_v)
+
+
+def ragged_ref(step, *, scale=None, window=None, cap=None):
+    """float64, from the definition: row r of sequence i sits at kv_len - (cu[i + 1] - r)."""
+    q = f64(step.q)
+    total, q_heads, head_dim = q.shape
+    group = q_heads // step.dense_k.shape[2]
+    cu, kv = np.asarray(step.cu_q_lens), np.asarray(step.kv_lengths)
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    out = np.zeros(q.shape)
+    for i in range(step.num_seqs):
+        heads = np.arange(q_heads) // group
+        k, v = step.dense_k[i][:, heads], step.dense_v[i][:, heads]  # [seq, q_heads, d]
+        for r in range(cu[i], cu[i + 1]):
+            p = kv[i] - (cu[i + 1] - r)
+            j = np.arange(k.shape[0])
+            seen = (j <= p) & (j < kv[i])
+            if window is not None:
+                seen &= j > p - window
+            if not seen.any():
+                continue
+            logits = scale * np.einsum("shd,hd->hs", k[seen], q[r])
+            if cap is not None:
+                logits = cap * np.tanh(logits / cap)
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            out[r] = np.einsum("hs,shd->hd", w / w.sum(-1, keepdims=True), v[seen])
+    return out
+
+
+def padded_references(step, **masking):
+    """fj.paged_attention and fj.attention of each sequence's rows, scattered back to rows."""
+    n = step.num_seqs
+    cu, kv = np.asarray(step.cu_q_lens)[:n + 1], np.asarray(step.kv_lengths)[:n]
+    q_lens = np.diff(cu)
+    width = max(int(q_lens.max()), 1)
+    t = np.arange(width)[None, :]
+    # Pad queries sit at position -1: they see nothing.
+    positions = np.where(t < q_lens[:, None], kv[:, None] - q_lens[:, None] + t, -1)
+    rows = np.minimum(cu[:-1, None] + t, step.q.shape[0] - 1)
+    q = jnp.asarray(np.asarray(step.q)[rows])
+    tables, lens = step.block_tables[:n], step.kv_lengths[:n]
+    pos = jnp.asarray(positions, jnp.int32)
+    paged = paged_attention(q, step.k_clean, step.v_clean, tables, lens, q_positions=pos,
+                            **masking)
+    k, v = paged_gather(step.k_clean, tables, lens), paged_gather(step.v_clean, tables, lens)
+    dense = attention(q, k, v, q_positions=pos, kv_lengths=lens, **masking)
+    take = t < q_lens[:, None]
+    return f64(paged)[take], f64(dense)[take], np.asarray(cu[:-1, None] + t)[take]
+
+
+def check_step(step, out, *, dtype, xla_ops=True, **masking):
+    """``out`` against the float64 reference and (``xla_ops``) fj.paged_attention and
+    fj.attention; padding rows exactly zero."""
+    scale = masking.get("scale")
+    ref = ragged_ref(step, scale=scale, window=masking.get("sliding_window"),
+                     cap=masking.get("logits_soft_cap"))
+    assert out.shape == step.q.shape and out.dtype == step.q.dtype
+    assert_close(out, ref, dtype=dtype)
+    end = int(step.cu_q_lens[step.num_seqs])
+    np.testing.assert_array_equal(f64(out[end:]), 0.0)
+    if not xla_ops:
+        return
+    paged, dense, rows = padded_references(step, **masking)
+    tol = tolerances.tolerance(dtype).as_kwargs()
+    np.testing.assert_allclose(f64(out)[rows], paged, **tol)
+    np.testing.assert_allclose(f64(out)[rows], dense, **tol)
+
+
+MIXED = dict(q_lens=[1, 9, 0, 1, 6], kv_lens=[30, 17, 11, 1, 40], max_seqs=7, total_tokens=21)
+CASES = {
+    "decode": dict(q_lens=[1] * 5, kv_lens=[1, 17, 32, 9, 40], max_seqs=7, total_tokens=8),
+    "prefill": dict(q_lens=[12, 5, 20], kv_lens=[12, 5, 20], max_seqs=4, total_tokens=40),
+    "chunked_prefill": dict(q_lens=[7, 16], kv_lens=[23, 16], max_seqs=2, total_tokens=23),
+    "mixed": MIXED,
+}
+
+
+@pytest.mark.parametrize("mix,heads,dtype,q_dtype,page_size", [
+    ("decode", "gqa", jnp.float32, None, 8),
+    ("prefill", "mqa", jnp.bfloat16, None, 16),
+    ("chunked_prefill", "gqa", jnp.float32, None, 1),
+    ("mixed", "mha", jnp.float32, None, 4),
+    ("mixed", "gqa", jnp.bfloat16, None, 8),
+    ("mixed", "mqa", jnp.bfloat16, jnp.float32, 8),  # bfloat16 cache, float32 queries
+])
+def test_matches_references(mix, heads, dtype, q_dtype, page_size):
+    rng = np.random.default_rng(list(mix.encode()) + [page_size])
+    step = make_step(rng, **CASES[mix], page_size=page_size, heads=heads, head_dim=16,
+                     dtype=dtype, q_dtype=q_dtype)
+    check_step(step, ragged(*step.args()), dtype=q_dtype or dtype)
+
+
+@pytest.mark.parametrize("dtype,window,cap,scale,xla_ops", [
+    (jnp.float32, 5, None, None, True), (jnp.float32, None, 3.0, 0.3, True),
+    (jnp.bfloat16, 3, 2.0, None, True), (jnp.float32, 1, None, None, False)])
+def test_sliding_window_and_soft_cap(dtype, window, cap, scale, xla_ops):
+    rng = np.random.default_rng([window or 0, int(cap or 0)])
+    step = make_step(rng, **MIXED, page_size=4, heads="gqa", head_dim=16, dtype=dtype,
+                     window=window)
+    assert np.isnan(f64(step.k_pages)).sum() > np.isnan(f64(step.k_clean)).sum()
+    out = ragged(*step.args(), scale=scale, sliding_window=window, logits_soft_cap=cap)
+    check_step(step, out, dtype=dtype, xla_ops=xla_ops, scale=scale, sliding_window=window,
+               logits_soft_cap=cap)
+
+
+def test_concrete_values_with_garbage_in_ignored_entries_pass_and_python_int_num_seqs():
+    """Concrete valid input, garbage in the ignored sequences' entries: the value checks pass
+    (explain validates as the op does); a Python int num_seqs gives the traced one's result."""
+    step = make_step(np.random.default_rng(5), **MIXED, page_size=8, heads="gqa", head_dim=8,
+                     dtype=jnp.float32)
+    assert step.cu_q_lens[step.num_seqs + 1] != step.cu_q_lens[step.num_seqs]  # garbage
+    fj.explain("ragged_paged_attention", *step.args()[:-1], step.num_seqs)
+    out = jax.jit(lambda *a: fj.ragged_paged_attention(*a, step.num_seqs))(*step.args()[:-1])
+    check_step(step, out, dtype=jnp.float32, xla_ops=False)
+
+
+def test_row_blocks_longer_than_one_step():
+    """More rows than one step of the XLA implementation attends at once."""
+    step = make_step(np.random.default_rng(6), q_lens=[130, 1, 150, 7], kv_lens=[160, 20, 150, 9],
+                     max_seqs=5, total_tokens=300, page_size=16, heads="gqa", head_dim=8,
+                     dtype=jnp.float32)
+    assert step.q.shape[0] > 256
+    out = ragged(*step.args(), sliding_window=100)
+    ref = ragged_ref(step, window=100)
+    assert_close(out, ref, dtype=jnp.float32)
+    np.testing.assert_array_equal(f64(out[288:]), 0.0)
+
+
+def test_one_compilation_serves_any_mix():
+    traces = []
+
+    def step_fn(*args):
+        traces.append(1)
+        return fj.ragged_paged_attention(*args, sliding_window=12)
+
+    step_fn = jax.jit(step_fn)
+    rng = np.random.default_rng(7)
+    shapes = dict(max_seqs=6, total_tokens=24, page_size=8, heads="gqa", head_dim=8,
+                  dtype=jnp.float32, pages_per_seq=6, num_pages=30)
+    mixes = [([4, 1, 1], [4, 30, 9]), ([1, 1, 7, 1, 5, 1], [40, 2, 7, 13, 25, 1]), ([], [])]
+    for q_lens, kv_lens in mixes:
+        if not q_lens:  # nothing scheduled: every row is padding
+            step = make_step(rng, [1], [3], **shapes)
+            step.num_seqs = 0
+            out = step_fn(*step.args())
+            np.testing.assert_array_equal(f64(out), 0.0)
+            continue
+        step = make_step(rng, q_lens, kv_lens, **shapes)
+        out = step_fn(*step.args())
+        assert_close(out, ragged_ref(step, window=12), dtype=jnp.float32)
+    assert len(traces) == 1
+
+
+def test_padding_rows_are_zero_whatever_q_holds():
+    step = make_step(np.random.default_rng(8), **MIXED, page_size=4, heads="mqa", head_dim=8,
+                     dtype=jnp.float32)
+    end = int(step.cu_q_lens[step.num_seqs])
+    q = np.asarray(step.q).copy()
+    q[end:end + 2] = [[[np.inf]], [[-np.inf]]]  # NaN after them
+    step.q = jnp.asarray(q)
+    out = ragged(*step.args())
+    np.testing.assert_array_equal(f64(out[end:]), 0.0)
+    assert_close(out[:end], ragged_ref(step)[:end])
+
+
+def _poison_visible(step, pages, value):
+    """``value`` in slot 1 of sequence 0, kv head 0 (seen by rows 1 and 2 only)."""
+    page = int(step.block_tables[0, 0])
+    return pages.at[0, page, 1].set(value)
+
+
+def _nan_rows_and_heads(out):
+    nan = np.isnan(f64(out))
+    # Rows 1 and 2 (positions 1, 2) see slot 1 through q heads 0..3; row 0 and sequence 1 not.
+    return nan[1:3, :4].all() and not nan[1:3, 4:].any() and not nan[0].any() and \
+        not nan[3:].any()
+
+
+def _visible_nan_step():
+    return make_step(np.random.default_rng(9), q_lens=[3, 2], kv_lens=[3, 5], max_seqs=2,
+                     total_tokens=5, page_size=4, heads="gqa", head_dim=8, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("where,value", [("v", np.nan), ("v", np.inf), ("k", np.nan)])
+def test_non_finite_visible_data_gives_nan_only_where_seen(where, value):
+    step = _visible_nan_step()
+    if where == "k":
+        step.k_pages = _poison_visible(step, step.k_pages, value)
+    else:
+        step.v_pages = _poison_visible(step, step.v_pages, value)
+    assert _nan_rows_and_heads(ragged(*step.args()))
+
+
+def test_out_of_range_values_under_jit_are_safe():
+    """Values jit cannot check: clamped or hidden as documented, other sequences intact."""
+    step = make_step(np.random.default_rng(10), q_lens=[2, 3, 1], kv_lens=[9, 12, 5],
+                     max_seqs=3, total_tokens=8, page_size=4, heads="gqa", head_dim=8,
+                     dtype=jnp.float32)
+    ref = ragged_ref(step)
+    q, k, v, tables, kv, cu, _ = step.args()
+    # num_seqs past max_seqs is max_seqs, below zero is zero.
+    np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, jnp.int32(7))),
+                                  f64(ragged(q, k, v, tables, kv, cu, jnp.int32(3))))
+    np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, jnp.int32(-4))), 0.0)
+    # Page ids out of range (clamped) in sequence 0 leave the others' rows intact.
+    bad = tables.at[0, :2].set(jnp.asarray([-5, 1 << 30], jnp.int32))
+    out = f64(ragged(q, k, v, bad, kv, cu, jnp.int32(3)))
+    np.testing.assert_allclose(out[2:6], ref[2:6], **tolerances.tolerance(jnp.float32).as_kwargs())
+    # More new tokens than kv_lengths: the queries at negative positions see nothing.
+    out = f64(ragged(q, k, v, tables, kv.at[1].set(1), cu, jnp.int32(3)))
+    np.testing.assert_array_equal(out[2:4], 0.0)
+    assert np.isfinite(out[4]).all() and np.abs(out[4]).max() > 0
+
+
+def test_auto_selects_xla_and_explain_validates():
+    step = make_step(np.random.default_rng(11), q_lens=[1], kv_lens=[3], max_seqs=1,
+                     total_tokens=1, page_size=4, heads="mqa", head_dim=8, dtype=jnp.float32)
+    assert fj.explain("ragged_paged_attention", *step.args()).implementation == "xla"
+    assert "xla" in dispatch.implementations("ragged_paged_attention", "cpu")
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def _good():
+    return dict(q=jnp.ones((6, 4, 8)), k_pages=jnp.ones((2, 5, 4, 8)),
+                v_pages=jnp.ones((2, 5, 4, 8)),
+                block_tables=jnp.asarray([[0, 1], [2, 3], [9, 9]], jnp.int32),
+                kv_lengths=jnp.asarray([5, 2, 99], jnp.int32),
+                cu_q_lens=jnp.asarray([0, 4, 5, -3], jnp.int32), num_seqs=2)
+
+
+def _call(**changes):
+    args = _good()
+    masking = {k: changes.pop(k) for k in ("sliding_window", "logits_soft_cap", "scale")
+               if k in changes}
+    args.update(changes)
+    return lambda: fj.ragged_paged_attention(*args.values(), **masking)
+
+
+BAD = {
+    "q_rank": (_call(q=jnp.ones((1, 6, 4, 8))), ValueError, r"q must have rank 3"),
+    "q_int": (_call(q=jnp.ones((6, 4, 8), jnp.int32)), TypeError, r"q\.dtype=int32"),
+    "pages_shape": (_call(v_pages=jnp.ones((2, 5, 2, 8))), ValueError, r"v_pages\.shape"),
+    "pages_dtype": (_call(v_pages=jnp.ones((2, 5, 4, 8), jnp.bfloat16)), TypeError,
+                    r"v_pages\.dtype"),
+    "head_dim": (_call(q=jnp.ones((6, 4, 16))), ValueError, r"head_dim.*q\.shape=\(6, 4, 16\)"),
+    "heads": (_call(q=jnp.ones((6, 3, 8))), ValueError, r"q_heads \(3\).*kv_heads \(2\)"),
+    "no_q_heads": (_call(q=jnp.ones((6, 0, 8))), ValueError, r"q_heads.*q\.shape=\(6, 0, 8\)"),
+    "tables_float": (_call(block_tables=jnp.ones((3, 2))), TypeError, r"block_tables\.dtype"),
+    "kv_lengths_shape": (_call(kv_lengths=jnp.ones((2,), jnp.int32)), ValueError,
+                         r"kv_lengths must be \[max_seqs\] = \(3,\).*\(2,\)"),
+    "cu_shape": (_call(cu_q_lens=jnp.zeros((3,), jnp.int32)), ValueError,
+                 r"cu_q_lens must be \[max_seqs \+ 1\] = \(4,\).*\(3,\)"),
+    "cu_float": (_call(cu_q_lens=jnp.zeros((4,))), TypeError, r"cu_q_lens\.dtype=float32"),
+    "num_seqs_float": (_call(num_seqs=1.0), TypeError, r"num_seqs.*float"),
+    "num_seqs_bool": (_call(num_seqs=True), TypeError, r"num_seqs=True"),
+    "num_seqs_vector": (_call(num_seqs=jnp.ones((1,), jnp.int32)), ValueError,
+                        r"num_seqs\.shape=\(1,\)"),
+    "num_seqs_float_array": (_call(num_seqs=jnp.float32(1)), TypeError,
+                             r"num_seqs\.dtype=float32"),
+    "num_seqs_range": (_call(num_seqs=4), ValueError, r"\[0, max_seqs=3\].*num_seqs=4"),
+    "num_seqs_negative": (_call(num_seqs=jnp.int32(-1)), ValueError, r"num_seqs=-1"),
+    "cu_start": (_call(cu_q_lens=jnp.asarray([1, 4, 5, 5], jnp.int32)), ValueError,
+                 r"cu_q_lens\[0\]=1"),
+    "cu_decreasing": (_call(cu_q_lens=jnp.asarray([0, 4, 3, 5], jnp.int32)), ValueError,
+                      r"cu_q_lens\[1\]=4 > cu_q_lens\[2\]=3"),
+    "cu_past_q": (_call(cu_q_lens=jnp.asarray([0, 4, 7, 7], jnp.int32)), ValueError,
+                  r"cu_q_lens\[num_seqs=2\]=7 exceeds the 6 rows"),
+    "q_len_over_kv": (_call(kv_lengths=jnp.asarray([3, 2, 0], jnp.int32)), ValueError,
+                      r"kv_lengths\[0\]=3 must count its 4 new tokens"),
+    "kv_over_capacity": (_call(kv_lengths=jnp.asarray([5, 9, 0], jnp.int32)), ValueError,
+                         r"kv_lengths\[1\]=9.*2 \* 4 = 8"),
+    "page_out_of_range": (_call(block_tables=jnp.asarray([[0, 5], [2, 3], [0, 0]], jnp.int32)),
+                          ValueError, r"block_tables\[0, 1\]=5.*num_pages=5"),
+    "page_negative": (_call(block_tables=jnp.asarray([[0, 1], [-1, 3], [0, 0]], jnp.int32)),
+                      ValueError, r"block_tables\[1, 0\]=-1"),
+    "window": (_call(sliding_window=0), ValueError, r"sliding_window=0"),
+    "cap": (_call(logits_soft_cap=-1.0), ValueError, r"logits_soft_cap=-1\.0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_raises_before_work(name):
+    fn, error, match = BAD[name]
+    with pytest.raises(error, match=match):
+        fn()
+
+
+def test_good_placeholder_input_is_valid():
+    """The base of the bad-input cases is itself valid (so each case fails for its reason)."""
+    args = _good()
+    assert fj.explain("ragged_paged_attention", *args.values()).implementation == "xla"
