@@ -157,13 +157,11 @@ SHAPES = [
 ]
 
 MASKS = {
-    "plain": dict(),
     "non_causal": dict(causal=False),
     "kv_lengths": dict(kv_lengths=np.array([150, 77])),
     "q_positions": dict(q_positions=np.array([[0, 3, 64, 65, 66, 70, 99, 120, 130, 140, 149],
                                               [-2, 0, 1, 2, 40, 41, 42, 43, 44, 45, 46]])),
-    "window": dict(sliding_window=20),
-    "soft_cap": dict(logits_soft_cap=2.0, scale=0.6),
+    "window_soft_cap": dict(sliding_window=20, logits_soft_cap=2.0, scale=0.6),
     "non_causal_window_lengths": dict(causal=False, sliding_window=30,
                                       kv_lengths=np.array([100, 9])),
     "everything": dict(kv_lengths=np.array([140, 70]), sliding_window=33, logits_soft_cap=5.0,
@@ -229,11 +227,12 @@ class TestFlashAttentionGpu:
         k, v = poison_unseen(k, v, visible64(2, 11, 150, **kw))
         self.check(q, k, v, xla=False, **kw)
 
-    @pytest.mark.parametrize("mask", ["plain", "kv_lengths", "window"])
+    @pytest.mark.parametrize("mask", ["positions", "kv_lengths"])
     def test_nan_in_every_unseen_slot(self, mask):
-        kw = dict(MASKS[mask])
-        if mask == "plain":  # only the slots past the last query are unseen
-            kw["q_positions"] = np.array([[3, 4, 5, 9, 10, 11, 60, 61, 70, 71, 100]] * 2)
+        if mask == "positions":  # the slots past the last query are unseen
+            kw = dict(q_positions=np.array([[3, 4, 5, 9, 10, 11, 60, 61, 70, 71, 100]] * 2))
+        else:
+            kw = dict(MASKS[mask])
         q, k, v = inputs(4, 2, 11, 150, 6, 2, 64, jnp.float32)
         k, v = poison_unseen(k, v, visible64(2, 11, 150, **kw))
         self.check(q, k, v, xla=False, **kw)
