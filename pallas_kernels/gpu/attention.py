@@ -12,11 +12,12 @@ written with masked loads/stores of the next power of two; K/V are read in place
 
 The contract is that of :func:`forge_jax.attention`: positions are explicit
 ``q_positions``, else ``kv_lengths[b] - q_len + t`` with ``kv_lengths``, else
-``kv_len - q_len + t``. K/V slots that no query of the program's rows may see are
-never read as values (masked loads give zeros), so NaN/inf there cannot leak; a key
-hidden from one row but visible to another is hidden by ``where`` on the logits
-(a NaN *value* in such a slot reaches the rows that may not see it only through
-``0 * NaN``, which the K/V cache never holds: garbage lives past ``kv_lengths``).
+``kv_len - q_len + t``. K/V slots outside the range any row of the program may see are
+never read (masked loads give zeros). Inside it, a key hidden from a row is hidden by
+``where`` on the logits, and non-finite values are taken out of the ``p @ v`` product
+(``0 * NaN`` is NaN); a block that holds any (rare: a ``lax.cond``) marks NaN the output
+columns of exactly the rows that see one. So NaN/inf a row may not see never reaches it,
+NaN it sees propagates (an inf value it sees gives NaN, not inf).
 
 Backward: ``jax.custom_vjp`` whose backward pass is the VJP of the XLA reference
 (:func:`forge_jax.ops.attention.attention_reference`, which materialises the
