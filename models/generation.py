@@ -1,0 +1,431 @@
+"""The generation loop: a jitted prefill, then jitted decode steps with a donated KV cache
+(paged or contiguous), over a batch of prompts of different lengths."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from forge_jax.models import sampling as sampling_lib
+from forge_jax.models.llama_model import Llama, LlamaConfig
+
+import forge_jax as fj
+from forge_jax import memory as fj_memory
+from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings and sizes of one :func:`generate_with_stats` call.
+
+    Attributes:
+      batch: the number of prompts.
+      padded_batch, prompt_bucket, cache_len: the bucketed shapes the steps ran with
+        (batch padded to a power of two, prompts padded to a power of two >= 8, cache
+        length per sequence).
+      cache: "paged" or "contiguous".
+      max_new_tokens: the tokens asked for per prompt (0: nothing ran; 1: the prefill
+        gives the only token, so there are no decode steps).
+      prompt_tokens: prompt tokens summed over the batch (padding excluded).
+      new_tokens: tokens returned, summed over the batch.
+      decode_tokens: tokens returned that decode steps produced (the first new token of
+        each prompt comes from the prefill).
+      decode_steps: decode steps run. With ``eos_token_id``, one more than needed when
+        every sequence stops early (eos is checked one step behind, so the host never
+        stalls the device).
+      compile_seconds: tracing and compiling both steps (about 0 when cached).
+      prefill_seconds: the prefill step, compilation excluded.
+      decode_seconds: all decode steps, compilation excluded.
+    """
+
+    batch: int
+    padded_batch: int
+    prompt_bucket: int
+    cache_len: int
+    cache: str
+    max_new_tokens: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    compile_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens processed per second by the prefill."""
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens generated per second by the decode steps (all sequences together)."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _sample(logits, key, temperature, top_p, mode):
+    greedy, top_k, use_top_p = mode
+    return sampling_lib.sample(logits, key, temperature=0.0 if greedy else temperature,
+                               top_k=top_k, top_p=top_p if use_top_p else None)
+
+
+def _implementation_key():
+    """The active implementation preference (``fj.use_implementation``, the environment).
+
+    Ops pick their implementation when traced and jit's cache does not see the
+    preference, so the steps take it as a static argument: one compiled step per
+    preference.
+    """
+    return fj.dispatch.current_preference()
+
+
+_STATIC = ("graphdef", "mode", "implementation_key")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _prefill_step(state, cache, tokens, lengths, key, temperature, top_p, *, graphdef, mode,
+                  implementation_key=None):
+    """Prefill of right-padded prompts ``tokens`` [batch, t] with ``lengths`` [batch];
+    returns the first new token of each prompt (int32 [batch]) and the cache.
+    ``mode`` is :attr:`SamplingParams.mode`; temperature and top_p are float32 scalars."""
+    model = nnx.merge(graphdef, state)
+    batch, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+    valid = positions < lengths[:, None]
+    logits, cache = model.forward_cached(tokens, positions, valid, cache,
+                                         logits_at=jnp.maximum(lengths - 1, 0))
+    return _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, mode), cache
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _decode_step(state, cache, tokens, active, key, step, temperature, top_p, *, graphdef, mode,
+                 implementation_key=None):
+    """One token per sequence: ``tokens`` [batch] at position ``cache.lengths``; rows with
+    ``active`` False (batch padding) are not written. Returns (next tokens, cache)."""
+    model = nnx.merge(graphdef, state)
+    positions = cache.lengths[:, None]  # [batch, 1]
+    logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
+                                         logits_at=jnp.zeros_like(cache.lengths))
+    return _sample(logits, jax.random.fold_in(key, step), temperature, top_p, mode), cache
+
+
+def _check_prompt_array(prompts, vocab_size) -> list[list[int]]:
+    """A NumPy or JAX ``[batch, seq]`` integer array of equal-length prompts -> lists."""
+    if isinstance(prompts, jax.core.Tracer):
+        raise TypeError("prompts must be concrete token ids, not a traced array: generate "
+                        "runs its own jitted steps and needs the ids on the host")
+    if not jnp.issubdtype(prompts.dtype, jnp.integer):
+        raise TypeError(f"prompts must hold integer token ids, got "
+                        f"prompts.dtype={np.dtype(prompts.dtype).name}")
+    if prompts.ndim != 2:
+        hint = " (one prompt: prompts[None])" if prompts.ndim == 1 else ""
+        raise ValueError(f"prompts as an array must be [batch, seq], got "
+                         f"prompts.shape={tuple(prompts.shape)}{hint}")
+    if 0 in prompts.shape:
+        raise ValueError(f"prompts must be non-empty, got prompts.shape={tuple(prompts.shape)}")
+    ids = np.asarray(prompts)
+    lo, hi = int(ids.min()), int(ids.max())  # Python ints: no overflow whatever the dtype
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"prompts has token ids outside [0, {vocab_size}): min {lo}, max {hi}")
+    return ids.astype(np.int64).tolist()
+
+
+def _check_prompts(prompts, vocab_size) -> list[list[int]]:
+    if hasattr(prompts, "ndim") and hasattr(prompts, "dtype"):
+        return _check_prompt_array(prompts, vocab_size)
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of lists of token ids, got "
+                         f"{prompts!r:.80}")
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0 or not (np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"prompts[{i}] must be a non-empty list of ints, got {prompt!r:.80}")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): "
+                             f"min {ids.min()}, max {ids.max()}")
+        out.append([int(x) for x in ids])
+    return out
+
+
+def check_sequence_length(config: LlamaConfig, prompt_tokens: int, max_new_tokens: int, *,
+                          allow_beyond_max_positions: bool = False, what: str = "the prompt"
+                          ) -> None:
+    """Raises ValueError if ``prompt_tokens + max_new_tokens`` exceeds the config's
+    ``max_position_embeddings`` (unless ``allow_beyond_max_positions``, for a model whose
+    RoPE scaling extends the range). ``what`` names the prompt in the message."""
+    total = prompt_tokens + max_new_tokens
+    limit = config.max_position_embeddings
+    if total > limit and not allow_beyond_max_positions:
+        raise ValueError(
+            f"{what} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} the "
+            f"sequence reaches {total} positions, beyond the model's "
+            f"max_position_embeddings={limit}. Pass allow_beyond_max_positions=True if its "
+            f"RoPE scaling extends the range")
+
+
+def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
+                page_size: int) -> tuple[int, int, int, int]:
+    """(padded batch, prompt bucket, cache length per sequence, pages per sequence)."""
+    padded_batch = _next_pow2(batch)
+    prompt_bucket = max(8, _next_pow2(longest_prompt))
+    cache_len = _next_pow2(prompt_bucket + max_new_tokens)
+    max_pages = -(-cache_len // page_size)
+    if cache == "paged":
+        cache_len = max_pages * page_size
+    return padded_batch, prompt_bucket, cache_len, max_pages
+
+
+def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
+                          max_new_tokens: int, cache: str = "paged", page_size: int = 16,
+                          param_dtype=jnp.float32, dtype=jnp.float32, cache_dtype=None) -> None:
+    """Raises ``forge_jax.memory.InsufficientMemoryError`` if :func:`generate` with these
+    sizes would not fit its KV cache and activations in the device's free memory.
+
+    :func:`generate` runs this check itself; it is public so that a caller can run it
+    before building a large batch of prompts (the CLI does, for ``--num-problems``).
+    """
+    cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
+    padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
+        batch, longest_prompt, max_new_tokens, cache, page_size)
+    kv_dim = config.num_key_value_heads * config.head_dim
+    if cache == "paged":
+        # The pool depends on the bucketed shapes only (so other prompt lengths in the same
+        # buckets reuse the compiled steps): room for every row at full length.
+        cache_bytes = 2 * config.num_hidden_layers * padded_batch * max_pages * page_size * kv_dim
+    else:
+        cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
+    cache_bytes *= cache_dtype.itemsize
+    need = fj_memory.estimate_inference_memory(
+        config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
+        param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype)
+    fj_memory.check_fits(cache_bytes + need.activations,
+                         what=f"a {cache} KV cache for {padded_batch} x {cache_len} tokens "
+                              f"plus activations")
+
+
+def _eos_set(eos_token_id) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int | np.integer) and not isinstance(eos_token_id, bool):
+        return frozenset([int(eos_token_id)])
+    if isinstance(eos_token_id, Sequence | set | frozenset) and all(
+            isinstance(e, int | np.integer) and not isinstance(e, bool) for e in eos_token_id):
+        return frozenset(int(e) for e in eos_token_id)
+    raise TypeError(f"eos_token_id must be an int, a collection of ints or None, got "
+                    f"{eos_token_id!r}")
+
+
+def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+                        max_new_tokens: int, *, temperature: float = 0.0,
+                        top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                        cache: str = "paged", page_size: int = 16,
+                        eos_token_id: int | Sequence[int] | None = None, cache_dtype=None,
+                        progress: Callable[[int, int], None] | None = None,
+                        allow_beyond_max_positions: bool = False
+                        ) -> tuple[list[list[int]], GenerationStats]:
+    """:func:`generate`, also returning a :class:`GenerationStats` with the timings.
+
+    ``progress``, when given, is called on the host as ``progress(done, total)`` after
+    the prefill and after each decode step (``done`` new tokens per sequence so far,
+    ``total = max_new_tokens``), e.g. to drive a progress bar.
+    """
+    config = model.config
+    prompts = _check_prompts(prompts, config.vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    check_sequence_length(config, len(prompts[longest]), max_new_tokens,
+                          allow_beyond_max_positions=allow_beyond_max_positions,
+                          what=f"prompts[{longest}]")
+    if cache not in ("paged", "contiguous"):
+        raise ValueError(f"cache must be 'paged' or 'contiguous', got {cache=!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size=!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) \
+            or not -2**63 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed=!r}")
+    sampling = sampling_lib.SamplingParams(float(temperature), top_k,
+                                           None if top_p is None else float(top_p))
+    eos = _eos_set(eos_token_id)
+    cache_dtype = model.dtype if cache_dtype is None else jnp.dtype(cache_dtype)
+
+    batch = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
+        batch, int(lengths.max()), max_new_tokens, cache, page_size)
+    stats = GenerationStats(batch=batch, padded_batch=padded_batch, prompt_bucket=prompt_bucket,
+                            cache_len=cache_len, cache=cache, max_new_tokens=max_new_tokens,
+                            prompt_tokens=int(lengths.sum()))
+    if max_new_tokens == 0:
+        return [[] for _ in prompts], stats
+
+    # Inputs, padded to the bucketed shapes: prompts right-padded with token 0 (never
+    # written to the cache), extra batch rows with length 0 (never written either).
+    tokens = np.zeros((padded_batch, prompt_bucket), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    padded_lengths = np.zeros((padded_batch,), np.int32)
+    padded_lengths[:batch] = lengths
+    active = np.arange(padded_batch) < batch
+
+    check_generation_fits(config, batch=batch, longest_prompt=int(lengths.max()),
+                          max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
+                          param_dtype=model.param_dtype, dtype=model.dtype,
+                          cache_dtype=cache_dtype)
+
+    if cache == "paged":
+        num_pages = padded_batch * max_pages
+        manager = BlockManager(num_pages, page_size)
+        for b in range(batch):
+            manager.allocate(b, int(lengths[b]) + max_new_tokens)
+        block_tables = np.zeros((padded_batch, max_pages), np.int32)
+        block_tables[:batch] = manager.block_tables(list(range(batch)), max_pages)
+        kv = PagedKVCache.create(num_layers=config.num_hidden_layers, num_pages=num_pages,
+                                 page_size=page_size, kv_heads=config.num_key_value_heads,
+                                 head_dim=config.head_dim, dtype=cache_dtype,
+                                 block_tables=block_tables)
+    else:
+        kv = ContiguousKVCache.create(num_layers=config.num_hidden_layers, batch=padded_batch,
+                                      max_len=cache_len, kv_heads=config.num_key_value_heads,
+                                      head_dim=config.head_dim, dtype=cache_dtype)
+
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(seed)
+    tokens, padded_lengths, active = (jnp.asarray(tokens), jnp.asarray(padded_lengths),
+                                      jnp.asarray(active))
+    step0 = jnp.asarray(1, jnp.int32)
+    # Temperature and top_p are arguments, not constants: changing them does not recompile.
+    temp = jnp.asarray(sampling.temperature, jnp.float32)
+    top_p = jnp.asarray(1.0 if sampling.top_p is None else sampling.top_p, jnp.float32)
+    statics = dict(graphdef=graphdef, mode=sampling.mode,
+                   implementation_key=_implementation_key())
+    # Compile ahead of time (cached by jit after the first call) so that the timings
+    # below measure the steps alone.
+    start = time.perf_counter()
+    prefill = _prefill_step.lower(state, kv, tokens, padded_lengths, key, temp, top_p,
+                                  **statics).compile()
+    decode = None
+    if max_new_tokens > 1:
+        decode = _decode_step.lower(state, kv, tokens[:, 0], active, key, step0, temp, top_p,
+                                    **statics).compile()
+    stats.compile_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    next_tokens, kv = prefill(state, kv, tokens, padded_lengths, key, temp, top_p)
+    next_tokens.block_until_ready()
+    stats.prefill_seconds = time.perf_counter() - start
+    if progress is not None:
+        progress(1, max_new_tokens)
+
+    outputs = [next_tokens]
+    done = np.zeros((batch,), bool)
+    if eos:
+        done |= np.isin(np.asarray(next_tokens)[:batch], list(eos))
+    eos_ids = np.asarray(sorted(eos), np.int32)
+    unchecked = None  # the latest tokens not yet compared with eos
+    start = time.perf_counter()
+    for step in range(1, max_new_tokens):
+        if done.all():
+            break
+        next_tokens, kv = decode(state, kv, next_tokens, active, key,
+                                 jnp.asarray(step, jnp.int32), temp, top_p)
+        outputs.append(next_tokens)
+        stats.decode_steps += 1
+        if eos:
+            # Stopping early needs the tokens on the host. Reading the previous step's
+            # while this one is queued keeps the device busy; the cost is at most one
+            # step past the last eos, whose tokens are cut off below.
+            if unchecked is not None:
+                done |= np.isin(np.asarray(unchecked)[:batch], eos_ids)
+            unchecked = next_tokens
+        if progress is not None:
+            progress(step + 1, max_new_tokens)
+    jax.block_until_ready(outputs)
+    stats.decode_seconds = time.perf_counter() - start if stats.decode_steps else 0.0
+
+    generated = np.stack([np.asarray(t) for t in outputs], axis=1)[:batch]  # [batch, steps]
+    results = []
+    for row in generated:
+        row = [int(t) for t in row]
+        for i, t in enumerate(row):
+            if t in eos:
+                row = row[:i + 1]
+                break
+        results.append(row)
+    stats.new_tokens = sum(len(r) for r in results)
+    stats.decode_tokens = stats.new_tokens - batch  # the prefill gave each its first token
+    return results, stats
+
+
+def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+             max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, cache: str = "paged",
+             page_size: int = 16, eos_token_id: int | Sequence[int] | None = None,
+             allow_beyond_max_positions: bool = False) -> list[list[int]]:
+    """Generates continuations of a batch of prompts of different lengths.
+
+    Runs one jitted prefill over the right-padded prompts, then jitted decode steps of
+    one token per sequence, each with the KV cache donated (updated in place). The
+    model is split with ``nnx.split`` outside the steps and merged inside, so the
+    weights are arguments of the compiled steps, not constants. Shapes are bucketed
+    (batch to a power of two, prompt length to a power of two >= 8, cache length to a
+    power of two) so that a later call with similar shapes reuses the compiled steps.
+
+    Args:
+      model: a :class:`Llama`.
+      prompts: a list of token-id lists (each non-empty, ids in ``[0, vocab_size)``), or a
+        NumPy or JAX integer array ``[batch, seq]`` of equal-length prompts.
+      max_new_tokens: tokens to generate per prompt (>= 0).
+      temperature: 0 for greedy decoding; otherwise sampling from
+        ``softmax(logits / temperature)`` after the top-k / top-p filters. A temperature
+        below float32's smallest normal number (~1.18e-38) is greedy too: float32
+        cannot divide by it faithfully, and the distribution it asks for is the argmax.
+      top_k: keep the ``top_k`` most likely tokens (None: all).
+      top_p: nucleus sampling with Hugging Face's semantics (None: off).
+      seed: seed of the ``jax.random`` key used for sampling.
+      cache: ``"paged"`` (pages allocated with ``forge_jax.kv_cache.BlockManager`` for
+        prompt + ``max_new_tokens`` up front) or ``"contiguous"``. Both give the same
+        greedy tokens.
+      page_size: tokens per page of the paged cache.
+      eos_token_id: an id or a collection of ids; a sequence stops after generating one
+        of them, and the eos token *is included* in its output (as transformers'
+        ``generate`` returns it). None: always ``max_new_tokens`` tokens. (The model's
+        ``config.eos_token_ids`` are not applied unless passed here.)
+      allow_beyond_max_positions: run prompts whose length plus ``max_new_tokens``
+        exceeds ``config.max_position_embeddings`` (for a model whose RoPE scaling
+        extends the range); otherwise they raise ValueError before any work.
+
+    Returns:
+      For each prompt, the list of new token ids (the prompt not included).
+
+    Raises:
+      ValueError: bad prompts or arguments, or a sequence longer than
+        ``config.max_position_embeddings``.
+      TypeError: a prompt array of a non-integer dtype.
+      forge_jax.memory.InsufficientMemoryError: the KV cache and activations would not fit
+        in the device's free memory.
+
+    See :func:`generate_with_stats` for the same call with timings (prefill and decode
+    tokens/s) and a progress callback.
+    """
+    return generate_with_stats(model, prompts, max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed, cache=cache,
+                               page_size=page_size, eos_token_id=eos_token_id,
+                               allow_beyond_max_positions=allow_beyond_max_positions)[0]
