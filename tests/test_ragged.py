@@ -12,6 +12,7 @@ compared with a float64 reference written from the ragged definition, with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -27,33 +28,42 @@ from forge_jax import dispatch, tolerances
 
 MASKING = ("scale", "sliding_window", "logits_soft_cap", "implementation")
 ragged = jax.jit(fj.ragged_paged_attention, static_argnames=MASKING)
-paged_attention = jax.jit(fj.paged_attention, static_argnames=MASKING)
-attention = jax.jit(fj.attention, static_argnames=MASKING + ("causal",))
-paged_gather = jax.jit(fj.paged_gather)
+
+
+@functools.partial(jax.jit, static_argnames=MASKING)
+def xla_references(q, k_pages, v_pages, block_tables, lengths, positions, **masking):
+    """fj.paged_attention on the pages, fj.attention on what fj.paged_gather returns."""
+    paged = fj.paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions=positions,
+                               **masking)
+    k = fj.paged_gather(k_pages, block_tables, lengths)
+    v = fj.paged_gather(v_pages, block_tables, lengths)
+    dense = fj.attention(q, k, v, q_positions=positions, kv_lengths=lengths, **masking)
+    return paged, dense
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 
 
 @dataclasses.dataclass
 class Step:
-    """One ragged step: the op's arguments, and the float64 truth behind them."""
+    """One ragged step: the op's arguments (NumPy, so that editing them compiles nothing),
+    and the float64 truth behind them."""
 
-    q: jax.Array
-    k_pages: jax.Array  # NaN wherever no query may look
-    v_pages: jax.Array
-    k_clean: jax.Array  # the same, but finite in the slots a sliding window hides
-    v_clean: jax.Array
-    block_tables: jax.Array
-    kv_lengths: jax.Array
-    cu_q_lens: jax.Array
+    q: np.ndarray
+    k_pages: np.ndarray  # NaN wherever no query may look
+    v_pages: np.ndarray
+    k_clean: np.ndarray  # the same, but finite in the slots a sliding window hides
+    v_clean: np.ndarray
+    block_tables: np.ndarray
+    kv_lengths: np.ndarray
+    cu_q_lens: np.ndarray
     num_seqs: int
     dense_k: np.ndarray  # float64 [num_seqs, pages_per_seq * page_size, kv_heads, head_dim]
     dense_v: np.ndarray
 
     def args(self, clean=False):
         k, v = (self.k_clean, self.v_clean) if clean else (self.k_pages, self.v_pages)
-        return (self.q, k, v, self.block_tables, self.kv_lengths, self.cu_q_lens,
-                jnp.int32(self.num_seqs))
+        return (*map(jnp.asarray, (self.q, k, v, self.block_tables, self.kv_lengths,
+                                   self.cu_q_lens)), np.int32(self.num_seqs))
 
 
 def make_step(rng, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, heads, head_dim,
@@ -92,10 +102,10 @@ def make_step(rng, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, heads,
                 k_pages[:, page, off], v_pages[:, page, off] = kv_val
     q = rng.standard_normal((total_tokens, q_heads, head_dim))
     q[cu[n]:] = np.nan  # padding rows
-    as_pool = lambda x: jnp.asarray(x, dtype)
-    return Step(jnp.asarray(q, q_dtype or dtype), as_pool(k_pages), as_pool(v_pages),
-                as_pool(k_clean), as_pool(v_clean), jnp.asarray(tables, jnp.int32),
-                jnp.asarray(kv, jnp.int32), jnp.asarray(cu, jnp.int32), n, dense_k, dense_v)
+    pool = lambda x: x.astype(np.dtype(dtype))
+    return Step(q.astype(np.dtype(q_dtype or dtype)), pool(k_pages), pool(v_pages),
+                pool(k_clean), pool(v_clean), tables.astype(np.int32), kv.astype(np.int32),
+                cu.astype(np.int32), n, dense_k, dense_v)
 
 
 def ragged_ref(step, *, scale=None, window=None, cap=None):
@@ -103,7 +113,7 @@ def ragged_ref(step, *, scale=None, window=None, cap=None):
     q = f64(step.q)
     total, q_heads, head_dim = q.shape
     group = q_heads // step.dense_k.shape[2]
-    cu, kv = np.asarray(step.cu_q_lens), np.asarray(step.kv_lengths)
+    cu, kv = step.cu_q_lens, step.kv_lengths
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
     out = np.zeros(q.shape)
     for i in range(step.num_seqs):
@@ -128,20 +138,16 @@ def ragged_ref(step, *, scale=None, window=None, cap=None):
 def padded_references(step, **masking):
     """fj.paged_attention and fj.attention of each sequence's rows, scattered back to rows."""
     n = step.num_seqs
-    cu, kv = np.asarray(step.cu_q_lens)[:n + 1], np.asarray(step.kv_lengths)[:n]
+    cu, kv = step.cu_q_lens[:n + 1], step.kv_lengths[:n]
     q_lens = np.diff(cu)
     width = max(int(q_lens.max()), 1)
     t = np.arange(width)[None, :]
     # Pad queries sit at position -1: they see nothing.
     positions = np.where(t < q_lens[:, None], kv[:, None] - q_lens[:, None] + t, -1)
     rows = np.minimum(cu[:-1, None] + t, step.q.shape[0] - 1)
-    q = jnp.asarray(np.asarray(step.q)[rows])
-    tables, lens = step.block_tables[:n], step.kv_lengths[:n]
-    pos = jnp.asarray(positions, jnp.int32)
-    paged = paged_attention(q, step.k_clean, step.v_clean, tables, lens, q_positions=pos,
-                            **masking)
-    k, v = paged_gather(step.k_clean, tables, lens), paged_gather(step.v_clean, tables, lens)
-    dense = attention(q, k, v, q_positions=pos, kv_lengths=lens, **masking)
+    paged, dense = xla_references(step.q[rows], step.k_clean, step.v_clean,
+                                  step.block_tables[:n], kv, positions.astype(np.int32),
+                                  **masking)
     take = t < q_lens[:, None]
     return f64(paged)[take], f64(dense)[take], np.asarray(cu[:-1, None] + t)[take]
 
@@ -154,8 +160,8 @@ def check_step(step, out, *, dtype, xla_ops=True, **masking):
                      cap=masking.get("logits_soft_cap"))
     assert out.shape == step.q.shape and out.dtype == step.q.dtype
     assert_close(out, ref, dtype=dtype)
-    end = int(step.cu_q_lens[step.num_seqs])
-    np.testing.assert_array_equal(f64(out[end:]), 0.0)
+    end = step.cu_q_lens[step.num_seqs]
+    np.testing.assert_array_equal(f64(out)[end:], 0.0)
     if not xla_ops:
         return
     paged, dense, rows = padded_references(step, **masking)
@@ -252,19 +258,16 @@ def test_one_compilation_serves_any_mix():
 def test_padding_rows_are_zero_whatever_q_holds():
     step = make_step(np.random.default_rng(8), **MIXED, page_size=4, heads="mqa", head_dim=8,
                      dtype=jnp.float32)
-    end = int(step.cu_q_lens[step.num_seqs])
-    q = np.asarray(step.q).copy()
-    q[end:end + 2] = [[[np.inf]], [[-np.inf]]]  # NaN after them
-    step.q = jnp.asarray(q)
-    out = ragged(*step.args())
-    np.testing.assert_array_equal(f64(out[end:]), 0.0)
-    assert_close(out[:end], ragged_ref(step)[:end])
+    end = step.cu_q_lens[step.num_seqs]
+    step.q[end:end + 2] = [[[np.inf]], [[-np.inf]]]  # NaN after them
+    out = f64(ragged(*step.args()))
+    np.testing.assert_array_equal(out[end:], 0.0)
+    assert_close(out[:end], ragged_ref(step)[:end], dtype=jnp.float32)
 
 
 def _poison_visible(step, pages, value):
     """``value`` in slot 1 of sequence 0, kv head 0 (seen by rows 1 and 2 only)."""
-    page = int(step.block_tables[0, 0])
-    return pages.at[0, page, 1].set(value)
+    pages[0, step.block_tables[0, 0], 1] = value
 
 
 def _nan_rows_and_heads(out):
@@ -282,10 +285,7 @@ def _visible_nan_step():
 @pytest.mark.parametrize("where,value", [("v", np.nan), ("v", np.inf), ("k", np.nan)])
 def test_non_finite_visible_data_gives_nan_only_where_seen(where, value):
     step = _visible_nan_step()
-    if where == "k":
-        step.k_pages = _poison_visible(step, step.k_pages, value)
-    else:
-        step.v_pages = _poison_visible(step, step.v_pages, value)
+    _poison_visible(step, step.k_pages if where == "k" else step.v_pages, value)
     assert _nan_rows_and_heads(ragged(*step.args()))
 
 
@@ -297,15 +297,18 @@ def test_out_of_range_values_under_jit_are_safe():
     ref = ragged_ref(step)
     q, k, v, tables, kv, cu, _ = step.args()
     # num_seqs past max_seqs is max_seqs, below zero is zero.
-    np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, jnp.int32(7))),
-                                  f64(ragged(q, k, v, tables, kv, cu, jnp.int32(3))))
-    np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, jnp.int32(-4))), 0.0)
+    np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, np.int32(7))),
+                                  f64(ragged(q, k, v, tables, kv, cu, np.int32(3))))
+    np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, np.int32(-4))), 0.0)
     # Page ids out of range (clamped) in sequence 0 leave the others' rows intact.
-    bad = tables.at[0, :2].set(jnp.asarray([-5, 1 << 30], jnp.int32))
-    out = f64(ragged(q, k, v, bad, kv, cu, jnp.int32(3)))
+    bad = step.block_tables.copy()
+    bad[0, :2] = [-5, 1 << 30]
+    out = f64(ragged(q, k, v, bad, kv, cu, np.int32(3)))
     np.testing.assert_allclose(out[2:6], ref[2:6], **tolerances.tolerance(jnp.float32).as_kwargs())
     # More new tokens than kv_lengths: the queries at negative positions see nothing.
-    out = f64(ragged(q, k, v, tables, kv.at[1].set(1), cu, jnp.int32(3)))
+    short = step.kv_lengths.copy()
+    short[1] = 1
+    out = f64(ragged(q, k, v, tables, short, cu, np.int32(3)))
     np.testing.assert_array_equal(out[2:4], 0.0)
     assert np.isfinite(out[4]).all() and np.abs(out[4]).max() > 0
 
@@ -321,11 +324,12 @@ def test_auto_selects_xla_and_explain_validates():
 
 
 def _good():
-    return dict(q=jnp.ones((6, 4, 8)), k_pages=jnp.ones((2, 5, 4, 8)),
-                v_pages=jnp.ones((2, 5, 4, 8)),
-                block_tables=jnp.asarray([[0, 1], [2, 3], [9, 9]], jnp.int32),
-                kv_lengths=jnp.asarray([5, 2, 99], jnp.int32),
-                cu_q_lens=jnp.asarray([0, 4, 5, -3], jnp.int32), num_seqs=2)
+    """Valid placeholders (NumPy: validation reads shapes, dtypes and concrete values)."""
+    return dict(q=np.ones((6, 4, 8), np.float32), k_pages=np.ones((2, 5, 4, 8), np.float32),
+                v_pages=np.ones((2, 5, 4, 8), np.float32),
+                block_tables=np.asarray([[0, 1], [2, 3], [9, 9]], np.int32),
+                kv_lengths=np.asarray([5, 2, 99], np.int32),
+                cu_q_lens=np.asarray([0, 4, 5, -3], np.int32), num_seqs=2)
 
 
 def _call(**changes):
@@ -337,41 +341,42 @@ def _call(**changes):
 
 
 BAD = {
-    "q_rank": (_call(q=jnp.ones((1, 6, 4, 8))), ValueError, r"q must have rank 3"),
-    "q_int": (_call(q=jnp.ones((6, 4, 8), jnp.int32)), TypeError, r"q\.dtype=int32"),
-    "pages_shape": (_call(v_pages=jnp.ones((2, 5, 2, 8))), ValueError, r"v_pages\.shape"),
-    "pages_dtype": (_call(v_pages=jnp.ones((2, 5, 4, 8), jnp.bfloat16)), TypeError,
+    "q_rank": (_call(q=np.ones((1, 6, 4, 8))), ValueError, r"q must have rank 3"),
+    "q_int": (_call(q=np.ones((6, 4, 8), np.int32)), TypeError, r"q\.dtype=int32"),
+    "pages_shape": (_call(v_pages=np.ones((2, 5, 2, 8))), ValueError, r"v_pages\.shape"),
+    "pages_dtype": (_call(v_pages=np.ones((2, 5, 4, 8), jnp.bfloat16)), TypeError,
                     r"v_pages\.dtype"),
-    "head_dim": (_call(q=jnp.ones((6, 4, 16))), ValueError, r"head_dim.*q\.shape=\(6, 4, 16\)"),
-    "heads": (_call(q=jnp.ones((6, 3, 8))), ValueError, r"q_heads \(3\).*kv_heads \(2\)"),
-    "no_q_heads": (_call(q=jnp.ones((6, 0, 8))), ValueError, r"q_heads.*q\.shape=\(6, 0, 8\)"),
-    "tables_float": (_call(block_tables=jnp.ones((3, 2))), TypeError, r"block_tables\.dtype"),
-    "kv_lengths_shape": (_call(kv_lengths=jnp.ones((2,), jnp.int32)), ValueError,
+    "head_dim": (_call(q=np.ones((6, 4, 16))), ValueError, r"head_dim.*q\.shape=\(6, 4, 16\)"),
+    "heads": (_call(q=np.ones((6, 3, 8))), ValueError, r"q_heads \(3\).*kv_heads \(2\)"),
+    "no_q_heads": (_call(q=np.ones((6, 0, 8))), ValueError, r"q_heads.*q\.shape=\(6, 0, 8\)"),
+    "tables_float": (_call(block_tables=np.ones((3, 2))), TypeError, r"block_tables\.dtype"),
+    "kv_lengths_shape": (_call(kv_lengths=np.ones((2,), np.int32)), ValueError,
                          r"kv_lengths must be \[max_seqs\] = \(3,\).*\(2,\)"),
-    "cu_shape": (_call(cu_q_lens=jnp.zeros((3,), jnp.int32)), ValueError,
+    "cu_shape": (_call(cu_q_lens=np.zeros((3,), np.int32)), ValueError,
                  r"cu_q_lens must be \[max_seqs \+ 1\] = \(4,\).*\(3,\)"),
-    "cu_float": (_call(cu_q_lens=jnp.zeros((4,))), TypeError, r"cu_q_lens\.dtype=float32"),
+    "cu_float": (_call(cu_q_lens=np.zeros((4,), np.float32)), TypeError,
+                 r"cu_q_lens\.dtype=float32"),
     "num_seqs_float": (_call(num_seqs=1.0), TypeError, r"num_seqs.*float"),
     "num_seqs_bool": (_call(num_seqs=True), TypeError, r"num_seqs=True"),
-    "num_seqs_vector": (_call(num_seqs=jnp.ones((1,), jnp.int32)), ValueError,
+    "num_seqs_vector": (_call(num_seqs=np.ones((1,), np.int32)), ValueError,
                         r"num_seqs\.shape=\(1,\)"),
-    "num_seqs_float_array": (_call(num_seqs=jnp.float32(1)), TypeError,
+    "num_seqs_float_array": (_call(num_seqs=np.float32(1)), TypeError,
                              r"num_seqs\.dtype=float32"),
     "num_seqs_range": (_call(num_seqs=4), ValueError, r"\[0, max_seqs=3\].*num_seqs=4"),
-    "num_seqs_negative": (_call(num_seqs=jnp.int32(-1)), ValueError, r"num_seqs=-1"),
-    "cu_start": (_call(cu_q_lens=jnp.asarray([1, 4, 5, 5], jnp.int32)), ValueError,
+    "num_seqs_negative": (_call(num_seqs=np.int32(-1)), ValueError, r"num_seqs=-1"),
+    "cu_start": (_call(cu_q_lens=np.asarray([1, 4, 5, 5], np.int32)), ValueError,
                  r"cu_q_lens\[0\]=1"),
-    "cu_decreasing": (_call(cu_q_lens=jnp.asarray([0, 4, 3, 5], jnp.int32)), ValueError,
+    "cu_decreasing": (_call(cu_q_lens=np.asarray([0, 4, 3, 5], np.int32)), ValueError,
                       r"cu_q_lens\[1\]=4 > cu_q_lens\[2\]=3"),
-    "cu_past_q": (_call(cu_q_lens=jnp.asarray([0, 4, 7, 7], jnp.int32)), ValueError,
+    "cu_past_q": (_call(cu_q_lens=np.asarray([0, 4, 7, 7], np.int32)), ValueError,
                   r"cu_q_lens\[num_seqs=2\]=7 exceeds the 6 rows"),
-    "q_len_over_kv": (_call(kv_lengths=jnp.asarray([3, 2, 0], jnp.int32)), ValueError,
+    "q_len_over_kv": (_call(kv_lengths=np.asarray([3, 2, 0], np.int32)), ValueError,
                       r"kv_lengths\[0\]=3 must count its 4 new tokens"),
-    "kv_over_capacity": (_call(kv_lengths=jnp.asarray([5, 9, 0], jnp.int32)), ValueError,
+    "kv_over_capacity": (_call(kv_lengths=np.asarray([5, 9, 0], np.int32)), ValueError,
                          r"kv_lengths\[1\]=9.*2 \* 4 = 8"),
-    "page_out_of_range": (_call(block_tables=jnp.asarray([[0, 5], [2, 3], [0, 0]], jnp.int32)),
+    "page_out_of_range": (_call(block_tables=np.asarray([[0, 5], [2, 3], [0, 0]], np.int32)),
                           ValueError, r"block_tables\[0, 1\]=5.*num_pages=5"),
-    "page_negative": (_call(block_tables=jnp.asarray([[0, 1], [-1, 3], [0, 0]], jnp.int32)),
+    "page_negative": (_call(block_tables=np.asarray([[0, 1], [-1, 3], [0, 0]], np.int32)),
                       ValueError, r"block_tables\[1, 0\]=-1"),
     "window": (_call(sliding_window=0), ValueError, r"sliding_window=0"),
     "cap": (_call(logits_soft_cap=-1.0), ValueError, r"logits_soft_cap=-1\.0"),
