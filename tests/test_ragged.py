@@ -313,6 +313,37 @@ def test_out_of_range_values_under_jit_are_safe():
     assert np.isfinite(out[4]).all() and np.abs(out[4]).max() > 0
 
 
+def test_grads_match_dense_attention_despite_nan_in_hidden_slots():
+    step = make_step(np.random.default_rng(12), q_lens=[3, 1, 4], kv_lens=[3, 9, 6], max_seqs=3,
+                     total_tokens=10, page_size=4, heads="gqa", head_dim=8, dtype=jnp.float32)
+    q, k_pages, v_pages, tables, kv, cu, n = step.args()
+    w = jnp.asarray(np.random.default_rng(13).standard_normal(q.shape), jnp.float32)
+
+    def ragged_loss(q, k_pages, v_pages):
+        return jnp.sum(fj.ragged_paged_attention(q, k_pages, v_pages, tables, kv, cu, n) * w)
+
+    # The same rows as one dense batch row per sequence, padded with rows that see nothing.
+    rows = np.array([[0, 1, 2, 9], [3, 9, 9, 9], [4, 5, 6, 7]])
+    positions = np.array([[0, 1, 2, -1], [8, -1, -1, -1], [2, 3, 4, 5]], np.int32)
+    lens = jnp.asarray([3, 9, 6], jnp.int32)
+
+    def dense_loss(q, k, v):
+        out = fj.attention(q[rows], k, v, q_positions=positions, kv_lengths=lens)
+        return jnp.sum(out * w[rows] * (positions >= 0).astype(np.float32)[:, :, None, None])
+
+    dq, dk_pages, dv_pages = jax.jit(jax.grad(ragged_loss, argnums=(0, 1, 2)))(
+        q, k_pages, v_pages)
+    dense_k, dense_v = (jnp.asarray(x, jnp.float32) for x in (step.dense_k, step.dense_v))
+    want_q, want_k, want_v = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))(
+        jnp.where(jnp.isnan(q), 0.0, q), dense_k, dense_v)
+    tol = tolerances.tolerance(jnp.float32).as_kwargs()
+    np.testing.assert_allclose(f64(dq), f64(want_q), **tol)  # padding rows: zero
+    for got, want in ((dk_pages, want_k), (dv_pages, want_v)):
+        assert np.isfinite(f64(got)).all()
+        back = fj.paged_gather(got, tables, lens)
+        np.testing.assert_allclose(f64(back), f64(want), **tol)
+
+
 def test_auto_selects_xla_and_explain_validates():
     step = make_step(np.random.default_rng(11), q_lens=[1], kv_lens=[3], max_seqs=1,
                      total_tokens=1, page_size=4, heads="mqa", head_dim=8, dtype=jnp.float32)

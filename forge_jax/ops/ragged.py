@@ -227,9 +227,12 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
     mask = visible_mask(positions[:, None], seq, causal=True, kv_lengths=lengths,
                         sliding_window=sliding_window)[:, 0]  # [rows, seq]
     # Hidden slots may hold NaN or inf (a zero probability times NaN is still NaN): each
-    # row zeroes the values it does not see. A non-finite value it sees makes its output NaN
-    # (the attention contract), also where the probability underflowed to zero.
-    v = jnp.where(mask[None, :, :, None], v, jnp.zeros((), v.dtype))
+    # row zeroes the keys and values it does not see (the keys for the gradient of q). A
+    # non-finite value it sees makes its output NaN (the attention contract), also where
+    # the probability underflowed to zero.
+    seen = mask[None, :, :, None]
+    k = jnp.where(seen, k, jnp.zeros((), k.dtype))
+    v = jnp.where(seen, v, jnp.zeros((), v.dtype))
     finite = jnp.isfinite(v)
     seen_non_finite = jnp.any(~finite, axis=2)[:, :, None, :]  # [k, rows, 1, d]
     v = jnp.where(finite, v, jnp.zeros((), v.dtype))
