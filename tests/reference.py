@@ -77,9 +77,10 @@ def silu_mul_ref(gate, up):
 
 
 def softmax_ref(x, *, axis=-1, where=None):
-    """Masked softmax; ``-inf`` entries count as masked; a row with nothing valid -> zeros."""
+    """Masked softmax; ``-inf`` entries count as masked; a row with nothing valid -> zeros;
+    ``+inf`` entries share their row equally; NaN in a valid entry makes its row NaN."""
     x = f64(x)
-    valid = np.isfinite(x) | (x == np.inf)
+    valid = x != -np.inf
     if where is not None:
         valid = valid & np.broadcast_to(np.asarray(where, bool), x.shape)
     x = np.moveaxis(x, axis, -1)
@@ -88,6 +89,13 @@ def softmax_ref(x, *, axis=-1, where=None):
     for idx in np.ndindex(*x.shape[:-1]):
         row, ok = x[idx], valid[idx]
         if not ok.any():
+            continue
+        if np.isnan(row[ok]).any():
+            out[idx][:] = np.nan
+            continue
+        if np.isposinf(row[ok]).any():
+            top = ok & np.isposinf(row)
+            out[idx][top] = 1.0 / top.sum()
             continue
         e = np.exp(row[ok] - row[ok].max())
         out[idx][ok] = e / e.sum()
@@ -182,7 +190,10 @@ def attention_mask_ref(batch, q_len, kv_len, *, causal=True, q_positions=None,
                        kv_lengths=None, sliding_window=None):
     """Boolean ``[batch, q_len, kv_len]``: key ``j`` visible to the query at position ``p``
     iff ``(not causal or j <= p) and j < kv_lengths[b] and j > p - sliding_window``."""
-    if q_positions is None:
+    if q_positions is None and kv_lengths is not None:  # bottom-right, per sequence
+        q_positions = (np.asarray(kv_lengths, np.int64)[:, None] - q_len
+                       + np.arange(q_len)[None, :])
+    elif q_positions is None:
         q_positions = np.broadcast_to(kv_len - q_len + np.arange(q_len), (batch, q_len))
     q_positions = np.asarray(q_positions, np.int64)
     mask = np.zeros((batch, q_len, kv_len), bool)
@@ -209,8 +220,8 @@ def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_leng
         query head ``h`` reads kv head ``h // (q_heads // kv_heads)``.
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       causal, q_positions, kv_lengths, sliding_window: the visibility rule of
-        :func:`attention_mask_ref`; positions default to bottom-right alignment
-        ``kv_len - q_len + t``.
+        :func:`attention_mask_ref`; positions default to bottom-right alignment per
+        sequence, ``kv_lengths[b] - q_len + t`` (``kv_len - q_len + t`` without lengths).
       logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax.
 
     Returns:
@@ -232,7 +243,11 @@ def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_leng
             if logits_soft_cap is not None:
                 logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
             probs = softmax_ref(logits, axis=-1, where=mask[b])
-            out[b, :, h, :] = probs @ v[b, :, kh, :]
+            # Only visible values enter the sum (an invisible NaN must not reach it).
+            vh = v[b, :, kh, :]
+            for t in range(q_len):
+                seen = mask[b, t]
+                out[b, t, h, :] = probs[t, seen] @ vh[seen]
     return out
 
 

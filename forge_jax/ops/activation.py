@@ -65,8 +65,15 @@ def softmax(x, *, axis=-1, where=None, implementation=None):
 
     ``softmax(x)_i = exp(x_i - m) / sum_j exp(x_j - m)`` over the entries where
     ``where`` is true (all entries if ``where`` is None), with ``m`` the row's
-    maximum; masked entries get 0. A row with no valid entry (all masked, or all
-    ``-inf``) returns zeros, never NaN, and so does its gradient. Math in float32.
+    maximum; masked entries get 0. Math in float32. Non-finite logits:
+
+    * ``-inf`` means "invisible": the entry gets 0, as a masked one does. A row with no
+      valid entry (all masked, or all ``-inf``) returns zeros, never NaN, and so does
+      its gradient.
+    * ``+inf`` takes all the probability: the ``+inf`` entries of a row share it equally
+      (the limit of the softmax as they grow) and the others get 0, so
+      ``softmax([inf, 1]) == [1, 0]``.
+    * NaN in a valid (unmasked) entry makes its whole row NaN: it is data, not a mask.
 
     Args:
       x: any-rank float array.
@@ -84,18 +91,23 @@ dispatch.define("softmax", _softmax_args)
 
 
 def safe_softmax_f32(x, axis, where):
-    """float32 softmax that returns zeros (and zero gradients) for fully masked rows."""
+    """float32 softmax: zeros (and zero gradients) for fully masked rows, +inf entries share
+    their row, NaN in a valid entry propagates (see :func:`softmax`)."""
     x = x.astype(jnp.float32)
-    valid = jnp.broadcast_to(True if where is None else where, x.shape) & (x > -jnp.inf)
+    # `x != -inf` keeps NaN valid, so that it reaches the row's max and sum.
+    valid = jnp.broadcast_to(True if where is None else where, x.shape) & (x != -jnp.inf)
     # Masked entries are replaced before exp so that neither the value nor the
-    # gradient can see an inf - inf.
+    # gradient can see an inf - inf (or a masked NaN).
     x = jnp.where(valid, x, 0.0)
     # initial=-inf: an empty axis (e.g. attention over zero keys) is a fully masked row.
     m = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis, keepdims=True, initial=-jnp.inf)
+    # A +inf logit takes all the probability, shared with any other +inf of its row.
+    top = jnp.isposinf(m)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    e = jnp.where(valid, jnp.exp(x - m), 0.0)
+    e = jnp.where(valid, jnp.exp(jnp.where(top, 0.0, x - m)), 0.0)
+    e = jnp.where(top, (valid & jnp.isposinf(x)).astype(jnp.float32), e)
     s = jnp.sum(e, axis=axis, keepdims=True)
-    return e / jnp.where(s > 0, s, 1.0)
+    return e / jnp.where(s == 0, 1.0, s)  # (a NaN sum stays NaN)
 
 
 @dispatch.register("softmax", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},

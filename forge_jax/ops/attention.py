@@ -1,4 +1,34 @@
-"""Scaled dot-product attention with bottom-right causal alignment."""
+"""Scaled dot-product attention with bottom-right causal alignment.
+
+The attention contract
+----------------------
+Dense :func:`attention`, :func:`forge_jax.paged_attention` and every kernel registered for
+them compute the same thing; this is the one place it is written down.
+
+* **Logits.** ``s = scale * q . k`` in float32 (``scale`` defaults to ``head_dim ** -0.5``),
+  soft-capped to ``cap * tanh(s / cap)`` when ``logits_soft_cap`` is given; softmax over the
+  visible keys in float32; ``out = sum_j p_j v_j`` in float32, returned in ``q.dtype``.
+  Query head ``h`` reads kv head ``h // (q_heads // kv_heads)`` (GQA/MQA).
+* **Positions: bottom-right, per sequence.** Query ``t`` of ``q_len`` sits at position
+  ``p = q_positions[b, t]`` when positions are given; otherwise
+  ``p = kv_lengths[b] - q_len + t`` when the sequence length is given (dense
+  ``kv_lengths``, paged ``lengths``), else ``p = kv_len - q_len + t``. The last query sits
+  at the last key of its sequence: decode (``q_len == 1``) sees the whole sequence and
+  chunked prefill continues where the cache ends. (``jax.nn.dot_product_attention``
+  aligns top-left: a decode query there sees key 0 only.)
+* **Visibility.** Key ``j`` is visible to the query at ``p`` iff ``(not causal or j <= p)``
+  and ``j < kv_lengths[b]`` (when given) and ``j > p - sliding_window`` (when given). Paged
+  attention is always causal.
+* **Invisible keys never influence the output, whatever they hold.** Slots past the
+  length of a sequence, hidden by the causal mask or outside the window may hold NaN or
+  inf (uninitialised or recycled cache memory): the output is the same finite result.
+  Masking the logits is not enough (``0 * NaN = NaN``), so the values are masked too.
+* **Visible non-finite data propagates.** A NaN in a visible query, key or value, or
+  ``scale=nan``, gives NaN in the outputs that read it; it is never treated as masked
+  (a non-finite visible value gives NaN there). Only the mask, and ``-inf`` logits (a key
+  made invisible, as in :func:`forge_jax.softmax`), hide a key.
+* **A query that sees no key returns zeros** (so does its gradient).
+"""
 
 from __future__ import annotations
 
@@ -26,11 +56,20 @@ def check_heads(q_heads, kv_heads, q_shape, kv_shape):
             f"q.shape={tuple(q_shape)}, k.shape={tuple(kv_shape)}")
 
 
+def check_dims(**dims):
+    """Rejects degenerate sizes (a zero head_dim would divide by zero in the default scale)."""
+    for name, value in dims.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {name}={value}")
+
+
 def _attention_args(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
                     sliding_window=None, logits_soft_cap=None):
     _checks.array("q", q, ndim=4)
     _checks.array("k", k, ndim=4)
     _checks.array("v", v, ndim=4)
+    check_dims(**{"head_dim (q.shape[3])": q.shape[3], "q_heads (q.shape[2])": q.shape[2],
+                  "kv_heads (k.shape[2])": k.shape[2]})
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape: {k.shape=}, {v.shape=}")
     if q.shape[0] != k.shape[0]:
@@ -67,13 +106,14 @@ def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=
     ``g = q_heads // kv_heads`` and ``cap(x) = logits_soft_cap * tanh(x / logits_soft_cap)``
     when a soft cap is given. Logits, softmax and the weighted sum are float32.
 
-    Masking: a query at absolute position ``p`` sees key ``j`` iff
-    ``(not causal or j <= p)``, ``j < kv_lengths[b]`` (when given) and
-    ``j > p - sliding_window`` (when given). Positions default to bottom-right
-    alignment, ``p = kv_len - q_len + t``: the last query sits at the last key, which
-    is what decode (q_len 1) and chunked prefill need. (``jax.nn.dot_product_attention``
-    aligns top-left, so a decode query there would see only key 0.) A query that
-    sees no key returns zeros.
+    Masking follows the attention contract in the docstring of :mod:`forge_jax.ops.attention`:
+    a query at position ``p`` sees key ``j`` iff ``(not causal or j <= p)``,
+    ``j < kv_lengths[b]`` (when given) and ``j > p - sliding_window`` (when given).
+    Positions default to bottom-right alignment *per sequence*: ``p = kv_lengths[b] -
+    q_len + t`` with ``kv_lengths``, else ``p = kv_len - q_len + t``, so the last query
+    sits at the last key of its sequence (what decode and chunked prefill need). Keys a
+    query may not see never influence its output, even when they hold NaN or inf; NaN
+    in visible data propagates. A query that sees no key returns zeros.
 
     Args:
       q: ``[batch, q_len, q_heads, head_dim]``.
@@ -81,7 +121,8 @@ def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       causal: apply the causal mask.
       q_positions: optional int ``[batch, q_len]``, each query's position among the keys.
-      kv_lengths: optional int ``[batch]``, the number of valid keys of each sequence.
+      kv_lengths: optional int ``[batch]``, the number of valid keys of each sequence; the
+        default positions align the queries of each sequence to its own last key.
       sliding_window: optional positive int, keys further back than this are hidden
         (a query sees itself and the ``sliding_window - 1`` keys before it).
       logits_soft_cap: optional positive float.
@@ -115,6 +156,43 @@ def visible_mask(q_positions, kv_len, *, causal, kv_lengths, sliding_window):
     return mask
 
 
+def default_positions(batch, q_len, kv_len, kv_lengths):
+    """Bottom-right positions ``[batch, q_len]`` int32: ``kv_lengths[b] - q_len + t`` when
+    the lengths are given, else ``kv_len - q_len + t`` (the attention contract)."""
+    t = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    if kv_lengths is None:
+        return jnp.broadcast_to(kv_len - q_len + t, (batch, q_len))
+    return jnp.asarray(kv_lengths).astype(jnp.int32)[:, None] - q_len + t
+
+
+def weighted_values(product, mask_product, v):
+    """``probs @ v`` in float32 such that values a query does not see never reach it.
+
+    Args:
+      product: ``product(values) -> out``, the einsum of the (already masked, float32)
+        probabilities with float32 values shaped like ``v``.
+      mask_product: ``mask_product(flags) -> counts`` broadcastable to ``out``: the einsum
+        of the float32 visibility mask with float32 per-value flags shaped like ``v``.
+      v: the values, any float dtype.
+
+    A zero probability times a NaN value is NaN, so when ``v`` holds a non-finite entry
+    (one fused reduction checks; the common all-finite step skips the rest) those entries
+    are zeroed for the product and put back as NaN in exactly the outputs whose query
+    sees them.
+    """
+    finite = jnp.isfinite(v)
+
+    def plain():
+        return product(v.astype(jnp.float32))
+
+    def guarded():
+        out = product(jnp.where(finite, v, jnp.zeros((), v.dtype)).astype(jnp.float32))
+        hits = mask_product(jnp.logical_not(finite).astype(jnp.float32))
+        return jnp.where(hits > 0, jnp.float32(jnp.nan), out)
+
+    return jax.lax.cond(jnp.all(finite), plain, guarded)
+
+
 def masked_probs(logits, mask, *, scale, logits_soft_cap):
     """float32 attention probabilities: ``softmax(cap(scale * logits))`` over the visible keys
     (the last axis), zeros for a query that sees none. ``mask`` broadcasts to ``logits``."""
@@ -133,8 +211,7 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
     if scale is None:
         scale = head_dim ** -0.5
     if q_positions is None:
-        q_positions = jnp.broadcast_to(
-            kv_len - q_len + jnp.arange(q_len, dtype=jnp.int32), (batch, q_len))
+        q_positions = default_positions(batch, q_len, kv_len, kv_lengths)
     qg = q.reshape(batch, q_len, kv_heads, groups, head_dim)
     if q.dtype != k.dtype:
         qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
@@ -147,8 +224,13 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
                         sliding_window=sliding_window)
     probs = masked_probs(logits, mask[:, None, None, :, :], scale=scale,
                          logits_soft_cap=logits_soft_cap)  # [b, k, g, t, s]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32),
-                     preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    out = weighted_values(
+        lambda values: jnp.einsum("bkgts,bskh->btkgh", probs, values,
+                                  preferred_element_type=jnp.float32,
+                                  precision=jax.lax.Precision.HIGHEST),
+        lambda flags: jnp.einsum("bts,bskh->btkh", mask.astype(jnp.float32), flags,
+                                 precision=jax.lax.Precision.HIGHEST)[:, :, :, None, :],
+        v)  # [b, t, k, g, h]
     return out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
 
 

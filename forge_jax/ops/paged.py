@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _checks, dispatch
-from forge_jax.ops.attention import check_heads, check_masking, masked_probs, visible_mask
+from forge_jax.ops.attention import (
+    check_dims,
+    check_heads,
+    check_masking,
+    masked_probs,
+    visible_mask,
+    weighted_values,
+)
 
 
 def _check_pages(k_pages, v_pages):
@@ -28,6 +35,8 @@ def _check_pages(k_pages, v_pages):
     if k_pages.dtype != v_pages.dtype:
         raise TypeError(f"k_pages and v_pages must have the same dtype: "
                         f"{k_pages.dtype=}, {v_pages.dtype=}")
+    check_dims(**{f"{name} (k_pages.shape[{i}])": k_pages.shape[i]
+                  for i, name in enumerate(("kv_heads", "num_pages", "page_size", "head_dim"))})
 
 
 def _check_tables(block_tables, lengths):
@@ -191,6 +200,7 @@ def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=N
     batch = q.shape[0]
     q_len = 1 if q.ndim == 3 else q.shape[1]
     q_heads, head_dim = q.shape[-2:]
+    check_dims(**{f"q_heads (q.shape[{q.ndim - 2}])": q_heads})
     kv_heads = k_pages.shape[0]
     if block_tables.shape[0] != batch:
         raise ValueError(f"q and block_tables disagree on batch: {q.shape=}, "
@@ -217,7 +227,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     """Attention of new queries over a paged KV cache (decode and chunked prefill).
 
     The same computation as :func:`forge_jax.attention` on the keys and values that
-    :func:`paged_gather` would return, with ``kv_lengths=lengths``: query ``t`` of
+    :func:`paged_gather` would return, with ``kv_lengths=lengths`` (the attention
+    contract in the docstring of :mod:`forge_jax.ops.attention`, which also defines the
+    alignment, the NaN rules and what a kernel must do): query ``t`` of
     sequence ``b`` at absolute position ``p`` sees key ``j`` iff ``j <= p``,
     ``j < lengths[b]`` and ``j > p - sliding_window`` (when given); logits are
     ``scale * q . k`` (soft-capped to ``cap * tanh(x / cap)`` when ``logits_soft_cap``
@@ -228,8 +240,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     the default positions the new queries are the last ``q_len`` tokens:
     ``p = lengths[b] - q_len + t`` (bottom-right alignment, per sequence). Only the
     first ``lengths[b]`` slots of a sequence are ever attended, whatever the rest of its
-    last page or its unused block-table entries hold. A query that sees no key (e.g.
-    ``lengths[b] == 0``) returns zeros.
+    last page or its unused block-table entries hold, and a slot hidden from a query (by
+    the causal mask, the window or the length) never reaches its output even when it
+    holds NaN or inf. A query that sees no key (e.g. ``lengths[b] == 0``) returns zeros.
 
     The pages may be stored in a narrower dtype than ``q`` (e.g. a bfloat16 cache with
     float32 queries); the math is float32 either way.
@@ -298,10 +311,8 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
         scale = head_dim ** -0.5
     k, valid = _named_pages(k_pages, block_tables, lengths)  # [k, b, s, h], [b, s]
     v, _ = _named_pages(v_pages, block_tables, lengths)
+    del valid  # The mask below hides those slots; weighted_values keeps their values out.
     seq = k.shape[2]
-    # Slots past a sequence's length may hold anything (stale pages, NaN): zero the values
-    # so that their zero probabilities keep them out (masked logits are replaced anyway).
-    v = jnp.where(valid[None, :, :, None], v, jnp.zeros((), v.dtype))
     qg = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim), (2, 0, 3, 1, 4))
     qg = qg.reshape(kv_heads, batch, groups * q_len, head_dim)
     if qg.dtype != k.dtype:
@@ -314,10 +325,15 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
                         sliding_window=sliding_window)  # [batch, q_len, seq]
     probs = masked_probs(logits, mask[None, :, None], scale=scale,
                          logits_soft_cap=logits_soft_cap)  # [k, b, g, t, s]
-    out = jnp.einsum("kbqs,kbsh->kbqh", probs.reshape(kv_heads, batch, groups * q_len, seq),
-                     v.astype(jnp.float32), preferred_element_type=jnp.float32,
-                     precision=jax.lax.Precision.HIGHEST)
-    out = jnp.transpose(out.reshape(kv_heads, batch, groups, q_len, head_dim), (1, 3, 0, 2, 4))
+    out = weighted_values(
+        lambda values: jnp.einsum(
+            "kbqs,kbsh->kbqh", probs.reshape(kv_heads, batch, groups * q_len, seq), values,
+            preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
+        ).reshape(kv_heads, batch, groups, q_len, head_dim),
+        lambda flags: jnp.einsum("bts,kbsh->kbth", mask.astype(jnp.float32), flags,
+                                 precision=jax.lax.Precision.HIGHEST)[:, :, None],
+        v)  # [k, b, g, t, h]
+    out = jnp.transpose(out, (1, 3, 0, 2, 4))
     return out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
 
 
