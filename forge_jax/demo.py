@@ -1,0 +1,135 @@
+"""``forge-jax demo``: every op once on fresh random data, checked against float64 NumPy.
+
+Each line states the op, the implementation that ran, the largest error relative to the
+tolerance the project's policy allows for that dtype and implementation
+(:mod:`forge_jax.tolerances`), and a PASS/FAIL verdict; the command fails if any op does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import forge_jax as fj
+from forge_jax import dispatch, tolerances
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    op: str
+    implementation: str
+    worst: float  # max over elements of |out - ref| / (atol + rtol * |ref|); <= 1 passes
+    max_abs_err: float
+
+    @property
+    def passed(self) -> bool:
+        return self.worst <= 1.0
+
+    def __str__(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return (f"  {self.op:16s} {self.implementation:22s} max |err| {self.max_abs_err:.1e}"
+                f"  ({self.worst:6.1%} of tolerance)  {verdict}")
+
+
+def _check(op: str, out, ref) -> Check:
+    out64 = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    tol = tolerances.tolerance(jnp.asarray(out).dtype, _implementation(op))
+    err = np.abs(out64 - ref)
+    bound = tol.atol + tol.rtol * np.abs(ref)
+    worst = float(np.max(err / bound)) if np.isfinite(out64).all() else math.inf
+    return Check(op, _implementation(op), worst, float(err.max()))
+
+
+def _implementation(op: str) -> str:
+    selection = dispatch.last_selection(op)
+    return selection.implementation if selection else "?"
+
+
+def _attention64(q, k, v, positions, lengths):
+    """Causal GQA attention in float64 with per-sequence positions and lengths."""
+    batch, q_len, heads, dim = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        for h in range(heads):
+            logits = q[b, :, h] @ k[b, :, h // group].T / math.sqrt(dim)
+            j = np.arange(k.shape[1])[None, :]
+            seen = (j <= positions[b][:, None]) & (j < lengths[b])
+            logits = np.where(seen, logits, logits.min() - 1e3)
+            p = np.exp(logits - logits.max(-1, keepdims=True)) * seen
+            total = p.sum(-1, keepdims=True)
+            out[b, :, h] = (p / np.where(total > 0, total, 1.0)) @ v[b, :, h // group]
+    return out
+
+
+def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
+    """Runs every check; prints one line per op; returns whether all passed."""
+    dispatch.clear_selections()
+    rng = np.random.default_rng(seed)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    checks = []
+
+    a, b = f32(4, 64, 32), f32(4, 32, 48)
+    checks.append(_check("matmul", fj.matmul(a, b), a.astype(np.float64) @ b))
+
+    x, res, w = f32(6, 256), f32(6, 256), f32(256)
+    y, _ = fj.rms_norm(jnp.asarray(x), jnp.asarray(w), eps=1e-6, residual=jnp.asarray(res))
+    h = x.astype(np.float64) + res
+    checks.append(_check("rms_norm", y, w * h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6)))
+
+    g, u = f32(6, 512), f32(6, 512)
+    checks.append(_check("silu_mul", fj.silu_mul(jnp.asarray(g), jnp.asarray(u)),
+                         g / (1.0 + np.exp(-g.astype(np.float64))) * u))
+
+    s = f32(5, 33)
+    e = np.exp(s - s.max(-1, keepdims=True).astype(np.float64))
+    checks.append(_check("softmax", fj.softmax(jnp.asarray(s)), e / e.sum(-1, keepdims=True)))
+
+    batch, t, heads, kv_heads, dim = 2, 12, 8, 2, 64
+    pos = np.broadcast_to(np.arange(5, 5 + t, dtype=np.int32), (batch, t))
+    xr = f32(batch, t, heads, dim)
+    inv = 10000.0 ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    ang = pos[..., None, None] * inv  # [b, t, 1, d/2]
+    x1, x2 = xr[..., :dim // 2].astype(np.float64), xr[..., dim // 2:]
+    ref = np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
+                          x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+    checks.append(_check("rope", fj.rope(jnp.asarray(xr), jnp.asarray(pos)), ref))
+
+    q, k, v = f32(batch, t, heads, dim), f32(batch, t, kv_heads, dim), f32(batch, t, kv_heads, dim)
+    lengths = np.array([t, t - 4], np.int32)
+    positions = lengths[:, None] - t + np.arange(t)[None, :]
+    out = jax.jit(lambda q, k, v, n: fj.attention(q, k, v, kv_lengths=n))(q, k, v, lengths)
+    ref = _attention64(q.astype(np.float64), k, v, positions, lengths)
+    checks.append(_check("attention", out, ref))  # sequence 1's first 4 queries see nothing
+
+    table, ids = f32(300, 16), rng.integers(0, 300, (3, 7)).astype(np.int32)
+    checks.append(_check("embedding", fj.embedding(jnp.asarray(table), jnp.asarray(ids)),
+                         table[ids].astype(np.float64)))
+
+    page, num_pages = 4, 16
+    pages_per_seq = -(-t // page)
+    order = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, pages_per_seq)
+    k_pages = np.full((kv_heads, num_pages, page, dim), np.nan, np.float32)
+    v_pages = k_pages.copy()
+    for bi in range(batch):
+        for i, p in enumerate(order[bi]):
+            rows = slice(i * page, (i + 1) * page)
+            k_pages[:, p] = np.transpose(k[bi, rows], (1, 0, 2))
+            v_pages[:, p] = np.transpose(v[bi, rows], (1, 0, 2))
+    out = fj.paged_attention(jnp.asarray(q[:, -1]), jnp.asarray(k_pages), jnp.asarray(v_pages),
+                             jnp.asarray(order.astype(np.int32)), jnp.asarray(lengths))
+    checks.append(_check("paged_attention", out, ref[:, -1]))
+
+    print_fn("op               implementation         error vs float64 NumPy"
+             "        verdict (project tolerance)")
+    for check in checks:
+        print_fn(str(check))
+    failed = [c.op for c in checks if not c.passed]
+    print_fn(f"\n{len(checks) - len(failed)}/{len(checks)} ops within tolerance"
+             + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return not failed
