@@ -24,6 +24,11 @@ assert out.shape == (1, 8, 64), out.shape
     "o1": """
 assert o1.shape == (2, 1, 8, 64), o1.shape
 """,
+    "cu_q_lens": """
+import numpy as np
+assert out.shape == (8, 8, 64) and np.isfinite(np.asarray(out)).all()
+assert (np.asarray(out[7]) == 0).all() and np.abs(np.asarray(out[:7])).max() > 0
+""",
     "new_tokens": """
 assert logits.shape[:2] == (1, 4) and len(new_tokens) == 2, (logits.shape, new_tokens)
 """,
