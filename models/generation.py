@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from forge_jax.models import sampling as sampling_lib
-from forge_jax.models.llama_model import Llama, LlamaConfig
 
 import forge_jax as fj
 from forge_jax import memory as fj_memory
 from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
+from forge_jax.models import sampling as sampling_lib
+from forge_jax.models.llama_model import Llama, LlamaConfig
 
 
 @dataclasses.dataclass

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can read it)
 import numpy as np
 from flax import nnx
-from forge_jax.models.llama_model import Linear, Llama, LlamaConfig
 
 from forge_jax import memory as fj_memory
+from forge_jax.models.llama_model import Linear, Llama, LlamaConfig
 
 
 class CheckpointError(ValueError):

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from forge_jax.models import llama, tasks
 
 TINY_DIR = pathlib.Path(__file__).parent / "tiny"

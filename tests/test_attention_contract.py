@@ -66,6 +66,9 @@ MASKINGS = {
     "sliding_window": dict(q_len=3, sliding_window=4),
     "soft_cap": dict(q_len=2, logits_soft_cap=5.0),
     "window_and_cap_decode": dict(q_len=1, sliding_window=3, logits_soft_cap=3.0),
+    # Explicit positions (a query may sit before its sequence's end: later keys are hidden).
+    "explicit_positions": dict(q_len=2, q_positions=np.array([[5, 13], [2, 8], [0, 6]]),
+                               sliding_window=6),
 }
 
 
@@ -78,7 +81,10 @@ def test_dense_and_paged_agree_with_nan_in_every_invisible_slot(name, dtype):
     lengths = np.array([14, 9, q_len + 2], np.int32)  # ends inside pages, short sequences
     q, k, v, lengths, _ = _case(batch, kv_len, q_len, q_heads, kv_heads, d, lengths)
     mask = attention_mask_ref(batch, q_len, kv_len, kv_lengths=lengths,
+                              q_positions=opts.get("q_positions"),
                               sliding_window=opts.get("sliding_window"))
+    if "q_positions" in opts:
+        opts["q_positions"] = jnp.asarray(opts["q_positions"], jnp.int32)
     k, v = _poison(k, v, mask.any(axis=1))
     qd, kd, vd = (jnp.asarray(a, dtype) for a in (q, k, v))
     ref = attention_ref(qd, kd, vd, kv_lengths=lengths, **opts)  # from the rounded inputs

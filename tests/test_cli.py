@@ -7,9 +7,9 @@ import re
 import shutil
 
 import pytest
-from forge_jax.models import tasks, train_tiny
 
 from forge_jax import cli
+from forge_jax.models import tasks, train_tiny
 
 TINY = train_tiny.TINY_DIR
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from forge_jax.models import llama, sampling
 
 import forge_jax as fj
 from forge_jax import memory
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
+from forge_jax.models import llama, sampling
 
 LOGITS_TOL = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
 CONFIG = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,

@@ -10,9 +10,9 @@ import shutil
 import time
 
 import pytest
-from forge_jax.models import llama, tasks, train_tiny
 
 from forge_jax import cli, dispatch
+from forge_jax.models import llama, tasks, train_tiny
 
 TINY = train_tiny.TINY_DIR
 

@@ -127,3 +127,17 @@ def test_nothing_imports_the_bare_names():
                                     "from pallas_kernels")):
                 offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {stripped}")
     assert not offenders, offenders
+
+
+def test_pinned_jax_versions_match_the_readme():
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = {d.split(">")[0].split("=")[0].strip(): d for d in deps}
+    assert pins["jax"] == "jax>=0.10,<0.12" and pins["jaxlib"] == "jaxlib>=0.10,<0.12", pins
+    readme = (ROOT / "README.md").read_text()
+    assert "JAX 0.10 and 0.11 are the tested releases" in readme
+    assert "`jax>=0.10,<0.12`" in readme
+    compat = (ROOT / "forge_jax" / "_compat.py").read_text()
+    assert re.search(r"JAX 0\.10 .* and 0\.11", compat), "the shim module names other releases"

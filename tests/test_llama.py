@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from forge_jax.models import llama
 from safetensors.numpy import load_file, save_file
 
 import forge_jax as fj
+from forge_jax.models import llama
 
 # A whole model is ~30 sequential float32 ops deep; its logits (of order 1-10) may stray
 # by a few float32 ulps per op from transformers' (different summation order).

@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from forge_jax.pallas_kernels.gpu import _common
-from forge_jax.pallas_kernels.gpu import attention as flash
 from helpers import assert_close, case_id, jcall, normal, rng
 from reference import f64
 
 import forge_jax as fj
 from forge_jax import _compat, tolerances
+from forge_jax.pallas_kernels.gpu import _common
+from forge_jax.pallas_kernels.gpu import attention as flash
 
 S = jax.ShapeDtypeStruct
 
@@ -170,13 +170,6 @@ MASKS = {
 }
 
 
-def _xla_follows_contract(kw):
-    # The XLA implementation aligned kv_lengths batches at kv_len, not kv_lengths[b], before
-    # the contract's update; cases with kv_lengths and implicit positions are checked against
-    # the float64 reference only.
-    return kw.get("kv_lengths") is None or kw.get("q_positions") is not None
-
-
 def _jnp(kw):
     return {n: jnp.asarray(a, jnp.int32) if isinstance(a, np.ndarray) else a
             for n, a in kw.items()}
@@ -202,7 +195,7 @@ class TestFlashAttentionGpu:
         out = self.run(q, k, v, **kw)
         assert out.dtype == q.dtype and out.shape == q.shape
         assert_close(out, attention64(q, k, v, **kw), implementation=self.IMPLEMENTATION)
-        if xla and _xla_follows_contract(kw):
+        if xla:
             want = jcall(fj.attention, q, k, v, implementation="xla", **_jnp(kw))
             assert_close(out, f64(want), implementation=self.IMPLEMENTATION, factor=2.0,
                          err_msg="against XLA")
@@ -225,7 +218,7 @@ class TestFlashAttentionGpu:
         kw = MASKS["everything"]
         q, k, v = inputs(3, 2, 11, 150, 6, 2, 80, dtype)
         k, v = poison_unseen(k, v, visible64(2, 11, 150, **kw))
-        self.check(q, k, v, xla=False, **kw)
+        self.check(q, k, v, **kw)
 
     @pytest.mark.parametrize("mask", ["positions", "kv_lengths"])
     def test_nan_in_every_unseen_slot(self, mask):
@@ -235,13 +228,13 @@ class TestFlashAttentionGpu:
             kw = dict(MASKS[mask])
         q, k, v = inputs(4, 2, 11, 150, 6, 2, 64, jnp.float32)
         k, v = poison_unseen(k, v, visible64(2, 11, 150, **kw))
-        self.check(q, k, v, xla=False, **kw)
+        self.check(q, k, v, **kw)
 
     def test_decode(self):
         kw = dict(kv_lengths=np.array([150, 3, 64]))
         q, k, v = inputs(5, 3, 1, 150, 8, 2, 128, jnp.bfloat16)
         k, v = poison_unseen(k, v, visible64(3, 1, 150, **kw))
-        self.check(q, k, v, xla=False, **kw)
+        self.check(q, k, v, **kw)
 
     def test_nan_in_a_key_reaches_only_the_queries_that_see_it(self):
         # Key 10 is hidden (causally) from queries 0-9 of the same program, visible to 10-19.

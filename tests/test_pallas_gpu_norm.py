@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from forge_jax.pallas_kernels.gpu import _common
-from forge_jax.pallas_kernels.gpu import rms_norm as kernel
 from helpers import assert_close, case_id, jcall, normal, rng
 from reference import f64, rms_norm_ref, round_to
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch
+from forge_jax.pallas_kernels.gpu import _common
+from forge_jax.pallas_kernels.gpu import rms_norm as kernel
 
 pl = _compat.pallas()
 

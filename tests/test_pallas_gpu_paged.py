@@ -19,13 +19,13 @@ import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
 import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
-from forge_jax.pallas_kernels.gpu import _common
-from forge_jax.pallas_kernels.gpu import paged_attention as kernel
 from helpers import assert_close, case_id
 from reference import attention_mask_ref, attention_ref, f64
 
 import forge_jax as fj
 from forge_jax import _compat, tolerances
+from forge_jax.pallas_kernels.gpu import _common
+from forge_jax.pallas_kernels.gpu import paged_attention as kernel
 
 GARBAGE = 3e3
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32

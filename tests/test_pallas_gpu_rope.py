@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from forge_jax.pallas_kernels.gpu import _common
-from forge_jax.pallas_kernels.gpu import rope as kernel
 from helpers import assert_close, case_id, jcall, normal, rng
 from reference import f64, rope_angles_ref, rope_ref
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch, tolerances
+from forge_jax.pallas_kernels.gpu import _common
+from forge_jax.pallas_kernels.gpu import rope as kernel
 
 LLAMA3 = fj.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
 LINEAR = fj.RopeScaling("linear", 4.0)

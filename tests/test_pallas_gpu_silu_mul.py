@@ -14,13 +14,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from forge_jax.pallas_kernels.gpu import _common
-from forge_jax.pallas_kernels.gpu import silu_mul as kernel
 from helpers import assert_close, case_id, jcall, normal, rng
 from reference import f64, sigmoid_ref, silu_mul_ref
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch
+from forge_jax.pallas_kernels.gpu import _common
+from forge_jax.pallas_kernels.gpu import silu_mul as kernel
 
 # (shape, dtype): the MLP widths of SmolLM 135M (1536) and Llama 3.2 1B (8192) at
 # (batch, seq); sizes that end inside a block; a scalar.

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from forge_jax.models import llama, tasks, train_tiny
 from safetensors.numpy import load_file
 
 import forge_jax as fj
+from forge_jax.models import llama, tasks, train_tiny
 
 TINY = train_tiny.TINY_DIR
 TASK = tasks.AdditionTask(max_digits=3)

@@ -35,11 +35,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from forge_jax.pallas_kernels.gpu import _common
 from jax import lax
 
 from forge_jax import _compat
 from forge_jax.ops.attention import attention_reference
+from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
 

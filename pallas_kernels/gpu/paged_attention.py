@@ -21,10 +21,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from forge_jax.pallas_kernels.gpu import _common
 from jax import lax
 
 from forge_jax import _compat
+from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
 

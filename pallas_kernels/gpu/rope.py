@@ -22,10 +22,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from forge_jax.pallas_kernels.gpu import _common
 
 from forge_jax import _compat
 from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
 
