@@ -85,11 +85,33 @@ def export_for_cuda(fn: Any, *args: Any, **kwargs: Any) -> Any:
                                  disabled_checks=checks)(*args, **kwargs)
 
 
-def tpu_interpret_params() -> Any:
-    """Interpret params that run Mosaic TPU kernels on CPU (the TPU interpreter)."""
+def tpu_interpret_params(**kwargs: Any) -> Any:
+    """Interpret params that run Mosaic TPU kernels on CPU (the TPU interpreter).
+
+    forge_jax's default asks for race detection and NaN-poisoned uninitialised memory,
+    so a kernel that reads a buffer before writing it, or two grid steps that race,
+    show up in the interpreter; ``kwargs`` override (e.g. ``detect_races=False``).
+    """
     from jax.experimental.pallas import tpu as pltpu
 
-    return pltpu.InterpretParams()
+    kwargs = {"detect_races": True, "uninitialized_memory": "nan", **kwargs}
+    return pltpu.InterpretParams(**kwargs)
+
+
+def reset_tpu_interpreter() -> None:
+    """Clears the TPU interpreter's global state (after a kernel failed inside it)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    reset = getattr(pltpu, "reset_tpu_interpret_mode_state", None)
+    if reset is not None:
+        reset()
+
+
+def export_for_tpu(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Lowers ``jax.jit(fn)(*args, **kwargs)`` exactly as for a TPU, on any machine: the
+    Mosaic lowering runs here and raises where a TPU would (e.g. a block whose last two
+    dimensions are not divisible by 8 and 128). Returns the ``jax.export.Exported``."""
+    return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args, **kwargs)
 
 
 def module_available(name: str) -> bool:

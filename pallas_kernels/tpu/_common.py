@@ -1,0 +1,51 @@
+"""What every Pallas TPU (Mosaic) kernel shares: how it registers with the dispatch registry.
+
+Each kernel registers twice under the same wrapper:
+
+* ``"pallas"`` on the ``"tpu"`` platform, lowered by Mosaic, and ranked above XLA there by
+  auto selection. The kernels are verified in the TPU interpreter on CPU and their Mosaic
+  lowering runs here (``jax.export`` for ``platforms=["tpu"]``), but none has run on TPU
+  hardware yet: ``INTERPRETER_ONLY`` says so beside the priority, and the README states it.
+* ``"pallas_tpu_interpret"`` on every platform, by name only: the same kernel code in the
+  TPU interpreter (``pltpu.InterpretParams``: race detection, NaN-poisoned uninitialised
+  memory), which is how CI checks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from forge_jax import dispatch
+
+TPU_PRIORITY = 10
+# Where the TPU kernels were verified. Auto selection ranks them on a TPU (as the TPU issue
+# asks) although this record names no TPU hardware yet.
+INTERPRETER_ONLY = "TPU interpreter on CPU and Mosaic lowering via jax.export; no TPU hardware"
+
+
+def register(
+    op: str,
+    kernel: Callable[..., Any],
+    *,
+    supports: Callable[[Mapping[str, Any]], str | None],
+    description: str,
+) -> None:
+    """Registers ``kernel(**op_args, interpret=...)`` as ``"pallas"`` (TPU, auto-ranked) and
+    ``"pallas_tpu_interpret"`` (any platform, by name).
+
+    ``supports(args)`` returns ``None`` or why the kernel cannot serve ``args``: the contract
+    with the Mosaic lowering (every case it accepts must lower for TPU, and each rejection
+    made for a lowering reason is shown to fail that lowering in a test). ``interpret`` is
+    ``False`` or ``True`` (the wrapper turns ``True`` into the forge_jax interpret params).
+    """
+    dispatch.register(
+        op, "pallas", platforms=("tpu",), priority={"tpu": TPU_PRIORITY},
+        supports=lambda args, platform: supports(args),
+        description=f"{description} (Pallas, Mosaic TPU; {INTERPRETER_ONLY})",
+    )(lambda **args: kernel(**args, interpret=False))
+    dispatch.register(
+        op, "pallas_tpu_interpret",
+        supports=lambda args, platform: supports(args),
+        description=f"{description} (Pallas TPU kernel in the TPU interpreter)",
+    )(lambda **args: kernel(**args, interpret=True))

@@ -1,0 +1,1 @@
+"""Pallas TPU kernel: attention (in progress)."""

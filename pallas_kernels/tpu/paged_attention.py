@@ -1,0 +1,1 @@
+"""Pallas TPU kernel: paged_attention (in progress)."""

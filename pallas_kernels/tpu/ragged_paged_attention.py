@@ -1,0 +1,1 @@
+"""Pallas TPU kernel: ragged_paged_attention (in progress)."""

@@ -1,0 +1,1 @@
+"""Pallas TPU kernel: rms_norm (in progress)."""

@@ -1,0 +1,1 @@
+"""Pallas TPU kernel: rope (in progress)."""

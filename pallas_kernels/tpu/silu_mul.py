@@ -1,0 +1,1 @@
+"""Pallas TPU kernel: silu_mul (in progress)."""
