@@ -9,7 +9,8 @@ lowering, no device needed).
 The float64 reference below is written from the contract: positions default to
 ``kv_lengths[b] - q_len + t`` (bottom-right per sequence), only the visible keys enter a
 query's softmax (so NaN in any other slot cannot reach it), NaN in a visible element
-propagates, a query that sees no key gives zeros.
+propagates, a query that sees no key gives zeros. Besides the slots no query sees, the
+per-query tests poison slots that some queries of a sequence see and others do not.
 """
 
 from __future__ import annotations
@@ -136,6 +137,62 @@ def poison_unseen(k, v, mask):
             jnp.where(unseen, jnp.asarray(np.inf, v.dtype), v))
 
 
+def poison_per_query(q, k, v, mask, *, seed):
+    """Non-finite data hidden from some queries of a sequence and seen by others.
+
+    Every slot of ``mask`` ``[b, t, s]`` that some but not all queries of its sequence see
+    (the causal mask hides it from earlier queries, the window from later ones) gets one
+    entry, cycling over a NaN key element, a NaN value and a +-inf value (random kv head
+    and column); one query element of a query that sees keys is set to +inf where a key it
+    sees is positive (a +inf logit). Returns the poisoned ``(q, k, v)`` and two boolean
+    ``[b, t, q_heads, head_dim]`` masks: the outputs that must be NaN (their query sees a
+    NaN or has a +inf logit) and those that must be non-finite (they read an inf value).
+    """
+    gen = rng(seed)
+    q, k, v = np.array(q), np.array(k), np.array(v)  # writable copies, same dtype
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+    must_nan = np.zeros(q.shape, bool)
+    must_inf = np.zeros(q.shape, bool)
+    kinds = ("k_nan", "v_nan", "v_inf", "v_-inf")
+    for b in range(batch):
+        partial = np.flatnonzero(mask[b].any(0) & ~mask[b].all(0))
+        for i, j in enumerate(partial):
+            kind = kinds[(b + i) % len(kinds)]
+            kh, col = gen.integers(kv_heads), gen.integers(head_dim)
+            heads, seers = slice(kh * group, (kh + 1) * group), mask[b, :, j]
+            if kind == "k_nan":
+                k[b, j, kh, col] = np.nan
+                must_nan[b, seers, heads] = True
+            else:
+                v[b, j, kh, col] = {"v_nan": np.nan, "v_inf": np.inf, "v_-inf": -np.inf}[kind]
+                (must_nan if kind == "v_nan" else must_inf)[b, seers, heads, col] = True
+    assert must_nan.any() and must_inf.any(), "nothing poisoned"
+    b, t = np.argwhere(mask.any(-1))[-1]
+    h = gen.integers(q_heads)
+    seen_k = np.asarray(k[b, mask[b, t], h // group], np.float64)
+    col = int(np.nanargmax(np.nanmax(seen_k, axis=0)))
+    assert np.nanmax(seen_k[:, col]) > 0
+    q[b, t, h, col] = np.inf
+    must_nan[b, t, h] = True
+    return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), must_nan, must_inf
+
+
+def assert_nonfinite_exactly(out, ref, must_nan, must_inf, *, dtype, implementation):
+    """NaN where ``must_nan``, non-finite where ``must_inf``, elsewhere finite and close to
+    the float64 ``ref`` (computed on clean data: what a query does not see is irrelevant)."""
+    out64 = f64(out)
+    clean = ~(must_nan | must_inf)
+    assert clean.any() and np.isnan(out64[must_nan]).all()
+    assert not np.isfinite(out64[must_inf]).any()
+    assert np.isfinite(out64[clean]).all(), (
+        f"non-finite data reached {np.argwhere(~np.isfinite(out64) & clean)[:8]} "
+        "[batch, query, head, column], whose query does not see it")
+    tol = tolerances.tolerance(dtype, implementation)
+    np.testing.assert_allclose(out64[clean], np.asarray(ref)[clean], **tol.as_kwargs())
+
+
 def inputs(seed, batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype):
     gen = rng(seed)
     return (normal(gen, (batch, q_len, q_heads, head_dim), dtype),
@@ -236,22 +293,26 @@ class TestFlashAttentionGpu:
         k, v = poison_unseen(k, v, visible64(3, 1, 150, **kw))
         self.check(q, k, v, **kw)
 
-    def test_nan_in_a_key_reaches_only_the_queries_that_see_it(self):
-        # Key 10 is hidden (causally) from queries 0-9 of the same program, visible to 10-19.
-        q, k, v = inputs(6, 1, 20, 20, 4, 2, 64, jnp.float32)
-        k = k.at[0, 10].set(np.nan)
-        out = self.run(q, k, v)
-        ref = attention64(q, k, v)
-        assert np.isnan(ref[0, 10:]).all() and np.isfinite(ref[0, :10]).all()
-        assert_close_nan(out, ref, dtype=jnp.float32, implementation=self.IMPLEMENTATION)
+    @pytest.mark.parametrize("kw,dtype", [
+        (dict(kv_lengths=np.array([24, 13])), jnp.float32),
+        (dict(kv_lengths=np.array([24, 9]), sliding_window=4), jnp.bfloat16),
+    ], ids=["causal", "window"])
+    def test_nonfinite_reaches_only_the_queries_that_see_it(self, kw, dtype):
+        # Chunked prefill: the slots some queries of a program see and others do not hold
+        # NaN/inf; each query's output is its float64 result on clean data, or NaN /
+        # non-finite exactly where it sees a NaN / inf (or has a +inf logit).
+        q, k, v = inputs(6, 2, 5, 24, 6, 2, 64, dtype)
+        mask = visible64(2, 5, 24, **kw)
+        ref = attention64(q, k, v, **kw)
+        q, k, v, must_nan, must_inf = poison_per_query(q, k, v, mask, seed=6)
+        out = self.run(q, k, v, **kw)
+        assert_nonfinite_exactly(out, ref, must_nan, must_inf, dtype=dtype,
+                                 implementation=self.IMPLEMENTATION)
 
-    @pytest.mark.parametrize("where", ["q", "v"])
-    def test_nan_in_a_visible_element_propagates(self, where):
+    def test_nan_in_a_visible_query_propagates(self):
+        # NaN/inf in keys and values: test_nonfinite_reaches_only_the_queries_that_see_it.
         q, k, v = inputs(7, 2, 5, 40, 6, 3, 64, jnp.bfloat16)
-        if where == "q":
-            q = q.at[1, 2, 4, 7].set(np.nan)  # query 2, head 4 of sequence 1
-        else:
-            v = v.at[0, 37, 1, 5].set(np.nan)  # seen by the queries at 37..39, column 5
+        q = q.at[1, 2, 4, 7].set(np.nan)  # query 2, head 4 of sequence 1
         out = self.run(q, k, v)
         assert_close_nan(out, attention64(q, k, v), dtype=jnp.bfloat16,
                          implementation=self.IMPLEMENTATION)

@@ -6,8 +6,10 @@ JAX's tests/pallas pattern: :class:`PagedAttentionTest` runs the kernel compiled
 cases in Pallas' interpreter on any machine. Every cache slot that no query may see (the
 tail of each last page, slots before every query's window or after every query's position,
 spare pages) holds NaN or +-inf, and unused block-table entries hold huge integers of
-either sign. The interpreter allocates kernel outputs filled with NaN, so an output the
-kernel never writes fails the finiteness checks. Lowering tests run the real Pallas ->
+either sign; the per-query tests also poison slots that some queries of a chunk see and
+others do not (the causal mask or the window hides them from the rest). The interpreter
+allocates kernel outputs filled with NaN, so an output the kernel never writes fails the
+finiteness checks. Lowering tests run the real Pallas ->
 Triton lowering for CUDA on this machine.
 """
 
@@ -67,6 +69,52 @@ def make_cache(rng, lengths, positions, *, page_size, kv_heads, head_dim, dtype,
     as_jnp = lambda x: jnp.asarray(x.astype(np.dtype(dtype)))
     return (as_jnp(k_pages), as_jnp(v_pages), jnp.asarray(tables, jnp.int32),
             as_jnp(finite(k_pages)), as_jnp(finite(v_pages)), dense_k, dense_v)
+
+
+def poison_per_query(q, k_pages, v_pages, tables, mask, *, seed):
+    """Non-finite data hidden from some queries of a sequence and seen by others.
+
+    Every slot of ``mask`` ``[b, t, s]`` that some but not all queries of its sequence see
+    (the causal mask hides it from earlier queries, the window from later ones) gets one
+    entry in the pool, cycling over a NaN key element, a NaN value and a +-inf value (random
+    kv head and column); one query element of a query that sees keys is set to +inf where
+    a key it sees is positive (a +inf logit). Returns the poisoned ``(q, k_pages, v_pages)``
+    and two boolean ``[b, t, q_heads, head_dim]`` masks: the outputs that must be NaN (their
+    query sees a NaN or has a +inf logit) and those that must be non-finite (they read an
+    inf value).
+    """
+    gen = np.random.default_rng(seed)
+    q, k_pages, v_pages = np.array(q), np.array(k_pages), np.array(v_pages)  # writable
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    group = q_heads // kv_heads
+    must_nan = np.zeros(q.shape, bool)
+    must_inf = np.zeros(q.shape, bool)
+    kinds = ("k_nan", "v_nan", "v_inf", "v_-inf")
+    for b in range(batch):
+        partial = np.flatnonzero(mask[b].any(0) & ~mask[b].all(0))
+        for i, j in enumerate(partial):
+            kind = kinds[(b + i) % len(kinds)]
+            kh, col = gen.integers(kv_heads), gen.integers(head_dim)
+            slot = (kh, int(tables[b, j // page_size]), j % page_size, col)
+            heads, seers = slice(kh * group, (kh + 1) * group), mask[b, :, j]
+            if kind == "k_nan":
+                k_pages[slot] = np.nan
+                must_nan[b, seers, heads] = True
+            else:
+                v_pages[slot] = {"v_nan": np.nan, "v_inf": np.inf, "v_-inf": -np.inf}[kind]
+                (must_nan if kind == "v_nan" else must_inf)[b, seers, heads, col] = True
+    assert must_nan.any() and must_inf.any(), "nothing poisoned"
+    b, t = np.argwhere(mask.any(-1))[-1]
+    h = gen.integers(q_heads)
+    seen = np.flatnonzero(mask[b, t])
+    seen_k = np.stack([k_pages[h // group, tables[b, j // page_size], j % page_size]
+                       for j in seen]).astype(np.float64)
+    col = int(np.nanargmax(np.nanmax(seen_k, axis=0)))
+    assert np.nanmax(seen_k[:, col]) > 0
+    q[b, t, h, col] = np.inf
+    must_nan[b, t, h] = True
+    return jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), must_nan, must_inf
 
 
 def default_positions(lengths, q_len):
@@ -141,25 +189,39 @@ class PagedAttentionTest(parameterized.TestCase):
         blind = f64(out).reshape(batch, t, q_heads, head_dim)[~seen]
         np.testing.assert_array_equal(blind, 0.0)
 
-    def test_nan_in_visible_data_propagates(self):
-        rng = np.random.default_rng(5)
-        lengths = np.array([21, 30, 9])
-        positions = default_positions(lengths, 2)
+    @parameterized.parameters(
+        # Three queries over two splits of four 16-slot pages, float32.
+        (None, 16, F32, [70, 21, 3]),
+        # The window hides early keys from later queries; a bfloat16 cache.
+        (5, 8, BF16, [30, 9, 2]),
+    )
+    def test_nonfinite_reaches_only_the_queries_that_see_it(self, window, page_size, dtype,
+                                                             lengths):
+        # Chunked prefill: the slots some queries of a sequence see and others do not hold
+        # NaN/inf; each query's output is its float64 result on clean data, or NaN /
+        # non-finite exactly where it sees a NaN / inf (or has a +inf logit).
+        rng = np.random.default_rng([7, page_size])
+        lengths = np.array(lengths)
+        positions = default_positions(lengths, 3)
         k_pages, v_pages, tables, _, _, dense_k, dense_v = make_cache(
-            rng, lengths, positions, page_size=8, kv_heads=2, head_dim=64, dtype=F32)
-        q = jnp.asarray(rng.standard_normal((3, 2, 4, 64)), F32)
-        # Sequence 0: a NaN key at position 3 (both queries see it); sequence 1: a NaN
-        # value at position 29, its last key, seen by its second query only.
-        k_pages = k_pages.at[1, tables[0, 0], 3, 5].set(jnp.nan)
-        v_pages = v_pages.at[0, tables[1, 3], 5, 7].set(jnp.nan)
-        out = f64(self.attend(q, k_pages, v_pages, tables, lengths))
-        assert np.isnan(out[0, :, 2:]).all()  # the group of kv head 1
-        assert np.isfinite(out[0, :, :2]).all()
-        assert np.isnan(out[1, 1, :2, 7]).all()
-        assert np.isfinite(out[2]).all()
+            rng, lengths, positions, page_size=page_size, kv_heads=2, head_dim=64,
+            dtype=dtype, window=window)
+        q = jnp.asarray(rng.standard_normal((3, 3, 4, 64)), dtype)
         ref = attention_ref(f64(q), dense_k, dense_v, q_positions=positions,
-                            kv_lengths=lengths)
-        assert_close(out[2], ref[2], dtype=F32, implementation=self.IMPLEMENTATION)
+                            kv_lengths=lengths, sliding_window=window)
+        mask = attention_mask_ref(3, 3, dense_k.shape[1], q_positions=positions,
+                                  kv_lengths=lengths, sliding_window=window)
+        q, k_pages, v_pages, must_nan, must_inf = poison_per_query(
+            q, k_pages, v_pages, np.asarray(tables), mask, seed=7)
+        out = f64(self.attend(q, k_pages, v_pages, tables, lengths, sliding_window=window))
+        clean = ~(must_nan | must_inf)
+        assert clean.any() and np.isnan(out[must_nan]).all()
+        assert not np.isfinite(out[must_inf]).any()
+        assert np.isfinite(out[clean]).all(), (
+            f"non-finite data reached {np.argwhere(~np.isfinite(out) & clean)[:8]} "
+            "[batch, query, head, column], whose query does not see it")
+        tol = tolerances.tolerance(dtype, self.IMPLEMENTATION)
+        np.testing.assert_allclose(out[clean], ref[clean], **tol.as_kwargs())
 
 
 class PagedAttentionInterpretTest(PagedAttentionTest):

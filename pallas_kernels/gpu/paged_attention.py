@@ -8,6 +8,14 @@ It writes the unnormalised float32 output with the running max and sum; an XLA e
 merges the splits with logsumexp weights. Pages past a sequence's length, before every
 query's sliding window, or after every query's position are never visited.
 
+A slot inside the visited range may still be hidden from some rows (chunked prefill: the
+causal mask or the window of an earlier query hides a key a later query sees). Its logit
+is hidden by ``where``, but a zero probability does not hide a NaN/inf value
+(``0 * NaN = NaN``): non-finite values leave the ``p @ v`` product, and a block that holds
+any (rare: a ``lax.cond``) marks NaN the output columns of exactly the rows that see one.
+In decode (``q_len == 1``) every row sees exactly the visited range, so the values are
+only zeroed outside it and the guard is not emitted.
+
 The attention contract is that of :func:`forge_jax.paged_attention` (its XLA implementation
 is the reference).
 """
@@ -76,10 +84,11 @@ def launch_params(head_dim: int) -> Launch:
 def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
             o_ref, m_ref, l_ref,  # outputs
             *, head_dim, page_size, pages_per_compute_block, blocks_per_split, scale,
-            sliding_window, logits_soft_cap, pv_dtype):
+            sliding_window, logits_soft_cap, pv_dtype, exact_range):
     # q_ref [rows, head_dim_pad]; pos_ref [rows]; lo_ref, hi_ref [1]: the keys any row of
-    # this sequence sees lie in [lo, hi); tables_ref [pages]; k_ref, v_ref
-    # [num_pages, page_size, head_dim_pad] (one kv head, the whole pool, read in place).
+    # this sequence sees lie in [lo, hi) (exactly the keys every row sees when exact_range);
+    # tables_ref [pages]; k_ref, v_ref [num_pages, page_size, head_dim_pad] (one kv head,
+    # the whole pool, read in place).
     rows, head_dim_pad = q_ref.shape
     block_k = pages_per_compute_block * page_size
     split = pl.program_id(2)
@@ -123,14 +132,30 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
         p = jnp.exp(s - m_safe[:, None])
         correction = jnp.exp(m - m_safe)
         l_sum = correction * l_sum + p.sum(axis=-1)
-        # Zero probabilities do not hide NaN values (0 * NaN = NaN): zero every value
-        # row no query of this sequence sees.
+        # Zero probabilities do not hide NaN values (0 * NaN = NaN).
         v = load(v_ref, pages)
-        v = jnp.where(((j >= key_lo) & (j < key_hi))[:, None], v, jnp.zeros((), v.dtype))
+        in_range = ((j >= key_lo) & (j < key_hi))[:, None]
+        if exact_range:  # every row sees exactly [key_lo, key_hi): zero the rest
+            v = jnp.where(in_range, v, jnp.zeros((), v.dtype))
+        else:  # a slot in range may be hidden from some rows: non-finite values leave p @ v
+            finite = jnp.isfinite(v)
+            v = jnp.where(finite, v, jnp.zeros((), v.dtype))
         pv = lax.dot_general(p.astype(pv_dtype), v.astype(pv_dtype), (((1,), (0,)), ((), ())),
                              precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
-        return correction[:, None] * o + pv, m_next, l_sum
+        o = correction[:, None] * o + pv
+        if not exact_range:
+            def mark_nonfinite(o):
+                # visible lies inside [key_lo, key_hi): garbage outside it marks nothing.
+                hits = lax.dot_general(visible.astype(pv_dtype), (~finite).astype(pv_dtype),
+                                       (((1,), (0,)), ((), ())),
+                                       precision=lax.Precision.HIGHEST,
+                                       preferred_element_type=jnp.float32)  # [rows, head_dim]
+                return jnp.where(hits > 0, jnp.nan, o)
+
+            any_nonfinite = jnp.max(jnp.where(in_range & ~finite, 1.0, 0.0)) > 0
+            o = lax.cond(any_nonfinite, mark_nonfinite, lambda o: o, o)
+        return o, m_next, l_sum
 
     first = jnp.maximum(split * blocks_per_split, key_lo // block_k)
     last = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(key_hi, block_k))
@@ -233,7 +258,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             _kernel, head_dim=head_dim, page_size=page_size,
             pages_per_compute_block=pages_per_compute_block, blocks_per_split=blocks_per_split,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
-            pv_dtype=pv_dtype)
+            pv_dtype=pv_dtype, exact_range=q_len == 1)
         pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim_pad),
                                 lambda b, i, s: (i // row_blocks, 0, 0, 0))
         o, m, l_sum = pl.pallas_call(
