@@ -198,3 +198,47 @@ def test_degenerate_pools_are_refused():
         with pytest.raises(ValueError, match=name):
             fj.paged_attention(q, pages, pages, jnp.zeros((1, 2), jnp.int32),
                                jnp.ones((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_hidden_nan_reaches_no_gradient(q_len):
+    """A slot a query does not see contributes nothing to any gradient, even when it holds
+    NaN or inf (dq would otherwise read 0 * NaN through the masked logits)."""
+    q, k, v, lengths, _ = _case(2, 12, q_len, 4, 2, 8, [12, 7])
+    mask = attention_mask_ref(2, q_len, 12, kv_lengths=lengths, sliding_window=5)
+    k, v = _poison(k, v, mask.any(axis=1))
+    k_pages, v_pages, tables = _to_pages(k, v, 8)
+    args = dict(kv_lengths=jnp.asarray(lengths), sliding_window=5)
+
+    def dense(q, k, v):
+        return jnp.sum(fj.attention(q, k, v, **args) ** 2)
+
+    def paged(q, kp, vp):
+        qq = q[:, 0] if q_len == 1 else q
+        return jnp.sum(fj.paged_attention(qq, kp, vp, jnp.asarray(tables), jnp.asarray(lengths),
+                                          sliding_window=5) ** 2)
+
+    dq, dk, dv = jax.grad(dense, argnums=(0, 1, 2))(jnp.asarray(q), jnp.asarray(k),
+                                                     jnp.asarray(v))
+    pq, pk, pv = jax.grad(paged, argnums=(0, 1, 2))(jnp.asarray(q), jnp.asarray(k_pages),
+                                                     jnp.asarray(v_pages))
+    for g in (dq, dk, dv, pq, pk, pv):
+        assert np.isfinite(np.asarray(g)).all()
+    hidden = ~mask.any(axis=1)
+    assert (np.asarray(dk)[hidden] == 0).all() and (np.asarray(dv)[hidden] == 0).all()
+    clean_k, clean_v = np.where(np.isfinite(k), k, 0), np.where(np.isfinite(v), v, 0)
+    ref = jax.grad(dense)(jnp.asarray(q), jnp.asarray(clean_k), jnp.asarray(clean_v))
+    np.testing.assert_allclose(np.asarray(dq), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(pq), np.asarray(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_a_plus_inf_logit_gives_nan_for_its_query_only():
+    q, k, v, lengths, _ = _case(1, 6, 2, 2, 1, 8, [6])
+    q[0, 1, 0, 0] = np.inf
+    k[0, :, 0, 0] = np.abs(k[0, :, 0, 0]) + 0.1  # so that the logits are +inf, not -inf
+    out = np.asarray(fj.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
+    assert np.isnan(out[0, 1, 0]).all() and np.isfinite(out[0, 0]).all()
+    assert np.isfinite(out[0, 1, 1]).all()
+    capped = np.asarray(fj.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                     logits_soft_cap=5.0))
+    assert np.isfinite(capped).all()  # the cap bounds an infinite logit too

@@ -24,9 +24,15 @@ them compute the same thing; this is the one place it is written down.
   inf (uninitialised or recycled cache memory): the output is the same finite result.
   Masking the logits is not enough (``0 * NaN = NaN``), so the values are masked too.
 * **Visible non-finite data propagates.** A NaN in a visible query, key or value, or
-  ``scale=nan``, gives NaN in the outputs that read it; it is never treated as masked
-  (a non-finite visible value gives NaN there). Only the mask, and ``-inf`` logits (a key
-  made invisible, as in :func:`forge_jax.softmax`), hide a key.
+  ``scale=nan``, gives NaN in the outputs that read it; it is never treated as masked. A
+  ``+inf`` logit (after the soft cap, which bounds finite and infinite logits alike) gives
+  NaN for its query: unlike :func:`forge_jax.softmax`, attention does not share the row
+  among ``+inf`` logits, since they only arise from non-finite queries or keys. A visible
+  ``inf`` value gives a non-finite output (``inf`` or NaN) in the columns that read it.
+  Only the mask, and ``-inf`` logits (a key made invisible, as in
+  :func:`forge_jax.softmax`), hide a key.
+* **Gradients** follow the same rule: a slot a query does not see contributes nothing to
+  any gradient, even when it holds NaN or inf.
 * **A query that sees no key returns zeros** (so does its gradient).
 """
 
@@ -165,6 +171,36 @@ def default_positions(batch, q_len, kv_len, kv_lengths):
     return jnp.asarray(kv_lengths).astype(jnp.int32)[:, None] - q_len + t
 
 
+def all_finite(*arrays):
+    """Whether every entry of ``arrays`` is finite, as a float32 sum: a NaN or inf entry
+    makes it non-finite. (A sum that overflows from finite entries answers False too,
+    which only sends the caller down its exact path. The sum runs ~4x faster than an
+    ``all(isfinite)`` reduction on CPU.)"""
+    total = sum(jnp.sum(a, dtype=jnp.float32) for a in arrays)
+    return jnp.isfinite(jax.lax.stop_gradient(total))
+
+
+def hide_from_decode(k, v, seen):
+    """Decode (one query per sequence): zero the key and value slots it does not see.
+
+    With a single query, per-sequence hiding is per-query hiding, so this ``where`` keeps
+    hidden NaN/inf out of the output and every gradient; ``seen`` broadcasts to ``k``.
+    """
+    zero = jnp.zeros((), k.dtype)
+    return jnp.where(seen, k, zero), jnp.where(seen, v, zero)
+
+
+def finite_keys(k):
+    """``(k', bad)``: ``k`` with non-finite entries zeroed, and which key slots held one
+    (``k.shape[:-1]``). For several queries per sequence, where a slot one query hides may
+    be visible to another: the caller sets the logits of bad slots to NaN, so a visible
+    one still propagates while a hidden one is masked and reaches no gradient (``dq``
+    reads ``k'``)."""
+    finite = jnp.isfinite(k)
+    return (jnp.where(finite, k, jnp.zeros((), k.dtype)),
+            jnp.logical_not(jnp.all(finite, axis=-1)))
+
+
 def weighted_values(product, mask_product, v):
     """``probs @ v`` in float32 such that values a query does not see never reach it.
 
@@ -175,22 +211,13 @@ def weighted_values(product, mask_product, v):
         of the float32 visibility mask with float32 per-value flags shaped like ``v``.
       v: the values, any float dtype.
 
-    A zero probability times a NaN value is NaN, so when ``v`` holds a non-finite entry
-    (one fused reduction checks; the common all-finite step skips the rest) those entries
-    are zeroed for the product and put back as NaN in exactly the outputs whose query
-    sees them.
+    A zero probability times a NaN value is NaN, so non-finite entries are zeroed for the
+    product and put back as NaN in exactly the outputs whose query sees them.
     """
     finite = jnp.isfinite(v)
-
-    def plain():
-        return product(v.astype(jnp.float32))
-
-    def guarded():
-        out = product(jnp.where(finite, v, jnp.zeros((), v.dtype)).astype(jnp.float32))
-        hits = mask_product(jnp.logical_not(finite).astype(jnp.float32))
-        return jnp.where(hits > 0, jnp.float32(jnp.nan), out)
-
-    return jax.lax.cond(jnp.all(finite), plain, guarded)
+    out = product(jnp.where(finite, v, jnp.zeros((), v.dtype)).astype(jnp.float32))
+    hits = mask_product(jnp.logical_not(finite).astype(jnp.float32))
+    return jnp.where(hits > 0, jnp.float32(jnp.nan), out)
 
 
 def masked_probs(logits, mask, *, scale, logits_soft_cap):
@@ -199,6 +226,9 @@ def masked_probs(logits, mask, *, scale, logits_soft_cap):
     logits = logits * jnp.asarray(scale, jnp.float32)
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    # A +inf logit (non-finite q or k) is NaN data in attention, not a winner (see the
+    # contract); a hidden one is masked below like any hidden logit.
+    logits = jnp.where(jnp.isposinf(logits), jnp.float32(jnp.nan), logits)
     return safe_softmax_f32(logits, -1, mask)
 
 
@@ -213,24 +243,43 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
     if q_positions is None:
         q_positions = default_positions(batch, q_len, kv_len, kv_lengths)
     qg = q.reshape(batch, q_len, kv_heads, groups, head_dim)
-    if q.dtype != k.dtype:
-        qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
-    # Products of two bfloat16/float16 values are exact in float32, so equal low-precision
-    # operands stay as they are; float32 ones ask for full precision, since GPUs default to
-    # TF32 and TPUs to bfloat16 passes for float32 dots (free on CPU).
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32,
-                        precision=jax.lax.Precision.HIGHEST)
     mask = visible_mask(q_positions, kv_len, causal=causal, kv_lengths=kv_lengths,
-                        sliding_window=sliding_window)
-    probs = masked_probs(logits, mask[:, None, None, :, :], scale=scale,
-                         logits_soft_cap=logits_soft_cap)  # [b, k, g, t, s]
-    out = weighted_values(
-        lambda values: jnp.einsum("bkgts,bskh->btkgh", probs, values,
-                                  preferred_element_type=jnp.float32,
-                                  precision=jax.lax.Precision.HIGHEST),
-        lambda flags: jnp.einsum("bts,bskh->btkh", mask.astype(jnp.float32), flags,
-                                 precision=jax.lax.Precision.HIGHEST)[:, :, :, None, :],
-        v)  # [b, t, k, g, h]
+                        sliding_window=sliding_window)  # [b, t, s]
+
+    def attend(k, v, exact):
+        # exact: some K/V entry is non-finite, so hidden slots must be kept out explicitly.
+        bad_keys = None
+        if exact and q_len == 1:
+            k, v = hide_from_decode(k, v, mask[:, 0, :, None, None])
+        elif exact:
+            k, bad_keys = finite_keys(k)  # [b, s, k]
+        q_, k_ = (qg, k) if qg.dtype == k.dtype else (qg.astype(jnp.float32),
+                                                       k.astype(jnp.float32))
+        # Products of two bfloat16/float16 values are exact in float32, so equal
+        # low-precision operands stay as they are; float32 ones ask for full precision,
+        # since GPUs default to TF32 and TPUs to bfloat16 passes for float32 dots.
+        logits = jnp.einsum("btkgh,bskh->bkgts", q_, k_, preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST)
+        if bad_keys is not None:
+            logits = jnp.where(jnp.transpose(bad_keys, (0, 2, 1))[:, :, None, None, :],
+                               jnp.float32(jnp.nan), logits)
+        probs = masked_probs(logits, mask[:, None, None, :, :], scale=scale,
+                             logits_soft_cap=logits_soft_cap)  # [b, k, g, t, s]
+        product = lambda values: jnp.einsum("bkgts,bskh->btkgh", probs, values,
+                                            preferred_element_type=jnp.float32,
+                                            precision=jax.lax.Precision.HIGHEST)
+        if not exact or q_len == 1:
+            return product(v.astype(jnp.float32))
+        return weighted_values(
+            product,
+            lambda flags: jnp.einsum("bts,bskh->btkh", mask.astype(jnp.float32), flags,
+                                     precision=jax.lax.Precision.HIGHEST)[:, :, :, None, :],
+            v)  # [b, t, k, g, h]
+
+    # The cache is read in place: one fused check picks the plain step for finite K/V
+    # (the usual case) and returns only the output, so nothing the size of K/V is copied.
+    out = jax.lax.cond(all_finite(k, v), lambda: attend(k, v, False),
+                       lambda: attend(k, v, True))
     return out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
 
 

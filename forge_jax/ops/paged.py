@@ -16,9 +16,12 @@ import jax.numpy as jnp
 
 from forge_jax import _checks, dispatch
 from forge_jax.ops.attention import (
+    all_finite,
     check_dims,
     check_heads,
     check_masking,
+    finite_keys,
+    hide_from_decode,
     masked_probs,
     visible_mask,
     weighted_values,
@@ -309,30 +312,48 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
     groups = q_heads // kv_heads
     if scale is None:
         scale = head_dim ** -0.5
-    k, valid = _named_pages(k_pages, block_tables, lengths)  # [k, b, s, h], [b, s]
+    k, _ = _named_pages(k_pages, block_tables, lengths)  # [k, b, s, h]
     v, _ = _named_pages(v_pages, block_tables, lengths)
-    del valid  # The mask below hides those slots; weighted_values keeps their values out.
     seq = k.shape[2]
-    qg = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim), (2, 0, 3, 1, 4))
-    qg = qg.reshape(kv_heads, batch, groups * q_len, head_dim)
-    if qg.dtype != k.dtype:
-        qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
-    # Full float32 precision, as attention_reference asks (GPU TF32, TPU bfloat16 passes).
-    logits = jnp.einsum("kbqh,kbsh->kbqs", qg, k, preferred_element_type=jnp.float32,
-                        precision=jax.lax.Precision.HIGHEST)
-    logits = logits.reshape(kv_heads, batch, groups, q_len, seq)
     mask = visible_mask(q_positions, seq, causal=True, kv_lengths=lengths,
                         sliding_window=sliding_window)  # [batch, q_len, seq]
-    probs = masked_probs(logits, mask[None, :, None], scale=scale,
-                         logits_soft_cap=logits_soft_cap)  # [k, b, g, t, s]
-    out = weighted_values(
-        lambda values: jnp.einsum(
+    qg = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim), (2, 0, 3, 1, 4))
+    qg = qg.reshape(kv_heads, batch, groups * q_len, head_dim)
+
+    def attend(k, v, exact):
+        # exact: some named K/V entry is non-finite; several queries per sequence, so a slot
+        # one query hides may be visible to another.
+        bad_keys = None
+        if exact:
+            k, bad_keys = finite_keys(k)  # [k, b, s]
+        q_, k_ = (qg, k) if qg.dtype == k.dtype else (qg.astype(jnp.float32),
+                                                       k.astype(jnp.float32))
+        # Full float32 precision, as attention_reference asks (GPU TF32, TPU bf16 passes).
+        logits = jnp.einsum("kbqh,kbsh->kbqs", q_, k_, preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST)
+        logits = logits.reshape(kv_heads, batch, groups, q_len, seq)
+        if bad_keys is not None:
+            logits = jnp.where(bad_keys[:, :, None, None, :], jnp.float32(jnp.nan), logits)
+        probs = masked_probs(logits, mask[None, :, None], scale=scale,
+                             logits_soft_cap=logits_soft_cap)  # [k, b, g, t, s]
+        product = lambda values: jnp.einsum(
             "kbqs,kbsh->kbqh", probs.reshape(kv_heads, batch, groups * q_len, seq), values,
             preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
-        ).reshape(kv_heads, batch, groups, q_len, head_dim),
-        lambda flags: jnp.einsum("bts,kbsh->kbth", mask.astype(jnp.float32), flags,
-                                 precision=jax.lax.Precision.HIGHEST)[:, :, None],
-        v)  # [k, b, g, t, h]
+        ).reshape(kv_heads, batch, groups, q_len, head_dim)
+        if not exact:
+            return product(v.astype(jnp.float32))
+        return weighted_values(
+            product,
+            lambda flags: jnp.einsum("bts,kbsh->kbth", mask.astype(jnp.float32), flags,
+                                     precision=jax.lax.Precision.HIGHEST)[:, :, None],
+            v)  # [k, b, g, t, h]
+
+    if q_len == 1:
+        # Decode: per-sequence hiding is exact, and the where fuses into the page gather.
+        out = attend(*hide_from_decode(k, v, mask[None, :, 0, :, None]), False)
+    else:
+        out = jax.lax.cond(all_finite(k, v), lambda: attend(k, v, False),
+                           lambda: attend(k, v, True))
     out = jnp.transpose(out, (1, 3, 0, 2, 4))
     return out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
 
