@@ -1,1 +1,311 @@
-"""Pallas TPU kernel: paged_attention (in progress)."""
+"""Pallas TPU kernel (Mosaic): paged attention for decode and short chunks of new tokens.
+
+Grid ``(batch, kv_heads)``: each program takes the query rows of one GQA group of one
+sequence (``q_len * group`` rows, query-major, padded to a sublane tile) and walks the
+sequence's pages through its block table, ``pages_per_compute_block`` pages per compute
+block, with an online softmax in float32. The block tables and the key range of each
+sequence are scalar-prefetched into SMEM; the pools stay in HBM (``memory_space=ANY``)
+and each block's pages are copied into VMEM with asynchronous copies, double-buffered:
+block ``i + 1`` is in flight while block ``i`` is computed. Only the blocks that hold a
+key some query of the sequence sees are copied (none past the length or the last query's
+position, none before the first query's window).
+
+Invisible keys never reach the output (the attention contract of
+:mod:`forge_jax.ops.attention`): their logits are hidden by ``where`` and, since a zero
+probability does not hide a NaN value (``0 * NaN = NaN``), their values are zeroed. In
+decode every row sees exactly the copied range ``[lo, hi)``, so the values are zeroed
+outside it. With several queries a slot inside the range may be hidden from some rows
+(the causal mask of an earlier query, the window of a later one): non-finite values leave
+the ``p @ v`` product there and a second product marks NaN the output columns of exactly
+the rows that see one.
+
+Mosaic constraints (checked by :func:`supports`): a block of pages is reshaped to
+``[pages * page_size, head_dim]``, which needs ``page_size`` to be a multiple of the
+sublane tile (8 rows for float32, 16 for bfloat16) and ``head_dim`` a multiple of the 128
+lanes; TPUs have no float16 vector unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from forge_jax import _compat
+from forge_jax.pallas_kernels.tpu import _common
+
+pl = _compat.pallas()
+
+MAX_Q_LEN = 16  # decode and short chunks; longer prefill belongs to the dense kernel
+LANES = 128
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Positions are assumed to lie in [-2**30, 2**30): clamping them (and the window) keeps
+# `p - window` and `p + 1` inside int32.
+_POS_LIMIT = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Keys per compute block: ``pages_per_compute_block = block_k // page_size`` (at least
+    one page, at most the block table's width)."""
+
+    block_k: int
+
+
+# jax.devices()[0].device_kind -> tuning; "default" for any other kind (and in the
+# interpreter). Untuned, in the range of JAX's own TPU paged attention (256-1024 keys per
+# block), sized against the default scoped VMEM (16 MiB on v4/v5e, 32 MiB on v5p/v6e): two
+# pools x two buffers x block_k x head_dim, pending TPU measurements.
+TUNING: Mapping[str, Tuning] = {
+    "TPU v4": Tuning(block_k=256),
+    "TPU v5 lite": Tuning(block_k=256),   # v5e
+    "TPU v5": Tuning(block_k=512),        # v5p
+    "TPU v5p": Tuning(block_k=512),
+    "TPU v6 lite": Tuning(block_k=512),   # v6e
+    "default": Tuning(block_k=256),
+}
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of one (8, 128) vreg tile of ``dtype``: 8 for 32-bit, 16 for packed 16-bit."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _device_kind() -> str | None:
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
+
+
+def default_pages_per_compute_block(page_size: int, max_pages: int,
+                                    device_kind: str | None = None) -> int:
+    tuning = TUNING.get(device_kind or "default", TUNING["default"])
+    return max(1, min(max_pages, tuning.block_k // page_size))
+
+
+def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
+            q_ref, pos_ref, k_hbm, v_hbm,  # inputs
+            o_ref,  # output
+            k_buf, v_buf, sems,  # scratch
+            *, pages_per_compute_block, max_pages, scale, sliding_window, logits_soft_cap,
+            exact_range):
+    # tables_ref [batch * max_pages]; lo_ref, hi_ref [batch]: the keys any row of sequence b
+    # sees lie in [lo, hi) (exactly the keys every row sees when exact_range).
+    # q_ref [rows, head_dim]; pos_ref [rows, 1]; k_hbm, v_hbm [kv_heads, num_pages, page_size,
+    # head_dim] in HBM; o_ref [rows, head_dim]; k_buf, v_buf [2, pages, page_size, head_dim].
+    b, h = pl.program_id(0), pl.program_id(1)
+    rows, head_dim = q_ref.shape
+    page_size = k_buf.shape[2]
+    block_k = pages_per_compute_block * page_size
+    lo, hi = lo_ref[b], hi_ref[b]
+    # lax.div/rem, not // and %: both operands are non-negative, and the floor of a
+    # possibly negative quotient lowers through sign, which Mosaic cannot lower everywhere.
+    first = lax.div(lo, block_k)
+    last = lax.div(hi + block_k - 1, block_k)
+
+    def copies(block, slot):
+        out = []
+        for i in range(pages_per_compute_block):
+            page = tables_ref[b * max_pages + block * pages_per_compute_block + i]
+            out.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, i],
+                                             sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, i],
+                                             sems.at[1, slot]))
+        return out
+
+    @pl.when(first < last)
+    def _():
+        for c in copies(first, 0):
+            c.start()
+
+    q = q_ref[...]
+    pos = pos_ref[...]  # [rows, 1]
+
+    def body(block, carry):
+        o, m, l_sum = carry
+        slot = lax.rem(block - first, 2)
+
+        @pl.when(block + 1 < last)
+        def _():
+            for c in copies(block + 1, 1 - slot):
+                c.start()
+
+        for c in copies(block, slot):
+            c.wait()
+        k = k_buf[slot].reshape(block_k, head_dim)
+        qk = q
+        if q.dtype != k.dtype:
+            qk, k = q.astype(jnp.float32), k.astype(jnp.float32)
+        s = lax.dot_general(qk, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale  # [rows, block_k]
+        if logits_soft_cap is not None:
+            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+        j = block * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        visible = (j <= pos) & (j < hi)
+        if sliding_window is not None:
+            visible &= j > pos - sliding_window
+        # where, not a bias: keys no row may see can hold NaN or inf.
+        s = jnp.where(visible, s, -jnp.inf)
+        m_next = jnp.maximum(m, s.max(axis=1, keepdims=True))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
+        p = jnp.exp(s - m_safe)
+        correction = jnp.exp(m - m_safe)
+        l_sum = correction * l_sum + p.sum(axis=1, keepdims=True)
+        v = v_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        jv = block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+        if exact_range:  # every row sees exactly [lo, hi): zero the rest
+            v = jnp.where((jv >= lo) & (jv < hi), v, 0.0)
+        else:  # a slot in range may be hidden from some rows: non-finite values leave p @ v
+            nonfinite = (jnp.abs(v) == jnp.inf) | (v != v)
+            v = jnp.where(nonfinite, 0.0, v)
+        pv_dtype = q_ref.dtype if q_ref.dtype == k_buf.dtype else jnp.float32
+        pv = lax.dot_general(p.astype(pv_dtype), v.astype(pv_dtype), (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [rows, head_dim]
+        o = correction * o + pv
+        if not exact_range:
+            in_range = (jv >= lo) & (jv < hi)
+            hits = lax.dot_general(jnp.where(visible, 1.0, 0.0),
+                                   jnp.where(nonfinite & in_range, 1.0, 0.0),
+                                   (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            o = jnp.where(hits > 0, jnp.nan, o)
+        return o, m_next, l_sum
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
+    o, _, l_sum = lax.fori_loop(first, last, body, init)
+    o_ref[...] = jnp.where(l_sum == 0, 0.0, o / l_sum).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "sliding_window", "logits_soft_cap", "pages_per_compute_block", "interpret"))
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
+                    q_positions=None, sliding_window=None, logits_soft_cap=None,
+                    pages_per_compute_block=None, interpret=False):
+    """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
+
+    Args:
+      q: ``[batch, q_heads, head_dim]`` or ``[batch, q_len, q_heads, head_dim]``,
+        float32/bfloat16.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, float32/bfloat16.
+      block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
+        anything.
+      lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
+      scale, q_positions, sliding_window, logits_soft_cap: as in the op.
+      pages_per_compute_block: pages per K/V block (default from :data:`TUNING`).
+      interpret: run in the TPU interpreter (any platform).
+
+    Returns:
+      The shape of ``q``, in ``q.dtype``.
+    """
+    decode = q.ndim == 3
+    if decode:
+        q = q[:, None]
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_pages = block_tables.shape[1]
+    group = q_heads // kv_heads
+    if pages_per_compute_block is None:
+        pages_per_compute_block = default_pages_per_compute_block(
+            page_size, max_pages, None if interpret else _device_kind())
+    if pages_per_compute_block < 1:
+        raise ValueError(f"{pages_per_compute_block=} must be positive")
+    block_k = pages_per_compute_block * page_size
+    num_blocks = -(-max_pages // pages_per_compute_block)
+    table_width = num_blocks * pages_per_compute_block
+    rows = q_len * group
+    rows_pad = -(-rows // sublane_tile(q.dtype)) * sublane_tile(q.dtype)
+    if scale is None:
+        scale = head_dim ** -0.5
+
+    with jax.named_scope("paged_attention"):
+        # Small per-sequence bookkeeping in XLA; the pools are only read by the kernel.
+        capacity = max_pages * page_size
+        lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, capacity)
+        if q_positions is None:
+            q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
+        pos = jnp.clip(jnp.asarray(q_positions).astype(jnp.int32).reshape(batch, q_len),
+                       -_POS_LIMIT, _POS_LIMIT)
+        window = None if sliding_window is None else min(sliding_window, _POS_LIMIT)
+        key_hi = jnp.clip(jnp.minimum(lengths, pos.max(axis=1) + 1), 0, capacity)
+        key_lo = (jnp.zeros_like(key_hi) if window is None
+                  else jnp.clip(pos.min(axis=1) - window + 1, 0, capacity))
+        key_lo = jnp.minimum(key_lo, key_hi)
+        # Row r of a group is query r // group (query-major); padded rows see no key.
+        row_pos = jnp.pad(jnp.repeat(pos, group, axis=1), ((0, 0), (0, rows_pad - rows)),
+                          constant_values=-1)[..., None]  # [batch, rows_pad, 1]
+        # Entries past a sequence's pages may be garbage: copy page 0 there (masked), and
+        # never address outside the pool.
+        used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
+        tables = jnp.where(used, jnp.clip(jnp.asarray(block_tables).astype(jnp.int32), 0,
+                                          num_pages - 1), 0)
+        tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages))).reshape(-1)
+        qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+        qg = jnp.pad(qg.reshape(batch, kv_heads, rows, head_dim),
+                     ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+
+        kernel = functools.partial(
+            _kernel, pages_per_compute_block=pages_per_compute_block, max_pages=table_width,
+            scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
+            exact_range=q_len == 1)
+        buf = pltpu.VMEM((2, pages_per_compute_block, page_size, head_dim), k_pages.dtype)
+        del block_k
+        out = pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=3,
+                grid=(batch, kv_heads),
+                in_specs=[
+                    pl.BlockSpec((None, None, rows_pad, head_dim),
+                                 lambda b, h, *_: (b, h, 0, 0)),
+                    pl.BlockSpec((None, rows_pad, 1), lambda b, h, *_: (b, 0, 0)),
+                    pl.BlockSpec(memory_space=pl.ANY),
+                    pl.BlockSpec(memory_space=pl.ANY),
+                ],
+                out_specs=pl.BlockSpec((None, None, rows_pad, head_dim),
+                                       lambda b, h, *_: (b, h, 0, 0)),
+                scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+            ),
+            out_shape=jax.ShapeDtypeStruct((batch, kv_heads, rows_pad, head_dim), q.dtype),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel")),
+            interpret=_compat.tpu_interpret_params() if interpret else False,
+            name="forge_jax_tpu_paged_attention",
+        )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages)
+
+        out = out[:, :, :rows].reshape(batch, kv_heads, q_len, group, head_dim)
+        out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, q_heads, head_dim)
+    return out[:, 0] if decode else out
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel lowers for these :func:`forge_jax.paged_attention` arguments,
+    else why not."""
+    q, k_pages = args["q"], args["k_pages"]
+    q_len = 1 if q.ndim == 3 else q.shape[1]
+    page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+    for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
+        if jnp.dtype(dtype) not in _DTYPES:
+            return (f"{name}.dtype={jnp.dtype(dtype).name}: the kernel reads float32/bfloat16 "
+                    "(TPUs have no float16 vector unit)")
+    if q_len > MAX_Q_LEN:
+        return (f"q_len={q_len} > {MAX_Q_LEN}: the decode kernel holds all of a group's "
+                "queries in one tile; long prefill chunks belong to dense attention")
+    if head_dim % LANES:
+        return (f"head_dim={head_dim} is not a multiple of {LANES}: a block of pages is "
+                "reshaped to [keys, head_dim] in VMEM, which Mosaic lowers only for whole lanes")
+    tile = sublane_tile(k_pages.dtype)
+    if page_size % tile:
+        return (f"page_size={page_size} is not a multiple of {tile} (the sublane tile of "
+                f"{jnp.dtype(k_pages.dtype).name}): the pages of a block are merged into one "
+                "[keys, head_dim] operand in VMEM")
+    return None
+
+
+_common.register(
+    "paged_attention", paged_attention, supports=supports,
+    description="decode over the block tables, double-buffered page copies, online softmax")
