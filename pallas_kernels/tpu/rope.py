@@ -1,1 +1,238 @@
-"""Pallas TPU kernel: rope (in progress)."""
+"""Pallas TPU kernel (Mosaic): rotary position embedding (RoPE), both pairing conventions.
+
+``x [batch, seq, heads, head_dim]`` is viewed, for free, as ``[tokens, heads * head_dim]``:
+the heads sit side by side along the lanes, so a head_dim of 64 fills the vregs as well as
+one of 128. Grid ``(cdiv(tokens, block_tokens),)`` over ``(block_tokens, heads * head_dim)``
+blocks, ``block_tokens`` a multiple of the sublane tile (8 for float32, 16 for bfloat16),
+also when there are fewer tokens (Pallas clips the writes of a partial block on TPU): the
+lane rotations below need vreg-aligned shapes.
+
+Each block computes the float32 angles ``position * inv_freq`` and their cosines and sines
+once for a ``[block_tokens, width]`` slab (no ``[seq, head_dim]`` table in memory; only a
+``[2, width]`` lane table built on the host from the ``[head_dim // 2]`` inverse frequencies
+of :func:`forge_jax.ops.rope.inverse_frequencies`, which carry the scaling, and the sign of
+each lane's rotation), then rotates every ``width``-lane chunk of the row with them.
+``width`` is a multiple of both 128 and head_dim, so every chunk starts on a head and on a
+vreg. Each lane ``j`` is paired with the lane ``d`` away (``d = head_dim // 2`` for the
+rotate-half convention, ``d = 1`` for the interleaved GPT-J one):
+``out[j] = x[j] * cos[j] + sign[j] * x[j + sign[j] * d] * sin[j]`` with ``sign = -1`` on
+the first lane of each pair, and the partners come from two lane rotations (``pltpu.roll``)
+and a select, which costs the same for both conventions. Math in float32.
+
+Mosaic's lane rotation (``tpu.rotate``) only handles 32-bit values of vreg-aligned shape
+(apply_vector_layout.cc: "unsupported unaliged shape"), so a row of ``heads * head_dim``
+that is not a multiple of 128 (e.g. 9 heads of 64) is rejected. That check runs in the TPU
+compiler, after the ``jax.export`` lowering that runs on CPU, so no test here can show it.
+
+The contract is that of :func:`forge_jax.rope` (its XLA implementation is the reference).
+The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forge_jax import _compat
+from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.pallas_kernels.tpu import _common
+
+pl = _compat.pallas()
+
+
+def _pltpu():
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu
+
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Widest lane chunk that shares one cos/sin slab: wider chunks evaluate more cos/sin per
+# token, narrower ones unroll more chunks per block.
+MAX_WIDTH = 512
+# A block holds at least a sublane tile of whole token rows.
+MAX_ROW = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Elements of ``x`` per block: block_tokens = block_elements // (heads * head_dim),
+    rounded down to the sublane tile."""
+
+    block_elements: int
+
+
+# jax.devices()[0].device_kind -> tuning; "default" for any other kind (and in the
+# interpreter). Untuned (two arrays double-buffered plus float32 temporaries within the
+# default scoped VMEM: 16 MiB on v4/v5e, 32 MiB on v5p/v6e), pending TPU measurements.
+TUNING: Mapping[str, Tuning] = {
+    "TPU v4": Tuning(block_elements=256 * 1024),
+    "TPU v5 lite": Tuning(block_elements=256 * 1024),   # v5e
+    "TPU v5": Tuning(block_elements=512 * 1024),        # v5p
+    "TPU v5p": Tuning(block_elements=512 * 1024),
+    "TPU v6 lite": Tuning(block_elements=512 * 1024),   # v6e
+    "default": Tuning(block_elements=256 * 1024),
+}
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of one (8, 128) vreg tile of ``dtype``: 8 for 32-bit, 16 for packed 16-bit."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def chunk_width(heads: int, head_dim: int) -> int:
+    """Lanes per chunk: the widest multiple of lcm(head_dim, 128), up to :data:`MAX_WIDTH`
+    (or that lcm if larger), that divides ``heads * head_dim``."""
+    base = math.lcm(head_dim, 128)
+    row = heads * head_dim
+    return max([w for w in range(base, max(base, MAX_WIDTH) + 1, base) if row % w == 0],
+               default=base)
+
+
+def block_tokens_for(tokens: int, row: int, dtype, device_kind: str | None = None) -> int:
+    """Tokens per block: a multiple of the sublane tile, no more than needed for ``tokens``."""
+    tuning = TUNING.get(device_kind or "default", TUNING["default"])
+    tile = sublane_tile(dtype)
+    block = max(tile, tuning.block_elements // row // tile * tile)
+    return min(block, pl.cdiv(tokens, tile) * tile)
+
+
+def lane_table(inv_freq: np.ndarray, width: int, *, interleaved: bool) -> np.ndarray:
+    """``[2, width]`` float32: each lane's frequency and its sign (-1 on the first lane of a
+    pair, whose partner is ``d`` lanes to the right; +1 on the second)."""
+    head_dim = 2 * inv_freq.shape[0]
+    j = np.arange(width) % head_dim
+    pair, first = (j // 2, j % 2 == 0) if interleaved else (j % (head_dim // 2),
+                                                              j < head_dim // 2)
+    return np.stack([inv_freq[pair], np.where(first, -1.0, 1.0)]).astype(np.float32)
+
+
+def _device_kind() -> str | None:
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.rope` arguments, else why not."""
+    x = args["x"]
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        return (f"x.dtype={jnp.dtype(x.dtype).name}; the kernel is built and tested for "
+                "float32/bfloat16, the TPU inference dtypes (a policy: float16 lowers)")
+    _, _, heads, head_dim = x.shape
+    if (heads * head_dim) % 128:
+        return (f"heads * head_dim = {heads} * {head_dim} = {heads * head_dim} is not a "
+                "multiple of 128 lanes: Mosaic's lane rotation (tpu.rotate) needs vreg-aligned "
+                "shapes")
+    if heads * head_dim > MAX_ROW:
+        return (f"heads * head_dim = {heads * head_dim} > {MAX_ROW}: a block of whole token "
+                "rows must fit VMEM")
+    return None
+
+
+def _kernel(pos_ref, table_ref, x_ref, o_ref, *, width, shift):
+    # pos_ref [block_tokens, 1] float32; table_ref [2, width] float32 (frequency, sign);
+    # x_ref, o_ref [block_tokens, heads * head_dim].
+    pltpu = _pltpu()
+    freq, sign = table_ref[0:1, :], table_ref[1:2, :]  # [1, width] each
+    # float32 angles: in bfloat16, position 257 rounds to 256 and sin(257) is not sin(256).
+    angle = pos_ref[...] * freq  # [block_tokens, width]
+    cos, sin = jnp.cos(angle), sign * jnp.sin(angle)
+    first = jnp.broadcast_to(sign < 0, angle.shape)
+    for c in range(x_ref.shape[1] // width):
+        lanes = slice(c * width, (c + 1) * width)
+        x = x_ref[:, lanes].astype(jnp.float32)
+        # roll(x, s)[j] = x[j - s]; a chunk holds whole heads, so no partner wraps around.
+        partner = jnp.where(first, pltpu.roll(x, width - shift, 1), pltpu.roll(x, shift, 1))
+        o_ref[:, lanes] = (x * cos + partner * sin).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("theta", "scaling", "interleaved", "block_tokens",
+                                             "interpret"))
+def rope_forward(x, positions, *, theta, scaling, interleaved, block_tokens, interpret=False):
+    """The kernel alone (no VJP).
+
+    Args:
+      x: ``[batch, seq, heads, head_dim]`` float32/bfloat16, heads * head_dim a multiple
+        of 128.
+      positions: int ``[batch, seq]``.
+      theta, scaling, interleaved: as :func:`forge_jax.rope` (static: they build the lane
+        table, from :func:`forge_jax.ops.rope.inverse_frequencies`).
+      block_tokens: tokens per block, a multiple of 8 (of 16 for bfloat16).
+      interpret: run in the TPU interpreter (any platform).
+
+    Returns:
+      The rotated ``x`` (shape and dtype of ``x``).
+    """
+    batch, seq, heads, head_dim = x.shape
+    tokens, row = batch * seq, heads * head_dim
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    width = chunk_width(heads, head_dim)
+    table = jnp.asarray(lane_table(inverse_frequencies(head_dim, theta, scaling), width,
+                                   interleaved=interleaved))
+    # Converted as the reference converts them (one rounding to float32, exact below 2**24).
+    pos = positions.reshape(tokens, 1).astype(jnp.float32)
+    row_spec = pl.BlockSpec((block_tokens, row), lambda i: (i, 0))
+    out = pl.pallas_call(
+        functools.partial(_kernel, width=width, shift=1 if interleaved else head_dim // 2),
+        grid=(pl.cdiv(tokens, block_tokens),),
+        in_specs=[pl.BlockSpec((block_tokens, 1), lambda i: (i, 0)),
+                  pl.BlockSpec((2, width), lambda i: (0, 0)),
+                  row_spec],
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct((tokens, row), x.dtype),
+        interpret=_compat.tpu_interpret_params() if interpret else False,
+        name="forge_jax_tpu_rope",
+    )(pos, table, x.reshape(tokens, row))
+    return out.reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rope(x, positions, static, block_tokens_and_interpret):
+    theta, scaling, interleaved = static
+    block_tokens, interpret = block_tokens_and_interpret
+    return rope_forward(x, positions, theta=theta, scaling=scaling, interleaved=interleaved,
+                        block_tokens=block_tokens, interpret=interpret)
+
+
+def _rope_fwd(x, positions, static, block_tokens_and_interpret):
+    return _rope(x, positions, static, block_tokens_and_interpret), (x, positions)
+
+
+def _rope_bwd(static, block_tokens_and_interpret, saved, cotangent):
+    del block_tokens_and_interpret
+    theta, scaling, interleaved = static
+    x, positions = saved
+    _, vjp = jax.vjp(lambda x: rope_xla(x, positions, theta=theta, scaling=scaling,
+                                        interleaved=interleaved), x)
+    # Integer positions have no tangent space: their cotangent is float0 zeros.
+    return (*vjp(cotangent), np.zeros(positions.shape, jax.dtypes.float0))
+
+
+_rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, interpret=False):
+    """:func:`forge_jax.rope` through the kernel; differentiable in ``x`` (the XLA
+    implementation's VJP, via ``jax.custom_vjp``).
+
+    Args:
+      x, positions, theta, scaling, interleaved: as :func:`forge_jax.rope`.
+      block_tokens: overrides :func:`block_tokens_for` (the :data:`TUNING` table's choice).
+      interpret: run in the TPU interpreter (any platform).
+    """
+    if block_tokens is None:
+        block_tokens = block_tokens_for(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3],
+                                        x.dtype, None if interpret else _device_kind())
+    return _rope(x, positions, (theta, scaling, interleaved), (block_tokens, interpret))
+
+
+_common.register("rope", rope, supports=supports,
+                 description="[tokens, heads*head_dim] lanes, cos/sin from positions in-kernel, "
+                             "float32 angles")

@@ -1,1 +1,164 @@
-"""Pallas TPU kernel: silu_mul (in progress)."""
+"""Pallas TPU kernel (Mosaic): the gated activation ``silu(gate) * up``.
+
+The inputs are viewed, for free (a reshape of contiguous data), as ``[rows, lanes]``:
+``lanes`` is the largest of 1024, 512, 256, 128 that divides the size, so every vreg is
+full; a size that no multiple of 128 divides keeps the array's own last dim as ``lanes``
+(a block dim equal to the array's is always accepted by Mosaic, with partly filled vregs).
+Grid ``(cdiv(rows, block_rows),)`` over ``(block_rows, lanes)`` blocks, ``block_rows`` a
+multiple of the sublane tile (8 for float32, 16 for bfloat16) or all the rows; Pallas clips
+the last partial block's writes on TPU. Each element of ``gate`` and ``up`` is read once and
+the product written once; math in float32. The contract is that of
+:func:`forge_jax.silu_mul` (its XLA implementation is the reference).
+
+The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _compat
+from forge_jax.ops.activation import silu_mul_xla
+from forge_jax.pallas_kernels.tpu import _common
+
+pl = _compat.pallas()
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_LANES = (1024, 512, 256, 128)
+# When no multiple of 128 divides the size, a block holds at least a sublane tile of whole
+# last-dim rows; past this width those no longer fit VMEM comfortably.
+MAX_UNALIGNED_LANES = 32768
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Elements per block (of each array): block_rows = block_elements // lanes, rounded
+    down to the sublane tile."""
+
+    block_elements: int
+
+
+# jax.devices()[0].device_kind -> tuning; "default" for any other kind (and in the
+# interpreter). Untuned (three arrays double-buffered plus float32 temporaries within the
+# default scoped VMEM: 16 MiB on v4/v5e, 32 MiB on v5p/v6e), pending TPU measurements.
+TUNING: Mapping[str, Tuning] = {
+    "TPU v4": Tuning(block_elements=256 * 1024),
+    "TPU v5 lite": Tuning(block_elements=256 * 1024),   # v5e
+    "TPU v5": Tuning(block_elements=512 * 1024),        # v5p
+    "TPU v5p": Tuning(block_elements=512 * 1024),
+    "TPU v6 lite": Tuning(block_elements=512 * 1024),   # v6e
+    "default": Tuning(block_elements=256 * 1024),
+}
+
+
+def layout(shape) -> tuple[int, int]:
+    """The ``(rows, lanes)`` view of an array of ``shape`` (see the module docstring)."""
+    size = math.prod(shape)
+    lanes = next((n for n in _LANES if size % n == 0), shape[-1] if shape else 1)
+    return (size // lanes if lanes else 0), lanes
+
+
+def block_rows_for(rows: int, lanes: int, dtype, device_kind: str | None = None) -> int:
+    """Rows per block: a multiple of the sublane tile, or ``rows`` when that is smaller."""
+    tuning = TUNING.get(device_kind or "default", TUNING["default"])
+    tile = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+    block_rows = max(tile, tuning.block_elements // max(lanes, 1) // tile * tile)
+    return rows if rows <= block_rows else block_rows
+
+
+def _device_kind() -> str | None:
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.silu_mul` arguments, else why not."""
+    gate = args["gate"]
+    if jnp.dtype(gate.dtype) not in _DTYPES:
+        return (f"gate.dtype={jnp.dtype(gate.dtype).name}; the kernel is built and tested for "
+                "float32/bfloat16, the TPU inference dtypes (a policy: float16 lowers)")
+    _, lanes = layout(gate.shape)
+    if lanes > MAX_UNALIGNED_LANES:
+        return (f"{gate.size=} has no factor of 128 and its last dim {lanes} > "
+                f"{MAX_UNALIGNED_LANES}: a block of whole last-dim rows must fit VMEM")
+    return None
+
+
+def _kernel(gate_ref, up_ref, out_ref):
+    # [block_rows, lanes] each.
+    g = gate_ref[...].astype(jnp.float32)
+    u = up_ref[...].astype(jnp.float32)
+    # silu(g) = g * sigmoid(g), written as g / (1 + exp(-g)): for g -> -inf, exp(-g)
+    # overflows to inf and the quotient is -0, as sigmoid's limit.
+    out_ref[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_rows", "interpret"))
+def silu_mul_forward(gate, up, *, block_rows, interpret=False):
+    """The kernel alone (no VJP): ``silu(gate) * up``.
+
+    Args:
+      gate, up: arrays of one shape and dtype (float32/bfloat16).
+      block_rows: rows of the :func:`layout` view per block, a multiple of 8 (16 for
+        bfloat16 fills the packed sublanes) or at least the row count.
+      interpret: run in the TPU interpreter (any platform).
+    """
+    if gate.size == 0:
+        return jnp.zeros(gate.shape, gate.dtype)
+    rows, lanes = layout(gate.shape)
+    block_rows = min(block_rows, rows)
+    spec = pl.BlockSpec((block_rows, lanes), lambda i: (i, 0))
+    out = pl.pallas_call(
+        _kernel,
+        grid=(pl.cdiv(rows, block_rows),),
+        in_specs=[spec, spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct((rows, lanes), gate.dtype),
+        interpret=_compat.tpu_interpret_params() if interpret else False,
+        name="forge_jax_tpu_silu_mul",
+    )(gate.reshape(rows, lanes), up.reshape(rows, lanes))
+    return out.reshape(gate.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _silu_mul(gate, up, block_rows_and_interpret):
+    block_rows, interpret = block_rows_and_interpret
+    return silu_mul_forward(gate, up, block_rows=block_rows, interpret=interpret)
+
+
+def _silu_mul_fwd(gate, up, block_rows_and_interpret):
+    return _silu_mul(gate, up, block_rows_and_interpret), (gate, up)
+
+
+def _silu_mul_bwd(block_rows_and_interpret, saved, cotangent):
+    del block_rows_and_interpret
+    return jax.vjp(silu_mul_xla, *saved)[1](cotangent)
+
+
+_silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
+
+
+def silu_mul(gate, up, *, block_rows=None, interpret=False):
+    """:func:`forge_jax.silu_mul` through the kernel; differentiable (the XLA
+    implementation's VJP, via ``jax.custom_vjp``).
+
+    Args:
+      gate, up: as :func:`forge_jax.silu_mul`.
+      block_rows: overrides :func:`block_rows_for` (the :data:`TUNING` table's choice).
+      interpret: run in the TPU interpreter (any platform).
+    """
+    if block_rows is None:
+        rows, lanes = layout(gate.shape)
+        block_rows = block_rows_for(rows, lanes, gate.dtype,
+                                    None if interpret else _device_kind())
+    return _silu_mul(gate, up, (block_rows, interpret))
+
+
+_common.register("silu_mul", silu_mul, supports=supports,
+                 description="lane-dense [rows, 128k] view, float32 math")
