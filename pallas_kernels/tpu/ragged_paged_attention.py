@@ -1,1 +1,301 @@
-"""Pallas TPU kernel: ragged_paged_attention (in progress)."""
+"""Pallas TPU (Mosaic) kernel: ragged paged attention, one launch for a mixed batch.
+
+The grid runs over ``(kv_head, query block)``. A query block is ``block_q`` consecutive
+rows of the packed queries, taken for the ``g = q_heads // kv_heads`` query heads of one
+kv head at once (``g * block_q`` rows of one matmul). It visits the sequences whose rows
+it holds (the first and last are found by XLA before the launch and scalar-prefetched,
+with ``cu_q_lens``, ``kv_lengths`` and the block tables), and for each one only the kv
+blocks (``pages_per_block`` pages) its rows can see, copied HBM -> VMEM with double-buffered
+async copies, page ids clamped into the pool. The softmax is online, in float32; rows of
+other sequences and padding rows are masked, so a row's state is touched only by its own
+sequence and padding rows end at zero.
+
+Values a row does not see never reach it: logits are masked by selection, and values are
+used with their non-finite entries zeroed. Should a block hold a non-finite value some row
+sees (rare: real caches hold finite data), a masked count of them makes exactly the rows and
+columns that read it NaN, as the attention contract asks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from forge_jax import _compat
+from forge_jax.pallas_kernels.tpu._common import register
+
+# Launch parameters per TPU generation (``jax.Device.device_kind``); ``None`` is the default.
+# ``block_q``: packed query rows per grid step (times the group size per matmul);
+# ``kv_block``: keys per kv step, rounded to whole pages. Not tuned on hardware yet.
+_BLOCKS = {
+    None: dict(block_q=32, kv_block=256),
+    "TPU v4": dict(block_q=32, kv_block=256),
+    "TPU v5 lite": dict(block_q=32, kv_block=256),
+    "TPU v5": dict(block_q=32, kv_block=512),
+    "TPU v6 lite": dict(block_q=64, kv_block=512),
+}
+
+# Mosaic tiles the last two dimensions of a VMEM array by (8, 128) 32-bit words, and packs
+# two bfloat16 values per word along the second-last: (16, 128) for bfloat16.
+_SUBLANES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 16}
+_LANES = 128
+
+
+def _defaults(interpret):
+    kind = None if interpret else getattr(jax.devices()[0], "device_kind", None)
+    return _BLOCKS.get(kind, _BLOCKS[None])
+
+
+def _kernel(
+    # Scalar prefetch (SMEM).
+    seq_range_ref,  # [2 * q_blocks]: first and last sequence of each query block
+    cu_ref,  # [max_seqs + 1]
+    kv_len_ref,  # [max_seqs]
+    tables_ref,  # [max_seqs * pages_per_seq], flattened (SMEM pads 2-D arrays heavily)
+    # Inputs.
+    q_ref,  # [g, block_q, head_dim] (VMEM block)
+    k_hbm,  # [kv_heads, num_pages, page_size, head_dim] (HBM)
+    v_hbm,
+    # Output.
+    o_ref,  # [g, block_q, head_dim]
+    # Scratch.
+    k_buf,  # [2, pages_per_block, page_size, head_dim]
+    v_buf,
+    sems,  # DMA [2, 2]: (k, v) x buffer slot
+    m_ref,  # [g * block_q, 128] f32, running max (lane-replicated)
+    l_ref,  # [g * block_q, 128] f32, running sum
+    acc_ref,  # [g * block_q, head_dim] f32
+    bad_ref,  # [g * block_q, head_dim] f32, non-finite values seen
+    *,
+    scale,
+    sliding_window,
+    logits_soft_cap,
+    pages_per_seq,
+    num_pages,
+):
+    h, qb = pl.program_id(0), pl.program_id(1)
+    groups, block_q, head_dim = q_ref.shape
+    rows = groups * block_q
+    pages_per_block, page_size = k_buf.shape[1], k_buf.shape[2]
+    kv_block = pages_per_block * page_size
+    capacity = pages_per_seq * page_size
+    r0 = qb * block_q
+
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    bad_ref[...] = jnp.zeros(bad_ref.shape, jnp.float32)
+
+    q = q_ref[...].reshape(rows, head_dim)  # row = head_in_group * block_q + token
+    f32 = q.dtype == jnp.float32 or k_buf.dtype == jnp.float32
+    if f32:
+        q = q.astype(jnp.float32)
+    precision = jax.lax.Precision.HIGHEST if f32 else None
+    # Absolute packed row of each matmul row.
+    row = r0 + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 0), block_q)
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)
+    key_col = jax.lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0)
+
+    def copies(seq, kb, slot):
+        out = []
+        for p in range(pages_per_block):
+            # Entries past the table or the pool are clamped; their keys are masked.
+            t = jnp.minimum(kb * pages_per_block + p, pages_per_seq - 1)
+            page = jnp.clip(tables_ref[seq * pages_per_seq + t], 0, num_pages - 1)
+            out.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, p],
+                                             sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, p],
+                                             sems.at[1, slot]))
+        return out
+
+    def attend_sequence(seq, _):
+        start, end = cu_ref[seq], cu_ref[seq + 1]
+        kv_len = kv_len_ref[seq]
+        kv_end = jnp.minimum(kv_len, capacity)  # keys beyond the block table do not exist
+        a, b = jnp.maximum(start, r0), jnp.minimum(end, r0 + block_q)  # its rows here
+        first_pos, last_pos = kv_len - (end - a), kv_len - (end - (b - 1))
+        lo = jnp.int32(0)
+        if sliding_window is not None:
+            lo = jnp.maximum(first_pos - sliding_window + 1, 0)
+        hi = jnp.minimum(last_pos + 1, kv_end)
+        kb0 = jax.lax.div(lo, kv_block)  # lo >= 0
+        kb1 = jnp.where((b > a) & (hi > lo), jax.lax.div(hi + kv_block - 1, kv_block), kb0)
+
+        pos = kv_len - (end - row)
+        in_seq = (row >= a) & (row < b)
+
+        @pl.when(kb1 > kb0)
+        def _():
+            for c in copies(seq, kb0, 0):
+                c.start()
+
+        def kv_step(kb, _):
+            slot = jax.lax.rem(kb - kb0, 2)
+            for c in copies(seq, kb, slot):
+                c.wait()
+
+            @pl.when(kb + 1 < kb1)
+            def _():
+                for c in copies(seq, kb + 1, 1 - slot):
+                    c.start()
+
+            k = k_buf[slot].reshape(kv_block, head_dim)
+            v = v_buf[slot].reshape(kv_block, head_dim)
+            if f32:
+                k = k.astype(jnp.float32)
+            key = kb * kv_block + col
+            visible = in_seq & (key <= pos) & (key < kv_end)
+            if sliding_window is not None:
+                visible &= key > pos - sliding_window
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32)  # [rows, kv_block]
+            s = s * jnp.float32(scale)
+            if logits_soft_cap is not None:
+                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+            # A +inf logit is NaN data (the contract), not a winner.
+            s = jnp.where(s == jnp.inf, jnp.float32(jnp.nan), s)
+            s = jnp.where(visible, s, -jnp.inf)
+            m_prev = m_ref[...]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 128]
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            alpha = jnp.exp(m_prev - m_safe)
+            p = jnp.where(visible, jnp.exp(s - m_safe[:, :1]), 0.0)
+            l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[...] = m_next
+            finite = jnp.isfinite(v.astype(jnp.float32))  # Mosaic tests finiteness in float32
+            v = jnp.where(finite, v, jnp.zeros((), v.dtype))
+            pv = jax.lax.dot_general(p.astype(v.dtype) if not f32 else p,
+                                     v.astype(jnp.float32) if f32 else v,
+                                     (((1,), (0,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
+            acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
+            # Slots no row of this sequence sees may hold anything; a non-finite value among
+            # the others is real data that the rows seeing it must turn into NaN.
+            seen_bad = jnp.where((key_col >= lo - kb * kv_block)
+                                 & (key_col < hi - kb * kv_block) & ~finite, 1.0, 0.0)
+
+            @pl.when(jnp.max(seen_bad) > 0)
+            def _():
+                bad_ref[...] += jax.lax.dot_general(
+                    visible.astype(jnp.float32), seen_bad, (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32)
+
+            return ()
+
+        jax.lax.fori_loop(kb0, kb1, kv_step, ())
+        return ()
+
+    jax.lax.fori_loop(seq_range_ref[2 * qb], seq_range_ref[2 * qb + 1] + 1, attend_sequence, ())
+    total = l_ref[...][:, :1]
+    out = acc_ref[...] / jnp.where(total == 0, 1.0, total)  # a row that saw nothing has acc == 0
+    out = jnp.where(bad_ref[...] > 0, jnp.float32(jnp.nan), out)
+    o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
+
+
+def supports(args):
+    """``None`` if the kernel lowers for these arguments, else why not (Mosaic constraints)."""
+    q, k_pages = args["q"], args["k_pages"]
+    for name, x in (("q", q), ("k_pages", k_pages)):
+        if jnp.dtype(x.dtype) not in _SUBLANES:
+            return f"{name}.dtype={jnp.dtype(x.dtype).name}: the TPU kernel takes float32 or " \
+                   f"bfloat16"
+    head_dim, page_size = k_pages.shape[3], k_pages.shape[2]
+    if head_dim % _LANES:
+        return (f"head_dim={head_dim} is not a multiple of {_LANES}: Mosaic tiles the last "
+                f"dimension of K/V pages and query blocks by {_LANES} lanes")
+    sublanes = max(_SUBLANES[jnp.dtype(x.dtype)] for x in (q, k_pages))
+    if page_size % sublanes:
+        return (f"page_size={page_size} is not a multiple of {sublanes}: the pages of a kv "
+                f"block are joined along the {sublanes}-row sublane tiles of "
+                f"{jnp.dtype(k_pages.dtype).name}")
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "sliding_window", "logits_soft_cap", "block_q", "kv_block", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs,
+                           *, scale=None, sliding_window=None, logits_soft_cap=None,
+                           block_q=None, kv_block=None, interpret=False):
+    """Ragged paged attention (see :func:`forge_jax.ragged_paged_attention`) on TPU.
+
+    Args:
+      q: ``[total_tokens, q_heads, head_dim]``.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``.
+      block_tables: int ``[max_seqs, pages_per_seq]``.
+      kv_lengths: int ``[max_seqs]``.
+      cu_q_lens: int ``[max_seqs + 1]``.
+      num_seqs: int scalar (may be traced).
+      scale, sliding_window, logits_soft_cap: as for the op.
+      block_q: packed query rows per grid step (default: per TPU generation).
+      kv_block: keys per kv step, rounded down to whole pages (default: per generation).
+      interpret: run in the TPU interpreter (``True``: forge_jax's interpret params).
+
+    Returns:
+      ``[total_tokens, q_heads, head_dim]`` in ``q.dtype``.
+    """
+    total_tokens, q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_seqs, pages_per_seq = block_tables.shape
+    if total_tokens == 0 or max_seqs == 0 or num_pages == 0:
+        return jnp.zeros(q.shape, q.dtype)  # no row can see a key
+    groups = q_heads // kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    defaults = _defaults(interpret)
+    sublanes = max(_SUBLANES.get(jnp.dtype(x.dtype), 8) for x in (q, k_pages))
+    block_q = block_q or defaults["block_q"]
+    block_q = min(block_q, -(-total_tokens // sublanes) * sublanes)
+    pages_per_block = max(1, min((kv_block or defaults["kv_block"]) // page_size, pages_per_seq))
+    q_blocks = -(-total_tokens // block_q)
+    padded = q_blocks * block_q
+
+    cu = cu_q_lens.astype(jnp.int32)
+    kv_lengths = kv_lengths.astype(jnp.int32)
+    n = jnp.clip(jnp.asarray(num_seqs).astype(jnp.int32), 0, max_seqs)
+    # Each query block's first and last sequence (sequences past num_seqs end "never").
+    ends = jnp.where(jnp.arange(max_seqs) < n, cu[1:], jnp.iinfo(jnp.int32).max)
+    block_start = jnp.arange(q_blocks, dtype=jnp.int32) * block_q
+    first = jnp.searchsorted(ends, block_start, side="right")
+    last = jnp.minimum(jnp.searchsorted(ends, block_start + block_q - 1, side="right"), n - 1)
+    seq_range = jnp.stack([first, last], axis=1).reshape(-1).astype(jnp.int32)
+
+    # [kv_heads, g, padded, head_dim]: a kv head's query heads as one block of rows.
+    qt = jnp.pad(q, ((0, padded - total_tokens), (0, 0), (0, 0)))
+    qt = qt.reshape(padded, kv_heads, groups, head_dim).transpose(1, 2, 0, 3)
+    rows = groups * block_q
+    block = pl.BlockSpec((None, groups, block_q, head_dim), lambda h, b, *_: (h, 0, b, 0))
+    kernel = functools.partial(
+        _kernel, scale=float(scale), sliding_window=sliding_window,
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        pages_per_seq=pages_per_seq, num_pages=num_pages)
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(kv_heads, q_blocks),
+            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=block,
+            scratch_shapes=[
+                buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((rows, _LANES), jnp.float32),
+                pltpu.VMEM((rows, _LANES), jnp.float32),
+                pltpu.VMEM((rows, head_dim), jnp.float32),
+                pltpu.VMEM((rows, head_dim), jnp.float32),
+            ]),
+        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=_compat.tpu_interpret_params() if interpret else False,
+        name="forge_jax_tpu_ragged_paged_attention",
+    )(seq_range, cu, kv_lengths, block_tables.astype(jnp.int32).reshape(-1), qt, k_pages,
+      v_pages)
+    return out.transpose(2, 0, 1, 3).reshape(padded, q_heads, head_dim)[:total_tokens]
+
+
+register("ragged_paged_attention", ragged_paged_attention, supports=supports,
+         description="grid over (kv head, query block), sequences of a block from scalar-"
+                     "prefetched cu_q_lens, double-buffered page copies, online float32 softmax")
