@@ -460,7 +460,7 @@ def test_launch_table():
     assert flash.launch_params(256, "unknown GPU") == flash.LAUNCH["default"][256]
     for table in flash.LAUNCH.values():
         for launch in table.values():
-            assert all(b >= flash.MIN_DOT and b & (b - 1) == 0
+            assert all(b >= _common.MIN_DOT and b & (b - 1) == 0
                        for b in (launch.block_q, launch.block_k))
 
 

@@ -16,12 +16,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from forge_jax import backends, dispatch
 
 # The Triton lowering supports compute capability 8.0 and up (A100, L4, H100); XLA refuses
 # it on a T4 (7.5), the most common free Colab GPU.
 MIN_CAPABILITY = (8, 0)
 GPU_PRIORITY = 10
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MIN_DOT = 16  # Triton dots need every dimension >= 16
+# Positions are assumed to lie in [-2**30, 2**30): clamping positions and windows to this
+# keeps `p - window + 1` and `p + 1` inside int32.
+POS_LIMIT = 2**30
 
 
 def capability(cc: str | None) -> tuple[int, int] | None:
@@ -43,6 +51,14 @@ def gpu_reason(platform: str) -> str | None:
         return (f"the Pallas Triton lowering needs compute capability >= "
                 f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}; this GPU has {cc}")
     return None
+
+
+def device_kind(interpret: bool = False) -> str | None:
+    """The GPU's device kind (e.g. "NVIDIA H100 80GB HBM3") for the launch tables, or None
+    in interpret mode or without a usable GPU (the tables' defaults then apply)."""
+    if interpret or gpu_reason("gpu") is not None:
+        return None
+    return jax.devices("gpu")[0].device_kind
 
 
 def next_pow2(n: int) -> int:

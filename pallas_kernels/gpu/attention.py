@@ -47,11 +47,6 @@ pl = _compat.pallas()
 VERIFIED: dict[str, str] = {}
 
 MAX_HEAD_DIM = 256
-MIN_DOT = 16  # Triton dots need every dimension >= 16
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Positions are assumed to lie in [-2**30, 2**30): clamping them (and the window) keeps
-# `p - window + 1` and `p + 1` inside int32.
-_POS_LIMIT = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,18 +74,11 @@ LAUNCH: Mapping[str, Mapping[int, Launch]] = {
 
 def launch_params(head_dim: int, device_kind: str = "default") -> Launch:
     table = LAUNCH.get(device_kind, LAUNCH["default"])
-    padded = max(MIN_DOT, _common.next_pow2(head_dim))
+    padded = max(_common.MIN_DOT, _common.next_pow2(head_dim))
     for bucket in sorted(table):
         if padded <= bucket:
             return table[bucket]
     return table[max(table)]
-
-
-def _device_kind(interpret: bool) -> str:
-    if interpret:
-        return "default"
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    return gpus[0].device_kind if gpus else "default"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +115,11 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
     # The keys any row of this block may see lie in [key_lo, key_hi).
     key_hi = jnp.minimum(len_ref[0], kv_len)
     if causal:
-        key_hi = jnp.minimum(key_hi, jnp.max(jnp.where(row_ok, pos, -_POS_LIMIT)) + 1)
+        key_hi = jnp.minimum(key_hi, jnp.max(jnp.where(row_ok, pos, -_common.POS_LIMIT)) + 1)
     key_lo = jnp.int32(0)
     if sliding_window is not None:
         key_lo = jnp.maximum(
-            key_lo, jnp.min(jnp.where(row_ok, pos, _POS_LIMIT)) - sliding_window + 1)
+            key_lo, jnp.min(jnp.where(row_ok, pos, _common.POS_LIMIT)) - sliding_window + 1)
 
     # float32 operands as IEEE products (Triton's default for float32 dots is TF32);
     # bfloat16/float16 products are exact in float32 anyway.
@@ -198,7 +186,7 @@ def _forward(q, k, v, positions, lengths, st: _Static):
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     rows = q_len * group
-    head_dim_pad = max(MIN_DOT, _common.next_pow2(head_dim))
+    head_dim_pad = max(_common.MIN_DOT, _common.next_pow2(head_dim))
     qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     qg = qg.reshape(batch, kv_heads, rows, head_dim)
     row_pos = jnp.repeat(positions, group, axis=1)  # [batch, rows]
@@ -290,17 +278,17 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     _compat.filter_triton_deprecation()
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    launch = launch_params(head_dim, _device_kind(interpret))
+    launch = launch_params(head_dim, _common.device_kind(interpret))
     rows = q_len * (q_heads // kv_heads)
-    block_q = block_q or min(launch.block_q, max(MIN_DOT, _common.next_pow2(rows)))
-    block_k = block_k or min(launch.block_k, max(MIN_DOT, _common.next_pow2(kv_len)))
+    block_q = block_q or min(launch.block_q, max(_common.MIN_DOT, _common.next_pow2(rows)))
+    block_k = block_k or min(launch.block_k, max(_common.MIN_DOT, _common.next_pow2(kv_len)))
     for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if value < MIN_DOT or value & (value - 1):
-            raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT} "
+        if value < _common.MIN_DOT or value & (value - 1):
+            raise ValueError(f"{name}={value} must be a power of two >= {_common.MIN_DOT} "
                              "(one dimension of a Triton dot)")
     if q.size == 0 or kv_len == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
-    window = None if sliding_window is None else min(int(sliding_window), _POS_LIMIT)
+    window = None if sliding_window is None else min(int(sliding_window), _common.POS_LIMIT)
     st = _Static(scale=float(head_dim ** -0.5 if scale is None else scale), causal=causal,
                  sliding_window=window, logits_soft_cap=logits_soft_cap, block_q=block_q,
                  block_k=block_k, num_warps=num_warps or launch.num_warps,
@@ -309,20 +297,21 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         if kv_lengths is None:
             raw = jnp.full((batch,), kv_len, jnp.int32)
         else:
-            raw = jnp.clip(kv_lengths.astype(jnp.int32), -_POS_LIMIT, _POS_LIMIT)
+            raw = jnp.clip(kv_lengths.astype(jnp.int32), -_common.POS_LIMIT, _common.POS_LIMIT)
         lengths = jnp.clip(raw, 0, kv_len)  # keys past kv_len do not exist anyway
         if q_positions is None:
             # Bottom-right per sequence: the last query sits at the last valid key.
             positions = raw[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
         else:
-            positions = jnp.clip(q_positions.astype(jnp.int32), -_POS_LIMIT, _POS_LIMIT)
+            positions = jnp.clip(q_positions.astype(jnp.int32), -_common.POS_LIMIT,
+                                 _common.POS_LIMIT)
         return _attention(q, k, v, positions, lengths, st)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel lowers for these arguments, else why not."""
     q, k, v = args["q"], args["k"], args["v"]
-    if jnp.dtype(q.dtype) not in _DTYPES:
+    if jnp.dtype(q.dtype) not in _common.FLOAT_DTYPES:
         return f"q.dtype={jnp.dtype(q.dtype).name}: Triton dots take float32/16 and bfloat16"
     if jnp.dtype(k.dtype) != jnp.dtype(q.dtype) or jnp.dtype(v.dtype) != jnp.dtype(q.dtype):
         return (f"q.dtype={jnp.dtype(q.dtype).name}, k.dtype={jnp.dtype(k.dtype).name}, "

@@ -41,11 +41,6 @@ VERIFIED: dict[str, str] = {}
 
 MAX_Q_LEN = 16  # decode and short chunks; longer prefill belongs to the dense kernel
 MAX_HEAD_DIM = 256
-MIN_DOT = 16  # Triton dots need every dimension >= 16
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Positions are assumed to lie in [-2**30, 2**30): clamping them (and the window) keeps
-# `p - window` and `p + 1` inside int32.
-_POS_LIMIT = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +69,7 @@ LAUNCH: Mapping[int, Launch] = {
 
 
 def launch_params(head_dim: int) -> Launch:
-    padded = max(MIN_DOT, _common.next_pow2(head_dim))
+    padded = max(_common.MIN_DOT, _common.next_pow2(head_dim))
     for bucket in sorted(LAUNCH):
         if padded <= bucket:
             return LAUNCH[bucket]
@@ -205,21 +200,21 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
     max_pages = block_tables.shape[1]
     group = q_heads // kv_heads
     launch = launch_params(head_dim)
-    head_dim_pad = max(MIN_DOT, _common.next_pow2(head_dim))
+    head_dim_pad = max(_common.MIN_DOT, _common.next_pow2(head_dim))
     if pages_per_compute_block is None:
         pages_per_compute_block = max(1, launch.block_k // _common.next_pow2(page_size))
     block_k = pages_per_compute_block * page_size
-    if pages_per_compute_block & (pages_per_compute_block - 1) or block_k < MIN_DOT:
+    if pages_per_compute_block & (pages_per_compute_block - 1) or block_k < _common.MIN_DOT:
         raise ValueError(f"{pages_per_compute_block=} must be a power of two and "
-                         f"{pages_per_compute_block=} * {page_size=} >= {MIN_DOT} "
+                         f"{pages_per_compute_block=} * {page_size=} >= {_common.MIN_DOT} "
                          "(a K/V block is one Triton dot operand)")
     num_blocks = -(-max_pages // pages_per_compute_block)
     num_splits = min(num_splits or launch.max_splits, num_blocks)
     blocks_per_split = -(-num_blocks // num_splits)
     rows = q_len * group
-    block_rows = block_rows or min(launch.block_rows, max(MIN_DOT, _common.next_pow2(rows)))
-    if block_rows < MIN_DOT or block_rows & (block_rows - 1):
-        raise ValueError(f"{block_rows=} must be a power of two >= {MIN_DOT}")
+    block_rows = block_rows or min(launch.block_rows, max(_common.MIN_DOT, _common.next_pow2(rows)))
+    if block_rows < _common.MIN_DOT or block_rows & (block_rows - 1):
+        raise ValueError(f"{block_rows=} must be a power of two >= {_common.MIN_DOT}")
     row_blocks = -(-rows // block_rows)
     rows_pad = row_blocks * block_rows
     if scale is None:
@@ -232,8 +227,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         if q_positions is None:
             q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
         pos = jnp.clip(jnp.asarray(q_positions).astype(jnp.int32).reshape(batch, q_len),
-                       -_POS_LIMIT, _POS_LIMIT)
-        window = None if sliding_window is None else min(sliding_window, _POS_LIMIT)
+                       -_common.POS_LIMIT, _common.POS_LIMIT)
+        window = None if sliding_window is None else min(sliding_window, _common.POS_LIMIT)
         key_hi = jnp.clip(jnp.minimum(lengths, pos.max(axis=1) + 1), 0, capacity)
         key_lo = (jnp.zeros_like(key_hi) if window is None
                   else jnp.clip(pos.min(axis=1) - window + 1, 0, capacity))
@@ -318,7 +313,7 @@ def supports(args: Mapping[str, Any]) -> str | None:
     q_len = 1 if q.ndim == 3 else q.shape[1]
     page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
     for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
-        if jnp.dtype(dtype) not in _DTYPES:
+        if jnp.dtype(dtype) not in _common.FLOAT_DTYPES:
             return f"{name}.dtype={jnp.dtype(dtype).name}: Triton dots take float32/16 and bfloat16"
     if q_len > MAX_Q_LEN:
         return (f"q_len={q_len} > {MAX_Q_LEN}: the split-K decode kernel holds all of a group's "

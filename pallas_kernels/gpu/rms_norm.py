@@ -35,7 +35,6 @@ VERIFIED: dict[str, str] = {}
 # looped two-pass kernel (JAX's layer_norm) would be the right design. 32768 covers every
 # released model (Llama 3 405B: 16384, Nemotron-4 340B: 18432).
 MAX_HIDDEN = 32768
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +69,11 @@ def launch_params(dim: int, device_kind: str | None = None) -> Launch:
     return table[min((b for b in table if b >= padded), default=max(table))]
 
 
-def _device_kind() -> str | None:
-    return jax.devices("gpu")[0].device_kind if _common.gpu_reason("gpu") is None else None
-
-
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rms_norm` arguments, else why not."""
     x, weight, residual = args["x"], args["weight"], args["residual"]
     for name, a in (("x", x), ("weight", weight), ("residual", residual)):
-        if a is not None and jnp.dtype(a.dtype) not in _DTYPES:
+        if a is not None and jnp.dtype(a.dtype) not in _common.FLOAT_DTYPES:
             return f"{name}.dtype={jnp.dtype(a.dtype).name}; the kernel reads float32/bf16/f16"
     if x.shape[-1] > MAX_HIDDEN:
         return (f"hidden size {x.shape[-1]} > {MAX_HIDDEN}: a row must fit the registers of "
@@ -185,7 +180,7 @@ def rms_norm(x, weight, *, eps, residual, block_rows=None, num_warps=None, num_s
       block_rows, num_warps, num_stages: override the :data:`LAUNCH` table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
-    launch = launch_params(x.shape[-1], None if interpret else _device_kind())
+    launch = launch_params(x.shape[-1], _common.device_kind(interpret))
     launch = dataclasses.replace(
         launch, **{k: v for k, v in dict(block_rows=block_rows, num_warps=num_warps,
                                          num_stages=num_stages).items() if v is not None})

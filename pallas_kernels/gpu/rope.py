@@ -32,7 +32,6 @@ pl = _compat.pallas()
 # Where this kernel was compiled, checked and measured faster than XLA: none yet.
 VERIFIED: dict[str, str] = {}
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # The launch table stops here; the largest head dim of a released model is 256 (Gemma).
 MAX_HEAD_DIM = 512
 # Token indices are int32 (program id * block_tokens).
@@ -78,14 +77,10 @@ def launch_params(head_dim: int, heads: int, device_kind: str | None = None) -> 
         block_tokens=launch.block_tokens * (launch.block_heads // block_heads))
 
 
-def _device_kind() -> str | None:
-    return jax.devices("gpu")[0].device_kind if _common.gpu_reason("gpu") is None else None
-
-
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rope` arguments, else why not."""
     x = args["x"]
-    if jnp.dtype(x.dtype) not in _DTYPES:
+    if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
         return f"x.dtype={jnp.dtype(x.dtype).name}; the kernel reads float32/bf16/f16"
     if x.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {x.shape[-1]} > {MAX_HEAD_DIM}, beyond the launch table"
@@ -198,7 +193,7 @@ def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, block_
         table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
-    launch = launch_params(x.shape[-1], x.shape[2], None if interpret else _device_kind())
+    launch = launch_params(x.shape[-1], x.shape[2], _common.device_kind(interpret))
     launch = dataclasses.replace(
         launch, **{k: v for k, v in dict(block_tokens=block_tokens, block_heads=block_heads,
                                          num_warps=num_warps, num_stages=num_stages).items()

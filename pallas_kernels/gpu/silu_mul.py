@@ -27,7 +27,6 @@ pl = _compat.pallas()
 # Where this kernel was compiled, checked and measured faster than XLA: none yet.
 VERIFIED: dict[str, str] = {}
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Block starts are int32 (program id * block size): stay well clear of 2**31.
 MAX_SIZE = 2**30
 
@@ -54,14 +53,10 @@ def launch_params(device_kind: str | None = None) -> Launch:
                 LAUNCH["default"])
 
 
-def _device_kind() -> str | None:
-    return jax.devices("gpu")[0].device_kind if _common.gpu_reason("gpu") is None else None
-
-
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.silu_mul` arguments, else why not."""
     gate = args["gate"]
-    if jnp.dtype(gate.dtype) not in _DTYPES:
+    if jnp.dtype(gate.dtype) not in _common.FLOAT_DTYPES:
         return f"gate.dtype={jnp.dtype(gate.dtype).name}; the kernel reads float32/bf16/f16"
     if gate.size > MAX_SIZE:
         return f"{gate.size=} > {MAX_SIZE}: the kernel's block offsets are int32"
@@ -137,7 +132,7 @@ def silu_mul(gate, up, *, block_size=None, num_warps=None, num_stages=None, inte
       block_size, num_warps, num_stages: override the :data:`LAUNCH` table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
-    launch = launch_params(None if interpret else _device_kind())
+    launch = launch_params(_common.device_kind(interpret))
     launch = dataclasses.replace(
         launch, **{k: v for k, v in dict(block_size=block_size, num_warps=num_warps,
                                          num_stages=num_stages).items() if v is not None})
