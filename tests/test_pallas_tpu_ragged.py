@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from helpers import assert_close
 from reference import f64
-from test_ragged import CASES, MIXED, make_step, ragged_ref
+from test_ragged import CASES, make_step, ragged_ref
 
 import forge_jax as fj
 from forge_jax import _compat, dispatch
@@ -62,27 +62,22 @@ class TestRaggedTPU:
         np.testing.assert_array_equal(f64(out)[step.cu_q_lens[step.num_seqs]:], 0.0)
         return out
 
-    @pytest.mark.parametrize("mix,heads,dtype,q_dtype,page_size", [
-        ("decode", "gqa", jnp.float32, None, 8),
-        ("prefill", "mqa", jnp.bfloat16, None, 16),  # 40 rows: two query blocks
-        ("mixed", "mha", jnp.float32, None, 8),
-        ("mixed", "gqa", jnp.bfloat16, jnp.float32, 16),  # bfloat16 cache, float32 queries
+    @pytest.mark.parametrize("mix,heads,dtype,q_dtype,page_size,masking", [
+        ("decode", "gqa", jnp.float32, None, 8, {}),
+        # 40 rows: several query blocks.
+        ("prefill", "mqa", jnp.bfloat16, None, 16, dict(sliding_window=3, scale=0.2)),
+        # bfloat16 cache, float32 queries.
+        ("mixed", "gqa", jnp.bfloat16, jnp.float32, 16, dict(logits_soft_cap=2.0)),
+        ("mixed", "mha", jnp.float32, None, 8, dict(sliding_window=5, logits_soft_cap=3.0)),
     ])
-    def test_matches_references(self, mix, heads, dtype, q_dtype, page_size):
+    def test_matches_references(self, mix, heads, dtype, q_dtype, page_size, masking):
         rng = np.random.default_rng(list(mix.encode()) + [page_size])
+        window = masking.get("sliding_window")
         step = make_step(rng, **CASES[mix], page_size=page_size, heads=heads,
-                         head_dim=HEAD_DIM, dtype=dtype, q_dtype=q_dtype)
-        self.check(step, dtype=q_dtype or dtype)
-
-    @pytest.mark.parametrize("dtype,window,cap,scale", [
-        (jnp.float32, 5, 3.0, None), (jnp.bfloat16, 3, None, 0.2)])
-    def test_sliding_window_and_soft_cap(self, dtype, window, cap, scale):
-        rng = np.random.default_rng([window, int(cap or 0)])
-        step = make_step(rng, **MIXED, page_size=8 if dtype == jnp.float32 else 16,
-                         heads="gqa", head_dim=HEAD_DIM, dtype=dtype, window=window)
-        # The window hides slots from every query of a sequence: they hold NaN here.
-        assert np.isnan(f64(step.k_pages)).sum() > np.isnan(f64(step.k_clean)).sum()
-        self.check(step, dtype=dtype, sliding_window=window, logits_soft_cap=cap, scale=scale)
+                         head_dim=HEAD_DIM, dtype=dtype, q_dtype=q_dtype, window=window)
+        if mix == "mixed" and window is not None:  # slots no query sees hold NaN
+            assert np.isnan(f64(step.k_pages)).sum() > np.isnan(f64(step.k_clean)).sum()
+        self.check(step, dtype=q_dtype or dtype, **masking)
 
     def test_traced_num_seqs_one_compilation_serves_any_mix(self):
         traces = []

@@ -28,11 +28,14 @@ from jax.experimental.pallas import tpu as pltpu
 from forge_jax import _compat
 from forge_jax.pallas_kernels.tpu._common import register
 
-# Launch parameters per TPU generation (``jax.Device.device_kind``); ``None`` is the default.
+# Launch parameters per TPU generation (``jax.Device.device_kind``); ``None`` is the default,
+# ``"interpret"`` the TPU interpreter's (small blocks: its cost grows with the copies
+# unrolled per kv step, and small blocks exercise the loops).
 # ``block_q``: packed query rows per grid step (times the group size per matmul);
 # ``kv_block``: keys per kv step, rounded to whole pages. Not tuned on hardware yet.
 _BLOCKS = {
     None: dict(block_q=32, kv_block=256),
+    "interpret": dict(block_q=16, kv_block=32),
     "TPU v4": dict(block_q=32, kv_block=256),
     "TPU v5 lite": dict(block_q=32, kv_block=256),
     "TPU v5": dict(block_q=32, kv_block=512),
@@ -46,7 +49,7 @@ _LANES = 128
 
 
 def _defaults(interpret):
-    kind = None if interpret else getattr(jax.devices()[0], "device_kind", None)
+    kind = "interpret" if interpret else getattr(jax.devices()[0], "device_kind", None)
     return _BLOCKS.get(kind, _BLOCKS[None])
 
 
@@ -95,8 +98,11 @@ def _kernel(
     if f32:
         q = q.astype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if f32 else None
-    # Absolute packed row of each matmul row.
-    row = r0 + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 0), block_q)
+    # Absolute packed row of each matmul row (a mask, not a vector remainder, for the
+    # power-of-two blocks the wrapper picks).
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 0)
+    row = r0 + (row & (block_q - 1) if block_q & (block_q - 1) == 0 else
+                jax.lax.rem(row, block_q))
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)
     key_col = jax.lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0)
 
@@ -247,7 +253,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     defaults = _defaults(interpret)
     sublanes = max(_SUBLANES.get(jnp.dtype(x.dtype), 8) for x in (q, k_pages))
     block_q = block_q or defaults["block_q"]
-    block_q = min(block_q, -(-total_tokens // sublanes) * sublanes)
+    # A power of two no larger than the rows need (at least one sublane tile).
+    block_q = min(block_q, max(sublanes, 1 << (total_tokens - 1).bit_length()))
     pages_per_block = max(1, min((kv_block or defaults["kv_block"]) // page_size, pages_per_seq))
     q_blocks = -(-total_tokens // block_q)
     padded = q_blocks * block_q
