@@ -128,15 +128,17 @@ class FlashAttentionTpuTest(parameterized.TestCase):
     def test_small_blocks_skip_masked_blocks(self):
         # 8 x 128 blocks: three query blocks (the last partial), three kv blocks (the last
         # partial); causal + window leave blocks no query of a block sees, which are skipped.
-        kw = dict(kv_lengths=jnp.array([290, 100], jnp.int32), sliding_window=100)
+        # The window is chosen so that the first query of sequence 0 (position 270) sees
+        # key 127 as its oldest: the last key of kv block 0, which must not be skipped.
+        lengths, window = np.array([290, 100], np.int32), 144
         q, k, v = _inputs(3, 2, 20, 300, 2, 1, F32)
-        mask = visible64(2, 20, 300, kv_lengths=np.array([290, 100]), sliding_window=100)
-        k, v = poison_unseen(k, v, mask)
+        k, v = poison_unseen(k, v, visible64(2, 20, 300, kv_lengths=lengths,
+                                             sliding_window=window))
         out = jax.jit(lambda q, k, v, n: kernel.flash_attention(
-            q, k, v, kv_lengths=n, sliding_window=100, block_q=8, block_k=128,
-            interpret=self.INTERPRET))(q, k, v, kw["kv_lengths"])
+            q, k, v, kv_lengths=n, sliding_window=window, block_q=8, block_k=128,
+            interpret=self.INTERPRET))(q, k, v, jnp.asarray(lengths))
         ref = attention_ref(q, np.nan_to_num(f64(k)), np.nan_to_num(f64(v)),
-                            kv_lengths=[290, 100], sliding_window=100)
+                            kv_lengths=lengths, sliding_window=window)
         assert_close(out, ref, implementation=self.IMPLEMENTATION)
 
     def test_gradients_match_the_xla_vjp(self):
