@@ -8,7 +8,9 @@ in JAX's own ``pallas/ops/tpu/flash_attention.py``. Q, K, V and the output are r
 written in their ``[batch, seq, heads, head_dim]`` layout, viewed as ``[batch, seq,
 heads * head_dim]`` (a free reshape): a block is one head's ``head_dim`` lanes, and the K/V
 index map sends query head ``h`` to kv head ``h // group`` (GQA/MQA with no copy or repeat
-of K/V).
+of K/V). The price of that layout: each K/V block is copied into VMEM once per query head
+(``group`` times per kv head), and a decode program is a one-row dot; serving a whole
+group per program would need the group's queries folded into rows (a transpose of Q).
 
 Block skipping: the keys any query of a block may see lie in ``[lo, hi)`` (from the
 block's smallest and largest positions, the sequence length and the window), computed in
