@@ -22,7 +22,14 @@ the rows that see one.
 Mosaic constraints (checked by :func:`supports`): a block of pages is reshaped to
 ``[pages * page_size, head_dim]``, which needs ``page_size`` to be a multiple of the
 sublane tile (8 rows for float32, 16 for bfloat16) and ``head_dim`` a multiple of the 128
-lanes; TPUs have no float16 vector unit.
+lanes; TPUs have no float16 vector unit. These are the (8, 128) tiling rules of Mosaic's
+layout passes, which run in libtpu's compiler: the Pallas -> Mosaic lowering that
+``jax.export`` runs on CPU accepts the rejected shapes, so the rejections are conservative
+and not demonstrated off a TPU. Pools with head_dim 64 are not padded here (that would copy
+the whole cache on every call); they fall back to XLA.
+
+Block tables are scalar-prefetched whole (``batch * max_pages`` int32 in SMEM), as in JAX's
+own TPU paged attention: very large batches times table widths can exceed SMEM.
 """
 
 from __future__ import annotations
@@ -107,20 +114,27 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     first = lax.div(lo, block_k)
     last = lax.div(hi + block_k - 1, block_k)
 
-    def copies(block, slot):
-        out = []
+    def page_copy(block, slot, i, method):
+        # Only the pages that hold a key in [lo, hi) are copied (the first and last blocks
+        # may be partly outside); the slots of the others keep stale data, which the masks
+        # keep out of the output like any other invisible slot.
+        entry = block * pages_per_compute_block + i
+
+        @pl.when((entry * page_size < hi) & ((entry + 1) * page_size > lo))
+        def _():
+            page = tables_ref[b * max_pages + entry]
+            for pool, buf, sem in ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1)):
+                copy = pltpu.make_async_copy(pool.at[h, page], buf.at[slot, i],
+                                             sems.at[sem, slot])
+                getattr(copy, method)()
+
+    def each_copy(block, slot, method):
         for i in range(pages_per_compute_block):
-            page = tables_ref[b * max_pages + block * pages_per_compute_block + i]
-            out.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, i],
-                                             sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, i],
-                                             sems.at[1, slot]))
-        return out
+            page_copy(block, slot, i, method)
 
     @pl.when(first < last)
     def _():
-        for c in copies(first, 0):
-            c.start()
+        each_copy(first, 0, "start")
 
     q = q_ref[...]
     pos = pos_ref[...]  # [rows, 1]
@@ -131,11 +145,9 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
 
         @pl.when(block + 1 < last)
         def _():
-            for c in copies(block + 1, 1 - slot):
-                c.start()
+            each_copy(block + 1, 1 - slot, "start")
 
-        for c in copies(block, slot):
-            c.wait()
+        each_copy(block, slot, "wait")
         k = k_buf[slot].reshape(block_k, head_dim)
         qk = q
         if q.dtype != k.dtype:
@@ -214,7 +226,6 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             page_size, max_pages, None if interpret else _device_kind())
     if pages_per_compute_block < 1:
         raise ValueError(f"{pages_per_compute_block=} must be positive")
-    block_k = pages_per_compute_block * page_size
     num_blocks = -(-max_pages // pages_per_compute_block)
     table_width = num_blocks * pages_per_compute_block
     rows = q_len * group
@@ -253,7 +264,6 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
             exact_range=q_len == 1)
         buf = pltpu.VMEM((2, pages_per_compute_block, page_size, head_dim), k_pages.dtype)
-        del block_k
         out = pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
