@@ -24,6 +24,13 @@ def pallas():
     return pl
 
 
+def pallas_tpu():
+    """``jax.experimental.pallas.tpu`` (Mosaic TPU primitives: ``roll``, async copies, VMEM)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu
+
+
 def triton_compiler_params(**kwargs: Any) -> Any:
     """Compiler params that select Pallas' Triton lowering on GPU.
 

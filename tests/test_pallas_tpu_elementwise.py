@@ -23,6 +23,7 @@ from test_pallas_gpu_rope import assert_rope_close
 
 import forge_jax as fj
 from forge_jax import _compat, dispatch
+from forge_jax.pallas_kernels.tpu import _common as tpu_common
 from forge_jax.pallas_kernels.tpu import rms_norm as rms_norm_kernel
 from forge_jax.pallas_kernels.tpu import rope as rope_kernel
 from forge_jax.pallas_kernels.tpu import silu_mul as silu_mul_kernel
@@ -269,7 +270,7 @@ def test_table_blocks_are_tile_aligned():
     for kind in rms_norm_kernel.TUNING:
         for dim, dtype in ((576, jnp.bfloat16), (2048, jnp.float32), (32768, jnp.bfloat16)):
             rows = rms_norm_kernel.block_rows_for(10**6, dim, dtype, kind)
-            assert rows % rms_norm_kernel.sublane_tile(dtype) == 0, (kind, dim, dtype)
+            assert rows % tpu_common.sublane_tile(dtype) == 0, (kind, dim, dtype)
         assert silu_mul_kernel.block_rows_for(10**6, 1024, jnp.bfloat16, kind) % 16 == 0
         assert rope_kernel.block_tokens_for(5, 4096, jnp.bfloat16, kind) == 16
         assert rope_kernel.block_tokens_for(10**6, 4096, jnp.float32, kind) % 8 == 0

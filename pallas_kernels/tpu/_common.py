@@ -16,12 +16,30 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from forge_jax import dispatch
 
 TPU_PRIORITY = 10
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+LANES = 128  # the lane width of a vreg: the last dimension of a lane-dense block
 # Where the TPU kernels were verified. Auto selection ranks them on a TPU (as the TPU issue
 # asks) although this record names no TPU hardware yet.
 INTERPRETER_ONLY = "TPU interpreter on CPU and Mosaic lowering via jax.export; no TPU hardware"
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of one (8, 128) vreg tile of ``dtype``: 8 for 32-bit, 16 for packed 16-bit."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def device_kind(interpret: bool = False) -> str | None:
+    """The TPU's device kind (e.g. "TPU v5 lite") for the per-generation tables, or None
+    in the interpreter or off a TPU (the tables' defaults then apply)."""
+    if interpret or jax.default_backend() != "tpu":
+        return None
+    return jax.devices()[0].device_kind
 
 
 def register(

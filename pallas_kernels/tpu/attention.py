@@ -50,16 +50,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
 
 from forge_jax import _compat
 from forge_jax.ops.attention import attention_reference
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
+pltpu = _compat.pallas_tpu()
 
-LANES = 128
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Positions are assumed to lie in [-2**30, 2**30): clamping them (and the window) keeps
 # `p - window + 1` and `p + 1` inside int32.
 _POS_LIMIT = 2**30
@@ -87,15 +85,6 @@ TUNING: Mapping[str, Tuning] = {
 }
 
 
-def sublane_tile(dtype) -> int:
-    """Rows of one (8, 128) vreg tile of ``dtype``: 8 for 32-bit, 16 for packed 16-bit."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def _device_kind() -> str | None:
-    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
-
-
 def block_sizes(q_len: int, kv_len: int, dtype, *, block_q: int | None = None,
                 block_k: int | None = None, device_kind: str | None = None) -> tuple[int, int]:
     """``(block_q, block_k)``: the knobs, else :data:`TUNING`, clipped to the sequences.
@@ -105,12 +94,13 @@ def block_sizes(q_len: int, kv_len: int, dtype, *, block_q: int | None = None,
     tuning = TUNING.get(device_kind or "default", TUNING["default"])
     block_q = min(block_q or tuning.block_q, q_len)
     block_k = min(block_k or tuning.block_k, kv_len)
-    tile = sublane_tile(dtype)
+    tile = _common.sublane_tile(dtype)
     if block_q != q_len and block_q % tile:
         raise ValueError(f"{block_q=} must be a multiple of {tile} (the sublane tile of "
                          f"{jnp.dtype(dtype).name}) or q_len={q_len}")
-    if block_k != kv_len and block_k % LANES:
-        raise ValueError(f"{block_k=} must be a multiple of {LANES} lanes or kv_len={kv_len}")
+    if block_k != kv_len and block_k % _common.LANES:
+        raise ValueError(
+            f"{block_k=} must be a multiple of {_common.LANES} lanes or kv_len={kv_len}")
     return block_q, block_k
 
 
@@ -140,7 +130,7 @@ def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             *, scale, causal, sliding_window, logits_soft_cap, num_q_blocks):
     # len_ref [batch]; lo_ref, hi_ref [batch * q_blocks]: the keys any query of the block may
     # see lie in [lo, hi). q_ref, o_ref [block_q, head_dim]; k_ref, v_ref [block_k, head_dim];
-    # pos_ref [block_q, 1]; m_ref, l_ref [block_q, LANES] (lane-replicated); acc_ref
+    # pos_ref [block_q, 1]; m_ref, l_ref [block_q, _common.LANES] (lane-replicated); acc_ref
     # [block_q, head_dim] float32.
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     block_k = k_ref.shape[0]
@@ -255,8 +245,8 @@ def _forward(q, k, v, positions, lengths, st: _Static):
             ],
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((block_q, LANES), jnp.float32),
-                pltpu.VMEM((block_q, LANES), jnp.float32),
+                pltpu.VMEM((block_q, _common.LANES), jnp.float32),
+                pltpu.VMEM((block_q, _common.LANES), jnp.float32),
                 pltpu.VMEM((block_q, head_dim), jnp.float32),
             ],
         ),
@@ -327,7 +317,7 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     if q.size == 0 or kv_len == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
     block_q, block_k = block_sizes(q_len, kv_len, q.dtype, block_q=block_q, block_k=block_k,
-                                   device_kind=None if interpret else _device_kind())
+                                   device_kind=_common.device_kind(interpret))
     window = None if sliding_window is None else min(int(sliding_window), _POS_LIMIT)
     st = _Static(scale=float(head_dim ** -0.5 if scale is None else scale), causal=causal,
                  sliding_window=window, logits_soft_cap=logits_soft_cap, block_q=block_q,
@@ -352,12 +342,12 @@ def supports(args: Mapping[str, Any]) -> str | None:
     q = args["q"]
     for name in ("q", "k", "v"):
         dtype = jnp.dtype(args[name].dtype)
-        if dtype not in _DTYPES:
+        if dtype not in _common.FLOAT_DTYPES:
             return (f"{name}.dtype={dtype.name}: the kernel reads float32/bfloat16 "
                     "(TPUs have no float16 vector unit)")
     head_dim = q.shape[-1]
-    if head_dim % LANES:
-        return (f"head_dim={head_dim} is not a multiple of {LANES}: a block is one head's "
+    if head_dim % _common.LANES:
+        return (f"head_dim={head_dim} is not a multiple of {_common.LANES}: a block is one head's "
                 "lanes of a [seq, heads * head_dim] row, which Mosaic tiles only in whole "
                 "lanes")
     return None

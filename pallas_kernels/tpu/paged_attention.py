@@ -42,16 +42,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
 
 from forge_jax import _compat
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
+pltpu = _compat.pallas_tpu()
 
 MAX_Q_LEN = 16  # decode and short chunks; longer prefill belongs to the dense kernel
-LANES = 128
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Positions are assumed to lie in [-2**30, 2**30): clamping them (and the window) keeps
 # `p - window` and `p + 1` inside int32.
 _POS_LIMIT = 2**30
@@ -77,15 +75,6 @@ TUNING: Mapping[str, Tuning] = {
     "TPU v6 lite": Tuning(block_k=512),   # v6e
     "default": Tuning(block_k=256),
 }
-
-
-def sublane_tile(dtype) -> int:
-    """Rows of one (8, 128) vreg tile of ``dtype``: 8 for 32-bit, 16 for packed 16-bit."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def _device_kind() -> str | None:
-    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
 
 
 def default_pages_per_compute_block(page_size: int, max_pages: int,
@@ -223,13 +212,13 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
     group = q_heads // kv_heads
     if pages_per_compute_block is None:
         pages_per_compute_block = default_pages_per_compute_block(
-            page_size, max_pages, None if interpret else _device_kind())
+            page_size, max_pages, _common.device_kind(interpret))
     if pages_per_compute_block < 1:
         raise ValueError(f"{pages_per_compute_block=} must be positive")
     num_blocks = -(-max_pages // pages_per_compute_block)
     table_width = num_blocks * pages_per_compute_block
     rows = q_len * group
-    rows_pad = -(-rows // sublane_tile(q.dtype)) * sublane_tile(q.dtype)
+    rows_pad = -(-rows // _common.sublane_tile(q.dtype)) * _common.sublane_tile(q.dtype)
     if scale is None:
         scale = head_dim ** -0.5
 
@@ -299,16 +288,16 @@ def supports(args: Mapping[str, Any]) -> str | None:
     q_len = 1 if q.ndim == 3 else q.shape[1]
     page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
     for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
-        if jnp.dtype(dtype) not in _DTYPES:
+        if jnp.dtype(dtype) not in _common.FLOAT_DTYPES:
             return (f"{name}.dtype={jnp.dtype(dtype).name}: the kernel reads float32/bfloat16 "
                     "(TPUs have no float16 vector unit)")
     if q_len > MAX_Q_LEN:
         return (f"q_len={q_len} > {MAX_Q_LEN}: the decode kernel holds all of a group's "
                 "queries in one tile; long prefill chunks belong to dense attention")
-    if head_dim % LANES:
-        return (f"head_dim={head_dim} is not a multiple of {LANES}: a block of pages is "
+    if head_dim % _common.LANES:
+        return (f"head_dim={head_dim} is not a multiple of {_common.LANES}: a block of pages is "
                 "reshaped to [keys, head_dim] in VMEM, which Mosaic lowers only for whole lanes")
-    tile = sublane_tile(k_pages.dtype)
+    tile = _common.sublane_tile(k_pages.dtype)
     if page_size % tile:
         return (f"page_size={page_size} is not a multiple of {tile} (the sublane tile of "
                 f"{jnp.dtype(k_pages.dtype).name}): the pages of a block are merged into one "

@@ -22,11 +22,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels.tpu._common import register
+from forge_jax.pallas_kernels.tpu import _common
+
+pl = _compat.pallas()
+pltpu = _compat.pallas_tpu()
 
 # Launch parameters per TPU generation (``jax.Device.device_kind``); ``None`` is the default,
 # ``"interpret"`` the TPU interpreter's (small blocks: its cost grows with the copies
@@ -44,8 +45,6 @@ _BLOCKS = {
 
 # Mosaic tiles the last two dimensions of a VMEM array by (8, 128) 32-bit words, and packs
 # two bfloat16 values per word along the second-last: (16, 128) for bfloat16.
-_SUBLANES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 16}
-_LANES = 128
 
 
 def _defaults(interpret):
@@ -206,14 +205,14 @@ def supports(args):
     """``None`` if the kernel lowers for these arguments, else why not (Mosaic constraints)."""
     q, k_pages = args["q"], args["k_pages"]
     for name, x in (("q", q), ("k_pages", k_pages)):
-        if jnp.dtype(x.dtype) not in _SUBLANES:
+        if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
             return f"{name}.dtype={jnp.dtype(x.dtype).name}: the TPU kernel takes float32 or " \
                    f"bfloat16"
     head_dim, page_size = k_pages.shape[3], k_pages.shape[2]
-    if head_dim % _LANES:
-        return (f"head_dim={head_dim} is not a multiple of {_LANES}: Mosaic tiles the last "
-                f"dimension of K/V pages and query blocks by {_LANES} lanes")
-    sublanes = max(_SUBLANES[jnp.dtype(x.dtype)] for x in (q, k_pages))
+    if head_dim % _common.LANES:
+        return (f"head_dim={head_dim} is not a multiple of {_common.LANES}: Mosaic tiles the "
+                f"last dimension of K/V pages and query blocks by {_common.LANES} lanes")
+    sublanes = max(_common.sublane_tile(x.dtype) for x in (q, k_pages))
     if page_size % sublanes:
         return (f"page_size={page_size} is not a multiple of {sublanes}: the pages of a kv "
                 f"block are joined along the {sublanes}-row sublane tiles of "
@@ -251,7 +250,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     groups = q_heads // kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
     defaults = _defaults(interpret)
-    sublanes = max(_SUBLANES.get(jnp.dtype(x.dtype), 8) for x in (q, k_pages))
+    sublanes = max(_common.sublane_tile(x.dtype) for x in (q, k_pages))
     block_q = block_q or defaults["block_q"]
     # A power of two no larger than the rows need (at least one sublane tile).
     block_q = min(block_q, max(sublanes, 1 << (total_tokens - 1).bit_length()))
@@ -289,8 +288,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
             out_specs=block,
             scratch_shapes=[
                 buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.VMEM((rows, _LANES), jnp.float32),
-                pltpu.VMEM((rows, _LANES), jnp.float32),
+                pltpu.VMEM((rows, _common.LANES), jnp.float32),
+                pltpu.VMEM((rows, _common.LANES), jnp.float32),
                 pltpu.VMEM((rows, head_dim), jnp.float32),
                 pltpu.VMEM((rows, head_dim), jnp.float32),
             ]),
@@ -303,6 +302,6 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     return out.transpose(2, 0, 1, 3).reshape(padded, q_heads, head_dim)[:total_tokens]
 
 
-register("ragged_paged_attention", ragged_paged_attention, supports=supports,
+_common.register("ragged_paged_attention", ragged_paged_attention, supports=supports,
          description="grid over (kv head, query block), sequences of a block from scalar-"
                      "prefetched cu_q_lens, double-buffered page copies, online float32 softmax")

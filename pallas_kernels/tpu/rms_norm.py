@@ -30,7 +30,6 @@ from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # A block holds whole rows (one pass, no second read of x) and at least one sublane tile of
 # them: at 32768 float32 values, 16 rows of each of the four arrays, double-buffered, plus
 # their float32 copies, already take ~12 MiB of the 16 MiB scoped VMEM of a v4/v5e. Wider
@@ -61,30 +60,21 @@ TUNING: Mapping[str, Tuning] = {
 }
 
 
-def sublane_tile(dtype) -> int:
-    """Rows of one (8, 128) vreg tile of ``dtype``: 8 for 32-bit, 16 for packed 16-bit."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
 def block_rows_for(rows: int, dim: int, dtype, device_kind: str | None = None) -> int:
     """Rows per block for ``rows`` rows of ``dim`` values of ``dtype`` on ``device_kind``:
     a multiple of the sublane tile, or ``rows`` itself when that is smaller (a block equal
     to the array's dim is always accepted by Mosaic)."""
     tuning = TUNING.get(device_kind or "default", TUNING["default"])
-    tile = sublane_tile(dtype)
+    tile = _common.sublane_tile(dtype)
     block_rows = max(tile, tuning.block_elements // dim // tile * tile)
     return rows if rows <= block_rows else block_rows
-
-
-def _device_kind() -> str | None:
-    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rms_norm` arguments, else why not."""
     x, weight, residual = args["x"], args["weight"], args["residual"]
     for name, a in (("x", x), ("weight", weight), ("residual", residual)):
-        if a is not None and jnp.dtype(a.dtype) not in _DTYPES:
+        if a is not None and jnp.dtype(a.dtype) not in _common.FLOAT_DTYPES:
             return (f"{name}.dtype={jnp.dtype(a.dtype).name}; the kernel is built and tested for "
                     "float32/bfloat16, the TPU inference dtypes (a policy: float16 lowers)")
     if x.shape[-1] > MAX_HIDDEN:
@@ -180,7 +170,7 @@ def rms_norm(x, weight, *, eps, residual, block_rows=None, interpret=False):
     if block_rows is None:
         dim = x.shape[-1]
         block_rows = block_rows_for(x.size // dim if dim else 0, dim, x.dtype,
-                                    None if interpret else _device_kind())
+                                    _common.device_kind(interpret))
     return _rms_norm(x, weight, residual, eps, (block_rows, interpret))
 
 

@@ -45,15 +45,9 @@ from forge_jax.ops.rope import inverse_frequencies, rope_xla
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
+pltpu = _compat.pallas_tpu()
 
 
-def _pltpu():
-    from jax.experimental.pallas import tpu as pltpu
-
-    return pltpu
-
-
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Widest lane chunk that shares one cos/sin slab: wider chunks evaluate more cos/sin per
 # token, narrower ones unroll more chunks per block.
 MAX_WIDTH = 512
@@ -82,11 +76,6 @@ TUNING: Mapping[str, Tuning] = {
 }
 
 
-def sublane_tile(dtype) -> int:
-    """Rows of one (8, 128) vreg tile of ``dtype``: 8 for 32-bit, 16 for packed 16-bit."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
 def chunk_width(heads: int, head_dim: int) -> int:
     """Lanes per chunk: the widest multiple of lcm(head_dim, 128), up to :data:`MAX_WIDTH`
     (or that lcm if larger), that divides ``heads * head_dim``."""
@@ -99,7 +88,7 @@ def chunk_width(heads: int, head_dim: int) -> int:
 def block_tokens_for(tokens: int, row: int, dtype, device_kind: str | None = None) -> int:
     """Tokens per block: a multiple of the sublane tile, no more than needed for ``tokens``."""
     tuning = TUNING.get(device_kind or "default", TUNING["default"])
-    tile = sublane_tile(dtype)
+    tile = _common.sublane_tile(dtype)
     block = max(tile, tuning.block_elements // row // tile * tile)
     return min(block, pl.cdiv(tokens, tile) * tile)
 
@@ -114,14 +103,10 @@ def lane_table(inv_freq: np.ndarray, width: int, *, interleaved: bool) -> np.nda
     return np.stack([inv_freq[pair], np.where(first, -1.0, 1.0)]).astype(np.float32)
 
 
-def _device_kind() -> str | None:
-    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
-
-
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rope` arguments, else why not."""
     x = args["x"]
-    if jnp.dtype(x.dtype) not in _DTYPES:
+    if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
         return (f"x.dtype={jnp.dtype(x.dtype).name}; the kernel is built and tested for "
                 "float32/bfloat16, the TPU inference dtypes (a policy: float16 lowers)")
     _, _, heads, head_dim = x.shape
@@ -138,7 +123,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
 def _kernel(pos_ref, table_ref, x_ref, o_ref, *, width, shift):
     # pos_ref [block_tokens, 1] float32; table_ref [2, width] float32 (frequency, sign);
     # x_ref, o_ref [block_tokens, heads * head_dim].
-    pltpu = _pltpu()
     freq, sign = table_ref[0:1, :], table_ref[1:2, :]  # [1, width] each
     # float32 angles: in bfloat16, position 257 rounds to 256 and sin(257) is not sin(256).
     angle = pos_ref[...] * freq  # [block_tokens, width]
@@ -229,7 +213,7 @@ def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, interp
     """
     if block_tokens is None:
         block_tokens = block_tokens_for(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3],
-                                        x.dtype, None if interpret else _device_kind())
+                                        x.dtype, _common.device_kind(interpret))
     return _rope(x, positions, (theta, scaling, interleaved), (block_tokens, interpret))
 
 

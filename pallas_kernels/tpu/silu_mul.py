@@ -30,7 +30,6 @@ from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _LANES = (1024, 512, 256, 128)
 # When no multiple of 128 divides the size, a block holds at least a sublane tile of whole
 # last-dim rows; past this width those no longer fit VMEM comfortably.
@@ -73,14 +72,10 @@ def block_rows_for(rows: int, lanes: int, dtype, device_kind: str | None = None)
     return rows if rows <= block_rows else block_rows
 
 
-def _device_kind() -> str | None:
-    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
-
-
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.silu_mul` arguments, else why not."""
     gate = args["gate"]
-    if jnp.dtype(gate.dtype) not in _DTYPES:
+    if jnp.dtype(gate.dtype) not in _common.FLOAT_DTYPES:
         return (f"gate.dtype={jnp.dtype(gate.dtype).name}; the kernel is built and tested for "
                 "float32/bfloat16, the TPU inference dtypes (a policy: float16 lowers)")
     _, lanes = layout(gate.shape)
@@ -156,7 +151,7 @@ def silu_mul(gate, up, *, block_rows=None, interpret=False):
     if block_rows is None:
         rows, lanes = layout(gate.shape)
         block_rows = block_rows_for(rows, lanes, gate.dtype,
-                                    None if interpret else _device_kind())
+                                    _common.device_kind(interpret))
     return _silu_mul(gate, up, (block_rows, interpret))
 
 
