@@ -29,6 +29,7 @@ from test_pallas_gpu_attention import (
 
 import forge_jax as fj
 from forge_jax import _compat, tolerances
+from forge_jax.pallas_kernels.tpu import _common as tpu_common
 from forge_jax.pallas_kernels.tpu import attention as kernel
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -257,7 +258,7 @@ def test_dispatch_names_the_rejection():
 
 
 def test_tuning_table():
-    assert set(kernel.TUNING) >= {"TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "default"}
+    assert set(tpu_common.TUNING) >= {"TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "default"}
     assert kernel.block_sizes(4096, 8192, BF16, device_kind="TPU v6 lite") == (512, 1024)
     assert kernel.block_sizes(1, 37, F32, device_kind="unknown") == (1, 37)  # clipped
     assert kernel.block_sizes(100, 300, BF16, block_q=32) == (32, 128)
@@ -265,3 +266,17 @@ def test_tuning_table():
 
 if __name__ == "__main__":
     absltest.main()
+
+
+def test_one_tuning_table_serves_every_tpu_kernel_and_generation():
+    ops = {impl.op for op in fj.dispatch.ops() for impl in fj.dispatch.registrations(op)
+           if impl.name == "pallas_tpu_interpret"}
+    assert ops == {"rms_norm", "silu_mul", "rope", "attention", "paged_attention",
+                   "ragged_paged_attention"}
+    for kind in (*tpu_common.GENERATIONS, "default"):
+        for op in ops:
+            knobs = tpu_common.tuning(op, kind)
+            assert knobs and all(isinstance(v, int) and v > 0 for v in knobs.values()), (kind, op)
+    assert tpu_common.tuning("attention", "TPU v9 unknown") == tpu_common.TUNING["default"][
+        "attention"]
+    assert tpu_common.tuning("rms_norm", "interpret") == tpu_common.TUNING["default"]["rms_norm"]

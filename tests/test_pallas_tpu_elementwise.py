@@ -267,7 +267,7 @@ def test_blocks_off_the_sublane_tile_fail_lowering():
 
 
 def test_table_blocks_are_tile_aligned():
-    for kind in rms_norm_kernel.TUNING:
+    for kind in tpu_common.TUNING:
         for dim, dtype in ((576, jnp.bfloat16), (2048, jnp.float32), (32768, jnp.bfloat16)):
             rows = rms_norm_kernel.block_rows_for(10**6, dim, dtype, kind)
             assert rows % tpu_common.sublane_tile(dtype) == 0, (kind, dim, dtype)

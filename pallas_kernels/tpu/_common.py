@@ -29,6 +29,79 @@ LANES = 128  # the lane width of a vreg: the last dimension of a lane-dense bloc
 INTERPRETER_ONLY = "TPU interpreter on CPU and Mosaic lowering via jax.export; no TPU hardware"
 
 
+# Launch defaults of every TPU kernel per TPU generation, in one table:
+# ``jax.Device.device_kind`` -> op -> keyword knobs. "default" serves any other kind, and
+# the interpreter (where "interpret" rows, when an op has one, come first). Untuned: sized
+# against each generation's default scoped VMEM (16 MiB on v4/v5e, 32 MiB on v5p/v6e),
+# pending measurements on TPU hardware.
+#   rms_norm, silu_mul, rope: elements per block of each array (rows = elements // width,
+#     rounded down to the sublane tile);
+#   attention: query rows and keys per block; paged_attention: keys per K/V block;
+#   ragged_paged_attention: query rows per block and keys per K/V block.
+TUNING: Mapping[str, Mapping[str, Mapping[str, int]]] = {
+    "TPU v4": {
+        "rms_norm": dict(block_elements=128 * 1024),
+        "silu_mul": dict(block_elements=256 * 1024),
+        "rope": dict(block_elements=256 * 1024),
+        "attention": dict(block_q=256, block_k=512),
+        "paged_attention": dict(block_k=256),
+        "ragged_paged_attention": dict(block_q=32, kv_block=256),
+    },
+    "TPU v5 lite": {  # v5e
+        "rms_norm": dict(block_elements=128 * 1024),
+        "silu_mul": dict(block_elements=256 * 1024),
+        "rope": dict(block_elements=256 * 1024),
+        "attention": dict(block_q=256, block_k=512),
+        "paged_attention": dict(block_k=256),
+        "ragged_paged_attention": dict(block_q=32, kv_block=256),
+    },
+    "TPU v5": {  # v5p (as jax names it)
+        "rms_norm": dict(block_elements=256 * 1024),
+        "silu_mul": dict(block_elements=512 * 1024),
+        "rope": dict(block_elements=512 * 1024),
+        "attention": dict(block_q=512, block_k=512),
+        "paged_attention": dict(block_k=512),
+        "ragged_paged_attention": dict(block_q=32, kv_block=512),
+    },
+    "TPU v5p": {
+        "rms_norm": dict(block_elements=256 * 1024),
+        "silu_mul": dict(block_elements=512 * 1024),
+        "rope": dict(block_elements=512 * 1024),
+        "attention": dict(block_q=512, block_k=512),
+        "paged_attention": dict(block_k=512),
+        "ragged_paged_attention": dict(block_q=32, kv_block=512),
+    },
+    "TPU v6 lite": {  # v6e
+        "rms_norm": dict(block_elements=256 * 1024),
+        "silu_mul": dict(block_elements=512 * 1024),
+        "rope": dict(block_elements=512 * 1024),
+        "attention": dict(block_q=512, block_k=1024),
+        "paged_attention": dict(block_k=512),
+        "ragged_paged_attention": dict(block_q=64, kv_block=512),
+    },
+    "interpret": {
+        # Small blocks keep the interpreter's per-step work (and the tests) short.
+        "ragged_paged_attention": dict(block_q=16, kv_block=32),
+    },
+    "default": {
+        "rms_norm": dict(block_elements=128 * 1024),
+        "silu_mul": dict(block_elements=256 * 1024),
+        "rope": dict(block_elements=256 * 1024),
+        "attention": dict(block_q=128, block_k=128),
+        "paged_attention": dict(block_k=256),
+        "ragged_paged_attention": dict(block_q=32, kv_block=256),
+    },
+}
+GENERATIONS = ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite")
+
+
+def tuning(op: str, device_kind: str | None = None) -> Mapping[str, int]:
+    """The launch defaults of ``op`` on ``device_kind`` (None: the defaults) from
+    :data:`TUNING`."""
+    row = TUNING.get(device_kind or "default", {})
+    return row.get(op, TUNING["default"][op])
+
+
 def sublane_tile(dtype) -> int:
     """Rows of one (8, 128) vreg tile of ``dtype``: 8 for 32-bit, 16 for packed 16-bit."""
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)

@@ -71,27 +71,13 @@ class Tuning:
     block_k: int
 
 
-# jax.devices()[0].device_kind -> tuning; "default" for any other kind and in the
-# interpreter. Untuned, in the range of JAX's own TPU flash attention, sized against the
-# default scoped VMEM (16 MiB on v4/v5e, 32 MiB on v5p/v6e): double-buffered Q/K/V/O
-# blocks plus the float32 [block_q, block_k] logits, pending TPU measurements.
-TUNING: Mapping[str, Tuning] = {
-    "TPU v4": Tuning(block_q=256, block_k=512),
-    "TPU v5 lite": Tuning(block_q=256, block_k=512),  # v5e
-    "TPU v5": Tuning(block_q=512, block_k=512),       # v5p
-    "TPU v5p": Tuning(block_q=512, block_k=512),
-    "TPU v6 lite": Tuning(block_q=512, block_k=1024),  # v6e
-    "default": Tuning(block_q=128, block_k=128),
-}
-
-
 def block_sizes(q_len: int, kv_len: int, dtype, *, block_q: int | None = None,
                 block_k: int | None = None, device_kind: str | None = None) -> tuple[int, int]:
-    """``(block_q, block_k)``: the knobs, else :data:`TUNING`, clipped to the sequences.
+    """``(block_q, block_k)``: the knobs, else :data:`_common.TUNING`, clipped to the sequences.
 
     Raises ``ValueError`` for a block Mosaic cannot tile.
     """
-    tuning = TUNING.get(device_kind or "default", TUNING["default"])
+    tuning = Tuning(**_common.tuning("attention", device_kind))
     block_q = min(block_q or tuning.block_q, q_len)
     block_k = min(block_k or tuning.block_k, kv_len)
     tile = _common.sublane_tile(dtype)
@@ -303,9 +289,9 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         that dot runs in float32), ``q_heads % kv_heads == 0``.
       scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
       block_q: queries per program, a multiple of the sublane tile (8 for float32, 16 for
-        bfloat16); clipped to ``q_len``. Default from :data:`TUNING`.
+        bfloat16); clipped to ``q_len``. Default from :data:`_common.TUNING`.
       block_k: keys per step, a multiple of 128; clipped to ``kv_len``. Default from
-        :data:`TUNING`.
+        :data:`_common.TUNING`.
       interpret: run in the TPU interpreter (any platform).
 
     Returns:

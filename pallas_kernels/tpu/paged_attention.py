@@ -63,23 +63,9 @@ class Tuning:
     block_k: int
 
 
-# jax.devices()[0].device_kind -> tuning; "default" for any other kind (and in the
-# interpreter). Untuned, in the range of JAX's own TPU paged attention (256-1024 keys per
-# block), sized against the default scoped VMEM (16 MiB on v4/v5e, 32 MiB on v5p/v6e): two
-# pools x two buffers x block_k x head_dim, pending TPU measurements.
-TUNING: Mapping[str, Tuning] = {
-    "TPU v4": Tuning(block_k=256),
-    "TPU v5 lite": Tuning(block_k=256),   # v5e
-    "TPU v5": Tuning(block_k=512),        # v5p
-    "TPU v5p": Tuning(block_k=512),
-    "TPU v6 lite": Tuning(block_k=512),   # v6e
-    "default": Tuning(block_k=256),
-}
-
-
 def default_pages_per_compute_block(page_size: int, max_pages: int,
                                     device_kind: str | None = None) -> int:
-    tuning = TUNING.get(device_kind or "default", TUNING["default"])
+    tuning = Tuning(**_common.tuning("paged_attention", device_kind))
     return max(1, min(max_pages, tuning.block_k // page_size))
 
 
@@ -197,7 +183,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
       scale, q_positions, sliding_window, logits_soft_cap: as in the op.
-      pages_per_compute_block: pages per K/V block (default from :data:`TUNING`).
+      pages_per_compute_block: pages per K/V block (default from :data:`_common.TUNING`).
       interpret: run in the TPU interpreter (any platform).
 
     Returns:

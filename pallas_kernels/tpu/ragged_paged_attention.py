@@ -29,27 +29,15 @@ from forge_jax.pallas_kernels.tpu import _common
 pl = _compat.pallas()
 pltpu = _compat.pallas_tpu()
 
-# Launch parameters per TPU generation (``jax.Device.device_kind``); ``None`` is the default,
-# ``"interpret"`` the TPU interpreter's (small blocks: its cost grows with the copies
-# unrolled per kv step, and small blocks exercise the loops).
-# ``block_q``: packed query rows per grid step (times the group size per matmul);
-# ``kv_block``: keys per kv step, rounded to whole pages. Not tuned on hardware yet.
-_BLOCKS = {
-    None: dict(block_q=32, kv_block=256),
-    "interpret": dict(block_q=16, kv_block=32),
-    "TPU v4": dict(block_q=32, kv_block=256),
-    "TPU v5 lite": dict(block_q=32, kv_block=256),
-    "TPU v5": dict(block_q=32, kv_block=512),
-    "TPU v6 lite": dict(block_q=64, kv_block=512),
-}
 
 # Mosaic tiles the last two dimensions of a VMEM array by (8, 128) 32-bit words, and packs
 # two bfloat16 values per word along the second-last: (16, 128) for bfloat16.
 
 
 def _defaults(interpret):
-    kind = "interpret" if interpret else getattr(jax.devices()[0], "device_kind", None)
-    return _BLOCKS.get(kind, _BLOCKS[None])
+    """The launch defaults (``block_q``, ``kv_block``) from the shared TPU table."""
+    kind = "interpret" if interpret else _common.device_kind()
+    return _common.tuning("ragged_paged_attention", kind)
 
 
 def _kernel(

@@ -46,25 +46,11 @@ class Tuning:
     block_elements: int
 
 
-# jax.devices()[0].device_kind -> tuning; "default" for any other kind (and in the
-# interpreter). Untuned (sized against each generation's default scoped VMEM: 16 MiB on
-# v4/v5e, 32 MiB on v5p/v6e; four arrays double-buffered plus float32 temporaries), pending
-# TPU measurements.
-TUNING: Mapping[str, Tuning] = {
-    "TPU v4": Tuning(block_elements=128 * 1024),
-    "TPU v5 lite": Tuning(block_elements=128 * 1024),   # v5e
-    "TPU v5": Tuning(block_elements=256 * 1024),        # v5p
-    "TPU v5p": Tuning(block_elements=256 * 1024),
-    "TPU v6 lite": Tuning(block_elements=256 * 1024),   # v6e
-    "default": Tuning(block_elements=128 * 1024),
-}
-
-
 def block_rows_for(rows: int, dim: int, dtype, device_kind: str | None = None) -> int:
     """Rows per block for ``rows`` rows of ``dim`` values of ``dtype`` on ``device_kind``:
     a multiple of the sublane tile, or ``rows`` itself when that is smaller (a block equal
     to the array's dim is always accepted by Mosaic)."""
-    tuning = TUNING.get(device_kind or "default", TUNING["default"])
+    tuning = Tuning(**_common.tuning("rms_norm", device_kind))
     tile = _common.sublane_tile(dtype)
     block_rows = max(tile, tuning.block_elements // dim // tile * tile)
     return rows if rows <= block_rows else block_rows
@@ -164,7 +150,7 @@ def rms_norm(x, weight, *, eps, residual, block_rows=None, interpret=False):
 
     Args:
       x, weight, eps, residual: as :func:`forge_jax.rms_norm`.
-      block_rows: overrides :func:`block_rows_for` (the :data:`TUNING` table's choice).
+      block_rows: overrides :func:`block_rows_for` (the :data:`_common.TUNING` table's choice).
       interpret: run in the TPU interpreter (any platform).
     """
     if block_rows is None:

@@ -63,19 +63,6 @@ class Tuning:
     block_elements: int
 
 
-# jax.devices()[0].device_kind -> tuning; "default" for any other kind (and in the
-# interpreter). Untuned (two arrays double-buffered plus float32 temporaries within the
-# default scoped VMEM: 16 MiB on v4/v5e, 32 MiB on v5p/v6e), pending TPU measurements.
-TUNING: Mapping[str, Tuning] = {
-    "TPU v4": Tuning(block_elements=256 * 1024),
-    "TPU v5 lite": Tuning(block_elements=256 * 1024),   # v5e
-    "TPU v5": Tuning(block_elements=512 * 1024),        # v5p
-    "TPU v5p": Tuning(block_elements=512 * 1024),
-    "TPU v6 lite": Tuning(block_elements=512 * 1024),   # v6e
-    "default": Tuning(block_elements=256 * 1024),
-}
-
-
 def chunk_width(heads: int, head_dim: int) -> int:
     """Lanes per chunk: the widest multiple of lcm(head_dim, 128), up to :data:`MAX_WIDTH`
     (or that lcm if larger), that divides ``heads * head_dim``."""
@@ -87,7 +74,7 @@ def chunk_width(heads: int, head_dim: int) -> int:
 
 def block_tokens_for(tokens: int, row: int, dtype, device_kind: str | None = None) -> int:
     """Tokens per block: a multiple of the sublane tile, no more than needed for ``tokens``."""
-    tuning = TUNING.get(device_kind or "default", TUNING["default"])
+    tuning = Tuning(**_common.tuning("rope", device_kind))
     tile = _common.sublane_tile(dtype)
     block = max(tile, tuning.block_elements // row // tile * tile)
     return min(block, pl.cdiv(tokens, tile) * tile)
@@ -208,7 +195,7 @@ def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, interp
 
     Args:
       x, positions, theta, scaling, interleaved: as :func:`forge_jax.rope`.
-      block_tokens: overrides :func:`block_tokens_for` (the :data:`TUNING` table's choice).
+      block_tokens: overrides :func:`block_tokens_for` (the :data:`_common.TUNING` table's choice).
       interpret: run in the TPU interpreter (any platform).
     """
     if block_tokens is None:

@@ -44,19 +44,6 @@ class Tuning:
     block_elements: int
 
 
-# jax.devices()[0].device_kind -> tuning; "default" for any other kind (and in the
-# interpreter). Untuned (three arrays double-buffered plus float32 temporaries within the
-# default scoped VMEM: 16 MiB on v4/v5e, 32 MiB on v5p/v6e), pending TPU measurements.
-TUNING: Mapping[str, Tuning] = {
-    "TPU v4": Tuning(block_elements=256 * 1024),
-    "TPU v5 lite": Tuning(block_elements=256 * 1024),   # v5e
-    "TPU v5": Tuning(block_elements=512 * 1024),        # v5p
-    "TPU v5p": Tuning(block_elements=512 * 1024),
-    "TPU v6 lite": Tuning(block_elements=512 * 1024),   # v6e
-    "default": Tuning(block_elements=256 * 1024),
-}
-
-
 def layout(shape) -> tuple[int, int]:
     """The ``(rows, lanes)`` view of an array of ``shape`` (see the module docstring)."""
     size = math.prod(shape)
@@ -66,7 +53,7 @@ def layout(shape) -> tuple[int, int]:
 
 def block_rows_for(rows: int, lanes: int, dtype, device_kind: str | None = None) -> int:
     """Rows per block: a multiple of the sublane tile, or ``rows`` when that is smaller."""
-    tuning = TUNING.get(device_kind or "default", TUNING["default"])
+    tuning = Tuning(**_common.tuning("silu_mul", device_kind))
     tile = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
     block_rows = max(tile, tuning.block_elements // max(lanes, 1) // tile * tile)
     return rows if rows <= block_rows else block_rows
@@ -145,7 +132,7 @@ def silu_mul(gate, up, *, block_rows=None, interpret=False):
 
     Args:
       gate, up: as :func:`forge_jax.silu_mul`.
-      block_rows: overrides :func:`block_rows_for` (the :data:`TUNING` table's choice).
+      block_rows: overrides :func:`block_rows_for` (the :data:`_common.TUNING` table's choice).
       interpret: run in the TPU interpreter (any platform).
     """
     if block_rows is None:
