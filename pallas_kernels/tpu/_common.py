@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from forge_jax import dispatch
+from forge_jax import backends, dispatch
 
 TPU_PRIORITY = 10
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -133,6 +133,7 @@ def register(
     dispatch.register(
         op, "pallas", platforms=("tpu",), priority={"tpu": TPU_PRIORITY},
         supports=lambda args, platform: supports(args),
+        available=lambda: None if backends.has_platform("tpu") else "no TPU device in this process",
         description=f"{description} (Pallas, Mosaic TPU; {INTERPRETER_ONLY})",
     )(lambda **args: kernel(**args, interpret=False))
     dispatch.register(
