@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import backends, dispatch
+from forge_jax.pallas_kernels._attention_common import POS_LIMIT  # noqa: F401
 
 # The Triton lowering supports compute capability 8.0 and up (A100, L4, H100); XLA refuses
 # it on a T4 (7.5), the most common free Colab GPU.
@@ -27,9 +28,6 @@ MIN_CAPABILITY = (8, 0)
 GPU_PRIORITY = 10
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MIN_DOT = 16  # Triton dots need every dimension >= 16
-# Positions are assumed to lie in [-2**30, 2**30): clamping positions and windows to this
-# keeps `p - window + 1` and `p + 1` inside int32.
-POS_LIMIT = 2**30
 
 
 def capability(cc: str | None) -> tuple[int, int] | None:

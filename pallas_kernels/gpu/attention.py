@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.ops.attention import attention_reference
+from forge_jax.pallas_kernels import _attention_common
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -225,32 +225,7 @@ def _attention_fwd(q, k, v, positions, lengths, st):
     return _forward(q, k, v, positions, lengths, st), (q, k, v, positions, lengths)
 
 
-def _attention_bwd(st, residuals, g):
-    q, k, v, positions, lengths = residuals
-    kv_len = k.shape[1]
-    # K/V slots no query may see can hold NaN/inf; inside the reference's einsums a zero
-    # probability or cotangent times NaN would still be NaN, so they are zeroed first (and
-    # get zero gradients through the `where`).
-    j = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
-    seen = j < lengths[:, None]  # [batch, kv_len]: some query of the sequence sees key j
-    if st.causal:
-        seen &= j <= positions.max(axis=1)[:, None]
-    if st.sliding_window is not None:
-        seen &= j > positions.min(axis=1)[:, None] - st.sliding_window
-    seen = seen[:, :, None, None]
-
-    def reference(q, k, v):
-        return attention_reference(
-            q, jnp.where(seen, k, jnp.zeros((), k.dtype)),
-            jnp.where(seen, v, jnp.zeros((), v.dtype)), scale=st.scale, causal=st.causal,
-            q_positions=positions, kv_lengths=lengths, sliding_window=st.sliding_window,
-            logits_soft_cap=st.logits_soft_cap)
-
-    _, vjp = jax.vjp(reference, q, k, v)
-    return (*vjp(g), None, None)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_common.reference_vjp)
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
+from forge_jax.pallas_kernels import _attention_common
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -222,24 +223,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
 
     with jax.named_scope("paged_attention"):
         # Small per-sequence bookkeeping in XLA; the pool itself is only read by the kernel.
-        capacity = max_pages * page_size
-        lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, capacity)
-        if q_positions is None:
-            q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
-        pos = jnp.clip(jnp.asarray(q_positions).astype(jnp.int32).reshape(batch, q_len),
-                       -_common.POS_LIMIT, _common.POS_LIMIT)
-        window = None if sliding_window is None else min(sliding_window, _common.POS_LIMIT)
-        key_hi = jnp.clip(jnp.minimum(lengths, pos.max(axis=1) + 1), 0, capacity)
-        key_lo = (jnp.zeros_like(key_hi) if window is None
-                  else jnp.clip(pos.min(axis=1) - window + 1, 0, capacity))
-        # Row r of a group is query r // group (query-major); padded rows see no key.
-        row_pos = jnp.pad(jnp.repeat(pos, group, axis=1), ((0, 0), (0, rows_pad - rows)),
-                          constant_values=-1)
-        # Entries past a sequence's pages may be garbage: read page 0 there (masked), and
-        # never index outside the pool.
-        used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
-        tables = jnp.where(used, jnp.clip(jnp.asarray(block_tables).astype(jnp.int32), 0,
-                                          num_pages - 1), 0)
+        window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
+            q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
+            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window)
         tables = jnp.pad(tables, ((0, 0), (0, num_splits * blocks_per_split
                                            * pages_per_compute_block - max_pages)))
         qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)

@@ -38,59 +38,37 @@ INTERPRETER_ONLY = "TPU interpreter on CPU and Mosaic lowering via jax.export; n
 #     rounded down to the sublane tile);
 #   attention: query rows and keys per block; paged_attention: keys per K/V block;
 #   ragged_paged_attention: query rows per block and keys per K/V block.
+_SMALL_VMEM = {  # 16 MiB of scoped VMEM: v4, v5e
+    "rms_norm": dict(block_elements=128 * 1024),
+    "silu_mul": dict(block_elements=256 * 1024),
+    "rope": dict(block_elements=256 * 1024),
+    "attention": dict(block_q=256, block_k=512),
+    "paged_attention": dict(block_k=256),
+    "ragged_paged_attention": dict(block_q=32, kv_block=256),
+}
+_LARGE_VMEM = {  # 32 MiB of scoped VMEM: v5p
+    "rms_norm": dict(block_elements=256 * 1024),
+    "silu_mul": dict(block_elements=512 * 1024),
+    "rope": dict(block_elements=512 * 1024),
+    "attention": dict(block_q=512, block_k=512),
+    "paged_attention": dict(block_k=512),
+    "ragged_paged_attention": dict(block_q=32, kv_block=512),
+}
 TUNING: Mapping[str, Mapping[str, Mapping[str, int]]] = {
-    "TPU v4": {
-        "rms_norm": dict(block_elements=128 * 1024),
-        "silu_mul": dict(block_elements=256 * 1024),
-        "rope": dict(block_elements=256 * 1024),
-        "attention": dict(block_q=256, block_k=512),
-        "paged_attention": dict(block_k=256),
-        "ragged_paged_attention": dict(block_q=32, kv_block=256),
-    },
-    "TPU v5 lite": {  # v5e
-        "rms_norm": dict(block_elements=128 * 1024),
-        "silu_mul": dict(block_elements=256 * 1024),
-        "rope": dict(block_elements=256 * 1024),
-        "attention": dict(block_q=256, block_k=512),
-        "paged_attention": dict(block_k=256),
-        "ragged_paged_attention": dict(block_q=32, kv_block=256),
-    },
-    "TPU v5": {  # v5p (as jax names it)
-        "rms_norm": dict(block_elements=256 * 1024),
-        "silu_mul": dict(block_elements=512 * 1024),
-        "rope": dict(block_elements=512 * 1024),
-        "attention": dict(block_q=512, block_k=512),
-        "paged_attention": dict(block_k=512),
-        "ragged_paged_attention": dict(block_q=32, kv_block=512),
-    },
-    "TPU v5p": {
-        "rms_norm": dict(block_elements=256 * 1024),
-        "silu_mul": dict(block_elements=512 * 1024),
-        "rope": dict(block_elements=512 * 1024),
-        "attention": dict(block_q=512, block_k=512),
-        "paged_attention": dict(block_k=512),
-        "ragged_paged_attention": dict(block_q=32, kv_block=512),
-    },
-    "TPU v6 lite": {  # v6e
-        "rms_norm": dict(block_elements=256 * 1024),
-        "silu_mul": dict(block_elements=512 * 1024),
-        "rope": dict(block_elements=512 * 1024),
+    "TPU v4": _SMALL_VMEM,
+    "TPU v5 lite": _SMALL_VMEM,  # v5e
+    "TPU v5": _LARGE_VMEM,       # v5p, as jax names it
+    "TPU v5p": _LARGE_VMEM,
+    "TPU v6 lite": {             # v6e: 32 MiB, and a faster MXU for bigger attention blocks
+        **_LARGE_VMEM,
         "attention": dict(block_q=512, block_k=1024),
-        "paged_attention": dict(block_k=512),
         "ragged_paged_attention": dict(block_q=64, kv_block=512),
     },
     "interpret": {
         # Small blocks keep the interpreter's per-step work (and the tests) short.
         "ragged_paged_attention": dict(block_q=16, kv_block=32),
     },
-    "default": {
-        "rms_norm": dict(block_elements=128 * 1024),
-        "silu_mul": dict(block_elements=256 * 1024),
-        "rope": dict(block_elements=256 * 1024),
-        "attention": dict(block_q=128, block_k=128),
-        "paged_attention": dict(block_k=256),
-        "ragged_paged_attention": dict(block_q=32, kv_block=256),
-    },
+    "default": {**_SMALL_VMEM, "attention": dict(block_q=128, block_k=128)},
 }
 GENERATIONS = ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite")
 

@@ -52,15 +52,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.ops.attention import attention_reference
+from forge_jax.pallas_kernels import _attention_common
+from forge_jax.pallas_kernels._attention_common import POS_LIMIT
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
 pltpu = _compat.pallas_tpu()
 
-# Positions are assumed to lie in [-2**30, 2**30): clamping them (and the window) keeps
-# `p - window + 1` and `p + 1` inside int32.
-_POS_LIMIT = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +188,8 @@ def _forward(q, k, v, positions, lengths, st: _Static):
 
     # [lo, hi): the keys any query of each (sequence, query block) may see.
     pad = num_q_blocks * block_q - q_len
-    pos_hi = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-_POS_LIMIT)
-    pos_lo = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=_POS_LIMIT)
+    pos_hi = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-POS_LIMIT)
+    pos_lo = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=POS_LIMIT)
     hi = jnp.broadcast_to(lengths[:, None], (batch, num_q_blocks))
     if st.causal:
         hi = jnp.minimum(hi, pos_hi.reshape(batch, num_q_blocks, block_q).max(-1) + 1)
@@ -258,21 +256,7 @@ def _attention_fwd(q, k, v, positions, lengths, st):
     return _forward(q, k, v, positions, lengths, st), (q, k, v, positions, lengths)
 
 
-def _attention_bwd(st, residuals, g):
-    q, k, v, positions, lengths = residuals
-
-    def reference(q, k, v):
-        # The reference keeps hidden NaN/inf slots out of every gradient itself.
-        return attention_reference(
-            q, k, v, scale=st.scale, causal=st.causal, q_positions=positions,
-            kv_lengths=lengths, sliding_window=st.sliding_window,
-            logits_soft_cap=st.logits_soft_cap)
-
-    _, vjp = jax.vjp(reference, q, k, v)
-    return (*vjp(g), None, None)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_common.reference_vjp)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -304,7 +288,7 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         return jnp.zeros(q.shape, q.dtype)
     block_q, block_k = block_sizes(q_len, kv_len, q.dtype, block_q=block_q, block_k=block_k,
                                    device_kind=_common.device_kind(interpret))
-    window = None if sliding_window is None else min(int(sliding_window), _POS_LIMIT)
+    window = None if sliding_window is None else min(int(sliding_window), POS_LIMIT)
     st = _Static(scale=float(head_dim ** -0.5 if scale is None else scale), causal=causal,
                  sliding_window=window, logits_soft_cap=logits_soft_cap, block_q=block_q,
                  block_k=block_k, interpret=interpret)
@@ -312,13 +296,13 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         if kv_lengths is None:
             raw = jnp.full((batch,), kv_len, jnp.int32)
         else:
-            raw = jnp.clip(kv_lengths.astype(jnp.int32), -_POS_LIMIT, _POS_LIMIT)
+            raw = jnp.clip(kv_lengths.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
         lengths = jnp.clip(raw, 0, kv_len)  # keys past kv_len do not exist anyway
         if q_positions is None:
             # Bottom-right per sequence: the last query sits at the last valid key.
             positions = raw[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
         else:
-            positions = jnp.clip(q_positions.astype(jnp.int32), -_POS_LIMIT, _POS_LIMIT)
+            positions = jnp.clip(q_positions.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
         return _attention(q, k, v, positions, lengths, st)
 
 
