@@ -323,6 +323,17 @@ def _copy_pages_rule(args, config):
     return {"k_pages": ps, "v_pages": ps, "copies": P()}, (ps, ps)
 
 
+@_rule("contiguous_write")
+def _contiguous_write_rule(args, config):
+    # ContiguousKVCache.write: each data shard writes its own rows, each tensor shard its
+    # own heads; without the rule XLA's scatter gathers the new rows across the data axis.
+    buf = args["buffer"]  # [batch, max_len, kv_heads, head_dim]
+    b = _div(config, config.dp_name, buf.shape[0])
+    h = _div(config, config.tp_name, buf.shape[2])
+    spec = P(b, None, h, None)
+    return {"buffer": spec, "new": spec, "positions": P(b, None)}, spec
+
+
 def has_rule(op: str) -> bool:
     """Whether ``op`` runs per shard under :func:`use_mesh`."""
     return op in _RULES

@@ -490,6 +490,9 @@ class Llama(nnx.Module):
         c = self.config
         batch, t = tokens.shape
         x = fj.embedding(self.embed_tokens[...], tokens).astype(self.dtype)  # [b, t, d]
+        if self.mesh is not None:  # the batch rows stay on their data-axis shard throughout
+            rows = self.mesh.batch_axis(batch)
+            x = jax.lax.with_sharding_constraint(x, self.mesh.sharding(rows, None, None))
         residual = None
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
