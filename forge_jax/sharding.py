@@ -149,7 +149,7 @@ def make_mesh(axes: Mapping[str, int] | str, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     need = math.prod(axes.values())
     if need > len(devices):
-        raise ValueError(f"a mesh {axes} needs {need} devices; {len(devices)} are available "
+        raise ValueError(f"a mesh {axes} needs {need} devices; only {len(devices)} available "
                          f"({devices[0].platform if devices else 'none'})")
     grid = np.asarray(devices[:need], dtype=object).reshape(tuple(axes.values()))
     return Mesh(grid, tuple(axes))
