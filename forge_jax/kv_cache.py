@@ -357,11 +357,12 @@ class PagedKVCache:
         _check_write(k, v, positions, valid, batch=self.batch, kv_heads=self.kv_heads,
                      head_dim=self.head_dim)
         batch, t = k.shape[:2]
-        slots = self.slots(positions, valid).reshape(batch * t)
-        new_k, new_v = paged_write(
-            self.k_pages[layer], self.v_pages[layer],
-            k.reshape(batch * t, self.kv_heads, self.head_dim),
-            v.reshape(batch * t, self.kv_heads, self.head_dim), slots)
+        with jax.named_scope("kv_cache_write"):
+            slots = self.slots(positions, valid).reshape(batch * t)
+            new_k, new_v = paged_write(
+                self.k_pages[layer], self.v_pages[layer],
+                k.reshape(batch * t, self.kv_heads, self.head_dim),
+                v.reshape(batch * t, self.kv_heads, self.head_dim), slots)
         return dataclasses.replace(self, k_pages=_replace_layer(self.k_pages, layer, new_k),
                                    v_pages=_replace_layer(self.v_pages, layer, new_v))
 
