@@ -111,11 +111,11 @@ class OpVariantsTest(chex.TestCase):
     def test_pmap_sharded_inputs(self):
         # A genuinely sharded pmap (different data per device), not the broadcast default.
         g = rng(58)
-        x, w = normal(g, (4, 2, 16)), normal(g, (16,))
+        x, w = normal(g, (8, 2, 16)), normal(g, (16,))
         fn = self.variant(lambda x: fj.rms_norm(x, w), broadcast_args_to_devices=False,
                           reduce_fn=None)
         out = fn(x)
-        chex.assert_shape(out, (4, 2, 16))
+        chex.assert_shape(out, (8, 2, 16))
         assert_close(out, rms_norm_ref(x, w))
 
 
