@@ -6,6 +6,7 @@ See ``_common.py`` for the registration contract (``"pallas"`` on GPU once verif
 
 from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers the kernels)
     attention,
+    cudnn_attention,
     paged_attention,
     rms_norm,
     rope,
