@@ -5,7 +5,8 @@ through XLA, with Pallas kernels swapped in by the dispatch registry where the
 hardware allows. See README.md for a tour.
 """
 
-from forge_jax import backends, dispatch, kv_cache, tolerances
+from forge_jax import autotuning, backends, dispatch, kv_cache, tolerances
+from forge_jax.autotuning import autotune
 from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
     RopeScaling,
@@ -32,4 +33,5 @@ __all__ = [
     "tolerances", "use_implementation",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
+    "autotune", "autotuning",
 ]

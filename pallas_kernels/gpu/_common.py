@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from forge_jax import backends, dispatch
+from forge_jax import autotuning, backends, dispatch
 from forge_jax.pallas_kernels._attention_common import POS_LIMIT  # noqa: F401
 
 # The Triton lowering supports compute capability 8.0 and up (A100, L4, H100); XLA refuses
@@ -71,6 +71,8 @@ def register(
     supports: Callable[[Mapping[str, Any]], str | None],
     description: str,
     verified: Mapping[str, str],
+    configs: autotuning.ConfigsFn | None = None,
+    interpret_configs: autotuning.ConfigsFn | None = None,
 ) -> None:
     """Registers ``kernel(**op_args, interpret=...)`` as ``"pallas"`` (GPU) and
     ``"pallas_gpu_interpret"`` (any platform, by name).
@@ -79,6 +81,8 @@ def register(
     the contract with the real lowering (every case it accepts must compile for CUDA).
     ``verified``: ``{"gpu": "NVIDIA H100 80GB, JAX 0.11.2, 2026-..."}`` once the kernel
     was compiled, checked and measured faster than XLA there; ``{}`` until then.
+    ``configs(args)``: the launch configurations :func:`forge_jax.autotune` times on a GPU
+    besides the table's defaults; ``interpret_configs(args)``: a few for the interpreter.
     """
     dispatch.register(
         op, "pallas", platforms=("gpu",), priority={"gpu": GPU_PRIORITY}, verified=verified,
@@ -91,3 +95,7 @@ def register(
         supports=lambda args, platform: supports(args),
         description=f"{description} (Pallas GPU kernel in interpret mode)",
     )(lambda **args: kernel(**args, interpret=True))
+    if configs is not None:
+        autotuning.register_configs(op, "pallas", configs)
+    if interpret_configs is not None:
+        autotuning.register_configs(op, "pallas_gpu_interpret", interpret_configs)

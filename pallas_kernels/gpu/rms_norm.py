@@ -187,5 +187,15 @@ def rms_norm(x, weight, *, eps, residual, block_rows=None, num_warps=None, num_s
     return _rms_norm(x, weight, residual, eps, (launch, interpret))
 
 
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults: rows per program up to
+    :data:`MAX_HIDDEN` values per program, at 4 and 8 warps."""
+    padded = _common.next_pow2(args["x"].shape[-1])
+    return [dict(block_rows=r, num_warps=w) for r in (1, 2, 4, 8, 16, 32)
+            if r * padded <= MAX_HIDDEN for w in (4, 8)]
+
+
 _common.register("rms_norm", rms_norm, supports=supports, verified=VERIFIED,
-                 description="one program per block of rows, fused residual add, float32 math")
+                 description="one program per block of rows, fused residual add, float32 math",
+                 configs=configs,
+                 interpret_configs=lambda args: [dict(block_rows=2), dict(block_rows=8)])

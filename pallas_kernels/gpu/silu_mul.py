@@ -139,5 +139,12 @@ def silu_mul(gate, up, *, block_size=None, num_warps=None, num_stages=None, inte
     return _silu_mul(gate, up, (launch, interpret))
 
 
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults."""
+    del args
+    return [dict(block_size=b, num_warps=w) for b in (1024, 2048, 4096, 8192) for w in (4, 8)]
+
+
 _common.register("silu_mul", silu_mul, supports=supports, verified=VERIFIED,
-                 description="flattened blocks, float32 math")
+                 description="flattened blocks, float32 math", configs=configs,
+                 interpret_configs=lambda args: [dict(block_size=256)])
