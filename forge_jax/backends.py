@@ -153,12 +153,8 @@ def toolchains() -> tuple[ToolchainInfo, ...]:
                               pallas or mosaic_gpu))
     rows.append(ToolchainInfo("Pallas Mosaic TPU", pallas is None and tpu,
                               pallas or (None if tpu else "no TPU device")))
-    if not _compat.module_available("jax_triton"):
-        jt = "jax-triton not installed (pip install 'forge-jax[gpu]')"
-    elif not gpu:
-        jt = "jax-triton not importable: needs a GPU jaxlib and a GPU"
-    else:
-        jt = None
+    jt = _compat.jax_triton_reason() or (
+        None if gpu else "jax-triton not importable: needs a GPU jaxlib and a GPU")
     rows.append(ToolchainInfo("jax-triton", jt is None, jt))
     return tuple(rows)
 

@@ -11,4 +11,5 @@ from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers t
     rms_norm,
     rope,
     silu_mul,
+    triton_elementwise,
 )
