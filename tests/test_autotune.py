@@ -212,3 +212,35 @@ def test_cache_location(monkeypatch, tmp_path):
     monkeypatch.delenv(autotuning.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert autotuning.cache_path() == tmp_path / "forge_jax" / "autotune.json"
+
+
+def test_cli_tune_covers_the_models_ops_and_then_reads_the_cache(cache, capsys):
+    from forge_jax import cli
+
+    assert cli.main(["tune", "--iters", "1", "--seq-len", "8", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "models/tiny: tuning 11 op calls (batch 1, prefill 8 tokens and decode" in out
+    for op in ("rms_norm", "silu_mul", "rope", "attention"):
+        assert f"  {op} " in out, out
+    assert out.count("candidates timed]") == 11 and f"cache: {cache}" in out
+    entries = json.loads(cache.read_text())["entries"]
+    assert len(entries) == 11 and {e["implementation"] for e in entries} == {"xla"}
+    # The decode step's fused norm: x [1, 1, hidden] with the residual.
+    assert any(e["op"] == "rms_norm" and e["signature"].startswith("x=float32[1, 1, 128]")
+               and "residual=float32[1, 1, 128]" in e["signature"] for e in entries)
+    assert cli.main(["tune", "--iters", "1", "--seq-len", "8", "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.count("[cached]") == 11
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--iters", "0"], "--iters must be >= 1, got 0"),
+    (["--implementations", "xla,pallsa"], "'pallsa' is not registered"),
+    (["--checkpoint", "/nonexistent/dir"], "/nonexistent/dir"),
+])
+def test_cli_tune_bad_input(argv, words, capsys):
+    from forge_jax import cli
+
+    assert cli.main(["tune", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("forge-jax tune: error: ") and words in err, err
