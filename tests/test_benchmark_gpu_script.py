@@ -81,6 +81,13 @@ def test_quick_run_checks_every_kernel_against_xla(tmp_path):
             assert ours["check"] in ("PASS", "FAIL") and ours["max_err"] is not None, ours
             assert ours["target"] and ours["met"] in (True, False), ours
     assert rows[("attention", "cudnn")]["status"] == "skipped", rows[("attention", "cudnn")]
+    assert "GPU" in rows[("attention", "cudnn")]["note"]
+    for kernel in ("rms_norm", "silu_mul"):
+        triton = rows[(kernel, "triton")]
+        assert triton["status"] == "skipped" and "jax-triton" in triton["note"], triton
+    for kernel in KERNELS:
+        auto = rows[(kernel, "auto")]
+        assert auto["check"] == "PASS" and auto["note"] == "auto chose 'xla'", auto
     failed = [r for r in result["rows"] if r["status"] == "error" or r["check"] == "FAIL"]
     assert run.returncode == (1 if failed else 0), (failed, out)
     assert result["passed"] is not bool(failed)
