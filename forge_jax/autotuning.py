@@ -217,22 +217,28 @@ def winner(impls: Mapping[str, dispatch.Implementation], args: Mapping[str, Any]
     return impl
 
 
-def _write(path: pathlib.Path, entry: Mapping[str, Any]) -> None:
-    """Adds ``entry`` to the file (atomically), keeping the entries already there."""
-    entries, readable = _read(path)
-    entries = dict(entries)
-    if not readable:
+def _store(path: pathlib.Path, entries: Mapping[str, Mapping[str, Any]]) -> None:
+    """Writes ``entries`` as the whole file, atomically (a reader sees the old file or the
+    new one, never half of one); a file that was unreadable is set aside first."""
+    if not _read(path)[1]:
         aside = path.with_name(path.name + ".corrupt")
         os.replace(path, aside)
         warnings.warn(f"forge_jax autotune cache {path} was unreadable; moved to {aside}",
                       RuntimeWarning, stacklevel=3)
-    entries[_key(entry["device_kind"], entry["op"], entry["signature"])] = dict(entry)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION,
                                "entries": sorted(entries.values(), key=json.dumps)},
                               indent=1) + "\n")
     os.replace(tmp, path)
+    _READ.pop(str(path), None)  # re-read next time, whatever the file system's clock says
+
+
+def _write(path: pathlib.Path, entry: Mapping[str, Any]) -> None:
+    """Adds ``entry`` to the file, keeping the entries already there."""
+    entries = dict(_entries(path))
+    entries[_key(entry["device_kind"], entry["op"], entry["signature"])] = dict(entry)
+    _store(path, entries)
 
 
 def clear(op: str | None = None) -> int:
@@ -241,9 +247,8 @@ def clear(op: str | None = None) -> int:
     if path is None or not path.exists():
         return 0
     entries = _entries(path)
-    keep = [e for e in entries.values() if op is not None and e["op"] != op]
-    path.write_text(json.dumps({"format": FORMAT, "version": VERSION, "entries": keep},
-                               indent=1) + "\n")
+    keep = {k: e for k, e in entries.items() if op is not None and e["op"] != op}
+    _store(path, keep)
     return len(entries) - len(keep)
 
 
@@ -310,6 +315,9 @@ def autotune(op: str, *args: Any, implementations: Iterable[str] | None = None,
     if not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters=!r}")
     bound = dispatch._BINDERS[op](*args, **kwargs)
+    if any(isinstance(a, jax.core.Tracer) for a in bound.values()):
+        raise ValueError(f"fj.autotune({op!r}, ...) times concrete arrays: call it outside "
+                         "jax.jit / vmap / grad (auto selection inside them reads its result)")
     platform = dispatch._platform(bound)
     impls = dispatch.implementations(op, platform)
     names = _default_names(impls, platform) if implementations is None else list(implementations)

@@ -156,6 +156,10 @@ def toolchains() -> tuple[ToolchainInfo, ...]:
     jt = _compat.jax_triton_reason() or (
         None if gpu else "jax-triton not importable: needs a GPU jaxlib and a GPU")
     rows.append(ToolchainInfo("jax-triton", jt is None, jt))
+    cudnn = None if cc and float(cc) >= 8.0 else (
+        f"cuDNN flash attention needs compute capability >= 8.0, GPU has {cc}" if cc
+        else "no GPU device")
+    rows.append(ToolchainInfo("cuDNN flash attention (Ampere+)", cudnn is None, cudnn))
     return tuple(rows)
 
 

@@ -201,6 +201,8 @@ def test_bad_arguments():
         fj.autotune("rms_nrom", x, w)
     with pytest.raises(ValueError, match="weight"):
         fj.autotune("rms_norm", x, jnp.ones(3))
+    with pytest.raises(ValueError, match="outside jax.jit"):
+        jax.jit(lambda x: fj.autotune("rms_norm", x, w).seconds)(x)
 
 
 def test_cache_location(monkeypatch, tmp_path):
