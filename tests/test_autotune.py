@@ -246,3 +246,47 @@ def test_cli_tune_bad_input(argv, words, capsys):
     assert cli.main(["tune", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("forge-jax tune: error: ") and words in err, err
+
+
+@pytest.mark.parametrize("op,make", [
+    ("rope", lambda g: ((normal(g, (1, 6, 4, 32)),
+                         jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (1, 6))), {})),
+    ("attention", lambda g: ((normal(g, (1, 8, 4, 32)), normal(g, (1, 8, 2, 32)),
+                              normal(g, (1, 8, 2, 32))), {})),
+])
+def test_kernel_configs_are_valid(op, make):
+    """Every configuration the GPU kernels offer in the interpreter runs and passes the check
+    against XLA (the compiled ones' validity is checked by lowering them in the kernel
+    tests' style below)."""
+    args, kwargs = make(rng(9))
+    result = fj.autotune(op, *args, implementations=("xla", INTERPRET), iters=1, store=False,
+                         **kwargs)
+    ours = [c for c in result.candidates if c.implementation == INTERPRET]
+    assert len(ours) == 2 and all(c.error is None for c in ours), ours
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "rope", "attention"])
+def test_gpu_configs_lower_for_cuda(op):
+    """Each launch configuration autotuning would time on a GPU lowers for CUDA (Pallas ->
+    Triton runs here; only PTX needs the device)."""
+    from forge_jax import _compat
+
+    S = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    shapes = {
+        "rms_norm": (S((8, 576), bf16), S((576,), bf16)),
+        "silu_mul": (S((8, 576), bf16), S((8, 576), bf16)),
+        "rope": (S((1, 6, 4, 64), bf16), S((1, 6), jnp.int32)),
+        "attention": (S((1, 16, 4, 64), bf16), S((1, 16, 2, 64), bf16), S((1, 16, 2, 64), bf16)),
+    }[op]
+    pallas = dispatch.implementations(op, "gpu")["pallas"]
+    bound = dispatch._BINDERS[op](*[jnp.zeros(s.shape, s.dtype) for s in shapes])
+    static = {n: a for n, a in bound.items() if not isinstance(a, jax.Array)}
+    names = [n for n, a in bound.items() if isinstance(a, jax.Array)]
+    configs = autotuning._CONFIGS[(op, "pallas")](bound)
+    assert len(configs) >= 4
+    for config in configs[:4] + configs[-2:]:
+        def fn(*arrays, config=config):
+            return pallas.fn(**dict(zip(names, arrays, strict=True)), **static, **config)
+
+        _compat.export_for_cuda(fn, *shapes)

@@ -282,6 +282,15 @@ def supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults (a configuration that does
+    not fit the device's shared memory fails to compile and is reported, not chosen)."""
+    del args
+    return [dict(block_q=q, block_k=k, num_warps=w, num_stages=2)
+            for q in (32, 64, 128) for k in (32, 64) for w in (4, 8)]
+
+
 _common.register(
     "attention", flash_attention, supports=supports, verified=VERIFIED,
-    description="flash attention, GQA groups per program, XLA-VJP backward")
+    description="flash attention, GQA groups per program, XLA-VJP backward", configs=configs,
+    interpret_configs=lambda args: [dict(block_q=16, block_k=16)])

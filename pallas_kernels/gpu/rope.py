@@ -186,5 +186,13 @@ def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, block_
     return _rope(x, positions, (theta, scaling, interleaved), (launch, interpret))
 
 
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults: tokens per program at
+    the table's head block, 4 and 8 warps."""
+    del args
+    return [dict(block_tokens=t, num_warps=w) for t in (1, 2, 4, 8) for w in (4, 8)]
+
+
 _common.register("rope", rope, supports=supports, verified=VERIFIED,
-                 description="cos/sin from positions in-kernel, float32 angles")
+                 description="cos/sin from positions in-kernel, float32 angles", configs=configs,
+                 interpret_configs=lambda args: [dict(block_tokens=2)])
