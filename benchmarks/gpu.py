@@ -22,7 +22,7 @@ its benchmark shape, on fresh random data (the seed is printed):
 Targets (H100): rms_norm, silu_mul, rope >= 80% of the copy bandwidth; paged decode
 attention >= 70%; flash attention forward >= 350 TFLOP/s. cuDNN attention
 (``fj.attention``'s ``"cudnn"`` implementation, i.e. ``jax.nn.dot_product_attention``)
-and the jax-triton kernels (``"triton"``: rms_norm, silu_mul) run where their
+and the jax-triton kernels (``"triton"``: rms_norm, silu_mul, rope) run where their
 ``supports()`` accept the case; otherwise their row says why they were skipped. The
 ``"auto"`` row times what auto selection picks (its note names it), the figure the
 "auto is never more than 5% slower than the fastest" goal is read from.
@@ -68,7 +68,8 @@ KERNELS = ("rms_norm", "silu_mul", "rope", "attention", "paged_attention")
 CUDNN = "cudnn"
 # Library implementations timed beside the Pallas kernel where they exist: jax-triton
 # kernels, cuDNN attention. Each row says why it was skipped where it cannot run.
-LIBRARY = {"rms_norm": ("triton",), "silu_mul": ("triton",), "attention": (CUDNN,)}
+LIBRARY = {"rms_norm": ("triton",), "silu_mul": ("triton",), "rope": ("triton",),
+           "attention": (CUDNN,)}
 AUTO = "auto"  # implementation=None: what auto selection picks (the row's note names it)
 SAMPLE_S = 0.005  # a timed sample lasts about this long (back-to-back calls)
 MAX_CALLS = 200  # calls per sample at most

@@ -185,3 +185,11 @@ class TestCudnnOnGpu:
         k, v = k.at[:, 40:].set(jnp.nan), v.at[:, 40:].set(jnp.nan)
         out = fj.attention(q, k, v, implementation="cudnn")
         assert np.isfinite(np.asarray(out[:, :40], np.float32)).all()
+
+
+def test_info_reports_it():
+    text = str(backends.summary())
+    assert "attention: cudnn (gpu) -> " in text
+    assert "cuDNN flash attention (Ampere+): " in text
+    if backends.gpu_compute_capability() is None:
+        assert "attention: cudnn (gpu) -> unavailable: no GPU device in this process" in text

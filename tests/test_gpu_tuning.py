@@ -15,7 +15,7 @@ from forge_jax.pallas_kernels.gpu import (
 )
 
 OPS = ("rms_norm", "silu_mul", "rope", "attention", "paged_attention", "triton_rms_norm",
-       "triton_silu_mul")
+       "triton_silu_mul", "triton_rope")
 KINDS = {
     "NVIDIA H100 80GB HBM3": "H100",
     "NVIDIA H100 PCIe": "H100",

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, case_id, normal, rng
-from reference import rms_norm_ref, silu_mul_ref
+from reference import rms_norm_ref, rope_ref, silu_mul_ref
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch
@@ -123,6 +123,21 @@ def _emulate(launch, *arrays):
     argument order and outputs that the wrapper hands jax-triton."""
     def host(*arrays):
         a = [np.asarray(x, np.float32) for x in arrays]
+        if launch.kernel == "rope_kernel":
+            x, pos, inv = a
+            heads, head_dim = launch.scalars
+            assert x.shape == launch.out[0].shape == (pos.shape[0], heads, head_dim)
+            assert launch.grid == (pos.shape[0], -(-heads // launch.meta["BLOCK_HEADS"]))
+            angle = (pos[:, None] * inv[None, :])[:, None, :]  # float32, as the kernel
+            if launch.meta["INTERLEAVED"]:
+                x1, x2 = x[..., 0::2], x[..., 1::2]
+            else:
+                x1, x2 = np.split(x, 2, axis=-1)
+            r1 = x1 * np.cos(angle) - x2 * np.sin(angle)
+            r2 = x2 * np.cos(angle) + x1 * np.sin(angle)
+            out = (np.stack([r1, r2], -1).reshape(x.shape) if launch.meta["INTERLEAVED"]
+                   else np.concatenate([r1, r2], -1))
+            return out.astype(launch.out[0].dtype)
         if launch.kernel == "silu_mul_kernel":
             (size,) = launch.scalars
             g, u = a
@@ -201,6 +216,40 @@ def test_silu_mul_plumbing_vmap_and_grad(emulated):
     assert tk.silu_mul(gate[:0], up[:0]).shape == (0, 5, 200)
 
 
+def test_rope_launch():
+    plan = tk.rope_launch((2, 5, 3, 80), jnp.bfloat16, interleaved=True)
+    assert plan.kernel == "rope_kernel" and plan.scalars == (3, 80)
+    assert plan.meta == {"BLOCK_HEADS": 4, "HALF": 64, "INTERLEAVED": True}
+    assert plan.grid == (10, 1) and plan.out[0].shape == (10, 3, 80)
+    plan = tk.rope_launch((1, 7, 32, 128), jnp.float32, interleaved=False, block_heads=8)
+    assert plan.grid == (7, 4) and plan.meta["BLOCK_HEADS"] == 8
+    with pytest.raises(ValueError, match="block_heads=3 must be a power of two"):
+        tk.rope_launch((1, 7, 32, 128), jnp.float32, interleaved=False, block_heads=3)
+    assert "head_dim 1024 > 512" in tk.rope_supports(
+        dict(x=jax.ShapeDtypeStruct((1, 2, 1, 1024), jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=case_id)
+def test_rope_plumbing_vmap_and_grad(emulated, interleaved, dtype):
+    gen = rng(10)
+    x = normal(gen, (2, 6, 3, 16), dtype)
+    positions = jnp.asarray(gen.integers(0, 300, (2, 6)), jnp.int32)
+    kw = dict(theta=10000.0, scaling=None, interleaved=interleaved)
+    out = jax.jit(lambda x, p: tk.rope(x, p, **kw))(x, positions)
+    assert_close(out, rope_ref(x, positions, interleaved=interleaved), implementation="triton")
+    xs = normal(gen, (4, 2, 6, 3, 16), dtype)
+    got = jax.vmap(lambda x: tk.rope(x, positions, **kw))(xs)
+    want = jax.vmap(lambda x: fj.rope(x, positions, **kw, implementation="xla"))(xs)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    if dtype == jnp.float32:
+        loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x)))  # noqa: E731
+        g = jax.grad(loss(lambda x: tk.rope(x, positions, **kw)))(x)
+        w = jax.grad(loss(lambda x: fj.rope(x, positions, **kw, implementation="xla")))(x)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
 class TestTritonOnGpu:
     """The real kernels (skipped where jax-triton cannot run)."""
 
@@ -230,3 +279,15 @@ class TestTritonOnGpu:
         gate, up = normal(gen, shape, dtype, scale=4.0), normal(gen, shape, dtype)
         out = jax.jit(lambda g, u: fj.silu_mul(g, u, implementation="triton"))(gate, up)
         assert_close(out, silu_mul_ref(gate, up), implementation="triton")
+
+    @pytest.mark.parametrize("interleaved", [False, True])
+    @pytest.mark.parametrize("shape,dtype", [((2, 37, 9, 128), jnp.bfloat16),
+                                             ((1, 5, 3, 80), jnp.float32)], ids=case_id)
+    def test_rope(self, shape, dtype, interleaved):
+        gen = rng(len(shape))
+        x = normal(gen, shape, dtype)
+        positions = jnp.asarray(gen.integers(0, 5000, shape[:2]), jnp.int32)
+        out = jax.jit(lambda x, p: fj.rope(x, p, interleaved=interleaved,
+                                           implementation="triton"))(x, positions)
+        assert_close(out, rope_ref(x, positions, interleaved=interleaved),
+                     implementation="triton")

@@ -43,7 +43,7 @@ MIN_DOT = 16  # Triton dots need every dimension >= 16
 #   attention: query rows and keys per program step (block_q, block_k), warps, stages;
 #   paged_attention: keys per compute block (block_k), the most programs one sequence's
 #     keys are split over (max_splits), query rows per program (block_rows), warps, stages;
-#   triton_rms_norm, triton_silu_mul: the jax-triton kernels' equivalents.
+#   triton_rms_norm, triton_silu_mul, triton_rope: the jax-triton kernels' equivalents.
 # None of these is measured yet (no GPU has run the kernels): "default" holds the ranges of
 # JAX's own Pallas kernels and Triton's tutorials; the per-kind rows only size the attention
 # tiles and split counts to each device (shared memory per SM: H100 228 KiB, A100 164 KiB,
@@ -71,6 +71,12 @@ _ELEMENTWISE = {
         32768: dict(num_warps=16),
     },
     "triton_silu_mul": dict(block_size=4096, num_warps=8),
+    "triton_rope": {  # heads per program (one token each)
+        64: dict(block_heads=16, num_warps=2),
+        128: dict(block_heads=16, num_warps=4),
+        256: dict(block_heads=8, num_warps=4),
+        512: dict(block_heads=4, num_warps=4),
+    },
 }
 TUNING: Mapping[str, Mapping[str, Any]] = {
     "default": {

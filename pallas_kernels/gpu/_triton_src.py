@@ -53,3 +53,35 @@ def silu_mul_kernel(g_ptr, u_ptr, size, o_ptr, BLOCK: tl.constexpr):
     # g / (1 + exp(-g)): for g -> -inf, exp(-g) overflows to inf and the quotient is -0.
     tl.store(o_ptr + offsets, (g / (1.0 + tl.exp(-g)) * u).to(o_ptr.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def rope_kernel(x_ptr, pos_ptr, inv_ptr, heads, head_dim, o_ptr, BLOCK_HEADS: tl.constexpr,
+                HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """RoPE of one token's ``BLOCK_HEADS`` heads of ``x [tokens, heads, head_dim]``: the
+    angles ``position * inv_freq`` in float32, the ``(x1, x2)`` pairs rotated by them;
+    ``HALF`` is ``head_dim // 2`` padded to a power of two."""
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    i = tl.arange(0, HALF)
+    half = head_dim // 2
+    in_half = i < half
+    # float32 angles: in bfloat16, position 257 rounds to 256 and sin(257) is not sin(256).
+    angle = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_ptr + i, mask=in_half,
+                                                              other=0.0)
+    cos = tl.cos(angle)[None, :]
+    sin = tl.sin(angle)[None, :]
+    mask = (h[:, None] < heads) & in_half[None, :]
+    base = token * heads * head_dim + h[:, None] * head_dim
+    if INTERLEAVED:
+        c1 = 2 * i
+        c2 = 2 * i + 1
+    else:
+        c1 = i
+        c2 = i + half
+    x1 = tl.load(x_ptr + base + c1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + base + c2[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + base + c1[None, :], (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(o_ptr + base + c2[None, :], (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty),
+             mask=mask)

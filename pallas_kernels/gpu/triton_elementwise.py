@@ -1,5 +1,5 @@
 """jax-triton kernels: ``"triton"`` implementations of rms_norm (with the fused residual
-add) and silu_mul.
+add), silu_mul and rope.
 
 Plain Triton kernels (``_triton_src.py``) launched through ``jax_triton.triton_call``, the
 ``gpu`` extra. jax-triton imports only with a GPU jaxlib and pins the Triton release, so it
@@ -13,6 +13,9 @@ replaced.
   power of two (``BLOCK``) with masked loads; float32 math; writes ``y`` and, with a
   residual, ``h = x + residual``.
 * silu_mul: the inputs flattened, ``block_size`` elements per program.
+* rope: one program per token and block of heads; the angles ``position * inv_freq`` in
+  float32 in the kernel (only the ``[head_dim // 2]`` inverse frequencies, which carry the
+  scaling, are read), both pairing conventions.
 
 Both are differentiable through the XLA implementation's VJP (``jax.custom_vjp``), and
 batch under ``jax.vmap`` by launching once over the stacked rows (``custom_vmap``; jax-triton
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 from forge_jax import _compat, autotuning, dispatch
 from forge_jax.ops.activation import silu_mul_xla
 from forge_jax.ops.norm import rms_norm_xla
+from forge_jax.ops.rope import inverse_frequencies, rope_xla
 from forge_jax.pallas_kernels.gpu import _common
 
 # Where these kernels were compiled, checked and measured faster than XLA: none yet.
@@ -41,6 +45,7 @@ VERIFIED: dict[str, str] = {}
 PRIORITY = 5  # below the Pallas kernels, above XLA, once verified
 MAX_HIDDEN = 32768  # a row lives in the registers of one program (see rms_norm.py)
 MAX_SIZE = 2**31 - 1  # silu_mul's size is passed as an int32 scalar
+MAX_HEAD_DIM = 512  # the tuning table's largest rope bucket
 
 
 def import_reason() -> str | None:
@@ -95,6 +100,19 @@ def silu_mul_supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
+def rope_supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.rope` arguments."""
+    x = args["x"]
+    reason = _float_reason(x=x)
+    if reason:
+        return reason
+    if x.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {x.shape[-1]} > {MAX_HEAD_DIM}, beyond the launch table"
+    if x.shape[0] * x.shape[1] > MAX_SIZE:
+        return f"{x.shape[0] * x.shape[1]} tokens > {MAX_SIZE}: the grid is int32"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """One ``triton_call``: the kernel's name in ``_triton_src``, the grid, the scalar
@@ -132,6 +150,22 @@ def silu_mul_launch(size: int, dtype: Any, *, device_kind: str | None = None,
     return Launch("silu_mul_kernel", (-(-size // block),), (size,),
                   (jax.ShapeDtypeStruct((size,), dtype),), num_warps or knobs["num_warps"], 1,
                   {"BLOCK": block})
+
+
+def rope_launch(shape: Sequence[int], dtype: Any, *, interleaved: bool,
+                device_kind: str | None = None, block_heads: int | None = None,
+                num_warps: int | None = None) -> Launch:
+    """The launch of the rope kernel for ``x`` of ``shape`` ``[batch, seq, heads, head_dim]``."""
+    batch, seq, heads, head_dim = shape
+    knobs = _common.tuning("triton_rope", device_kind, _common.next_pow2(head_dim))
+    block = block_heads or min(knobs["block_heads"], _common.next_pow2(heads))
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block_heads={block} must be a power of two (a Triton block)")
+    return Launch("rope_kernel", (batch * seq, -(-heads // block)), (heads, head_dim),
+                  (jax.ShapeDtypeStruct((batch * seq, heads, head_dim), dtype),),
+                  num_warps or knobs["num_warps"], 1,
+                  {"BLOCK_HEADS": block, "HALF": _common.next_pow2(head_dim // 2),
+                   "INTERLEAVED": bool(interleaved)})
 
 
 def _launch(launch: Launch, *arrays: jax.Array) -> Any:
@@ -275,6 +309,73 @@ def silu_mul(gate, up, *, block_size=None, num_warps=None):
         return _silu_mul(gate, up, (block_size, num_warps))
 
 
+# --- rope ----------------------------------------------------------------------------------
+
+
+def rope_forward(x, positions, *, theta, scaling, interleaved, block_heads=None,
+                 num_warps=None):
+    """The kernel alone: :func:`forge_jax.rope` of ``x [batch, seq, heads, head_dim]``."""
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    launch = rope_launch(x.shape, x.dtype, interleaved=interleaved, device_kind=_device_kind(),
+                         block_heads=block_heads, num_warps=num_warps)
+    inv_freq = jnp.asarray(inverse_frequencies(x.shape[-1], theta, scaling))
+    tokens, heads, head_dim = launch.out[0].shape
+    out = _launch(launch, x.reshape(tokens, heads, head_dim),
+                  positions.reshape(tokens).astype(jnp.int32), inv_freq)
+    return out.reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rope(x, positions, static, knobs):
+    theta, scaling, interleaved = static
+    block_heads, num_warps = knobs
+
+    @jax.custom_batching.custom_vmap
+    def fwd(x, positions):
+        return rope_forward(x, positions, theta=theta, scaling=scaling, interleaved=interleaved,
+                            block_heads=block_heads, num_warps=num_warps)
+
+    @fwd.def_vmap
+    def rule(axis_size, in_batched, x, positions):
+        # Batched sequences are more sequences of one launch.
+        x = x if in_batched[0] else jnp.broadcast_to(x, (axis_size, *x.shape))
+        if not in_batched[1]:
+            positions = jnp.broadcast_to(positions, (axis_size, *positions.shape))
+        out = fwd(x.reshape(-1, *x.shape[2:]), positions.reshape(-1, positions.shape[-1]))
+        return out.reshape(x.shape), True
+
+    return fwd(x, positions)
+
+
+def _rope_fwd(x, positions, static, knobs):
+    return _rope(x, positions, static, knobs), (x, positions)
+
+
+def _rope_bwd(static, knobs, saved, cotangent):
+    del knobs
+    theta, scaling, interleaved = static
+    x, positions = saved
+    _, vjp = jax.vjp(lambda x: rope_xla(x, positions, theta=theta, scaling=scaling,
+                                        interleaved=interleaved), x)
+    # Integer positions have no tangent space: their cotangent is float0 zeros.
+    return (*vjp(cotangent), jnp.zeros(positions.shape, jax.dtypes.float0))
+
+
+_rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def rope(x, positions, *, theta, scaling, interleaved, block_heads=None, num_warps=None):
+    """:func:`forge_jax.rope` through the jax-triton kernel; differentiable in ``x`` (XLA VJP).
+
+    Args:
+      x, positions, theta, scaling, interleaved: as :func:`forge_jax.rope`.
+      block_heads, num_warps: override the tuning table's entry.
+    """
+    with jax.named_scope("triton_rope"):
+        return _rope(x, positions, (theta, scaling, interleaved), (block_heads, num_warps))
+
+
 # --- registration --------------------------------------------------------------------------
 
 
@@ -295,3 +396,6 @@ _register("rms_norm", rms_norm, rms_norm_supports,
 _register("silu_mul", silu_mul, silu_mul_supports, "flattened blocks, float32 math",
           lambda args: [dict(block_size=b, num_warps=w) for b in (1024, 2048, 4096, 8192)
                         for w in (4, 8)])
+_register("rope", rope, rope_supports, "one program per token and block of heads, float32 "
+          "angles", lambda args: [dict(block_heads=h, num_warps=w) for h in (1, 2, 4, 8, 16)
+                                  for w in (2, 4)])
