@@ -30,8 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ImplementationError", "RopeScaling", "attention", "backends", "dispatch", "embedding",
     "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
-    "tolerances", "use_implementation",
+    "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
-    "autotune", "autotuning",
 ]

@@ -121,14 +121,6 @@ def export_for_tpu(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args, **kwargs)
 
 
-def module_available(name: str) -> bool:
-    """Whether ``name`` is installed, without importing it."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 # jax-triton's releases follow JAX's: 0.3.x is built against JAX 0.10, 0.4.x against JAX 0.11
 # (where ``triton_call`` renamed ``out_shape`` to ``out_type``). (major, minor) of jax-triton
 # -> the (major, minor) of JAX it works with.
@@ -185,3 +177,12 @@ def triton_call(*args: Any, kernel: Any, out: Any, grid: Any, call: Any = None,
     params = inspect.signature(call).parameters
     name = "out_type" if "out_type" in params else "out_shape"
     return call(*args, kernel=kernel, grid=grid, **{name: out}, **kwargs)
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` is installed, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
