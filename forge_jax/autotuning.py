@@ -179,9 +179,10 @@ def lookup(op: str, args: Mapping[str, Any], platform: str) -> Mapping[str, Any]
     """The stored winner for ``op`` with these (bound) arguments on ``platform``'s device
     (an entry with ``implementation`` and ``config``), or None."""
     path = cache_path()
-    if path is None:
+    entries = {} if path is None else _entries(path)
+    if not entries:  # the common case: nothing tuned, no signature to build
         return None
-    return _entries(path).get(_key(device_kind(platform), op, signature(args)))
+    return entries.get(_key(device_kind(platform), op, signature(args)))
 
 
 def winner(impls: Mapping[str, dispatch.Implementation], args: Mapping[str, Any],

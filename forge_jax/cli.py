@@ -414,9 +414,16 @@ def _tune(args: argparse.Namespace) -> int:
             calls.append(("attention", (q, kv, kv), dict(causal=True)))
     print(f"{path}: tuning {len(calls)} op calls (batch {b}, prefill {args.seq_len} tokens and "
           f"decode, {args.dtype}) on {jax.devices()[0].device_kind}")
+    platform = jax.default_backend()
     for op, op_args, kwargs in calls:
+        # --implementations may name implementations some ops lack (cudnn: attention only).
+        here = None if names is None else [
+            n for n in names if n in fj.dispatch.implementations(op, platform)]
+        if here == []:
+            print(f"  {op}: not tuned: none of --implementations serves it on {platform}")
+            continue
         try:
-            result = fj.autotune(op, *op_args, implementations=names, iters=args.iters,
+            result = fj.autotune(op, *op_args, implementations=here, iters=args.iters,
                                  force=args.force, **kwargs)
         except (ValueError, fj.ImplementationError) as e:
             print(f"  {op}: not tuned: {e}")
@@ -476,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     tune.add_argument("--iters", type=int, default=10, help="timed calls per candidate")
     tune.add_argument("--implementations", metavar="A,B",
-                      help="the implementations to time (default: those auto selection could "
-                           "choose here)")
+                      help="the implementations to time, each for the ops that have it (default: "
+                           "those auto selection could choose here; name unverified kernels, "
+                           "e.g. xla,pallas,triton,cudnn, to let the measurement decide)")
     tune.add_argument("--force", action="store_true", help="time again what the cache holds")
     tune.set_defaults(fn=_tune)
     try:

@@ -234,6 +234,19 @@ def test_cli_tune_covers_the_models_ops_and_then_reads_the_cache(cache, capsys):
     assert capsys.readouterr().out.count("[cached]") == 11
 
 
+def test_cli_tune_names_apply_to_the_ops_that_have_them(cache, capsys):
+    from forge_jax import cli
+
+    argv = ["tune", "--iters", "1", "--seq-len", "4", "--implementations", "cudnn"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    # cuDNN serves attention on a GPU only; nothing here has it.
+    assert out.count("not tuned: none of --implementations serves it on cpu") == 11, out
+    argv = ["tune", "--iters", "1", "--seq-len", "4", "--implementations", "xla,cudnn"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.count("candidates timed]") == 11
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--batch", "0"], "--batch must be >= 1, got 0"),
     (["--iters", "0"], "--iters must be >= 1, got 0"),
