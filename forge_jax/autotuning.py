@@ -253,14 +253,25 @@ def clear(op: str | None = None) -> int:
     return len(entries) - len(keep)
 
 
+SAMPLE_S = 0.002  # a timed sample lasts about this long (back-to-back calls)
+MAX_CALLS = 100  # calls per sample at most
+
+
 def _time(fn: Callable[[], Any], iters: int) -> float:
-    """Median seconds of ``iters`` calls of ``fn`` (compiled and warmed up before)."""
+    """Seconds per call of ``fn``: the median of ``iters`` samples, each of enough
+    back-to-back calls (one ``block_until_ready`` at the end) to last :data:`SAMPLE_S`, so
+    that a small kernel is not measured as the host's dispatch overhead."""
+    jax.block_until_ready(fn())  # compiled and warm
+    start = time.perf_counter()
     jax.block_until_ready(fn())
+    calls = max(1, min(MAX_CALLS, int(SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
     samples = []
     for _ in range(iters):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / calls)
     return statistics.median(samples)
 
 
