@@ -26,6 +26,7 @@ kernels.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -157,22 +158,15 @@ def _attention_fwd(q, k, v, kv_lengths, static):
     return _forward(q, k, v, kv_lengths, static), (q, k, v, kv_lengths)
 
 
-class _Reference:
-    """What :func:`_attention_common.reference_vjp` reads from the static arguments."""
-
-    def __init__(self, scale, causal, window):
-        self.scale, self.causal, self.sliding_window = scale, causal, window
-        self.logits_soft_cap = None
-
-
 def _attention_bwd(static, residuals, g):
     scale, causal, window, _ = static
     q, k, v, kv_lengths = residuals
     positions = default_positions(q.shape[0], q.shape[1], k.shape[1], kv_lengths)
     lengths = (jnp.full((q.shape[0],), k.shape[1], jnp.int32) if kv_lengths is None
                else kv_lengths)
-    dq, dk, dv, _, _ = _attention_common.reference_vjp(
-        _Reference(scale, causal, window), (q, k, v, positions, lengths), g)
+    st = types.SimpleNamespace(scale=scale, causal=causal, sliding_window=window,
+                               logits_soft_cap=None)
+    dq, dk, dv, _, _ = _attention_common.reference_vjp(st, (q, k, v, positions, lengths), g)
     return dq, dk, dv, None
 
 
@@ -194,7 +188,9 @@ def cudnn_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; differentiable in q, k, v.
     """
-    del q_positions, logits_soft_cap  # accepted only where irrelevant (supports)
+    if logits_soft_cap is not None:
+        raise ValueError(f"{logits_soft_cap=}: cuDNN has no logit soft cap")
+    del q_positions  # served only where it changes nothing (supports)
     if q.size == 0 or k.shape[1] == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
