@@ -376,12 +376,16 @@ def autotune(op: str, *args: Any, implementations: Iterable[str] | None = None,
                     best.seconds, tuple(candidates), skipped)
     path = cache_path()
     if store and path is not None:
-        _write(path, {
-            "device_kind": kind, "jax": jax.__version__, "op": op, "signature": sig,
-            "implementation": best.implementation, "config": dict(best.config),
-            "seconds": best.seconds,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "times": {f"{c.implementation} {json.dumps(c.config)}": c.seconds
-                      for c in timed},
-        })
+        try:
+            _write(path, {
+                "device_kind": kind, "jax": jax.__version__, "op": op, "signature": sig,
+                "implementation": best.implementation, "config": dict(best.config),
+                "seconds": best.seconds,
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "times": {f"{c.implementation} {json.dumps(c.config)}": c.seconds
+                          for c in timed},
+            })
+        except OSError as e:  # a cache that cannot be written is not fatal: the result stands
+            warnings.warn(f"forge_jax autotune cache {path} not written: {e}", RuntimeWarning,
+                          stacklevel=2)
     return result

@@ -303,3 +303,14 @@ def test_gpu_configs_lower_for_cuda(op):
             return pallas.fn(**dict(zip(names, arrays, strict=True)), **static, **config)
 
         _compat.export_for_cuda(fn, *shapes)
+
+
+def test_an_unwritable_cache_is_not_fatal(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(autotuning.CACHE_ENV, str(blocker / "autotune.json"))
+    x, w = norm_inputs(rows=7)
+    with pytest.warns(RuntimeWarning, match="not written"):
+        result = fj.autotune("rms_norm", x, w, iters=1)
+    assert result.implementation == "xla" and not result.cached
+    assert fj.explain("rms_norm", x, w).implementation == "xla"
