@@ -132,8 +132,10 @@ def _release(version: str) -> tuple[int, int]:
     return tuple(parts + [0] * (2 - len(parts)))[:2]
 
 
+@functools.cache
 def jax_triton_version() -> str | None:
-    """The installed jax-triton's version (without importing it), or None."""
+    """The installed jax-triton's version (without importing it), or None; read once (auto
+    selection asks at every trace)."""
     import importlib.metadata
 
     try:
