@@ -216,24 +216,6 @@ def test_cache_location(monkeypatch, tmp_path):
     assert autotuning.cache_path() == tmp_path / "forge_jax" / "autotune.json"
 
 
-def test_cli_tune_covers_the_models_ops_and_then_reads_the_cache(cache, capsys):
-    from forge_jax import cli
-
-    assert cli.main(["tune", "--iters", "1", "--seq-len", "8", "--dtype", "float32"]) == 0
-    out = capsys.readouterr().out
-    assert "models/tiny: tuning 11 op calls (batch 1, prefill 8 tokens and decode" in out
-    for op in ("rms_norm", "silu_mul", "rope", "attention"):
-        assert f"  {op} " in out, out
-    assert out.count("candidates timed]") == 11 and f"cache: {cache}" in out
-    entries = json.loads(cache.read_text())["entries"]
-    assert len(entries) == 11 and {e["implementation"] for e in entries} == {"xla"}
-    # The decode step's fused norm: x [1, 1, hidden] with the residual.
-    assert any(e["op"] == "rms_norm" and e["signature"].startswith("x=float32[1, 1, 128]")
-               and "residual=float32[1, 1, 128]" in e["signature"] for e in entries)
-    assert cli.main(["tune", "--iters", "1", "--seq-len", "8", "--dtype", "float32"]) == 0
-    assert capsys.readouterr().out.count("[cached]") == 11
-
-
 def test_cli_tune_names_apply_to_the_ops_that_have_them(cache, capsys):
     from forge_jax import cli
 
@@ -314,3 +296,35 @@ def test_an_unwritable_cache_is_not_fatal(tmp_path, monkeypatch):
         result = fj.autotune("rms_norm", x, w, iters=1)
     assert result.implementation == "xla" and not result.cached
     assert fj.explain("rms_norm", x, w).implementation == "xla"
+
+
+def test_end_to_end_the_tiny_model_follows_what_tune_measured(cache, capsys):
+    """forge-jax tune (every op of the tiny model, read back from the cache the second time)
+    with only the interpreted GPU kernels as candidates; then the tiny model's forward pass at
+    those shapes runs them by auto selection, and agrees with XLA."""
+    from forge_jax import cli
+    from forge_jax.models import TINY_DIR, llama
+
+    argv = ["tune", "--iters", "1", "--seq-len", "8", "--dtype", "float32",
+            "--implementations", INTERPRET]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "models/tiny: tuning 11 op calls (batch 1, prefill 8 tokens and decode" in out
+    assert out.count(f": {INTERPRET}") == 11 and f"cache: {cache}" in out
+    entries = json.loads(cache.read_text())["entries"]
+    assert len(entries) == 11 and {e["op"] for e in entries} == {
+        "rms_norm", "silu_mul", "rope", "attention"}
+    # The decode step's fused norm: x [1, 1, hidden] with the residual.
+    assert any(e["op"] == "rms_norm" and e["signature"].startswith("x=float32[1, 1, 128]")
+               and "residual=float32[1, 1, 128]" in e["signature"] for e in entries)
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.count("[cached]") == 11
+    model = llama.from_pretrained(TINY_DIR)
+    tokens = jnp.asarray([[3, 4, 5, 6, 7, 8, 9, 10]], jnp.int32)
+    dispatch.clear_selections()
+    logits = jax.jit(lambda t: model(t))(tokens)
+    used = {op: s.implementation for op, s in dispatch.last_selections().items()}
+    assert all(used[op] == INTERPRET for op in ("rms_norm", "silu_mul", "rope", "attention"))
+    with fj.use_implementation("xla"):
+        want = jax.jit(lambda t: model(t))(tokens)
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)

@@ -152,12 +152,10 @@ def test_gradient_is_the_references():
     def loss(impl):
         return lambda q, k, v: jnp.sum(jnp.sin(impl(q, k, v)))
 
-    got = jax.grad(loss(lambda q, k, v: cudnn.cudnn_attention(q, k, v, sliding_window=3,
-                                                              implementation="xla")),
-                   argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss(lambda q, k, v: fj.attention(q, k, v, sliding_window=3,
-                                                      implementation="xla")),
-                    argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss(lambda q, k, v: cudnn.cudnn_attention(
+        q, k, v, sliding_window=3, implementation="xla")), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss(lambda q, k, v: fj.attention(
+        q, k, v, sliding_window=3, implementation="xla")), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
