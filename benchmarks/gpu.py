@@ -384,6 +384,21 @@ def bench_case(case: Case, kernel_impl: str, platform: str, peaks: dict[str, Any
     return rows
 
 
+def auto_vs_fastest(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Per kernel: the fastest implementation whose check passed (or XLA, the reference) and
+    the ``"auto"`` row's time over its time (1.0: auto picked the fastest)."""
+    out = {}
+    for kernel in dict.fromkeys(r.kernel for r in rows):
+        timed = [r for r in rows if r.kernel == kernel and r.seconds and r.status == "ok"
+                 and r.check in ("PASS", "reference")]
+        auto = next((r for r in timed if r.implementation == AUTO), None)
+        others = [r for r in timed if r.implementation != AUTO]
+        if auto and others:
+            best = min(others, key=lambda r: r.seconds)
+            out[kernel] = {"fastest": best.implementation, "ratio": auto.seconds / best.seconds}
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Report
 
@@ -510,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     if ours:
         print("targets met by our kernels: "
               + ", ".join(f"{r.kernel} {'yes' if r.met else 'no'}" for r in ours))
+    auto = auto_vs_fastest(rows)
+    if auto:
+        print("auto vs the fastest passing implementation (goal: <= 1.05x): " + ", ".join(
+            f"{k} {v['ratio']:.2f}x ({v['fastest']})" for k, v in auto.items()))
     print("all checks passed" if not failed else "FAILED: " + ", ".join(
         f"{r.kernel}/{r.implementation} ({'check' if r.check == 'FAIL' else 'error'})"
         for r in failed))
@@ -521,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": seed, "date": now.isoformat(timespec="seconds"), "commit": _git_commit(),
         "command": " ".join(["benchmarks/gpu.py", *(sys.argv[1:] if argv is None else argv)]),
         **versions, "peaks": peaks, "rows": [dataclasses.asdict(r) for r in rows],
-        "passed": not failed,
+        "auto_vs_fastest": auto, "passed": not failed,
     }
     path = pathlib.Path(args.json)
     path.write_text(json.dumps(_finite(result), indent=2, allow_nan=False, default=str) + "\n")
