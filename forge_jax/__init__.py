@@ -5,7 +5,7 @@ through XLA, with Pallas kernels swapped in by the dispatch registry where the
 hardware allows. See README.md for a tour.
 """
 
-from forge_jax import autotuning, backends, dispatch, kv_cache, tolerances
+from forge_jax import autotuning, backends, dispatch, kv_cache, sharding, tolerances
 from forge_jax.autotuning import autotune
 from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
@@ -32,5 +32,5 @@ __all__ = [
     "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
-    "ragged_paged_attention",
+    "ragged_paged_attention", "sharding",
 ]

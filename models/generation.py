@@ -16,6 +16,7 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax import memory as fj_memory
 from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
+from forge_jax.models import llama_sharding
 from forge_jax.models import sampling as sampling_lib
 from forge_jax.models.llama_model import Llama, LlamaConfig
 
@@ -108,7 +109,8 @@ def _prefill_step(state, cache, tokens, lengths, key, temperature, top_p, *, gra
     valid = positions < lengths[:, None]
     logits, cache = model.forward_cached(tokens, positions, valid, cache,
                                          logits_at=jnp.maximum(lengths - 1, 0))
-    return _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, mode), cache
+    return _placed(model, _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, mode),
+                   cache)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
@@ -120,7 +122,18 @@ def _decode_step(state, cache, tokens, active, key, step, temperature, top_p, *,
     positions = cache.lengths[:, None]  # [batch, 1]
     logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
                                          logits_at=jnp.zeros_like(cache.lengths))
-    return _sample(logits, jax.random.fold_in(key, step), temperature, top_p, mode), cache
+    return _placed(model, _sample(logits, jax.random.fold_in(key, step), temperature, top_p,
+                                  mode), cache)
+
+
+def _placed(model: Llama, tokens, cache):
+    """On a mesh: the sampled tokens replicated (every process can read them) and the cache
+    kept in its shardings (so the next step takes it donated, with no recompile)."""
+    if model.mesh is None:
+        return tokens, cache
+    return (jax.lax.with_sharding_constraint(tokens, model.mesh.replicated()),
+            jax.lax.with_sharding_constraint(
+                cache, llama_sharding.cache_shardings(cache, model.mesh)))
 
 
 def _check_prompt_array(prompts, vocab_size) -> list[list[int]]:
@@ -179,9 +192,12 @@ def check_sequence_length(config: LlamaConfig, prompt_tokens: int, max_new_token
 
 
 def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
-                page_size: int) -> tuple[int, int, int, int]:
-    """(padded batch, prompt bucket, cache length per sequence, pages per sequence)."""
-    padded_batch = _next_pow2(batch)
+                page_size: int, batch_multiple: int = 1) -> tuple[int, int, int, int]:
+    """(padded batch, prompt bucket, cache length per sequence, pages per sequence).
+
+    The batch is padded to a power of two, then to a multiple of ``batch_multiple`` (the
+    data axis of a mesh, so that it splits evenly)."""
+    padded_batch = -(-_next_pow2(batch) // batch_multiple) * batch_multiple
     prompt_bucket = max(8, _next_pow2(longest_prompt))
     cache_len = _next_pow2(prompt_bucket + max_new_tokens)
     max_pages = -(-cache_len // page_size)
@@ -192,17 +208,25 @@ def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str
 
 def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
                           max_new_tokens: int, cache: str = "paged", page_size: int = 16,
-                          param_dtype=jnp.float32, dtype=jnp.float32, cache_dtype=None) -> None:
+                          param_dtype=jnp.float32, dtype=jnp.float32, cache_dtype=None,
+                          mesh=None) -> None:
     """Raises ``forge_jax.memory.InsufficientMemoryError`` if :func:`generate` with these
     sizes would not fit its KV cache and activations in the device's free memory.
 
     :func:`generate` runs this check itself; it is public so that a caller can run it
     before building a large batch of prompts (the CLI does, for ``--num-problems``).
+    ``mesh`` (a :class:`forge_jax.sharding.MeshConfig`, as on a sharded model): count
+    one device's share of the cache.
     """
     cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
     padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
-        batch, longest_prompt, max_new_tokens, cache, page_size)
+        batch, longest_prompt, max_new_tokens, cache, page_size,
+        batch_multiple=1 if mesh is None else mesh.dp)
     kv_dim = config.num_key_value_heads * config.head_dim
+    if mesh is not None:  # one device's KV heads (copies included), and batch rows
+        kv_dim = llama_sharding.layout_for(config, mesh.tp).kv_repeat * kv_dim // mesh.tp
+        if cache != "paged":
+            kv_dim //= mesh.dp
     if cache == "paged":
         # The pool depends on the bucketed shapes only (so other prompt lengths in the same
         # buckets reuse the compiled steps): room for every row at full length.
@@ -268,8 +292,10 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
 
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
+    mesh = model.mesh  # a forge_jax.sharding.MeshConfig for a sharded model, else None
     padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
-        batch, int(lengths.max()), max_new_tokens, cache, page_size)
+        batch, int(lengths.max()), max_new_tokens, cache, page_size,
+        batch_multiple=1 if mesh is None else mesh.dp)
     stats = GenerationStats(batch=batch, padded_batch=padded_batch, prompt_bucket=prompt_bucket,
                             cache_len=cache_len, cache=cache, max_new_tokens=max_new_tokens,
                             prompt_tokens=int(lengths.sum()))
@@ -288,7 +314,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     check_generation_fits(config, batch=batch, longest_prompt=int(lengths.max()),
                           max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
                           param_dtype=model.param_dtype, dtype=model.dtype,
-                          cache_dtype=cache_dtype)
+                          cache_dtype=cache_dtype, mesh=mesh)
 
     if cache == "paged":
         num_pages = padded_batch * max_pages
@@ -297,23 +323,38 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
             manager.allocate(b, int(lengths[b]) + max_new_tokens)
         block_tables = np.zeros((padded_batch, max_pages), np.int32)
         block_tables[:batch] = manager.block_tables(list(range(batch)), max_pages)
-        kv = PagedKVCache.create(num_layers=config.num_hidden_layers, num_pages=num_pages,
-                                 page_size=page_size, kv_heads=config.num_key_value_heads,
-                                 head_dim=config.head_dim, dtype=cache_dtype,
-                                 block_tables=block_tables)
+        make_cache = functools.partial(
+            PagedKVCache.create, num_layers=config.num_hidden_layers, num_pages=num_pages,
+            page_size=page_size, kv_heads=model.kv_heads, head_dim=config.head_dim,
+            dtype=cache_dtype, block_tables=block_tables)
     else:
-        kv = ContiguousKVCache.create(num_layers=config.num_hidden_layers, batch=padded_batch,
-                                      max_len=cache_len, kv_heads=config.num_key_value_heads,
-                                      head_dim=config.head_dim, dtype=cache_dtype)
+        make_cache = functools.partial(
+            ContiguousKVCache.create, num_layers=config.num_hidden_layers, batch=padded_batch,
+            max_len=cache_len, kv_heads=model.kv_heads, head_dim=config.head_dim,
+            dtype=cache_dtype)
+    kv = llama_sharding.create_cache(make_cache, mesh)  # on a mesh: created in its shards
 
     graphdef, state = nnx.split(model)
-    key = jax.random.key(seed)
-    tokens, padded_lengths, active = (jnp.asarray(tokens), jnp.asarray(padded_lengths),
-                                      jnp.asarray(active))
-    step0 = jnp.asarray(1, jnp.int32)
     # Temperature and top_p are arguments, not constants: changing them does not recompile.
-    temp = jnp.asarray(sampling.temperature, jnp.float32)
-    top_p = jnp.asarray(1.0 if sampling.top_p is None else sampling.top_p, jnp.float32)
+    temp = np.asarray(sampling.temperature, np.float32)
+    top_p = np.asarray(1.0 if sampling.top_p is None else sampling.top_p, np.float32)
+    if mesh is None:
+        key = jax.random.key(seed)
+        tokens, padded_lengths, active, temp, top_p = map(
+            jnp.asarray, (tokens, padded_lengths, active, temp, top_p))
+        first = tokens[:, 0]
+        scalar = lambda value: jnp.asarray(value, jnp.int32)
+    else:  # global arrays, each device given its slice (works across processes too)
+        rows = mesh.batch_axis(padded_batch)
+        key = jax.random.wrap_key_data(fj.sharding.put(
+            np.asarray(jax.random.key_data(jax.random.key(seed))), mesh.replicated()))
+        scalar = lambda value: fj.sharding.put(np.int32(value), mesh.replicated())
+        tokens = fj.sharding.put(tokens, mesh.sharding(rows, None))
+        padded_lengths, active = (fj.sharding.put(a, mesh.sharding(rows))
+                                  for a in (padded_lengths, active))
+        temp, top_p = (fj.sharding.put(a, mesh.replicated()) for a in (temp, top_p))
+        first = fj.sharding.put(np.zeros(padded_batch, np.int32), mesh.replicated())
+    step0 = scalar(1)
     statics = dict(graphdef=graphdef, mode=sampling.mode,
                    implementation_key=_implementation_key())
     # Compile ahead of time (cached by jit after the first call) so that the timings
@@ -323,7 +364,8 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
                                   **statics).compile()
     decode = None
     if max_new_tokens > 1:
-        decode = _decode_step.lower(state, kv, tokens[:, 0], active, key, step0, temp, top_p,
+        # The decode step takes the tokens the previous step sampled: shaped like `first`.
+        decode = _decode_step.lower(state, kv, first, active, key, step0, temp, top_p,
                                     **statics).compile()
     stats.compile_seconds = time.perf_counter() - start
 
@@ -345,7 +387,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
         if done.all():
             break
         next_tokens, kv = decode(state, kv, next_tokens, active, key,
-                                 jnp.asarray(step, jnp.int32), temp, top_p)
+                                 scalar(step), temp, top_p)
         outputs.append(next_tokens)
         stats.decode_steps += 1
         if eos:

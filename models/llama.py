@@ -50,11 +50,12 @@ from forge_jax.models.llama_model import (  # noqa: F401
     LlamaDecoderLayer,
     LlamaMLP,
     RMSNorm,
+    TensorLayout,
 )
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "CheckpointError", "GenerationStats", "Linear", "Llama",
     "LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm",
     "check_generation_fits", "check_sequence_length", "from_pretrained", "generate",
-    "generate_with_stats", "hf_state_dict", "load_config",
+    "generate_with_stats", "hf_state_dict", "load_config", "TensorLayout",
 ]
