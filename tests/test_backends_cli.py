@@ -97,7 +97,7 @@ def test_summary_text():
     text = str(backends.summary())
     assert text.startswith(f"forge_jax on JAX {jax.__version__} (jaxlib ")
     assert f"default backend: {jax.default_backend()}" in text
-    assert "  cpu: 4 device(s)" in text
+    assert "  cpu: 8 device(s)" in text
     for name in ("gpu", "tpu"):
         if not backends.has_platform(name):
             assert re.search(rf"^  {name}: none \(.+\)$", text, re.M)
@@ -138,7 +138,7 @@ def test_cli_info(capsys):
     out, err = capsys.readouterr()
     assert err == ""
     assert out.startswith("forge_jax on JAX ")
-    assert "  cpu: 4 device(s)" in out and "attention: xla -> available" in out
+    assert "  cpu: 8 device(s)" in out and "attention: xla -> available" in out
 
 
 DEMO_OPS = ("matmul", "rms_norm", "silu_mul", "softmax", "rope", "attention", "embedding",

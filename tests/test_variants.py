@@ -33,7 +33,7 @@ ALL_VARIANTS = dict(with_jit=True, without_jit=True, with_device=True, without_d
 class OpVariantsTest(chex.TestCase):
     def setUp(self):
         super().setUp()
-        chex.assert_devices_available(4, "cpu")
+        chex.assert_devices_available(8, "cpu")
 
     @chex.variants(**ALL_VARIANTS)
     def test_matmul(self):
