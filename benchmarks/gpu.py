@@ -21,9 +21,11 @@ its benchmark shape, on fresh random data (the seed is printed):
 
 Targets (H100): rms_norm, silu_mul, rope >= 80% of the copy bandwidth; paged decode
 attention >= 70%; flash attention forward >= 350 TFLOP/s. cuDNN attention
-(``jax.nn.dot_product_attention(implementation="cudnn")``) runs where its constraints
-allow: bfloat16/float16, head_dim a multiple of 8 and <= 128, causal with
-q_len == kv_len (its top-left causal mask is then our bottom-right one).
+(``fj.attention``'s ``"cudnn"`` implementation, i.e. ``jax.nn.dot_product_attention``)
+and the jax-triton kernels (``"triton"``: rms_norm, silu_mul, rope) run where their
+``supports()`` accept the case; otherwise their row says why they were skipped. The
+``"auto"`` row times what auto selection picks (its note names it), the figure the
+"auto is never more than 5% slower than the fastest" goal is read from.
 
 The result is a markdown table on stdout and a JSON file (``--json``). Exit status: 0 when
 every check passed and nothing raised; 1 when a check failed or an implementation raised
@@ -64,6 +66,11 @@ from forge_jax import dispatch, tolerances  # noqa: E402
 
 KERNELS = ("rms_norm", "silu_mul", "rope", "attention", "paged_attention")
 CUDNN = "cudnn"
+# Library implementations timed beside the Pallas kernel where they exist: jax-triton
+# kernels, cuDNN attention. Each row says why it was skipped where it cannot run.
+LIBRARY = {"rms_norm": ("triton",), "silu_mul": ("triton",), "rope": ("triton",),
+           "attention": (CUDNN,)}
+AUTO = "auto"  # implementation=None: what auto selection picks (the row's note names it)
 SAMPLE_S = 0.005  # a timed sample lasts about this long (back-to-back calls)
 MAX_CALLS = 200  # calls per sample at most
 
@@ -84,8 +91,6 @@ class Case:
     work: int
     unit: str
     target: float
-    cudnn: Callable[..., Any] | None = None  # the cuDNN call, where its constraints allow
-    cudnn_skip: str = ""  # why cuDNN does not run, when it does not
 
 
 def _normal(key, shape, dtype):
@@ -134,7 +139,7 @@ def rope_case(batch, seq, heads, head_dim, dtype):
                 run, work=2 * size + 4 * batch * seq, unit="GB/s", target=0.80)
 
 
-def attention_case(batch, seq, q_heads, kv_heads, head_dim, dtype, *, gpu):
+def attention_case(batch, seq, q_heads, kv_heads, head_dim, dtype):
     def make(key):
         kq, kk, kv = jax.random.split(key, 3)
         return (_normal(kq, (batch, seq, q_heads, head_dim), dtype),
@@ -144,22 +149,11 @@ def attention_case(batch, seq, q_heads, kv_heads, head_dim, dtype, *, gpu):
     def run(impl, q, k, v):
         return fj.attention(q, k, v, causal=True, implementation=impl)
 
-    def cudnn(q, k, v):
-        # q_len == kv_len: cuDNN's top-left causal mask is our bottom-right one.
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-
-    skip = ""
-    if not gpu:
-        skip = "no GPU"
-    elif jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        skip = f"cuDNN attention takes bfloat16/float16, not {jnp.dtype(dtype).name}"
-    elif head_dim % 8 or head_dim > 128:
-        skip = f"cuDNN attention needs head_dim a multiple of 8 and <= 128, not {head_dim}"
     # Causal FLOPs: two matmuls of 2 * seq**2 * head_dim each per head, half of them masked.
     flops = 4 * batch * q_heads * seq * seq * head_dim // 2
     return Case("attention", f"b{batch} s{seq} h{q_heads}/{kv_heads} d{head_dim} causal "
                 f"{jnp.dtype(dtype).name}", make, run, work=flops, unit="TFLOP/s",
-                target=350.0, cudnn=None if skip else cudnn, cudnn_skip=skip)
+                target=350.0)
 
 
 def paged_attention_case(batch, context, q_heads, kv_heads, head_dim, page, dtype):
@@ -189,17 +183,17 @@ def paged_attention_case(batch, context, q_heads, kv_heads, head_dim, page, dtyp
                 target=0.70)
 
 
-def cases(quick: bool, gpu: bool) -> dict[str, Case]:
+def cases(quick: bool) -> dict[str, Case]:
     bf16 = jnp.bfloat16
     if quick:
         built = (rms_norm_case(64, 256, bf16), silu_mul_case(64, 256, bf16),
                  rope_case(1, 64, 4, 64, bf16),
-                 attention_case(1, 128, 4, 2, 64, bf16, gpu=gpu),
+                 attention_case(1, 128, 4, 2, 64, bf16),
                  paged_attention_case(4, 64, 4, 2, 64, 16, bf16))
     else:
         built = (rms_norm_case(4096, 4096, bf16), silu_mul_case(4096, 4096, bf16),
                  rope_case(1, 4096, 32, 128, bf16),
-                 attention_case(2, 4096, 32, 8, 128, bf16, gpu=gpu),
+                 attention_case(2, 4096, 32, 8, 128, bf16),
                  paged_attention_case(32, 4096, 32, 8, 128, 16, bf16))
     return {case.kernel: case for case in built}
 
@@ -306,6 +300,26 @@ def registered(kernel: str, implementation: str, platform: str) -> bool:
     return implementation in dispatch.implementations(kernel, platform)
 
 
+def library_skip(case: Case, name: str, platform: str, inputs) -> str:
+    """Why implementation ``name`` cannot run ``case`` here ("" when it can): not
+    registered on this platform, unavailable (no GPU, jax-triton missing), or its
+    ``supports()`` rejects the arguments."""
+    impls = dispatch.implementations(case.kernel, platform)
+    if name not in impls:
+        regs = [i for i in dispatch.registrations(case.kernel) if i.name == name]
+        if not regs:
+            return f"{name!r} is not registered"
+        served = sorted(p for i in regs for p in (i.platforms or ()))
+        reason = next((r for i in regs if (r := i.available())), None)
+        return (f"{name!r} runs on {', '.join(served)}, this run is on {platform}"
+                + (f" ({reason})" if reason else ""))
+    try:
+        jax.eval_shape(lambda *a: case.run(name, *a), *inputs)
+    except dispatch.ImplementationError as e:
+        return str(e).split(": ", 1)[-1]
+    return ""
+
+
 def _error(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
@@ -320,9 +334,11 @@ def bench_case(case: Case, kernel_impl: str, platform: str, peaks: dict[str, Any
         contenders.append((kernel_impl, jax.jit(lambda *a: case.run(kernel_impl, *a)), ""))
     else:
         contenders.append((kernel_impl, None, "not registered"))
-    if case.unit == "TFLOP/s":
-        contenders.append((CUDNN, case.cudnn and jax.jit(case.cudnn),
-                           case.cudnn_skip and f"skipped: {case.cudnn_skip}"))
+    for name in LIBRARY.get(case.kernel, ()):
+        skip = library_skip(case, name, platform, inputs)
+        contenders.append((name, None if skip else jax.jit(
+            lambda *a, name=name: case.run(name, *a)), skip and f"skipped: {skip}"))
+    contenders.append((AUTO, jax.jit(lambda *a: case.run(None, *a)), ""))
 
     rows, reference = [], None
     for name, fn, skip in contenders:
@@ -335,6 +351,9 @@ def bench_case(case: Case, kernel_impl: str, platform: str, peaks: dict[str, Any
         try:
             out = fn(*inputs)
             jax.block_until_ready(out)
+            if name == AUTO:
+                chosen = dispatch.last_selection(case.kernel)
+                row.note = f"auto chose {chosen.implementation!r}" if chosen else ""
             if name == "xla":
                 reference, row.check = out, "reference"
             elif reference is None:
@@ -363,6 +382,21 @@ def bench_case(case: Case, kernel_impl: str, platform: str, peaks: dict[str, Any
         if xla and row.seconds:
             row.vs_xla = xla / row.seconds
     return rows
+
+
+def auto_vs_fastest(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Per kernel: the fastest implementation whose check passed (or XLA, the reference) and
+    the ``"auto"`` row's time over its time (1.0: auto picked the fastest)."""
+    out = {}
+    for kernel in dict.fromkeys(r.kernel for r in rows):
+        timed = [r for r in rows if r.kernel == kernel and r.seconds and r.status == "ok"
+                 and r.check in ("PASS", "reference")]
+        auto = next((r for r in timed if r.implementation == AUTO), None)
+        others = [r for r in timed if r.implementation != AUTO]
+        if auto and others:
+            best = min(others, key=lambda r: r.seconds)
+            out[kernel] = {"fastest": best.implementation, "ratio": auto.seconds / best.seconds}
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -472,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
           + f"; {peaks['copy_bytes'] / 2**30:.3g} GiB moved), matmul "
           f"{peaks['matmul_tflop_s']:.1f} TFLOP/s ({peaks['matmul_shape']})")
 
-    all_cases = cases(args.quick, gpu)
+    all_cases = cases(args.quick)
     rows: list[Row] = []
     for i, kernel in enumerate(kernels):
         rows += bench_case(all_cases[kernel], kernel_impl, platform, peaks, iters=iters,
@@ -491,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     if ours:
         print("targets met by our kernels: "
               + ", ".join(f"{r.kernel} {'yes' if r.met else 'no'}" for r in ours))
+    auto = auto_vs_fastest(rows)
+    if auto:
+        print("auto vs the fastest passing implementation (goal: <= 1.05x): " + ", ".join(
+            f"{k} {v['ratio']:.2f}x ({v['fastest']})" for k, v in auto.items()))
     print("all checks passed" if not failed else "FAILED: " + ", ".join(
         f"{r.kernel}/{r.implementation} ({'check' if r.check == 'FAIL' else 'error'})"
         for r in failed))
@@ -502,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": seed, "date": now.isoformat(timespec="seconds"), "commit": _git_commit(),
         "command": " ".join(["benchmarks/gpu.py", *(sys.argv[1:] if argv is None else argv)]),
         **versions, "peaks": peaks, "rows": [dataclasses.asdict(r) for r in rows],
-        "passed": not failed,
+        "auto_vs_fastest": auto, "passed": not failed,
     }
     path = pathlib.Path(args.json)
     path.write_text(json.dumps(_finite(result), indent=2, allow_nan=False, default=str) + "\n")

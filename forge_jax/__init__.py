@@ -5,7 +5,8 @@ through XLA, with Pallas kernels swapped in by the dispatch registry where the
 hardware allows. See README.md for a tour.
 """
 
-from forge_jax import backends, dispatch, kv_cache, sharding, tolerances
+from forge_jax import autotuning, backends, dispatch, kv_cache, sharding, tolerances
+from forge_jax.autotuning import autotune
 from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
     RopeScaling,
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ImplementationError", "RopeScaling", "attention", "backends", "dispatch", "embedding",
     "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
-    "tolerances", "use_implementation",
+    "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention", "sharding",
 ]

@@ -121,6 +121,66 @@ def export_for_tpu(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args, **kwargs)
 
 
+# jax-triton's releases follow JAX's: 0.3.x is built against JAX 0.10, 0.4.x against JAX 0.11
+# (where ``triton_call`` renamed ``out_shape`` to ``out_type``). (major, minor) of jax-triton
+# -> the (major, minor) of JAX it works with.
+JAX_TRITON_FOR_JAX = {(0, 3): (0, 10), (0, 4): (0, 11)}
+
+
+def _release(version: str) -> tuple[int, int]:
+    parts = [int(p) for p in version.split(".")[:2] if p.isdigit()]
+    return tuple(parts + [0] * (2 - len(parts)))[:2]
+
+
+@functools.cache
+def jax_triton_version() -> str | None:
+    """The installed jax-triton's version (without importing it), or None; read once (auto
+    selection asks at every trace)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("jax-triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def jax_triton_reason(jt_version: str | None = None, jax_version: str | None = None,
+                      ) -> str | None:
+    """``None`` if the installed jax-triton release matches this JAX, else why not (it is
+    not installed, or built for another JAX). Checks versions only; importing it needs a
+    GPU jaxlib."""
+    jt_version = jt_version or jax_triton_version()
+    if jt_version is None:
+        return "jax-triton not installed (pip install 'forge-jax[gpu]')"
+    jax_version = jax_version or jax.__version__
+    wants = JAX_TRITON_FOR_JAX.get(_release(jt_version))
+    have = _release(jax_version)
+    if wants is None:
+        known = ", ".join(f"{a}.{b}.x for JAX {c}.{d}"
+                          for (a, b), (c, d) in JAX_TRITON_FOR_JAX.items())
+        return f"jax-triton {jt_version} is not a release forge_jax supports ({known})"
+    if wants != have:
+        return (f"jax-triton {jt_version} is built for JAX {wants[0]}.{wants[1]}, this is JAX "
+                f"{jax_version}: install the matching release (pip install 'forge-jax[gpu]')")
+    return None
+
+
+def triton_call(*args: Any, kernel: Any, out: Any, grid: Any, call: Any = None,
+                **kwargs: Any) -> Any:
+    """``jax_triton.triton_call`` with the outputs' shapes given as ``out`` (jax-triton 0.3
+    calls it ``out_shape``, 0.4 ``out_type``). ``call`` replaces ``jax_triton.triton_call``
+    (tests)."""
+    if call is None:
+        import jax_triton
+
+        call = jax_triton.triton_call
+    import inspect
+
+    params = inspect.signature(call).parameters
+    name = "out_type" if "out_type" in params else "out_shape"
+    return call(*args, kernel=kernel, grid=grid, **{name: out}, **kwargs)
+
+
 def module_available(name: str) -> bool:
     """Whether ``name`` is installed, without importing it."""
     try:

@@ -153,13 +153,13 @@ def toolchains() -> tuple[ToolchainInfo, ...]:
                               pallas or mosaic_gpu))
     rows.append(ToolchainInfo("Pallas Mosaic TPU", pallas is None and tpu,
                               pallas or (None if tpu else "no TPU device")))
-    if not _compat.module_available("jax_triton"):
-        jt = "jax-triton not installed (pip install 'forge-jax[gpu]')"
-    elif not gpu:
-        jt = "jax-triton not importable: needs a GPU jaxlib and a GPU"
-    else:
-        jt = None
+    jt = _compat.jax_triton_reason() or (
+        None if gpu else "jax-triton not importable: needs a GPU jaxlib and a GPU")
     rows.append(ToolchainInfo("jax-triton", jt is None, jt))
+    cudnn = None if cc and float(cc) >= 8.0 else (
+        f"cuDNN flash attention needs compute capability >= 8.0, GPU has {cc}" if cc
+        else "no GPU device")
+    rows.append(ToolchainInfo("cuDNN flash attention (Ampere+)", cudnn is None, cudnn))
     return tuple(rows)
 
 

@@ -1,4 +1,4 @@
-"""The ``forge-jax`` command line: ``info``, ``demo`` and ``generate``."""
+"""The ``forge-jax`` command line: ``info``, ``demo``, ``generate`` and ``tune``."""
 
 from __future__ import annotations
 
@@ -397,6 +397,76 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    """Autotunes every op of a Llama checkpoint at the shapes of its prefill and decode steps."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import forge_jax as fj
+    from forge_jax import autotuning
+    from forge_jax.models import llama
+
+    prog = "forge-jax tune"
+    try:
+        for flag in ("batch", "seq_len", "iters"):
+            if getattr(args, flag) < 1:
+                raise GenerateError(f"--{flag.replace('_', '-')} must be >= 1, "
+                                    f"got {getattr(args, flag)}")
+        names = None
+        if args.implementations:
+            names = [n.strip() for n in args.implementations.split(",") if n.strip()]
+            for name in names:
+                fj.dispatch.check_name(name, "--implementations:")
+        config, _, _, path = _read_checkpoint(args)
+    except (GenerateError, ValueError, llama.CheckpointError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    dtype = jnp.dtype(args.dtype)
+    gen = np.random.default_rng(0)
+
+    def normal(*shape):
+        return jnp.asarray(gen.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    b, c = args.batch, config
+    calls = []
+    for t in dict.fromkeys((args.seq_len, 1)):  # prefill, then decode (one token)
+        x = normal(b, t, c.hidden_size)
+        w = normal(c.hidden_size)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        q = normal(b, t, c.num_attention_heads, c.head_dim)
+        kv = normal(b, t, c.num_key_value_heads, c.head_dim)
+        calls += [
+            ("rms_norm", (x, w), dict(eps=c.rms_norm_eps)),
+            ("rms_norm", (x, w), dict(eps=c.rms_norm_eps, residual=x)),
+            ("silu_mul", (normal(b, t, c.intermediate_size),) * 2, {}),
+            ("rope", (q, positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
+            ("rope", (kv, positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
+        ]
+        if t > 1:
+            calls.append(("attention", (q, kv, kv), dict(causal=True)))
+    print(f"{path}: tuning {len(calls)} op calls (batch {b}, prefill {args.seq_len} tokens and "
+          f"decode, {args.dtype}) on {jax.devices()[0].device_kind}")
+    platform = jax.default_backend()
+    for op, op_args, kwargs in calls:
+        # --implementations may name implementations some ops lack (cudnn: attention only).
+        here = None if names is None else [
+            n for n in names if n in fj.dispatch.implementations(op, platform)]
+        if here == []:
+            print(f"  {op}: not tuned: none of --implementations serves it on {platform}")
+            continue
+        try:
+            result = fj.autotune(op, *op_args, implementations=here, iters=args.iters,
+                                 force=args.force, **kwargs)
+        except (ValueError, fj.ImplementationError) as e:
+            print(f"  {op}: not tuned: {e}")
+            continue
+        print(f"  {result}")
+    where = autotuning.cache_path()
+    print(f"cache: {where}" if where else f"cache: off (${autotuning.CACHE_ENV}=off)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(
         prog="forge-jax", description="forge_jax: functional JAX kernels for LLM inference")
@@ -438,6 +508,22 @@ def main(argv: list[str] | None = None) -> int:
                      help="run prompt + new tokens beyond the model's max_position_embeddings "
                           "(for a RoPE scaling that extends its range)")
     gen.set_defaults(fn=_generate)
+    tune = sub.add_parser(
+        "tune", help="autotune every op at a checkpoint's shapes (default: the tiny model)",
+        description="Times the implementations (and launch configurations) of each op at the "
+                    "model's prefill and decode shapes on this device and stores the fastest "
+                    "in the autotune cache, which auto selection then follows.")
+    tune.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face Llama-family directory")
+    tune.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    tune.add_argument("--seq-len", type=int, default=128, help="prefill tokens (default 128)")
+    tune.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
+    tune.add_argument("--iters", type=int, default=10, help="timed calls per candidate")
+    tune.add_argument("--implementations", metavar="A,B",
+                      help="the implementations to time, each for the ops that have it (default: "
+                           "those auto selection could choose here; name unverified kernels, "
+                           "e.g. xla,pallas,triton,cudnn, to let the measurement decide)")
+    tune.add_argument("--force", action="store_true", help="time again what the cache holds")
+    tune.set_defaults(fn=_tune)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # named with the subcommand they were given to

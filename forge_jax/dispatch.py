@@ -341,6 +341,11 @@ def _auto(
     """The first supported implementation in priority order, and whether one ranked
     above it was rejected (a fallback). Records in ``rejected`` why every other
     implementation does not run, so that :func:`explain` accounts for all of them."""
+    from forge_jax import autotuning  # a measured winner (fj.autotune) goes first
+
+    measured = autotuning.winner(impls, args, platform, rejected)
+    if measured is not None:
+        return measured, False
     for impl in impls.values():
         if platform in impl.priority and _unverified(impl, platform):
             reason = _check(impl, args, platform)

@@ -7,9 +7,10 @@ public op (``dispatch.register(op, "pallas", priority={"gpu": 10}, supports=...)
 ``forge_jax.dispatch`` imports this package lazily on the first dispatch; the
 public ops never import a kernel.
 
-GPU kernels (``gpu/``, Triton lowering, and ``jax-triton`` from the ``gpu`` extra,
-imported lazily because it needs a GPU jaxlib) and TPU kernels (``tpu/``, Mosaic,
-ragged paged attention) arrive in their own issues.
+GPU (``gpu/``): Pallas kernels through the Triton lowering, plain Triton kernels launched
+with ``jax-triton`` (the ``gpu`` extra, imported only at launch because it needs a GPU
+jaxlib), cuDNN attention, and the per-device launch table. TPU (``tpu/``): Mosaic kernels,
+ragged paged attention included.
 """
 
 from forge_jax.pallas_kernels import gpu, tpu  # noqa: F401  (importing registers their kernels)

@@ -57,6 +57,9 @@ def test_summary_structure():
         assert toolchains["Pallas Mosaic TPU"].reason == "no TPU device"
     triton = toolchains["jax-triton"]
     assert triton.available or "jax-triton" in triton.reason
+    cudnn = toolchains["cuDNN flash attention (Ampere+)"]
+    if backends.gpu_compute_capability() is None:
+        assert not cudnn.available and cudnn.reason == "no GPU device"
     impls = {(i.op, i.name): i for i in s.implementations}
     for op in CORE_OPS:
         info = impls[(op, "xla")]

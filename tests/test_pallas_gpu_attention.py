@@ -455,11 +455,15 @@ def test_blocks_must_be_powers_of_two():
 
 
 def test_launch_table():
-    assert flash.launch_params(80) == flash.LAUNCH["default"][128]
-    assert flash.launch_params(8) == flash.LAUNCH["default"][64]
-    assert flash.launch_params(256, "unknown GPU") == flash.LAUNCH["default"][256]
-    for table in flash.LAUNCH.values():
-        for launch in table.values():
+    default = _common.TUNING["default"]["attention"]
+    assert flash.launch_params(80) == flash.Launch(**default[128])
+    assert flash.launch_params(8) == flash.Launch(**default[64])
+    assert flash.launch_params(256, "unknown GPU") == flash.Launch(**default[256])
+    h100 = _common.TUNING["H100"]["attention"]
+    assert flash.launch_params(128, "NVIDIA H100 80GB HBM3") == flash.Launch(**h100[128])
+    for kind in _common.TUNING:
+        for knobs in _common.TUNING[kind].get("attention", {}).values():
+            launch = flash.Launch(**knobs)
             assert all(b >= _common.MIN_DOT and b & (b - 1) == 0
                        for b in (launch.block_q, launch.block_k))
 

@@ -60,25 +60,11 @@ class Launch:
     num_stages: int
 
 
-# (device kind, padded head dim) -> launch parameters; "default" serves any device without
-# its own entry, and the smallest bucket >= the padded head dim applies. Untuned defaults
-# in the range of JAX's own flash-attention kernel, pending GPU measurements.
-LAUNCH: Mapping[str, Mapping[int, Launch]] = {
-    "default": {
-        64: Launch(block_q=64, block_k=64, num_warps=4, num_stages=2),
-        128: Launch(block_q=64, block_k=64, num_warps=4, num_stages=2),
-        256: Launch(block_q=32, block_k=32, num_warps=8, num_stages=2),
-    },
-}
-
-
-def launch_params(head_dim: int, device_kind: str = "default") -> Launch:
-    table = LAUNCH.get(device_kind, LAUNCH["default"])
+def launch_params(head_dim: int, device_kind: str | None = None) -> Launch:
+    """The launch parameters for ``head_dim`` on ``device_kind`` (from
+    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
     padded = max(_common.MIN_DOT, _common.next_pow2(head_dim))
-    for bucket in sorted(table):
-        if padded <= bucket:
-            return table[bucket]
-    return table[max(table)]
+    return Launch(**_common.tuning("attention", device_kind, padded))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,9 +228,9 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         ``q_heads % kv_heads == 0``; ``head_dim <= 256``, any value.
       scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
       block_q: query rows per program, a power of two >= 16; a row is one (query, group
-        head) pair. Default from :data:`LAUNCH`, at most the rows of one group.
-      block_k: keys per step, a power of two >= 16 (default from :data:`LAUNCH`).
-      num_warps, num_stages: Triton launch parameters (default from :data:`LAUNCH`).
+        head) pair. Default from the tuning table, at most the rows of one group.
+      block_k: keys per step, a power of two >= 16 (default from the tuning table).
+      num_warps, num_stages: Triton launch parameters (default from the tuning table).
       interpret: run in Pallas' interpreter (any platform).
 
     Returns:
@@ -296,6 +282,15 @@ def supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults (a configuration that does
+    not fit the device's shared memory fails to compile and is reported, not chosen)."""
+    del args
+    return [dict(block_q=q, block_k=k, num_warps=w, num_stages=2)
+            for q in (32, 64, 128) for k in (32, 64) for w in (4, 8)]
+
+
 _common.register(
     "attention", flash_attention, supports=supports, verified=VERIFIED,
-    description="flash attention, GQA groups per program, XLA-VJP backward")
+    description="flash attention, GQA groups per program, XLA-VJP backward", configs=configs,
+    interpret_configs=lambda args: [dict(block_q=16, block_k=16)])

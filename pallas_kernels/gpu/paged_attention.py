@@ -60,21 +60,11 @@ class Launch:
     num_stages: int
 
 
-# Padded head dim -> launch parameters; the largest bucket >= head_dim applies. Untuned
-# defaults in the range of JAX's own paged-attention kernel, pending GPU measurements.
-LAUNCH: Mapping[int, Launch] = {
-    64: Launch(block_k=64, max_splits=16, block_rows=64, num_warps=4, num_stages=2),
-    128: Launch(block_k=64, max_splits=16, block_rows=64, num_warps=4, num_stages=2),
-    256: Launch(block_k=32, max_splits=16, block_rows=32, num_warps=8, num_stages=2),
-}
-
-
-def launch_params(head_dim: int) -> Launch:
+def launch_params(head_dim: int, device_kind: str | None = None) -> Launch:
+    """The launch parameters for ``head_dim`` on ``device_kind`` (from
+    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
     padded = max(_common.MIN_DOT, _common.next_pow2(head_dim))
-    for bucket in sorted(LAUNCH):
-        if padded <= bucket:
-            return LAUNCH[bucket]
-    return LAUNCH[max(LAUNCH)]
+    return Launch(**_common.tuning("paged_attention", device_kind, padded))
 
 
 def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
@@ -180,10 +170,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
       scale, q_positions, sliding_window, logits_soft_cap: as in the op.
       pages_per_compute_block: pages per K/V block, a power of two with
-        ``pages_per_compute_block * page_size >= 16`` (default from :data:`LAUNCH`:
+        ``pages_per_compute_block * page_size >= 16`` (default from the tuning table:
         ``block_k // page_size``, at least 1). A page size that is not a power of two
         cannot lower (the block's rows must be a power of two).
-      num_splits: programs over one sequence's keys (default: :data:`LAUNCH`'s
+      num_splits: programs over one sequence's keys (default: the tuning table's
         ``max_splits``, at most one per compute block).
       block_rows: query rows per program (a power of two >= 16).
       num_warps, num_stages: Triton launch parameters.
@@ -200,7 +190,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
     kv_heads, num_pages, page_size, _ = k_pages.shape
     max_pages = block_tables.shape[1]
     group = q_heads // kv_heads
-    launch = launch_params(head_dim)
+    launch = launch_params(head_dim, _common.device_kind(interpret))
     head_dim_pad = max(_common.MIN_DOT, _common.next_pow2(head_dim))
     if pages_per_compute_block is None:
         pages_per_compute_block = max(1, launch.block_k // _common.next_pow2(page_size))

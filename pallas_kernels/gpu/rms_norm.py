@@ -46,27 +46,10 @@ class Launch:
     num_stages: int = 1
 
 
-# Device kind -> (padded hidden -> launch parameters); the smallest bucket >= the padded
-# hidden applies. Untuned defaults (about 8K elements per program, as in Triton's
-# layer-norm tutorial), pending GPU measurements; add a device kind once measured.
-LAUNCH: Mapping[str, Mapping[int, Launch]] = {
-    "default": {
-        256: Launch(block_rows=16, num_warps=4),
-        1024: Launch(block_rows=8, num_warps=4),
-        2048: Launch(block_rows=4, num_warps=8),
-        4096: Launch(block_rows=2, num_warps=8),
-        8192: Launch(block_rows=1, num_warps=8),
-        MAX_HIDDEN: Launch(block_rows=1, num_warps=16),
-    },
-}
-
-
 def launch_params(dim: int, device_kind: str | None = None) -> Launch:
-    """The launch parameters for rows of ``dim`` values on ``device_kind``."""
-    table = next((t for kind, t in LAUNCH.items() if device_kind and kind in device_kind),
-                 LAUNCH["default"])
-    padded = _common.next_pow2(dim)
-    return table[min((b for b in table if b >= padded), default=max(table))]
+    """The launch parameters for rows of ``dim`` values on ``device_kind`` (from
+    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
+    return Launch(**_common.tuning("rms_norm", device_kind, _common.next_pow2(dim)))
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -177,7 +160,7 @@ def rms_norm(x, weight, *, eps, residual, block_rows=None, num_warps=None, num_s
 
     Args:
       x, weight, eps, residual: as :func:`forge_jax.rms_norm`.
-      block_rows, num_warps, num_stages: override the :data:`LAUNCH` table's entry.
+      block_rows, num_warps, num_stages: override the tuning table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
     launch = launch_params(x.shape[-1], _common.device_kind(interpret))
@@ -187,5 +170,15 @@ def rms_norm(x, weight, *, eps, residual, block_rows=None, num_warps=None, num_s
     return _rms_norm(x, weight, residual, eps, (launch, interpret))
 
 
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults: rows per program up to
+    :data:`MAX_HIDDEN` values per program, at 4 and 8 warps."""
+    padded = _common.next_pow2(args["x"].shape[-1])
+    return [dict(block_rows=r, num_warps=w) for r in (1, 2, 4, 8, 16, 32)
+            if r * padded <= MAX_HIDDEN for w in (4, 8)]
+
+
 _common.register("rms_norm", rms_norm, supports=supports, verified=VERIFIED,
-                 description="one program per block of rows, fused residual add, float32 math")
+                 description="one program per block of rows, fused residual add, float32 math",
+                 configs=configs,
+                 interpret_configs=lambda args: [dict(block_rows=2), dict(block_rows=8)])

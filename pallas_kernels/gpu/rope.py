@@ -52,25 +52,10 @@ class Launch:
     num_stages: int = 1
 
 
-# Device kind -> (padded head_dim -> launch parameters); the smallest bucket >= the padded
-# head dim applies. Untuned defaults (about 4096 pairs per program), pending GPU
-# measurements; add a device kind once measured.
-LAUNCH: Mapping[str, Mapping[int, Launch]] = {
-    "default": {
-        64: Launch(block_tokens=8, block_heads=16, num_warps=4),
-        128: Launch(block_tokens=4, block_heads=16, num_warps=4),
-        256: Launch(block_tokens=2, block_heads=16, num_warps=4),
-        MAX_HEAD_DIM: Launch(block_tokens=1, block_heads=16, num_warps=8),
-    },
-}
-
-
 def launch_params(head_dim: int, heads: int, device_kind: str | None = None) -> Launch:
-    """The launch parameters for ``heads`` heads of ``head_dim`` on ``device_kind``."""
-    table = next((t for kind, t in LAUNCH.items() if device_kind and kind in device_kind),
-                 LAUNCH["default"])
-    padded = _common.next_pow2(head_dim)
-    launch = table[min((b for b in table if b >= padded), default=max(table))]
+    """The launch parameters for ``heads`` heads of ``head_dim`` on ``device_kind`` (from
+    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
+    launch = Launch(**_common.tuning("rope", device_kind, _common.next_pow2(head_dim)))
     block_heads = min(launch.block_heads, _common.next_pow2(heads))
     return dataclasses.replace(
         launch, block_heads=block_heads,
@@ -189,7 +174,7 @@ def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, block_
 
     Args:
       x, positions, theta, scaling, interleaved: as :func:`forge_jax.rope`.
-      block_tokens, block_heads, num_warps, num_stages: override the :data:`LAUNCH`
+      block_tokens, block_heads, num_warps, num_stages: override the tuning
         table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
@@ -201,5 +186,13 @@ def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, block_
     return _rope(x, positions, (theta, scaling, interleaved), (launch, interpret))
 
 
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults: tokens per program at
+    the table's head block, 4 and 8 warps."""
+    del args
+    return [dict(block_tokens=t, num_warps=w) for t in (1, 2, 4, 8) for w in (4, 8)]
+
+
 _common.register("rope", rope, supports=supports, verified=VERIFIED,
-                 description="cos/sin from positions in-kernel, float32 angles")
+                 description="cos/sin from positions in-kernel, float32 angles", configs=configs,
+                 interpret_configs=lambda args: [dict(block_tokens=2)])

@@ -40,17 +40,10 @@ class Launch:
     num_stages: int = 1
 
 
-# Device kind -> launch parameters; "default" when no kind matches. Untuned (16 elements,
-# two 16-byte bf16 vectors, per thread), pending GPU measurements.
-LAUNCH: Mapping[str, Launch] = {
-    "default": Launch(block_size=4096, num_warps=8),
-}
-
-
 def launch_params(device_kind: str | None = None) -> Launch:
-    """The launch parameters on ``device_kind``."""
-    return next((p for kind, p in LAUNCH.items() if device_kind and kind in device_kind),
-                LAUNCH["default"])
+    """The launch parameters on ``device_kind`` (from
+    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
+    return Launch(**_common.tuning("silu_mul", device_kind))
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -129,7 +122,7 @@ def silu_mul(gate, up, *, block_size=None, num_warps=None, num_stages=None, inte
 
     Args:
       gate, up: as :func:`forge_jax.silu_mul`.
-      block_size, num_warps, num_stages: override the :data:`LAUNCH` table's entry.
+      block_size, num_warps, num_stages: override the tuning table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
     launch = launch_params(_common.device_kind(interpret))
@@ -139,5 +132,12 @@ def silu_mul(gate, up, *, block_size=None, num_warps=None, num_stages=None, inte
     return _silu_mul(gate, up, (launch, interpret))
 
 
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults."""
+    del args
+    return [dict(block_size=b, num_warps=w) for b in (1024, 2048, 4096, 8192) for w in (4, 8)]
+
+
 _common.register("silu_mul", silu_mul, supports=supports, verified=VERIFIED,
-                 description="flattened blocks, float32 math")
+                 description="flattened blocks, float32 math", configs=configs,
+                 interpret_configs=lambda args: [dict(block_size=256)])

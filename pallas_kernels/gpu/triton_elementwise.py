@@ -1,0 +1,401 @@
+"""jax-triton kernels: ``"triton"`` implementations of rms_norm (with the fused residual
+add), silu_mul and rope.
+
+Plain Triton kernels (``_triton_src.py``) launched through ``jax_triton.triton_call``, the
+``gpu`` extra. jax-triton imports only with a GPU jaxlib and pins the Triton release, so it
+is imported when a kernel is launched, never at registration; :func:`available` says why
+it cannot run here (no GPU, not installed, a release built for another JAX, an import that
+fails). Everything around the launch (argument order, output shapes, grid, launch
+parameters from :data:`._common.TUNING`) is plain Python, tested on CPU with the launch
+replaced.
+
+* rms_norm: one program per row of ``x`` flattened to ``[rows, dim]``, the row padded to a
+  power of two (``BLOCK``) with masked loads; float32 math; writes ``y`` and, with a
+  residual, ``h = x + residual``.
+* silu_mul: the inputs flattened, ``block_size`` elements per program.
+* rope: one program per token and block of heads; the angles ``position * inv_freq`` in
+  float32 in the kernel (only the ``[head_dim // 2]`` inverse frequencies, which carry the
+  scaling, are read), both pairing conventions.
+
+Both are differentiable through the XLA implementation's VJP (``jax.custom_vjp``), and
+batch under ``jax.vmap`` by launching once over the stacked rows (``custom_vmap``; jax-triton
+has no batching rule of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _compat, autotuning, dispatch
+from forge_jax.ops.activation import silu_mul_xla
+from forge_jax.ops.norm import rms_norm_xla
+from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.pallas_kernels.gpu import _common
+
+# Where these kernels were compiled, checked and measured faster than XLA: none yet.
+VERIFIED: dict[str, str] = {}
+PRIORITY = 5  # below the Pallas kernels, above XLA, once verified
+MAX_HIDDEN = 32768  # a row lives in the registers of one program (see rms_norm.py)
+MAX_SIZE = 2**31 - 1  # silu_mul's size is passed as an int32 scalar
+MAX_HEAD_DIM = 512  # the tuning table's largest rope bucket
+
+
+def import_reason() -> str | None:
+    """``None`` if jax-triton imports here, else the error (e.g. a CPU-only jaxlib)."""
+    try:
+        importlib.import_module("jax_triton")
+    except Exception as e:  # ImportError, or jax-triton's own ValueError on a CPU jaxlib
+        return f"jax-triton does not import: {type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
+def available() -> str | None:
+    """``None`` if the jax-triton kernels can run in this process, else why not: not
+    installed, a release for another JAX, no GPU (or one below compute capability 8.0),
+    or an import that fails. Versions are checked before anything is imported."""
+    return (_compat.jax_triton_reason() or _common.gpu_reason("gpu")
+            or _import_reason_once())
+
+
+@functools.cache
+def _import_reason_once() -> str | None:
+    return import_reason()
+
+
+def _float_reason(**arrays) -> str | None:
+    for name, a in arrays.items():
+        if a is not None and jnp.dtype(a.dtype) not in _common.FLOAT_DTYPES:
+            return f"{name}.dtype={jnp.dtype(a.dtype).name}; the kernel reads float32/bf16/f16"
+    return None
+
+
+def rms_norm_supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.rms_norm` arguments."""
+    x = args["x"]
+    reason = _float_reason(x=x, weight=args["weight"], residual=args["residual"])
+    if reason:
+        return reason
+    if x.shape[-1] > MAX_HIDDEN:
+        return (f"hidden size {x.shape[-1]} > {MAX_HIDDEN}: a row must fit the registers of "
+                "one program")
+    return None
+
+
+def silu_mul_supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.silu_mul` arguments."""
+    gate = args["gate"]
+    reason = _float_reason(gate=gate)
+    if reason:
+        return reason
+    if gate.size > MAX_SIZE:
+        return f"{gate.size=} > {MAX_SIZE}: the kernel's size argument is int32"
+    return None
+
+
+def rope_supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.rope` arguments."""
+    x = args["x"]
+    reason = _float_reason(x=x)
+    if reason:
+        return reason
+    if x.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {x.shape[-1]} > {MAX_HEAD_DIM}, beyond the launch table"
+    if x.shape[0] * x.shape[1] > MAX_SIZE:
+        return f"{x.shape[0] * x.shape[1]} tokens > {MAX_SIZE}: the grid is int32"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One ``triton_call``: the kernel's name in ``_triton_src``, the grid, the scalar
+    arguments after the arrays, the outputs, and the launch and meta-parameters."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    scalars: tuple[Any, ...]
+    out: tuple[jax.ShapeDtypeStruct, ...]
+    num_warps: int
+    num_stages: int
+    meta: Mapping[str, int]
+
+
+def rms_norm_launch(shape: Sequence[int], dtype: Any, *, eps: float, residual: bool,
+                    device_kind: str | None = None, num_warps: int | None = None) -> Launch:
+    """The launch of the rms_norm kernel for ``x`` of ``shape`` (rows flattened)."""
+    dim = shape[-1]
+    rows = math.prod(shape[:-1])
+    block = _common.next_pow2(dim)
+    knobs = _common.tuning("triton_rms_norm", device_kind, block)
+    out = jax.ShapeDtypeStruct((rows, dim), dtype)
+    return Launch("add_rms_norm_kernel" if residual else "rms_norm_kernel", (rows,),
+                  (dim, float(eps)), (out, out) if residual else (out,),
+                  num_warps or knobs["num_warps"], 1, {"BLOCK": block})
+
+
+def silu_mul_launch(size: int, dtype: Any, *, device_kind: str | None = None,
+                    block_size: int | None = None, num_warps: int | None = None) -> Launch:
+    """The launch of the silu_mul kernel over ``size`` elements."""
+    knobs = _common.tuning("triton_silu_mul", device_kind)
+    block = block_size or knobs["block_size"]
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block_size={block} must be a power of two (a Triton block)")
+    return Launch("silu_mul_kernel", (-(-size // block),), (size,),
+                  (jax.ShapeDtypeStruct((size,), dtype),), num_warps or knobs["num_warps"], 1,
+                  {"BLOCK": block})
+
+
+def rope_launch(shape: Sequence[int], dtype: Any, *, interleaved: bool,
+                device_kind: str | None = None, block_heads: int | None = None,
+                num_warps: int | None = None) -> Launch:
+    """The launch of the rope kernel for ``x`` of ``shape`` ``[batch, seq, heads, head_dim]``."""
+    batch, seq, heads, head_dim = shape
+    knobs = _common.tuning("triton_rope", device_kind, _common.next_pow2(head_dim))
+    block = block_heads or min(knobs["block_heads"], _common.next_pow2(heads))
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block_heads={block} must be a power of two (a Triton block)")
+    return Launch("rope_kernel", (batch * seq, -(-heads // block)), (heads, head_dim),
+                  (jax.ShapeDtypeStruct((batch * seq, heads, head_dim), dtype),),
+                  num_warps or knobs["num_warps"], 1,
+                  {"BLOCK_HEADS": block, "HALF": _common.next_pow2(head_dim // 2),
+                   "INTERLEAVED": bool(interleaved)})
+
+
+def _launch(launch: Launch, *arrays: jax.Array) -> Any:
+    """Runs ``launch`` on ``arrays`` through jax-triton (replaced in the CPU tests)."""
+    src = importlib.import_module("forge_jax.pallas_kernels.gpu._triton_src")
+    return _compat.triton_call(
+        *arrays, *launch.scalars, kernel=getattr(src, launch.kernel),
+        out=launch.out if len(launch.out) > 1 else launch.out[0], grid=launch.grid,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        name=f"forge_jax_triton_{launch.kernel}", **launch.meta)
+
+
+def _device_kind() -> str | None:
+    return _common.device_kind(False)
+
+
+# --- rms_norm ------------------------------------------------------------------------------
+
+
+def rms_norm_forward(x, weight, residual=None, *, eps, num_warps=None):
+    """The kernel alone: ``y`` or ``(y, h)`` as :func:`forge_jax.rms_norm`."""
+    has_residual = residual is not None
+    if x.size == 0:
+        outs = [jnp.zeros(x.shape, x.dtype)] * (2 if has_residual else 1)
+        return tuple(outs) if has_residual else outs[0]
+    launch = rms_norm_launch(x.shape, x.dtype, eps=eps, residual=has_residual,
+                             device_kind=_device_kind(), num_warps=num_warps)
+    rows, dim = launch.out[0].shape
+    arrays = [x.reshape(rows, dim)] + ([residual.reshape(rows, dim)] if has_residual else [])
+    out = _launch(launch, *arrays, weight)
+    out = [o.reshape(x.shape) for o in (out if has_residual else [out])]
+    return tuple(out) if has_residual else out[0]
+
+
+def _batched_rows(forward: Callable[..., Any], xla: Callable[..., Any]):
+    """``forward(x, weight, residual_or_None)`` with a vmap rule: batched rows are more rows
+    of one launch; a batched weight (per-example weights) goes to ``xla``."""
+
+    @jax.custom_batching.custom_vmap
+    def fn(x, weight, residual):
+        return forward(x, weight, residual)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, x, weight, residual):
+        x_b, w_b, r_b = in_batched
+        if w_b:
+            out = jax.vmap(xla, in_axes=(0 if x_b else None, 0, 0 if r_b else None))(
+                x, weight, residual)
+        else:
+            if not x_b:
+                x = jnp.broadcast_to(x, (axis_size, *x.shape))
+            if residual is not None and not r_b:
+                residual = jnp.broadcast_to(residual, (axis_size, *residual.shape))
+            out = fn(x, weight, residual)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return fn
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _rms_norm(x, weight, residual, eps, num_warps):
+    fwd = _batched_rows(
+        lambda x, w, r: rms_norm_forward(x, w, r, eps=eps, num_warps=num_warps),
+        lambda x, w, r: rms_norm_xla(x, w, eps=eps, residual=r))
+    return fwd(x, weight, residual)
+
+
+def _rms_norm_fwd(x, weight, residual, eps, num_warps):
+    return _rms_norm(x, weight, residual, eps, num_warps), (x, weight, residual)
+
+
+def _rms_norm_bwd(eps, num_warps, saved, cotangent):
+    del num_warps
+    _, vjp = jax.vjp(lambda x, w, r: rms_norm_xla(x, w, eps=eps, residual=r), *saved)
+    return vjp(cotangent)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def rms_norm(x, weight, *, eps, residual, num_warps=None):
+    """:func:`forge_jax.rms_norm` through the jax-triton kernel; differentiable (XLA VJP).
+
+    Args:
+      x, weight, eps, residual: as :func:`forge_jax.rms_norm` (``x`` ``[..., dim]``).
+      num_warps: override the tuning table's entry.
+    """
+    with jax.named_scope("triton_rms_norm"):
+        return _rms_norm(x, weight, residual, eps, num_warps)
+
+
+# --- silu_mul ------------------------------------------------------------------------------
+
+
+def silu_mul_forward(gate, up, *, block_size=None, num_warps=None):
+    """The kernel alone: ``silu(gate) * up``."""
+    if gate.size == 0:
+        return jnp.zeros(gate.shape, gate.dtype)
+    launch = silu_mul_launch(gate.size, gate.dtype, device_kind=_device_kind(),
+                             block_size=block_size, num_warps=num_warps)
+    return _launch(launch, gate.reshape(-1), up.reshape(-1)).reshape(gate.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _silu_mul(gate, up, knobs):
+    block_size, num_warps = knobs
+
+    @jax.custom_batching.custom_vmap
+    def fwd(gate, up):
+        return silu_mul_forward(gate, up, block_size=block_size, num_warps=num_warps)
+
+    @fwd.def_vmap
+    def rule(axis_size, in_batched, gate, up):
+        gate, up = (a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+                    for a, b in zip((gate, up), in_batched, strict=True))
+        return fwd(gate, up), True
+
+    return fwd(gate, up)
+
+
+def _silu_mul_fwd(gate, up, knobs):
+    return _silu_mul(gate, up, knobs), (gate, up)
+
+
+def _silu_mul_bwd(knobs, saved, cotangent):
+    del knobs
+    return jax.vjp(silu_mul_xla, *saved)[1](cotangent)
+
+
+_silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
+
+
+def silu_mul(gate, up, *, block_size=None, num_warps=None):
+    """:func:`forge_jax.silu_mul` through the jax-triton kernel; differentiable (XLA VJP).
+
+    Args:
+      gate, up: as :func:`forge_jax.silu_mul`.
+      block_size, num_warps: override the tuning table's entry.
+    """
+    with jax.named_scope("triton_silu_mul"):
+        return _silu_mul(gate, up, (block_size, num_warps))
+
+
+# --- rope ----------------------------------------------------------------------------------
+
+
+def rope_forward(x, positions, *, theta, scaling, interleaved, block_heads=None,
+                 num_warps=None):
+    """The kernel alone: :func:`forge_jax.rope` of ``x [batch, seq, heads, head_dim]``."""
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    launch = rope_launch(x.shape, x.dtype, interleaved=interleaved, device_kind=_device_kind(),
+                         block_heads=block_heads, num_warps=num_warps)
+    inv_freq = jnp.asarray(inverse_frequencies(x.shape[-1], theta, scaling))
+    tokens, heads, head_dim = launch.out[0].shape
+    out = _launch(launch, x.reshape(tokens, heads, head_dim),
+                  positions.reshape(tokens).astype(jnp.int32), inv_freq)
+    return out.reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rope(x, positions, static, knobs):
+    theta, scaling, interleaved = static
+    block_heads, num_warps = knobs
+
+    @jax.custom_batching.custom_vmap
+    def fwd(x, positions):
+        return rope_forward(x, positions, theta=theta, scaling=scaling, interleaved=interleaved,
+                            block_heads=block_heads, num_warps=num_warps)
+
+    @fwd.def_vmap
+    def rule(axis_size, in_batched, x, positions):
+        # Batched sequences are more sequences of one launch.
+        x = x if in_batched[0] else jnp.broadcast_to(x, (axis_size, *x.shape))
+        if not in_batched[1]:
+            positions = jnp.broadcast_to(positions, (axis_size, *positions.shape))
+        out = fwd(x.reshape(-1, *x.shape[2:]), positions.reshape(-1, positions.shape[-1]))
+        return out.reshape(x.shape), True
+
+    return fwd(x, positions)
+
+
+def _rope_fwd(x, positions, static, knobs):
+    return _rope(x, positions, static, knobs), (x, positions)
+
+
+def _rope_bwd(static, knobs, saved, cotangent):
+    del knobs
+    theta, scaling, interleaved = static
+    x, positions = saved
+    _, vjp = jax.vjp(lambda x: rope_xla(x, positions, theta=theta, scaling=scaling,
+                                        interleaved=interleaved), x)
+    # Integer positions have no tangent space: their cotangent is float0 zeros.
+    return (*vjp(cotangent), jnp.zeros(positions.shape, jax.dtypes.float0))
+
+
+_rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def rope(x, positions, *, theta, scaling, interleaved, block_heads=None, num_warps=None):
+    """:func:`forge_jax.rope` through the jax-triton kernel; differentiable in ``x`` (XLA VJP).
+
+    Args:
+      x, positions, theta, scaling, interleaved: as :func:`forge_jax.rope`.
+      block_heads, num_warps: override the tuning table's entry.
+    """
+    with jax.named_scope("triton_rope"):
+        return _rope(x, positions, (theta, scaling, interleaved), (block_heads, num_warps))
+
+
+# --- registration --------------------------------------------------------------------------
+
+
+def _register(op: str, fn: Callable[..., Any], supports, description: str,
+              configs: autotuning.ConfigsFn) -> None:
+    dispatch.register(
+        op, "triton", platforms=("gpu",), priority={"gpu": PRIORITY}, verified=VERIFIED,
+        supports=lambda args, platform: (_common.gpu_reason(platform) or available()
+                                         or supports(args)),
+        available=available, description=f"{description} (jax-triton)",
+    )(fn)
+    autotuning.register_configs(op, "triton", configs)
+
+
+_register("rms_norm", rms_norm, rms_norm_supports,
+          "one program per row, fused residual add, float32 math",
+          lambda args: [dict(num_warps=w) for w in (1, 2, 4, 8, 16)])
+_register("silu_mul", silu_mul, silu_mul_supports, "flattened blocks, float32 math",
+          lambda args: [dict(block_size=b, num_warps=w) for b in (1024, 2048, 4096, 8192)
+                        for w in (4, 8)])
+_register("rope", rope, rope_supports, "one program per token and block of heads, float32 "
+          "angles", lambda args: [dict(block_heads=h, num_warps=w) for h in (1, 2, 4, 8, 16)
+                                  for w in (2, 4)])
