@@ -301,8 +301,8 @@ def _print_stats(stats) -> None:
         return
     print(f"prefill: {stats.prompt_tokens} prompt tokens in {stats.prefill_seconds * 1e3:.1f} ms"
           f" = {stats.prefill_tokens_per_s:,.0f} tokens/s (batch {stats.batch})")
-    print(f"time to first token: {stats.prefill_seconds * 1e3:.1f} ms (the prefill, compiled "
-          f"before: {stats.compile_seconds:.2f} s)")
+    print(f"time to first token: {stats.prefill_seconds * 1e3:.1f} ms (the prefill; compiled "
+          f"and warmed up before it in {stats.compile_seconds:.2f} s)")
     if stats.decode_steps:
         print(f"decode:  {stats.decode_tokens} tokens in {stats.decode_steps} steps, "
               f"{stats.decode_ms_per_step:.2f} ms/step = {stats.decode_tokens_per_s:,.0f} tokens/s")
@@ -420,7 +420,7 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
         model, prompts, max_new, temperature=sampling.temperature,
         top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
         repetition_penalty=sampling.repetition_penalty, seed=args.seed, cache=args.cache,
-        eos_token_id=eos, progress=progress, on_tokens=streamer,
+        eos_token_id=eos, progress=progress, on_tokens=streamer, warm_up=True,
         allow_beyond_max_positions=args.allow_long_context)
     if streamer is not None:
         streamer.close()

@@ -484,3 +484,11 @@ def test_on_tokens_streams_every_step_in_order(model):
     assert [i for i, _ in calls] == list(range(6))
     streamed = np.stack([t for _, t in calls], axis=1)
     assert streamed.tolist() == tokens
+
+
+def test_warm_up_leaves_the_tokens_unchanged(model):
+    """The warm-up prefill runs on no tokens: nothing is written, the same tokens follow."""
+    expected = llama.generate(model, PROMPTS, 6, cache="contiguous")
+    for cache in ("paged", "contiguous"):
+        tokens, stats = llama.generate_with_stats(model, PROMPTS, 6, cache=cache, warm_up=True)
+        assert tokens == expected and stats.prefill_seconds > 0
