@@ -251,7 +251,8 @@ def check_messages(messages) -> None:
         if not isinstance(content, str):
             raise TypeError(f"messages[{i}]['content'] must be a str, got "
                             f"{type(content).__name__}: {content!r:.80}")
-        if not content.strip() and not m.get("tool_calls"):
+        # A model's reply may be empty (an eos first); what is said to it may not.
+        if not content.strip() and role != "assistant":
             raise ValueError(f"messages[{i}] ({role}) has empty content: {content!r}")
 
 
