@@ -29,6 +29,9 @@ import numpy as np
 assert out.shape == (8, 8, 64) and np.isfinite(np.asarray(out)).all()
 assert (np.asarray(out[7]) == 0).all() and np.abs(np.asarray(out[:7])).max() > 0
 """,
+    "answers": """
+assert answers == ["001", "1231"], answers
+""",
     "new_tokens": """
 assert logits.shape[:2] == (1, 4) and len(new_tokens) == 2, (logits.shape, new_tokens)
 """,
