@@ -450,8 +450,12 @@ def test_greedy_repetition_penalty_matches_a_step_by_step_reference(model):
     penalty = 5.0
     prompt = np.random.default_rng().integers(0, CONFIG.vocab_size, 6).tolist()
     seq = list(prompt)
+    graphdef, state = nnx.split(model)
     for _ in range(6):
-        logits = np.asarray(model(jnp.asarray([seq], jnp.int32)))[0, -1].astype(np.float64)
+        # One shape for every step (causal: the padding after the last token changes nothing).
+        padded = jnp.asarray([seq + [0] * (12 - len(seq))], jnp.int32)
+        logits = np.asarray(_full_logits(state, padded, graphdef=graphdef))[0, len(seq) - 1]
+        logits = logits.astype(np.float64)
         for t in set(seq):
             logits[t] = logits[t] * penalty if logits[t] < 0 else logits[t] / penalty
         seq.append(int(np.argmax(logits)))

@@ -158,6 +158,10 @@ def test_generation_config_defaults_and_overrides(tmp_path, model, tokenizer):
     assert tok.generation_config.eos_token_id == (ids[stop], 9999)
     out = text.generate_ids(model, tok, [tok.encode("The quick brown")], temperature=0.0)[1][0]
     assert out == ids[:stop + 1]  # its eos ids, its max_new_tokens
+    pieces = []  # streaming stops at that eos too
+    stopped = text.generate_text(model, tok, "The quick brown", temperature=0.0,
+                                 stream=lambda i, piece: pieces.append(piece))
+    assert "".join(pieces) == stopped == tokenizer.decode(ids[:stop]) != greedy
     assert text.generate_text(model, tok, "The quick brown", temperature=0.0,
                               eos_token_id=[]) == greedy
     # Sampling defaults from the file, overridable one by one.
