@@ -5,7 +5,7 @@ through XLA, with Pallas kernels swapped in by the dispatch registry where the
 hardware allows. See README.md for a tour.
 """
 
-from forge_jax import backends, dispatch, kv_cache, tolerances
+from forge_jax import backends, dispatch, kv_cache, sharding, tolerances
 from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
     RopeScaling,
@@ -31,5 +31,5 @@ __all__ = [
     "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
     "tolerances", "use_implementation",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
-    "ragged_paged_attention",
+    "ragged_paged_attention", "sharding",
 ]

@@ -127,3 +127,11 @@ def module_available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+def shard_map(fn: Any, *, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
+    """``jax.shard_map`` without the varying-manual-axes check (named ``check_rep`` before
+    JAX 0.7): per-shard bodies here are ordinary single-device code, Pallas calls included,
+    which that check does not understand."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)

@@ -62,6 +62,13 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.show < 0:
         raise GenerateError(f"--show must be >= 0, got {args.show}")
     _check_seed(args.seed)
+    if args.mesh is not None:
+        from forge_jax import sharding
+
+        try:
+            sharding.parse_mesh(args.mesh)
+        except ValueError as e:
+            raise GenerateError(f"--mesh: {e}") from None
     if args.implementation is not None:
         from forge_jax import dispatch
 
@@ -280,6 +287,28 @@ def _check_length(args, config, path, prompt_tokens: int, max_new: int, what: st
             f"{path}; pass --allow-long-context if the model's RoPE scaling extends its range")
 
 
+def _mesh(args, config):
+    """The MeshConfig ``--mesh`` asks for (None without it), checked against the devices
+    and the model's head counts before the weights are loaded."""
+    if args.mesh is None:
+        return None
+    import jax
+
+    from forge_jax import sharding
+    from forge_jax.models import llama_sharding
+
+    try:
+        mesh = sharding.MeshConfig(sharding.make_mesh(args.mesh))
+        llama_sharding.layout_for(config, mesh.tp)
+    except ValueError as e:
+        hint = ""
+        if "available" in str(e) and jax.default_backend() == "cpu":
+            hint = ("; on CPU, give JAX several devices with "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+        raise GenerateError(f"--mesh {args.mesh}: {e}{hint}") from None
+    return mesh
+
+
 def _describe(model, path, args) -> str:
     import math
 
@@ -291,7 +320,10 @@ def _describe(model, path, args) -> str:
     return (f"{path}: Llama, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
             f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, vocab "
             f"{c.vocab_size}, {params / 1e6:.2f} M parameters, {args.dtype}, "
-            f"{getattr(args, 'cache', 'paged')} cache")
+            f"{getattr(args, 'cache', 'paged')} cache"
+            + ("" if model.mesh is None else
+               f", sharded over {model.mesh.describe()} ({len(model.mesh.mesh.devices.flat)} "
+               f"{model.mesh.mesh.devices.flat[0].platform.upper()} devices)"))
 
 
 def _print_stats(stats) -> None:
@@ -333,7 +365,7 @@ def _task_new_tokens(task, args) -> int:
     return task.max_answer_chars + 1 if args.max_new_tokens is None else args.max_new_tokens
 
 
-def _check_task(task, config, args, path) -> None:
+def _check_task(task, config, args, path, mesh=None) -> None:
     """A task run's length and memory, checked before any problem is drawn: a huge
     ``--num-problems`` is refused here, not after a long loop building its prompts."""
     import jax.numpy as jnp
@@ -348,7 +380,7 @@ def _check_task(task, config, args, path) -> None:
     try:
         llama.check_generation_fits(config, batch=args.num_problems, longest_prompt=prompt_tokens,
                                     max_new_tokens=max_new, cache=args.cache, param_dtype=dtype,
-                                    dtype=dtype)
+                                    dtype=dtype, mesh=mesh)
     except InsufficientMemoryError as e:
         raise GenerateError(f"--num-problems {args.num_problems} is too many: {e}") from None
 
@@ -451,6 +483,7 @@ def _generate(args: argparse.Namespace) -> int:
         _check_flags(args)
         config, raw, tokenizer, path = _read_checkpoint(args)
         task = tasks.task_from_config(raw)
+        mesh = _mesh(args, config)
         prompts = None
         if args.prompt or args.prompt_ids is not None:
             prompts = _prompts(args, config, tokenizer, path)
@@ -463,8 +496,8 @@ def _generate(args: argparse.Namespace) -> int:
             raise GenerateError(f"{path} is not a forge_jax task model: give --prompt TEXT or "
                                 f"--prompt-ids 1,2,3")
         else:
-            _check_task(task, config, args, path)
-        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))
+            _check_task(task, config, args, path, mesh)
+        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh)
         print(_describe(model, path, args))
         show = args.progress if args.progress is not None else sys.stderr.isatty()
         progress = _ProgressLine(sys.stderr, enabled=show)
@@ -622,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--show", type=int, default=5, help="problems to print (default 5)")
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="progress bar on stderr (default: when stderr is a terminal)")
+    gen.add_argument("--mesh", metavar="tp=4", default=None,
+                     help="shard the model over a device mesh: tensor-parallel axis tp, "
+                          "data-parallel axis dp, e.g. tp=4 or dp=2,tp=4")
     gen.add_argument("--allow-long-context", action="store_true",
                      help="run prompt + new tokens beyond the model's max_position_embeddings "
                           "(for a RoPE scaling that extends its range)")

@@ -51,6 +51,8 @@ from typing import Any
 
 import jax
 
+from forge_jax import sharding
+
 logger = logging.getLogger("forge_jax.dispatch")
 
 ENV_VAR = "FORGE_JAX_IMPLEMENTATION"
@@ -306,10 +308,12 @@ def current_preference() -> tuple[str | None, str, bool]:
 def _check(impl: Implementation, args: Mapping[str, Any], platform: str) -> str | None:
     """``None`` if ``impl`` can serve ``args`` on ``platform``, else the reason why not.
 
-    A probe that raises is a reason too: dispatch reports it instead of crashing.
+    Under :func:`forge_jax.sharding.use_mesh` an op with a partition rule runs per shard,
+    so ``supports`` sees the shapes one shard computes. A probe that raises is a reason
+    too: dispatch reports it instead of crashing.
     """
     try:
-        return impl.available() or impl.supports(args, platform)
+        return impl.available() or impl.supports(sharding.local_args(impl.op, args), platform)
     except Exception as e:
         return f"its supports/available check raised {type(e).__name__}: {e}"
 
@@ -424,7 +428,8 @@ def call(op: str, args: Mapping[str, Any], implementation: str | None = None) ->
     """Selects an implementation of ``op`` for ``args`` and calls it with ``**args``."""
     impl, selection = _select(op, args, implementation)
     _LAST[op] = selection
-    return impl.fn(**args)
+    # On a mesh (forge_jax.sharding.use_mesh), ops with a partition rule run per shard.
+    return sharding.per_shard(op, impl.fn, args)()
 
 
 def last_selection(op: str) -> Selection | None:

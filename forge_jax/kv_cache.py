@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forge_jax import _checks
+from forge_jax import _checks, sharding
 from forge_jax.ops.attention import attention
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_write
 
@@ -198,13 +198,17 @@ class ContiguousKVCache:
         # Skipped tokens go out of bounds and are dropped (.at[] would wrap negatives).
         keep = valid & (positions >= 0)
         positions = jnp.where(keep, positions, self.max_len)
-        rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None],
-                                positions.shape)
+
+        def scatter(buffer, new, positions):  # per shard on a mesh (forge_jax.sharding)
+            rows = jnp.broadcast_to(jnp.arange(buffer.shape[0], dtype=jnp.int32)[:, None],
+                                    positions.shape)
+            return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="drop")
+
         with jax.named_scope("kv_cache_write"):
-            new_k = jnp.asarray(self.k[layer]).at[rows, positions].set(
-                k.astype(self.dtype), mode="drop")
-            new_v = jnp.asarray(self.v[layer]).at[rows, positions].set(
-                v.astype(self.dtype), mode="drop")
+            new_k, new_v = (
+                sharding.per_shard("contiguous_write", scatter, dict(
+                    buffer=jnp.asarray(buffer), new=new, positions=positions))()
+                for buffer, new in ((self.k[layer], k), (self.v[layer], v)))
         return dataclasses.replace(self, k=_replace_layer(self.k, layer, new_k),
                                    v=_replace_layer(self.v, layer, new_v))
 
@@ -353,11 +357,12 @@ class PagedKVCache:
         _check_write(k, v, positions, valid, batch=self.batch, kv_heads=self.kv_heads,
                      head_dim=self.head_dim)
         batch, t = k.shape[:2]
-        slots = self.slots(positions, valid).reshape(batch * t)
-        new_k, new_v = paged_write(
-            self.k_pages[layer], self.v_pages[layer],
-            k.reshape(batch * t, self.kv_heads, self.head_dim),
-            v.reshape(batch * t, self.kv_heads, self.head_dim), slots)
+        with jax.named_scope("kv_cache_write"):
+            slots = self.slots(positions, valid).reshape(batch * t)
+            new_k, new_v = paged_write(
+                self.k_pages[layer], self.v_pages[layer],
+                k.reshape(batch * t, self.kv_heads, self.head_dim),
+                v.reshape(batch * t, self.kv_heads, self.head_dim), slots)
         return dataclasses.replace(self, k_pages=_replace_layer(self.k_pages, layer, new_k),
                                    v_pages=_replace_layer(self.v_pages, layer, new_v))
 

@@ -112,6 +112,9 @@ class ChatSession:
             raise text_lib.ChatTemplateError(
                 f"{tokenizer.name} has no chat template (no 'chat_template' in "
                 f"tokenizer_config.json and no chat_template.jinja): a chat needs one")
+        if getattr(model, "mesh", None) is not None:
+            raise ValueError("ChatSession runs a model on one device; this one is sharded "
+                             "over a mesh (load it without mesh=)")
         config = model.config
         if max_context is None:
             max_context = min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
@@ -143,7 +146,7 @@ class ChatSession:
             page_size=page_size, param_dtype=model.param_dtype, dtype=model.dtype)
         self._cache = PagedKVCache.create(
             num_layers=config.num_hidden_layers, num_pages=pages, page_size=page_size,
-            kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=model.dtype,
+            kv_heads=model.kv_heads, head_dim=config.head_dim, dtype=model.dtype,
             block_tables=np.arange(pages, dtype=np.int32)[None])
         self._graphdef, self._state = nnx.split(model)
         self._statics = dict(graphdef=self._graphdef, mode=self.sampling.mode,

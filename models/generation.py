@@ -16,6 +16,7 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax import memory as fj_memory
 from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
+from forge_jax.models import llama_sharding
 from forge_jax.models import sampling as sampling_lib
 from forge_jax.models.llama_model import Llama, LlamaConfig
 
@@ -126,7 +127,8 @@ def _prefill_step(state, cache, tokens, lengths, key, sampling, seen, *, graphde
     positions = cache.lengths.astype(jnp.int32)[:, None] + offsets
     logits, cache = model.forward_cached(tokens, positions, valid, cache,
                                          logits_at=jnp.maximum(lengths - 1, 0))
-    return (*_sample(logits, jax.random.fold_in(key, 0), sampling, seen, mode), cache)
+    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, mode),
+                   cache)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
@@ -138,7 +140,21 @@ def _decode_step(state, cache, tokens, active, key, step, sampling, seen, *, gra
     positions = cache.lengths[:, None]  # [batch, 1]
     logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
                                          logits_at=jnp.zeros_like(cache.lengths))
-    return (*_sample(logits, jax.random.fold_in(key, step), sampling, seen, mode), cache)
+    return _placed(model, *_sample(logits, jax.random.fold_in(key, step), sampling, seen,
+                                   mode), cache)
+
+
+def _placed(model: Llama, tokens, seen, cache):
+    """On a mesh: the sampled tokens and ``seen`` replicated (every process can read them)
+    and the cache kept in its shardings (so the next step takes it donated, with no
+    recompile). Returns ``(tokens, seen, cache)``."""
+    if model.mesh is None:
+        return tokens, seen, cache
+    replicated = model.mesh.replicated()
+    return (jax.lax.with_sharding_constraint(tokens, replicated),
+            jax.lax.with_sharding_constraint(seen, replicated),
+            jax.lax.with_sharding_constraint(
+                cache, llama_sharding.cache_shardings(cache, model.mesh)))
 
 
 def _check_prompt_array(prompts, vocab_size) -> list[list[int]]:
@@ -197,9 +213,12 @@ def check_sequence_length(config: LlamaConfig, prompt_tokens: int, max_new_token
 
 
 def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
-                page_size: int) -> tuple[int, int, int, int]:
-    """(padded batch, prompt bucket, cache length per sequence, pages per sequence)."""
-    padded_batch = _next_pow2(batch)
+                page_size: int, batch_multiple: int = 1) -> tuple[int, int, int, int]:
+    """(padded batch, prompt bucket, cache length per sequence, pages per sequence).
+
+    The batch is padded to a power of two, then to a multiple of ``batch_multiple`` (the
+    data axis of a mesh, so that it splits evenly)."""
+    padded_batch = -(-_next_pow2(batch) // batch_multiple) * batch_multiple
     prompt_bucket = max(8, _next_pow2(longest_prompt))
     cache_len = _next_pow2(prompt_bucket + max_new_tokens)
     max_pages = -(-cache_len // page_size)
@@ -210,17 +229,25 @@ def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str
 
 def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
                           max_new_tokens: int, cache: str = "paged", page_size: int = 16,
-                          param_dtype=jnp.float32, dtype=jnp.float32, cache_dtype=None) -> None:
+                          param_dtype=jnp.float32, dtype=jnp.float32, cache_dtype=None,
+                          mesh=None) -> None:
     """Raises ``forge_jax.memory.InsufficientMemoryError`` if :func:`generate` with these
     sizes would not fit its KV cache and activations in the device's free memory.
 
     :func:`generate` runs this check itself; it is public so that a caller can run it
     before building a large batch of prompts (the CLI does, for ``--num-problems``).
+    ``mesh`` (a :class:`forge_jax.sharding.MeshConfig`, as on a sharded model): count
+    one device's share of the cache.
     """
     cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
     padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
-        batch, longest_prompt, max_new_tokens, cache, page_size)
+        batch, longest_prompt, max_new_tokens, cache, page_size,
+        batch_multiple=1 if mesh is None else mesh.dp)
     kv_dim = config.num_key_value_heads * config.head_dim
+    if mesh is not None:  # one device's KV heads (copies included), and batch rows
+        kv_dim = llama_sharding.layout_for(config, mesh.tp).kv_repeat * kv_dim // mesh.tp
+        if cache != "paged":
+            kv_dim //= mesh.dp
     if cache == "paged":
         # The pool depends on the bucketed shapes only (so other prompt lengths in the same
         # buckets reuse the compiled steps): room for every row at full length.
@@ -303,8 +330,10 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
 
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
+    mesh = model.mesh  # a forge_jax.sharding.MeshConfig for a sharded model, else None
     padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
-        batch, int(lengths.max()), max_new_tokens, cache, page_size)
+        batch, int(lengths.max()), max_new_tokens, cache, page_size,
+        batch_multiple=1 if mesh is None else mesh.dp)
     stats = GenerationStats(batch=batch, padded_batch=padded_batch, prompt_bucket=prompt_bucket,
                             cache_len=cache_len, cache=cache, max_new_tokens=max_new_tokens,
                             prompt_tokens=int(lengths.sum()))
@@ -323,7 +352,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     check_generation_fits(config, batch=batch, longest_prompt=int(lengths.max()),
                           max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
                           param_dtype=model.param_dtype, dtype=model.dtype,
-                          cache_dtype=cache_dtype)
+                          cache_dtype=cache_dtype, mesh=mesh)
 
     if cache == "paged":
         num_pages = padded_batch * max_pages
@@ -332,23 +361,42 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
             manager.allocate(b, int(lengths[b]) + max_new_tokens)
         block_tables = np.zeros((padded_batch, max_pages), np.int32)
         block_tables[:batch] = manager.block_tables(list(range(batch)), max_pages)
-        kv = PagedKVCache.create(num_layers=config.num_hidden_layers, num_pages=num_pages,
-                                 page_size=page_size, kv_heads=config.num_key_value_heads,
-                                 head_dim=config.head_dim, dtype=cache_dtype,
-                                 block_tables=block_tables)
+        make_cache = functools.partial(
+            PagedKVCache.create, num_layers=config.num_hidden_layers, num_pages=num_pages,
+            page_size=page_size, kv_heads=model.kv_heads, head_dim=config.head_dim,
+            dtype=cache_dtype, block_tables=block_tables)
     else:
-        kv = ContiguousKVCache.create(num_layers=config.num_hidden_layers, batch=padded_batch,
-                                      max_len=cache_len, kv_heads=config.num_key_value_heads,
-                                      head_dim=config.head_dim, dtype=cache_dtype)
+        make_cache = functools.partial(
+            ContiguousKVCache.create, num_layers=config.num_hidden_layers, batch=padded_batch,
+            max_len=cache_len, kv_heads=model.kv_heads, head_dim=config.head_dim,
+            dtype=cache_dtype)
+    kv = llama_sharding.create_cache(make_cache, mesh)  # on a mesh: created in its shards
 
     graphdef, state = nnx.split(model)
-    key = jax.random.key(seed)
-    tokens, padded_lengths, active = (jnp.asarray(tokens), jnp.asarray(padded_lengths),
-                                      jnp.asarray(active))
-    step0 = jnp.asarray(1, jnp.int32)
     # The sampling parameters are arguments, not constants: changing them does not recompile.
-    params = sampling.arrays()
-    seen = jnp.asarray(seen_tokens(prompts, padded_batch, config.vocab_size))
+    params = {name: np.asarray(value) for name, value in sampling.arrays().items()}
+    seen = seen_tokens(prompts, padded_batch, config.vocab_size)  # the repetition penalty's
+    no_lengths = np.zeros_like(padded_lengths)  # the warm-up's: no token written
+    if mesh is None:
+        key = jax.random.key(seed)
+        tokens, padded_lengths, no_lengths, active, seen = map(
+            jnp.asarray, (tokens, padded_lengths, no_lengths, active, seen))
+        params = {name: jnp.asarray(value) for name, value in params.items()}
+        first = tokens[:, 0]
+        scalar = lambda value: jnp.asarray(value, jnp.int32)
+    else:  # global arrays, each device given its slice (works across processes too)
+        rows = mesh.batch_axis(padded_batch)
+        key = jax.random.wrap_key_data(fj.sharding.put(
+            np.asarray(jax.random.key_data(jax.random.key(seed))), mesh.replicated()))
+        scalar = lambda value: fj.sharding.put(np.int32(value), mesh.replicated())
+        tokens = fj.sharding.put(tokens, mesh.sharding(rows, None))
+        padded_lengths, no_lengths, active = (fj.sharding.put(a, mesh.sharding(rows))
+                                              for a in (padded_lengths, no_lengths, active))
+        params = {name: fj.sharding.put(value, mesh.replicated())
+                  for name, value in params.items()}
+        seen = fj.sharding.put(seen, mesh.replicated())
+        first = fj.sharding.put(np.zeros(padded_batch, np.int32), mesh.replicated())
+    step0 = scalar(1)
     statics = dict(graphdef=graphdef, mode=sampling.mode,
                    implementation_key=_implementation_key())
     # Compile ahead of time (cached by jit after the first call) so that the timings
@@ -358,15 +406,15 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
                                   **statics).compile()
     decode = None
     if max_new_tokens > 1:
-        decode = _decode_step.lower(state, kv, tokens[:, 0], active, key, step0, params, seen,
+        # The decode step takes the tokens the previous step sampled: shaped like `first`.
+        decode = _decode_step.lower(state, kv, first, active, key, step0, params, seen,
                                     **statics).compile()
     if warm_up:
         # A compiled step's first run builds its CPU matmul runtimes (XLA's YNNPACK
         # fusions, a few ms per matmul: ~0.45 s for a 30-layer model's prefill, ten decode
         # steps' time). A run on no tokens (nothing written, the cache unchanged) pays it
         # here, so that the prefill below, the time to the first token, is the work alone.
-        warm, _, kv = prefill(state, kv, tokens, jnp.zeros_like(padded_lengths), key, params,
-                              seen)
+        warm, _, kv = prefill(state, kv, tokens, no_lengths, key, params, seen)
         warm.block_until_ready()
     stats.compile_seconds = time.perf_counter() - start
 
@@ -396,8 +444,8 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     for step in range(1, max_new_tokens):
         if done.all():
             break
-        next_tokens, seen, kv = decode(state, kv, next_tokens, active, key,
-                                       jnp.asarray(step, jnp.int32), params, seen)
+        next_tokens, seen, kv = decode(state, kv, next_tokens, active, key, scalar(step),
+                                       params, seen)
         outputs.append(next_tokens)
         stats.decode_steps += 1
         if read:

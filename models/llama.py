@@ -53,6 +53,7 @@ from forge_jax.models.llama_model import (  # noqa: F401
     LlamaDecoderLayer,
     LlamaMLP,
     RMSNorm,
+    TensorLayout,
 )
 from forge_jax.models.text import (  # noqa: F401  (the text API, also in models.text)
     chat,
@@ -64,6 +65,6 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES", "CheckpointError", "GenerationStats", "Linear", "Llama",
     "LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm",
     "check_generation_fits", "check_sequence_length", "from_pretrained", "generate",
-    "generate_with_stats", "hf_state_dict", "load_config",
+    "generate_with_stats", "hf_state_dict", "load_config", "TensorLayout",
     "chat", "generate_text", "load_tokenizer",
 ]

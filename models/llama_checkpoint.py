@@ -3,18 +3,20 @@ pickle) and writing a model's weights back under HF's names and layout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can read it)
 import numpy as np
 from flax import nnx
 
 from forge_jax import memory as fj_memory
-from forge_jax.models.llama_model import Linear, Llama, LlamaConfig
+from forge_jax.models.llama_model import Linear, Llama, LlamaConfig, TensorLayout
 
 
 class CheckpointError(ValueError):
@@ -25,11 +27,17 @@ class CheckpointError(ValueError):
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+# How one HF tensor fills a parameter: None (the whole parameter, as is) or, for a part
+# of a fused projection, (stored rows, the HF rows they hold) along axis 0.
+Rows = tuple[np.ndarray, np.ndarray] | None
+
+
 def _hf_parameters(
     model: Llama,
-) -> dict[str, tuple[nnx.Param, tuple[int, ...], Callable, slice | None]]:
+) -> dict[str, tuple[nnx.Param, tuple[int, ...], Callable, Rows]]:
     """HF tensor name -> (the parameter, the tensor's HF shape, HF array -> stored array,
-    the rows of the parameter it fills: None for all of it, a slice for a fused part)."""
+    the rows of the parameter it fills: None for all of it, (stored, source) row indices
+    for a fused part, see :meth:`Linear.hf_rows`)."""
     same = lambda w: w
     out = {"model.embed_tokens.weight": (model.embed_tokens, model.embed_tokens.shape, same,
                                          None),
@@ -42,12 +50,12 @@ def _hf_parameters(
                 out[f"{name}.bias"] = (lin.bias, lin.bias.shape, same, None)
             return
         prefix = name.rsplit(".", 1)[0]
-        for part, rows in lin.hf_parts():
-            size = rows.stop - rows.start
+        for part, stored, source in lin.hf_rows():
+            size = int(source.max()) + 1
             out[f"{prefix}.{part}.weight"] = (lin.kernel, (size, lin.in_features),
-                                              lin.kernel_from_hf, rows)
+                                              lin.kernel_from_hf, (stored, source))
             if lin.bias is not None:
-                out[f"{prefix}.{part}.bias"] = (lin.bias, (size,), same, rows)
+                out[f"{prefix}.{part}.bias"] = (lin.bias, (size,), same, (stored, source))
 
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
@@ -61,6 +69,58 @@ def _hf_parameters(
     if model.lm_head is not None:
         linear("lm_head", model.lm_head)
     return out
+
+
+# reader(name, index) -> the HF tensor's block at index (a tuple of slices or int arrays).
+Reader = Callable[[str, tuple], np.ndarray]
+
+
+def _sources(model: Llama) -> dict[int, tuple[nnx.Param, list[tuple[str, Callable, Rows]]]]:
+    """id(parameter) -> (the parameter, [(HF name, convert, rows)] of the tensors filling it)."""
+    out: dict[int, tuple[nnx.Param, list]] = {}
+    for name, (param, _, convert, rows) in _hf_parameters(model).items():
+        out.setdefault(id(param), (param, []))[1].append((name, convert, rows))
+    return out
+
+
+def _block(shape: tuple[int, ...], index: tuple, dtype, sources, read: Reader) -> np.ndarray:
+    """The block ``index`` (a tuple of slices, one device's shard) of a parameter of
+    ``shape``, read from its HF tensors: only the rows and columns the block holds."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True)]
+    out = np.empty([hi - lo for lo, hi in bounds], dtype)
+    rest = tuple(slice(lo, hi) for lo, hi in bounds[1:])
+    for name, convert, rows in sources:
+        if rows is None:
+            out[...] = convert(read(name, (slice(*bounds[0]),) + rest)).astype(dtype)
+            continue
+        stored, source = rows
+        mine = (stored >= bounds[0][0]) & (stored < bounds[0][1])
+        if not mine.any():
+            continue
+        lo, hi = int(source[mine].min()), int(source[mine].max()) + 1
+        hf = read(name, (slice(lo, hi),) + rest)  # only the HF rows this block needs
+        out[stored[mine] - bounds[0][0]] = convert(hf[source[mine] - lo]).astype(dtype)
+    return out
+
+
+def _fill(model: Llama, read: Reader, shardings=None) -> None:
+    """Sets every parameter of ``model`` (abstract or not) from HF tensors.
+
+    ``shardings``: id(parameter) -> a ``jax.sharding.Sharding``; each device then gets
+    its block through ``jax.make_array_from_callback`` and nothing reads more than the
+    devices of this process hold. None: whole arrays on the default device.
+    """
+    for key, (param, sources) in _sources(model).items():
+        dtype = np.dtype(param.dtype)
+        shape = tuple(param.shape)
+        if shardings is None:
+            param.set_value(jnp.asarray(_block(shape, (), dtype, sources, read)))
+        else:
+            param.set_value(jax.make_array_from_callback(
+                shape, shardings[key],
+                lambda index, shape=shape, dtype=dtype, sources=sources:
+                    _block(shape, index, dtype, sources, read)))
 
 
 def _safetensors_files(path: pathlib.Path) -> dict[pathlib.Path, list[str] | None]:
@@ -107,7 +167,8 @@ def load_config(path: str | os.PathLike) -> LlamaConfig:
         raise CheckpointError(f"{file}: {e}") from None
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None) -> Llama:
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
+                    mesh=None, tp_axis: str = "tp", dp_axis: str = "dp") -> Llama:
     """Loads a Hugging Face Llama-family checkpoint directory.
 
     Reads ``config.json`` and ``model.safetensors`` (or the shards named by
@@ -121,6 +182,13 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
       path: the checkpoint directory.
       dtype: compute dtype of the model.
       param_dtype: storage dtype of the weights; defaults to ``dtype``.
+      mesh: a ``jax.sharding.Mesh`` (or a :class:`forge_jax.sharding.MeshConfig`) to
+        load the model sharded over, tensor-parallel over ``tp_axis`` and data-parallel
+        over ``dp_axis`` (the rules: :mod:`forge_jax.models.llama_sharding`). Each device
+        receives only its shard, read from the files as a slice, so a model larger than
+        one device loads and the host never holds a full copy per device. None: one
+        device.
+      tp_axis, dp_axis: the mesh axes' roles (ignored for a ``MeshConfig``).
 
     Returns:
       A :class:`Llama` holding the checkpoint's weights.
@@ -128,26 +196,34 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     Raises:
       CheckpointError (a ValueError): unreadable or unsupported config, missing
         files, or a missing, mis-shaped or unexpected tensor (named in the message).
+      ValueError: a mesh the model's head counts or sizes cannot be split over.
     """
     from safetensors import SafetensorError, safe_open
+
+    from forge_jax.models import llama_sharding
 
     path = pathlib.Path(path)
     config = load_config(path)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+    plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
+                                                         dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
                                                   param_dtype=param_dtype).weights
-    fj_memory.check_fits(weights, what=f"the weights of {path} in {param_dtype.name}")
+    if plan is not None:  # each device holds about its share of the weights
+        weights //= plan.mesh.tp
+    fj_memory.check_fits(weights, what=f"the weights of {path} in {param_dtype.name}"
+                         + ("" if plan is None else f" per device of {plan.mesh.describe()}"))
+    layout = TensorLayout() if plan is None else plan.layout
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                         param_dtype=param_dtype))
+                                         param_dtype=param_dtype, layout=layout))
     expected = _hf_parameters(model)
-    loaded: set[str] = set()
-    fused: dict[int, tuple[nnx.Param, np.ndarray]] = {}
-    for file, names in _safetensors_files(path).items():
-        try:
-            handle = safe_open(file, framework="numpy")
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read {file}: {e}") from None
-        with handle as f:
+    handles: dict[str, object] = {}  # tensor name -> the open file holding it
+    with contextlib.ExitStack() as stack:
+        for file, names in _safetensors_files(path).items():
+            try:
+                f = stack.enter_context(safe_open(file, framework="numpy"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"cannot read {file}: {e}") from None
             keys = set(f.keys())
             if names is not None and set(names) - keys:
                 raise CheckpointError(f"{file.name} lacks tensors its index assigns to it: "
@@ -160,28 +236,28 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                     raise CheckpointError(
                         f"unexpected tensor {name!r} in {file.name}: not a parameter of a "
                         f"Llama with this config.json")
-                param, hf_shape, convert, rows = expected[name]
-                shape = tuple(f.get_slice(name).get_shape())
+                hf_shape = expected[name][1]
+                tensor = f.get_slice(name)
+                shape = tuple(tensor.get_shape())
                 if shape != tuple(hf_shape):
                     raise CheckpointError(f"tensor {name!r} in {file.name} has shape {shape}, "
                                           f"expected {tuple(hf_shape)} from config.json")
-                array = f.get_tensor(name)
-                if not np.issubdtype(array.dtype, np.floating) and array.dtype != jnp.bfloat16:
+                kind = tensor.get_dtype()
+                if not kind.startswith(("F", "BF")):
                     raise CheckpointError(
-                        f"tensor {name!r} in {file.name} has dtype {array.dtype}, expected float")
-                value = convert(array).astype(param_dtype)
-                if rows is None:
-                    param.set_value(jnp.asarray(value))
-                else:  # A part of a fused parameter: assembled on the host, set below.
-                    fused.setdefault(id(param), (param, np.empty(param.shape, param_dtype)))
-                    fused[id(param)][1][rows] = value
-                loaded.add(name)
-    missing = sorted(set(expected) - loaded)
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:5]}{more}")
-    for param, value in fused.values():
-        param.set_value(jnp.asarray(value))
+                        f"tensor {name!r} in {file.name} has dtype {kind}, expected float")
+                handles[name] = f
+        missing = sorted(set(expected) - set(handles))
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:5]}{more}")
+
+        def read(name, index):
+            return np.asarray(handles[name].get_slice(name)[index])
+
+        _fill(model, read, None if plan is None else plan.param_shardings(model))
+    if plan is not None:
+        model.mesh = plan.mesh
     return model
 
 
@@ -191,8 +267,10 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
     out = {}
     for name, (param, hf_shape, convert, rows) in _hf_parameters(model).items():
         stored = np.asarray(param[...], np.float32)
-        if rows is not None:
-            stored = stored[rows]
+        if rows is not None:  # a fused part: its HF rows (a copied row is read once)
+            hf = np.empty((hf_shape[0],) + stored.shape[1:], np.float32)
+            hf[rows[1]] = stored[rows[0]]
+            stored = hf
         # convert maps HF's layout to ours (the identity today); check that it still is.
         if stored.shape != tuple(hf_shape) or not np.array_equal(convert(stored), stored):
             raise ValueError(f"cannot convert {name} of shape {stored.shape} to HF's {hf_shape}")

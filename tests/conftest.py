@@ -1,6 +1,7 @@
 """Test harness set-up. Runs before JAX initialises its backends.
 
-* 4 CPU devices, so that pmap / sharding variants run on a laptop or CI machine.
+* 8 CPU devices, so that pmap / sharding variants and the sharded-inference meshes
+  (tp=8, dp=2 x tp=4, dp=8) run on a laptop or CI machine.
 * Strict dtype promotion: an op that mixes float32 and bfloat16 without saying
   so is a bug (silent upcasts double memory traffic), so tests make it an error.
 """
@@ -8,7 +9,7 @@
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.pop("FORGE_JAX_IMPLEMENTATION", None)
 
 import jax  # noqa: E402

@@ -107,3 +107,24 @@ def test_bad_arguments_are_one_line(capsys, tmp_path):
     assert_one_line_error(*run(capsys, "generate", "--checkpoint", str(plain), "--prompt", "1+1="),
                           "no tokenizer.json", "--prompt-ids")
     assert_one_line_error(*run(capsys, "generate", "--checkpoint", str(plain)), "--prompt")
+
+
+def test_generate_on_a_mesh(capsys):
+    """--mesh: the embedded model sharded over conftest's CPU devices answers as on one."""
+    rc, out, err = run(capsys, "generate", "--mesh", "dp=2,tp=4", "--num-problems", "32",
+                       "--show", "0")
+    assert rc == 0, err
+    assert "sharded over dp=2 x tp=4 (8 CPU devices)" in out, out
+    assert re.search(r"accuracy: (3[0-2])/32 = ", out), out
+    rc, one, err = run(capsys, "generate", "--num-problems", "32", "--show", "0")
+    assert re.search(r"accuracy: .*", out).group(0) == re.search(r"accuracy: .*", one).group(0)
+
+
+@pytest.mark.parametrize("mesh,fragment", [
+    ("tp=16", "needs 16 devices; only 8 available"),
+    ("tp=3", "num_attention_heads=4 does not split over a tensor axis of 3"),
+    ("tp=2,x=2", "mesh axes ['x'] are neither tp_axis='tp'"),
+    ("tp:2", "a mesh is written like 'tp=4'"),
+])
+def test_bad_mesh_is_one_line(capsys, mesh, fragment):
+    assert_one_line_error(*run(capsys, "generate", "--mesh", mesh), "--mesh", fragment)

@@ -266,9 +266,10 @@ def test_loads_a_checkpoint_written_by_safetensors(tmp_path):
     tensors = _write_checkpoint(tmp_path, _config_dict())
     model = llama.from_pretrained(tmp_path)
     qkv = model.layers[1].self_attn.qkv_proj
-    rows = dict(qkv.hf_parts())["k_proj"]
+    c = model.config  # one device: the fused rows are [q | k | v]
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     np.testing.assert_array_equal(
-        np.asarray(qkv.kernel[...])[rows],
+        np.asarray(qkv.kernel[...])[q:q + kv],
         qkv.kernel_from_hf(tensors["model.layers.1.self_attn.k_proj.weight"]))
     assert llama.hf_state_dict(model).keys() == tensors.keys()
     for name, value in llama.hf_state_dict(model).items():  # export is load's inverse

@@ -32,6 +32,12 @@ assert (np.asarray(out[7]) == 0).all() and np.abs(np.asarray(out[:7])).max() > 0
     "answers": """
 assert answers == ["001", "1231"], answers
 """,
+    "sharded_tokens": """
+one_device = llama.generate(llama.from_pretrained(TINY_DIR), [[3, 4, 5], [3, 6]], max_new_tokens=8)
+assert sharded_tokens == one_device, (sharded_tokens, one_device)
+assert model.mesh.tp == 2 and model.mesh.dp == 2
+assert copy.layers[0].self_attn.qkv_proj.kernel[...].sharding.spec[0] == "tp"
+""",
     "new_tokens": """
 assert logits.shape[:2] == (1, 4) and len(new_tokens) == 2, (logits.shape, new_tokens)
 """,

@@ -1,5 +1,5 @@
 """Every op under chex's execution variants: jit, eager, committed device arrays, host
-(NumPy) arrays and pmap over the 4 CPU devices that conftest.py creates.
+(NumPy) arrays and pmap over the 8 CPU devices that conftest.py creates.
 
 Each variant's result is checked against the float64 reference with the project
 tolerance, so all variants agree with each other within it.
