@@ -137,7 +137,7 @@ class ChatSession:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens=!r}")
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.max_new_tokens = max_new_tokens
-        self.eos = frozenset(text_lib._eos_ids(model, tokenizer, gen_config, eos_token_id))
+        self.eos = frozenset(text_lib.eos_ids(model, tokenizer, gen_config, eos_token_id))
         self.key = jax.random.key(seed)
         pages = -(-max_context // page_size)
         self.max_context = max_context

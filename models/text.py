@@ -82,6 +82,9 @@ class GenerationConfig:
         config = cls(eos_token_id=tuple(eos), do_sample=bool(raw.get("do_sample", False)),
                      **{k: raw.get(k) for k in ("temperature", "top_k", "top_p", "min_p",
                                                 "repetition_penalty", "max_new_tokens")})
+        n = config.max_new_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise CheckpointError(f"{where}: max_new_tokens must be an int >= 1, got {n!r}")
         if config.top_k == 0:  # transformers' "no top-k"
             config = dataclasses.replace(config, top_k=None)
         try:
@@ -363,9 +366,10 @@ class TextStreamer:
             self.finished[b] = True
 
 
-def _eos_ids(model: Llama, tokenizer: Tokenizer, config: GenerationConfig | None, eos):
-    """The caller's eos ids, else generation_config.json's, else config.json's, else the
-    tokenizer's eos token."""
+def eos_ids(model: Llama, tokenizer: Tokenizer, config: GenerationConfig | None,
+            eos: int | Sequence[int] | None = None) -> tuple[int, ...]:
+    """The ids that end a sequence: ``eos`` (the caller's) if given, else
+    generation_config.json's, else config.json's, else the tokenizer's eos token."""
     if eos is not None:
         return (eos,) if isinstance(eos, int) else tuple(eos)
     if config is not None and config.eos_token_id:
@@ -397,7 +401,7 @@ def generate_ids(model: Llama, tokenizer: Tokenizer, prompts: Sequence[Sequence[
     if max_new_tokens is None:
         max_new_tokens = (config.max_new_tokens if config and config.max_new_tokens
                           else DEFAULT_MAX_NEW_TOKENS)
-    eos = _eos_ids(model, tokenizer, config, eos_token_id)
+    eos = eos_ids(model, tokenizer, config, eos_token_id)
     streamer = None if stream is None else TextStreamer(tokenizer, len(prompts), eos, stream)
     ids, stats = generate_with_stats(
         model, prompts, max_new_tokens, temperature=params.temperature, top_k=params.top_k,
