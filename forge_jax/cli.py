@@ -1,4 +1,4 @@
-"""The ``forge-jax`` command line: ``info``, ``demo``, ``generate`` and ``tune``."""
+"""The ``forge-jax`` command line: ``info``, ``demo``, ``generate``, ``chat`` and ``tune``."""
 
 from __future__ import annotations
 
@@ -50,22 +50,13 @@ def _check_seed(seed: int) -> None:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Every numeric flag of ``generate``, before anything is read or loaded."""
-    import math
 
-    import numpy as np
 
     if args.prompt and args.prompt_ids is not None:
         raise GenerateError("give --prompt or --prompt-ids, not both")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise GenerateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.top_k is not None and args.top_k < 1:
-        raise GenerateError(f"--top-k must be >= 1, got {args.top_k}")
-    largest = float(np.finfo(np.float32).max)
-    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= largest):
-        raise GenerateError(f"--temperature must be a finite number >= 0 (at most float32's "
-                            f"{largest:.4g}), got {args.temperature}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
+    _check_sampling_flags(args)
     if args.num_problems < 1:
         raise GenerateError(f"--num-problems must be >= 1, got {args.num_problems}")
     if args.show < 0:
@@ -85,6 +76,111 @@ def _check_flags(args: argparse.Namespace) -> None:
         if args.implementation not in known:
             raise GenerateError(f"unknown --implementation {args.implementation!r}; "
                                 f"registered: {', '.join(known)}")
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """The sampling flags of ``generate`` and ``chat`` (None: the checkpoint's
+    generation_config.json, else greedy and no filter)."""
+    import math
+
+    import numpy as np
+
+    if args.top_k is not None and args.top_k < 1:
+        raise GenerateError(f"--top-k must be >= 1, got {args.top_k}")
+    largest = float(np.finfo(np.float32).max)
+    if args.temperature is not None and not (
+            math.isfinite(args.temperature) and 0 <= args.temperature <= largest):
+        raise GenerateError(f"--temperature must be a finite number >= 0 (at most float32's "
+                            f"{largest:.4g}), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        raise GenerateError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if args.repetition_penalty is not None and not (
+            math.isfinite(args.repetition_penalty) and 0 < args.repetition_penalty <= largest):
+        raise GenerateError(f"--repetition-penalty must be a finite number > 0, got "
+                            f"{args.repetition_penalty}")
+
+
+def _sampling(args: argparse.Namespace, generation_config):
+    """The flags over the checkpoint's generation_config.json: a ``SamplingParams``."""
+    from forge_jax.models import text
+
+    try:
+        return (generation_config or text.GenerationConfig()).sampling_params(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    except ValueError as e:
+        raise GenerateError(str(e)) from None
+
+
+_CACHE_ENV = "FORGE_JAX_COMPILATION_CACHE"
+_CACHE_OFF = ("", "0", "off", "no", "none", "false")
+
+
+def _compilation_cache_dir(args: argparse.Namespace):
+    """Where the persistent compilation cache lives for this run, or None for none:
+    ``--no-compilation-cache``, else ``--compilation-cache DIR``, else
+    ``$FORGE_JAX_COMPILATION_CACHE`` (a directory, or ``off``), else
+    ``$XDG_CACHE_HOME/forge_jax/jax`` (``~/.cache/forge_jax/jax``)."""
+    import os
+    import pathlib
+
+    if args.no_compilation_cache:
+        return None
+    if args.compilation_cache:
+        return pathlib.Path(args.compilation_cache).expanduser()
+    env = os.environ.get(_CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in _CACHE_OFF else pathlib.Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "forge_jax" / "jax"
+
+
+class _CompilationCache:
+    """JAX's persistent compilation cache in ``directory`` for the duration of a command
+    (every step cached, however fast it compiled), so that the next run of the same model
+    loads its compiled steps instead of compiling them. JAX's settings are restored on
+    exit (``main`` may run inside a longer process); a cache the user configured for JAX
+    itself (``JAX_COMPILATION_CACHE_DIR``) is left alone."""
+
+    _SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                 "jax_persistent_cache_min_entry_size_bytes")
+
+    def __init__(self, directory):
+        self.directory, self.saved, self.active = directory, None, None
+
+    def __enter__(self):
+        import jax
+
+        if self.directory is None or jax.config.jax_compilation_cache_dir:
+            self.active = jax.config.jax_compilation_cache_dir
+            return self
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise GenerateError(f"cannot create the compilation cache {self.directory}: {e}; "
+                                f"pass --compilation-cache DIR or --no-compilation-cache"
+                                ) from None
+        from jax.experimental.compilation_cache import compilation_cache
+
+        self.saved = {name: getattr(jax.config, name) for name in self._SETTINGS}
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", str(self.directory))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        self.active = str(self.directory)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            import jax
+            from jax.experimental.compilation_cache import compilation_cache
+
+            for name, value in self.saved.items():
+                jax.config.update(name, value)
+            compilation_cache.reset_cache()
+        return False
 
 
 class _ProgressLine:
@@ -223,7 +319,8 @@ def _describe(model, path, args) -> str:
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return (f"{path}: Llama, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
             f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, vocab "
-            f"{c.vocab_size}, {params / 1e6:.2f} M parameters, {args.dtype}, {args.cache} cache"
+            f"{c.vocab_size}, {params / 1e6:.2f} M parameters, {args.dtype}, "
+            f"{getattr(args, 'cache', 'paged')} cache"
             + ("" if model.mesh is None else
                f", sharded over {model.mesh.describe()} ({len(model.mesh.mesh.devices.flat)} "
                f"{model.mesh.mesh.devices.flat[0].platform.upper()} devices)"))
@@ -236,6 +333,8 @@ def _print_stats(stats) -> None:
         return
     print(f"prefill: {stats.prompt_tokens} prompt tokens in {stats.prefill_seconds * 1e3:.1f} ms"
           f" = {stats.prefill_tokens_per_s:,.0f} tokens/s (batch {stats.batch})")
+    print(f"time to first token: {stats.prefill_seconds * 1e3:.1f} ms (the prefill; compiled "
+          f"and warmed up before it in {stats.compile_seconds:.2f} s)")
     if stats.decode_steps:
         print(f"decode:  {stats.decode_tokens} tokens in {stats.decode_steps} steps, "
               f"{stats.decode_ms_per_step:.2f} ms/step = {stats.decode_tokens_per_s:,.0f} tokens/s")
@@ -295,9 +394,11 @@ def _run_task(model, task, args, progress) -> None:
     problems = task.sample(np.random.default_rng(args.seed), n, split="test")
     # Without --max-new-tokens, tasks.solve sizes the answers to these problems.
     kw = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    sampling = _sampling(args, None)
     generated, stats = tasks.solve(
-        model, problems, cache=args.cache, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, progress=progress,
+        model, problems, cache=args.cache, temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty, seed=args.seed, progress=progress,
         allow_beyond_max_positions=args.allow_long_context, **kw)
     progress.close()
     print(f"task: {task.max_digits}-digit addition; the model writes the sum's digits "
@@ -315,24 +416,47 @@ def _run_task(model, task, args, progress) -> None:
         verdict = "ok" if tasks.is_correct(p, ids) else f"WRONG: {p.a}+{p.b} = {p.a + p.b}"
         print(f"  {p.prompt:>9s} {text:<5s} {reads:<11s}{end} {verdict}")
     correct = sum(tasks.is_correct(p, g) for p, g in zip(problems, generated, strict=True))
-    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    mode = "greedy" if sampling.greedy else f"temperature {sampling.temperature}"
     print(f"accuracy: {correct}/{n} = {100 * correct / n:.1f}% exact match on fresh held-out "
           f"problems ({mode}, one batch, stop at <eos>)")
     _print_stats(stats)
 
 
-def _prompt_new_tokens(args) -> int:
-    return 32 if args.max_new_tokens is None else args.max_new_tokens
+def _prompt_new_tokens(args, generation_config=None) -> int:
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    if generation_config is not None and generation_config.max_new_tokens:
+        return generation_config.max_new_tokens
+    return 32
 
 
-def _run_prompts(model, tokenizer, prompts, args, progress) -> None:
-    from forge_jax.models import llama
+def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
+    from forge_jax.models import llama, text
 
-    eos = model.config.eos_token_ids or None
+    generation_config = text.load_generation_config(path)
+    sampling = _sampling(args, generation_config)
+    if generation_config is not None and generation_config.eos_token_id:
+        eos = generation_config.eos_token_id
+    else:
+        eos = model.config.eos_token_ids or None
+    max_new = _prompt_new_tokens(args, generation_config)
+    streamer = None
+    if args.stream and tokenizer is not None and len(prompts) == 1 and max_new > 0:
+        # Text as it is decoded: the prompt, then the completion piece by piece.
+        streamer = text.TextStreamer(text.Tokenizer(tokenizer), 1, eos or (),
+                                     lambda b, piece: (sys.stdout.write(piece),
+                                                       sys.stdout.flush()))
+        sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
+        sys.stdout.flush()
     generated, stats = llama.generate_with_stats(
-        model, prompts, _prompt_new_tokens(args), temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, eos_token_id=eos,
-        progress=progress, allow_beyond_max_positions=args.allow_long_context)
+        model, prompts, max_new, temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty, seed=args.seed, cache=args.cache,
+        eos_token_id=eos, progress=progress, on_tokens=streamer, warm_up=True,
+        allow_beyond_max_positions=args.allow_long_context)
+    if streamer is not None:
+        streamer.close()
+        print()
     progress.close()
     for prompt, ids in zip(prompts, generated, strict=True):
         print(f"prompt ids:    {prompt}")
@@ -350,7 +474,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     import forge_jax as fj
     from forge_jax.memory import InsufficientMemoryError
-    from forge_jax.models import llama, tasks
+    from forge_jax.models import llama, tasks, text
 
     prog = "forge-jax generate"
     try:
@@ -366,8 +490,8 @@ def _generate(args: argparse.Namespace) -> int:
             longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
             what = ("--prompt-ids" if args.prompt_ids is not None
                     else f"--prompt {args.prompt[longest]!r}")
-            _check_length(args, config, path, len(prompts[longest]), _prompt_new_tokens(args),
-                          what)
+            _check_length(args, config, path, len(prompts[longest]),
+                          _prompt_new_tokens(args, text.load_generation_config(path)), what)
         elif task is None:
             raise GenerateError(f"{path} is not a forge_jax task model: give --prompt TEXT or "
                                 f"--prompt-ids 1,2,3")
@@ -382,11 +506,11 @@ def _generate(args: argparse.Namespace) -> int:
             # generate() keys its compiled steps on the preference, so no cache to clear.
             context = fj.use_implementation(args.implementation)
         fj.dispatch.clear_selections()  # Report the ops of this run only.
-        with context:
+        with _CompilationCache(_compilation_cache_dir(args)), context:
             if prompts is None:
                 _run_task(model, task, args, progress)
             else:
-                _run_prompts(model, tokenizer, prompts, args, progress)
+                _run_prompts(model, tokenizer, prompts, args, progress, path)
     except (GenerateError, llama.CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -464,6 +588,103 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"  {result}")
     where = autotuning.cache_path()
     print(f"cache: {where}" if where else f"cache: off (${autotuning.CACHE_ENV}=off)")
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0: greedy (default, unless generation_config.json samples)")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="transformers' repetition penalty (1: off)")
+
+
+def _add_compilation_cache_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
+                        help=f"JAX's persistent compilation cache (default: ${_CACHE_ENV}, else "
+                             f"~/.cache/forge_jax/jax): a second run skips compilation")
+    parser.add_argument("--no-compilation-cache", action="store_true",
+                        help=f"compile afresh, cache nothing (or {_CACHE_ENV}=off)")
+
+
+def _chat_line(stats) -> str:
+    return (f"[first token {stats.first_token_seconds * 1e3:.0f} ms; prefilled "
+            f"{stats.prefilled_tokens} of {stats.prompt_tokens} tokens ({stats.reused_tokens} "
+            f"kept in the cache); {stats.new_tokens} new tokens, "
+            f"{stats.decode_ms_per_step:.1f} ms/token]")
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """``forge-jax chat``: one user message per stdin line, each reply streamed to stdout."""
+    import jax.numpy as jnp
+
+    from forge_jax.memory import InsufficientMemoryError
+    from forge_jax.models import llama, text
+    from forge_jax.models.chat_session import ChatSession, ContextFullError
+
+    prog = "forge-jax chat"
+    try:
+        _check_sampling_flags(args)
+        _check_seed(args.seed)
+        if args.max_new_tokens is not None and args.max_new_tokens < 1:
+            raise GenerateError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if args.max_context is not None and args.max_context < 2:
+            raise GenerateError(f"--max-context must be >= 2, got {args.max_context}")
+        import pathlib
+
+        path = pathlib.Path(args.checkpoint)
+        config = llama.load_config(path)
+        tokenizer = text.load_tokenizer(path)
+        if not tokenizer.chat_template:
+            raise GenerateError(f"{path} has no chat template (no 'chat_template' in "
+                                f"tokenizer_config.json, no chat_template.jinja): use "
+                                f"forge-jax generate --prompt TEXT")
+        sampling = _sampling(args, tokenizer.generation_config)
+        if args.max_context is not None and args.max_context > config.max_position_embeddings:
+            raise GenerateError(f"--max-context {args.max_context} is beyond "
+                                f"max_position_embeddings={config.max_position_embeddings} "
+                                f"of {path}")
+        interactive = sys.stdin.isatty()
+        with _CompilationCache(_compilation_cache_dir(args)):
+            model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))
+            session = ChatSession(
+                model, tokenizer, max_context=args.max_context, system=args.system,
+                max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,
+                top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty, seed=args.seed)
+            print(f"{_describe(model, path, args)}; context {session.max_context} tokens. "
+                  f"One message per line; /reset starts over; end of input (Ctrl-D) quits.",
+                  file=sys.stderr)
+            while True:
+                if interactive:
+                    print("> ", end="", file=sys.stderr, flush=True)
+                line = sys.stdin.readline()
+                if not line:  # end of input
+                    break
+                message = line.rstrip("\n")
+                if not message.strip():
+                    continue
+                if message.strip() == "/reset":
+                    session.reset()
+                    print("[conversation reset]", file=sys.stderr)
+                    continue
+                try:
+                    session.send(message, on_text=lambda piece: (sys.stdout.write(piece),
+                                                                 sys.stdout.flush()))
+                except ContextFullError as e:
+                    print(f"[context full: {e}]", file=sys.stderr)
+                    continue
+                print(flush=True)
+                if session.last_turn.context_full:
+                    print(f"[context full: the reply stopped at {session.max_context} tokens; "
+                          f"/reset to start over]", file=sys.stderr)
+                if args.stats:
+                    print(_chat_line(session.last_turn), file=sys.stderr)
+    except (GenerateError, llama.CheckpointError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except InsufficientMemoryError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -488,9 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt-ids", metavar="1,2,3", help="prompt as comma-separated token ids")
     gen.add_argument("--max-new-tokens", type=int, default=None,
                      help="tokens to generate (default: 32; for a task model, the longest answer)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
+    _add_sampling_flags(gen)
+    gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                     help="print a single --prompt's completion as it is decoded (default: on)")
     gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
     gen.add_argument("--implementation", default=None,
                      help="preferred op implementation (forge_jax.use_implementation), e.g. xla")
@@ -507,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--allow-long-context", action="store_true",
                      help="run prompt + new tokens beyond the model's max_position_embeddings "
                           "(for a RoPE scaling that extends its range)")
+    _add_compilation_cache_flags(gen)
     gen.set_defaults(fn=_generate)
     tune = sub.add_parser(
         "tune", help="autotune every op at a checkpoint's shapes (default: the tiny model)",
@@ -524,6 +746,26 @@ def main(argv: list[str] | None = None) -> int:
                            "e.g. xla,pallas,triton,cudnn, to let the measurement decide)")
     tune.add_argument("--force", action="store_true", help="time again what the cache holds")
     tune.set_defaults(fn=_tune)
+    chat = sub.add_parser(
+        "chat", help="a multi-turn chat with an instruct checkpoint, one message per stdin line",
+        description="Reads one user message per line from stdin and streams each reply to "
+                    "stdout; the conversation's KV cache is kept between turns, so a turn "
+                    "prefills only its own tokens. /reset starts over; end of input ends.")
+    chat.add_argument("--checkpoint", metavar="DIR", required=True,
+                      help="a Hugging Face Llama-family directory with a chat template")
+    chat.add_argument("--system", metavar="TEXT", help="a system message to start with")
+    chat.add_argument("--max-new-tokens", type=int, default=None,
+                      help="per reply (default: generation_config.json's, else 256)")
+    chat.add_argument("--max-context", type=int, default=None,
+                      help="tokens the conversation may hold (default: the model's "
+                           "max_position_embeddings, at most 4096)")
+    _add_sampling_flags(chat)
+    chat.add_argument("--dtype", choices=_DTYPES, default="float32")
+    chat.add_argument("--seed", type=int, default=0, help="sampling seed")
+    chat.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True,
+                      help="after each reply, its time to first token and speed on stderr")
+    _add_compilation_cache_flags(chat)
+    chat.set_defaults(fn=_chat)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # named with the subcommand they were given to

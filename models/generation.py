@@ -40,7 +40,8 @@ class GenerationStats:
       decode_steps: decode steps run. With ``eos_token_id``, one more than needed when
         every sequence stops early (eos is checked one step behind, so the host never
         stalls the device).
-      compile_seconds: tracing and compiling both steps (about 0 when cached).
+      compile_seconds: tracing and compiling both steps (about 0 when cached), and the
+        prefill's warm-up run with ``warm_up=True``.
       prefill_seconds: the prefill step, compilation excluded.
       decode_seconds: all decode steps, compilation excluded.
     """
@@ -78,10 +79,24 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _sample(logits, key, temperature, top_p, mode):
-    greedy, top_k, use_top_p = mode
-    return sampling_lib.sample(logits, key, temperature=0.0 if greedy else temperature,
-                               top_k=top_k, top_p=top_p if use_top_p else None)
+def _sample(logits, key, sampling, seen, greedy):
+    """One token per row of ``logits`` [batch, vocab] with the traced parameters
+    ``sampling`` (:meth:`SamplingParams.arrays`); ``seen`` bool [batch, vocab] marks each
+    sequence's tokens so far (for the repetition penalty). Returns (tokens, seen with them)."""
+    tokens = sampling_lib.sample(
+        logits, key, temperature=0.0 if greedy else sampling["temperature"],
+        top_k=sampling["top_k"], top_p=sampling["top_p"], min_p=sampling["min_p"],
+        repetition_penalty=sampling["repetition_penalty"], seen=seen)
+    return tokens, seen.at[jnp.arange(seen.shape[0]), tokens].set(True)
+
+
+def seen_tokens(prompts: Sequence[Sequence[int]], batch: int, vocab_size: int) -> np.ndarray:
+    """bool ``[batch, vocab_size]``: row ``b`` marks the tokens of ``prompts[b]`` (the
+    repetition penalty's memory; rows past the prompts stay False)."""
+    seen = np.zeros((batch, vocab_size), bool)
+    for b, p in enumerate(prompts):
+        seen[b, np.asarray(p, np.int64)] = True
+    return seen
 
 
 def _implementation_key():
@@ -98,40 +113,46 @@ _STATIC = ("graphdef", "mode", "implementation_key")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _prefill_step(state, cache, tokens, lengths, key, temperature, top_p, *, graphdef, mode,
+def _prefill_step(state, cache, tokens, lengths, key, sampling, seen, *, graphdef, mode,
                   implementation_key=None):
-    """Prefill of right-padded prompts ``tokens`` [batch, t] with ``lengths`` [batch];
-    returns the first new token of each prompt (int32 [batch]) and the cache.
-    ``mode`` is :attr:`SamplingParams.mode`; temperature and top_p are float32 scalars."""
+    """Prefill of right-padded new tokens ``tokens`` [batch, t], ``lengths`` [batch] of them
+    per row, continuing the cache (from position ``cache.lengths``: 0 for a new cache, the
+    conversation so far in a chat); returns the first new token of each row (int32
+    [batch]), ``seen`` with it, and the cache. ``mode`` is :attr:`SamplingParams.mode`;
+    ``sampling`` is :meth:`SamplingParams.arrays`."""
     model = nnx.merge(graphdef, state)
     batch, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-    valid = positions < lengths[:, None]
+    offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+    valid = offsets < lengths[:, None]
+    positions = cache.lengths.astype(jnp.int32)[:, None] + offsets
     logits, cache = model.forward_cached(tokens, positions, valid, cache,
                                          logits_at=jnp.maximum(lengths - 1, 0))
-    return _placed(model, _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, mode),
+    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, mode),
                    cache)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _decode_step(state, cache, tokens, active, key, step, temperature, top_p, *, graphdef, mode,
+def _decode_step(state, cache, tokens, active, key, step, sampling, seen, *, graphdef, mode,
                  implementation_key=None):
     """One token per sequence: ``tokens`` [batch] at position ``cache.lengths``; rows with
-    ``active`` False (batch padding) are not written. Returns (next tokens, cache)."""
+    ``active`` False (batch padding) are not written. Returns (next tokens, seen, cache)."""
     model = nnx.merge(graphdef, state)
     positions = cache.lengths[:, None]  # [batch, 1]
     logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
                                          logits_at=jnp.zeros_like(cache.lengths))
-    return _placed(model, _sample(logits, jax.random.fold_in(key, step), temperature, top_p,
-                                  mode), cache)
+    return _placed(model, *_sample(logits, jax.random.fold_in(key, step), sampling, seen,
+                                   mode), cache)
 
 
-def _placed(model: Llama, tokens, cache):
-    """On a mesh: the sampled tokens replicated (every process can read them) and the cache
-    kept in its shardings (so the next step takes it donated, with no recompile)."""
+def _placed(model: Llama, tokens, seen, cache):
+    """On a mesh: the sampled tokens and ``seen`` replicated (every process can read them)
+    and the cache kept in its shardings (so the next step takes it donated, with no
+    recompile). Returns ``(tokens, seen, cache)``."""
     if model.mesh is None:
-        return tokens, cache
-    return (jax.lax.with_sharding_constraint(tokens, model.mesh.replicated()),
+        return tokens, seen, cache
+    replicated = model.mesh.replicated()
+    return (jax.lax.with_sharding_constraint(tokens, replicated),
+            jax.lax.with_sharding_constraint(seen, replicated),
             jax.lax.with_sharding_constraint(
                 cache, llama_sharding.cache_shardings(cache, model.mesh)))
 
@@ -256,17 +277,34 @@ def _eos_set(eos_token_id) -> frozenset[int]:
 
 def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
                         max_new_tokens: int, *, temperature: float = 0.0,
-                        top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                        cache: str = "paged", page_size: int = 16,
+                        top_k: int | None = None, top_p: float | None = None,
+                        min_p: float | None = None, repetition_penalty: float | None = None,
+                        seed: int = 0, cache: str = "paged", page_size: int = 16,
                         eos_token_id: int | Sequence[int] | None = None, cache_dtype=None,
                         progress: Callable[[int, int], None] | None = None,
-                        allow_beyond_max_positions: bool = False
+                        allow_beyond_max_positions: bool = False,
+                        on_tokens: Callable[[int, np.ndarray], None] | None = None,
+                        warm_up: bool = False
                         ) -> tuple[list[list[int]], GenerationStats]:
     """:func:`generate`, also returning a :class:`GenerationStats` with the timings.
 
     ``progress``, when given, is called on the host as ``progress(done, total)`` after
     the prefill and after each decode step (``done`` new tokens per sequence so far,
     ``total = max_new_tokens``), e.g. to drive a progress bar.
+
+    ``on_tokens``, when given, streams the tokens: it is called on the host as
+    ``on_tokens(i, tokens)`` with the ``i``-th new token of every prompt (int32 NumPy
+    ``[batch]``), for ``i = 0, 1, ...`` in order, as soon as they reach the host. They are
+    read one decode step behind the device (while the next step runs), the same read the
+    eos check makes, so streaming adds no wait per token. A sequence's tokens after its
+    eos are passed too (ignore them), and steps may run past ``max_new_tokens``' useful
+    end by one, as the eos check does.
+
+    ``warm_up=True`` runs the compiled prefill once on no tokens before timing it: the
+    first run of a compiled step initialises per-executable runtimes (on CPU, ~0.45 s for
+    a 30-layer 135M model), which then counts in ``compile_seconds``, not in
+    ``prefill_seconds`` (the time to the first token). The CLI uses it; it costs one more
+    prefill's time in total.
     """
     config = model.config
     prompts = _check_prompts(prompts, config.vocab_size)
@@ -285,8 +323,8 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) \
             or not -2**63 <= seed < 2**63:
         raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed=!r}")
-    sampling = sampling_lib.SamplingParams(float(temperature), top_k,
-                                           None if top_p is None else float(top_p))
+    sampling = sampling_lib.SamplingParams(temperature, top_k, top_p, min_p,
+                                           repetition_penalty)
     eos = _eos_set(eos_token_id)
     cache_dtype = model.dtype if cache_dtype is None else jnp.dtype(cache_dtype)
 
@@ -335,13 +373,15 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     kv = llama_sharding.create_cache(make_cache, mesh)  # on a mesh: created in its shards
 
     graphdef, state = nnx.split(model)
-    # Temperature and top_p are arguments, not constants: changing them does not recompile.
-    temp = np.asarray(sampling.temperature, np.float32)
-    top_p = np.asarray(1.0 if sampling.top_p is None else sampling.top_p, np.float32)
+    # The sampling parameters are arguments, not constants: changing them does not recompile.
+    params = {name: np.asarray(value) for name, value in sampling.arrays().items()}
+    seen = seen_tokens(prompts, padded_batch, config.vocab_size)  # the repetition penalty's
+    no_lengths = np.zeros_like(padded_lengths)  # the warm-up's: no token written
     if mesh is None:
         key = jax.random.key(seed)
-        tokens, padded_lengths, active, temp, top_p = map(
-            jnp.asarray, (tokens, padded_lengths, active, temp, top_p))
+        tokens, padded_lengths, no_lengths, active, seen = map(
+            jnp.asarray, (tokens, padded_lengths, no_lengths, active, seen))
+        params = {name: jnp.asarray(value) for name, value in params.items()}
         first = tokens[:, 0]
         scalar = lambda value: jnp.asarray(value, jnp.int32)
     else:  # global arrays, each device given its slice (works across processes too)
@@ -350,9 +390,11 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
             np.asarray(jax.random.key_data(jax.random.key(seed))), mesh.replicated()))
         scalar = lambda value: fj.sharding.put(np.int32(value), mesh.replicated())
         tokens = fj.sharding.put(tokens, mesh.sharding(rows, None))
-        padded_lengths, active = (fj.sharding.put(a, mesh.sharding(rows))
-                                  for a in (padded_lengths, active))
-        temp, top_p = (fj.sharding.put(a, mesh.replicated()) for a in (temp, top_p))
+        padded_lengths, no_lengths, active = (fj.sharding.put(a, mesh.sharding(rows))
+                                              for a in (padded_lengths, no_lengths, active))
+        params = {name: fj.sharding.put(value, mesh.replicated())
+                  for name, value in params.items()}
+        seen = fj.sharding.put(seen, mesh.replicated())
         first = fj.sharding.put(np.zeros(padded_batch, np.int32), mesh.replicated())
     step0 = scalar(1)
     statics = dict(graphdef=graphdef, mode=sampling.mode,
@@ -360,17 +402,24 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     # Compile ahead of time (cached by jit after the first call) so that the timings
     # below measure the steps alone.
     start = time.perf_counter()
-    prefill = _prefill_step.lower(state, kv, tokens, padded_lengths, key, temp, top_p,
+    prefill = _prefill_step.lower(state, kv, tokens, padded_lengths, key, params, seen,
                                   **statics).compile()
     decode = None
     if max_new_tokens > 1:
         # The decode step takes the tokens the previous step sampled: shaped like `first`.
-        decode = _decode_step.lower(state, kv, first, active, key, step0, temp, top_p,
+        decode = _decode_step.lower(state, kv, first, active, key, step0, params, seen,
                                     **statics).compile()
+    if warm_up:
+        # A compiled step's first run builds its CPU matmul runtimes (XLA's YNNPACK
+        # fusions, a few ms per matmul: ~0.45 s for a 30-layer model's prefill, ten decode
+        # steps' time). A run on no tokens (nothing written, the cache unchanged) pays it
+        # here, so that the prefill below, the time to the first token, is the work alone.
+        warm, _, kv = prefill(state, kv, tokens, no_lengths, key, params, seen)
+        warm.block_until_ready()
     stats.compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
-    next_tokens, kv = prefill(state, kv, tokens, padded_lengths, key, temp, top_p)
+    next_tokens, seen, kv = prefill(state, kv, tokens, padded_lengths, key, params, seen)
     next_tokens.block_until_ready()
     stats.prefill_seconds = time.perf_counter() - start
     if progress is not None:
@@ -378,27 +427,38 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
 
     outputs = [next_tokens]
     done = np.zeros((batch,), bool)
-    if eos:
-        done |= np.isin(np.asarray(next_tokens)[:batch], list(eos))
     eos_ids = np.asarray(sorted(eos), np.int32)
-    unchecked = None  # the latest tokens not yet compared with eos
+    read = bool(eos) or on_tokens is not None  # the host needs each step's tokens
+
+    def arrived(i, tokens):  # the i-th new tokens reached the host
+        host = np.asarray(tokens)[:batch]
+        if eos:
+            done[:] |= np.isin(host, eos_ids)
+        if on_tokens is not None:
+            on_tokens(i, host)
+
+    if read:
+        arrived(0, next_tokens)
+    unchecked = None  # (i, the latest tokens not yet read on the host)
     start = time.perf_counter()
     for step in range(1, max_new_tokens):
         if done.all():
             break
-        next_tokens, kv = decode(state, kv, next_tokens, active, key,
-                                 scalar(step), temp, top_p)
+        next_tokens, seen, kv = decode(state, kv, next_tokens, active, key, scalar(step),
+                                       params, seen)
         outputs.append(next_tokens)
         stats.decode_steps += 1
-        if eos:
-            # Stopping early needs the tokens on the host. Reading the previous step's
-            # while this one is queued keeps the device busy; the cost is at most one
-            # step past the last eos, whose tokens are cut off below.
+        if read:
+            # Stopping early and streaming need the tokens on the host. Reading the
+            # previous step's while this one is queued keeps the device busy; the cost is
+            # at most one step past the last eos, whose tokens are cut off below.
             if unchecked is not None:
-                done |= np.isin(np.asarray(unchecked)[:batch], eos_ids)
-            unchecked = next_tokens
+                arrived(*unchecked)
+            unchecked = (step, next_tokens)
         if progress is not None:
             progress(step + 1, max_new_tokens)
+    if unchecked is not None and on_tokens is not None:
+        on_tokens(unchecked[0], np.asarray(unchecked[1])[:batch])
     jax.block_until_ready(outputs)
     stats.decode_seconds = time.perf_counter() - start if stats.decode_steps else 0.0
 
@@ -418,7 +478,8 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
              max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, cache: str = "paged",
+             top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None, seed: int = 0, cache: str = "paged",
              page_size: int = 16, eos_token_id: int | Sequence[int] | None = None,
              allow_beyond_max_positions: bool = False) -> list[list[int]]:
     """Generates continuations of a batch of prompts of different lengths.
@@ -441,6 +502,12 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
         cannot divide by it faithfully, and the distribution it asks for is the argmax.
       top_k: keep the ``top_k`` most likely tokens (None: all).
       top_p: nucleus sampling with Hugging Face's semantics (None: off).
+      min_p: keep the tokens at least ``min_p`` times as probable as the most probable
+        one (None: off).
+      repetition_penalty: transformers' repetition penalty over each sequence's tokens,
+        prompt included; applies to greedy decoding too (None or 1.0: off).
+        Every sampling parameter but greedy-or-not is a traced argument of the compiled
+        steps: changing its value does not recompile.
       seed: seed of the ``jax.random`` key used for sampling.
       cache: ``"paged"`` (pages allocated with ``forge_jax.kv_cache.BlockManager`` for
         prompt + ``max_new_tokens`` up front) or ``"contiguous"``. Both give the same
@@ -468,6 +535,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
     tokens/s) and a progress callback.
     """
     return generate_with_stats(model, prompts, max_new_tokens, temperature=temperature,
-                               top_k=top_k, top_p=top_p, seed=seed, cache=cache,
+                               top_k=top_k, top_p=top_p, min_p=min_p,
+                               repetition_penalty=repetition_penalty, seed=seed, cache=cache,
                                page_size=page_size, eos_token_id=eos_token_id,
                                allow_beyond_max_positions=allow_beyond_max_positions)[0]

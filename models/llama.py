@@ -22,7 +22,10 @@ Usage::
 The code lives in three modules, one per concern, re-exported here:
 :mod:`forge_jax.models.llama_model` (the config and the layers),
 :mod:`forge_jax.models.llama_checkpoint` (Hugging Face checkpoints) and
-:mod:`forge_jax.models.generation` (the generation loop).
+:mod:`forge_jax.models.generation` (the generation loop); the text API
+(:func:`load_tokenizer`, :func:`generate_text`, :func:`chat`) lives in
+:mod:`forge_jax.models.text` and the multi-turn chat that keeps its KV cache in
+:mod:`forge_jax.models.chat_session`.
 """
 
 from forge_jax.models.generation import (  # noqa: F401
@@ -52,10 +55,16 @@ from forge_jax.models.llama_model import (  # noqa: F401
     RMSNorm,
     TensorLayout,
 )
+from forge_jax.models.text import (  # noqa: F401  (the text API, also in models.text)
+    chat,
+    generate_text,
+    load_tokenizer,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "CheckpointError", "GenerationStats", "Linear", "Llama",
     "LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm",
     "check_generation_fits", "check_sequence_length", "from_pretrained", "generate",
     "generate_with_stats", "hf_state_dict", "load_config", "TensorLayout",
+    "chat", "generate_text", "load_tokenizer",
 ]

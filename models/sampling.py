@@ -1,11 +1,16 @@
-"""Token sampling on device: greedy, temperature, top-k and top-p (nucleus).
+"""Token sampling on device: greedy, temperature, top-k, top-p (nucleus), min-p and the
+repetition penalty.
 
-The filters follow Hugging Face transformers' logits warpers and their order in
-``generate``: divide by the temperature, then keep the top-k logits (ties with the
-k-th value kept), then keep the smallest set of most probable tokens whose
-probability reaches ``top_p`` (a token is dropped when the cumulative probability
-of the tokens less probable than or as probable as it, in ascending order, is at
-most ``1 - top_p``; the most probable token is always kept).
+The processors follow Hugging Face transformers' logits processors and their order in
+``generate``: the repetition penalty (greedy decoding included), then divide by the
+temperature, keep the top-k logits (ties with the k-th value kept), keep the smallest set
+of most probable tokens whose probability reaches ``top_p`` (a token is dropped when the
+cumulative probability of the tokens less probable than or as probable as it, in
+ascending order, is at most ``1 - top_p``; the most probable token is always kept), and
+keep the tokens whose probability is at least ``min_p`` times the largest.
+
+Every parameter's value may be a traced scalar, so one compiled step serves them all; only
+greedy versus sampling changes the compiled code (:attr:`SamplingParams.mode`).
 """
 
 from __future__ import annotations
@@ -23,10 +28,19 @@ import numpy as np
 GREEDY_BELOW = float(np.finfo(np.float32).tiny)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
+# top-k and top-p look at the CANDIDATES most likely tokens first (``lax.top_k``, ~0.1 ms
+# over a 49k vocabulary on CPU) and sort the whole vocabulary (~10 ms there) only when the
+# tokens they keep are not all among them.
+CANDIDATES = 256
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token; hashable, so it can be a static jit argument.
+    """How to pick the next token.
 
     Attributes:
       temperature: 0 for greedy (argmax); otherwise the logits are divided by it.
@@ -34,67 +48,132 @@ class SamplingParams:
         too; above float32's largest finite value it is refused.
       top_k: keep only the k largest logits (None: all).
       top_p: nucleus threshold in (0, 1] (None or 1.0: no filtering).
+      min_p: keep the tokens whose probability is at least ``min_p`` times the most
+        probable one's, in [0, 1] (None or 0: no filtering).
+      repetition_penalty: transformers' ``repetition_penalty``, > 0: the logit ``x`` of a
+        token already in the sequence (prompt included) becomes ``x / penalty`` if
+        positive, ``x * penalty`` otherwise (None or 1.0: off). Applies to greedy decoding
+        too.
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) \
-                or not 0 <= self.temperature <= _FLOAT32_MAX:
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= _FLOAT32_MAX:
             raise ValueError(f"temperature must be a number >= 0 that float32 holds (finite, "
                              f"<= {_FLOAT32_MAX:.4g}), got {self.temperature!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(
-                self.top_k, int) or self.top_k <= 0):
+        if self.top_k is not None and (not isinstance(self.top_k, int | np.integer) or isinstance(
+                self.top_k, bool) or not 0 < self.top_k < 2**31):
             raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(
-                self.top_p, int | float) or not 0.0 < self.top_p <= 1.0):
+        if self.top_p is not None and (not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        if self.min_p is not None and (not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p!r}")
+        penalty = self.repetition_penalty
+        if penalty is not None and (not _is_number(penalty) or not 0.0 < penalty <= _FLOAT32_MAX):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 or None, got "
+                             f"{penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
     @property
-    def mode(self) -> tuple[bool, int | None, bool]:
-        """The static part, ``(greedy, top_k, uses top_p)``: what changes the compiled code.
-        ``temperature`` and ``top_p`` themselves can be traced values."""
-        return self.greedy, self.top_k, self.top_p is not None and self.top_p < 1.0
+    def mode(self) -> bool:
+        """The static part, whether decoding is greedy: the only thing that changes the
+        compiled code. Every other parameter is an argument (:meth:`arrays`)."""
+        return self.greedy
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The parameters as scalars for a jitted step, the filters that are off at their
+        neutral values (top_k 0 meaning all tokens)."""
+        return dict(
+            temperature=jnp.asarray(self.temperature, jnp.float32),
+            top_k=jnp.asarray(0 if self.top_k is None else self.top_k, jnp.int32),
+            top_p=jnp.asarray(1.0 if self.top_p is None else self.top_p, jnp.float32),
+            min_p=jnp.asarray(0.0 if self.min_p is None else self.min_p, jnp.float32),
+            repetition_penalty=jnp.asarray(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty, jnp.float32))
 
 
-def filter_logits(logits: jax.Array, *, temperature=1.0, top_k: int | None = None,
-                  top_p=None) -> jax.Array:
-    """Temperature, top-k and top-p applied to logits ``[batch, vocab]``.
+def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty) -> jax.Array:
+    """transformers' ``RepetitionPenaltyLogitsProcessor``: the logits ``[batch, vocab]`` of
+    the tokens marked in ``seen`` (bool ``[batch, vocab]``) divided by ``penalty`` where
+    positive, multiplied by it elsewhere. Returns float32."""
+    logits = logits.astype(jnp.float32)
+    penalty = jnp.asarray(penalty, jnp.float32)
+    penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
+    return jnp.where(seen, penalised, logits)
+
+
+def _kept_threshold(desc, total_lse, k, top_p, vocab):
+    """The smallest logit that top-k and top-p keep, from the ``n`` largest logits sorted
+    descending ``desc`` ``[batch, n]`` and the log-sum-exp of all of them ``[batch, 1]``;
+    ``k`` int32 ``[batch]`` in ``[1, vocab]``, ``vocab`` meaning no top-k. Also returns,
+    per row, whether that is exact: False when a token past the ``n`` largest may be kept."""
+    n = desc.shape[-1]
+    within = k <= n  # top-k's k-th value is among the candidates
+    kth = jnp.take_along_axis(desc, (jnp.minimum(k, n) - 1)[:, None], axis=-1)  # [batch, 1]
+    kth = jnp.where(within[:, None], kth, -jnp.inf)
+    desc = jnp.where(desc < kth, -jnp.inf, desc)
+    # top-p sees the probabilities renormalised over what top-k kept.
+    lse = jnp.where(within[:, None], jax.nn.logsumexp(desc, axis=-1, keepdims=True), total_lse)
+    probs = jnp.exp(desc - lse)
+    above = jnp.cumsum(probs, axis=-1) - probs  # [batch, n]: mass of the more probable tokens
+    keep = (above < top_p) | (top_p >= 1.0)
+    keep = keep.at[:, 0].set(True)  # the most probable token always stays
+    last = jnp.sum(keep, axis=-1, keepdims=True) - 1  # keep is a prefix of the ranks
+    threshold = jnp.maximum(jnp.take_along_axis(desc, last, axis=-1), kth)
+    # Past the candidates nothing is kept if top-k stops within them, or if top-p stops
+    # within them and no top-k changes the normalisation (k == vocab: off).
+    exact = within | ((k >= vocab) & (jnp.sum(probs, axis=-1) >= top_p))
+    return threshold, exact
+
+
+def filter_logits(logits: jax.Array, *, temperature=1.0, top_k=None, top_p=None,
+                  min_p=None) -> jax.Array:
+    """Temperature, top-k, top-p and min-p applied to logits ``[batch, vocab]``.
 
     Args:
       logits: float ``[batch, vocab]``.
       temperature: a positive float or a traced float32 scalar.
-      top_k: a Python int (static) or None.
-      top_p: None (no nucleus filter), a float in (0, 1] or a traced float32 scalar.
+      top_k: None, a positive int or a traced int32 scalar (0 or >= vocab: all tokens).
+      top_p: None, a float in (0, 1] or a traced float32 scalar (1: no filtering).
+      min_p: None, a float in [0, 1] or a traced float32 scalar (0: no filtering).
 
     Returns:
       float32 ``[batch, vocab]`` with the filtered-out entries at ``-inf``.
     """
     logits = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
-    vocab = logits.shape[-1]
-    if top_k is not None and top_k < vocab:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]  # [batch, 1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None:
-        order = jnp.argsort(logits, axis=-1)  # ascending, [batch, vocab]
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        drop_sorted = cumulative <= 1.0 - jnp.asarray(top_p, jnp.float32)
-        drop_sorted = drop_sorted.at[..., -1].set(False)  # always keep the most probable
-        drop = jnp.zeros_like(drop_sorted).at[
-            jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, -jnp.inf, logits)
+    batch, vocab = logits.shape
+    if top_k is not None or top_p is not None:
+        k = jnp.asarray(0 if top_k is None else top_k, jnp.int32)
+        k = jnp.broadcast_to(jnp.where((k <= 0) | (k > vocab), vocab, k), (batch,))
+        p = jnp.asarray(1.0 if top_p is None else top_p, jnp.float32)
+        total_lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        n = min(CANDIDATES, vocab)
+        threshold, exact = _kept_threshold(jax.lax.top_k(logits, n)[0], total_lse, k, p,
+                                           vocab)
+        if n < vocab:
+            threshold = jax.lax.cond(
+                jnp.all(exact | ((k >= vocab) & (p >= 1.0))), lambda: threshold,
+                lambda: _kept_threshold(-jnp.sort(-logits, axis=-1), total_lse, k, p, vocab)[0])
+        no_filter = ((k >= vocab) & (p >= 1.0))[:, None]
+        logits = jnp.where(~no_filter & (logits < threshold), -jnp.inf, logits)
+    if min_p is not None:
+        # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); min_p = 0 keeps everything.
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        logits = jnp.where(logits < top + jnp.log(jnp.asarray(min_p, jnp.float32)), -jnp.inf,
+                           logits)
     return logits
 
 
-def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k: int | None = None,
-           top_p=None) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k=None, top_p=None,
+           min_p=None, repetition_penalty=None, seen: jax.Array | None = None) -> jax.Array:
     """Picks one token per row.
 
     Args:
@@ -103,18 +182,26 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature=0.0, top_k: int | N
       temperature: a Python number below :data:`GREEDY_BELOW` (``0`` included) selects
         greedy decoding (argmax, the first index on ties as ``torch.argmax``); otherwise a
         positive float or traced scalar.
-      top_k, top_p: as in :func:`filter_logits`.
+      top_k, top_p, min_p: as in :func:`filter_logits`.
+      repetition_penalty: None, or a float or traced float32 scalar > 0, applied to the
+        tokens marked in ``seen`` (bool ``[batch, vocab]``), as
+        :func:`apply_repetition_penalty`.
 
     Returns:
       int32 ``[batch]``.
     """
+    if repetition_penalty is not None:
+        if seen is None:
+            raise ValueError("repetition_penalty needs seen, the tokens of each sequence so far")
+        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
     if isinstance(temperature, int | float) and temperature < GREEDY_BELOW:
         return _argmax(logits)
     # Shifted so the largest logit is 0 (the distribution is unchanged): divided by a tiny
     # temperature, the others then go to -inf instead of all overflowing to +inf.
     logits = logits.astype(jnp.float32)
     logits = logits - jnp.max(logits, axis=-1, keepdims=True)
-    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p)
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 
 

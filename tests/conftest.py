@@ -2,6 +2,7 @@
 
 * 8 CPU devices, so that pmap / sharding variants and the sharded-inference meshes
   (tp=8, dp=2 x tp=4, dp=8) run on a laptop or CI machine.
+* The autotune and compilation caches off (see below).
 * Strict dtype promotion: an op that mixes float32 and bfloat16 without saying
   so is a bug (silent upcasts double memory traffic), so tests make it an error.
 """
@@ -11,6 +12,11 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.pop("FORGE_JAX_IMPLEMENTATION", None)
+# The user's caches stay out of the tests (and the tests out of them): no autotuned winners
+# steer auto selection, no compilation cache is written to ~/.cache. Tests of the caches
+# point these at temporary directories themselves.
+os.environ["FORGE_JAX_AUTOTUNE_CACHE"] = "off"
+os.environ["FORGE_JAX_COMPILATION_CACHE"] = "off"
 
 import jax  # noqa: E402
 

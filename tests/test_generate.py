@@ -317,14 +317,17 @@ def test_steps_donate_the_cache(model):
     graphdef, state = nnx.split(model)
     cache = _make_cache("paged", batch=4, max_len=16)
     tokens = jnp.ones((4, 8), jnp.int32)
-    sample = (jnp.float32(0.0), jnp.float32(1.0))
+    params = sampling.SamplingParams().arrays()
+    seen = jnp.zeros((4, CONFIG.vocab_size), bool)
     mode = sampling.SamplingParams().mode
-    first, new = llama._prefill_step(state, cache, tokens, jnp.full((4,), 8, jnp.int32),
-                                     jax.random.key(0), *sample, graphdef=graphdef, mode=mode)
+    first, seen, new = llama._prefill_step(state, cache, tokens, jnp.full((4,), 8, jnp.int32),
+                                           jax.random.key(0), params, seen, graphdef=graphdef,
+                                           mode=mode)
     assert cache.k_pages[0].is_deleted() and not new.k_pages[0].is_deleted()
-    _, newer = llama._decode_step(state, new, first, jnp.ones((4,), bool), jax.random.key(0),
-                                  jnp.asarray(1, jnp.int32), *sample, graphdef=graphdef,
-                                  mode=mode)
+    np.testing.assert_array_equal(np.asarray(seen).sum(-1), [1, 1, 1, 1])  # the new token
+    _, _, newer = llama._decode_step(state, new, first, jnp.ones((4,), bool), jax.random.key(0),
+                                     jnp.asarray(1, jnp.int32), params, seen, graphdef=graphdef,
+                                     mode=mode)
     assert new.k_pages[0].is_deleted()
     np.testing.assert_array_equal(np.asarray(newer.lengths), [9, 9, 9, 9])
 
@@ -394,3 +397,102 @@ def test_a_tiny_normal_temperature_samples_the_largest_logit():
                               temperature=temperature)
         np.testing.assert_array_equal(np.asarray(got), want)
     assert not sampling.SamplingParams(1e-37).greedy
+
+
+def _min_p_reference(x, min_p):
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.where(p < min_p * p.max(-1, keepdims=True), -np.inf, x)
+
+
+@pytest.mark.parametrize("vocab, temperature, top_k, top_p, min_p", [
+    (50, 1.0, None, None, 0.1), (50, 0.8, 10, 0.9, 0.05),
+    # More tokens than the candidates top-k / top-p look at first: the full sort decides.
+    (700, 1.0, 300, None, None), (700, 1.0, None, 0.95, None), (700, 1.5, 400, 0.9, 0.01),
+    (700, 1.0, 20, 0.99, None)])
+def test_filters_with_traced_parameters_match_reference(vocab, temperature, top_k, top_p, min_p):
+    gen = np.random.default_rng()
+    logits = gen.normal(0, 1.0, (5, vocab)).astype(np.float32)
+    ref = _filter_reference(logits, temperature, top_k, top_p)
+    if min_p is not None:
+        ref = _min_p_reference(ref, min_p)
+    traced = jax.jit(lambda x, k, p, m: sampling.filter_logits(
+        x, temperature=temperature, top_k=k, top_p=p, min_p=m))
+    got = np.asarray(traced(jnp.asarray(logits), 0 if top_k is None else top_k,
+                            1.0 if top_p is None else top_p, 0.0 if min_p is None else min_p))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
+    kept = np.isfinite(ref)
+    np.testing.assert_allclose(got[kept], ref[kept], rtol=1e-6)
+    assert kept.sum(-1).min() >= 1 and kept.sum(-1).max() < vocab
+
+
+def test_min_p_and_repetition_penalty_match_transformers():
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    torch = pytest.importorskip("torch", reason="needs torch")
+    gen = np.random.default_rng()
+    logits = gen.normal(0, 2, (4, 64)).astype(np.float32)
+    ids = gen.integers(0, 64, (4, 9))
+    scores = transformers.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(ids),
+                                                                torch.tensor(logits))
+    seen = np.zeros((4, 64), bool)
+    np.put_along_axis(seen, ids, True, axis=-1)
+    penalised = sampling.apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(seen), 1.3)
+    np.testing.assert_allclose(np.asarray(penalised), scores.numpy(), rtol=1e-6)
+    assert not np.allclose(np.asarray(penalised), logits)
+    scores = transformers.MinPLogitsWarper(0.2)(None, torch.tensor(logits))
+    got = sampling.filter_logits(jnp.asarray(logits), temperature=1.0, min_p=jnp.float32(0.2))
+    np.testing.assert_array_equal(np.isinf(np.asarray(got)), np.isinf(scores.numpy()))
+
+
+def test_greedy_repetition_penalty_matches_a_step_by_step_reference(model):
+    """Each new token is the argmax of the full forward's last logits after the penalty
+    over every token so far (prompt included), as transformers' greedy search does."""
+    penalty = 5.0
+    prompt = np.random.default_rng().integers(0, CONFIG.vocab_size, 6).tolist()
+    seq = list(prompt)
+    graphdef, state = nnx.split(model)
+    for _ in range(6):
+        # One shape for every step (causal: the padding after the last token changes nothing).
+        padded = jnp.asarray([seq + [0] * (12 - len(seq))], jnp.int32)
+        logits = np.asarray(_full_logits(state, padded, graphdef=graphdef))[0, len(seq) - 1]
+        logits = logits.astype(np.float64)
+        for t in set(seq):
+            logits[t] = logits[t] * penalty if logits[t] < 0 else logits[t] / penalty
+        seq.append(int(np.argmax(logits)))
+    got = llama.generate(model, [prompt], 6, repetition_penalty=penalty)[0]
+    assert got == seq[len(prompt):]
+    assert len(set(got)) == 6  # the penalty, strong here, keeps tokens from repeating
+
+
+def test_sampling_parameters_are_traced_and_validated(model):
+    hot = dict(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
+    first = llama.generate(model, PROMPTS, 4, seed=1, **hot)
+    assert llama.generate(model, PROMPTS, 4, seed=1, **hot) == first
+    with _count_traces() as events:  # other values reuse the compiled steps
+        llama.generate(model, PROMPTS, 4, seed=1, **(hot | dict(top_k=3, min_p=0.3,
+                                                                repetition_penalty=2.0)))
+        llama.generate(model, PROMPTS, 4, seed=1, **(hot | dict(top_k=None, top_p=None)))
+    assert not [e for e in events if e.startswith("/jax/core/compile")], events
+    for bad, match in [(dict(min_p=1.5), r"min_p.*got 1\.5"), (dict(min_p=-0.1), "min_p"),
+                       (dict(repetition_penalty=0.0), r"repetition_penalty.*got 0\.0"),
+                       (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+                       (dict(top_k=True), r"top_k.*got True")]:
+        with pytest.raises(ValueError, match=match):
+            llama.generate(model, PROMPTS, 4, **bad)
+
+
+def test_on_tokens_streams_every_step_in_order(model):
+    calls = []
+    tokens, stats = llama.generate_with_stats(model, PROMPTS, 6,
+                                              on_tokens=lambda i, t: calls.append((i, t)))
+    assert [i for i, _ in calls] == list(range(6))
+    streamed = np.stack([t for _, t in calls], axis=1)
+    assert streamed.tolist() == tokens
+
+
+def test_warm_up_leaves_the_tokens_unchanged(model):
+    """The warm-up prefill runs on no tokens: nothing is written, the same tokens follow."""
+    expected = llama.generate(model, PROMPTS, 6, cache="contiguous")
+    for cache in ("paged", "contiguous"):
+        tokens, stats = llama.generate_with_stats(model, PROMPTS, 6, cache=cache, warm_up=True)
+        assert tokens == expected and stats.prefill_seconds > 0

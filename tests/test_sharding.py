@@ -31,6 +31,7 @@ import forge_jax as fj
 from forge_jax import dispatch, sharding
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
 from forge_jax.models import generation, llama, llama_sharding
+from forge_jax.models import sampling as sampling_lib
 
 LOGITS_TOL = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
 CONFIGS = {
@@ -201,10 +202,13 @@ def _decode_collectives(layers, mesh, cache):
         make, num_layers=layers, kv_heads=model.kv_heads, head_dim=8), m)
     graphdef, state = nnx.split(model)
     rep = lambda a: sharding.put(a, m.replicated())
+    params = {name: rep(np.asarray(value))
+              for name, value in sampling_lib.SamplingParams().arrays().items()}
+    seen = rep(np.zeros((2, config.vocab_size), bool))
     compiled = generation._decode_step.lower(
         state, kv, rep(np.zeros(2, np.int32)), sharding.put(np.ones(2, bool), m.sharding(
-            m.batch_axis(2))), jax.random.key(0), rep(np.int32(1)), rep(np.float32(0)),
-        rep(np.float32(1)), graphdef=graphdef, mode=(True, None, False)).compile()
+            m.batch_axis(2))), jax.random.key(0), rep(np.int32(1)), params, seen,
+        graphdef=graphdef, mode=sampling_lib.SamplingParams().mode).compile()
     text = compiled.as_text()
     lines = [line for line in text.splitlines() if _COLLECTIVE.search(line)]
     return collections.Counter(_COLLECTIVE.search(line).group(1) for line in lines), lines
