@@ -588,6 +588,9 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"  {result}")
     where = autotuning.cache_path()
     print(f"cache: {where}" if where else f"cache: off (${autotuning.CACHE_ENV}=off)")
+    return 0
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None,
                         help="0: greedy (default, unless generation_config.json samples)")
