@@ -89,7 +89,10 @@ def test_notebooks_download_nothing_outside_the_install_cell():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs_top_to_bottom_on_cpu(name, tmp_path):
+def test_notebook_runs_top_to_bottom_on_cpu(name, tmp_path, monkeypatch):
+    # Jupyter's connection files and IPython's profile go to scratch, not the user's home.
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "jupyter_runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     nb = _read(name)
     stored = (NOTEBOOKS / name).read_bytes()
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
