@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.ops.rope import inverse_frequencies
+from forge_jax.pallas_kernels import _reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -154,18 +155,7 @@ def _rope_fwd(x, positions, static, launch_and_interpret):
     return _rope(x, positions, static, launch_and_interpret), (x, positions)
 
 
-def _rope_bwd(static, launch_and_interpret, saved, cotangent):
-    del launch_and_interpret
-    theta, scaling, interleaved = static
-    x, positions = saved
-    _, vjp = jax.vjp(lambda x: rope_xla(x, positions, theta=theta, scaling=scaling,
-                                        interleaved=interleaved), x)
-    # Integer positions have no tangent space: their cotangent is float0 zeros.
-    return (*vjp(cotangent),
-            jnp.zeros(positions.shape, jax.dtypes.float0))
-
-
-_rope.defvjp(_rope_fwd, _rope_bwd)
+_rope.defvjp(_rope_fwd, _reference_vjp.rope_bwd)
 
 
 def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, block_heads=None,

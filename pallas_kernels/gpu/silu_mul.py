@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.ops.activation import silu_mul_xla
+from forge_jax.pallas_kernels import _reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -109,12 +109,7 @@ def _silu_mul_fwd(gate, up, launch_and_interpret):
     return _silu_mul(gate, up, launch_and_interpret), (gate, up)
 
 
-def _silu_mul_bwd(launch_and_interpret, saved, cotangent):
-    del launch_and_interpret
-    return jax.vjp(silu_mul_xla, *saved)[1](cotangent)
-
-
-_silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
+_silu_mul.defvjp(_silu_mul_fwd, _reference_vjp.silu_mul_bwd)
 
 
 def silu_mul(gate, up, *, block_size=None, num_warps=None, num_stages=None, interpret=False):

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat, autotuning, dispatch
-from forge_jax.ops.activation import silu_mul_xla
 from forge_jax.ops.norm import rms_norm_xla
-from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.ops.rope import inverse_frequencies
+from forge_jax.pallas_kernels import _reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
 # Where these kernels were compiled, checked and measured faster than XLA: none yet.
@@ -237,13 +237,7 @@ def _rms_norm_fwd(x, weight, residual, eps, num_warps):
     return _rms_norm(x, weight, residual, eps, num_warps), (x, weight, residual)
 
 
-def _rms_norm_bwd(eps, num_warps, saved, cotangent):
-    del num_warps
-    _, vjp = jax.vjp(lambda x, w, r: rms_norm_xla(x, w, eps=eps, residual=r), *saved)
-    return vjp(cotangent)
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+_rms_norm.defvjp(_rms_norm_fwd, _reference_vjp.rms_norm_bwd)
 
 
 def rms_norm(x, weight, *, eps, residual, num_warps=None):
@@ -290,12 +284,7 @@ def _silu_mul_fwd(gate, up, knobs):
     return _silu_mul(gate, up, knobs), (gate, up)
 
 
-def _silu_mul_bwd(knobs, saved, cotangent):
-    del knobs
-    return jax.vjp(silu_mul_xla, *saved)[1](cotangent)
-
-
-_silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
+_silu_mul.defvjp(_silu_mul_fwd, _reference_vjp.silu_mul_bwd)
 
 
 def silu_mul(gate, up, *, block_size=None, num_warps=None):
@@ -352,17 +341,7 @@ def _rope_fwd(x, positions, static, knobs):
     return _rope(x, positions, static, knobs), (x, positions)
 
 
-def _rope_bwd(static, knobs, saved, cotangent):
-    del knobs
-    theta, scaling, interleaved = static
-    x, positions = saved
-    _, vjp = jax.vjp(lambda x: rope_xla(x, positions, theta=theta, scaling=scaling,
-                                        interleaved=interleaved), x)
-    # Integer positions have no tangent space: their cotangent is float0 zeros.
-    return (*vjp(cotangent), jnp.zeros(positions.shape, jax.dtypes.float0))
-
-
-_rope.defvjp(_rope_fwd, _rope_bwd)
+_rope.defvjp(_rope_fwd, _reference_vjp.rope_bwd)
 
 
 def rope(x, positions, *, theta, scaling, interleaved, block_heads=None, num_warps=None):

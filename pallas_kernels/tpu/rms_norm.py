@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.ops.norm import rms_norm_xla
+from forge_jax.pallas_kernels import _reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
@@ -135,13 +135,7 @@ def _rms_norm_fwd(x, weight, residual, eps, block_rows_and_interpret):
     return _rms_norm(x, weight, residual, eps, block_rows_and_interpret), (x, weight, residual)
 
 
-def _rms_norm_bwd(eps, block_rows_and_interpret, saved, cotangent):
-    del block_rows_and_interpret
-    _, vjp = jax.vjp(lambda x, w, r: rms_norm_xla(x, w, eps=eps, residual=r), *saved)
-    return vjp(cotangent)
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+_rms_norm.defvjp(_rms_norm_fwd, _reference_vjp.rms_norm_bwd)
 
 
 def rms_norm(x, weight, *, eps, residual, block_rows=None, interpret=False):

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from forge_jax import _compat
-from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.ops.rope import inverse_frequencies
+from forge_jax.pallas_kernels import _reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
@@ -176,17 +177,7 @@ def _rope_fwd(x, positions, static, block_tokens_and_interpret):
     return _rope(x, positions, static, block_tokens_and_interpret), (x, positions)
 
 
-def _rope_bwd(static, block_tokens_and_interpret, saved, cotangent):
-    del block_tokens_and_interpret
-    theta, scaling, interleaved = static
-    x, positions = saved
-    _, vjp = jax.vjp(lambda x: rope_xla(x, positions, theta=theta, scaling=scaling,
-                                        interleaved=interleaved), x)
-    # Integer positions have no tangent space: their cotangent is float0 zeros.
-    return (*vjp(cotangent), np.zeros(positions.shape, jax.dtypes.float0))
-
-
-_rope.defvjp(_rope_fwd, _rope_bwd)
+_rope.defvjp(_rope_fwd, _reference_vjp.rope_bwd)
 
 
 def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, interpret=False):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.ops.activation import silu_mul_xla
+from forge_jax.pallas_kernels import _reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
@@ -118,12 +118,7 @@ def _silu_mul_fwd(gate, up, block_rows_and_interpret):
     return _silu_mul(gate, up, block_rows_and_interpret), (gate, up)
 
 
-def _silu_mul_bwd(block_rows_and_interpret, saved, cotangent):
-    del block_rows_and_interpret
-    return jax.vjp(silu_mul_xla, *saved)[1](cotangent)
-
-
-_silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
+_silu_mul.defvjp(_silu_mul_fwd, _reference_vjp.silu_mul_bwd)
 
 
 def silu_mul(gate, up, *, block_rows=None, interpret=False):
