@@ -23,8 +23,32 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 
 hypothesis.settings.register_profile(
     "ci", max_examples=25, deadline=None, derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    """A small Llama checkpoint with a trained BPE tokenizer and a chat template
+    (tests/chat_checkpoint.py), written once for every text and chat test."""
+    from chat_checkpoint import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("chat_ckpt"))
+
+
+@pytest.fixture(scope="session")
+def chat_model(chat_checkpoint):
+    from forge_jax.models import llama
+
+    return llama.from_pretrained(chat_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(chat_checkpoint):
+    from forge_jax.models import text
+
+    return text.load_tokenizer(chat_checkpoint)

@@ -7,30 +7,16 @@ from __future__ import annotations
 import pytest
 from chat_checkpoint import write_checkpoint
 
-from forge_jax.models import llama, text
+from forge_jax.models import text
 from forge_jax.models.chat_session import ChatSession, ContextFullError
 
 TURNS = ["Hello there! How are you today?", "Tell me a story about a small robot.",
          "Caf\u00e9 cr\u00e8me? \U0001f642 na\u00efve fa\u00e7ade"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("chat_session_ckpt"))
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return llama.from_pretrained(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return text.load_tokenizer(checkpoint)
-
-
-def test_multi_turn_equals_one_generate_over_the_conversation(model, tokenizer):
-    session = ChatSession(model, tokenizer, system="You are a helpful robot.", max_new_tokens=10)
+def test_multi_turn_equals_one_generate_over_the_conversation(chat_model, chat_tokenizer):
+    session = ChatSession(chat_model, chat_tokenizer, system="You are a helpful robot.",
+                          max_new_tokens=10)
     history = [{"role": "system", "content": "You are a helpful robot."}]
     previous_prompt = 0
     for i, turn in enumerate(TURNS):
@@ -39,11 +25,11 @@ def test_multi_turn_equals_one_generate_over_the_conversation(model, tokenizer):
         reply = session.send(turn, on_text=pieces.append)
         assert reply == "".join(pieces)
         # The same conversation prefilled from scratch (greedy) gives the same reply.
-        assert reply == text.chat(model, tokenizer, history, max_new_tokens=10)
+        assert reply == text.chat(chat_model, chat_tokenizer, history, max_new_tokens=10)
         history.append({"role": "assistant", "content": reply})
         assert session.messages == history
         stats = session.last_turn
-        assert stats.prompt_tokens == len(text.encode_chat(tokenizer, history[:-1]))
+        assert stats.prompt_tokens == len(text.encode_chat(chat_tokenizer, history[:-1]))
         assert stats.prefilled_tokens == stats.prompt_tokens - stats.reused_tokens
         assert stats.new_tokens == 10 and stats.decode_steps == 9
         if i == 0:
@@ -54,8 +40,8 @@ def test_multi_turn_equals_one_generate_over_the_conversation(model, tokenizer):
     assert stats.first_token_seconds > 0 and stats.decode_ms_per_step > 0
 
 
-def test_stream_reset_and_early_close(model, tokenizer):
-    session = ChatSession(model, tokenizer, max_new_tokens=8)
+def test_stream_reset_and_early_close(chat_model, chat_tokenizer):
+    session = ChatSession(chat_model, chat_tokenizer, max_new_tokens=8)
     first = "".join(session.stream(TURNS[0]))
     session.reset()
     assert session.messages == []
@@ -67,12 +53,13 @@ def test_stream_reset_and_early_close(model, tokenizer):
     stream.close()
     assert session.messages[-1] == {"role": "assistant", "content": partial}
     history = [*session.messages, {"role": "user", "content": TURNS[2]}]
-    assert session.send(TURNS[2]) == text.chat(model, tokenizer, history, max_new_tokens=8)
+    assert session.send(TURNS[2]) == text.chat(chat_model, chat_tokenizer, history,
+                                               max_new_tokens=8)
     assert session.last_turn.reused_tokens > 0
 
 
-def test_context_full_is_clear(model, tokenizer):
-    session = ChatSession(model, tokenizer, max_context=40, max_new_tokens=30)
+def test_context_full_is_clear(chat_model, chat_tokenizer):
+    session = ChatSession(chat_model, chat_tokenizer, max_context=40, max_new_tokens=30)
     session.send("Hi")
     assert session.last_turn.context_full  # the reply stopped at the end of the context
     assert session.last_turn.prompt_tokens + session.last_turn.new_tokens - 1 <= 40
@@ -82,19 +69,19 @@ def test_context_full_is_clear(model, tokenizer):
     session.send("Hi")  # fits again after /reset
 
 
-def test_bad_inputs(tmp_path, model, tokenizer):
+def test_bad_inputs(tmp_path, chat_model, chat_tokenizer):
     no_template = text.load_tokenizer(write_checkpoint(tmp_path / "plain", chat_template=False))
     with pytest.raises(text.ChatTemplateError, match="no chat template"):
-        ChatSession(model, no_template)
-    session = ChatSession(model, tokenizer, max_new_tokens=2)
+        ChatSession(chat_model, no_template)
+    session = ChatSession(chat_model, chat_tokenizer, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"empty content"):
         session.send("   ")
     with pytest.raises(TypeError, match=r"content'\] must be a str"):
         session.send(None)
     with pytest.raises(ValueError, match="max_context"):
-        ChatSession(model, tokenizer, max_context=1)
+        ChatSession(chat_model, chat_tokenizer, max_context=1)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        ChatSession(model, tokenizer, max_new_tokens=0)
+        ChatSession(chat_model, chat_tokenizer, max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
-        ChatSession(model, tokenizer, temperature=1.0, top_p=0.0)
+        ChatSession(chat_model, chat_tokenizer, temperature=1.0, top_p=0.0)
     assert session.messages == []  # nothing was added by the refused turns

@@ -14,12 +14,6 @@ from forge_jax.models import tasks, train_tiny
 TINY = train_tiny.TINY_DIR
 
 
-@pytest.fixture(autouse=True)
-def no_user_cache(monkeypatch):
-    """The CLI's persistent compilation cache stays off here (tests/test_cli_chat.py tests it)."""
-    monkeypatch.setenv("FORGE_JAX_COMPILATION_CACHE", "off")
-
-
 def run(capsys, *argv):
     rc = cli.main(list(argv))
     out, err = capsys.readouterr()

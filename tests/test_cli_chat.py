@@ -9,22 +9,11 @@ import io
 import re
 
 import jax
-import pytest
 from chat_checkpoint import write_checkpoint
 
 from forge_jax import cli
-from forge_jax.models import llama, text
+from forge_jax.models import text
 from forge_jax.models.chat_session import ChatSession
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("cli_chat_ckpt"))
-
-
-@pytest.fixture(autouse=True)
-def no_user_cache(monkeypatch):
-    monkeypatch.setenv("FORGE_JAX_COMPILATION_CACHE", "off")
 
 
 def run(capsys, monkeypatch, *argv, stdin=""):
@@ -34,13 +23,14 @@ def run(capsys, monkeypatch, *argv, stdin=""):
     return rc, out, err
 
 
-def test_chat_reads_stdin_and_keeps_the_conversation(capsys, monkeypatch, checkpoint):
+def test_chat_reads_stdin_and_keeps_the_conversation(capsys, monkeypatch, chat_checkpoint,
+                                                     chat_model, chat_tokenizer):
     turns = ["Hello there!", "Tell me a story about a robot.", "/reset", "", "Hello there!"]
-    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(checkpoint),
+    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(chat_checkpoint),
                        "--max-new-tokens", "8", "--system", "Be brief.",
                        stdin="\n".join(turns) + "\n")
     assert rc == 0, err
-    session = ChatSession(llama.from_pretrained(checkpoint), text.load_tokenizer(checkpoint),
+    session = ChatSession(chat_model, chat_tokenizer,
                           system="Be brief.", max_new_tokens=8)
     first, second = session.send(turns[0]), session.send(turns[1])
     session.reset()
@@ -53,8 +43,8 @@ def test_chat_reads_stdin_and_keeps_the_conversation(capsys, monkeypatch, checkp
     assert re.search(r"\[first token \d+ ms; prefilled \d+ of \d+ tokens", err)
 
 
-def test_chat_context_full_and_errors(capsys, monkeypatch, tmp_path, checkpoint):
-    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(checkpoint),
+def test_chat_context_full_and_errors(capsys, monkeypatch, tmp_path, chat_checkpoint):
+    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(chat_checkpoint),
                        "--max-context", "40", "--max-new-tokens", "30",
                        stdin="Hi\nTell me a story about a small robot who learns to paint.\n")
     assert rc == 0, err
@@ -63,9 +53,9 @@ def test_chat_context_full_and_errors(capsys, monkeypatch, tmp_path, checkpoint)
                      r"the context holds 40", err), err
     plain = write_checkpoint(tmp_path / "plain", chat_template=False)
     for argv, fragment in [(["--checkpoint", str(plain)], "has no chat template"),
-                           (["--checkpoint", str(checkpoint), "--top-p", "0"], "--top-p"),
-                           (["--checkpoint", str(checkpoint), "--min-p", "2"], "--min-p"),
-                           (["--checkpoint", str(checkpoint), "--repetition-penalty", "0"],
+                           (["--checkpoint", str(chat_checkpoint), "--top-p", "0"], "--top-p"),
+                           (["--checkpoint", str(chat_checkpoint), "--min-p", "2"], "--min-p"),
+                           (["--checkpoint", str(chat_checkpoint), "--repetition-penalty", "0"],
                             "--repetition-penalty"),
                            (["--checkpoint", str(tmp_path / "missing")], "does not exist")]:
         rc, out, err = run(capsys, monkeypatch, "chat", *argv, stdin="Hi\n")
@@ -73,13 +63,13 @@ def test_chat_context_full_and_errors(capsys, monkeypatch, tmp_path, checkpoint)
         assert err.startswith("forge-jax chat: error: ") and fragment in err, err
 
 
-def test_generate_streams_text_and_reports_time_to_first_token(capsys, monkeypatch, checkpoint):
-    args = ("generate", "--checkpoint", str(checkpoint), "--prompt", "Hello there",
+def test_generate_streams_text_and_reports_time_to_first_token(capsys, monkeypatch, chat_checkpoint,
+                                                               chat_model, chat_tokenizer):
+    args = ("generate", "--checkpoint", str(chat_checkpoint), "--prompt", "Hello there",
             "--max-new-tokens", "10")
     rc, out, err = run(capsys, monkeypatch, *args)
     assert rc == 0, err
-    expected = text.generate_text(llama.from_pretrained(checkpoint),
-                                  text.load_tokenizer(checkpoint), "Hello there",
+    expected = text.generate_text(chat_model, chat_tokenizer, "Hello there",
                                   max_new_tokens=10)
     lines = out.splitlines()
     assert lines[1] == "Hello there" + expected  # streamed, after the description line
@@ -89,9 +79,9 @@ def test_generate_streams_text_and_reports_time_to_first_token(capsys, monkeypat
     assert rc == 0 and not any(line == "Hello there" + expected for line in out.splitlines())
 
 
-def test_generate_uses_generation_config(capsys, monkeypatch, tmp_path, checkpoint):
-    greedy = text.generate_ids(llama.from_pretrained(checkpoint), text.load_tokenizer(checkpoint),
-                               [text.load_tokenizer(checkpoint).encode("Hello there")],
+def test_generate_uses_generation_config(capsys, monkeypatch, tmp_path, chat_model,
+                                         chat_tokenizer):
+    greedy = text.generate_ids(chat_model, chat_tokenizer, [chat_tokenizer.encode("Hello there")],
                                max_new_tokens=10)[1][0]
     stop = next(i for i, t in enumerate(greedy) if i > 0 and t not in greedy[:i])
     path = write_checkpoint(tmp_path / "g", generation_config={
@@ -103,10 +93,10 @@ def test_generate_uses_generation_config(capsys, monkeypatch, tmp_path, checkpoi
 
 
 def test_compilation_cache_is_written_and_jax_is_restored(capsys, monkeypatch, tmp_path,
-                                                          checkpoint):
+                                                          chat_checkpoint):
     cache = tmp_path / "jax_cache"
     before = jax.config.jax_compilation_cache_dir
-    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(checkpoint),
+    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(chat_checkpoint),
                        "--max-new-tokens", "2", "--compilation-cache", str(cache), stdin="Hi\n")
     assert rc == 0, err
     assert any(p.name.startswith("jit__prefill_step") for p in cache.iterdir())
