@@ -131,7 +131,10 @@ def _prefill_step(state, cache, tokens, lengths, key, sampling, seen, *, graphde
                    cache)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+# The decode step also donates ``seen`` (each step's is the previous step's output), so the
+# [batch, vocab] mask is updated in place rather than allocated per token. The prefill does
+# not: generate's warm-up run passes the same ``seen`` again.
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "seen"))
 def _decode_step(state, cache, tokens, active, key, step, sampling, seen, *, graphdef, mode,
                  implementation_key=None):
     """One token per sequence: ``tokens`` [batch] at position ``cache.lengths``; rows with

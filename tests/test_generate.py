@@ -328,7 +328,7 @@ def test_steps_donate_the_cache(model):
     _, _, newer = llama._decode_step(state, new, first, jnp.ones((4,), bool), jax.random.key(0),
                                      jnp.asarray(1, jnp.int32), params, seen, graphdef=graphdef,
                                      mode=mode)
-    assert new.k_pages[0].is_deleted()
+    assert new.k_pages[0].is_deleted() and seen.is_deleted()  # the mask too, in place
     np.testing.assert_array_equal(np.asarray(newer.lengths), [9, 9, 9, 9])
 
 
