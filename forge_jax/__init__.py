@@ -5,7 +5,16 @@ through XLA, with Pallas kernels swapped in by the dispatch registry where the
 hardware allows. See README.md for a tour.
 """
 
-from forge_jax import autotuning, backends, dispatch, kv_cache, sharding, tolerances
+from forge_jax import (
+    autotune_cache,
+    autotuning,
+    backends,
+    dispatch,
+    kv_cache,
+    registry,
+    sharding,
+    tolerances,
+)
 from forge_jax.autotuning import autotune
 from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
@@ -32,5 +41,5 @@ __all__ = [
     "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
-    "ragged_paged_attention", "sharding",
+    "ragged_paged_attention", "sharding", "registry", "autotune_cache",
 ]

@@ -4,19 +4,16 @@ for given arguments on this device, remember it, and let auto selection follow i
 ``fj.autotune(op, *args, **kwargs)`` takes the op's arguments exactly as the op does. It
 times every implementation that auto selection could choose for them here (or those named
 by ``implementations=``), each with its default launch parameters and with every
-candidate configuration its kernel module registered (:func:`register_configs`), checks
+candidate configuration in its registry record (``Implementation.configs``), checks
 each candidate's output against the XLA implementation, and stores the fastest in a JSON
 file keyed by device kind, JAX version, op and argument signature (shapes, dtypes and the
 static arguments). Later calls in any process read the file instead of timing again, and
 :mod:`forge_jax.dispatch`'s auto selection chooses a stored winner first, with its
 configuration, wherever it can serve the arguments.
 
-The file: ``$FORGE_JAX_AUTOTUNE_CACHE`` when set (``off`` disables reading and writing
-it), else ``$XDG_CACHE_HOME/forge_jax/autotune.json`` (``~/.cache`` without
-``XDG_CACHE_HOME``). A file that is not valid JSON, or not this module's format, is ignored
-with a warning (and set aside as ``*.corrupt`` when a new result is written), never fatal.
-A new device kind or JAX version keys new entries; :func:`clear` forgets entries and
-``force=True`` times again.
+The file and its format are :mod:`forge_jax.autotune_cache`'s (its API is re-exported
+here). A new device kind or JAX version keys new entries; :func:`clear` forgets entries
+and ``force=True`` times again.
 """
 
 from __future__ import annotations
@@ -26,43 +23,29 @@ import datetime
 import functools
 import json
 import logging
-import os
-import pathlib
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from forge_jax import dispatch, tolerances
+from forge_jax import dispatch, registry, tolerances
+from forge_jax.autotune_cache import (  # noqa: F401  (the cache's API, as fj.autotuning's)
+    CACHE_ENV,
+    FORMAT,
+    VERSION,
+    cache_path,
+    clear,
+    device_kind,
+    lookup,
+    signature,
+)
+from forge_jax.autotune_cache import write as _write_entry
 
 logger = logging.getLogger("forge_jax.autotuning")
-
-CACHE_ENV = "FORGE_JAX_AUTOTUNE_CACHE"
-FORMAT = "forge_jax.autotune"
-VERSION = 1
-
-ConfigsFn = Callable[[Mapping[str, Any]], Sequence[Mapping[str, Any]]]
-
-# (op, implementation name) -> the candidate launch configurations of its kernel for given
-# arguments (keyword knobs its wrapper takes). Filled by the kernel modules on import.
-_CONFIGS: dict[tuple[str, str], ConfigsFn] = {}
-# path -> ((mtime_ns, size), entries, readable): the file as last read, re-read when it
-# changes (dispatch looks winners up at every trace).
-_READ: dict[str, tuple[tuple[int, int], dict[str, dict[str, Any]], bool]] = {}
-
-
-def register_configs(op: str, name: str, configs: ConfigsFn) -> None:
-    """Declares the candidate launch configurations of implementation ``name`` of ``op``.
-
-    ``configs(args)`` returns keyword dicts the implementation accepts besides the op's
-    arguments (e.g. ``{"block_rows": 4, "num_warps": 8}``); each must be valid for ``args``.
-    The implementation's defaults (no keywords) are always a candidate too.
-    """
-    _CONFIGS[(op, name)] = configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,152 +90,6 @@ class Result:
         return f"{self.op} {self.signature}: {best}{time_} [{when}]"
 
 
-def cache_path() -> pathlib.Path | None:
-    """The cache file (see the module docstring), or None when disabled."""
-    env = os.environ.get(CACHE_ENV)
-    if env is not None and env.strip():
-        return None if env.strip().lower() == "off" else pathlib.Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "forge_jax" / "autotune.json"
-
-
-def device_kind(platform: str) -> str:
-    """The device kind autotuning keys on, e.g. "NVIDIA H100 80GB HBM3" or "cpu"."""
-    try:
-        return jax.devices(platform)[0].device_kind
-    except RuntimeError:
-        return platform
-
-
-def _describe(value: Any) -> str:
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"{np.dtype(value.dtype).name}{list(value.shape)}"
-    return repr(value)
-
-
-def signature(args: Mapping[str, Any]) -> str:
-    """The argument signature of a (bound) op call: arrays by dtype and shape, every other
-    argument by value, e.g. ``"x=bfloat16[4, 64] weight=bfloat16[64] eps=1e-06"``."""
-    return " ".join(f"{name}={_describe(value)}" for name, value in args.items())
-
-
-def _key(device: str, op: str, sig: str) -> str:
-    return json.dumps([device, jax.__version__, op, sig])
-
-
-def _entries(path: pathlib.Path) -> dict[str, dict[str, Any]]:
-    """The entries of the cache file (empty when missing, unreadable or foreign; the latter
-    two with a warning, once per version of the file)."""
-    return _read(path)[0]
-
-
-def _read(path: pathlib.Path) -> tuple[dict[str, dict[str, Any]], bool]:
-    """``(entries, readable)`` of the cache file; a missing file is readable and empty."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return {}, True
-    stamp = (stat.st_mtime_ns, stat.st_size)
-    cached = _READ.get(str(path))
-    if cached is not None and cached[0] == stamp:
-        return cached[1], cached[2]
-    entries, readable = {}, True
-    try:
-        data = json.loads(path.read_text())
-        if not (isinstance(data, dict) and data.get("format") == FORMAT
-                and data.get("version") == VERSION and isinstance(data.get("entries"), list)):
-            raise ValueError(f"not a {FORMAT} version {VERSION} file")
-        for e in data["entries"]:
-            if not (isinstance(e, dict) and isinstance(e.get("implementation"), str)
-                    and isinstance(e.get("config"), dict)):
-                raise ValueError(f"malformed entry {e!r}"[:200])
-            entries[json.dumps([e["device_kind"], e["jax"], e["op"], e["signature"]])] = e
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-        warnings.warn(f"forge_jax autotune cache {path} ignored: {type(err).__name__}: {err}",
-                      RuntimeWarning, stacklevel=4)
-        entries, readable = {}, False
-    _READ[str(path)] = (stamp, entries, readable)
-    return entries, readable
-
-
-def lookup(op: str, args: Mapping[str, Any], platform: str) -> Mapping[str, Any] | None:
-    """The stored winner for ``op`` with these (bound) arguments on ``platform``'s device
-    (an entry with ``implementation`` and ``config``), or None."""
-    path = cache_path()
-    entries = {} if path is None else _entries(path)
-    if not entries:  # the common case: nothing tuned, no signature to build
-        return None
-    return entries.get(_key(device_kind(platform), op, signature(args)))
-
-
-def winner(impls: Mapping[str, dispatch.Implementation], args: Mapping[str, Any],
-           platform: str, rejected: dict[str, str]) -> dispatch.Implementation | None:
-    """Auto selection's hook: the measured winner for these arguments, bound to its
-    configuration, if one is stored and can serve them; records in ``rejected`` why the
-    others do not run. None otherwise (auto selection then goes by priority)."""
-    if not impls:
-        return None
-    op = next(iter(impls.values())).op
-    try:
-        entry = lookup(op, args, platform)
-    except Exception as e:  # a broken cache never breaks dispatch
-        logger.debug("autotune lookup failed: %s", e)
-        return None
-    if entry is None:
-        return None
-    impl = impls.get(entry["implementation"])
-    if impl is None:
-        rejected.setdefault(entry["implementation"],
-                            "measured fastest here (autotune cache), but not registered now")
-        return None
-    reason = dispatch._check(impl, args, platform)
-    if reason is not None:
-        rejected.setdefault(impl.name, f"measured fastest here (autotune cache), but: {reason}")
-        return None
-    for other in impls.values():
-        if other.name != impl.name:
-            rejected.setdefault(other.name, f"measured slower than {impl.name!r} for these "
-                                            f"arguments on this device (autotune cache)")
-    if entry["config"]:
-        impl = dataclasses.replace(impl, fn=functools.partial(impl.fn, **entry["config"]))
-    return impl
-
-
-def _store(path: pathlib.Path, entries: Mapping[str, Mapping[str, Any]]) -> None:
-    """Writes ``entries`` as the whole file, atomically (a reader sees the old file or the
-    new one, never half of one); a file that was unreadable is set aside first."""
-    if not _read(path)[1]:
-        aside = path.with_name(path.name + ".corrupt")
-        os.replace(path, aside)
-        warnings.warn(f"forge_jax autotune cache {path} was unreadable; moved to {aside}",
-                      RuntimeWarning, stacklevel=3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION,
-                               "entries": sorted(entries.values(), key=json.dumps)},
-                              indent=1) + "\n")
-    os.replace(tmp, path)
-    _READ.pop(str(path), None)  # re-read next time, whatever the file system's clock says
-
-
-def _write(path: pathlib.Path, entry: Mapping[str, Any]) -> None:
-    """Adds ``entry`` to the file, keeping the entries already there."""
-    entries = dict(_entries(path))
-    entries[_key(entry["device_kind"], entry["op"], entry["signature"])] = dict(entry)
-    _store(path, entries)
-
-
-def clear(op: str | None = None) -> int:
-    """Forgets the stored winners (of ``op`` only, when given); returns how many."""
-    path = cache_path()
-    if path is None or not path.exists():
-        return 0
-    entries = _entries(path)
-    keep = {k: e for k, e in entries.items() if op is not None and e["op"] != op}
-    _store(path, keep)
-    return len(entries) - len(keep)
-
-
 SAMPLE_S = 0.002  # a timed sample lasts about this long (back-to-back calls)
 MAX_CALLS = 100  # calls per sample at most
 
@@ -289,21 +126,6 @@ def _agrees(out: Any, ref: Any, implementation: str) -> str | None:
     return None
 
 
-def _default_names(impls: Mapping[str, dispatch.Implementation], platform: str) -> list[str]:
-    """What auto selection could choose on ``platform``: ranked there and not unverified."""
-    return [n for n, i in impls.items()
-            if platform in i.priority and not dispatch._unverified(i, platform)]
-
-
-def _configs(op: str, name: str, args: Mapping[str, Any]) -> list[dict[str, Any]]:
-    configs = [{}]
-    fn = _CONFIGS.get((op, name))
-    for c in (fn(args) if fn else ()):
-        if dict(c) not in configs:
-            configs.append(dict(c))
-    return configs
-
-
 def autotune(op: str, *args: Any, implementations: Iterable[str] | None = None,
              iters: int = 10, force: bool = False, store: bool = True,
              **kwargs: Any) -> Result:
@@ -322,17 +144,17 @@ def autotune(op: str, *args: Any, implementations: Iterable[str] | None = None,
     Returns:
       A :class:`Result`; ``str()`` of it is one line.
     """
-    if op not in dispatch._BINDERS:
-        raise KeyError(f"unknown op {op!r}; known ops: {sorted(dispatch._BINDERS)}")
+    record = registry.op_record(op)
     if not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters=!r}")
-    bound = dispatch._BINDERS[op](*args, **kwargs)
+    bound = record.bind(*args, **kwargs)
     if any(isinstance(a, jax.core.Tracer) for a in bound.values()):
         raise ValueError(f"fj.autotune({op!r}, ...) times concrete arrays: call it outside "
                          "jax.jit / vmap / grad (auto selection inside them reads its result)")
-    platform = dispatch._platform(bound)
-    impls = dispatch.implementations(op, platform)
-    names = _default_names(impls, platform) if implementations is None else list(implementations)
+    platform = dispatch.platform_of(bound)
+    impls = registry.implementations(op, platform)
+    names = ([n for n, i in impls.items() if i.ranked(platform)] if implementations is None
+             else list(implementations))
     unknown = [n for n in names if n not in impls]
     if unknown:
         raise ValueError(f"implementations={unknown} are not registered for {op!r} on "
@@ -351,11 +173,11 @@ def autotune(op: str, *args: Any, implementations: Iterable[str] | None = None,
         ref = jax.jit(lambda a: impls["xla"].fn(**a, **static))(arrays)
     candidates, skipped = [], {}
     for name in names:
-        reason = dispatch._check(impls[name], bound, platform)
+        reason = dispatch.check(impls[name], bound, platform)
         if reason is not None:
             skipped[name] = reason
             continue
-        for config in _configs(op, name, bound):
+        for config in impls[name].candidate_configs(bound):
             fn = jax.jit(functools.partial(
                 lambda a, fn, config: fn(**a, **static, **config), fn=impls[name].fn,
                 config=config))
@@ -377,7 +199,7 @@ def autotune(op: str, *args: Any, implementations: Iterable[str] | None = None,
     path = cache_path()
     if store and path is not None:
         try:
-            _write(path, {
+            _write_entry(path, {
                 "device_kind": kind, "jax": jax.__version__, "op": op, "signature": sig,
                 "implementation": best.implementation, "config": dict(best.config),
                 "seconds": best.seconds,

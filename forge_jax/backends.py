@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from forge_jax import _compat, dispatch
+from forge_jax import _compat, registry
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -169,15 +169,14 @@ def summary() -> Summary:
     ``print(fj.backends.summary())`` or ``forge-jax info`` shows it as text.
     """
     impls = []
-    for op in dispatch.ops():
-        for impl in dispatch.registrations(op):
+    for op in registry.ops():
+        for impl in registry.registrations(op):
             name = impl.name
             try:
                 reason = impl.available()
             except Exception as e:  # A broken availability probe is a reason, not a crash.
                 reason = f"availability check failed: {e}"
-            unverified = tuple(sorted(p for p in impl.priority
-                                      if impl.verified is not None and p not in impl.verified))
+            unverified = tuple(sorted(p for p in impl.priority if impl.unverified(p)))
             impls.append(ImplementationInfo(
                 op, name, reason is None, reason,
                 tuple(sorted(p for p in impl.priority if p not in unverified)),

@@ -1,26 +1,16 @@
-"""The implementation registry: which function computes an op, and why.
+"""Dispatch: which implementation computes an op call, and why.
 
 Every public op is a thin wrapper that validates its arguments and then calls
-:func:`call`, which picks an implementation *at trace time* and calls it. An
-implementation is a plain function registered under ``(op, name)`` together with
-
-* ``supports(args, platform) -> None | str``: ``None`` when it can serve these
-  arguments on that platform, otherwise the reason why not;
-* ``available() -> None | str``: ``None`` when its toolchain is usable in this
-  process at all (used by :func:`forge_jax.backends.summary`);
-* ``priority``: a mapping ``platform -> int``. Auto selection tries the
-  implementations that name the platform, highest priority first. An
-  implementation that names no platform (e.g. ``"pallas_gpu_interpret"``) is only
-  ever used when asked for by name;
-* ``platforms``: the platforms this registration serves (``None``: any). One name
-  may be registered several times for disjoint platforms: ``"pallas"`` is the
-  Triton kernel on ``"gpu"`` and the Mosaic kernel on ``"tpu"``, each with its own
-  ``supports``;
-* ``verified``: for hand-written kernels, a mapping ``platform -> record`` of where
-  the kernel was compiled, checked and measured faster than XLA (device, JAX
-  version, date). With ``verified`` given, auto selection ranks the kernel on a
-  platform only once that platform has a record; until then it runs by name and
-  :func:`explain` says it is not yet verified there.
+:func:`call`, which picks an implementation *at trace time* and calls it (per shard on a
+mesh, by the op's partition rule). It chooses among the records of
+:mod:`forge_jax.registry` (whose API is re-exported here): one
+:class:`~forge_jax.registry.Op` per op (binder, partition rule) and one
+:class:`~forge_jax.registry.Implementation` per implementation (function, ``supports``,
+``available``, priority per platform, platforms, verification record, autotuning
+configurations). A kernel with a ``verified`` mapping is ranked on a platform only once
+that platform has a record; until then it runs by name and :func:`explain` says it is not
+yet verified there. An implementation whose priority names no platform (e.g.
+``"pallas_gpu_interpret"``) only ever runs by name.
 
 Which implementation runs, most specific first:
 
@@ -32,7 +22,9 @@ Which implementation runs, most specific first:
    serve the arguments, fall back to auto selection and record the reason, so a
    model with ops that have no kernel still runs inside ``use_implementation("pallas")``.
    ``use_implementation(name, strict=True)`` makes the preference strict.
-3. Auto: the first supported implementation in priority order for the platform.
+3. Auto: a winner measured by :func:`forge_jax.autotune` (its cache file,
+   :mod:`forge_jax.autotune_cache`) where one is stored and can serve the call, else the
+   first supported implementation in priority order for the platform.
 
 Kernels register from ``pallas_kernels`` (imported lazily on the first dispatch);
 the ops never import a kernel.
@@ -42,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
+import functools
 import logging
 import os
 import threading
@@ -51,34 +43,25 @@ from typing import Any
 
 import jax
 
-from forge_jax import sharding
+from forge_jax import autotune_cache, registry, sharding
+from forge_jax.registry import (  # noqa: F401  (the registry's API, as dispatch's)
+    Implementation,
+    check_name,
+    implementations,
+    names,
+    ops,
+    register,
+    registrations,
+    unregister,
+)
 
 logger = logging.getLogger("forge_jax.dispatch")
 
 ENV_VAR = "FORGE_JAX_IMPLEMENTATION"
 
-SupportsFn = Callable[[Mapping[str, Any], str], "str | None"]
-AvailableFn = Callable[[], "str | None"]
-
 
 class ImplementationError(ValueError):
     """An implementation asked for by name cannot serve the call."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    op: str
-    name: str
-    fn: Callable[..., Any]
-    supports: SupportsFn
-    available: AvailableFn
-    priority: Mapping[str, int]
-    description: str = ""
-    platforms: frozenset[str] | None = None
-    verified: Mapping[str, str] | None = None
-
-    def serves(self, platform: str) -> bool:
-        return self.platforms is None or platform in self.platforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,144 +91,9 @@ class Selection:
         return "\n".join(lines)
 
 
-def _always(args: Mapping[str, Any], platform: str) -> None:
-    del args, platform
-    return None
-
-
-def _always_available() -> None:
-    return None
-
-
-# The registry: op name -> implementation name -> its registrations (one per set of
-# platforms). Together with the user's override below, the only module-level mutable
-# state in forge_jax.
-_REGISTRY: dict[str, dict[str, tuple[Implementation, ...]]] = {}
 # The last selection made for each op (inspectable; e.g. the CLI reports it).
 _LAST: dict[str, Selection] = {}
-# op name -> the function that validates a call's arguments into the mapping
-# implementations receive (the public op minus the dispatch), for explain().
-_BINDERS: dict[str, Callable[..., dict[str, Any]]] = {}
 _LOCAL = threading.local()
-_PLUGINS_LOADED = False
-
-
-def register(
-    op: str,
-    name: str,
-    *,
-    priority: Mapping[str, int] | None = None,
-    supports: SupportsFn | None = None,
-    available: AvailableFn | None = None,
-    description: str = "",
-    platforms: tuple[str, ...] | None = None,
-    verified: Mapping[str, str] | None = None,
-    replace: bool = False,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator registering ``fn`` as implementation ``name`` of ``op``.
-
-    Args:
-      op: the op's public name, e.g. ``"rms_norm"``.
-      name: the implementation's name, e.g. ``"xla"``, ``"pallas"``.
-      priority: platform -> priority for auto selection; higher runs first.
-        ``None`` or empty: never chosen automatically, only by name.
-      supports: ``supports(args, platform) -> None | reason``; ``args`` is the
-        mapping of the op's arguments (arrays may be tracers: use shapes and dtypes).
-      available: ``available() -> None | reason``, whether the toolchain works here.
-      description: one line for :func:`forge_jax.backends.summary`.
-      platforms: the platforms this registration serves; ``None``: every platform.
-        Registrations of one name must not overlap.
-      verified: platform -> where the kernel was verified (device, JAX version,
-        date). Given, auto selection ranks it only on platforms with a record.
-      replace: allow replacing an existing registration (tests, user overrides).
-    """
-    served = None if platforms is None else frozenset(platforms)
-    if priority and served is not None and set(priority) - served:
-        raise ValueError(f"{op!r}/{name!r}: priority names platforms it does not serve: "
-                         f"{priority=}, {platforms=}")
-
-    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-        impls = _REGISTRY.setdefault(op, {})
-        existing = impls.get(name, ())
-        clash = [i for i in existing
-                 if i.platforms is None or served is None or i.platforms & served]
-        if clash and not replace:
-            raise ValueError(f"implementation {name!r} of op {op!r} is already registered"
-                             + ("" if served is None else f" for {sorted(served)}"))
-        impls[name] = tuple(i for i in existing if i not in clash) + (Implementation(
-            op=op,
-            name=name,
-            fn=fn,
-            supports=supports or _always,
-            available=available or _always_available,
-            priority=dict(priority or {}),
-            description=description,
-            platforms=served,
-            verified=None if verified is None else dict(verified),
-        ),)
-        return fn
-
-    return decorator
-
-
-def unregister(op: str, name: str) -> None:
-    """Removes implementation ``name`` of ``op`` (for tests and user overrides)."""
-    try:
-        del _REGISTRY[op][name]
-    except KeyError:
-        raise KeyError(f"no implementation {name!r} registered for op {op!r}") from None
-
-
-def ops() -> tuple[str, ...]:
-    """The names of all ops with at least one registered implementation."""
-    _load_plugins()
-    return tuple(sorted(_REGISTRY))
-
-
-def implementations(op: str, platform: str | None = None) -> Mapping[str, Implementation]:
-    """The implementations of ``op`` that serve ``platform`` (default: JAX's default
-    backend), by name."""
-    _load_plugins()
-    if op not in _REGISTRY:
-        raise KeyError(f"unknown op {op!r}; known ops: {sorted(_REGISTRY)}")
-    platform = platform or jax.default_backend()
-    return {name: v for name, variants in _REGISTRY[op].items()
-            for v in variants if v.serves(platform)}
-
-
-def registrations(op: str) -> tuple[Implementation, ...]:
-    """Every registration of ``op``, on every platform."""
-    _load_plugins()
-    if op not in _REGISTRY:
-        raise KeyError(f"unknown op {op!r}; known ops: {sorted(_REGISTRY)}")
-    return tuple(v for variants in _REGISTRY[op].values() for v in variants)
-
-
-def names() -> tuple[str, ...]:
-    """Every implementation name some op has registered (on any platform)."""
-    _load_plugins()
-    return tuple(sorted({name for impls in _REGISTRY.values() for name in impls}))
-
-
-def check_name(name: str, what: str = "implementation") -> None:
-    """Raises ValueError if no op has registered an implementation called ``name``
-    (a typo: a name some ops lack is a preference, and they fall back)."""
-    known = names()
-    if name not in known:
-        raise ValueError(f"{what} {name!r} is not registered by any op; "
-                         f"registered: {', '.join(known)}")
-
-
-def _load_plugins() -> None:
-    """Imports ``pallas_kernels`` once so that its kernels register themselves."""
-    global _PLUGINS_LOADED
-    if _PLUGINS_LOADED:
-        return
-    _PLUGINS_LOADED = True
-    try:
-        importlib.import_module("forge_jax.pallas_kernels")
-    except ImportError as e:  # Only the XLA implementations then; say so once.
-        logger.debug("pallas_kernels not importable, XLA implementations only: %s", e)
 
 
 @contextlib.contextmanager
@@ -305,20 +153,16 @@ def current_preference() -> tuple[str | None, str, bool]:
     return _preference(None)
 
 
-def _check(impl: Implementation, args: Mapping[str, Any], platform: str) -> str | None:
+def check(impl: Implementation, args: Mapping[str, Any], platform: str) -> str | None:
     """``None`` if ``impl`` can serve ``args`` on ``platform``, else the reason why not.
 
     Under :func:`forge_jax.sharding.use_mesh` an op with a partition rule runs per shard,
-    so ``supports`` sees the shapes one shard computes. A probe that raises is a reason
-    too: dispatch reports it instead of crashing.
+    so ``supports`` sees the shapes one shard computes.
     """
-    try:
-        return impl.available() or impl.supports(sharding.local_args(impl.op, args), platform)
-    except Exception as e:
-        return f"its supports/available check raised {type(e).__name__}: {e}"
+    return impl.check(sharding.local_args(registry.partition_rule(impl.op), args), platform)
 
 
-def _platform(args: Mapping[str, Any]) -> str:
+def platform_of(args: Mapping[str, Any]) -> str:
     """The platform the op will run on: that of its committed inputs, else the default."""
     for value in args.values():
         if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
@@ -330,8 +174,37 @@ def _platform(args: Mapping[str, Any]) -> str:
     return jax.default_backend()
 
 
-def _unverified(impl: Implementation, platform: str) -> bool:
-    return impl.verified is not None and platform not in impl.verified
+def _measured(impls: Mapping[str, Implementation], args: Mapping[str, Any], platform: str,
+              rejected: dict[str, str]) -> Implementation | None:
+    """The measured winner for these arguments (:func:`forge_jax.autotune`'s file), bound
+    to its configuration, if one is stored and can serve them; records in ``rejected`` why
+    the others do not run. None otherwise (auto selection then goes by priority)."""
+    if not impls:
+        return None
+    op = next(iter(impls.values())).op
+    try:
+        entry = autotune_cache.lookup(op, args, platform)
+    except Exception as e:  # a broken cache never breaks dispatch
+        logger.debug("autotune lookup failed: %s", e)
+        return None
+    if entry is None:
+        return None
+    impl = impls.get(entry["implementation"])
+    if impl is None:
+        rejected.setdefault(entry["implementation"],
+                            "measured fastest here (autotune cache), but not registered now")
+        return None
+    reason = check(impl, args, platform)
+    if reason is not None:
+        rejected.setdefault(impl.name, f"measured fastest here (autotune cache), but: {reason}")
+        return None
+    for other in impls.values():
+        if other.name != impl.name:
+            rejected.setdefault(other.name, f"measured slower than {impl.name!r} for these "
+                                            f"arguments on this device (autotune cache)")
+    if entry["config"]:
+        impl = dataclasses.replace(impl, fn=functools.partial(impl.fn, **entry["config"]))
+    return impl
 
 
 def _auto(
@@ -341,21 +214,18 @@ def _auto(
     """The first supported implementation in priority order, and whether one ranked
     above it was rejected (a fallback). Records in ``rejected`` why every other
     implementation does not run, so that :func:`explain` accounts for all of them."""
-    from forge_jax import autotuning  # a measured winner (fj.autotune) goes first
-
-    measured = autotuning.winner(impls, args, platform, rejected)
+    measured = _measured(impls, args, platform, rejected)  # fj.autotune's winner goes first
     if measured is not None:
         return measured, False
     for impl in impls.values():
-        if platform in impl.priority and _unverified(impl, platform):
-            reason = _check(impl, args, platform)
+        if platform in impl.priority and impl.unverified(platform):
+            reason = check(impl, args, platform)
             rejected.setdefault(impl.name, (
                 f"not yet verified on a {platform.upper()} (runs by name; ranked automatically "
                 "once compiled, checked and measured faster there)"
                 + (f"; it could not serve these arguments anyway: {reason}" if reason else "")))
     ranked = sorted(
-        (impl for impl in impls.values()
-         if platform in impl.priority and not _unverified(impl, platform)),
+        (impl for impl in impls.values() if impl.ranked(platform)),
         key=lambda impl: -impl.priority[platform],
     )
     chosen, fell_back = None, False
@@ -363,7 +233,7 @@ def _auto(
         if chosen is not None:
             rejected.setdefault(impl.name, f"lower priority on {platform} than {chosen.name!r}")
             continue
-        reason = _check(impl, args, platform)
+        reason = check(impl, args, platform)
         if reason is None:
             chosen = impl
         else:
@@ -375,32 +245,38 @@ def _auto(
     return chosen, fell_back
 
 
-def select(op: str, args: Mapping[str, Any], implementation: str | None = None) -> Selection:
-    """Chooses the implementation of ``op`` for ``args`` without running it."""
-    return _select(op, args, implementation)[1]
+def select(op: str, args: Mapping[str, Any], implementation: str | None = None, *,
+           platform: str | None = None) -> Selection:
+    """Chooses the implementation of ``op`` for ``args`` without running it.
+
+    ``platform``: choose as if on that platform (default: that of ``args``' committed
+    arrays, else JAX's default backend), e.g. to see what a GPU would run.
+    """
+    return _select(op, args, implementation, platform)[1]
 
 
 def _select(
-    op: str, args: Mapping[str, Any], implementation: str | None
+    op: str, args: Mapping[str, Any], implementation: str | None, platform: str | None = None,
 ) -> tuple[Implementation, Selection]:
-    _load_plugins()
-    if not _REGISTRY.get(op):
-        raise KeyError(f"no implementation registered for op {op!r}")
-    platform = _platform(args)
-    impls = {name: v for name, variants in _REGISTRY[op].items()
-             for v in variants if v.serves(platform)}
+    try:
+        variants = registry.registrations(op)
+    except KeyError:
+        raise KeyError(f"no implementation registered for op {op!r}") from None
+    platform = platform or platform_of(args)
+    impls = {v.name: v for v in variants if v.serves(platform)}
+    registered = sorted({v.name for v in variants})
     name, source, strict = _preference(implementation)
     rejected: dict[str, str] = {}
     if name is not None:
         impl = impls.get(name)
-        if impl is None and name in _REGISTRY[op]:
-            served = sorted(p for v in _REGISTRY[op][name] for p in (v.platforms or ()))
+        if impl is None and name in registered:
+            served = sorted(p for v in variants if v.name == name for p in (v.platforms or ()))
             reason = f"{op!r} implementation {name!r} serves {served}, not {platform}"
         elif impl is None:
             reason = (f"{op!r} has no implementation {name!r} "
-                      f"(registered: {sorted(_REGISTRY[op])})")
+                      f"(registered: {registered})")
         else:
-            reason = _check(impl, args, platform)
+            reason = check(impl, args, platform)
         if reason is None:
             return impl, Selection(op, name, platform, source, rejected)
         if strict:
@@ -434,7 +310,7 @@ def call(op: str, args: Mapping[str, Any], implementation: str | None = None) ->
     impl, selection = _select(op, args, implementation)
     _LAST[op] = selection
     # On a mesh (forge_jax.sharding.use_mesh), ops with a partition rule run per shard.
-    return sharding.per_shard(op, impl.fn, args)()
+    return sharding.per_shard(registry.partition_rule(op), impl.fn, args)()
 
 
 def last_selection(op: str) -> Selection | None:
@@ -453,9 +329,17 @@ def clear_selections() -> None:
     _LAST.clear()
 
 
-def define(op: str, binder: Callable[..., dict[str, Any]]) -> None:
-    """Declares public op ``op`` whose arguments ``binder(*args, **kwargs)`` validates."""
-    _BINDERS[op] = binder
+def define(op: str, binder: Callable[..., dict[str, Any]], *,
+           partition: registry.PartitionRule | None = None) -> registry.Op:
+    """Declares public op ``op``: ``binder(*args, **kwargs)`` validates its arguments, and
+    ``partition`` says how they split over a mesh (see :mod:`forge_jax.sharding`)."""
+    return registry.define(op, binder, partition=partition)
+
+
+def bind(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The mapping implementations of ``op`` receive for this call, validated as the op
+    validates it (the public op minus the dispatch)."""
+    return registry.op_record(op).bind(*args, **kwargs)
 
 
 def explain(op: str, *args: Any, implementation: str | None = None, **kwargs: Any) -> Selection:
@@ -464,6 +348,4 @@ def explain(op: str, *args: Any, implementation: str | None = None, **kwargs: An
     Takes the op's arguments exactly as the op does, e.g.
     ``fj.explain("rms_norm", x, w, eps=1e-5)``; validates them as the op would.
     """
-    if op not in _BINDERS:
-        raise KeyError(f"unknown op {op!r}; known ops: {sorted(_BINDERS)}")
-    return select(op, _BINDERS[op](*args, **kwargs), implementation)
+    return select(op, bind(op, *args, **kwargs), implementation)

@@ -55,6 +55,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, sharding
 from forge_jax.ops.attention import attention
@@ -206,7 +207,7 @@ class ContiguousKVCache:
 
         with jax.named_scope("kv_cache_write"):
             new_k, new_v = (
-                sharding.per_shard("contiguous_write", scatter, dict(
+                sharding.per_shard(_write_partition, scatter, dict(
                     buffer=jnp.asarray(buffer), new=new, positions=positions))()
                 for buffer, new in ((self.k[layer], k), (self.v[layer], v)))
         return dataclasses.replace(self, k=_replace_layer(self.k, layer, new_k),
@@ -701,3 +702,13 @@ class BlockManager:
         self._reserved[src] = self._reserved.get(src, 0) + 1
         self._pending[new] = src
         return new
+
+
+def _write_partition(args, config):
+    # ContiguousKVCache.write: each data shard writes its own rows, each tensor shard its
+    # own heads; without the rule XLA's scatter gathers the new rows across the data axis.
+    buf = args["buffer"]  # [batch, max_len, kv_heads, head_dim]
+    b = sharding.divisible(config, config.dp_name, buf.shape[0])
+    h = sharding.divisible(config, config.tp_name, buf.shape[2])
+    spec = P(b, None, h, None)
+    return {"buffer": spec, "new": spec, "positions": P(b, None)}, spec

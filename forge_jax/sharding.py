@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from forge_jax import _compat
+from forge_jax import _compat, registry
 
 __all__ = [
     "MeshConfig", "current", "make_mesh", "parse_mesh", "per_shard", "put", "use_mesh",
@@ -209,146 +209,48 @@ def current() -> MeshConfig | None:
 
 
 # ---------------------------------------------------------------------------------------
-# Partition rules: for each op, how its array arguments split over the mesh.
+# Partition rules: for each op, how its array arguments split over the mesh. Each op's rule
+# lives beside the op (its module passes it to ``dispatch.define(..., partition=...)``).
 #
-# A rule maps the op's argument mapping to (in_specs by argument name, out_specs). It
-# splits only dimensions an op computes independently along (batch rows, attention
-# heads, elementwise features) and only where the size divides the axis, so per-shard
-# results are exactly the global result's slices.
+# A rule maps the op's argument mapping and the mesh config to (in_specs by argument
+# name, out_specs). It splits only dimensions an op computes independently along (batch
+# rows, attention heads, elementwise features) and only where the size divides the axis,
+# so per-shard results are exactly the global result's slices.
 
 Specs = tuple[dict[str, P], Any]
-_RULES: dict[str, Callable[[Mapping[str, Any], MeshConfig], Specs]] = {}
+Rule = Callable[[Mapping[str, Any], MeshConfig], Specs]
 
 
-def _rule(op: str):
-    def decorator(fn):
-        _RULES[op] = fn
-        return fn
-    return decorator
-
-
-def _div(config: MeshConfig, axis: str | None, *sizes: int) -> str | None:
+def divisible(config: MeshConfig, axis: str | None, *sizes: int) -> str | None:
+    """``axis`` if every size divides over it, else None (that dimension is not split)."""
     if axis is None:
         return None
     n = config.mesh.shape[axis]
     return axis if all(s % n == 0 for s in sizes) else None
 
 
-@_rule("rms_norm")
-def _rms_norm_rule(args, config):
-    x = args["x"]
-    lead = _div(config, config.dp_name, x.shape[0]) if x.ndim >= 2 else None
-    spec = P(lead, *([None] * (x.ndim - 1)))
-    specs = {"x": spec, "weight": P()}
-    if args["residual"] is not None:
-        specs["residual"] = spec
-    return specs, spec
-
-
-@_rule("silu_mul")
-def _silu_mul_rule(args, config):
-    gate = args["gate"]
-    lead = _div(config, config.dp_name, gate.shape[0]) if gate.ndim >= 2 else None
-    last = _div(config, config.tp_name, gate.shape[-1])
-    spec = P(*([lead] if gate.ndim >= 2 else []), *([None] * (gate.ndim - 2)), last)
-    return {"gate": spec, "up": spec}, spec
-
-
-@_rule("rope")
-def _rope_rule(args, config):
-    x = args["x"]  # [batch, seq, heads, head_dim]
-    b = _div(config, config.dp_name, x.shape[0])
-    h = _div(config, config.tp_name, x.shape[2])
-    return {"x": P(b, None, h, None), "positions": P(b, None)}, P(b, None, h, None)
-
-
-def _heads_axis(config, q_heads, kv_heads):
+def heads_axis(config: MeshConfig, q_heads: int, kv_heads: int) -> str | None:
     """The tensor axis if both head counts split across it (GQA groups stay whole)."""
-    return _div(config, config.tp_name, q_heads, kv_heads)
-
-
-@_rule("attention")
-def _attention_rule(args, config):
-    q, k = args["q"], args["k"]  # [batch, len, heads, head_dim]
-    b = _div(config, config.dp_name, q.shape[0])
-    h = _heads_axis(config, q.shape[2], k.shape[2])
-    qs, ks = P(b, None, h, None), P(b, None, h, None)
-    specs = {"q": qs, "k": ks, "v": ks}
-    if args["q_positions"] is not None:
-        specs["q_positions"] = P(b, None)
-    if args["kv_lengths"] is not None:
-        specs["kv_lengths"] = P(b)
-    return specs, qs
-
-
-@_rule("paged_attention")
-def _paged_attention_rule(args, config):
-    q, pages = args["q"], args["k_pages"]  # q [batch, (len,) heads, dim]; pages [heads, ...]
-    b = _div(config, config.dp_name, q.shape[0])
-    h = _heads_axis(config, q.shape[-2], pages.shape[0])
-    qs = P(b, *([None] * (q.ndim - 3)), h, None)
-    ps = P(h, None, None, None)  # the pool is shared by all sequences: never split by batch
-    specs = {"q": qs, "k_pages": ps, "v_pages": ps, "block_tables": P(b, None),
-             "lengths": P(b)}
-    if args["q_positions"] is not None:
-        specs["q_positions"] = P(b, None)
-    return specs, qs
-
-
-@_rule("ragged_paged_attention")
-def _ragged_rule(args, config):
-    q, pages = args["q"], args["k_pages"]  # q [tokens, heads, dim]
-    h = _heads_axis(config, q.shape[1], pages.shape[0])
-    ps = P(h, None, None, None)
-    specs = {"q": P(None, h, None), "k_pages": ps, "v_pages": ps, "block_tables": P(),
-             "kv_lengths": P(), "cu_q_lens": P()}
-    if isinstance(args["num_seqs"], jax.Array | np.ndarray):
-        specs["num_seqs"] = P()
-    return specs, P(None, h, None)
-
-
-@_rule("paged_write")
-def _paged_write_rule(args, config):
-    # Every replica of the pool (over the data axis) writes every token, so replicas
-    # stay identical: the tokens are gathered over the data axis, split by head.
-    h = _div(config, config.tp_name, args["k_pages"].shape[0])
-    ps, ts = P(h, None, None, None), P(None, h, None)
-    return {"k_pages": ps, "v_pages": ps, "k": ts, "v": ts, "slots": P()}, (ps, ps)
-
-
-@_rule("copy_pages")
-def _copy_pages_rule(args, config):
-    h = _div(config, config.tp_name, args["k_pages"].shape[0])
-    ps = P(h, None, None, None)
-    return {"k_pages": ps, "v_pages": ps, "copies": P()}, (ps, ps)
-
-
-@_rule("contiguous_write")
-def _contiguous_write_rule(args, config):
-    # ContiguousKVCache.write: each data shard writes its own rows, each tensor shard its
-    # own heads; without the rule XLA's scatter gathers the new rows across the data axis.
-    buf = args["buffer"]  # [batch, max_len, kv_heads, head_dim]
-    b = _div(config, config.dp_name, buf.shape[0])
-    h = _div(config, config.tp_name, buf.shape[2])
-    spec = P(b, None, h, None)
-    return {"buffer": spec, "new": spec, "positions": P(b, None)}, spec
+    return divisible(config, config.tp_name, q_heads, kv_heads)
 
 
 def has_rule(op: str) -> bool:
-    """Whether ``op`` runs per shard under :func:`use_mesh`."""
-    return op in _RULES
+    """Whether ``op`` runs per shard under :func:`use_mesh` (it declared a partition rule)."""
+    return registry.partition_rule(op) is not None
 
 
-def per_shard(op: str, fn: Callable[..., Any], args: Mapping[str, Any]) -> Callable[[], Any]:
-    """``fn(**args)`` as a thunk, run per shard when a mesh is active and ``op`` has a rule.
+def per_shard(rule: Rule | None, fn: Callable[..., Any], args: Mapping[str, Any]
+              ) -> Callable[[], Any]:
+    """``fn(**args)`` as a thunk, run per shard by ``rule`` when a mesh is active (as is
+    without a mesh, or without a rule).
 
     The one place where forge_jax's ops meet ``jax.shard_map``: dispatch calls it for
     every op, so a kernel needs nothing of its own to run on a mesh.
     """
     config = current()
-    if config is None or op not in _RULES:
+    if config is None or rule is None:
         return lambda: fn(**args)
-    specs, out_specs = _RULES[op](args, config)
+    specs, out_specs = rule(args, config)
     if all(s == P() or all(a is None for a in s) for s in specs.values()):
         return lambda: fn(**args)  # nothing splits: run it as is
     names = [n for n in specs if args.get(n) is not None]
@@ -366,13 +268,14 @@ def per_shard(op: str, fn: Callable[..., Any], args: Mapping[str, Any]) -> Calla
     return lambda: mapped(*(args[n] for n in names))
 
 
-def local_args(op: str, args: Mapping[str, Any]) -> Mapping[str, Any]:
+def local_args(rule: Rule | None, args: Mapping[str, Any]) -> Mapping[str, Any]:
     """``args`` with each array replaced by the shape one shard sees under the active mesh
-    (for an implementation's ``supports`` check); ``args`` itself without a mesh."""
+    when split by ``rule`` (for an implementation's ``supports`` check); ``args`` itself
+    without a mesh or a rule."""
     config = current()
-    if config is None or op not in _RULES:
+    if config is None or rule is None:
         return args
-    specs, _ = _RULES[op](args, config)
+    specs, _ = rule(args, config)
     out = dict(args)
     for name, spec in specs.items():
         value = args.get(name)

@@ -131,7 +131,7 @@ def test_foreign_device_or_jax_version_is_not_used(cache, probe):
 
 def test_a_winner_that_cannot_serve_falls_back_with_the_reason(cache):
     x, w = norm_inputs()
-    sig = autotuning.signature(dispatch._BINDERS["rms_norm"](x, w))
+    sig = autotuning.signature(dispatch.bind("rms_norm", x, w))
     store(cache, op="rms_norm", signature=sig, implementation="gone")
     selection = fj.explain("rms_norm", x, w)
     assert selection.implementation == "xla"
@@ -275,10 +275,10 @@ def test_gpu_configs_lower_for_cuda(op):
         "attention": (S((1, 16, 4, 64), bf16), S((1, 16, 2, 64), bf16), S((1, 16, 2, 64), bf16)),
     }[op]
     pallas = dispatch.implementations(op, "gpu")["pallas"]
-    bound = dispatch._BINDERS[op](*[jnp.zeros(s.shape, s.dtype) for s in shapes])
+    bound = dispatch.bind(op, *[jnp.zeros(s.shape, s.dtype) for s in shapes])
     static = {n: a for n, a in bound.items() if not isinstance(a, jax.Array)}
     names = [n for n, a in bound.items() if isinstance(a, jax.Array)]
-    configs = autotuning._CONFIGS[(op, "pallas")](bound)
+    configs = pallas.candidate_configs(bound)[1:]  # past the defaults
     assert len(configs) >= 4
     for config in configs[:4] + configs[-2:]:
         def fn(*arrays, config=config):

@@ -31,7 +31,7 @@ def qkv(batch=2, q_len=8, kv_len=8, q_heads=4, kv_heads=2, head_dim=64, dtype=jn
 
 
 def args_of(q, k, v, **kw):
-    return dispatch._BINDERS["attention"](q, k, v, **kw)
+    return dispatch.bind("attention", q, k, v, **kw)
 
 
 # (description, attention arguments besides q/k/v, q/k/v shapes, words of the reason)
@@ -96,8 +96,7 @@ def test_explain_shows_the_reason_and_auto_does_not_rank_it(monkeypatch):
     could not serve the call anyway."""
     monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "8.0")
     args = args_of(*qkv(q_len=4, kv_len=8))
-    rejected: dict[str, str] = {}
-    dispatch._auto(dispatch.implementations("attention", "gpu"), args, "gpu", rejected)
+    rejected = dispatch.select("attention", args, platform="gpu").rejected
     assert "not yet verified" in rejected["cudnn"]
     assert "top-left" in rejected["cudnn"]
     assert cudnn.VERIFIED == {}

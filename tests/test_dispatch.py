@@ -18,6 +18,7 @@ from reference import rms_norm_ref, softmax_ref
 
 import forge_jax as fj
 from forge_jax import dispatch
+from forge_jax.ops.norm import rms_norm_xla
 
 MARK = 42.0
 PLATFORM = jax.default_backend()  # "cpu" here; the GPU machine runs the same tests
@@ -342,3 +343,58 @@ def test_an_unverified_kernel_runs_by_name_and_explain_says_why_not_auto(xw):
         assert fj.explain("rms_norm", x, w).implementation == "kernel"
     finally:
         dispatch.unregister("rms_norm", "kernel")
+
+
+def test_one_record_is_read_by_dispatch_autotuning_explain_and_info(xw, tmp_path, monkeypatch):
+    """Everything about an implementation is one registry record: dispatch ranks it by its
+    priority and verification, autotuning times its configurations, explain and info read
+    its description and state; nothing else has to agree with it by name."""
+    x, w = xw
+    calls = []
+
+    def kernel(*, x, weight, eps, residual, block=0):  # block: a launch knob
+        calls.append(block)
+        return rms_norm_xla(x, weight, eps=eps, residual=residual)
+
+    record = fj.registry.Implementation(
+        op="rms_norm", name="kernel", fn=kernel, priority={PLATFORM: 100},
+        verified={PLATFORM: "test machine, JAX x, today"}, description="a recorded kernel",
+        configs=lambda args: [dict(block=1), dict(block=2), dict(block=1)])
+    fj.registry.add(record)
+    monkeypatch.setenv(fj.autotune_cache.CACHE_ENV, str(tmp_path / "autotune.json"))
+    try:
+        assert fj.registry.registrations("rms_norm", "kernel") == (record,)
+        assert record.ranked(PLATFORM) and not record.unverified(PLATFORM)
+        assert fj.explain("rms_norm", x, w).implementation == "kernel"
+        assert record.candidate_configs(dispatch.bind("rms_norm", x, w)) == [
+            {}, dict(block=1), dict(block=2)]
+        result = fj.autotune("rms_norm", x, w, implementations=["kernel"], iters=1)
+        assert sorted(c.config.get("block", 0) for c in result.candidates) == [0, 1, 2]
+        assert {0, 1, 2} <= set(calls)
+        info = {(i.op, i.name): i for i in fj.backends.summary().implementations}
+        assert info["rms_norm", "kernel"].description == "a recorded kernel"
+        assert info["rms_norm", "kernel"].auto_on == (PLATFORM,)
+    finally:
+        dispatch.unregister("rms_norm", "kernel")
+
+
+def test_a_record_refuses_a_priority_for_a_platform_it_does_not_serve():
+    with pytest.raises(ValueError, match="priority names platforms it does not serve"):
+        fj.registry.Implementation(op="rms_norm", name="kernel", fn=lambda **kw: None,
+                                   priority={"gpu": 1}, platforms=("tpu",))
+
+
+def test_an_op_record_holds_its_binder_and_partition_rule(xw):
+    x, w = xw
+    record = fj.registry.op_record("rms_norm")
+    assert record.bind(x, w) == dispatch.bind("rms_norm", x, w)
+    assert record.partition is not None and fj.sharding.has_rule("rms_norm")
+    assert fj.registry.op_record("matmul").partition is None
+    with pytest.raises(KeyError, match="unknown op 'nope'"):
+        fj.registry.op_record("nope")
+
+
+def test_select_can_ask_about_another_platform(xw):
+    x, w = xw
+    sel = dispatch.select("rms_norm", dispatch.bind("rms_norm", x, w), platform="tpu")
+    assert sel.platform == "tpu" and sel.implementation == "xla"

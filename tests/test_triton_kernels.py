@@ -66,9 +66,8 @@ def test_import_failure_is_the_reason(monkeypatch):
 def test_not_chosen_and_explained_on_a_gpu(monkeypatch):
     monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "8.0")
     x, w = jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64,), jnp.bfloat16)
-    rejected: dict[str, str] = {}
-    args = dispatch._BINDERS["rms_norm"](x, w)
-    dispatch._auto(dispatch.implementations("rms_norm", "gpu"), args, "gpu", rejected)
+    args = dispatch.bind("rms_norm", x, w)
+    rejected = dispatch.select("rms_norm", args, platform="gpu").rejected
     assert "not yet verified" in rejected["triton"] and tk.VERIFIED == {}
 
 

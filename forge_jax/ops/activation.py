@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from forge_jax import _checks, dispatch
+from forge_jax import _checks, dispatch, sharding
 
 
 def _silu_mul_args(gate, up):
@@ -34,7 +35,16 @@ def silu_mul(gate, up, *, implementation=None):
     return dispatch.call("silu_mul", _silu_mul_args(gate, up), implementation)
 
 
-dispatch.define("silu_mul", _silu_mul_args)
+def _silu_mul_partition(args, config):
+    """How ``silu_mul`` splits over a mesh (:mod:`forge_jax.sharding`)."""
+    gate = args["gate"]
+    lead = sharding.divisible(config, config.dp_name, gate.shape[0]) if gate.ndim >= 2 else None
+    last = sharding.divisible(config, config.tp_name, gate.shape[-1])
+    spec = P(*([lead] if gate.ndim >= 2 else []), *([None] * (gate.ndim - 2)), last)
+    return {"gate": spec, "up": spec}, spec
+
+
+dispatch.define("silu_mul", _silu_mul_args, partition=_silu_mul_partition)
 
 
 @dispatch.register("silu_mul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from forge_jax import _checks, dispatch
+from forge_jax import _checks, dispatch, sharding
 
 
 def _rms_norm_args(x, weight, *, eps=1e-6, residual=None):
@@ -44,7 +45,18 @@ def rms_norm(x, weight, *, eps=1e-6, residual=None, implementation=None):
     return dispatch.call("rms_norm", args, implementation)
 
 
-dispatch.define("rms_norm", _rms_norm_args)
+def _rms_norm_partition(args, config):
+    """How ``rms_norm`` splits over a mesh (:mod:`forge_jax.sharding`)."""
+    x = args["x"]
+    lead = sharding.divisible(config, config.dp_name, x.shape[0]) if x.ndim >= 2 else None
+    spec = P(lead, *([None] * (x.ndim - 1)))
+    specs = {"x": spec, "weight": P()}
+    if args["residual"] is not None:
+        specs["residual"] = spec
+    return specs, spec
+
+
+dispatch.define("rms_norm", _rms_norm_args, partition=_rms_norm_partition)
 
 
 @dispatch.register("rms_norm", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},

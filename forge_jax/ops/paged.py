@@ -13,50 +13,31 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from forge_jax import _checks, dispatch
-from forge_jax.ops.attention import (
+from forge_jax import _checks, dispatch, sharding
+from forge_jax.ops._attention_math import (
     all_finite,
     check_dims,
     check_heads,
     check_masking,
+    check_pages,
+    check_tables,
+    exact_logits,
     finite_keys,
     hide_from_decode,
     masked_probs,
+    named_pages,
     visible_mask,
     weighted_values,
 )
-
-
-def _check_pages(k_pages, v_pages):
-    _checks.array("k_pages", k_pages, ndim=4)
-    _checks.array("v_pages", v_pages, ndim=4)
-    if tuple(k_pages.shape) != tuple(v_pages.shape):
-        raise ValueError(
-            f"k_pages and v_pages must have the same shape [kv_heads, num_pages, page_size, "
-            f"head_dim]: {k_pages.shape=}, {v_pages.shape=}")
-    if k_pages.dtype != v_pages.dtype:
-        raise TypeError(f"k_pages and v_pages must have the same dtype: "
-                        f"{k_pages.dtype=}, {v_pages.dtype=}")
-    check_dims(**{f"{name} (k_pages.shape[{i}])": k_pages.shape[i]
-                  for i, name in enumerate(("kv_heads", "num_pages", "page_size", "head_dim"))})
-
-
-def _check_tables(block_tables, lengths):
-    _checks.array("block_tables", block_tables, ndim=2, kind="int")
-    _checks.array("lengths", lengths, ndim=1, kind="int")
-    if lengths.shape[0] != block_tables.shape[0]:
-        raise ValueError(f"lengths must be [batch] = ({block_tables.shape[0]},) to match "
-                         f"block_tables [batch, max_pages], got {lengths.shape=}, "
-                         f"{block_tables.shape=}")
-
 
 # ---------------------------------------------------------------------------------------
 # paged_write
 
 
 def _paged_write_args(k_pages, v_pages, k, v, slots):
-    _check_pages(k_pages, v_pages)
+    check_pages(k_pages, v_pages)
     _checks.array("k", k, ndim=3)
     _checks.array("v", v, ndim=3)
     _checks.array("slots", slots, ndim=1, kind="int")
@@ -100,7 +81,16 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
     return dispatch.call("paged_write", args, implementation)
 
 
-dispatch.define("paged_write", _paged_write_args)
+def _paged_write_partition(args, config):
+    """How ``paged_write`` splits over a mesh (:mod:`forge_jax.sharding`)."""
+    # Every replica of the pool (over the data axis) writes every token, so replicas
+    # stay identical: the tokens are gathered over the data axis, split by head.
+    h = sharding.divisible(config, config.tp_name, args["k_pages"].shape[0])
+    ps, ts = P(h, None, None, None), P(None, h, None)
+    return {"k_pages": ps, "v_pages": ps, "k": ts, "v": ts, "slots": P()}, (ps, ps)
+
+
+dispatch.define("paged_write", _paged_write_args, partition=_paged_write_partition)
 
 
 def _scatter_tokens(pages, x, slots):
@@ -130,7 +120,7 @@ def paged_write_xla(k_pages, v_pages, k, v, slots):
 
 def _paged_gather_args(pages, block_tables, lengths):
     _checks.array("pages", pages, ndim=4)
-    _check_tables(block_tables, lengths)
+    check_tables(block_tables, lengths)
     return dict(pages=pages, block_tables=block_tables, lengths=lengths)
 
 
@@ -163,25 +153,9 @@ def gather_pages(pages, block_tables, lengths):
     """The XLA gather: ``[batch, max_pages * page_size, kv_heads, head_dim]``, zero past lengths."""
     pages, lengths = jnp.asarray(pages), jnp.asarray(lengths).astype(jnp.int32)
     kv_heads, _, _, head_dim = pages.shape
-    named, valid = _named_pages(pages, block_tables, lengths)  # [h, b, s, d], [b, s]
+    named, valid = named_pages(pages, block_tables, lengths)  # [h, b, s, d], [b, s]
     dense = jnp.transpose(named, (1, 2, 0, 3))  # [b, s, h, d]
     return jnp.where(valid[:, :, None, None], dense, jnp.zeros((), pages.dtype))
-
-
-def _named_pages(pages, block_tables, lengths):
-    """The pages the block tables name, head-major ``[kv_heads, batch, seq, head_dim]``
-    with ``seq = max_pages * page_size``, and which of those slots are valid
-    (``[batch, seq]``, slot < length). Invalid slots hold anything."""
-    kv_heads, _, page_size, head_dim = pages.shape
-    batch, max_pages = block_tables.shape
-    used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
-    # Unused entries may hold garbage: read page 0 instead, and clip the rest so that no
-    # index wraps around or reads out of bounds.
-    table = jnp.where(used, jnp.asarray(block_tables).astype(jnp.int32), 0)
-    seq = max_pages * page_size
-    named = jnp.take(pages, table, axis=1, mode="clip").reshape(kv_heads, batch, seq, head_dim)
-    valid = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
-    return named, valid
 
 
 @dispatch.register("paged_gather", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
@@ -198,8 +172,8 @@ def paged_gather_xla(pages, block_tables, lengths):
 def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                           q_positions=None, sliding_window=None, logits_soft_cap=None):
     _checks.array("q", q, ndim=(3, 4))
-    _check_pages(k_pages, v_pages)
-    _check_tables(block_tables, lengths)
+    check_pages(k_pages, v_pages)
+    check_tables(block_tables, lengths)
     batch = q.shape[0]
     q_len = 1 if q.ndim == 3 else q.shape[1]
     q_heads, head_dim = q.shape[-2:]
@@ -275,7 +249,21 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     return dispatch.call("paged_attention", args, implementation)
 
 
-dispatch.define("paged_attention", _paged_attention_args)
+def _paged_attention_partition(args, config):
+    """How ``paged_attention`` splits over a mesh (:mod:`forge_jax.sharding`)."""
+    q, pages = args["q"], args["k_pages"]  # q [batch, (len,) heads, dim]; pages [heads, ...]
+    b = sharding.divisible(config, config.dp_name, q.shape[0])
+    h = sharding.heads_axis(config, q.shape[-2], pages.shape[0])
+    qs = P(b, *([None] * (q.ndim - 3)), h, None)
+    ps = P(h, None, None, None)  # the pool is shared by all sequences: never split by batch
+    specs = {"q": qs, "k_pages": ps, "v_pages": ps, "block_tables": P(b, None),
+             "lengths": P(b)}
+    if args["q_positions"] is not None:
+        specs["q_positions"] = P(b, None)
+    return specs, qs
+
+
+dispatch.define("paged_attention", _paged_attention_args, partition=_paged_attention_partition)
 
 
 @dispatch.register("paged_attention", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
@@ -312,8 +300,8 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
     groups = q_heads // kv_heads
     if scale is None:
         scale = head_dim ** -0.5
-    k, _ = _named_pages(k_pages, block_tables, lengths)  # [k, b, s, h]
-    v, _ = _named_pages(v_pages, block_tables, lengths)
+    k, _ = named_pages(k_pages, block_tables, lengths)  # [k, b, s, h]
+    v, _ = named_pages(v_pages, block_tables, lengths)
     seq = k.shape[2]
     mask = visible_mask(q_positions, seq, causal=True, kv_lengths=lengths,
                         sliding_window=sliding_window)  # [batch, q_len, seq]
@@ -326,11 +314,7 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
         bad_keys = None
         if exact:
             k, bad_keys = finite_keys(k)  # [k, b, s]
-        q_, k_ = (qg, k) if qg.dtype == k.dtype else (qg.astype(jnp.float32),
-                                                       k.astype(jnp.float32))
-        # Full float32 precision, as attention_reference asks (GPU TF32, TPU bf16 passes).
-        logits = jnp.einsum("kbqh,kbsh->kbqs", q_, k_, preferred_element_type=jnp.float32,
-                            precision=jax.lax.Precision.HIGHEST)
+        logits = exact_logits("kbqh,kbsh->kbqs", qg, k)
         logits = logits.reshape(kv_heads, batch, groups, q_len, seq)
         if bad_keys is not None:
             logits = jnp.where(bad_keys[:, :, None, None, :], jnp.float32(jnp.nan), logits)
@@ -363,7 +347,7 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
 
 
 def _copy_pages_args(k_pages, v_pages, copies):
-    _check_pages(k_pages, v_pages)
+    check_pages(k_pages, v_pages)
     _checks.array("copies", copies, ndim=2, kind="int")
     if copies.shape[1] != 2:
         raise ValueError(f"copies must be [n, 2] rows of (src, dst), got {copies.shape=}")
@@ -392,7 +376,14 @@ def copy_pages(k_pages, v_pages, copies, *, implementation=None):
     return dispatch.call("copy_pages", args, implementation)
 
 
-dispatch.define("copy_pages", _copy_pages_args)
+def _copy_pages_partition(args, config):
+    """How ``copy_pages`` splits over a mesh (:mod:`forge_jax.sharding`)."""
+    h = sharding.divisible(config, config.tp_name, args["k_pages"].shape[0])
+    ps = P(h, None, None, None)
+    return {"k_pages": ps, "v_pages": ps, "copies": P()}, (ps, ps)
+
+
+dispatch.define("copy_pages", _copy_pages_args, partition=_copy_pages_partition)
 
 
 def _copy(pages, src, dst):

@@ -15,10 +15,18 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from forge_jax import _checks, dispatch
-from forge_jax.ops.attention import check_heads, check_masking, masked_probs, visible_mask
-from forge_jax.ops.paged import _check_pages, _named_pages
+from forge_jax import _checks, dispatch, sharding
+from forge_jax.ops._attention_math import (
+    check_heads,
+    check_masking,
+    check_pages,
+    exact_logits,
+    masked_probs,
+    named_pages,
+    visible_mask,
+)
 
 # Query rows attended per step of the XLA implementation. Every row gathers its own
 # sequence's pages, so scratch grows as rows x pages_per_seq x page_size x kv_heads x
@@ -100,7 +108,7 @@ def _check_values(block_tables, kv_lengths, cu_q_lens, num_seqs, *, total_tokens
 def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
                  scale=None, sliding_window=None, logits_soft_cap=None):
     _checks.array("q", q, ndim=3)
-    _check_pages(k_pages, v_pages)
+    check_pages(k_pages, v_pages)
     _checks.array("block_tables", block_tables, ndim=2, kind="int")
     _checks.array("kv_lengths", kv_lengths, ndim=1, kind="int")
     _checks.array("cu_q_lens", cu_q_lens, ndim=1, kind="int")
@@ -191,7 +199,19 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     return dispatch.call("ragged_paged_attention", args, implementation)
 
 
-dispatch.define("ragged_paged_attention", _ragged_args)
+def _ragged_paged_attention_partition(args, config):
+    """How ``ragged_paged_attention`` splits over a mesh (:mod:`forge_jax.sharding`)."""
+    q, pages = args["q"], args["k_pages"]  # q [tokens, heads, dim]
+    h = sharding.heads_axis(config, q.shape[1], pages.shape[0])
+    ps = P(h, None, None, None)
+    specs = {"q": P(None, h, None), "k_pages": ps, "v_pages": ps, "block_tables": P(),
+             "kv_lengths": P(), "cu_q_lens": P()}
+    if isinstance(args["num_seqs"], jax.Array | np.ndarray):
+        specs["num_seqs"] = P()
+    return specs, P(None, h, None)
+
+
+dispatch.define("ragged_paged_attention", _ragged_args, partition=_ragged_paged_attention_partition)
 
 
 def _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens):
@@ -221,8 +241,8 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
     rows, q_heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
     groups = q_heads // kv_heads
-    k, _ = _named_pages(k_pages, tables, lengths)  # [kv_heads, rows, seq, head_dim]
-    v, _ = _named_pages(v_pages, tables, lengths)
+    k, _ = named_pages(k_pages, tables, lengths)  # [kv_heads, rows, seq, head_dim]
+    v, _ = named_pages(v_pages, tables, lengths)
     seq = k.shape[2]
     mask = visible_mask(positions[:, None], seq, causal=True, kv_lengths=lengths,
                         sliding_window=sliding_window)[:, 0]  # [rows, seq]
@@ -237,11 +257,7 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
     seen_non_finite = jnp.any(~finite, axis=2)[:, :, None, :]  # [k, rows, 1, d]
     v = jnp.where(finite, v, jnp.zeros((), v.dtype))
     qg = jnp.swapaxes(q.reshape(rows, kv_heads, groups, head_dim), 0, 1)  # [k, rows, g, d]
-    if qg.dtype != k.dtype:
-        qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
-    # Full float32 precision, as attention_reference asks (GPU TF32, TPU bfloat16 passes).
-    logits = jnp.einsum("krgd,krsd->krgs", qg, k, preferred_element_type=jnp.float32,
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = exact_logits("krgd,krsd->krgs", qg, k)
     probs = masked_probs(logits, mask[None, :, None, :], scale=scale,
                          logits_soft_cap=logits_soft_cap)
     out = jnp.einsum("krgs,krsd->krgd", probs, v.astype(jnp.float32),

@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from forge_jax import _checks, dispatch
+from forge_jax import _checks, dispatch, sharding
 
 ROPE_KINDS = ("linear", "llama3")
 
@@ -176,7 +177,15 @@ def rope(x, positions, *, theta=10000.0, scaling=None, interleaved=False, implem
     return dispatch.call("rope", args, implementation)
 
 
-dispatch.define("rope", _rope_args)
+def _rope_partition(args, config):
+    """How ``rope`` splits over a mesh (:mod:`forge_jax.sharding`)."""
+    x = args["x"]  # [batch, seq, heads, head_dim]
+    b = sharding.divisible(config, config.dp_name, x.shape[0])
+    h = sharding.divisible(config, config.tp_name, x.shape[2])
+    return {"x": P(b, None, h, None), "positions": P(b, None)}, P(b, None, h, None)
+
+
+dispatch.define("rope", _rope_args, partition=_rope_partition)
 
 
 @dispatch.register("rope", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from forge_jax import autotuning, backends, dispatch
+from forge_jax import backends, dispatch, registry
 from forge_jax.pallas_kernels._attention_common import POS_LIMIT  # noqa: F401
 
 # The Triton lowering supports compute capability 8.0 and up (A100, L4, H100); XLA refuses
@@ -187,8 +187,8 @@ def register(
     supports: Callable[[Mapping[str, Any]], str | None],
     description: str,
     verified: Mapping[str, str],
-    configs: autotuning.ConfigsFn | None = None,
-    interpret_configs: autotuning.ConfigsFn | None = None,
+    configs: registry.ConfigsFn | None = None,
+    interpret_configs: registry.ConfigsFn | None = None,
 ) -> None:
     """Registers ``kernel(**op_args, interpret=...)`` as ``"pallas"`` (GPU) and
     ``"pallas_gpu_interpret"`` (any platform, by name).
@@ -203,15 +203,11 @@ def register(
     dispatch.register(
         op, "pallas", platforms=("gpu",), priority={"gpu": GPU_PRIORITY}, verified=verified,
         supports=lambda args, platform: gpu_reason(platform) or supports(args),
-        available=lambda: gpu_reason("gpu"),
+        available=lambda: gpu_reason("gpu"), configs=configs,
         description=f"{description} (Pallas, Triton lowering)",
     )(lambda **args: kernel(**args, interpret=False))
     dispatch.register(
         op, "pallas_gpu_interpret",
-        supports=lambda args, platform: supports(args),
+        supports=lambda args, platform: supports(args), configs=interpret_configs,
         description=f"{description} (Pallas GPU kernel in interpret mode)",
     )(lambda **args: kernel(**args, interpret=True))
-    if configs is not None:
-        autotuning.register_configs(op, "pallas", configs)
-    if interpret_configs is not None:
-        autotuning.register_configs(op, "pallas_gpu_interpret", interpret_configs)

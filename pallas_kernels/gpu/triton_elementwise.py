@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from forge_jax import _compat, autotuning, dispatch
+from forge_jax import _compat, dispatch, registry
 from forge_jax.ops.norm import rms_norm_xla
 from forge_jax.ops.rope import inverse_frequencies
 from forge_jax.pallas_kernels import _reference_vjp
@@ -359,14 +359,13 @@ def rope(x, positions, *, theta, scaling, interleaved, block_heads=None, num_war
 
 
 def _register(op: str, fn: Callable[..., Any], supports, description: str,
-              configs: autotuning.ConfigsFn) -> None:
+              configs: registry.ConfigsFn) -> None:
     dispatch.register(
         op, "triton", platforms=("gpu",), priority={"gpu": PRIORITY}, verified=VERIFIED,
         supports=lambda args, platform: (_common.gpu_reason(platform) or available()
                                          or supports(args)),
-        available=available, description=f"{description} (jax-triton)",
+        available=available, description=f"{description} (jax-triton)", configs=configs,
     )(fn)
-    autotuning.register_configs(op, "triton", configs)
 
 
 _register("rms_norm", rms_norm, rms_norm_supports,
