@@ -1,0 +1,141 @@
+"""The contiguous KV cache: one ``[batch, max_len, kv_heads, head_dim]`` buffer per layer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _checks, sharding
+from forge_jax.kv_cache import _base
+from forge_jax.ops.attention import attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ContiguousKVCache:
+    """One K and one V buffer per layer and sequence: ``[batch, max_len, kv_heads, head_dim]``.
+
+    Token ``i`` of sequence ``b`` lives at ``k[layer][b, i]``. ``lengths`` is carried
+    for the caller (tokens in the cache per sequence); :meth:`write` does not change
+    it, :meth:`with_lengths` does.
+
+    Attributes:
+      k, v: tuples (one entry per layer) of ``[batch, max_len, kv_heads, head_dim]``.
+      lengths: int32 ``[batch]``.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @classmethod
+    def create(cls, *, num_layers: int, batch: int, max_len: int, kv_heads: int,
+               head_dim: int, dtype: Any = jnp.float32) -> ContiguousKVCache:
+        """An empty cache (zeros, ``lengths == 0``) of the given geometry and dtype."""
+        shape = tuple(_checks.positive_int(name, value) for name, value in (
+            ("batch", batch), ("max_len", max_len), ("kv_heads", kv_heads),
+            ("head_dim", head_dim)))
+        num_layers = _checks.positive_int("num_layers", num_layers)
+        dtype = _base.float_dtype(dtype)
+        k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        return cls(k=k, v=v, lengths=jnp.zeros((shape[0],), jnp.int32))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k[0].shape[3]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.k[0].dtype
+
+    def write(self, layer: int, k, v, positions, valid) -> ContiguousKVCache:
+        """Stores ``k[b, t]`` and ``v[b, t]`` at position ``positions[b, t]`` of layer ``layer``.
+
+        Tokens with ``valid[b, t] == False`` (padding), a negative position, or a
+        position ``>= max_len`` are not written. ``k`` and ``v`` are cast to the cache
+        dtype. With the cache donated under ``jit`` the update is in place.
+
+        Args:
+          layer: static layer index.
+          k, v: ``[batch, t, kv_heads, head_dim]``, any float dtype.
+          positions: int ``[batch, t]``, absolute positions in the sequence.
+          valid: bool ``[batch, t]``.
+
+        Returns:
+          The cache with layer ``layer`` updated; ``lengths`` unchanged.
+        """
+        layer = _base.layer_index(layer, self.num_layers)
+        _base.check_write(k, v, positions, valid, batch=self.batch, kv_heads=self.kv_heads,
+                     head_dim=self.head_dim)
+        k, v, positions, valid = map(jnp.asarray, (k, v, positions, valid))
+        positions = positions.astype(jnp.int32)
+        # Skipped tokens go out of bounds and are dropped (.at[] would wrap negatives).
+        keep = valid & (positions >= 0)
+        positions = jnp.where(keep, positions, self.max_len)
+
+        def scatter(buffer, new, positions):  # per shard on a mesh (forge_jax.sharding)
+            rows = jnp.broadcast_to(jnp.arange(buffer.shape[0], dtype=jnp.int32)[:, None],
+                                    positions.shape)
+            return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="drop")
+
+        with jax.named_scope("kv_cache_write"):
+            new_k, new_v = (
+                sharding.per_shard("contiguous_write", scatter, dict(
+                    buffer=jnp.asarray(buffer), new=new, positions=positions))()
+                for buffer, new in ((self.k[layer], k), (self.v[layer], v)))
+        return dataclasses.replace(self, k=_base.replace_layer(self.k, layer, new_k),
+                                   v=_base.replace_layer(self.v, layer, new_v))
+
+    def attend(self, layer: int, q, *, q_positions, kv_lengths, scale=None,
+               sliding_window=None, logits_soft_cap=None, implementation=None):
+        """:func:`forge_jax.attention` of ``q`` over layer ``layer``'s keys and values.
+
+        Causal with explicit positions: query ``t`` of sequence ``b`` at position
+        ``q_positions[b, t]`` sees keys ``j <= q_positions[b, t]`` with
+        ``j < kv_lengths[b]`` (and within ``sliding_window`` when given). A cache
+        stored in another dtype than ``q`` is promoted for the math (e.g. bfloat16 cache,
+        float32 queries); the result is in ``q.dtype``.
+
+        Args:
+          layer: static layer index.
+          q: ``[batch, t, q_heads, head_dim]``.
+          q_positions: int ``[batch, t]``.
+          kv_lengths: int ``[batch]``, valid tokens per sequence (the new ones included).
+          scale, sliding_window, logits_soft_cap, implementation: as in ``fj.attention``.
+
+        Returns:
+          ``[batch, t, q_heads, head_dim]`` in ``q.dtype``.
+        """
+        layer = _base.layer_index(layer, self.num_layers)
+        _checks.array("q", q, ndim=4)
+        # fj.attention reads a cache of another dtype as is (float32 math, q.dtype out):
+        # no cast of the whole cache per step.
+        return attention(q, self.k[layer], self.v[layer], scale=scale,
+                         q_positions=q_positions, kv_lengths=kv_lengths,
+                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                         implementation=implementation)
+
+    def with_lengths(self, lengths) -> ContiguousKVCache:
+        """The same cache with ``lengths`` (int ``[batch]``) replaced."""
+        return dataclasses.replace(
+            self, lengths=_base.lengths_array("lengths", lengths, self.batch))
