@@ -15,7 +15,7 @@ from forge_jax.ops.attention import attention
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ContiguousKVCache:
+class ContiguousKVCache(_base.KVCacheBase):
     """One K and one V buffer per layer and sequence: ``[batch, max_len, kv_heads, head_dim]``.
 
     Token ``i`` of sequence ``b`` lives at ``k[layer][b, i]``. ``lengths`` is carried
@@ -35,18 +35,11 @@ class ContiguousKVCache:
     def create(cls, *, num_layers: int, batch: int, max_len: int, kv_heads: int,
                head_dim: int, dtype: Any = jnp.float32) -> ContiguousKVCache:
         """An empty cache (zeros, ``lengths == 0``) of the given geometry and dtype."""
-        shape = tuple(_checks.positive_int(name, value) for name, value in (
-            ("batch", batch), ("max_len", max_len), ("kv_heads", kv_heads),
-            ("head_dim", head_dim)))
-        num_layers = _checks.positive_int("num_layers", num_layers)
-        dtype = _base.float_dtype(dtype)
-        k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return cls(k=k, v=v, lengths=jnp.zeros((shape[0],), jnp.int32))
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.k)
+        num_layers, shape, dtype = _base.geometry(num_layers, dict(
+            batch=batch, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim), dtype)
+        return cls(k=_base.zeros_per_layer(num_layers, shape, dtype),
+                   v=_base.zeros_per_layer(num_layers, shape, dtype),
+                   lengths=jnp.zeros((shape[0],), jnp.int32))
 
     @property
     def batch(self) -> int:
@@ -60,33 +53,13 @@ class ContiguousKVCache:
     def kv_heads(self) -> int:
         return self.k[0].shape[2]
 
-    @property
-    def head_dim(self) -> int:
-        return self.k[0].shape[3]
+    def _kv(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        return self.k, self.v
 
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.k[0].dtype
+    def _with_kv(self, k, v) -> ContiguousKVCache:
+        return dataclasses.replace(self, k=k, v=v)
 
-    def write(self, layer: int, k, v, positions, valid) -> ContiguousKVCache:
-        """Stores ``k[b, t]`` and ``v[b, t]`` at position ``positions[b, t]`` of layer ``layer``.
-
-        Tokens with ``valid[b, t] == False`` (padding), a negative position, or a
-        position ``>= max_len`` are not written. ``k`` and ``v`` are cast to the cache
-        dtype. With the cache donated under ``jit`` the update is in place.
-
-        Args:
-          layer: static layer index.
-          k, v: ``[batch, t, kv_heads, head_dim]``, any float dtype.
-          positions: int ``[batch, t]``, absolute positions in the sequence.
-          valid: bool ``[batch, t]``.
-
-        Returns:
-          The cache with layer ``layer`` updated; ``lengths`` unchanged.
-        """
-        layer = _base.layer_index(layer, self.num_layers)
-        _base.check_write(k, v, positions, valid, batch=self.batch, kv_heads=self.kv_heads,
-                     head_dim=self.head_dim)
+    def _write_layer(self, layer, k, v, positions, valid) -> tuple[jax.Array, jax.Array]:
         k, v, positions, valid = map(jnp.asarray, (k, v, positions, valid))
         positions = positions.astype(jnp.int32)
         # Skipped tokens go out of bounds and are dropped (.at[] would wrap negatives).
@@ -103,8 +76,7 @@ class ContiguousKVCache:
                 sharding.per_shard("contiguous_write", scatter, dict(
                     buffer=jnp.asarray(buffer), new=new, positions=positions))()
                 for buffer, new in ((self.k[layer], k), (self.v[layer], v)))
-        return dataclasses.replace(self, k=_base.replace_layer(self.k, layer, new_k),
-                                   v=_base.replace_layer(self.v, layer, new_v))
+        return new_k, new_v
 
     def attend(self, layer: int, q, *, q_positions, kv_lengths, scale=None,
                sliding_window=None, logits_soft_cap=None, implementation=None):
@@ -134,8 +106,3 @@ class ContiguousKVCache:
                          q_positions=q_positions, kv_lengths=kv_lengths,
                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                          implementation=implementation)
-
-    def with_lengths(self, lengths) -> ContiguousKVCache:
-        """The same cache with ``lengths`` (int ``[batch]``) replaced."""
-        return dataclasses.replace(
-            self, lengths=_base.lengths_array("lengths", lengths, self.batch))

@@ -15,7 +15,7 @@ from forge_jax.ops.paged import copy_pages, paged_attention, paged_write
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(_base.KVCacheBase):
     """Per layer one pool of pages shared by all sequences, and a block table per sequence.
 
     Token ``i`` of sequence ``b`` lives in page ``block_tables[b, i // page_size]`` at
@@ -45,23 +45,16 @@ class PagedKVCache:
 
         ``lengths`` (int ``[batch]``) defaults to zeros.
         """
-        shape = tuple(_checks.positive_int(name, value) for name, value in (
-            ("kv_heads", kv_heads), ("num_pages", num_pages), ("page_size", page_size),
-            ("head_dim", head_dim)))
-        num_layers = _checks.positive_int("num_layers", num_layers)
-        dtype = _base.float_dtype(dtype)
+        num_layers, shape, dtype = _base.geometry(num_layers, dict(
+            kv_heads=kv_heads, num_pages=num_pages, page_size=page_size, head_dim=head_dim),
+            dtype)
         block_tables = _block_tables(block_tables)
         batch = block_tables.shape[0]
         lengths = (jnp.zeros((batch,), jnp.int32) if lengths is None
                    else _base.lengths_array("lengths", lengths, batch))
-        k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return cls(k_pages=k, v_pages=v, block_tables=block_tables, lengths=lengths,
-                   page_size=shape[2])
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.k_pages)
+        return cls(k_pages=_base.zeros_per_layer(num_layers, shape, dtype),
+                   v_pages=_base.zeros_per_layer(num_layers, shape, dtype),
+                   block_tables=block_tables, lengths=lengths, page_size=shape[2])
 
     @property
     def batch(self) -> int:
@@ -79,14 +72,6 @@ class PagedKVCache:
     def kv_heads(self) -> int:
         return self.k_pages[0].shape[0]
 
-    @property
-    def head_dim(self) -> int:
-        return self.k_pages[0].shape[3]
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.k_pages[0].dtype
-
     def slots(self, positions, valid) -> jax.Array:
         """int32 ``[batch, t]``: the slot of each token, ``-1`` where it is not to be written.
 
@@ -100,25 +85,13 @@ class PagedKVCache:
                                    jnp.clip(index, 0, self.max_pages - 1), axis=1)
         return jnp.where(keep, page * self.page_size + positions % self.page_size, -1)
 
-    def write(self, layer: int, k, v, positions, valid) -> PagedKVCache:
-        """Stores ``k[b, t]``, ``v[b, t]`` at position ``positions[b, t]`` of sequence ``b``.
+    def _kv(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        return self.k_pages, self.v_pages
 
-        The slot comes from the block table; invalid (padding) tokens, negative positions
-        and positions beyond the block table are skipped. ``k`` and ``v`` are cast to the
-        cache dtype. Goes through :func:`forge_jax.paged_write`: in place when donated.
+    def _with_kv(self, k, v) -> PagedKVCache:
+        return dataclasses.replace(self, k_pages=k, v_pages=v)
 
-        Args:
-          layer: static layer index.
-          k, v: ``[batch, t, kv_heads, head_dim]``, any float dtype.
-          positions: int ``[batch, t]``, absolute positions in the sequence.
-          valid: bool ``[batch, t]``.
-
-        Returns:
-          The cache with layer ``layer`` updated; ``lengths`` unchanged.
-        """
-        layer = _base.layer_index(layer, self.num_layers)
-        _base.check_write(k, v, positions, valid, batch=self.batch, kv_heads=self.kv_heads,
-                     head_dim=self.head_dim)
+    def _write_layer(self, layer, k, v, positions, valid) -> tuple[jax.Array, jax.Array]:
         batch, t = k.shape[:2]
         with jax.named_scope("kv_cache_write"):
             slots = self.slots(positions, valid).reshape(batch * t)
@@ -126,8 +99,7 @@ class PagedKVCache:
                 self.k_pages[layer], self.v_pages[layer],
                 k.reshape(batch * t, self.kv_heads, self.head_dim),
                 v.reshape(batch * t, self.kv_heads, self.head_dim), slots)
-        return dataclasses.replace(self, k_pages=_base.replace_layer(self.k_pages, layer, new_k),
-                                   v_pages=_base.replace_layer(self.v_pages, layer, new_v))
+        return new_k, new_v
 
     def attend(self, layer: int, q, *, q_positions, kv_lengths, scale=None,
                sliding_window=None, logits_soft_cap=None, implementation=None):
@@ -154,11 +126,6 @@ class PagedKVCache:
                                kv_lengths, scale=scale, q_positions=q_positions,
                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                implementation=implementation)
-
-    def with_lengths(self, lengths) -> PagedKVCache:
-        """The same cache with ``lengths`` (int ``[batch]``) replaced."""
-        return dataclasses.replace(
-            self, lengths=_base.lengths_array("lengths", lengths, self.batch))
 
     def with_block_tables(self, block_tables) -> PagedKVCache:
         """The same cache with ``block_tables`` (int ``[batch, max_pages]``) replaced.
