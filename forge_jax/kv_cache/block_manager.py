@@ -166,10 +166,7 @@ class BlockManager:
         copies = self.pending_copies()
         pending, self._pending = self._pending, {}
         for src in pending.values():
-            self._reserved[src] -= 1
-            if not self._reserved[src]:
-                del self._reserved[src]
-            self._release(src)
+            self._drop_reservation(src)
         return copies
 
     # -- mutations ------------------------------------------------------------------------
@@ -269,10 +266,14 @@ class BlockManager:
         # A pending copy into a page nobody holds any more must not land on its next owner.
         src = self._pending.pop(page, None)
         if src is not None:
-            self._reserved[src] -= 1
-            if not self._reserved[src]:
-                del self._reserved[src]
-            self._release(src)
+            self._drop_reservation(src)
+
+    def _drop_reservation(self, src: int) -> None:
+        """Ends one pending copy's hold on its source page ``src``."""
+        self._reserved[src] -= 1
+        if not self._reserved[src]:
+            del self._reserved[src]
+        self._release(src)
 
     def _copy_on_write(self, page: int) -> int:
         """A fresh page for the caller's share of ``page``, and the pending copy into it."""
