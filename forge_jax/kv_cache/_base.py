@@ -4,7 +4,8 @@
 :class:`~forge_jax.kv_cache.PagedKVCache`: the geometry read off the per-layer K and V tuples,
 :meth:`~KVCacheBase.write` (checks, then the subclass's own scatter into one layer) and
 :meth:`~KVCacheBase.with_lengths`. Each subclass is a frozen dataclass registered as a pytree,
-with a ``lengths`` field, ``batch`` and ``kv_heads`` properties, and the three hooks below.
+with a ``lengths`` field, ``batch`` and ``kv_heads`` properties, and the three hooks
+named in its docstring.
 """
 
 from __future__ import annotations
