@@ -1,0 +1,53 @@
+"""KV caches for decoding: a contiguous cache, a paged cache, and the host-side block manager.
+
+Device side, two pytrees with the same interface, so a model is written once
+(``cache.write(layer, ...)``, ``cache.attend(layer, ...)``, ``cache.with_lengths(...)``):
+
+* :class:`ContiguousKVCache`: one ``[batch, max_len, kv_heads, head_dim]`` buffer per
+  layer for K and for V; the simple choice for a fixed batch (a notebook, a benchmark).
+* :class:`PagedKVCache`: per layer one pool of pages ``[kv_heads, num_pages, page_size,
+  head_dim]`` shared by all sequences, plus ``block_tables`` naming each sequence's
+  pages; the choice of a server with many sequences of different lengths.
+
+Both keep one array per layer in a tuple rather than one stacked ``[layers, ...]``
+array: indexing a stacked array inside ``jit`` made XLA copy the whole stack per step
+in a measurement on CPU (see the KV-cache design issue). Both are registered pytrees,
+meant to be returned from the jitted step function and donated
+(``donate_argnames=("cache",)``), so that writes update the buffers in place.
+
+Host side, :class:`BlockManager` decides which pages each sequence owns, in plain
+Python/NumPy: allocation, appends, prefix sharing by :meth:`BlockManager.fork` with
+copy-on-write, and freeing. A decode loop with a paged cache (one layer shown)::
+
+    manager = BlockManager(num_pages=256, page_size=16)
+    cache = PagedKVCache.create(num_layers=1, num_pages=256, page_size=16, kv_heads=8,
+                                head_dim=128, dtype=jnp.bfloat16,
+                                block_tables=np.zeros((batch, max_pages), np.int32))
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def step(cache, q, k, v, positions, valid, lengths):
+        cache = cache.write(0, k, v, positions, valid)      # padding (valid=False) skipped
+        return cache, cache.attend(0, q, q_positions=positions, kv_lengths=lengths)
+
+    for seq, n in enumerate(prompt_lengths):
+        manager.allocate(seq, n)
+    cache = cache.with_block_tables(manager.block_tables(range(batch), max_pages))
+    cache, out = step(cache, q, k, v, positions, valid, lengths)   # prefill
+    while decoding:
+        for seq in range(batch):
+            manager.append(seq)                              # room for one more token
+        cache = cache.copy_pages(manager.take_pending_copies())   # copy-on-write first
+        cache = cache.with_block_tables(manager.block_tables(range(batch), max_pages))
+        cache, out = step(cache, q1, k1, v1, lengths[:, None], ones, lengths + 1)
+        lengths = lengths + 1
+    for seq in range(batch):
+        manager.free(seq)
+"""
+
+from forge_jax.kv_cache.block_manager import BlockManager, CacheFullError, CacheUsage
+from forge_jax.kv_cache.contiguous import ContiguousKVCache
+from forge_jax.kv_cache.paged import PagedKVCache
+
+__all__ = [
+    "BlockManager", "CacheFullError", "CacheUsage", "ContiguousKVCache", "PagedKVCache",
+]

@@ -1,0 +1,158 @@
+"""The paged KV cache: per layer one pool of pages shared by all sequences, and block tables."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _checks
+from forge_jax.kv_cache import _base
+from forge_jax.ops.paged import copy_pages, paged_attention, paged_write
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache(_base.KVCacheBase):
+    """Per layer one pool of pages shared by all sequences, and a block table per sequence.
+
+    Token ``i`` of sequence ``b`` lives in page ``block_tables[b, i // page_size]`` at
+    offset ``i % page_size``: ``k_pages[layer][:, page, offset]``. Which pages a
+    sequence owns is decided by :class:`BlockManager`; pass its
+    ``block_tables(seq_ids, max_pages)`` to :meth:`with_block_tables`.
+
+    Attributes:
+      k_pages, v_pages: tuples (one entry per layer) of
+        ``[kv_heads, num_pages, page_size, head_dim]``.
+      block_tables: int32 ``[batch, max_pages]``.
+      lengths: int32 ``[batch]``, carried for the caller (see :meth:`with_lengths`).
+      page_size: static.
+    """
+
+    k_pages: tuple[jax.Array, ...]
+    v_pages: tuple[jax.Array, ...]
+    block_tables: jax.Array
+    lengths: jax.Array
+    page_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, *, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
+               head_dim: int, dtype: Any = jnp.float32, block_tables,
+               lengths=None) -> PagedKVCache:
+        """An empty pool (zeros) with the given block tables (int ``[batch, max_pages]``).
+
+        ``lengths`` (int ``[batch]``) defaults to zeros.
+        """
+        num_layers, shape, dtype = _base.geometry(num_layers, dict(
+            kv_heads=kv_heads, num_pages=num_pages, page_size=page_size, head_dim=head_dim),
+            dtype)
+        block_tables = _block_tables(block_tables)
+        batch = block_tables.shape[0]
+        lengths = (jnp.zeros((batch,), jnp.int32) if lengths is None
+                   else _base.lengths_array("lengths", lengths, batch))
+        return cls(k_pages=_base.zeros_per_layer(num_layers, shape, dtype),
+                   v_pages=_base.zeros_per_layer(num_layers, shape, dtype),
+                   block_tables=block_tables, lengths=lengths, page_size=shape[2])
+
+    @property
+    def batch(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages[0].shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_pages[0].shape[0]
+
+    def slots(self, positions, valid) -> jax.Array:
+        """int32 ``[batch, t]``: the slot of each token, ``-1`` where it is not to be written.
+
+        A token is skipped when ``valid`` is False, its position is negative, or it lies
+        beyond the block table (``position >= max_pages * page_size``).
+        """
+        positions = jnp.asarray(positions, jnp.int32)
+        index = positions // self.page_size  # [batch, t] index into the block table
+        keep = valid & (positions >= 0) & (index < self.max_pages)
+        page = jnp.take_along_axis(jnp.asarray(self.block_tables, jnp.int32),
+                                   jnp.clip(index, 0, self.max_pages - 1), axis=1)
+        return jnp.where(keep, page * self.page_size + positions % self.page_size, -1)
+
+    def _kv(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        return self.k_pages, self.v_pages
+
+    def _with_kv(self, k, v) -> PagedKVCache:
+        return dataclasses.replace(self, k_pages=k, v_pages=v)
+
+    def _write_layer(self, layer, k, v, positions, valid) -> tuple[jax.Array, jax.Array]:
+        batch, t = k.shape[:2]
+        with jax.named_scope("kv_cache_write"):
+            slots = self.slots(positions, valid).reshape(batch * t)
+            new_k, new_v = paged_write(
+                self.k_pages[layer], self.v_pages[layer],
+                k.reshape(batch * t, self.kv_heads, self.head_dim),
+                v.reshape(batch * t, self.kv_heads, self.head_dim), slots)
+        return new_k, new_v
+
+    def attend(self, layer: int, q, *, q_positions, kv_lengths, scale=None,
+               sliding_window=None, logits_soft_cap=None, implementation=None):
+        """:func:`forge_jax.paged_attention` of ``q`` over layer ``layer``'s pages.
+
+        Same semantics as :meth:`ContiguousKVCache.attend`: query ``t`` of sequence
+        ``b`` at ``q_positions[b, t]`` sees keys ``j <= q_positions[b, t]``,
+        ``j < kv_lengths[b]``. The math is float32 whatever the cache dtype; the result
+        is in ``q.dtype``.
+
+        Args:
+          layer: static layer index.
+          q: ``[batch, t, q_heads, head_dim]``.
+          q_positions: int ``[batch, t]``.
+          kv_lengths: int ``[batch]``, valid tokens per sequence (the new ones included).
+          scale, sliding_window, logits_soft_cap, implementation: as in
+            ``fj.paged_attention``.
+
+        Returns:
+          ``[batch, t, q_heads, head_dim]`` in ``q.dtype``.
+        """
+        layer = _base.layer_index(layer, self.num_layers)
+        return paged_attention(q, self.k_pages[layer], self.v_pages[layer], self.block_tables,
+                               kv_lengths, scale=scale, q_positions=q_positions,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               implementation=implementation)
+
+    def with_block_tables(self, block_tables) -> PagedKVCache:
+        """The same cache with ``block_tables`` (int ``[batch, max_pages]``) replaced.
+
+        The batch may change (e.g. after sequences finish); then pass matching
+        ``lengths`` with :meth:`with_lengths` (lengths are kept only when the batch is).
+        """
+        block_tables = _block_tables(block_tables)
+        lengths = self.lengths
+        if block_tables.shape[0] != lengths.shape[0]:
+            lengths = jnp.zeros((block_tables.shape[0],), jnp.int32)
+        return dataclasses.replace(self, block_tables=block_tables, lengths=lengths)
+
+    def copy_pages(self, copies) -> PagedKVCache:
+        """Applies page copies (int ``[n, 2]`` rows ``(src, dst)``, e.g.
+        :meth:`BlockManager.take_pending_copies`) to every layer; negative ``src`` rows
+        are skipped. Apply them before writing the slots handed out with them."""
+        copies = jnp.asarray(copies, jnp.int32).reshape(-1, 2)
+        if copies.shape[0] == 0:
+            return self
+        pairs = [copy_pages(k, v, copies) for k, v in zip(self.k_pages, self.v_pages,
+                                                          strict=True)]
+        return dataclasses.replace(self, k_pages=tuple(k for k, _ in pairs),
+                                   v_pages=tuple(v for _, v in pairs))
+
+
+def _block_tables(block_tables) -> jax.Array:
+    block_tables = jnp.asarray(block_tables)
+    _checks.array("block_tables", block_tables, ndim=2, kind="int")
+    return block_tables.astype(jnp.int32)
