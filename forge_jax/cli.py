@@ -529,7 +529,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     import forge_jax as fj
     from forge_jax import autotuning
-    from forge_jax.models import llama
+    from forge_jax.models import llama, llama_ops
 
     prog = "forge-jax tune"
     try:
@@ -546,29 +546,9 @@ def _tune(args: argparse.Namespace) -> int:
     except (GenerateError, ValueError, llama.CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    dtype = jnp.dtype(args.dtype)
-    gen = np.random.default_rng(0)
-
-    def normal(*shape):
-        return jnp.asarray(gen.standard_normal(shape).astype(np.float32)).astype(dtype)
-
-    b, c = args.batch, config
-    calls = []
-    for t in dict.fromkeys((args.seq_len, 1)):  # prefill, then decode (one token)
-        x = normal(b, t, c.hidden_size)
-        w = normal(c.hidden_size)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        q = normal(b, t, c.num_attention_heads, c.head_dim)
-        kv = normal(b, t, c.num_key_value_heads, c.head_dim)
-        calls += [
-            ("rms_norm", (x, w), dict(eps=c.rms_norm_eps)),
-            ("rms_norm", (x, w), dict(eps=c.rms_norm_eps, residual=x)),
-            ("silu_mul", (normal(b, t, c.intermediate_size),) * 2, {}),
-            ("rope", (q, positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
-            ("rope", (kv, positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
-        ]
-        if t > 1:
-            calls.append(("attention", (q, kv, kv), dict(causal=True)))
+    calls = llama_ops.op_calls(config, batch=args.batch, seq_len=args.seq_len,
+                               dtype=jnp.dtype(args.dtype), rng=np.random.default_rng(0))
+    b = args.batch
     print(f"{path}: tuning {len(calls)} op calls (batch {b}, prefill {args.seq_len} tokens and "
           f"decode, {args.dtype}) on {jax.devices()[0].device_kind}")
     platform = jax.default_backend()
