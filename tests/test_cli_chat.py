@@ -12,6 +12,7 @@ import jax
 from chat_checkpoint import write_checkpoint
 
 from forge_jax import cli
+from forge_jax.cli._compilation_cache import compilation_cache_dir
 from forge_jax.models import text
 from forge_jax.models.chat_session import ChatSession
 
@@ -106,7 +107,7 @@ def test_compilation_cache_is_written_and_jax_is_restored(capsys, monkeypatch, t
     def where(**flags):
         args = argparse.Namespace(**(dict(no_compilation_cache=False, compilation_cache=None)
                                      | flags))
-        return cli._compilation_cache_dir(args)
+        return compilation_cache_dir(args)
 
     monkeypatch.setenv("FORGE_JAX_COMPILATION_CACHE", str(tmp_path / "from_env"))
     assert where() == tmp_path / "from_env"

@@ -1,0 +1,31 @@
+"""The ``forge-jax`` command line: ``info``, ``demo``, ``generate``, ``tune`` and ``chat``,
+one module each; ``_run`` turns the errors a user can cause into one line and an exit code."""
+
+from __future__ import annotations
+
+from forge_jax.cli import chat, demo, generate, info, tune
+from forge_jax.cli._flags import Parser
+from forge_jax.cli._run import GenerateError, UsageError, report, run_command
+
+__all__ = ["GenerateError", "UsageError", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``forge-jax`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    parser = Parser(
+        prog="forge-jax", description="forge_jax: functional JAX kernels for LLM inference")
+    subparsers = parser.add_subparsers(dest="command")
+    for module in (info, demo, generate, tune, chat):  # the order --help lists them in
+        module.add_parser(subparsers)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named with the subcommand they were given to
+            command = getattr(args, "command", None)
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}",
+                             prog=f"forge-jax {command}" if command else "forge-jax")
+    except UsageError as e:
+        return report(e.prog, e, 2)
+    if not hasattr(args, "fn"):
+        parser.print_help()
+        return 2
+    return run_command(args.fn, args)

@@ -1,0 +1,57 @@
+"""The checkpoint a command runs: read without its weights (so that the inputs are checked
+before the model is loaded), and the loaded model described in one line."""
+
+from __future__ import annotations
+
+import argparse
+
+from forge_jax.cli._run import UsageError
+
+
+def _tiny_dir():
+    import pathlib
+
+    import forge_jax.models
+
+    return pathlib.Path(forge_jax.models.__file__).parent / "tiny"
+
+
+def read_checkpoint(args: argparse.Namespace):
+    """(config, raw config dict, tokenizer or None, checkpoint path) for ``args.checkpoint``
+    (default: the embedded tiny model): everything but the weights."""
+    import json
+    import pathlib
+
+    from forge_jax.models import llama
+
+    path = pathlib.Path(args.checkpoint) if args.checkpoint else _tiny_dir()
+    config = llama.load_config(path)  # errors name the problem
+    raw = json.loads((path / "config.json").read_text())
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise UsageError(f"cannot read {path / 'tokenizer.json'}: {e}") from None
+    return config, raw, tokenizer, path
+
+
+def describe(model, path, args: argparse.Namespace) -> str:
+    """``DIR: Llama, 2 layers, hidden 64, ... M parameters, float32, paged cache``, and the
+    mesh it is sharded over, if any."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    c = model.config
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return (f"{path}: Llama, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+            f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, vocab "
+            f"{c.vocab_size}, {params / 1e6:.2f} M parameters, {args.dtype}, "
+            f"{getattr(args, 'cache', 'paged')} cache"
+            + ("" if model.mesh is None else
+               f", sharded over {model.mesh.describe()} ({len(model.mesh.mesh.devices.flat)} "
+               f"{model.mesh.mesh.devices.flat[0].platform.upper()} devices)"))

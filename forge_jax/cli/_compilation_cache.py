@@ -1,0 +1,89 @@
+"""JAX's persistent compilation cache for the commands that compile a model (``generate``,
+``chat``): where it lives, and the context that turns it on for one command."""
+
+from __future__ import annotations
+
+import argparse
+
+from forge_jax.cli._run import UsageError
+
+CACHE_ENV = "FORGE_JAX_COMPILATION_CACHE"
+_CACHE_OFF = ("", "0", "off", "no", "none", "false")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
+                        help=f"JAX's persistent compilation cache (default: ${CACHE_ENV}, else "
+                             f"~/.cache/forge_jax/jax): a second run skips compilation")
+    parser.add_argument("--no-compilation-cache", action="store_true",
+                        help=f"compile afresh, cache nothing (or {CACHE_ENV}=off)")
+
+
+def compilation_cache_dir(args: argparse.Namespace):
+    """Where the persistent compilation cache lives for this run, or None for none:
+    ``--no-compilation-cache``, else ``--compilation-cache DIR``, else
+    ``$FORGE_JAX_COMPILATION_CACHE`` (a directory, or ``off``), else
+    ``$XDG_CACHE_HOME/forge_jax/jax`` (``~/.cache/forge_jax/jax``)."""
+    import os
+    import pathlib
+
+    if args.no_compilation_cache:
+        return None
+    if args.compilation_cache:
+        return pathlib.Path(args.compilation_cache).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in _CACHE_OFF else pathlib.Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "forge_jax" / "jax"
+
+
+def compilation_cache(args: argparse.Namespace) -> CompilationCache:
+    """The cache the flags ask for, as a context manager: ``with compilation_cache(args):``."""
+    return CompilationCache(compilation_cache_dir(args))
+
+
+class CompilationCache:
+    """JAX's persistent compilation cache in ``directory`` for the duration of a command
+    (every step cached, however fast it compiled), so that the next run of the same model
+    loads its compiled steps instead of compiling them. JAX's settings are restored on
+    exit (``main`` may run inside a longer process); a cache the user configured for JAX
+    itself (``JAX_COMPILATION_CACHE_DIR``) is left alone."""
+
+    _SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                 "jax_persistent_cache_min_entry_size_bytes")
+
+    def __init__(self, directory):
+        self.directory, self.saved, self.active = directory, None, None
+
+    def __enter__(self):
+        import jax
+
+        if self.directory is None or jax.config.jax_compilation_cache_dir:
+            self.active = jax.config.jax_compilation_cache_dir
+            return self
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create the compilation cache {self.directory}: {e}; "
+                             f"pass --compilation-cache DIR or --no-compilation-cache"
+                             ) from None
+        from jax.experimental.compilation_cache import compilation_cache
+
+        self.saved = {name: getattr(jax.config, name) for name in self._SETTINGS}
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", str(self.directory))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        self.active = str(self.directory)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            import jax
+            from jax.experimental.compilation_cache import compilation_cache
+
+            for name, value in self.saved.items():
+                jax.config.update(name, value)
+            compilation_cache.reset_cache()
+        return False

@@ -1,0 +1,70 @@
+"""The flags several commands share (dtype, seed, sampling), their checks, and the argument
+parser whose errors are one line like every other bad input."""
+
+from __future__ import annotations
+
+import argparse
+
+from forge_jax.cli._run import UsageError
+
+DTYPES = ("float32", "bfloat16", "float16")
+_SEED_LIMIT = 2**63  # jax.random.key takes a C long; numpy's generator a non-negative int
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, ``--top-k x``) are one line on stderr, exit
+    code 2, like every other bad input: no usage block, no SystemExit out of ``main``."""
+
+    def error(self, message):
+        raise UsageError(message, prog=self.prog)
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < _SEED_LIMIT:
+        raise UsageError(f"--seed must be in [0, 2**63), got {seed}")
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0: greedy (default, unless generation_config.json samples)")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="transformers' repetition penalty (1: off)")
+
+
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """The sampling flags of ``generate`` and ``chat`` (None: the checkpoint's
+    generation_config.json, else greedy and no filter)."""
+    import math
+
+    import numpy as np
+
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+    largest = float(np.finfo(np.float32).max)
+    if args.temperature is not None and not (
+            math.isfinite(args.temperature) and 0 <= args.temperature <= largest):
+        raise UsageError(f"--temperature must be a finite number >= 0 (at most float32's "
+                         f"{largest:.4g}), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if args.repetition_penalty is not None and not (
+            math.isfinite(args.repetition_penalty) and 0 < args.repetition_penalty <= largest):
+        raise UsageError(f"--repetition-penalty must be a finite number > 0, got "
+                         f"{args.repetition_penalty}")
+
+
+def sampling_params(args: argparse.Namespace, generation_config):
+    """The flags over the checkpoint's generation_config.json: a ``SamplingParams``."""
+    from forge_jax.models import text
+
+    try:
+        return (generation_config or text.GenerationConfig()).sampling_params(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    except ValueError as e:
+        raise UsageError(str(e)) from None

@@ -1,0 +1,21 @@
+"""``forge-jax demo``: every op once on fresh random data, a PASS/FAIL verdict per op against
+its tolerance (the work is ``forge_jax.demo``'s)."""
+
+from __future__ import annotations
+
+import argparse
+
+from forge_jax.cli import _flags
+
+
+def add_parser(subparsers) -> None:
+    demo = subparsers.add_parser("demo", help="run each op once and check it against NumPy")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    _flags.check_seed(args.seed)
+    from forge_jax import demo
+
+    return 0 if demo.run(args.seed) else 1

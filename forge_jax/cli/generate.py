@@ -1,0 +1,359 @@
+"""``forge-jax generate``: a Llama checkpoint completes prompts, or the embedded tiny model
+answers fresh addition problems; prints the speed of prefill and decode and the
+implementation each op used."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from forge_jax.cli import _compilation_cache, _flags
+from forge_jax.cli._checkpoint import describe, read_checkpoint
+from forge_jax.cli._run import UsageError
+
+
+def add_parser(subparsers) -> None:
+    gen = subparsers.add_parser(
+        "generate", help="generate with a Llama checkpoint (default: the embedded tiny model)",
+        description="Without arguments: the embedded tiny model answers fresh addition problems; "
+                    "prints examples, the accuracy, prefill and decode tokens/s, and the "
+                    "implementation each op used.")
+    gen.add_argument("--checkpoint", metavar="DIR",
+                     help="a Hugging Face Llama-family directory (config.json, model.safetensors)")
+    gen.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="prompt text, encoded with DIR/tokenizer.json (repeat for a batch)")
+    gen.add_argument("--prompt-ids", metavar="1,2,3", help="prompt as comma-separated token ids")
+    gen.add_argument("--max-new-tokens", type=int, default=None,
+                     help="tokens to generate (default: 32; for a task model, the longest answer)")
+    _flags.add_sampling_flags(gen)
+    gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                     help="print a single --prompt's completion as it is decoded (default: on)")
+    gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
+    gen.add_argument("--implementation", default=None,
+                     help="preferred op implementation (forge_jax.use_implementation), e.g. xla")
+    gen.add_argument("--dtype", choices=_flags.DTYPES, default="float32")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed and problem draw")
+    gen.add_argument("--num-problems", type=int, default=256,
+                     help="problems in the accuracy batch of a task model (default 256)")
+    gen.add_argument("--show", type=int, default=5, help="problems to print (default 5)")
+    gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="progress bar on stderr (default: when stderr is a terminal)")
+    gen.add_argument("--mesh", metavar="tp=4", default=None,
+                     help="shard the model over a device mesh: tensor-parallel axis tp, "
+                          "data-parallel axis dp, e.g. tp=4 or dp=2,tp=4")
+    gen.add_argument("--allow-long-context", action="store_true",
+                     help="run prompt + new tokens beyond the model's max_position_embeddings "
+                          "(for a RoPE scaling that extends its range)")
+    _compilation_cache.add_flags(gen)
+    gen.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Checks every input, loads the model, then answers the prompts or the task's problems."""
+    import contextlib
+
+    import jax.numpy as jnp
+
+    import forge_jax as fj
+    from forge_jax.models import llama, tasks, text
+
+    # Every input is checked before the weights are loaded: the flags, then what needs
+    # only config.json and tokenizer.json (prompt ids, lengths, the task's memory).
+    _check_flags(args)
+    config, raw, tokenizer, path = read_checkpoint(args)
+    task = tasks.task_from_config(raw)
+    mesh = _mesh(args, config)
+    prompts = None
+    if args.prompt or args.prompt_ids is not None:
+        prompts = _prompts(args, config, tokenizer, path)
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        what = ("--prompt-ids" if args.prompt_ids is not None
+                else f"--prompt {args.prompt[longest]!r}")
+        _check_length(args, config, path, len(prompts[longest]),
+                      _prompt_new_tokens(args, text.load_generation_config(path)), what)
+    elif task is None:
+        raise UsageError(f"{path} is not a forge_jax task model: give --prompt TEXT or "
+                         f"--prompt-ids 1,2,3")
+    else:
+        _check_task(task, config, args, path, mesh)
+    model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh)
+    print(describe(model, path, args))
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    progress = _ProgressLine(sys.stderr, enabled=show)
+    context = contextlib.nullcontext()
+    if args.implementation:
+        # generate() keys its compiled steps on the preference, so no cache to clear.
+        context = fj.use_implementation(args.implementation)
+    fj.dispatch.clear_selections()  # Report the ops of this run only.
+    with _compilation_cache.compilation_cache(args), context:
+        if prompts is None:
+            _run_task(model, task, args, progress)
+        else:
+            _run_prompts(model, tokenizer, prompts, args, progress, path)
+    _print_selections()
+    return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag of ``generate``, before anything is read or loaded."""
+    if args.prompt and args.prompt_ids is not None:
+        raise UsageError("give --prompt or --prompt-ids, not both")
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    _flags.check_sampling_flags(args)
+    if args.num_problems < 1:
+        raise UsageError(f"--num-problems must be >= 1, got {args.num_problems}")
+    if args.show < 0:
+        raise UsageError(f"--show must be >= 0, got {args.show}")
+    _flags.check_seed(args.seed)
+    if args.mesh is not None:
+        from forge_jax import sharding
+
+        try:
+            sharding.parse_mesh(args.mesh)
+        except ValueError as e:
+            raise UsageError(f"--mesh: {e}") from None
+    if args.implementation is not None:
+        from forge_jax import dispatch
+
+        known = dispatch.names()
+        if args.implementation not in known:
+            raise UsageError(f"unknown --implementation {args.implementation!r}; "
+                             f"registered: {', '.join(known)}")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UsageError(
+            f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError(f"--prompt-ids is empty: {text!r}")
+    return ids
+
+
+def _prompts(args, config, tokenizer, path) -> list[list[int]]:
+    """The token ids of ``--prompt`` / ``--prompt-ids``, checked against the model's vocabulary."""
+    vocab = config.vocab_size
+    if args.prompt_ids is not None:
+        ids = _parse_ids(args.prompt_ids)
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise UsageError(f"--prompt-ids {bad} outside the vocabulary [0, {vocab})")
+        return [ids]
+    if tokenizer is None:
+        raise UsageError(f"{path} has no tokenizer.json: give token ids with --prompt-ids")
+    prompts = []
+    for text in args.prompt:
+        try:
+            ids = tokenizer.encode(text).ids
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise UsageError(f"--prompt {text!r} cannot be encoded with "
+                             f"{path / 'tokenizer.json'}: {e}") from None
+        if not ids:
+            raise UsageError(f"--prompt {text!r} encodes to no tokens")
+        bad = sorted({i for i in ids if not 0 <= i < vocab})
+        if bad:
+            raise UsageError(f"--prompt {text!r} encodes to token ids {bad} outside the "
+                             f"model's vocabulary [0, {vocab}): {path / 'tokenizer.json'} "
+                             f"does not match the checkpoint")
+        prompts.append(ids)
+    return prompts
+
+
+def _check_length(args, config, path, prompt_tokens: int, max_new: int, what: str) -> None:
+    limit = config.max_position_embeddings
+    if prompt_tokens + max_new > limit and not args.allow_long_context:
+        raise UsageError(
+            f"{what} has {prompt_tokens} tokens; with --max-new-tokens {max_new} that is "
+            f"{prompt_tokens + max_new} positions, beyond max_position_embeddings={limit} of "
+            f"{path}; pass --allow-long-context if the model's RoPE scaling extends its range")
+
+
+def _mesh(args, config):
+    """The MeshConfig ``--mesh`` asks for (None without it), checked against the devices
+    and the model's head counts before the weights are loaded."""
+    if args.mesh is None:
+        return None
+    import jax
+
+    from forge_jax import sharding
+    from forge_jax.models import llama_sharding
+
+    try:
+        mesh = sharding.MeshConfig(sharding.make_mesh(args.mesh))
+        llama_sharding.layout_for(config, mesh.tp)
+    except ValueError as e:
+        hint = ""
+        if "available" in str(e) and jax.default_backend() == "cpu":
+            hint = ("; on CPU, give JAX several devices with "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+        raise UsageError(f"--mesh {args.mesh}: {e}{hint}") from None
+    return mesh
+
+
+class _ProgressLine:
+    """A one-line progress bar on a stream: ``generating [#####.....] 12/32 tokens``.
+
+    Called as ``progress(done, total)`` by ``generate_with_stats``; draws nothing unless
+    ``enabled``.
+    """
+
+    def __init__(self, stream, *, enabled: bool, width: int = 30):
+        self.stream, self.enabled, self.width, self.drawn = stream, enabled, width, False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        filled = self.width * done // max(total, 1)
+        self.stream.write(f"\rgenerating [{'#' * filled}{'.' * (self.width - filled)}] "
+                          f"{done}/{total} tokens")
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _print_stats(stats) -> None:
+    if stats.max_new_tokens == 0:
+        print("prefill: not run (--max-new-tokens 0: no token to generate)")
+        print("decode:  not run")
+        return
+    print(f"prefill: {stats.prompt_tokens} prompt tokens in {stats.prefill_seconds * 1e3:.1f} ms"
+          f" = {stats.prefill_tokens_per_s:,.0f} tokens/s (batch {stats.batch})")
+    print(f"time to first token: {stats.prefill_seconds * 1e3:.1f} ms (the prefill; compiled "
+          f"and warmed up before it in {stats.compile_seconds:.2f} s)")
+    if stats.decode_steps:
+        print(f"decode:  {stats.decode_tokens} tokens in {stats.decode_steps} steps, "
+              f"{stats.decode_ms_per_step:.2f} ms/step = {stats.decode_tokens_per_s:,.0f} tokens/s")
+    elif stats.max_new_tokens == 1:
+        print("decode:  no decode steps (--max-new-tokens 1: the prefill gives the only token)")
+    else:
+        print("decode:  no decode steps (every sequence stopped at an end-of-sequence token "
+              "from the prefill)")
+    steps = "the prefill step" if stats.max_new_tokens == 1 else "prefill and decode steps"
+    print(f"compile: {stats.compile_seconds:.1f} s ({steps}; not in the rates)")
+
+
+def _print_selections() -> None:
+    from forge_jax import dispatch
+
+    selections = dispatch.last_selections()
+    if not selections:
+        print("implementations used: none (no op ran)")
+        return
+    print("implementations used:")
+    for op, sel in sorted(selections.items()):
+        print(f"  {op:16s} {sel.implementation} ({sel.source}, {sel.platform})")
+
+
+def _task_new_tokens(task, args) -> int:
+    """``--max-new-tokens``, or the longest possible answer and its eos (``tasks.solve``
+    uses at most this)."""
+    return task.max_answer_chars + 1 if args.max_new_tokens is None else args.max_new_tokens
+
+
+def _check_task(task, config, args, path, mesh=None) -> None:
+    """A task run's length and memory, checked before any problem is drawn: a huge
+    ``--num-problems`` is refused here, not after a long loop building its prompts."""
+    import jax.numpy as jnp
+
+    from forge_jax.memory import InsufficientMemoryError
+    from forge_jax.models import llama
+
+    prompt_tokens = 1 + task.max_prompt_chars  # <bos> and the longest prompt
+    max_new = _task_new_tokens(task, args)
+    _check_length(args, config, path, prompt_tokens, max_new, "the longest problem")
+    dtype = jnp.dtype(args.dtype)
+    try:
+        llama.check_generation_fits(config, batch=args.num_problems, longest_prompt=prompt_tokens,
+                                    max_new_tokens=max_new, cache=args.cache, param_dtype=dtype,
+                                    dtype=dtype, mesh=mesh)
+    except InsufficientMemoryError as e:
+        raise UsageError(f"--num-problems {args.num_problems} is too many: {e}") from None
+
+
+def _run_task(model, task, args, progress) -> None:
+    import numpy as np
+
+    from forge_jax.models import tasks
+
+    n = args.num_problems
+    problems = task.sample(np.random.default_rng(args.seed), n, split="test")
+    # Without --max-new-tokens, tasks.solve sizes the answers to these problems.
+    kw = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    sampling = _flags.sampling_params(args, None)
+    generated, stats = tasks.solve(
+        model, problems, cache=args.cache, temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty, seed=args.seed, progress=progress,
+        allow_beyond_max_positions=args.allow_long_context, **kw)
+    progress.close()
+    print(f"task: {task.max_digits}-digit addition; the model writes the sum's digits "
+          f"least significant first, then <eos>")
+    if stats.max_new_tokens == 0:
+        print(f"accuracy: not measured (--max-new-tokens 0: no answers generated for the "
+              f"{n} problems)")
+        _print_stats(stats)
+        return
+    for p, ids in list(zip(problems, generated, strict=True))[:args.show]:
+        text, finished = tasks.decode(ids)
+        value = tasks.read_answer(text)
+        reads = f"reads {value}" if value is not None else "not a number"
+        end = "" if finished else " (no <eos>)"
+        verdict = "ok" if tasks.is_correct(p, ids) else f"WRONG: {p.a}+{p.b} = {p.a + p.b}"
+        print(f"  {p.prompt:>9s} {text:<5s} {reads:<11s}{end} {verdict}")
+    correct = sum(tasks.is_correct(p, g) for p, g in zip(problems, generated, strict=True))
+    mode = "greedy" if sampling.greedy else f"temperature {sampling.temperature}"
+    print(f"accuracy: {correct}/{n} = {100 * correct / n:.1f}% exact match on fresh held-out "
+          f"problems ({mode}, one batch, stop at <eos>)")
+    _print_stats(stats)
+
+
+def _prompt_new_tokens(args, generation_config=None) -> int:
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    if generation_config is not None and generation_config.max_new_tokens:
+        return generation_config.max_new_tokens
+    return 32
+
+
+def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
+    from forge_jax.models import llama, text
+
+    generation_config = text.load_generation_config(path)
+    sampling = _flags.sampling_params(args, generation_config)
+    if generation_config is not None and generation_config.eos_token_id:
+        eos = generation_config.eos_token_id
+    else:
+        eos = model.config.eos_token_ids or None
+    max_new = _prompt_new_tokens(args, generation_config)
+    streamer = None
+    if args.stream and tokenizer is not None and len(prompts) == 1 and max_new > 0:
+        # Text as it is decoded: the prompt, then the completion piece by piece.
+        streamer = text.TextStreamer(text.Tokenizer(tokenizer), 1, eos or (),
+                                     lambda b, piece: (sys.stdout.write(piece),
+                                                       sys.stdout.flush()))
+        sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
+        sys.stdout.flush()
+    generated, stats = llama.generate_with_stats(
+        model, prompts, max_new, temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty, seed=args.seed, cache=args.cache,
+        eos_token_id=eos, progress=progress, on_tokens=streamer, warm_up=True,
+        allow_beyond_max_positions=args.allow_long_context)
+    if streamer is not None:
+        streamer.close()
+        print()
+    progress.close()
+    for prompt, ids in zip(prompts, generated, strict=True):
+        print(f"prompt ids:    {prompt}")
+        print(f"generated ids: {ids}")
+        if tokenizer is not None:
+            print(f"prompt:     {tokenizer.decode(prompt, skip_special_tokens=True)!r}")
+            print(f"completion: {tokenizer.decode(ids, skip_special_tokens=True)!r}")
+    _print_stats(stats)
