@@ -1,4 +1,4 @@
-"""The ``"triton"`` implementations (pallas_kernels/gpu/triton_elementwise.py, jax-triton).
+"""The ``"triton"`` implementations (pallas_kernels/gpu/jax_triton_elementwise.py, jax-triton).
 
 On CPU: everything around the kernels: why they are unavailable (not installed, a release
 for another JAX, no GPU), the launch plans (argument order, outputs, grid, the tuning
@@ -19,7 +19,7 @@ from reference import rms_norm_ref, rope_ref, silu_mul_ref
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch
 from forge_jax.pallas_kernels.gpu import _common
-from forge_jax.pallas_kernels.gpu import triton_elementwise as tk
+from forge_jax.pallas_kernels.gpu import jax_triton_elementwise as tk
 
 
 @pytest.mark.parametrize("jt,jax_version,words", [

@@ -1,7 +1,7 @@
 """jax-triton kernels: ``"triton"`` implementations of rms_norm (with the fused residual
 add), silu_mul and rope.
 
-Plain Triton kernels (``_triton_src.py``) launched through ``jax_triton.triton_call``, the
+Plain Triton kernels (``_jax_triton_src.py``) launched through ``jax_triton.triton_call``, the
 ``gpu`` extra. jax-triton imports only with a GPU jaxlib and pins the Triton release, so it
 is imported when a kernel is launched, never at registration; :func:`available` says why
 it cannot run here (no GPU, not installed, a release built for another JAX, an import that
@@ -115,7 +115,7 @@ def rope_supports(args: Mapping[str, Any]) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One ``triton_call``: the kernel's name in ``_triton_src``, the grid, the scalar
+    """One ``triton_call``: the kernel's name in ``_jax_triton_src``, the grid, the scalar
     arguments after the arrays, the outputs, and the launch and meta-parameters."""
 
     kernel: str
@@ -170,7 +170,7 @@ def rope_launch(shape: Sequence[int], dtype: Any, *, interleaved: bool,
 
 def _launch(launch: Launch, *arrays: jax.Array) -> Any:
     """Runs ``launch`` on ``arrays`` through jax-triton (replaced in the CPU tests)."""
-    src = importlib.import_module("forge_jax.pallas_kernels.gpu._triton_src")
+    src = importlib.import_module("forge_jax.pallas_kernels.gpu._jax_triton_src")
     return _compat.triton_call(
         *arrays, *launch.scalars, kernel=getattr(src, launch.kernel),
         out=launch.out if len(launch.out) > 1 else launch.out[0], grid=launch.grid,
