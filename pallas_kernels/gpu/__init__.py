@@ -1,8 +1,10 @@
 """GPU implementations; importing registers them.
 
-* Pallas kernels (Triton lowering), one module per op; ``_common.py`` holds the registration
-  contract (``"pallas"`` on GPU once verified, ``"pallas_gpu_interpret"`` by name everywhere)
-  and the per-device launch table ``TUNING``.
+* Pallas kernels (Triton lowering), one module per op (``"pallas"`` on GPU once verified,
+  ``"pallas_gpu_interpret"`` by name everywhere; see
+  :mod:`forge_jax.pallas_kernels._registration`), each with its ``Config``, ``TUNED`` table
+  and ``default_config``. ``_common.py``: what they share (dtypes, dot sizes, compute
+  capability, device kinds and the table lookup).
 * ``jax_triton_elementwise.py``: ``"triton"``, plain Triton kernels (``_jax_triton_src.py``)
   launched through jax-triton (not Pallas).
 * ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``
