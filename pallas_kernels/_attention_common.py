@@ -24,7 +24,7 @@ POS_LIMIT = 2**30
 
 
 def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, page_size,
-                 num_pages, sliding_window):
+                 num_pages, sliding_window, table_width):
     """The bookkeeping of a paged attention kernel, for ``batch`` sequences.
 
     Returns ``(window, key_lo, key_hi, row_pos, tables)``:
@@ -33,8 +33,9 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
         ``[key_lo, key_hi)`` (empty when ``key_lo == key_hi``);
       row_pos: int32 ``[batch, rows_pad]``, the position of each query row (row ``r`` is
         query ``r // group``, query-major); padding rows get -1 and see no key;
-      tables: int32 ``[batch, max_pages]``; entries past a sequence's pages (which may hold
-        garbage) read page 0, and no entry leaves the pool.
+      tables: int32 ``[batch, table_width]`` (``table_width >= max_pages``: whole compute
+        blocks of pages); entries past a sequence's pages (which may hold garbage) and the
+        padding read page 0, and no entry leaves the pool.
     """
     batch, max_pages = block_tables.shape
     capacity = max_pages * page_size
@@ -53,6 +54,7 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
     used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
     tables = jnp.where(used, jnp.clip(jnp.asarray(block_tables).astype(jnp.int32), 0,
                                       num_pages - 1), 0)
+    tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages)))
     return window, key_lo, key_hi, row_pos, tables
 
 

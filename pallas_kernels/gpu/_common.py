@@ -64,6 +64,21 @@ def dot_size(n: int) -> int:
     return max(MIN_DOT, next_pow2(n))
 
 
+def online_softmax_step(s, m, l_sum):
+    """One key block of the GPU kernels' online softmax (kernel code, float32).
+
+    ``s [rows, keys]``: the block's logits, hidden keys ``-inf``; ``m, l_sum [rows]``: the
+    running max and sum. Returns ``(p, correction, m_next, l_sum_next)``: the block's
+    unnormalised probabilities, the factor that rescales what was accumulated before, and
+    the updated max and sum.
+    """
+    m_next = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
+    p = jnp.exp(s - m_safe[:, None])
+    correction = jnp.exp(m - m_safe)
+    return p, correction, m_next, correction * l_sum + p.sum(axis=-1)
+
+
 def capability(cc: str | None) -> tuple[int, int] | None:
     """``"9.0"`` -> ``(9, 0)``."""
     if not cc:

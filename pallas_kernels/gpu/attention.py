@@ -153,11 +153,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
         if sliding_window is not None:
             visible &= j[None, :] > pos[:, None] - sliding_window
         s = jnp.where(visible, s, -jnp.inf)
-        m_next = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
-        p = jnp.exp(s - m_safe[:, None])
-        correction = jnp.exp(m - m_safe)
-        l_sum = correction * l_sum + p.sum(axis=-1)
+        p, correction, m_next, l_sum = _common.online_softmax_step(s, m, l_sum)
         v = _compat.triton_load(v_ref, (keys, slice(None)), mask=kv_mask, other=0)
         # A zero probability does not hide a NaN/inf value (0 * NaN = NaN), and a slot in
         # [key_lo, key_hi) may still be hidden from some rows: non-finite values leave the

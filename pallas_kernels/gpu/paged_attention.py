@@ -145,11 +145,7 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
             visible &= j[None, :] > pos[:, None] - sliding_window
         # where, not a bias: keys no row may see can hold NaN or inf.
         s = jnp.where(visible, s, -jnp.inf)
-        m_next = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
-        p = jnp.exp(s - m_safe[:, None])
-        correction = jnp.exp(m - m_safe)
-        l_sum = correction * l_sum + p.sum(axis=-1)
+        p, correction, m_next, l_sum = _common.online_softmax_step(s, m, l_sum)
         # Zero probabilities do not hide NaN values (0 * NaN = NaN).
         v = load(v_ref, pages)
         in_range = ((j >= key_lo) & (j < key_hi))[:, None]
@@ -247,9 +243,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         # Small per-sequence bookkeeping in XLA; the pool itself is only read by the kernel.
         window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
             q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
-            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window)
-        tables = jnp.pad(tables, ((0, 0), (0, num_splits * blocks_per_split
-                                           * pages_per_compute_block - max_pages)))
+            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
+            table_width=num_splits * blocks_per_split * pages_per_compute_block)
         qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad,
                                              head_dim_pad=head_dim_pad)
         # Probabilities meet the values in the values' dtype when the queries share it

@@ -241,9 +241,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         # Small per-sequence bookkeeping in XLA; the pools are only read by the kernel.
         window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
             q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
-            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window)
+            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
+            table_width=table_width)
         row_pos = row_pos[..., None]  # [batch, rows_pad, 1]
-        tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages))).reshape(-1)
+        tables = tables.reshape(-1)
         qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad)
 
         kernel = functools.partial(
