@@ -1,7 +1,10 @@
 """What every Pallas GPU (Triton-lowered) kernel shares: the hardware facts it is built
-against (dtypes, dot sizes, compute capability) and where it can run. How it registers
-(``"pallas"`` on GPU, by name until verified there; ``"pallas_gpu_interpret"`` by name
-everywhere) is :mod:`forge_jax.pallas_kernels._registration`."""
+against (dtypes, dot sizes, compute capability, the device kinds its tables know), where
+it can run, the lookup of its ``TUNED`` table (:func:`tuned`), and small helpers
+(:func:`dot_size`, :func:`next_pow2`, :func:`with_knobs`, :func:`online_softmax_step`).
+How it registers (``"pallas"`` on GPU, by name until verified there;
+``"pallas_gpu_interpret"`` by name everywhere) is
+:mod:`forge_jax.pallas_kernels._registration`."""
 
 from __future__ import annotations
 
