@@ -2,16 +2,21 @@
 
 The kernels of both backends implement one contract (the docstring of
 :mod:`forge_jax.ops.attention`); what they compute around the ``pallas_call`` is the same
-and lives here once: the paged kernels' per-sequence key ranges and sanitised block
-tables, and the flash kernels' backward pass (the XLA reference's VJP).
+and lives here once: the GQA query layout, the flash kernels' explicit positions and
+lengths and their backward pass (the XLA reference's VJP), and the paged kernels'
+per-sequence key ranges and sanitised block tables.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from forge_jax.ops.attention import attention_reference
+from forge_jax.pallas_kernels._vjp import with_reference_vjp
 
 # Positions are assumed to lie in [-2**30, 2**30): clamping positions and windows to this
 # keeps `p - window + 1` and `p + 1` inside int32.
@@ -19,7 +24,7 @@ POS_LIMIT = 2**30
 
 
 def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, page_size,
-                 num_pages, sliding_window):
+                 num_pages, sliding_window, table_width):
     """The bookkeeping of a paged attention kernel, for ``batch`` sequences.
 
     Returns ``(window, key_lo, key_hi, row_pos, tables)``:
@@ -28,8 +33,9 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
         ``[key_lo, key_hi)`` (empty when ``key_lo == key_hi``);
       row_pos: int32 ``[batch, rows_pad]``, the position of each query row (row ``r`` is
         query ``r // group``, query-major); padding rows get -1 and see no key;
-      tables: int32 ``[batch, max_pages]``; entries past a sequence's pages (which may hold
-        garbage) read page 0, and no entry leaves the pool.
+      tables: int32 ``[batch, table_width]`` (``table_width >= max_pages``: whole compute
+        blocks of pages); entries past a sequence's pages (which may hold garbage) and the
+        padding read page 0, and no entry leaves the pool.
     """
     batch, max_pages = block_tables.shape
     capacity = max_pages * page_size
@@ -48,21 +54,92 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
     used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
     tables = jnp.where(used, jnp.clip(jnp.asarray(block_tables).astype(jnp.int32), 0,
                                       num_pages - 1), 0)
+    tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages)))
     return window, key_lo, key_hi, row_pos, tables
 
 
-def reference_vjp(st, residuals, g):
-    """The backward pass of the flash kernels: the VJP of the XLA reference, which keeps
-    hidden NaN/inf K/V slots out of every gradient itself. ``st`` carries ``scale``,
-    ``causal``, ``sliding_window`` and ``logits_soft_cap``; ``residuals`` are
-    ``(q, k, v, positions, lengths)`` with explicit positions and lengths."""
-    q, k, v, positions, lengths = residuals
+def group_queries(q, kv_heads: int, *, rows_pad: int | None = None,
+                  head_dim_pad: int | None = None):
+    """``q [batch, q_len, q_heads, head_dim]`` as ``[batch, kv_heads, rows, head_dim]``: the
+    ``rows = q_len * group`` query rows of each kv head's GQA group, query-major (row ``r``
+    is query ``r // group``, head ``r % group`` of the group), zero-padded to ``rows_pad``
+    rows and ``head_dim_pad`` columns when given."""
+    batch, q_len, q_heads, head_dim = q.shape
+    group = q_heads // kv_heads
+    rows = q_len * group
+    qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.reshape(batch, kv_heads, rows, head_dim)
+    pad_rows, pad_cols = (rows_pad or rows) - rows, (head_dim_pad or head_dim) - head_dim
+    if pad_rows or pad_cols:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, pad_rows), (0, pad_cols)))
+    return qg
 
-    def reference(q, k, v):
-        return attention_reference(
-            q, k, v, scale=st.scale, causal=st.causal, q_positions=positions,
-            kv_lengths=lengths, sliding_window=st.sliding_window,
-            logits_soft_cap=st.logits_soft_cap)
 
-    _, vjp = jax.vjp(reference, q, k, v)
-    return (*vjp(g), None, None)
+def ungroup_queries(out, *, q_len: int, q_heads: int, head_dim: int):
+    """The inverse of :func:`group_queries`: ``out [batch, kv_heads, >= rows, >= head_dim]``
+    (padding rows and columns dropped) as ``[batch, q_len, q_heads, head_dim]``."""
+    batch, kv_heads, rows_pad, head_dim_pad = out.shape
+    group = q_heads // kv_heads
+    if rows_pad > q_len * group or head_dim_pad > head_dim:
+        out = out[:, :, :q_len * group, :head_dim]
+    out = out.reshape(batch, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, q_len, q_heads, head_dim)
+
+
+def explicit_positions(q_positions, kv_lengths, *, batch, q_len, kv_len):
+    """The flash kernels' ``(positions, lengths)``: int32 ``[batch, q_len]`` and ``[batch]``.
+
+    ``positions`` are ``q_positions``, else bottom-right per sequence (the last query sits
+    at the last valid key: ``kv_lengths[b] - q_len + t``, or ``kv_len - q_len + t``),
+    clamped to ``[-POS_LIMIT, POS_LIMIT]``; ``lengths`` are ``kv_lengths`` clamped to
+    ``[0, kv_len]`` (keys past ``kv_len`` do not exist anyway), else ``kv_len``.
+    """
+    if kv_lengths is None:
+        raw = jnp.full((batch,), kv_len, jnp.int32)
+    else:
+        raw = jnp.clip(kv_lengths.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
+    lengths = jnp.clip(raw, 0, kv_len)
+    if q_positions is None:
+        positions = raw[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
+    else:
+        positions = jnp.clip(q_positions.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
+    return positions, lengths
+
+
+def explicit_reference(q, k, v, positions, lengths, *, scale, causal, sliding_window,
+                       logits_soft_cap):
+    """:func:`forge_jax.ops.attention.attention_reference` with explicit positions and
+    lengths, the operands of the flash kernels' forward functions."""
+    return attention_reference(q, k, v, scale=scale, causal=causal, q_positions=positions,
+                               kv_lengths=lengths, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap)
+
+
+def flash_attention_call(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A flash kernel's entry point, from its forward function ``forward(q, k, v,
+    positions, lengths, *, scale, causal, sliding_window, logits_soft_cap, **knobs)``.
+
+    Returns ``fn(q, k, v, *, scale, causal, q_positions, kv_lengths, sliding_window,
+    logits_soft_cap, **knobs)`` (the op's arguments, the kernel's launch knobs): the call
+    with the contract's explicit positions and lengths (:func:`explicit_positions`), the
+    window clamped to :data:`POS_LIMIT` and the default scale, differentiable in q, k, v
+    through the XLA reference's VJP (:func:`explicit_reference`, which materialises the
+    ``[batch, heads, q_len, kv_len]`` probabilities and keeps hidden NaN/inf K/V slots out of
+    every gradient itself).
+    """
+    differentiable = with_reference_vjp(forward, explicit_reference, static=(
+        "scale", "causal", "sliding_window", "logits_soft_cap"))
+
+    def call(q, k, v, *, scale, causal, q_positions, kv_lengths, sliding_window,
+             logits_soft_cap, **knobs):
+        batch, q_len, _, head_dim = q.shape
+        window = None if sliding_window is None else min(int(sliding_window), POS_LIMIT)
+        with jax.named_scope("flash_attention"):
+            positions, lengths = explicit_positions(q_positions, kv_lengths, batch=batch,
+                                                    q_len=q_len, kv_len=k.shape[1])
+            return differentiable(
+                q, k, v, positions, lengths,
+                scale=float(head_dim ** -0.5 if scale is None else scale), causal=causal,
+                sliding_window=window, logits_soft_cap=logits_soft_cap, **knobs)
+
+    return call

@@ -1,4 +1,4 @@
-"""The ``"cudnn"`` attention implementation (pallas_kernels/gpu/cudnn_attention.py).
+"""The ``"cudnn"`` attention implementation (pallas_kernels/gpu/jax_nn_attention.py).
 
 On CPU: every rejection of ``supports()`` (each a sentence ``fj.explain`` shows), and the
 argument mapping, run through ``jax.nn.dot_product_attention``'s XLA backend (independent
@@ -17,7 +17,7 @@ from reference import attention_ref
 
 import forge_jax as fj
 from forge_jax import backends, dispatch
-from forge_jax.pallas_kernels.gpu import cudnn_attention as cudnn
+from forge_jax.pallas_kernels.gpu import jax_nn_attention as cudnn
 
 AMPERE, HOPPER = (8, 0), (9, 0)
 

@@ -455,15 +455,17 @@ def test_blocks_must_be_powers_of_two():
 
 
 def test_launch_table():
-    default = _common.TUNING["default"]["attention"]
-    assert flash.launch_params(80) == flash.Launch(**default[128])
-    assert flash.launch_params(8) == flash.Launch(**default[64])
-    assert flash.launch_params(256, "unknown GPU") == flash.Launch(**default[256])
-    h100 = _common.TUNING["H100"]["attention"]
-    assert flash.launch_params(128, "NVIDIA H100 80GB HBM3") == flash.Launch(**h100[128])
-    for kind in _common.TUNING:
-        for knobs in _common.TUNING[kind].get("attention", {}).values():
-            launch = flash.Launch(**knobs)
+    default = flash.TUNED["default"]
+    assert flash.default_config({"q": np.empty((1, 1, 1, 80))}) == flash.Config(**default[128])
+    assert flash.default_config({"q": np.empty((1, 1, 1, 8))}) == flash.Config(**default[64])
+    assert flash.default_config({"q": np.empty((1, 1, 1, 256))}, "unknown GPU") == \
+        flash.Config(**default[256])
+    h100 = flash.TUNED["H100"]
+    assert flash.default_config({"q": np.empty((1, 1, 1, 128))}, "NVIDIA H100 80GB HBM3") == \
+        flash.Config(**h100[128])
+    for kind in flash.TUNED:
+        for knobs in flash.TUNED[kind].values():
+            launch = flash.Config(**knobs)
             assert all(b >= _common.MIN_DOT and b & (b - 1) == 0
                        for b in (launch.block_q, launch.block_k))
 

@@ -189,13 +189,13 @@ def test_non_power_of_two_block_rows_fail_lowering():
 
 
 def test_launch_table_blocks_are_powers_of_two():
-    for kind in _common.TUNING:
-        for bucket, knobs in _common.TUNING[kind].get("rms_norm", {}).items():
-            launch = kernel.Launch(**knobs)
+    for kind in kernel.TUNED:
+        for bucket, knobs in kernel.TUNED[kind].items():
+            launch = kernel.Config(**knobs)
             assert _common.next_pow2(launch.block_rows) == launch.block_rows, (bucket, launch)
             assert launch.block_rows * bucket <= 2**20, (bucket, launch)
-    assert kernel.launch_params(576).block_rows * 1024 <= 8192
-    assert kernel.launch_params(kernel.MAX_HIDDEN).block_rows == 1
+    assert kernel.default_config({"x": np.empty((1, 576))}).block_rows * 1024 <= 8192
+    assert kernel.default_config({"x": np.empty((1, kernel.MAX_HIDDEN))}).block_rows == 1
 
 
 def test_pallas_rejects_compute_capability_below_8(monkeypatch):

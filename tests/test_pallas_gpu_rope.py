@@ -153,9 +153,9 @@ def test_accepted_cases_lower_for_cuda(shape, dtype, interleaved, pos_dtype):
 
 def test_non_power_of_two_blocks_fail_lowering():
     """Why the launch table holds powers of two: Triton refuses any other block."""
-    for kind in _common.TUNING:
-        for knobs in _common.TUNING[kind].get("rope", {}).values():
-            launch = kernel.Launch(**knobs)
+    for kind in kernel.TUNED:
+        for knobs in kernel.TUNED[kind].values():
+            launch = kernel.Config(**knobs)
             assert _common.next_pow2(launch.block_tokens) == launch.block_tokens
             assert _common.next_pow2(launch.block_heads) == launch.block_heads
     x = jax.ShapeDtypeStruct((1, 6, 9, 64), jnp.bfloat16)
@@ -164,8 +164,8 @@ def test_non_power_of_two_blocks_fail_lowering():
 
 
 def test_launch_fills_small_head_counts_with_tokens():
-    full = kernel.launch_params(128, 32)
-    one = kernel.launch_params(128, 1)
+    full = kernel.default_config({"x": np.empty((1, 1, 32, 128))})
+    one = kernel.default_config({"x": np.empty((1, 1, 1, 128))})
     assert one.block_heads == 1 and full.block_heads == 16
     assert one.block_tokens * one.block_heads == full.block_tokens * full.block_heads
 

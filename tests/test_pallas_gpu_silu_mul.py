@@ -113,7 +113,7 @@ def test_accepted_cases_lower_for_cuda(shape, dtype):
 def test_non_power_of_two_block_fails_lowering():
     """Why the launch table holds powers of two: Triton refuses any other block."""
     for kind in (None, "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L4"):
-        block = kernel.launch_params(kind).block_size
+        block = kernel.default_config({}, kind).block_size
         assert _common.next_pow2(block) == block, kind
     gate = jax.ShapeDtypeStruct((7, 999), jnp.float32)
     with pytest.raises(ValueError, match="power of 2"):

@@ -12,6 +12,8 @@ others do not. Lowering tests run the real Pallas -> Mosaic lowering for TPU her
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,12 +244,12 @@ def test_blocks_mosaic_cannot_tile_are_rejected(knobs, match):
     with pytest.raises(ValueError, match=match):
         kernel.flash_attention(*(jnp.ones(s.shape, s.dtype) for s in shapes), **knobs)
     # Forced past the check, the Mosaic lowering fails on the same block.
-    st = kernel._Static(scale=1.0, causal=True, sliding_window=None, logits_soft_cap=None,
-                        block_q=knobs.get("block_q", 64), block_k=knobs.get("block_k", 300),
-                        interpret=False)
+    st = dict(scale=1.0, causal=True, sliding_window=None, logits_soft_cap=None,
+              block_q=knobs.get("block_q", 64), block_k=knobs.get("block_k", 300),
+              interpret=False)
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
         _compat.export_for_tpu(
-            lambda q, k, v, p, n: kernel._forward(q, k, v, p, n, st), *shapes,
+            lambda q, k, v, p, n: kernel._forward(q, k, v, p, n, **st), *shapes,
             S((2, 64), jnp.int32), S((2,), jnp.int32))
 
 
@@ -258,7 +260,7 @@ def test_dispatch_names_the_rejection():
 
 
 def test_tuning_table():
-    assert set(tpu_common.TUNING) >= {"TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "default"}
+    assert set(kernel.TUNED) >= {"TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "default"}
     assert kernel.block_sizes(4096, 8192, BF16, device_kind="TPU v6 lite") == (512, 1024)
     assert kernel.block_sizes(1, 37, F32, device_kind="unknown") == (1, 37)  # clipped
     assert kernel.block_sizes(100, 300, BF16, block_q=32) == (32, 128)
@@ -268,15 +270,16 @@ if __name__ == "__main__":
     absltest.main()
 
 
-def test_one_tuning_table_serves_every_tpu_kernel_and_generation():
+def test_every_tpu_kernel_has_a_table_serving_every_generation():
     ops = {impl.op for op in fj.dispatch.ops() for impl in fj.dispatch.registrations(op)
            if impl.name == "pallas_tpu_interpret"}
     assert ops == {"rms_norm", "silu_mul", "rope", "attention", "paged_attention",
                    "ragged_paged_attention"}
     for kind in (*tpu_common.GENERATIONS, "default"):
         for op in ops:
-            knobs = tpu_common.tuning(op, kind)
+            module = importlib.import_module(f"forge_jax.pallas_kernels.tpu.{op}")
+            knobs = tpu_common.tuned(module.TUNED, kind)
             assert knobs and all(isinstance(v, int) and v > 0 for v in knobs.values()), (kind, op)
-    assert tpu_common.tuning("attention", "TPU v9 unknown") == tpu_common.TUNING["default"][
-        "attention"]
-    assert tpu_common.tuning("rms_norm", "interpret") == tpu_common.TUNING["default"]["rms_norm"]
+    assert tpu_common.tuned(kernel.TUNED, "TPU v9 unknown") == kernel.TUNED["default"]
+    rms_norm_tuned = importlib.import_module("forge_jax.pallas_kernels.tpu.rms_norm").TUNED
+    assert tpu_common.tuned(rms_norm_tuned, "interpret") == rms_norm_tuned["default"]

@@ -24,7 +24,6 @@ from test_pallas_gpu_paged import default_positions, make_cache, poison_per_quer
 
 import forge_jax as fj
 from forge_jax import _compat, tolerances
-from forge_jax.pallas_kernels.tpu import _common as tpu_common
 from forge_jax.pallas_kernels.tpu import paged_attention as kernel
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -213,7 +212,7 @@ def test_dispatch_names_the_rejection():
 
 
 def test_tuning_table():
-    assert set(tpu_common.TUNING) >= {"TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "default"}
+    assert set(kernel.TUNED) >= {"TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "default"}
     assert kernel.default_pages_per_compute_block(16, 64, "TPU v6 lite") == 32
     assert kernel.default_pages_per_compute_block(16, 4, None) == 4  # at most the table width
     assert kernel.default_pages_per_compute_block(1024, 4, "unknown") == 1

@@ -1,4 +1,4 @@
-"""The ``"triton"`` implementations (pallas_kernels/gpu/triton_elementwise.py, jax-triton).
+"""The ``"triton"`` implementations (pallas_kernels/gpu/jax_triton_elementwise.py, jax-triton).
 
 On CPU: everything around the kernels: why they are unavailable (not installed, a release
 for another JAX, no GPU), the launch plans (argument order, outputs, grid, the tuning
@@ -18,8 +18,7 @@ from reference import rms_norm_ref, rope_ref, silu_mul_ref
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch
-from forge_jax.pallas_kernels.gpu import _common
-from forge_jax.pallas_kernels.gpu import triton_elementwise as tk
+from forge_jax.pallas_kernels.gpu import jax_triton_elementwise as tk
 
 
 @pytest.mark.parametrize("jt,jax_version,words", [
@@ -87,7 +86,7 @@ def test_rms_norm_launch():
     assert plan.kernel == "add_rms_norm_kernel" and plan.grid == (6,)
     assert plan.scalars == (576, 1e-5) and plan.meta == {"BLOCK": 1024}
     assert [o.shape for o in plan.out] == [(6, 576), (6, 576)]
-    assert plan.num_warps == _common.tuning("triton_rms_norm", None, 1024)["num_warps"]
+    assert plan.num_warps == tk.RMS_NORM_TUNED["default"][1024]["num_warps"]
     plan = tk.rms_norm_launch((5, 4096), jnp.float32, eps=1e-6, residual=False,
                               device_kind="NVIDIA H100 80GB HBM3", num_warps=2)
     assert plan.kernel == "rms_norm_kernel" and len(plan.out) == 1 and plan.num_warps == 2
@@ -95,7 +94,7 @@ def test_rms_norm_launch():
 
 def test_silu_mul_launch():
     plan = tk.silu_mul_launch(9216, jnp.bfloat16)
-    block = _common.tuning("triton_silu_mul", None)["block_size"]
+    block = tk.SILU_MUL_TUNED["default"]["block_size"]
     assert plan.grid == (-(-9216 // block),) and plan.scalars == (9216,)
     assert plan.meta == {"BLOCK": block}
     assert tk.silu_mul_launch(1000, jnp.float32, block_size=256).grid == (4,)

@@ -1,19 +1,22 @@
 """GPU implementations; importing registers them.
 
-* Pallas kernels (Triton lowering), one module per op; ``_common.py`` holds the registration
-  contract (``"pallas"`` on GPU once verified, ``"pallas_gpu_interpret"`` by name everywhere)
-  and the per-device launch table ``TUNING``.
-* ``triton_elementwise.py``: ``"triton"``, plain Triton kernels (``_triton_src.py``)
-  launched through jax-triton.
-* ``cudnn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``.
+* Pallas kernels (Triton lowering), one module per op (``"pallas"`` on GPU once verified,
+  ``"pallas_gpu_interpret"`` by name everywhere; see
+  :mod:`forge_jax.pallas_kernels._registration`), each with its ``Config``, ``TUNED`` table
+  and ``default_config``. ``_common.py``: what they share (dtypes, dot sizes, compute
+  capability, device kinds and the table lookup).
+* ``jax_triton_elementwise.py``: ``"triton"``, plain Triton kernels (``_jax_triton_src.py``)
+  launched through jax-triton (not Pallas).
+* ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``
+  (a library call, not a kernel of ours).
 """
 
 from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers the kernels)
     attention,
-    cudnn_attention,
+    jax_nn_attention,
+    jax_triton_elementwise,
     paged_attention,
     rms_norm,
     rope,
     silu_mul,
-    triton_elementwise,
 )

@@ -19,11 +19,18 @@ never read (masked loads give zeros). Inside it, a key hidden from a row is hidd
 columns of exactly the rows that see one. So NaN/inf a row may not see never reaches it,
 NaN it sees propagates (an inf value it sees gives NaN, not inf).
 
-Backward: ``jax.custom_vjp`` whose backward pass is the VJP of the XLA reference
+Backward: :func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`, the VJP of the XLA reference
 (:func:`forge_jax.ops.attention.attention_reference`, which materialises the
 ``[batch, heads, q_len, kv_len]`` probabilities) with the same explicit positions and
 lengths. This is a deliberate choice: no Pallas backward kernel has been written and
 checked yet, so gradients cost what XLA's attention gradients cost.
+
+Op: :func:`forge_jax.ops.attention.attention`; reference: its XLA implementation
+:func:`forge_jax.ops.attention.attention_xla`. Launch knobs: :class:`Config`, the per-device
+table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
+``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
+``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_attention.py``,
+``tests/test_gpu_tuning.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common
+from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels._attention_common import POS_LIMIT
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -50,9 +58,9 @@ MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
-    """Launch parameters for one padded head dim: ``block_q`` query rows (flattened
-    ``(query, group head)`` pairs) and ``block_k`` keys per program step."""
+class Config:
+    """The kernel's launch knobs: ``block_q`` query rows (flattened ``(query, group head)``
+    pairs) and ``block_k`` keys per program step, and Triton launch parameters."""
 
     block_q: int
     block_k: int
@@ -60,26 +68,41 @@ class Launch:
     num_stages: int
 
 
-def launch_params(head_dim: int, device_kind: str | None = None) -> Launch:
-    """The launch parameters for ``head_dim`` on ``device_kind`` (from
-    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
-    padded = max(_common.MIN_DOT, _common.next_pow2(head_dim))
-    return Launch(**_common.tuning("attention", device_kind, padded))
+# The defaults per device kind (:func:`_common.kind_row`; "default" serves any other kind
+# and the interpreter), by padded head dim (:func:`_common.dot_size`; the smallest
+# bucket >= it). Not measured yet (no GPU has run the kernel): "default" holds the ranges of
+# JAX's own Pallas flash attention; the per-kind rows size the tiles to each device's shared
+# memory (see :data:`_common.DEVICE_KINDS`). The wrapper clips the blocks to the rows and
+# keys of the call.
+TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        64: dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+        128: dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+        256: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
+    },
+    "H100": {
+        64: dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
+        128: dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
+        256: dict(block_q=64, block_k=32, num_warps=8, num_stages=2),
+    },
+    "A100": {
+        64: dict(block_q=128, block_k=64, num_warps=4, num_stages=2),
+        128: dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+        256: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
+    },
+    "L4": {
+        64: dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+        128: dict(block_q=64, block_k=32, num_warps=4, num_stages=2),
+        256: dict(block_q=32, block_k=32, num_warps=4, num_stages=1),
+    },
+}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the kernel and its VJP need besides the arrays (hashable for jit)."""
-
-    scale: float
-    causal: bool
-    sliding_window: int | None
-    logits_soft_cap: float | None
-    block_q: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    interpret: bool
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch knobs for ``args["q"]`` (``[batch, q_len, q_heads, head_dim]``, anything
+    with a shape) on ``device_kind``, from :data:`TUNED`."""
+    return Config(**_common.tuned(TUNED, device_kind,
+                                  _common.dot_size(args["q"].shape[-1])))
 
 
 def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
@@ -101,11 +124,11 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
     # The keys any row of this block may see lie in [key_lo, key_hi).
     key_hi = jnp.minimum(len_ref[0], kv_len)
     if causal:
-        key_hi = jnp.minimum(key_hi, jnp.max(jnp.where(row_ok, pos, -_common.POS_LIMIT)) + 1)
+        key_hi = jnp.minimum(key_hi, jnp.max(jnp.where(row_ok, pos, -POS_LIMIT)) + 1)
     key_lo = jnp.int32(0)
     if sliding_window is not None:
         key_lo = jnp.maximum(
-            key_lo, jnp.min(jnp.where(row_ok, pos, _common.POS_LIMIT)) - sliding_window + 1)
+            key_lo, jnp.min(jnp.where(row_ok, pos, POS_LIMIT)) - sliding_window + 1)
 
     # float32 operands as IEEE products (Triton's default for float32 dots is TF32);
     # bfloat16/float16 products are exact in float32 anyway.
@@ -130,11 +153,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
         if sliding_window is not None:
             visible &= j[None, :] > pos[:, None] - sliding_window
         s = jnp.where(visible, s, -jnp.inf)
-        m_next = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
-        p = jnp.exp(s - m_safe[:, None])
-        correction = jnp.exp(m - m_safe)
-        l_sum = correction * l_sum + p.sum(axis=-1)
+        p, correction, m_next, l_sum = _common.online_softmax_step(s, m, l_sum)
         v = _compat.triton_load(v_ref, (keys, slice(None)), mask=kv_mask, other=0)
         # A zero probability does not hide a NaN/inf value (0 * NaN = NaN), and a slot in
         # [key_lo, key_hi) may still be hidden from some rows: non-finite values leave the
@@ -167,25 +186,24 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
     _compat.triton_store(o_ref, (rows_slice, slice(None)), o.astype(o_ref.dtype), mask=q_mask)
 
 
-def _forward(q, k, v, positions, lengths, st: _Static):
+def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
+             block_q, block_k, num_warps, num_stages, interpret):
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     rows = q_len * group
-    head_dim_pad = max(_common.MIN_DOT, _common.next_pow2(head_dim))
-    qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    qg = qg.reshape(batch, kv_heads, rows, head_dim)
+    head_dim_pad = _common.dot_size(head_dim)
+    qg = _attention_common.group_queries(q, kv_heads)  # [batch, kv_heads, rows, head_dim]
     row_pos = jnp.repeat(positions, group, axis=1)  # [batch, rows]
     kernel = functools.partial(
-        _kernel, head_dim=head_dim, block_q=st.block_q, block_k=st.block_k, scale=st.scale,
-        causal=st.causal, sliding_window=st.sliding_window,
-        logits_soft_cap=st.logits_soft_cap)
+        _kernel, head_dim=head_dim, block_q=block_q, block_k=block_k, scale=scale,
+        causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     # Blocks of head_dim_pad columns over arrays of head_dim: every access is masked.
     rows_spec = pl.BlockSpec((None, None, rows, head_dim_pad), lambda b, h, i: (b, h, 0, 0))
     kv_spec = pl.BlockSpec((None, kv_len, None, head_dim_pad), lambda b, h, i: (b, 0, h, 0))
     out = pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads, pl.cdiv(rows, st.block_q)),
+        grid=(batch, kv_heads, pl.cdiv(rows, block_q)),
         in_specs=[
             rows_spec, kv_spec, kv_spec,
             pl.BlockSpec((None, rows), lambda b, h, i: (b, 0)),
@@ -193,25 +211,17 @@ def _forward(q, k, v, positions, lengths, st: _Static):
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=_compat.triton_compiler_params(num_warps=st.num_warps,
-                                                      num_stages=st.num_stages),
-        interpret=st.interpret,
+        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
+                                                      num_stages=num_stages),
+        interpret=interpret,
         name="forge_jax_flash_attention",
     )(qg, k, v, row_pos, lengths)
-    out = out.reshape(batch, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
-    return out.reshape(batch, q_len, q_heads, head_dim)
+    return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
+                                             head_dim=head_dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, positions, lengths, st):
-    return _forward(q, k, v, positions, lengths, st)
-
-
-def _attention_fwd(q, k, v, positions, lengths, st):
-    return _forward(q, k, v, positions, lengths, st), (q, k, v, positions, lengths)
-
-
-_attention.defvjp(_attention_fwd, _attention_common.reference_vjp)
+# The contract's positions and lengths around _forward; backward: the XLA reference's VJP.
+_attention = _attention_common.flash_attention_call(_forward)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -237,36 +247,23 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
       ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; differentiable in q, k, v.
     """
     _compat.filter_triton_deprecation()
-    batch, q_len, q_heads, head_dim = q.shape
+    _, q_len, q_heads, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    launch = launch_params(head_dim, _common.device_kind(interpret))
+    config = default_config({"q": q}, _common.device_kind(interpret))
     rows = q_len * (q_heads // kv_heads)
-    block_q = block_q or min(launch.block_q, max(_common.MIN_DOT, _common.next_pow2(rows)))
-    block_k = block_k or min(launch.block_k, max(_common.MIN_DOT, _common.next_pow2(kv_len)))
+    block_q = block_q or min(config.block_q, _common.dot_size(rows))
+    block_k = block_k or min(config.block_k, _common.dot_size(kv_len))
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value < _common.MIN_DOT or value & (value - 1):
             raise ValueError(f"{name}={value} must be a power of two >= {_common.MIN_DOT} "
                              "(one dimension of a Triton dot)")
     if q.size == 0 or kv_len == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
-    window = None if sliding_window is None else min(int(sliding_window), _common.POS_LIMIT)
-    st = _Static(scale=float(head_dim ** -0.5 if scale is None else scale), causal=causal,
-                 sliding_window=window, logits_soft_cap=logits_soft_cap, block_q=block_q,
-                 block_k=block_k, num_warps=num_warps or launch.num_warps,
-                 num_stages=num_stages or launch.num_stages, interpret=interpret)
-    with jax.named_scope("flash_attention"):
-        if kv_lengths is None:
-            raw = jnp.full((batch,), kv_len, jnp.int32)
-        else:
-            raw = jnp.clip(kv_lengths.astype(jnp.int32), -_common.POS_LIMIT, _common.POS_LIMIT)
-        lengths = jnp.clip(raw, 0, kv_len)  # keys past kv_len do not exist anyway
-        if q_positions is None:
-            # Bottom-right per sequence: the last query sits at the last valid key.
-            positions = raw[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
-        else:
-            positions = jnp.clip(q_positions.astype(jnp.int32), -_common.POS_LIMIT,
-                                 _common.POS_LIMIT)
-        return _attention(q, k, v, positions, lengths, st)
+    return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
+                      kv_lengths=kv_lengths, sliding_window=sliding_window,
+                      logits_soft_cap=logits_soft_cap, block_q=block_q, block_k=block_k,
+                      num_warps=num_warps or config.num_warps,
+                      num_stages=num_stages or config.num_stages, interpret=interpret)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -290,7 +287,7 @@ def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
             for q in (32, 64, 128) for k in (32, 64) for w in (4, 8)]
 
 
-_common.register(
-    "attention", flash_attention, supports=supports, verified=VERIFIED,
+_registration.register(
+    "attention", flash_attention, backend="gpu", supports=supports, verified=VERIFIED,
     description="flash attention, GQA groups per program, XLA-VJP backward", configs=configs,
     interpret_configs=lambda args: [dict(block_q=16, block_k=16)])

@@ -18,6 +18,13 @@ only zeroed outside it and the guard is not emitted.
 
 The attention contract is that of :func:`forge_jax.paged_attention` (its XLA implementation
 is the reference).
+
+Op: :func:`forge_jax.ops.paged.paged_attention`; reference: its XLA implementation
+:func:`forge_jax.ops.paged.paged_attention_xla`. Launch knobs: :class:`Config`, the
+per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
+as ``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
+``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_paged.py``,
+``tests/test_gpu_tuning.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common
+from forge_jax.pallas_kernels import _attention_common, _registration
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -45,12 +52,13 @@ MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
-    """Launch parameters for one head-dim bucket.
+class Config:
+    """The kernel's launch parameters.
 
-    ``block_k``: keys per compute block (``pages_per_compute_block = block_k // page_size``,
-    at least one page); ``max_splits``: the most programs one sequence's keys are split
-    over (fewer when it has fewer compute blocks); ``block_rows``: query rows per program.
+    ``block_k``: keys per compute block (the wrapper's ``pages_per_compute_block = block_k
+    // page_size``, at least one page); ``max_splits``: the most programs one sequence's
+    keys are split over (the wrapper's ``num_splits``, fewer when it has fewer compute
+    blocks); ``block_rows``: query rows per program; Triton's warps and stages.
     """
 
     block_k: int
@@ -60,11 +68,35 @@ class Launch:
     num_stages: int
 
 
-def launch_params(head_dim: int, device_kind: str | None = None) -> Launch:
-    """The launch parameters for ``head_dim`` on ``device_kind`` (from
-    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
-    padded = max(_common.MIN_DOT, _common.next_pow2(head_dim))
-    return Launch(**_common.tuning("paged_attention", device_kind, padded))
+# The defaults per device kind (:func:`_common.kind_row`; "default" serves any other kind,
+# A100 included, and the interpreter), by padded head dim (:func:`_common.dot_size`;
+# the smallest bucket >= it). Not measured yet (no GPU has run the kernel): the per-kind rows
+# size the blocks to each device's shared memory and the splits to its SMs (see
+# :data:`_common.DEVICE_KINDS`).
+TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        64: dict(block_k=64, max_splits=16, block_rows=64, num_warps=4, num_stages=2),
+        128: dict(block_k=64, max_splits=16, block_rows=64, num_warps=4, num_stages=2),
+        256: dict(block_k=32, max_splits=16, block_rows=32, num_warps=8, num_stages=2),
+    },
+    "H100": {
+        64: dict(block_k=64, max_splits=32, block_rows=64, num_warps=4, num_stages=3),
+        128: dict(block_k=64, max_splits=32, block_rows=64, num_warps=4, num_stages=3),
+        256: dict(block_k=32, max_splits=32, block_rows=32, num_warps=8, num_stages=2),
+    },
+    "L4": {
+        64: dict(block_k=64, max_splits=8, block_rows=64, num_warps=4, num_stages=2),
+        128: dict(block_k=32, max_splits=8, block_rows=32, num_warps=4, num_stages=2),
+        256: dict(block_k=16, max_splits=8, block_rows=16, num_warps=4, num_stages=1),
+    },
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch parameters for ``args["q"]`` (``[batch, (q_len,) q_heads, head_dim]``,
+    anything with a shape) on ``device_kind``, from :data:`TUNED`."""
+    return Config(**_common.tuned(TUNED, device_kind,
+                                  _common.dot_size(args["q"].shape[-1])))
 
 
 def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
@@ -113,11 +145,7 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
             visible &= j[None, :] > pos[:, None] - sliding_window
         # where, not a bias: keys no row may see can hold NaN or inf.
         s = jnp.where(visible, s, -jnp.inf)
-        m_next = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
-        p = jnp.exp(s - m_safe[:, None])
-        correction = jnp.exp(m - m_safe)
-        l_sum = correction * l_sum + p.sum(axis=-1)
+        p, correction, m_next, l_sum = _common.online_softmax_step(s, m, l_sum)
         # Zero probabilities do not hide NaN values (0 * NaN = NaN).
         v = load(v_ref, pages)
         in_range = ((j >= key_lo) & (j < key_hi))[:, None]
@@ -190,20 +218,20 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
     kv_heads, num_pages, page_size, _ = k_pages.shape
     max_pages = block_tables.shape[1]
     group = q_heads // kv_heads
-    launch = launch_params(head_dim, _common.device_kind(interpret))
-    head_dim_pad = max(_common.MIN_DOT, _common.next_pow2(head_dim))
+    config = default_config({"q": q}, _common.device_kind(interpret))
+    head_dim_pad = _common.dot_size(head_dim)
     if pages_per_compute_block is None:
-        pages_per_compute_block = max(1, launch.block_k // _common.next_pow2(page_size))
+        pages_per_compute_block = max(1, config.block_k // _common.next_pow2(page_size))
     block_k = pages_per_compute_block * page_size
     if pages_per_compute_block & (pages_per_compute_block - 1) or block_k < _common.MIN_DOT:
         raise ValueError(f"{pages_per_compute_block=} must be a power of two and "
                          f"{pages_per_compute_block=} * {page_size=} >= {_common.MIN_DOT} "
                          "(a K/V block is one Triton dot operand)")
     num_blocks = -(-max_pages // pages_per_compute_block)
-    num_splits = min(num_splits or launch.max_splits, num_blocks)
+    num_splits = min(num_splits or config.max_splits, num_blocks)
     blocks_per_split = -(-num_blocks // num_splits)
     rows = q_len * group
-    block_rows = block_rows or min(launch.block_rows, max(_common.MIN_DOT, _common.next_pow2(rows)))
+    block_rows = block_rows or min(config.block_rows, _common.dot_size(rows))
     if block_rows < _common.MIN_DOT or block_rows & (block_rows - 1):
         raise ValueError(f"{block_rows=} must be a power of two >= {_common.MIN_DOT}")
     row_blocks = -(-rows // block_rows)
@@ -215,12 +243,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         # Small per-sequence bookkeeping in XLA; the pool itself is only read by the kernel.
         window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
             q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
-            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window)
-        tables = jnp.pad(tables, ((0, 0), (0, num_splits * blocks_per_split
-                                           * pages_per_compute_block - max_pages)))
-        qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-        qg = jnp.pad(qg.reshape(batch, kv_heads, rows, head_dim),
-                     ((0, 0), (0, 0), (0, rows_pad - rows), (0, head_dim_pad - head_dim)))
+            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
+            table_width=num_splits * blocks_per_split * pages_per_compute_block)
+        qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad,
+                                             head_dim_pad=head_dim_pad)
         # Probabilities meet the values in the values' dtype when the queries share it
         # (flash-attention practice); float32 queries over a narrow cache stay float32.
         pv_dtype = k_pages.dtype if q.dtype == k_pages.dtype else jnp.float32
@@ -260,15 +286,15 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows_pad), jnp.float32),
             ],
             compiler_params=_compat.triton_compiler_params(
-                num_warps=num_warps or launch.num_warps,
-                num_stages=num_stages or launch.num_stages),
+                num_warps=num_warps or config.num_warps,
+                num_stages=num_stages or config.num_stages),
             interpret=interpret,
             name="forge_jax_paged_attention",
         )(qg, row_pos, key_lo, key_hi, tables, k_pages, v_pages)
 
-        out = _merge_splits(o, m, l_sum)[:, :, :rows, :head_dim]  # [b, k, t * g, d]
-        out = out.reshape(batch, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
-        out = out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
+        out = _attention_common.ungroup_queries(_merge_splits(o, m, l_sum), q_len=q_len,
+                                                q_heads=q_heads, head_dim=head_dim)
+        out = out.astype(q.dtype)
     return out[:, 0] if decode else out
 
 
@@ -302,6 +328,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
-_common.register(
-    "paged_attention", paged_attention, supports=supports, verified=VERIFIED,
+_registration.register(
+    "paged_attention", paged_attention, backend="gpu", supports=supports, verified=VERIFIED,
     description="flash-decoding over the block tables, split over the keys")

@@ -6,8 +6,15 @@ power of two with masked loads, and writes ``y`` (and ``h``) once. The contract 
 :func:`forge_jax.rms_norm` (its XLA implementation is the reference): ``h = x + residual``
 rounded to ``x.dtype``, ``y = weight * h / sqrt(mean(h * h) + eps)``, float32 math.
 
-The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel: a
-``pallas_call`` has no automatic derivative, and inference never differentiates.
+The backward pass is the XLA implementation's VJP
+(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel: a ``pallas_call``
+has no automatic derivative, and inference never differentiates.
+
+Op: :func:`forge_jax.ops.norm.rms_norm`; reference: its XLA implementation
+:func:`forge_jax.ops.norm.rms_norm_xla`. Launch knobs: :class:`Config`, the per-device table
+:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
+GPU, by name until :data:`VERIFIED` names a GPU, and ``"pallas_gpu_interpret"``. Tests:
+``tests/test_pallas_gpu_norm.py``, ``tests/test_gpu_tuning.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _reference_vjp
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels._vjp import rms_norm_reference, with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -38,18 +46,35 @@ MAX_HIDDEN = 32768
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
-    """Rows per program and Triton launch parameters for one padded-hidden bucket."""
+class Config:
+    """The kernel's launch knobs: rows per program and Triton launch parameters."""
 
     block_rows: int
     num_warps: int
     num_stages: int = 1
 
 
-def launch_params(dim: int, device_kind: str | None = None) -> Launch:
-    """The launch parameters for rows of ``dim`` values on ``device_kind`` (from
-    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
-    return Launch(**_common.tuning("rms_norm", device_kind, _common.next_pow2(dim)))
+# The defaults per device kind (:func:`_common.kind_row`; "default" serves any other kind
+# and the interpreter), by padded hidden size: a row of ``dim`` values takes the smallest
+# bucket >= ``next_pow2(dim)``. Not measured yet (no GPU has run the kernel): the ranges of
+# JAX's own Pallas kernels and Triton's tutorials; fj.autotune measures, per shape, what
+# these guess.
+TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        256: dict(block_rows=16, num_warps=4),
+        1024: dict(block_rows=8, num_warps=4),
+        2048: dict(block_rows=4, num_warps=8),
+        4096: dict(block_rows=2, num_warps=8),
+        8192: dict(block_rows=1, num_warps=8),
+        32768: dict(block_rows=1, num_warps=16),
+    },
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch knobs for these :func:`forge_jax.rms_norm` arguments (``args["x"]``:
+    anything with a shape) on ``device_kind``, from :data:`TUNED`."""
+    return Config(**_common.tuned(TUNED, device_kind, _common.next_pow2(args["x"].shape[-1])))
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -133,19 +158,7 @@ def rms_norm_forward(x, weight, residual=None, *, eps, block_rows, num_warps, nu
     return tuple(out) if has_residual else out[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _rms_norm(x, weight, residual, eps, launch_and_interpret):
-    launch, interpret = launch_and_interpret
-    return rms_norm_forward(x, weight, residual, eps=eps, block_rows=launch.block_rows,
-                            num_warps=launch.num_warps, num_stages=launch.num_stages,
-                            interpret=interpret)
-
-
-def _rms_norm_fwd(x, weight, residual, eps, launch_and_interpret):
-    return _rms_norm(x, weight, residual, eps, launch_and_interpret), (x, weight, residual)
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _reference_vjp.rms_norm_bwd)
+_rms_norm = with_reference_vjp(rms_norm_forward, rms_norm_reference, static=("eps",))
 
 
 def rms_norm(x, weight, *, eps, residual, block_rows=None, num_warps=None, num_stages=None,
@@ -157,11 +170,11 @@ def rms_norm(x, weight, *, eps, residual, block_rows=None, num_warps=None, num_s
       block_rows, num_warps, num_stages: override the tuning table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
-    launch = launch_params(x.shape[-1], _common.device_kind(interpret))
-    launch = dataclasses.replace(
-        launch, **{k: v for k, v in dict(block_rows=block_rows, num_warps=num_warps,
-                                         num_stages=num_stages).items() if v is not None})
-    return _rms_norm(x, weight, residual, eps, (launch, interpret))
+    config = _common.with_knobs(default_config({"x": x}, _common.device_kind(interpret)),
+                                block_rows=block_rows, num_warps=num_warps,
+                                num_stages=num_stages)
+    return _rms_norm(x, weight, residual, eps=eps, interpret=interpret,
+                     **dataclasses.asdict(config))
 
 
 def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
@@ -172,7 +185,7 @@ def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
             if r * padded <= MAX_HIDDEN for w in (4, 8)]
 
 
-_common.register("rms_norm", rms_norm, supports=supports, verified=VERIFIED,
-                 description="one program per block of rows, fused residual add, float32 math",
-                 configs=configs,
-                 interpret_configs=lambda args: [dict(block_rows=2), dict(block_rows=8)])
+_registration.register(
+    "rms_norm", rms_norm, backend="gpu", supports=supports, verified=VERIFIED,
+    description="one program per block of rows, fused residual add, float32 math",
+    configs=configs, interpret_configs=lambda args: [dict(block_rows=2), dict(block_rows=8)])

@@ -10,7 +10,14 @@ rotate-half convention, ``(x[2i], x[2i + 1])`` for the interleaved (GPT-J) one. 
 heads and pairs are padded to powers of two with masked loads and stores.
 
 The contract is that of :func:`forge_jax.rope` (its XLA implementation is the reference).
-The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel.
+The backward pass is the XLA implementation's VJP
+(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
+
+Op: :func:`forge_jax.ops.rope.rope`; reference: its XLA implementation
+:func:`forge_jax.ops.rope.rope_xla`. Launch knobs: :class:`Config`, the per-device table
+:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
+GPU, by name until :data:`VERIFIED` names a GPU, and ``"pallas_gpu_interpret"``. Tests:
+``tests/test_pallas_gpu_rope.py``, ``tests/test_gpu_tuning.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.ops.rope import inverse_frequencies
-from forge_jax.pallas_kernels import _reference_vjp
+from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -40,12 +48,9 @@ MAX_TOKENS = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
-    """Tokens and heads per program, and Triton launch parameters.
-
-    When the (padded) head count is below ``block_heads``, the program takes
-    proportionally more tokens instead.
-    """
+class Config:
+    """The kernel's launch knobs: tokens and heads per program, and Triton launch
+    parameters."""
 
     block_tokens: int
     block_heads: int
@@ -53,14 +58,29 @@ class Launch:
     num_stages: int = 1
 
 
-def launch_params(head_dim: int, heads: int, device_kind: str | None = None) -> Launch:
-    """The launch parameters for ``heads`` heads of ``head_dim`` on ``device_kind`` (from
-    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
-    launch = Launch(**_common.tuning("rope", device_kind, _common.next_pow2(head_dim)))
-    block_heads = min(launch.block_heads, _common.next_pow2(heads))
+# The defaults per device kind (:func:`_common.kind_row`; "default" serves any other kind
+# and the interpreter), by padded head dim (the smallest bucket >= ``next_pow2(head_dim)``).
+# Not measured yet: the ranges of JAX's own Pallas kernels and Triton's tutorials.
+TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        64: dict(block_tokens=8, block_heads=16, num_warps=4),
+        128: dict(block_tokens=4, block_heads=16, num_warps=4),
+        256: dict(block_tokens=2, block_heads=16, num_warps=4),
+        512: dict(block_tokens=1, block_heads=16, num_warps=8),
+    },
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch knobs for ``args["x"]`` (``[batch, seq, heads, head_dim]``, anything with a
+    shape) on ``device_kind``, from :data:`TUNED`. When the (padded) head count is below the
+    table's ``block_heads``, a program takes proportionally more tokens instead."""
+    _, _, heads, head_dim = args["x"].shape
+    config = Config(**_common.tuned(TUNED, device_kind, _common.next_pow2(head_dim)))
+    block_heads = min(config.block_heads, _common.next_pow2(heads))
     return dataclasses.replace(
-        launch, block_heads=block_heads,
-        block_tokens=launch.block_tokens * (launch.block_heads // block_heads))
+        config, block_heads=block_heads,
+        block_tokens=config.block_tokens * (config.block_heads // block_heads))
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -140,22 +160,12 @@ def rope_forward(x, positions, inv_freq, *, interleaved, block_tokens, block_hea
     return out.reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rope(x, positions, static, launch_and_interpret):
-    theta, scaling, interleaved = static
-    launch, interpret = launch_and_interpret
+def _rope_forward(x, positions, *, theta, scaling, interleaved, **knobs):
     inv_freq = jnp.asarray(inverse_frequencies(x.shape[-1], theta, scaling))
-    return rope_forward(x, positions, inv_freq, interleaved=interleaved,
-                        block_tokens=launch.block_tokens, block_heads=launch.block_heads,
-                        num_warps=launch.num_warps, num_stages=launch.num_stages,
-                        interpret=interpret)
+    return rope_forward(x, positions, inv_freq, interleaved=interleaved, **knobs)
 
 
-def _rope_fwd(x, positions, static, launch_and_interpret):
-    return _rope(x, positions, static, launch_and_interpret), (x, positions)
-
-
-_rope.defvjp(_rope_fwd, _reference_vjp.rope_bwd)
+_rope = with_reference_vjp(_rope_forward, rope_xla, static=("theta", "scaling", "interleaved"))
 
 
 def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, block_heads=None,
@@ -168,12 +178,11 @@ def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, block_
         table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
-    launch = launch_params(x.shape[-1], x.shape[2], _common.device_kind(interpret))
-    launch = dataclasses.replace(
-        launch, **{k: v for k, v in dict(block_tokens=block_tokens, block_heads=block_heads,
-                                         num_warps=num_warps, num_stages=num_stages).items()
-                   if v is not None})
-    return _rope(x, positions, (theta, scaling, interleaved), (launch, interpret))
+    config = _common.with_knobs(default_config({"x": x}, _common.device_kind(interpret)),
+                                block_tokens=block_tokens, block_heads=block_heads,
+                                num_warps=num_warps, num_stages=num_stages)
+    return _rope(x, positions, theta=theta, scaling=scaling, interleaved=interleaved,
+                 interpret=interpret, **dataclasses.asdict(config))
 
 
 def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
@@ -183,6 +192,7 @@ def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
     return [dict(block_tokens=t, num_warps=w) for t in (1, 2, 4, 8) for w in (4, 8)]
 
 
-_common.register("rope", rope, supports=supports, verified=VERIFIED,
-                 description="cos/sin from positions in-kernel, float32 angles", configs=configs,
-                 interpret_configs=lambda args: [dict(block_tokens=2)])
+_registration.register(
+    "rope", rope, backend="gpu", supports=supports, verified=VERIFIED,
+    description="cos/sin from positions in-kernel, float32 angles", configs=configs,
+    interpret_configs=lambda args: [dict(block_tokens=2)])

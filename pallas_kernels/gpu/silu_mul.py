@@ -5,7 +5,15 @@ reads ``block_size`` elements of ``gate`` and ``up`` once and writes the product
 last block masked. Math in float32. The contract is that of :func:`forge_jax.silu_mul` (its
 XLA implementation is the reference).
 
-The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel.
+The backward pass is the XLA implementation's VJP
+(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
+
+Op: :func:`forge_jax.ops.activation.silu_mul`; reference: its XLA implementation
+:func:`forge_jax.ops.activation.silu_mul_xla`. Launch knobs: :class:`Config`, the per-device
+table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
+``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
+``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_silu_mul.py``,
+``tests/test_gpu_tuning.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _reference_vjp
+from forge_jax.ops.activation import silu_mul_xla
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -32,18 +42,26 @@ MAX_SIZE = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
-    """Elements per program and Triton launch parameters."""
+class Config:
+    """The kernel's launch knobs: elements per program and Triton launch parameters."""
 
     block_size: int
     num_warps: int
     num_stages: int = 1
 
 
-def launch_params(device_kind: str | None = None) -> Launch:
-    """The launch parameters on ``device_kind`` (from
-    :data:`forge_jax.pallas_kernels.gpu._common.TUNING`)."""
-    return Launch(**_common.tuning("silu_mul", device_kind))
+# The defaults per device kind (:func:`_common.kind_row`; "default" serves any other kind
+# and the interpreter). Not measured yet: 16 elements, two 16-byte bf16 vectors, per thread.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "default": dict(block_size=4096, num_warps=8),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch knobs on ``device_kind`` from :data:`TUNED` (the same for any
+    :func:`forge_jax.silu_mul` arguments)."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -98,18 +116,7 @@ def silu_mul_forward(gate, up, *, block_size, num_warps, num_stages, interpret=F
     return out.reshape(gate.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _silu_mul(gate, up, launch_and_interpret):
-    launch, interpret = launch_and_interpret
-    return silu_mul_forward(gate, up, block_size=launch.block_size, num_warps=launch.num_warps,
-                            num_stages=launch.num_stages, interpret=interpret)
-
-
-def _silu_mul_fwd(gate, up, launch_and_interpret):
-    return _silu_mul(gate, up, launch_and_interpret), (gate, up)
-
-
-_silu_mul.defvjp(_silu_mul_fwd, _reference_vjp.silu_mul_bwd)
+_silu_mul = with_reference_vjp(silu_mul_forward, silu_mul_xla)
 
 
 def silu_mul(gate, up, *, block_size=None, num_warps=None, num_stages=None, interpret=False):
@@ -120,11 +127,10 @@ def silu_mul(gate, up, *, block_size=None, num_warps=None, num_stages=None, inte
       block_size, num_warps, num_stages: override the tuning table's entry.
       interpret: run in Pallas' interpreter (any platform).
     """
-    launch = launch_params(_common.device_kind(interpret))
-    launch = dataclasses.replace(
-        launch, **{k: v for k, v in dict(block_size=block_size, num_warps=num_warps,
-                                         num_stages=num_stages).items() if v is not None})
-    return _silu_mul(gate, up, (launch, interpret))
+    config = _common.with_knobs(default_config({"gate": gate}, _common.device_kind(interpret)),
+                                block_size=block_size, num_warps=num_warps,
+                                num_stages=num_stages)
+    return _silu_mul(gate, up, interpret=interpret, **dataclasses.asdict(config))
 
 
 def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
@@ -133,6 +139,7 @@ def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
     return [dict(block_size=b, num_warps=w) for b in (1024, 2048, 4096, 8192) for w in (4, 8)]
 
 
-_common.register("silu_mul", silu_mul, supports=supports, verified=VERIFIED,
-                 description="flattened blocks, float32 math", configs=configs,
-                 interpret_configs=lambda args: [dict(block_size=256)])
+_registration.register(
+    "silu_mul", silu_mul, backend="gpu", supports=supports, verified=VERIFIED,
+    description="flattened blocks, float32 math", configs=configs,
+    interpret_configs=lambda args: [dict(block_size=256)])

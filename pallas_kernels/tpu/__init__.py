@@ -1,7 +1,10 @@
 """Pallas TPU kernels (Mosaic), one module per op; importing registers them.
 
-See ``_common.py`` for the registration contract (``"pallas"`` on TPU,
-``"pallas_tpu_interpret"`` by name everywhere).
+Each registers as ``"pallas"`` on TPU (by name until its ``VERIFIED`` record names a TPU)
+and ``"pallas_tpu_interpret"`` by name everywhere (see
+:mod:`forge_jax.pallas_kernels._registration`), with its ``Config``, ``TUNED`` table and
+``default_config``. ``_common.py``: what they share (dtypes, lanes, sublane tiles, TPU
+generations and their scoped VMEM, the table lookup).
 """
 
 from forge_jax.pallas_kernels.tpu import (  # noqa: F401  (importing registers the kernels)

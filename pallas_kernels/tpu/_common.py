@@ -1,83 +1,36 @@
-"""What every Pallas TPU (Mosaic) kernel shares: how it registers with the dispatch registry.
-
-Each kernel registers twice under the same wrapper:
-
-* ``"pallas"`` on the ``"tpu"`` platform, lowered by Mosaic, and ranked above XLA there by
-  auto selection. The kernels are verified in the TPU interpreter on CPU and their Mosaic
-  lowering runs here (``jax.export`` for ``platforms=["tpu"]``), but none has run on TPU
-  hardware yet: ``INTERPRETER_ONLY`` says so beside the priority, and the README states it.
-* ``"pallas_tpu_interpret"`` on every platform, by name only: the same kernel code in the
-  TPU interpreter (``pltpu.InterpretParams``: race detection, NaN-poisoned uninitialised
-  memory), which is how CI checks it.
-"""
+"""What every Pallas TPU (Mosaic) kernel shares: the hardware facts it is built against
+(dtypes, lanes, sublane tiles) and where it can run. How it registers (``"pallas"`` on TPU,
+by name until verified there; ``"pallas_tpu_interpret"`` by name everywhere) is
+:mod:`forge_jax.pallas_kernels._registration`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
-from forge_jax import backends, dispatch
+from forge_jax import backends
 
-TPU_PRIORITY = 10
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LANES = 128  # the lane width of a vreg: the last dimension of a lane-dense block
-# Where the TPU kernels were verified. Auto selection ranks them on a TPU (as the TPU issue
-# asks) although this record names no TPU hardware yet.
-INTERPRETER_ONLY = "TPU interpreter on CPU and Mosaic lowering via jax.export; no TPU hardware"
 
 
-# Launch defaults of every TPU kernel per TPU generation, in one table:
-# ``jax.Device.device_kind`` -> op -> keyword knobs. "default" serves any other kind, and
-# the interpreter (where "interpret" rows, when an op has one, come first). Untuned: sized
-# against each generation's default scoped VMEM (16 MiB on v4/v5e, 32 MiB on v5p/v6e),
-# pending measurements on TPU hardware.
-#   rms_norm, silu_mul, rope: elements per block of each array (rows = elements // width,
-#     rounded down to the sublane tile);
-#   attention: query rows and keys per block; paged_attention: keys per K/V block;
-#   ragged_paged_attention: query rows per block and keys per K/V block.
-_SMALL_VMEM = {  # 16 MiB of scoped VMEM: v4, v5e
-    "rms_norm": dict(block_elements=128 * 1024),
-    "silu_mul": dict(block_elements=256 * 1024),
-    "rope": dict(block_elements=256 * 1024),
-    "attention": dict(block_q=256, block_k=512),
-    "paged_attention": dict(block_k=256),
-    "ragged_paged_attention": dict(block_q=32, kv_block=256),
+# The TPU generations the kernels' tables (each kernel module's ``TUNED``) have rows for, as
+# ``jax.Device.device_kind`` names them (matched exactly: "TPU v5" is v5p, "TPU v5 lite"
+# v5e, "TPU v6 lite" v6e), and their default scoped VMEM in MiB, what the rows are sized
+# against. In a table, "default" serves any other kind and "interpret" (where a table has
+# it) the TPU interpreter.
+SCOPED_VMEM_MIB: Mapping[str, int] = {
+    "TPU v4": 16, "TPU v5 lite": 16, "TPU v5": 32, "TPU v5p": 32, "TPU v6 lite": 32,
 }
-_LARGE_VMEM = {  # 32 MiB of scoped VMEM: v5p
-    "rms_norm": dict(block_elements=256 * 1024),
-    "silu_mul": dict(block_elements=512 * 1024),
-    "rope": dict(block_elements=512 * 1024),
-    "attention": dict(block_q=512, block_k=512),
-    "paged_attention": dict(block_k=512),
-    "ragged_paged_attention": dict(block_q=32, kv_block=512),
-}
-TUNING: Mapping[str, Mapping[str, Mapping[str, int]]] = {
-    "TPU v4": _SMALL_VMEM,
-    "TPU v5 lite": _SMALL_VMEM,  # v5e
-    "TPU v5": _LARGE_VMEM,       # v5p, as jax names it
-    "TPU v5p": _LARGE_VMEM,
-    "TPU v6 lite": {             # v6e: 32 MiB, and a faster MXU for bigger attention blocks
-        **_LARGE_VMEM,
-        "attention": dict(block_q=512, block_k=1024),
-        "ragged_paged_attention": dict(block_q=64, kv_block=512),
-    },
-    "interpret": {
-        # Small blocks keep the interpreter's per-step work (and the tests) short.
-        "ragged_paged_attention": dict(block_q=16, kv_block=32),
-    },
-    "default": {**_SMALL_VMEM, "attention": dict(block_q=128, block_k=128)},
-}
-GENERATIONS = ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite")
+GENERATIONS = tuple(SCOPED_VMEM_MIB)
 
 
-def tuning(op: str, device_kind: str | None = None) -> Mapping[str, int]:
-    """The launch defaults of ``op`` on ``device_kind`` (None: the defaults) from
-    :data:`TUNING`."""
-    row = TUNING.get(device_kind or "default", {})
-    return row.get(op, TUNING["default"][op])
+def tuned(table: Mapping[str, Mapping[str, int]], device_kind: str | None) -> dict[str, int]:
+    """The entry of ``device_kind`` in a kernel's ``TUNED`` table, its "default" entry for
+    None or a kind the table has no row for."""
+    return dict(table.get(device_kind or "default", table["default"]))
 
 
 def sublane_tile(dtype) -> int:
@@ -86,36 +39,20 @@ def sublane_tile(dtype) -> int:
 
 
 def device_kind(interpret: bool = False) -> str | None:
-    """The TPU's device kind (e.g. "TPU v5 lite") for the per-generation tables, or None
-    in the interpreter or off a TPU (the tables' defaults then apply)."""
-    if interpret or jax.default_backend() != "tpu":
+    """The row of the per-generation tables: the TPU's device kind (e.g. "TPU v5 lite"),
+    "interpret" in the TPU interpreter, None off a TPU (the tables' defaults then apply)."""
+    if interpret:
+        return "interpret"
+    if jax.default_backend() != "tpu":
         return None
     return jax.devices()[0].device_kind
 
 
-def register(
-    op: str,
-    kernel: Callable[..., Any],
-    *,
-    supports: Callable[[Mapping[str, Any]], str | None],
-    description: str,
-) -> None:
-    """Registers ``kernel(**op_args, interpret=...)`` as ``"pallas"`` (TPU, auto-ranked) and
-    ``"pallas_tpu_interpret"`` (any platform, by name).
+def tpu_reason(platform: str) -> str | None:
+    """``None`` if Mosaic-lowered kernels are for ``platform``, else why not."""
+    return None if platform == "tpu" else f"a TPU kernel, not for {platform}"
 
-    ``supports(args)`` returns ``None`` or why the kernel cannot serve ``args``: the contract
-    with the Mosaic lowering (every case it accepts must lower for TPU, and each rejection
-    made for a lowering reason is shown to fail that lowering in a test). ``interpret`` is
-    ``False`` or ``True`` (the wrapper turns ``True`` into the forge_jax interpret params).
-    """
-    dispatch.register(
-        op, "pallas", platforms=("tpu",), priority={"tpu": TPU_PRIORITY},
-        supports=lambda args, platform: supports(args),
-        available=lambda: None if backends.has_platform("tpu") else "no TPU device in this process",
-        description=f"{description} (Pallas, Mosaic TPU; {INTERPRETER_ONLY})",
-    )(lambda **args: kernel(**args, interpret=False))
-    dispatch.register(
-        op, "pallas_tpu_interpret",
-        supports=lambda args, platform: supports(args),
-        description=f"{description} (Pallas TPU kernel in the TPU interpreter)",
-    )(lambda **args: kernel(**args, interpret=True))
+
+def tpu_available() -> str | None:
+    """``None`` if this process has a TPU to run Mosaic-lowered kernels on, else why not."""
+    return None if backends.has_platform("tpu") else "no TPU device in this process"

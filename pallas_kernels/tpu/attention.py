@@ -26,7 +26,7 @@ since a zero probability does not hide a NaN value (``0 * NaN = NaN``), non-fini
 leave the ``p @ v`` product; a block that holds one (rare, hence a ``lax.cond``) marks NaN
 the output columns of exactly the queries that see it. A query that sees no key gets zeros.
 
-Backward: ``jax.custom_vjp`` whose backward pass is the VJP of the XLA reference
+Backward: :func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`, the VJP of the XLA reference
 (:func:`forge_jax.ops.attention.attention_reference`, which materialises the
 ``[batch, heads, q_len, kv_len]`` probabilities) with the same explicit positions and
 lengths: no Pallas backward kernel has been written, so gradients cost what XLA's do.
@@ -38,6 +38,12 @@ float32, 16 for bfloat16) or all of ``q_len``, ``block_k`` a multiple of 128 (la
 the logits) or all of ``kv_len``; sequences that are not a multiple of the block end in a
 partial block (its rows past the end are garbage, masked by the length, never written).
 TPUs have no float16 vector unit.
+
+Op: :func:`forge_jax.ops.attention.attention`; reference: its XLA implementation
+:func:`forge_jax.ops.attention.attention_xla`. Launch knobs: :class:`Config`, the per-device
+table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
+``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
+``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_attention.py``.
 """
 
 from __future__ import annotations
@@ -52,32 +58,57 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common
+from forge_jax.pallas_kernels import _attention_common, _registration
 from forge_jax.pallas_kernels._attention_common import POS_LIMIT
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
 pltpu = _compat.pallas_tpu()
 
+# Where this kernel was compiled, checked and measured faster than XLA: none yet (checked
+# in the TPU interpreter and lowered through Mosaic on CPU only; no TPU has run it).
+VERIFIED: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Query rows and keys per program step (clipped to ``q_len`` and ``kv_len``)."""
+class Config:
+    """The kernel's launch knobs: query rows and keys per program step (the wrapper clips
+    them to ``q_len`` and ``kv_len``, :func:`block_sizes`)."""
 
     block_q: int
     block_k: int
 
 
+# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
+# "default" serves any other kind and the interpreter), sized against each generation's
+# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on v5p/v6e;
+# v6e's faster MXU takes bigger blocks). Untuned, pending measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "TPU v4": dict(block_q=256, block_k=512),
+    "TPU v5 lite": dict(block_q=256, block_k=512),
+    "TPU v5": dict(block_q=512, block_k=512),
+    "TPU v5p": dict(block_q=512, block_k=512),
+    "TPU v6 lite": dict(block_q=512, block_k=1024),
+    "default": dict(block_q=128, block_k=128),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The tuned blocks on ``device_kind`` (the same for any arguments), before
+    :func:`block_sizes` clips them to a call's sequences."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
+
+
 def block_sizes(q_len: int, kv_len: int, dtype, *, block_q: int | None = None,
                 block_k: int | None = None, device_kind: str | None = None) -> tuple[int, int]:
-    """``(block_q, block_k)``: the knobs, else :data:`_common.TUNING`, clipped to the sequences.
+    """``(block_q, block_k)``: the knobs, else :data:`TUNED`, clipped to the sequences.
 
     Raises ``ValueError`` for a block Mosaic cannot tile.
     """
-    tuning = Tuning(**_common.tuning("attention", device_kind))
-    block_q = min(block_q or tuning.block_q, q_len)
-    block_k = min(block_k or tuning.block_k, kv_len)
+    config = default_config({}, device_kind)
+    block_q = min(block_q or config.block_q, q_len)
+    block_k = min(block_k or config.block_k, kv_len)
     tile = _common.sublane_tile(dtype)
     if block_q != q_len and block_q % tile:
         raise ValueError(f"{block_q=} must be a multiple of {tile} (the sublane tile of "
@@ -86,19 +117,6 @@ def block_sizes(q_len: int, kv_len: int, dtype, *, block_q: int | None = None,
         raise ValueError(
             f"{block_k=} must be a multiple of {_common.LANES} lanes or kv_len={kv_len}")
     return block_q, block_k
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the kernel and its VJP need besides the arrays (hashable for jit)."""
-
-    scale: float
-    causal: bool
-    sliding_window: int | None
-    logits_soft_cap: float | None
-    block_q: int
-    block_k: int
-    interpret: bool
 
 
 def _precision(dtype):
@@ -179,11 +197,11 @@ def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         o_ref[...] = (acc_ref[...] / jnp.where(l_sum == 0, 1.0, l_sum)).astype(o_ref.dtype)
 
 
-def _forward(q, k, v, positions, lengths, st: _Static):
+def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
+             block_q, block_k, interpret):
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    block_q, block_k = st.block_q, st.block_k
     num_q_blocks, num_k_blocks = pl.cdiv(q_len, block_q), pl.cdiv(kv_len, block_k)
 
     # [lo, hi): the keys any query of each (sequence, query block) may see.
@@ -191,12 +209,12 @@ def _forward(q, k, v, positions, lengths, st: _Static):
     pos_hi = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-POS_LIMIT)
     pos_lo = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=POS_LIMIT)
     hi = jnp.broadcast_to(lengths[:, None], (batch, num_q_blocks))
-    if st.causal:
+    if causal:
         hi = jnp.minimum(hi, pos_hi.reshape(batch, num_q_blocks, block_q).max(-1) + 1)
     lo = jnp.zeros_like(hi)
-    if st.sliding_window is not None:
+    if sliding_window is not None:
         lo = jnp.maximum(
-            lo, pos_lo.reshape(batch, num_q_blocks, block_q).min(-1) - st.sliding_window + 1)
+            lo, pos_lo.reshape(batch, num_q_blocks, block_q).min(-1) - sliding_window + 1)
     hi = jnp.maximum(hi, 0)
     lo = jnp.minimum(lo, hi)
 
@@ -214,8 +232,8 @@ def _forward(q, k, v, positions, lengths, st: _Static):
         return b, i, h
 
     kernel = functools.partial(
-        _kernel, scale=st.scale, causal=st.causal, sliding_window=st.sliding_window,
-        logits_soft_cap=st.logits_soft_cap, num_q_blocks=num_q_blocks)
+        _kernel, scale=scale, causal=causal, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, num_q_blocks=num_q_blocks)
     q_spec = pl.BlockSpec((None, block_q, head_dim), q_index)
     kv_spec = pl.BlockSpec((None, block_k, head_dim), kv_index)
     out = pl.pallas_call(
@@ -237,7 +255,7 @@ def _forward(q, k, v, positions, lengths, st: _Static):
         out_shape=jax.ShapeDtypeStruct((batch, q_len, q_heads * head_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=_compat.tpu_interpret_params() if st.interpret else False,
+        interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_flash_attention",
     )(lengths, lo.reshape(-1), hi.reshape(-1),
       q.reshape(batch, q_len, q_heads * head_dim),
@@ -247,16 +265,8 @@ def _forward(q, k, v, positions, lengths, st: _Static):
     return out.reshape(q.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, positions, lengths, st):
-    return _forward(q, k, v, positions, lengths, st)
-
-
-def _attention_fwd(q, k, v, positions, lengths, st):
-    return _forward(q, k, v, positions, lengths, st), (q, k, v, positions, lengths)
-
-
-_attention.defvjp(_attention_fwd, _attention_common.reference_vjp)
+# The contract's positions and lengths around _forward; backward: the XLA reference's VJP.
+_attention = _attention_common.flash_attention_call(_forward)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -273,37 +283,24 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         that dot runs in float32), ``q_heads % kv_heads == 0``.
       scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
       block_q: queries per program, a multiple of the sublane tile (8 for float32, 16 for
-        bfloat16); clipped to ``q_len``. Default from :data:`_common.TUNING`.
+        bfloat16); clipped to ``q_len``. Default from :data:`TUNED`.
       block_k: keys per step, a multiple of 128; clipped to ``kv_len``. Default from
-        :data:`_common.TUNING`.
+        :data:`TUNED`.
       interpret: run in the TPU interpreter (any platform).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; differentiable in q, k, v (the
       backward pass is the XLA reference's VJP).
     """
-    batch, q_len, q_heads, head_dim = q.shape
-    kv_len = k.shape[1]
+    q_len, kv_len = q.shape[1], k.shape[1]
     if q.size == 0 or kv_len == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
     block_q, block_k = block_sizes(q_len, kv_len, q.dtype, block_q=block_q, block_k=block_k,
                                    device_kind=_common.device_kind(interpret))
-    window = None if sliding_window is None else min(int(sliding_window), POS_LIMIT)
-    st = _Static(scale=float(head_dim ** -0.5 if scale is None else scale), causal=causal,
-                 sliding_window=window, logits_soft_cap=logits_soft_cap, block_q=block_q,
-                 block_k=block_k, interpret=interpret)
-    with jax.named_scope("flash_attention"):
-        if kv_lengths is None:
-            raw = jnp.full((batch,), kv_len, jnp.int32)
-        else:
-            raw = jnp.clip(kv_lengths.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
-        lengths = jnp.clip(raw, 0, kv_len)  # keys past kv_len do not exist anyway
-        if q_positions is None:
-            # Bottom-right per sequence: the last query sits at the last valid key.
-            positions = raw[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
-        else:
-            positions = jnp.clip(q_positions.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
-        return _attention(q, k, v, positions, lengths, st)
+    return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
+                      kv_lengths=kv_lengths, sliding_window=sliding_window,
+                      logits_soft_cap=logits_soft_cap, block_q=block_q, block_k=block_k,
+                      interpret=interpret)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -323,7 +320,7 @@ def supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
-_common.register(
-    "attention", flash_attention, supports=supports,
+_registration.register(
+    "attention", flash_attention, backend="tpu", supports=supports, verified=VERIFIED,
     description="flash attention, VMEM online softmax, masked kv blocks skipped, XLA-VJP "
                 "backward")

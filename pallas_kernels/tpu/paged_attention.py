@@ -30,6 +30,12 @@ the whole cache on every call); they fall back to XLA.
 
 Block tables are scalar-prefetched whole (``batch * max_pages`` int32 in SMEM), as in JAX's
 own TPU paged attention: very large batches times table widths can exceed SMEM.
+
+Op: :func:`forge_jax.ops.paged.paged_attention`; reference: its XLA implementation
+:func:`forge_jax.ops.paged.paged_attention_xla`. Launch knobs: :class:`Config`, the
+per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
+as ``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
+``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_paged.py``.
 """
 
 from __future__ import annotations
@@ -44,26 +50,52 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common
+from forge_jax.pallas_kernels import _attention_common, _registration
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
 pltpu = _compat.pallas_tpu()
 
+# Where this kernel was compiled, checked and measured faster than XLA: none yet (checked
+# in the TPU interpreter and lowered through Mosaic on CPU only; no TPU has run it).
+VERIFIED: dict[str, str] = {}
+
 MAX_Q_LEN = 16
 
 @dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Keys per compute block: ``pages_per_compute_block = block_k // page_size`` (at least
-    one page, at most the block table's width)."""
+class Config:
+    """The kernel's launch parameter: keys per compute block; the wrapper's
+    ``pages_per_compute_block`` is ``block_k // page_size``, at least one page and at most
+    the block table's width (:func:`default_pages_per_compute_block`)."""
 
     block_k: int
 
 
+# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
+# "default" serves any other kind and the interpreter), sized against each generation's
+# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
+# v5p/v6e). Untuned, pending measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "TPU v4": dict(block_k=256),
+    "TPU v5 lite": dict(block_k=256),
+    "TPU v5": dict(block_k=512),
+    "TPU v5p": dict(block_k=512),
+    "TPU v6 lite": dict(block_k=512),
+    "default": dict(block_k=256),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The tuned launch parameter on ``device_kind`` (the same for any arguments)."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
+
+
 def default_pages_per_compute_block(page_size: int, max_pages: int,
                                     device_kind: str | None = None) -> int:
-    tuning = Tuning(**_common.tuning("paged_attention", device_kind))
-    return max(1, min(max_pages, tuning.block_k // page_size))
+    """Pages per compute block for pages of ``page_size`` and tables ``max_pages`` wide."""
+    config = default_config({}, device_kind)
+    return max(1, min(max_pages, config.block_k // page_size))
 
 
 def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
@@ -180,7 +212,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
       scale, q_positions, sliding_window, logits_soft_cap: as in the op.
-      pages_per_compute_block: pages per K/V block (default from :data:`_common.TUNING`).
+      pages_per_compute_block: pages per K/V block (default from :data:`TUNED`).
       interpret: run in the TPU interpreter (any platform).
 
     Returns:
@@ -209,12 +241,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         # Small per-sequence bookkeeping in XLA; the pools are only read by the kernel.
         window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
             q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
-            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window)
+            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
+            table_width=table_width)
         row_pos = row_pos[..., None]  # [batch, rows_pad, 1]
-        tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages))).reshape(-1)
-        qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-        qg = jnp.pad(qg.reshape(batch, kv_heads, rows, head_dim),
-                     ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+        tables = tables.reshape(-1)
+        qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad)
 
         kernel = functools.partial(
             _kernel, pages_per_compute_block=pages_per_compute_block, max_pages=table_width,
@@ -244,8 +275,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             name="forge_jax_tpu_paged_attention",
         )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages)
 
-        out = out[:, :, :rows].reshape(batch, kv_heads, q_len, group, head_dim)
-        out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, q_heads, head_dim)
+        out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
+                                                head_dim=head_dim)
     return out[:, 0] if decode else out
 
 
@@ -273,6 +304,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
-_common.register(
-    "paged_attention", paged_attention, supports=supports,
+_registration.register(
+    "paged_attention", paged_attention, backend="tpu", supports=supports, verified=VERIFIED,
     description="decode over the block tables, double-buffered page copies, online softmax")

@@ -14,30 +14,70 @@ Values a row does not see never reach it: logits are masked by selection, and va
 used with their non-finite entries zeroed. Should a block hold a non-finite value some row
 sees (rare: real caches hold finite data), a masked count of them makes exactly the rows and
 columns that read it NaN, as the attention contract asks.
+
+Op: :func:`forge_jax.ops.ragged.ragged_paged_attention`; reference: its XLA implementation
+:func:`forge_jax.ops.ragged.ragged_paged_attention_xla`. Launch knobs: :class:`Config`, the
+per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
+as ``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
+``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_ragged.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
+from forge_jax.pallas_kernels import _registration
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
 pltpu = _compat.pallas_tpu()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet (checked
+# in the TPU interpreter and lowered through Mosaic on CPU only; no TPU has run it).
+VERIFIED: dict[str, str] = {}
 
 
 # Mosaic tiles the last two dimensions of a VMEM array by (8, 128) 32-bit words, and packs
 # two bfloat16 values per word along the second-last: (16, 128) for bfloat16.
 
 
-def _defaults(interpret):
-    """The launch defaults (``block_q``, ``kv_block``) from the shared TPU table."""
-    kind = "interpret" if interpret else _common.device_kind()
-    return _common.tuning("ragged_paged_attention", kind)
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The kernel's launch knobs: packed query rows per grid step (the wrapper takes a power
+    of two no larger than the rows need) and keys per kv step (rounded down to whole
+    pages)."""
+
+    block_q: int
+    kv_block: int
+
+
+# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
+# "default" serves any other kind; the interpreter's small blocks keep its per-step work,
+# and the tests, short), sized against each generation's default scoped VMEM
+# (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on v5p/v6e). Untuned, pending
+# measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "TPU v4": dict(block_q=32, kv_block=256),
+    "TPU v5 lite": dict(block_q=32, kv_block=256),
+    "TPU v5": dict(block_q=32, kv_block=512),
+    "TPU v5p": dict(block_q=32, kv_block=512),
+    "TPU v6 lite": dict(block_q=64, kv_block=512),
+    "interpret": dict(block_q=16, kv_block=32),
+    "default": dict(block_q=32, kv_block=256),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The tuned knobs on ``device_kind`` (the same for any arguments)."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
 
 
 def _kernel(
@@ -237,12 +277,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         return jnp.zeros(q.shape, q.dtype)  # no row can see a key
     groups = q_heads // kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
-    defaults = _defaults(interpret)
+    config = default_config({}, _common.device_kind(interpret))
     sublanes = max(_common.sublane_tile(x.dtype) for x in (q, k_pages))
-    block_q = block_q or defaults["block_q"]
+    block_q = block_q or config.block_q
     # A power of two no larger than the rows need (at least one sublane tile).
     block_q = min(block_q, max(sublanes, 1 << (total_tokens - 1).bit_length()))
-    pages_per_block = max(1, min((kv_block or defaults["kv_block"]) // page_size, pages_per_seq))
+    pages_per_block = max(1, min((kv_block or config.kv_block) // page_size, pages_per_seq))
     q_blocks = -(-total_tokens // block_q)
     padded = q_blocks * block_q
 
@@ -290,6 +330,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     return out.transpose(2, 0, 1, 3).reshape(padded, q_heads, head_dim)[:total_tokens]
 
 
-_common.register("ragged_paged_attention", ragged_paged_attention, supports=supports,
-         description="grid over (kv head, query block), sequences of a block from scalar-"
-                     "prefetched cu_q_lens, double-buffered page copies, online float32 softmax")
+_registration.register(
+    "ragged_paged_attention", ragged_paged_attention, backend="tpu", supports=supports,
+    verified=VERIFIED,
+    description="grid over (kv head, query block), sequences of a block from scalar-prefetched "
+                "cu_q_lens, double-buffered page copies, online float32 softmax")

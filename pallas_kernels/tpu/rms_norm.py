@@ -10,8 +10,15 @@ block reads ``x`` (and ``residual``) once and writes ``y`` (and ``h``) once. The
 that of :func:`forge_jax.rms_norm` (its XLA implementation is the reference): ``h = x +
 residual`` rounded to ``x.dtype``, ``y = weight * h / sqrt(mean(h * h) + eps)``, float32 math.
 
-The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel: a
-``pallas_call`` has no automatic derivative, and inference never differentiates.
+The backward pass is the XLA implementation's VJP
+(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel: a ``pallas_call``
+has no automatic derivative, and inference never differentiates.
+
+Op: :func:`forge_jax.ops.norm.rms_norm`; reference: its XLA implementation
+:func:`forge_jax.ops.norm.rms_norm_xla`. Launch knobs: :class:`Config`, the per-device table
+:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
+TPU, by name until :data:`VERIFIED` names a TPU, and ``"pallas_tpu_interpret"``. Tests:
+``tests/test_pallas_tpu_elementwise.py``.
 """
 
 from __future__ import annotations
@@ -25,10 +32,15 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _reference_vjp
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels._vjp import rms_norm_reference, with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet (checked
+# in the TPU interpreter and lowered through Mosaic on CPU only; no TPU has run it).
+VERIFIED: dict[str, str] = {}
 
 # A block holds whole rows (one pass, no second read of x) and at least one sublane tile of
 # them: at 32768 float32 values, 16 rows of each of the four arrays, double-buffered, plus
@@ -39,20 +51,41 @@ MAX_HIDDEN = 32768
 
 
 @dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Elements per block (of each array): block_rows = block_elements // dim, rounded down
-    to the sublane tile."""
+class Config:
+    """The kernel's launch parameter: elements per block (of each array); the wrapper's
+    ``block_rows`` is ``block_elements // dim`` rounded down to the sublane tile
+    (:func:`block_rows_for`)."""
 
     block_elements: int
+
+
+# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
+# "default" serves any other kind and the interpreter), sized against each generation's
+# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
+# v5p/v6e). Untuned, pending measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "TPU v4": dict(block_elements=128 * 1024),
+    "TPU v5 lite": dict(block_elements=128 * 1024),
+    "TPU v5": dict(block_elements=256 * 1024),
+    "TPU v5p": dict(block_elements=256 * 1024),
+    "TPU v6 lite": dict(block_elements=256 * 1024),
+    "default": dict(block_elements=128 * 1024),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The tuned launch parameter on ``device_kind`` (the same for any arguments)."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
 
 
 def block_rows_for(rows: int, dim: int, dtype, device_kind: str | None = None) -> int:
     """Rows per block for ``rows`` rows of ``dim`` values of ``dtype`` on ``device_kind``:
     a multiple of the sublane tile, or ``rows`` itself when that is smaller (a block equal
     to the array's dim is always accepted by Mosaic)."""
-    tuning = Tuning(**_common.tuning("rms_norm", device_kind))
+    config = default_config({}, device_kind)
     tile = _common.sublane_tile(dtype)
-    block_rows = max(tile, tuning.block_elements // dim // tile * tile)
+    block_rows = max(tile, config.block_elements // dim // tile * tile)
     return rows if rows <= block_rows else block_rows
 
 
@@ -124,35 +157,25 @@ def rms_norm_forward(x, weight, residual=None, *, eps, block_rows, interpret=Fal
     return tuple(out) if has_residual else out[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _rms_norm(x, weight, residual, eps, block_rows_and_interpret):
-    block_rows, interpret = block_rows_and_interpret
-    return rms_norm_forward(x, weight, residual, eps=eps, block_rows=block_rows,
-                            interpret=interpret)
-
-
-def _rms_norm_fwd(x, weight, residual, eps, block_rows_and_interpret):
-    return _rms_norm(x, weight, residual, eps, block_rows_and_interpret), (x, weight, residual)
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _reference_vjp.rms_norm_bwd)
+_rms_norm = with_reference_vjp(rms_norm_forward, rms_norm_reference, static=("eps",))
 
 
 def rms_norm(x, weight, *, eps, residual, block_rows=None, interpret=False):
     """:func:`forge_jax.rms_norm` through the kernel; differentiable (the XLA
-    implementation's VJP, via ``jax.custom_vjp``).
+    implementation's VJP).
 
     Args:
       x, weight, eps, residual: as :func:`forge_jax.rms_norm`.
-      block_rows: overrides :func:`block_rows_for` (the :data:`_common.TUNING` table's choice).
+      block_rows: overrides :func:`block_rows_for` (from :data:`TUNED`).
       interpret: run in the TPU interpreter (any platform).
     """
     if block_rows is None:
         dim = x.shape[-1]
         block_rows = block_rows_for(x.size // dim if dim else 0, dim, x.dtype,
                                     _common.device_kind(interpret))
-    return _rms_norm(x, weight, residual, eps, (block_rows, interpret))
+    return _rms_norm(x, weight, residual, eps=eps, block_rows=block_rows, interpret=interpret)
 
 
-_common.register("rms_norm", rms_norm, supports=supports,
-                 description="blocks of whole rows, fused residual add, float32 math")
+_registration.register(
+    "rms_norm", rms_norm, backend="tpu", supports=supports, verified=VERIFIED,
+    description="blocks of whole rows, fused residual add, float32 math")

@@ -25,7 +25,14 @@ that is not a multiple of 128 (e.g. 9 heads of 64) is rejected. That check runs 
 compiler, after the ``jax.export`` lowering that runs on CPU, so no test here can show it.
 
 The contract is that of :func:`forge_jax.rope` (its XLA implementation is the reference).
-The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel.
+The backward pass is the XLA implementation's VJP
+(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
+
+Op: :func:`forge_jax.ops.rope.rope`; reference: its XLA implementation
+:func:`forge_jax.ops.rope.rope_xla`. Launch knobs: :class:`Config`, the per-device table
+:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
+TPU, by name until :data:`VERIFIED` names a TPU, and ``"pallas_tpu_interpret"``. Tests:
+``tests/test_pallas_tpu_elementwise.py``.
 """
 
 from __future__ import annotations
@@ -41,12 +48,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from forge_jax import _compat
-from forge_jax.ops.rope import inverse_frequencies
-from forge_jax.pallas_kernels import _reference_vjp
+from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
 pltpu = _compat.pallas_tpu()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet (checked
+# in the TPU interpreter and lowered through Mosaic on CPU only; no TPU has run it).
+VERIFIED: dict[str, str] = {}
 
 
 # Widest lane chunk that shares one cos/sin slab: wider chunks evaluate more cos/sin per
@@ -57,11 +69,32 @@ MAX_ROW = 65536
 
 
 @dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Elements of ``x`` per block: block_tokens = block_elements // (heads * head_dim),
-    rounded down to the sublane tile."""
+class Config:
+    """The kernel's launch parameter: elements of ``x`` per block; the wrapper's
+    ``block_tokens`` is ``block_elements // (heads * head_dim)`` rounded down to the sublane
+    tile (:func:`block_tokens_for`)."""
 
     block_elements: int
+
+
+# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
+# "default" serves any other kind and the interpreter), sized against each generation's
+# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
+# v5p/v6e). Untuned, pending measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "TPU v4": dict(block_elements=256 * 1024),
+    "TPU v5 lite": dict(block_elements=256 * 1024),
+    "TPU v5": dict(block_elements=512 * 1024),
+    "TPU v5p": dict(block_elements=512 * 1024),
+    "TPU v6 lite": dict(block_elements=512 * 1024),
+    "default": dict(block_elements=256 * 1024),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The tuned launch parameter on ``device_kind`` (the same for any arguments)."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
 
 
 def chunk_width(heads: int, head_dim: int) -> int:
@@ -75,9 +108,9 @@ def chunk_width(heads: int, head_dim: int) -> int:
 
 def block_tokens_for(tokens: int, row: int, dtype, device_kind: str | None = None) -> int:
     """Tokens per block: a multiple of the sublane tile, no more than needed for ``tokens``."""
-    tuning = Tuning(**_common.tuning("rope", device_kind))
+    config = default_config({}, device_kind)
     tile = _common.sublane_tile(dtype)
-    block = max(tile, tuning.block_elements // row // tile * tile)
+    block = max(tile, config.block_elements // row // tile * tile)
     return min(block, pl.cdiv(tokens, tile) * tile)
 
 
@@ -165,36 +198,26 @@ def rope_forward(x, positions, *, theta, scaling, interleaved, block_tokens, int
     return out.reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rope(x, positions, static, block_tokens_and_interpret):
-    theta, scaling, interleaved = static
-    block_tokens, interpret = block_tokens_and_interpret
-    return rope_forward(x, positions, theta=theta, scaling=scaling, interleaved=interleaved,
-                        block_tokens=block_tokens, interpret=interpret)
-
-
-def _rope_fwd(x, positions, static, block_tokens_and_interpret):
-    return _rope(x, positions, static, block_tokens_and_interpret), (x, positions)
-
-
-_rope.defvjp(_rope_fwd, _reference_vjp.rope_bwd)
+_rope = with_reference_vjp(rope_forward, rope_xla, static=("theta", "scaling", "interleaved"))
 
 
 def rope(x, positions, *, theta, scaling, interleaved, block_tokens=None, interpret=False):
     """:func:`forge_jax.rope` through the kernel; differentiable in ``x`` (the XLA
-    implementation's VJP, via ``jax.custom_vjp``).
+    implementation's VJP).
 
     Args:
       x, positions, theta, scaling, interleaved: as :func:`forge_jax.rope`.
-      block_tokens: overrides :func:`block_tokens_for` (the :data:`_common.TUNING` table's choice).
+      block_tokens: overrides :func:`block_tokens_for` (from :data:`TUNED`).
       interpret: run in the TPU interpreter (any platform).
     """
     if block_tokens is None:
         block_tokens = block_tokens_for(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3],
                                         x.dtype, _common.device_kind(interpret))
-    return _rope(x, positions, (theta, scaling, interleaved), (block_tokens, interpret))
+    return _rope(x, positions, theta=theta, scaling=scaling, interleaved=interleaved,
+                 block_tokens=block_tokens, interpret=interpret)
 
 
-_common.register("rope", rope, supports=supports,
-                 description="[tokens, heads*head_dim] lanes, cos/sin from positions in-kernel, "
-                             "float32 angles")
+_registration.register(
+    "rope", rope, backend="tpu", supports=supports, verified=VERIFIED,
+    description="[tokens, heads*head_dim] lanes, cos/sin from positions in-kernel, float32 "
+                "angles")

@@ -10,7 +10,14 @@ the last partial block's writes on TPU. Each element of ``gate`` and ``up`` is r
 the product written once; math in float32. The contract is that of
 :func:`forge_jax.silu_mul` (its XLA implementation is the reference).
 
-The backward pass is the XLA implementation's VJP (a ``jax.custom_vjp``), not a kernel.
+The backward pass is the XLA implementation's VJP
+(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
+
+Op: :func:`forge_jax.ops.activation.silu_mul`; reference: its XLA implementation
+:func:`forge_jax.ops.activation.silu_mul_xla`. Launch knobs: :class:`Config`, the per-device
+table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
+``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
+``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_elementwise.py``.
 """
 
 from __future__ import annotations
@@ -25,10 +32,16 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _reference_vjp
+from forge_jax.ops.activation import silu_mul_xla
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet (checked
+# in the TPU interpreter and lowered through Mosaic on CPU only; no TPU has run it).
+VERIFIED: dict[str, str] = {}
 
 _LANES = (1024, 512, 256, 128)
 # When no multiple of 128 divides the size, a block holds at least a sublane tile of whole
@@ -37,11 +50,32 @@ MAX_UNALIGNED_LANES = 32768
 
 
 @dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Elements per block (of each array): block_rows = block_elements // lanes, rounded
-    down to the sublane tile."""
+class Config:
+    """The kernel's launch parameter: elements per block (of each array); the wrapper's
+    ``block_rows`` is ``block_elements // lanes`` rounded down to the sublane tile
+    (:func:`block_rows_for`)."""
 
     block_elements: int
+
+
+# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
+# "default" serves any other kind and the interpreter), sized against each generation's
+# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
+# v5p/v6e). Untuned, pending measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "TPU v4": dict(block_elements=256 * 1024),
+    "TPU v5 lite": dict(block_elements=256 * 1024),
+    "TPU v5": dict(block_elements=512 * 1024),
+    "TPU v5p": dict(block_elements=512 * 1024),
+    "TPU v6 lite": dict(block_elements=512 * 1024),
+    "default": dict(block_elements=256 * 1024),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The tuned launch parameter on ``device_kind`` (the same for any arguments)."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
 
 
 def layout(shape) -> tuple[int, int]:
@@ -53,9 +87,9 @@ def layout(shape) -> tuple[int, int]:
 
 def block_rows_for(rows: int, lanes: int, dtype, device_kind: str | None = None) -> int:
     """Rows per block: a multiple of the sublane tile, or ``rows`` when that is smaller."""
-    tuning = Tuning(**_common.tuning("silu_mul", device_kind))
-    tile = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-    block_rows = max(tile, tuning.block_elements // max(lanes, 1) // tile * tile)
+    config = default_config({}, device_kind)
+    tile = _common.sublane_tile(dtype)
+    block_rows = max(tile, config.block_elements // max(lanes, 1) // tile * tile)
     return rows if rows <= block_rows else block_rows
 
 
@@ -108,34 +142,25 @@ def silu_mul_forward(gate, up, *, block_rows, interpret=False):
     return out.reshape(gate.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _silu_mul(gate, up, block_rows_and_interpret):
-    block_rows, interpret = block_rows_and_interpret
-    return silu_mul_forward(gate, up, block_rows=block_rows, interpret=interpret)
-
-
-def _silu_mul_fwd(gate, up, block_rows_and_interpret):
-    return _silu_mul(gate, up, block_rows_and_interpret), (gate, up)
-
-
-_silu_mul.defvjp(_silu_mul_fwd, _reference_vjp.silu_mul_bwd)
+_silu_mul = with_reference_vjp(silu_mul_forward, silu_mul_xla)
 
 
 def silu_mul(gate, up, *, block_rows=None, interpret=False):
     """:func:`forge_jax.silu_mul` through the kernel; differentiable (the XLA
-    implementation's VJP, via ``jax.custom_vjp``).
+    implementation's VJP).
 
     Args:
       gate, up: as :func:`forge_jax.silu_mul`.
-      block_rows: overrides :func:`block_rows_for` (the :data:`_common.TUNING` table's choice).
+      block_rows: overrides :func:`block_rows_for` (from :data:`TUNED`).
       interpret: run in the TPU interpreter (any platform).
     """
     if block_rows is None:
         rows, lanes = layout(gate.shape)
         block_rows = block_rows_for(rows, lanes, gate.dtype,
                                     _common.device_kind(interpret))
-    return _silu_mul(gate, up, (block_rows, interpret))
+    return _silu_mul(gate, up, block_rows=block_rows, interpret=interpret)
 
 
-_common.register("silu_mul", silu_mul, supports=supports,
-                 description="lane-dense [rows, 128k] view, float32 math")
+_registration.register(
+    "silu_mul", silu_mul, backend="tpu", supports=supports, verified=VERIFIED,
+    description="lane-dense [rows, 128k] view, float32 math")

@@ -1,6 +1,6 @@
 """The plain Triton kernels (``triton.jit``) behind the ``"triton"`` implementations.
 
-Imported only when such a kernel is launched (by :mod:`.triton_elementwise`): ``triton``
+Imported only when such a kernel is launched (by :mod:`.jax_triton_elementwise`): ``triton``
 comes with the ``gpu`` extra and is absent from CPU installs. Launched through
 ``jax_triton.triton_call``, which passes the input arrays, then the scalars, then one
 pointer per output, then the ``tl.constexpr`` meta-parameters by name.

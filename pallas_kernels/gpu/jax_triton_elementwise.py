@@ -1,12 +1,12 @@
 """jax-triton kernels: ``"triton"`` implementations of rms_norm (with the fused residual
 add), silu_mul and rope.
 
-Plain Triton kernels (``_triton_src.py``) launched through ``jax_triton.triton_call``, the
+Plain Triton kernels (``_jax_triton_src.py``) launched through ``jax_triton.triton_call``, the
 ``gpu`` extra. jax-triton imports only with a GPU jaxlib and pins the Triton release, so it
 is imported when a kernel is launched, never at registration; :func:`available` says why
 it cannot run here (no GPU, not installed, a release built for another JAX, an import that
 fails). Everything around the launch (argument order, output shapes, grid, launch
-parameters from :data:`._common.TUNING`) is plain Python, tested on CPU with the launch
+parameters from the tables below) is plain Python, tested on CPU with the launch
 replaced.
 
 * rms_norm: one program per row of ``x`` flattened to ``[rows, dim]``, the row padded to a
@@ -17,9 +17,19 @@ replaced.
   float32 in the kernel (only the ``[head_dim // 2]`` inverse frequencies, which carry the
   scaling, are read), both pairing conventions.
 
-Both are differentiable through the XLA implementation's VJP (``jax.custom_vjp``), and
-batch under ``jax.vmap`` by launching once over the stacked rows (``custom_vmap``; jax-triton
-has no batching rule of its own).
+All three are differentiable through the XLA implementation's VJP
+(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), and batch under ``jax.vmap`` by
+launching once over the stacked rows (``custom_vmap``; jax-triton has no batching rule of
+its own). Not Pallas: the Triton source is written by hand, hence the module's name.
+
+Ops: :func:`forge_jax.ops.norm.rms_norm`, :func:`forge_jax.ops.activation.silu_mul`,
+:func:`forge_jax.ops.rope.rope`; references: their XLA implementations
+(:func:`~forge_jax.ops.norm.rms_norm_xla`, :func:`~forge_jax.ops.activation.silu_mul_xla`,
+:func:`~forge_jax.ops.rope.rope_xla`). Launch knobs, per kernel: :class:`RmsNormConfig`,
+:class:`SiluMulConfig`, :class:`RopeConfig`, their tables :data:`RMS_NORM_TUNED`,
+:data:`SILU_MUL_TUNED`, :data:`ROPE_TUNED` and ``*_default_config``. Registered (bottom of
+this module) as ``"triton"`` on GPU, by name until :data:`VERIFIED` names a GPU. Tests:
+``tests/test_jax_triton_elementwise.py``, ``tests/test_gpu_tuning.py``.
 """
 
 from __future__ import annotations
@@ -34,10 +44,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from forge_jax import _compat, dispatch, registry
+from forge_jax import _compat, registry
+from forge_jax.ops.activation import silu_mul_xla
 from forge_jax.ops.norm import rms_norm_xla
-from forge_jax.ops.rope import inverse_frequencies
-from forge_jax.pallas_kernels import _reference_vjp
+from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels._vjp import rms_norm_reference, with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
 # Where these kernels were compiled, checked and measured faster than XLA: none yet.
@@ -113,9 +125,85 @@ def rope_supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
+# --- launch knobs: per kernel, a Config, its table of defaults and default_config ---------
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNormConfig:
+    """The rms_norm kernel's launch knob (one program per row, the row padded to a power of
+    two): warps."""
+
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SiluMulConfig:
+    """The silu_mul kernel's launch knobs: elements per program and warps."""
+
+    block_size: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """The rope kernel's launch knobs: heads per program (one token each) and warps."""
+
+    block_heads: int
+    num_warps: int
+
+
+# The defaults per device kind (:func:`_common.kind_row`; "default" serves any other kind).
+# Bucketed by the padded row (rms_norm) and head dim (rope): the smallest bucket >= the
+# call's. Not measured yet (no GPU has run the kernels): the ranges of Triton's tutorials.
+RMS_NORM_TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        1024: dict(num_warps=4),
+        4096: dict(num_warps=8),
+        32768: dict(num_warps=16),
+    },
+}
+SILU_MUL_TUNED: Mapping[str, Mapping[str, int]] = {
+    "default": dict(block_size=4096, num_warps=8),
+}
+ROPE_TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        64: dict(block_heads=16, num_warps=2),
+        128: dict(block_heads=16, num_warps=4),
+        256: dict(block_heads=8, num_warps=4),
+        512: dict(block_heads=4, num_warps=4),
+    },
+}
+
+
+def rms_norm_default_config(args: Mapping[str, Any],
+                            device_kind: str | None = None) -> RmsNormConfig:
+    """The knobs for ``args["x"]`` (anything with a shape) from :data:`RMS_NORM_TUNED`."""
+    return RmsNormConfig(**_common.tuned(RMS_NORM_TUNED, device_kind,
+                                         _common.next_pow2(args["x"].shape[-1])))
+
+
+def silu_mul_default_config(args: Mapping[str, Any],
+                            device_kind: str | None = None) -> SiluMulConfig:
+    """The knobs from :data:`SILU_MUL_TUNED` (the same for any arguments)."""
+    del args
+    return SiluMulConfig(**_common.tuned(SILU_MUL_TUNED, device_kind))
+
+
+def rope_default_config(args: Mapping[str, Any], device_kind: str | None = None) -> RopeConfig:
+    """The knobs for ``args["x"]`` (``[batch, seq, heads, head_dim]``) from
+    :data:`ROPE_TUNED`, at most the (padded) head count per program."""
+    _, _, heads, head_dim = args["x"].shape
+    config = RopeConfig(**_common.tuned(ROPE_TUNED, device_kind, _common.next_pow2(head_dim)))
+    return dataclasses.replace(config,
+                               block_heads=min(config.block_heads, _common.next_pow2(heads)))
+
+
+# --- launch plans --------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One ``triton_call``: the kernel's name in ``_triton_src``, the grid, the scalar
+    """One ``triton_call``: the kernel's name in ``_jax_triton_src``, the grid, the scalar
     arguments after the arrays, the outputs, and the launch and meta-parameters."""
 
     kernel: str
@@ -132,23 +220,23 @@ def rms_norm_launch(shape: Sequence[int], dtype: Any, *, eps: float, residual: b
     """The launch of the rms_norm kernel for ``x`` of ``shape`` (rows flattened)."""
     dim = shape[-1]
     rows = math.prod(shape[:-1])
-    block = _common.next_pow2(dim)
-    knobs = _common.tuning("triton_rms_norm", device_kind, block)
+    config = rms_norm_default_config({"x": jax.ShapeDtypeStruct(tuple(shape), dtype)},
+                                     device_kind)
     out = jax.ShapeDtypeStruct((rows, dim), dtype)
     return Launch("add_rms_norm_kernel" if residual else "rms_norm_kernel", (rows,),
                   (dim, float(eps)), (out, out) if residual else (out,),
-                  num_warps or knobs["num_warps"], 1, {"BLOCK": block})
+                  num_warps or config.num_warps, 1, {"BLOCK": _common.next_pow2(dim)})
 
 
 def silu_mul_launch(size: int, dtype: Any, *, device_kind: str | None = None,
                     block_size: int | None = None, num_warps: int | None = None) -> Launch:
     """The launch of the silu_mul kernel over ``size`` elements."""
-    knobs = _common.tuning("triton_silu_mul", device_kind)
-    block = block_size or knobs["block_size"]
+    config = silu_mul_default_config({}, device_kind)
+    block = block_size or config.block_size
     if block < 1 or block & (block - 1):
         raise ValueError(f"block_size={block} must be a power of two (a Triton block)")
     return Launch("silu_mul_kernel", (-(-size // block),), (size,),
-                  (jax.ShapeDtypeStruct((size,), dtype),), num_warps or knobs["num_warps"], 1,
+                  (jax.ShapeDtypeStruct((size,), dtype),), num_warps or config.num_warps, 1,
                   {"BLOCK": block})
 
 
@@ -157,20 +245,20 @@ def rope_launch(shape: Sequence[int], dtype: Any, *, interleaved: bool,
                 num_warps: int | None = None) -> Launch:
     """The launch of the rope kernel for ``x`` of ``shape`` ``[batch, seq, heads, head_dim]``."""
     batch, seq, heads, head_dim = shape
-    knobs = _common.tuning("triton_rope", device_kind, _common.next_pow2(head_dim))
-    block = block_heads or min(knobs["block_heads"], _common.next_pow2(heads))
+    config = rope_default_config({"x": jax.ShapeDtypeStruct(tuple(shape), dtype)}, device_kind)
+    block = block_heads or config.block_heads
     if block < 1 or block & (block - 1):
         raise ValueError(f"block_heads={block} must be a power of two (a Triton block)")
     return Launch("rope_kernel", (batch * seq, -(-heads // block)), (heads, head_dim),
                   (jax.ShapeDtypeStruct((batch * seq, heads, head_dim), dtype),),
-                  num_warps or knobs["num_warps"], 1,
+                  num_warps or config.num_warps, 1,
                   {"BLOCK_HEADS": block, "HALF": _common.next_pow2(head_dim // 2),
                    "INTERLEAVED": bool(interleaved)})
 
 
 def _launch(launch: Launch, *arrays: jax.Array) -> Any:
     """Runs ``launch`` on ``arrays`` through jax-triton (replaced in the CPU tests)."""
-    src = importlib.import_module("forge_jax.pallas_kernels.gpu._triton_src")
+    src = importlib.import_module("forge_jax.pallas_kernels.gpu._jax_triton_src")
     return _compat.triton_call(
         *arrays, *launch.scalars, kernel=getattr(src, launch.kernel),
         out=launch.out if len(launch.out) > 1 else launch.out[0], grid=launch.grid,
@@ -225,19 +313,14 @@ def _batched_rows(forward: Callable[..., Any], xla: Callable[..., Any]):
     return fn
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _rms_norm(x, weight, residual, eps, num_warps):
+def _rms_norm_batched(x, weight, residual, *, eps, num_warps):
     fwd = _batched_rows(
         lambda x, w, r: rms_norm_forward(x, w, r, eps=eps, num_warps=num_warps),
         lambda x, w, r: rms_norm_xla(x, w, eps=eps, residual=r))
     return fwd(x, weight, residual)
 
 
-def _rms_norm_fwd(x, weight, residual, eps, num_warps):
-    return _rms_norm(x, weight, residual, eps, num_warps), (x, weight, residual)
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _reference_vjp.rms_norm_bwd)
+_rms_norm = with_reference_vjp(_rms_norm_batched, rms_norm_reference, static=("eps",))
 
 
 def rms_norm(x, weight, *, eps, residual, num_warps=None):
@@ -248,7 +331,7 @@ def rms_norm(x, weight, *, eps, residual, num_warps=None):
       num_warps: override the tuning table's entry.
     """
     with jax.named_scope("triton_rms_norm"):
-        return _rms_norm(x, weight, residual, eps, num_warps)
+        return _rms_norm(x, weight, residual, eps=eps, num_warps=num_warps)
 
 
 # --- silu_mul ------------------------------------------------------------------------------
@@ -263,10 +346,7 @@ def silu_mul_forward(gate, up, *, block_size=None, num_warps=None):
     return _launch(launch, gate.reshape(-1), up.reshape(-1)).reshape(gate.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _silu_mul(gate, up, knobs):
-    block_size, num_warps = knobs
-
+def _silu_mul_batched(gate, up, *, block_size, num_warps):
     @jax.custom_batching.custom_vmap
     def fwd(gate, up):
         return silu_mul_forward(gate, up, block_size=block_size, num_warps=num_warps)
@@ -280,11 +360,7 @@ def _silu_mul(gate, up, knobs):
     return fwd(gate, up)
 
 
-def _silu_mul_fwd(gate, up, knobs):
-    return _silu_mul(gate, up, knobs), (gate, up)
-
-
-_silu_mul.defvjp(_silu_mul_fwd, _reference_vjp.silu_mul_bwd)
+_silu_mul = with_reference_vjp(_silu_mul_batched, silu_mul_xla)
 
 
 def silu_mul(gate, up, *, block_size=None, num_warps=None):
@@ -295,7 +371,7 @@ def silu_mul(gate, up, *, block_size=None, num_warps=None):
       block_size, num_warps: override the tuning table's entry.
     """
     with jax.named_scope("triton_silu_mul"):
-        return _silu_mul(gate, up, (block_size, num_warps))
+        return _silu_mul(gate, up, block_size=block_size, num_warps=num_warps)
 
 
 # --- rope ----------------------------------------------------------------------------------
@@ -315,11 +391,7 @@ def rope_forward(x, positions, *, theta, scaling, interleaved, block_heads=None,
     return out.reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rope(x, positions, static, knobs):
-    theta, scaling, interleaved = static
-    block_heads, num_warps = knobs
-
+def _rope_batched(x, positions, *, theta, scaling, interleaved, block_heads, num_warps):
     @jax.custom_batching.custom_vmap
     def fwd(x, positions):
         return rope_forward(x, positions, theta=theta, scaling=scaling, interleaved=interleaved,
@@ -337,11 +409,7 @@ def _rope(x, positions, static, knobs):
     return fwd(x, positions)
 
 
-def _rope_fwd(x, positions, static, knobs):
-    return _rope(x, positions, static, knobs), (x, positions)
-
-
-_rope.defvjp(_rope_fwd, _reference_vjp.rope_bwd)
+_rope = with_reference_vjp(_rope_batched, rope_xla, static=("theta", "scaling", "interleaved"))
 
 
 def rope(x, positions, *, theta, scaling, interleaved, block_heads=None, num_warps=None):
@@ -352,7 +420,8 @@ def rope(x, positions, *, theta, scaling, interleaved, block_heads=None, num_war
       block_heads, num_warps: override the tuning table's entry.
     """
     with jax.named_scope("triton_rope"):
-        return _rope(x, positions, (theta, scaling, interleaved), (block_heads, num_warps))
+        return _rope(x, positions, theta=theta, scaling=scaling, interleaved=interleaved,
+                     block_heads=block_heads, num_warps=num_warps)
 
 
 # --- registration --------------------------------------------------------------------------
@@ -360,12 +429,12 @@ def rope(x, positions, *, theta, scaling, interleaved, block_heads=None, num_war
 
 def _register(op: str, fn: Callable[..., Any], supports, description: str,
               configs: registry.ConfigsFn) -> None:
-    dispatch.register(
-        op, "triton", platforms=("gpu",), priority={"gpu": PRIORITY}, verified=VERIFIED,
+    _registration.add(registry.Implementation(
+        op=op, name="triton", fn=fn, platforms=frozenset({"gpu"}), priority={"gpu": PRIORITY},
+        verified=VERIFIED,
         supports=lambda args, platform: (_common.gpu_reason(platform) or available()
                                          or supports(args)),
-        available=available, description=f"{description} (jax-triton)", configs=configs,
-    )(fn)
+        available=available, description=f"{description} (jax-triton)", configs=configs))
 
 
 _register("rms_norm", rms_norm, rms_norm_supports,

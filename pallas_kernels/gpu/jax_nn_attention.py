@@ -1,5 +1,6 @@
-"""cuDNN flash attention: :func:`forge_jax.attention` through
-``jax.nn.dot_product_attention(..., implementation="cudnn")``.
+"""``"cudnn"``: :func:`forge_jax.attention` through
+``jax.nn.dot_product_attention(..., implementation="cudnn")``, cuDNN's flash attention (a
+library call, not a kernel of ours: hence the module's name).
 
 cuDNN aligns its causal mask top-left (query ``t`` sees keys ``j <= t``) and knows
 per-sequence key counts (``key_value_seq_lengths``) and a left window
@@ -20,22 +21,26 @@ Around the call: key and value slots past ``kv_lengths[b]`` are zeroed before cu
 them (the contract's "hidden NaN never reaches the output" for uninitialised cache
 memory), and a sequence with no valid key returns zeros (cuDNN is never asked to take a
 softmax over nothing). The backward pass is the XLA reference's VJP, as for the flash
-kernels.
+kernels (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`).
+
+Op: :func:`forge_jax.ops.attention.attention`; reference: its XLA implementation
+:func:`forge_jax.ops.attention.attention_xla`. No launch knobs: cuDNN chooses its own.
+Registered (bottom of this module) as ``"cudnn"`` on GPU, by name until :data:`VERIFIED`
+names a GPU. Tests: ``tests/test_jax_nn_attention.py``.
 """
 
 from __future__ import annotations
 
-import functools
-import types
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from forge_jax import backends, dispatch
+from forge_jax import backends, registry
 from forge_jax.ops.attention import default_positions
-from forge_jax.pallas_kernels import _attention_common
+from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
 # Where this implementation was compiled, checked against the contract and measured faster
@@ -131,9 +136,9 @@ def cudnn_arguments(args: Mapping[str, Any]) -> dict[str, Any]:
                 else (min(window, args["k"].shape[1]) - 1, 0))
 
 
-def _forward(q, k, v, kv_lengths, static):
-    scale, causal, window, implementation = static
-    args = dict(q=q, k=k, v=v, causal=causal, kv_lengths=kv_lengths, sliding_window=window)
+def _forward(q, k, v, kv_lengths, *, scale, causal, sliding_window, implementation):
+    args = dict(q=q, k=k, v=v, causal=causal, kv_lengths=kv_lengths,
+                sliding_window=sliding_window)
     mapped = cudnn_arguments(args)
     if kv_lengths is not None:
         # Slots past a sequence's length may hold NaN (recycled cache memory): cuDNN's
@@ -149,28 +154,18 @@ def _forward(q, k, v, kv_lengths, static):
     return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, kv_lengths, static):
-    return _forward(q, k, v, kv_lengths, static)
-
-
-def _attention_fwd(q, k, v, kv_lengths, static):
-    return _forward(q, k, v, kv_lengths, static), (q, k, v, kv_lengths)
-
-
-def _attention_bwd(static, residuals, g):
-    scale, causal, window, _ = static
-    q, k, v, kv_lengths = residuals
+def _reference(q, k, v, kv_lengths, *, scale, causal, sliding_window):
+    """The XLA reference at the positions and lengths this call stands for."""
     positions = default_positions(q.shape[0], q.shape[1], k.shape[1], kv_lengths)
     lengths = (jnp.full((q.shape[0],), k.shape[1], jnp.int32) if kv_lengths is None
                else kv_lengths)
-    st = types.SimpleNamespace(scale=scale, causal=causal, sliding_window=window,
-                               logits_soft_cap=None)
-    dq, dk, dv, _, _ = _attention_common.reference_vjp(st, (q, k, v, positions, lengths), g)
-    return dq, dk, dv, None
+    return _attention_common.explicit_reference(
+        q, k, v, positions, lengths, scale=scale, causal=causal, sliding_window=sliding_window,
+        logits_soft_cap=None)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = with_reference_vjp(_forward, _reference,
+                                static=("scale", "causal", "sliding_window"))
 
 
 def cudnn_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
@@ -197,13 +192,13 @@ def cudnn_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     if kv_lengths is not None:
         kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, k.shape[1])
     with jax.named_scope("cudnn_attention"):
-        return _attention(q, k, v, kv_lengths, (scale, bool(causal), sliding_window,
-                                                implementation))
+        return _attention(q, k, v, kv_lengths, scale=scale, causal=bool(causal),
+                          sliding_window=sliding_window, implementation=implementation)
 
 
-dispatch.register(
-    "attention", "cudnn", platforms=("gpu",), priority={"gpu": PRIORITY}, verified=VERIFIED,
-    supports=supports, available=lambda: device_reason("gpu"),
+_registration.add(registry.Implementation(
+    op="attention", name="cudnn", fn=cudnn_attention, platforms=frozenset({"gpu"}),
+    priority={"gpu": PRIORITY}, verified=VERIFIED, supports=supports,
+    available=lambda: device_reason("gpu"),
     description="cuDNN flash attention via jax.nn.dot_product_attention (f16/bf16; "
-                "bottom-right causal only where it coincides with cuDNN's top-left)",
-)(cudnn_attention)
+                "bottom-right causal only where it coincides with cuDNN's top-left)"))
