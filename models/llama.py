@@ -39,7 +39,6 @@ from forge_jax.models.generation import (  # noqa: F401
 )
 from forge_jax.models.llama_checkpoint import (  # noqa: F401
     CheckpointError,
-    _hf_parameters,
     from_pretrained,
     hf_state_dict,
     load_config,
