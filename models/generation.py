@@ -1,5 +1,10 @@
 """The generation loop: a jitted prefill, then jitted decode steps with a donated KV cache
-(paged or contiguous), over a batch of prompts of different lengths."""
+(paged or contiguous), over a batch of prompts of different lengths.
+
+The steps themselves are :func:`forge_jax.models.steps.prefill_step` and
+:func:`~forge_jax.models.steps.decode_step`; this module checks the arguments, buckets the
+shapes, creates the cache, runs the steps and times them.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
 from forge_jax.models import llama_sharding
 from forge_jax.models import sampling as sampling_lib
 from forge_jax.models.llama_model import Llama, LlamaConfig
+from forge_jax.models.steps import decode_step, prefill_step, seen_tokens, step_statics
 
 
 @dataclasses.dataclass
@@ -79,85 +85,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _sample(logits, key, sampling, seen, greedy):
-    """One token per row of ``logits`` [batch, vocab] with the traced parameters
-    ``sampling`` (:meth:`SamplingParams.arrays`); ``seen`` bool [batch, vocab] marks each
-    sequence's tokens so far (for the repetition penalty). Returns (tokens, seen with them)."""
-    tokens = sampling_lib.sample(
-        logits, key, temperature=0.0 if greedy else sampling["temperature"],
-        top_k=sampling["top_k"], top_p=sampling["top_p"], min_p=sampling["min_p"],
-        repetition_penalty=sampling["repetition_penalty"], seen=seen)
-    return tokens, seen.at[jnp.arange(seen.shape[0]), tokens].set(True)
-
-
-def seen_tokens(prompts: Sequence[Sequence[int]], batch: int, vocab_size: int) -> np.ndarray:
-    """bool ``[batch, vocab_size]``: row ``b`` marks the tokens of ``prompts[b]`` (the
-    repetition penalty's memory; rows past the prompts stay False)."""
-    seen = np.zeros((batch, vocab_size), bool)
-    for b, p in enumerate(prompts):
-        seen[b, np.asarray(p, np.int64)] = True
-    return seen
-
-
-def _implementation_key():
-    """The active implementation preference (``fj.use_implementation``, the environment).
-
-    Ops pick their implementation when traced and jit's cache does not see the
-    preference, so the steps take it as a static argument: one compiled step per
-    preference.
-    """
-    return fj.dispatch.current_preference()
-
-
-_STATIC = ("graphdef", "mode", "implementation_key")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _prefill_step(state, cache, tokens, lengths, key, sampling, seen, *, graphdef, mode,
-                  implementation_key=None):
-    """Prefill of right-padded new tokens ``tokens`` [batch, t], ``lengths`` [batch] of them
-    per row, continuing the cache (from position ``cache.lengths``: 0 for a new cache, the
-    conversation so far in a chat); returns the first new token of each row (int32
-    [batch]), ``seen`` with it, and the cache. ``mode`` is :attr:`SamplingParams.mode`;
-    ``sampling`` is :meth:`SamplingParams.arrays`."""
-    model = nnx.merge(graphdef, state)
-    batch, t = tokens.shape
-    offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-    valid = offsets < lengths[:, None]
-    positions = cache.lengths.astype(jnp.int32)[:, None] + offsets
-    logits, cache = model.forward_cached(tokens, positions, valid, cache,
-                                         logits_at=jnp.maximum(lengths - 1, 0))
-    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, mode),
-                   cache)
-
-
-# The decode step also donates ``seen`` (each step's is the previous step's output), so the
-# [batch, vocab] mask is updated in place rather than allocated per token. The prefill does
-# not: generate's warm-up run passes the same ``seen`` again.
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "seen"))
-def _decode_step(state, cache, tokens, active, key, step, sampling, seen, *, graphdef, mode,
-                 implementation_key=None):
-    """One token per sequence: ``tokens`` [batch] at position ``cache.lengths``; rows with
-    ``active`` False (batch padding) are not written. Returns (next tokens, seen, cache)."""
-    model = nnx.merge(graphdef, state)
-    positions = cache.lengths[:, None]  # [batch, 1]
-    logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
-                                         logits_at=jnp.zeros_like(cache.lengths))
-    return _placed(model, *_sample(logits, jax.random.fold_in(key, step), sampling, seen,
-                                   mode), cache)
-
-
-def _placed(model: Llama, tokens, seen, cache):
-    """On a mesh: the sampled tokens and ``seen`` replicated (every process can read them)
-    and the cache kept in its shardings (so the next step takes it donated, with no
-    recompile). Returns ``(tokens, seen, cache)``."""
-    if model.mesh is None:
-        return tokens, seen, cache
-    replicated = model.mesh.replicated()
-    return (jax.lax.with_sharding_constraint(tokens, replicated),
-            jax.lax.with_sharding_constraint(seen, replicated),
-            jax.lax.with_sharding_constraint(
-                cache, llama_sharding.cache_shardings(cache, model.mesh)))
+def prompt_bucket(n: int) -> int:
+    """The length ``n`` new tokens are padded to for a prefill: a power of two, at least
+    8, so that nearby lengths share one compiled :func:`prefill_step`."""
+    return max(8, _next_pow2(n))
 
 
 def _check_prompt_array(prompts, vocab_size) -> list[list[int]]:
@@ -222,12 +153,12 @@ def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str
     The batch is padded to a power of two, then to a multiple of ``batch_multiple`` (the
     data axis of a mesh, so that it splits evenly)."""
     padded_batch = -(-_next_pow2(batch) // batch_multiple) * batch_multiple
-    prompt_bucket = max(8, _next_pow2(longest_prompt))
-    cache_len = _next_pow2(prompt_bucket + max_new_tokens)
+    bucket = prompt_bucket(longest_prompt)
+    cache_len = _next_pow2(bucket + max_new_tokens)
     max_pages = -(-cache_len // page_size)
     if cache == "paged":
         cache_len = max_pages * page_size
-    return padded_batch, prompt_bucket, cache_len, max_pages
+    return padded_batch, bucket, cache_len, max_pages
 
 
 def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
@@ -400,17 +331,16 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
         seen = fj.sharding.put(seen, mesh.replicated())
         first = fj.sharding.put(np.zeros(padded_batch, np.int32), mesh.replicated())
     step0 = scalar(1)
-    statics = dict(graphdef=graphdef, mode=sampling.mode,
-                   implementation_key=_implementation_key())
+    statics = step_statics(graphdef, sampling.mode)
     # Compile ahead of time (cached by jit after the first call) so that the timings
     # below measure the steps alone.
     start = time.perf_counter()
-    prefill = _prefill_step.lower(state, kv, tokens, padded_lengths, key, params, seen,
+    prefill = prefill_step.lower(state, kv, tokens, padded_lengths, key, params, seen,
                                   **statics).compile()
     decode = None
     if max_new_tokens > 1:
         # The decode step takes the tokens the previous step sampled: shaped like `first`.
-        decode = _decode_step.lower(state, kv, first, active, key, step0, params, seen,
+        decode = decode_step.lower(state, kv, first, active, key, step0, params, seen,
                                     **statics).compile()
     if warm_up:
         # A compiled step's first run builds its CPU matmul runtimes (XLA's YNNPACK
