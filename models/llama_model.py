@@ -174,6 +174,10 @@ def _rope_from_hf(config: dict) -> tuple[float, fj.RopeScaling | None]:
 # --------------------------------------------------------------------------------------
 # Modules
 # --------------------------------------------------------------------------------------
+# Modules hold their weights; head_dim, RoPE and eps come with each call (the config).
+# What a module holds besides arrays is in the graphdef, a static argument of the jitted
+# steps, which jit hashes on every call: the chat session's per-token decode step, where a
+# 30-layer graphdef already takes ~1 ms to hash on CPU.
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype)
@@ -299,14 +303,13 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
     """An RMSNorm's ``weight`` [dim], applied with ``fj.rms_norm`` (float32 math)."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32):
+    def __init__(self, dim: int, *, param_dtype=jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.eps = eps
 
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, eps: float):
         """``x`` [..., dim] -> ``y`` [..., dim]; with ``residual`` [..., dim], the fused
         residual add: ``(y, h)`` with ``h = x + residual`` and ``y`` its norm."""
-        return fj.rms_norm(x, self.weight[...], eps=self.eps, residual=residual)
+        return fj.rms_norm(x, self.weight[...], eps=eps, residual=residual)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,14 +354,9 @@ class LlamaAttention(nnx.Module):
                                parts=(Part("q_proj", q), kv_part("k_proj"), kv_part("v_proj")),
                                groups=layout.groups, **kw)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
-        self.num_heads = c.num_attention_heads
-        self.kv_heads = c.num_key_value_heads * layout.kv_repeat  # copies included
-        self.head_dim = c.head_dim
-        self.rope_theta = c.rope_theta
-        self.rope_scaling = c.rope_scaling
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any = None
-                 ) -> tuple[jax.Array, Any]:
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any = None,
+                 *, config: LlamaConfig) -> tuple[jax.Array, Any]:
         """Self-attention of ``x``.
 
         Args:
@@ -367,20 +365,24 @@ class LlamaAttention(nnx.Module):
           attend: the attention itself (:data:`Attend`): ``fj.attention`` for a full
             forward, or a KV cache's write and ``attend`` for this layer.
           cache: passed to ``attend`` and returned as it returns it.
+          config: the model's config (head_dim, RoPE).
 
         Returns:
           ``(out, cache)``: ``out`` ``[batch, t, hidden_size]``.
         """
         batch, t, _ = x.shape
+        c = config
         with jax.named_scope("attention"):
             q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-            q = q.reshape(batch, t, self.num_heads, self.head_dim)
-            k = k.reshape(batch, t, self.kv_heads, self.head_dim)
-            v = v.reshape(batch, t, self.kv_heads, self.head_dim)
-            q = fj.rope(q, positions, theta=self.rope_theta, scaling=self.rope_scaling)
-            k = fj.rope(k, positions, theta=self.rope_theta, scaling=self.rope_scaling)
+            # [batch, t, heads, head_dim]; k and v have the layout's KV heads (copies
+            # included), which the weights' shape gives.
+            q = q.reshape(batch, t, c.num_attention_heads, c.head_dim)
+            k = k.reshape(batch, t, -1, c.head_dim)
+            v = v.reshape(batch, t, -1, c.head_dim)
+            q = fj.rope(q, positions, theta=c.rope_theta, scaling=c.rope_scaling)
+            k = fj.rope(k, positions, theta=c.rope_theta, scaling=c.rope_scaling)
             o, cache = attend(q, k, v, cache)  # [batch, t, heads, head_dim]
-            return self.o_proj(o.reshape(batch, t, self.num_heads * self.head_dim)), cache
+            return self.o_proj(o.reshape(batch, t, c.num_attention_heads * c.head_dim)), cache
 
 
 class LlamaMLP(nnx.Module):
@@ -415,33 +417,33 @@ class LlamaDecoderLayer(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype,
                  layout: TensorLayout = TensorLayout()):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout)
-        norm = functools.partial(RMSNorm, config.hidden_size, eps=config.rms_norm_eps,
-                                 param_dtype=param_dtype)
-        self.input_layernorm = norm()
+        self.input_layernorm = RMSNorm(config.hidden_size, param_dtype=param_dtype)
         self.self_attn = LlamaAttention(config, **kw)
-        self.post_attention_layernorm = norm()
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, param_dtype=param_dtype)
         self.mlp = LlamaMLP(config, **kw)
 
     def __call__(self, x: jax.Array, residual: jax.Array | None, positions: jax.Array,
-                 attend: Attend, cache: Any = None) -> tuple[jax.Array, jax.Array, Any]:
+                 attend: Attend, cache: Any = None, *, config: LlamaConfig
+                 ) -> tuple[jax.Array, jax.Array, Any]:
         """One block.
 
         Args:
           x: ``[batch, t, hidden_size]``: the previous layer's MLP output, not yet added
             to ``residual``; for the first layer, the embeddings (``residual`` None).
           residual: ``[batch, t, hidden_size]``, the residual stream, or None.
-          positions, attend, cache: as :meth:`LlamaAttention.__call__` takes them.
+          positions, attend, cache, config: as :meth:`LlamaAttention.__call__` takes them.
 
         Returns:
           ``(mlp_out, residual, cache)``: the MLP output (to add to ``residual``) and the
           residual stream, both ``[batch, t, hidden_size]``; the cache ``attend`` returned.
         """
+        eps = config.rms_norm_eps
         if residual is None:
-            y, residual = self.input_layernorm(x), x
+            y, residual = self.input_layernorm(x, eps=eps), x
         else:
-            y, residual = self.input_layernorm(x, residual)
-        x, cache = self.self_attn(y, positions, attend, cache)
-        y, residual = self.post_attention_layernorm(x, residual)
+            y, residual = self.input_layernorm(x, residual, eps=eps)
+        x, cache = self.self_attn(y, positions, attend, cache, config=config)
+        y, residual = self.post_attention_layernorm(x, residual, eps=eps)
         return self.mlp(y), residual, cache
 
 
@@ -476,7 +478,7 @@ class Llama(nnx.Module):
         self.layers = nnx.List([
             LlamaDecoderLayer(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout)
             for _ in range(c.num_hidden_layers)])
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = RMSNorm(c.hidden_size, param_dtype=param_dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(
             c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs, dtype=dtype,
             param_dtype=param_dtype)
@@ -573,8 +575,9 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 x, residual, cache = layer(x, residual, positions,
-                                           functools.partial(attend, i), cache)
-        hidden = self.norm(x, residual)[0]
+                                           functools.partial(attend, i), cache,
+                                           config=self.config)
+        hidden = self.norm(x, residual, eps=self.config.rms_norm_eps)[0]
         return hidden, cache
 
     def _logits(self, hidden):
