@@ -59,7 +59,7 @@ def step_statics(graphdef: nnx.GraphDef, mode: bool) -> dict:
 
     Ops pick their implementation when traced and jit's cache does not see the
     preference, so the steps take it as a static argument: one compiled step per
-    preference.
+    preference. (Left out, it is None: the step compiled first serves every preference.)
     """
     return dict(graphdef=graphdef, mode=mode,
                 implementation_key=fj.dispatch.current_preference())
