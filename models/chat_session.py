@@ -34,6 +34,7 @@ from flax import nnx
 
 from forge_jax.kv_cache import PagedKVCache
 from forge_jax.models import generation
+from forge_jax.models import steps as steps_lib
 from forge_jax.models import text as text_lib
 from forge_jax.models.llama_model import Llama
 
@@ -149,8 +150,7 @@ class ChatSession:
             kv_heads=model.kv_heads, head_dim=config.head_dim, dtype=model.dtype,
             block_tables=np.arange(pages, dtype=np.int32)[None])
         self._graphdef, self._state = nnx.split(model)
-        self._statics = dict(graphdef=self._graphdef, mode=self.sampling.mode,
-                             implementation_key=generation._implementation_key())
+        self._statics = steps_lib.step_statics(self._graphdef, self.sampling.mode)
         self._params = self.sampling.arrays()
         self.turns = 0
         self.messages: list[dict[str, str]] = []
@@ -204,16 +204,16 @@ class ChatSession:
         reused = min(_common_prefix(self.cached_tokens, ids), len(ids) - 1)
         stats.reused_tokens, stats.prefilled_tokens = reused, len(ids) - reused
         new = ids[reused:]
-        bucket = max(8, generation._next_pow2(len(new)))
+        bucket = generation.prompt_bucket(len(new))
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :len(new)] = new
-        seen = jnp.asarray(generation.seen_tokens([ids], 1, self.model.config.vocab_size))
+        seen = jnp.asarray(steps_lib.seen_tokens([ids], 1, self.model.config.vocab_size))
         key = jax.random.fold_in(self.key, self.turns)
         self.turns += 1
         self.cached_tokens = list(ids[:reused])  # the cache keeps these; the rest is rewritten
         cache = self._cache.with_lengths(jnp.asarray([reused], jnp.int32))
         self._cache = None  # donated below
-        first, seen, cache = generation._prefill_step(
+        first, seen, cache = steps_lib.prefill_step(
             self._state, cache, jnp.asarray(tokens), jnp.asarray([len(new)], jnp.int32), key,
             self._params, seen, **self._statics)
         active = jnp.ones((1,), bool)
@@ -238,7 +238,7 @@ class ChatSession:
             while not done and i < max_new:
                 # Step i feeds token i - 1 and gives token i; token i - 1 is read on the
                 # host while it runs (one step behind, as generate's eos check).
-                following, seen, cache = generation._decode_step(
+                following, seen, cache = steps_lib.decode_step(
                     self._state, cache, newest, active, key, jnp.asarray(i, jnp.int32),
                     self._params, seen, **self._statics)
                 steps += 1

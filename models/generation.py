@@ -1,5 +1,10 @@
 """The generation loop: a jitted prefill, then jitted decode steps with a donated KV cache
-(paged or contiguous), over a batch of prompts of different lengths."""
+(paged or contiguous), over a batch of prompts of different lengths.
+
+The steps themselves are :func:`forge_jax.models.steps.prefill_step` and
+:func:`~forge_jax.models.steps.decode_step`; this module checks the arguments, buckets the
+shapes, creates the cache, runs the steps and times them.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
 from forge_jax.models import llama_sharding
 from forge_jax.models import sampling as sampling_lib
 from forge_jax.models.llama_model import Llama, LlamaConfig
+from forge_jax.models.steps import decode_step, prefill_step, seen_tokens, step_statics
 
 
 @dataclasses.dataclass
@@ -79,85 +85,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _sample(logits, key, sampling, seen, greedy):
-    """One token per row of ``logits`` [batch, vocab] with the traced parameters
-    ``sampling`` (:meth:`SamplingParams.arrays`); ``seen`` bool [batch, vocab] marks each
-    sequence's tokens so far (for the repetition penalty). Returns (tokens, seen with them)."""
-    tokens = sampling_lib.sample(
-        logits, key, temperature=0.0 if greedy else sampling["temperature"],
-        top_k=sampling["top_k"], top_p=sampling["top_p"], min_p=sampling["min_p"],
-        repetition_penalty=sampling["repetition_penalty"], seen=seen)
-    return tokens, seen.at[jnp.arange(seen.shape[0]), tokens].set(True)
-
-
-def seen_tokens(prompts: Sequence[Sequence[int]], batch: int, vocab_size: int) -> np.ndarray:
-    """bool ``[batch, vocab_size]``: row ``b`` marks the tokens of ``prompts[b]`` (the
-    repetition penalty's memory; rows past the prompts stay False)."""
-    seen = np.zeros((batch, vocab_size), bool)
-    for b, p in enumerate(prompts):
-        seen[b, np.asarray(p, np.int64)] = True
-    return seen
-
-
-def _implementation_key():
-    """The active implementation preference (``fj.use_implementation``, the environment).
-
-    Ops pick their implementation when traced and jit's cache does not see the
-    preference, so the steps take it as a static argument: one compiled step per
-    preference.
-    """
-    return fj.dispatch.current_preference()
-
-
-_STATIC = ("graphdef", "mode", "implementation_key")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _prefill_step(state, cache, tokens, lengths, key, sampling, seen, *, graphdef, mode,
-                  implementation_key=None):
-    """Prefill of right-padded new tokens ``tokens`` [batch, t], ``lengths`` [batch] of them
-    per row, continuing the cache (from position ``cache.lengths``: 0 for a new cache, the
-    conversation so far in a chat); returns the first new token of each row (int32
-    [batch]), ``seen`` with it, and the cache. ``mode`` is :attr:`SamplingParams.mode`;
-    ``sampling`` is :meth:`SamplingParams.arrays`."""
-    model = nnx.merge(graphdef, state)
-    batch, t = tokens.shape
-    offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-    valid = offsets < lengths[:, None]
-    positions = cache.lengths.astype(jnp.int32)[:, None] + offsets
-    logits, cache = model.forward_cached(tokens, positions, valid, cache,
-                                         logits_at=jnp.maximum(lengths - 1, 0))
-    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, mode),
-                   cache)
-
-
-# The decode step also donates ``seen`` (each step's is the previous step's output), so the
-# [batch, vocab] mask is updated in place rather than allocated per token. The prefill does
-# not: generate's warm-up run passes the same ``seen`` again.
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "seen"))
-def _decode_step(state, cache, tokens, active, key, step, sampling, seen, *, graphdef, mode,
-                 implementation_key=None):
-    """One token per sequence: ``tokens`` [batch] at position ``cache.lengths``; rows with
-    ``active`` False (batch padding) are not written. Returns (next tokens, seen, cache)."""
-    model = nnx.merge(graphdef, state)
-    positions = cache.lengths[:, None]  # [batch, 1]
-    logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
-                                         logits_at=jnp.zeros_like(cache.lengths))
-    return _placed(model, *_sample(logits, jax.random.fold_in(key, step), sampling, seen,
-                                   mode), cache)
-
-
-def _placed(model: Llama, tokens, seen, cache):
-    """On a mesh: the sampled tokens and ``seen`` replicated (every process can read them)
-    and the cache kept in its shardings (so the next step takes it donated, with no
-    recompile). Returns ``(tokens, seen, cache)``."""
-    if model.mesh is None:
-        return tokens, seen, cache
-    replicated = model.mesh.replicated()
-    return (jax.lax.with_sharding_constraint(tokens, replicated),
-            jax.lax.with_sharding_constraint(seen, replicated),
-            jax.lax.with_sharding_constraint(
-                cache, llama_sharding.cache_shardings(cache, model.mesh)))
+def prompt_bucket(n: int) -> int:
+    """The length ``n`` new tokens are padded to for a prefill: a power of two, at least
+    8, so that nearby lengths share one compiled :func:`prefill_step`."""
+    return max(8, _next_pow2(n))
 
 
 def _check_prompt_array(prompts, vocab_size) -> list[list[int]]:
@@ -222,12 +153,12 @@ def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str
     The batch is padded to a power of two, then to a multiple of ``batch_multiple`` (the
     data axis of a mesh, so that it splits evenly)."""
     padded_batch = -(-_next_pow2(batch) // batch_multiple) * batch_multiple
-    prompt_bucket = max(8, _next_pow2(longest_prompt))
-    cache_len = _next_pow2(prompt_bucket + max_new_tokens)
+    bucket = prompt_bucket(longest_prompt)
+    cache_len = _next_pow2(bucket + max_new_tokens)
     max_pages = -(-cache_len // page_size)
     if cache == "paged":
         cache_len = max_pages * page_size
-    return padded_batch, prompt_bucket, cache_len, max_pages
+    return padded_batch, bucket, cache_len, max_pages
 
 
 def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
@@ -309,6 +240,70 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     ``prefill_seconds`` (the time to the first token). The CLI uses it; it costs one more
     prefill's time in total.
     """
+    plan = _plan(model, prompts, max_new_tokens, cache=cache, page_size=page_size, seed=seed,
+                 allow_beyond_max_positions=allow_beyond_max_positions)
+    sampling = sampling_lib.SamplingParams(temperature, top_k, top_p, min_p,
+                                           repetition_penalty)
+    eos = _eos_set(eos_token_id)
+    cache_dtype = model.dtype if cache_dtype is None else jnp.dtype(cache_dtype)
+    stats = GenerationStats(
+        batch=plan.batch, padded_batch=plan.padded_batch, prompt_bucket=plan.prompt_bucket,
+        cache_len=plan.cache_len, cache=plan.cache, max_new_tokens=plan.max_new_tokens,
+        prompt_tokens=int(plan.lengths.sum()))
+    if plan.max_new_tokens == 0:
+        return [[] for _ in plan.prompts], stats
+
+    kv = _create_cache(model, plan, cache_dtype)
+    graphdef, state = nnx.split(model)
+    inputs = _place_inputs(model, plan, sampling, seed)
+    statics = step_statics(graphdef, sampling.mode)
+
+    start = time.perf_counter()
+    prefill, decode, kv = _compile_steps(state, kv, inputs, statics, plan, warm_up)
+    stats.compile_seconds = time.perf_counter() - start
+
+    tokens, seen, kv, stats.prefill_seconds = _prefill(prefill, state, kv, inputs)
+    if progress is not None:
+        progress(1, plan.max_new_tokens)
+
+    outputs, stats.decode_steps, stats.decode_seconds = _decode_loop(
+        decode, state, kv, tokens, seen, inputs, plan, eos, progress, on_tokens)
+    results = _collect(outputs, plan.batch, eos)
+    stats.new_tokens = sum(len(r) for r in results)
+    stats.decode_tokens = stats.new_tokens - plan.batch  # the prefill gave each its first
+    return results, stats
+
+
+# The stages of generate_with_stats, in order.
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A checked :func:`generate` call: its prompts and the bucketed shapes it runs with
+    (see :func:`_cache_plan`)."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    cache: str
+    page_size: int
+    padded_batch: int
+    prompt_bucket: int
+    cache_len: int
+    max_pages: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int32 ``[batch]``, the prompts' lengths."""
+        return np.array([len(p) for p in self.prompts], np.int32)
+
+
+def _plan(model: Llama, prompts, max_new_tokens, *, cache, page_size, seed,
+          allow_beyond_max_positions) -> _Plan:
+    """Checks the arguments (ValueError or TypeError naming them, before any work) and
+    buckets the shapes."""
     config = model.config
     prompts = _check_prompts(prompts, config.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
@@ -326,109 +321,134 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) \
             or not -2**63 <= seed < 2**63:
         raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed=!r}")
-    sampling = sampling_lib.SamplingParams(temperature, top_k, top_p, min_p,
-                                           repetition_penalty)
-    eos = _eos_set(eos_token_id)
-    cache_dtype = model.dtype if cache_dtype is None else jnp.dtype(cache_dtype)
-
-    batch = len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
     mesh = model.mesh  # a forge_jax.sharding.MeshConfig for a sharded model, else None
-    padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
-        batch, int(lengths.max()), max_new_tokens, cache, page_size,
-        batch_multiple=1 if mesh is None else mesh.dp)
-    stats = GenerationStats(batch=batch, padded_batch=padded_batch, prompt_bucket=prompt_bucket,
-                            cache_len=cache_len, cache=cache, max_new_tokens=max_new_tokens,
-                            prompt_tokens=int(lengths.sum()))
-    if max_new_tokens == 0:
-        return [[] for _ in prompts], stats
+    shapes = _cache_plan(len(prompts), len(prompts[longest]), max_new_tokens, cache,
+                         page_size, batch_multiple=1 if mesh is None else mesh.dp)
+    return _Plan(prompts, max_new_tokens, cache, page_size, *shapes)
 
-    # Inputs, padded to the bucketed shapes: prompts right-padded with token 0 (never
-    # written to the cache), extra batch rows with length 0 (never written either).
-    tokens = np.zeros((padded_batch, prompt_bucket), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = p
-    padded_lengths = np.zeros((padded_batch,), np.int32)
-    padded_lengths[:batch] = lengths
-    active = np.arange(padded_batch) < batch
 
-    check_generation_fits(config, batch=batch, longest_prompt=int(lengths.max()),
-                          max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
-                          param_dtype=model.param_dtype, dtype=model.dtype,
-                          cache_dtype=cache_dtype, mesh=mesh)
-
-    if cache == "paged":
-        num_pages = padded_batch * max_pages
-        manager = BlockManager(num_pages, page_size)
-        for b in range(batch):
-            manager.allocate(b, int(lengths[b]) + max_new_tokens)
-        block_tables = np.zeros((padded_batch, max_pages), np.int32)
-        block_tables[:batch] = manager.block_tables(list(range(batch)), max_pages)
+def _create_cache(model: Llama, plan: _Plan, cache_dtype):
+    """The KV cache for the plan, after checking that it fits (on a mesh: created in its
+    shards). A paged cache has each prompt's pages allocated up front for its prompt and
+    ``max_new_tokens``; batch padding rows hold none."""
+    config, mesh = model.config, model.mesh
+    lengths = plan.lengths
+    check_generation_fits(config, batch=plan.batch, longest_prompt=int(lengths.max()),
+                          max_new_tokens=plan.max_new_tokens, cache=plan.cache,
+                          page_size=plan.page_size, param_dtype=model.param_dtype,
+                          dtype=model.dtype, cache_dtype=cache_dtype, mesh=mesh)
+    if plan.cache == "paged":
+        num_pages = plan.padded_batch * plan.max_pages
+        manager = BlockManager(num_pages, plan.page_size)
+        for b in range(plan.batch):
+            manager.allocate(b, int(lengths[b]) + plan.max_new_tokens)
+        block_tables = np.zeros((plan.padded_batch, plan.max_pages), np.int32)
+        block_tables[:plan.batch] = manager.block_tables(list(range(plan.batch)),
+                                                         plan.max_pages)
         make_cache = functools.partial(
             PagedKVCache.create, num_layers=config.num_hidden_layers, num_pages=num_pages,
-            page_size=page_size, kv_heads=model.kv_heads, head_dim=config.head_dim,
+            page_size=plan.page_size, kv_heads=model.kv_heads, head_dim=config.head_dim,
             dtype=cache_dtype, block_tables=block_tables)
     else:
         make_cache = functools.partial(
-            ContiguousKVCache.create, num_layers=config.num_hidden_layers, batch=padded_batch,
-            max_len=cache_len, kv_heads=model.kv_heads, head_dim=config.head_dim,
-            dtype=cache_dtype)
-    kv = llama_sharding.create_cache(make_cache, mesh)  # on a mesh: created in its shards
+            ContiguousKVCache.create, num_layers=config.num_hidden_layers,
+            batch=plan.padded_batch, max_len=plan.cache_len, kv_heads=model.kv_heads,
+            head_dim=config.head_dim, dtype=cache_dtype)
+    return llama_sharding.create_cache(make_cache, mesh)
 
-    graphdef, state = nnx.split(model)
-    # The sampling parameters are arguments, not constants: changing them does not recompile.
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """The steps' inputs at the bucketed shapes, on the device (on a mesh: global arrays,
+    each device given its slice, which works across processes too)."""
+
+    tokens: jax.Array  # int32 [padded_batch, prompt_bucket], prompts right-padded with 0
+    lengths: jax.Array  # int32 [padded_batch]; 0 for batch padding rows (never written)
+    no_lengths: jax.Array  # int32 [padded_batch] zeros: the warm-up writes no token
+    active: jax.Array  # bool [padded_batch]: the rows that are prompts
+    seen: jax.Array  # bool [padded_batch, vocab]: the repetition penalty's memory
+    params: dict[str, jax.Array]  # SamplingParams.arrays(): arguments, so no recompile
+    key: jax.Array
+    first: jax.Array  # int32 [padded_batch], shaped like the tokens the prefill samples
+    step: Callable[[int], jax.Array]  # a decode step's number, as the steps take it
+
+
+def _place_inputs(model: Llama, plan: _Plan, sampling: sampling_lib.SamplingParams,
+                  seed) -> _Inputs:
+    """The padded inputs: prompts right-padded with token 0 and extra batch rows of
+    length 0 (neither is written to the cache), put on the device or the mesh."""
+    mesh = model.mesh
+    tokens = np.zeros((plan.padded_batch, plan.prompt_bucket), np.int32)
+    for b, p in enumerate(plan.prompts):
+        tokens[b, :len(p)] = p
+    lengths = np.zeros((plan.padded_batch,), np.int32)
+    lengths[:plan.batch] = plan.lengths
+    active = np.arange(plan.padded_batch) < plan.batch
     params = {name: np.asarray(value) for name, value in sampling.arrays().items()}
-    seen = seen_tokens(prompts, padded_batch, config.vocab_size)  # the repetition penalty's
-    no_lengths = np.zeros_like(padded_lengths)  # the warm-up's: no token written
+    seen = seen_tokens(plan.prompts, plan.padded_batch, model.config.vocab_size)
+    no_lengths = np.zeros_like(lengths)
     if mesh is None:
-        key = jax.random.key(seed)
-        tokens, padded_lengths, no_lengths, active, seen = map(
-            jnp.asarray, (tokens, padded_lengths, no_lengths, active, seen))
-        params = {name: jnp.asarray(value) for name, value in params.items()}
-        first = tokens[:, 0]
-        scalar = lambda value: jnp.asarray(value, jnp.int32)
-    else:  # global arrays, each device given its slice (works across processes too)
-        rows = mesh.batch_axis(padded_batch)
-        key = jax.random.wrap_key_data(fj.sharding.put(
-            np.asarray(jax.random.key_data(jax.random.key(seed))), mesh.replicated()))
-        scalar = lambda value: fj.sharding.put(np.int32(value), mesh.replicated())
-        tokens = fj.sharding.put(tokens, mesh.sharding(rows, None))
-        padded_lengths, no_lengths, active = (fj.sharding.put(a, mesh.sharding(rows))
-                                              for a in (padded_lengths, no_lengths, active))
-        params = {name: fj.sharding.put(value, mesh.replicated())
-                  for name, value in params.items()}
-        seen = fj.sharding.put(seen, mesh.replicated())
-        first = fj.sharding.put(np.zeros(padded_batch, np.int32), mesh.replicated())
-    step0 = scalar(1)
-    statics = dict(graphdef=graphdef, mode=sampling.mode,
-                   implementation_key=_implementation_key())
-    # Compile ahead of time (cached by jit after the first call) so that the timings
-    # below measure the steps alone.
-    start = time.perf_counter()
-    prefill = _prefill_step.lower(state, kv, tokens, padded_lengths, key, params, seen,
-                                  **statics).compile()
+        tokens, lengths, no_lengths, active, seen = map(
+            jnp.asarray, (tokens, lengths, no_lengths, active, seen))
+        return _Inputs(tokens, lengths, no_lengths, active, seen,
+                       {name: jnp.asarray(value) for name, value in params.items()},
+                       key=jax.random.key(seed), first=tokens[:, 0],
+                       step=lambda value: jnp.asarray(value, jnp.int32))
+    rows = mesh.batch_axis(plan.padded_batch)
+    key = jax.random.wrap_key_data(fj.sharding.put(
+        np.asarray(jax.random.key_data(jax.random.key(seed))), mesh.replicated()))
+    lengths, no_lengths, active = (fj.sharding.put(a, mesh.sharding(rows))
+                                   for a in (lengths, no_lengths, active))
+    return _Inputs(fj.sharding.put(tokens, mesh.sharding(rows, None)), lengths, no_lengths,
+                   active, fj.sharding.put(seen, mesh.replicated()),
+                   {name: fj.sharding.put(value, mesh.replicated())
+                    for name, value in params.items()},
+                   key=key,
+                   first=fj.sharding.put(np.zeros(plan.padded_batch, np.int32),
+                                         mesh.replicated()),
+                   step=lambda value: fj.sharding.put(np.int32(value), mesh.replicated()))
+
+
+def _compile_steps(state, kv, inputs: _Inputs, statics: dict, plan: _Plan, warm_up: bool):
+    """The compiled prefill and decode steps (the decode step None when the prefill gives
+    the only token), compiled ahead of time (cached by jit after the first call) so that
+    the timings measure the steps alone. Returns ``(prefill, decode, kv)``."""
+    prefill = prefill_step.lower(state, kv, inputs.tokens, inputs.lengths, inputs.key,
+                                 inputs.params, inputs.seen, **statics).compile()
     decode = None
-    if max_new_tokens > 1:
+    if plan.max_new_tokens > 1:
         # The decode step takes the tokens the previous step sampled: shaped like `first`.
-        decode = _decode_step.lower(state, kv, first, active, key, step0, params, seen,
-                                    **statics).compile()
+        decode = decode_step.lower(state, kv, inputs.first, inputs.active, inputs.key,
+                                   inputs.step(1), inputs.params, inputs.seen,
+                                   **statics).compile()
     if warm_up:
         # A compiled step's first run builds its CPU matmul runtimes (XLA's YNNPACK
         # fusions, a few ms per matmul: ~0.45 s for a 30-layer model's prefill, ten decode
         # steps' time). A run on no tokens (nothing written, the cache unchanged) pays it
-        # here, so that the prefill below, the time to the first token, is the work alone.
-        warm, _, kv = prefill(state, kv, tokens, no_lengths, key, params, seen)
+        # here, so that the prefill after it, the time to the first token, is the work alone.
+        warm, _, kv = prefill(state, kv, inputs.tokens, inputs.no_lengths, inputs.key,
+                              inputs.params, inputs.seen)
         warm.block_until_ready()
-    stats.compile_seconds = time.perf_counter() - start
+    return prefill, decode, kv
 
+
+def _prefill(prefill, state, kv, inputs: _Inputs):
+    """Runs the compiled prefill; returns ``(tokens, seen, kv, seconds)``: each row's first
+    new token, ``seen`` with it, the cache, and the time until the tokens were ready."""
     start = time.perf_counter()
-    next_tokens, seen, kv = prefill(state, kv, tokens, padded_lengths, key, params, seen)
-    next_tokens.block_until_ready()
-    stats.prefill_seconds = time.perf_counter() - start
-    if progress is not None:
-        progress(1, max_new_tokens)
+    tokens, seen, kv = prefill(state, kv, inputs.tokens, inputs.lengths, inputs.key,
+                               inputs.params, inputs.seen)
+    tokens.block_until_ready()
+    return tokens, seen, kv, time.perf_counter() - start
 
-    outputs = [next_tokens]
+
+def _decode_loop(decode, state, kv, tokens, seen, inputs: _Inputs, plan: _Plan,
+                 eos: frozenset[int], progress, on_tokens) -> tuple[list, int, float]:
+    """The decode steps after the prefill's ``tokens``, until ``max_new_tokens`` or every
+    sequence has generated an eos. Returns ``(outputs, steps, seconds)``: each step's
+    tokens (the prefill's first), the decode steps run and their time."""
+    batch = plan.batch
+    outputs = [tokens]
     done = np.zeros((batch,), bool)
     eos_ids = np.asarray(sorted(eos), np.int32)
     read = bool(eos) or on_tokens is not None  # the host needs each step's tokens
@@ -441,30 +461,34 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
             on_tokens(i, host)
 
     if read:
-        arrived(0, next_tokens)
+        arrived(0, tokens)
     unchecked = None  # (i, the latest tokens not yet read on the host)
+    steps = 0
     start = time.perf_counter()
-    for step in range(1, max_new_tokens):
+    for step in range(1, plan.max_new_tokens):
         if done.all():
             break
-        next_tokens, seen, kv = decode(state, kv, next_tokens, active, key, scalar(step),
-                                       params, seen)
-        outputs.append(next_tokens)
-        stats.decode_steps += 1
+        tokens, seen, kv = decode(state, kv, tokens, inputs.active, inputs.key,
+                                  inputs.step(step), inputs.params, seen)
+        outputs.append(tokens)
+        steps += 1
         if read:
             # Stopping early and streaming need the tokens on the host. Reading the
             # previous step's while this one is queued keeps the device busy; the cost is
-            # at most one step past the last eos, whose tokens are cut off below.
+            # at most one step past the last eos, whose tokens are cut off by _collect.
             if unchecked is not None:
                 arrived(*unchecked)
-            unchecked = (step, next_tokens)
+            unchecked = (step, tokens)
         if progress is not None:
-            progress(step + 1, max_new_tokens)
+            progress(step + 1, plan.max_new_tokens)
     if unchecked is not None and on_tokens is not None:
         on_tokens(unchecked[0], np.asarray(unchecked[1])[:batch])
     jax.block_until_ready(outputs)
-    stats.decode_seconds = time.perf_counter() - start if stats.decode_steps else 0.0
+    return outputs, steps, time.perf_counter() - start if steps else 0.0
 
+
+def _collect(outputs: list, batch: int, eos: frozenset[int]) -> list[list[int]]:
+    """Each prompt's new tokens from the steps' outputs, cut after its first eos."""
     generated = np.stack([np.asarray(t) for t in outputs], axis=1)[:batch]  # [batch, steps]
     results = []
     for row in generated:
@@ -474,9 +498,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
                 row = row[:i + 1]
                 break
         results.append(row)
-    stats.new_tokens = sum(len(r) for r in results)
-    stats.decode_tokens = stats.new_tokens - batch  # the prefill gave each its first token
-    return results, stats
+    return results
 
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,

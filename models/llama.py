@@ -19,10 +19,11 @@ Usage::
     logits = model(tokens)                                  # [batch, seq, vocab]
     new_tokens = llama.generate(model, [[1, 2, 3], [1, 5]], max_new_tokens=16)
 
-The code lives in three modules, one per concern, re-exported here:
+The code lives in four modules, one per concern, re-exported here:
 :mod:`forge_jax.models.llama_model` (the config and the layers),
-:mod:`forge_jax.models.llama_checkpoint` (Hugging Face checkpoints) and
-:mod:`forge_jax.models.generation` (the generation loop); the text API
+:mod:`forge_jax.models.llama_checkpoint` (Hugging Face checkpoints),
+:mod:`forge_jax.models.steps` (the jitted prefill and decode steps, explicit KV cache in
+and out) and :mod:`forge_jax.models.generation` (the generation loop); the text API
 (:func:`load_tokenizer`, :func:`generate_text`, :func:`chat`) lives in
 :mod:`forge_jax.models.text` and the multi-turn chat that keeps its KV cache in
 :mod:`forge_jax.models.chat_session`.
@@ -30,8 +31,6 @@ The code lives in three modules, one per concern, re-exported here:
 
 from forge_jax.models.generation import (  # noqa: F401
     GenerationStats,
-    _decode_step,
-    _prefill_step,
     check_generation_fits,
     check_sequence_length,
     generate,
@@ -39,7 +38,6 @@ from forge_jax.models.generation import (  # noqa: F401
 )
 from forge_jax.models.llama_checkpoint import (  # noqa: F401
     CheckpointError,
-    _hf_parameters,
     from_pretrained,
     hf_state_dict,
     load_config,
@@ -55,6 +53,7 @@ from forge_jax.models.llama_model import (  # noqa: F401
     RMSNorm,
     TensorLayout,
 )
+from forge_jax.models.steps import decode_step, prefill_step  # noqa: F401
 from forge_jax.models.text import (  # noqa: F401  (the text API, also in models.text)
     chat,
     generate_text,
@@ -64,7 +63,8 @@ from forge_jax.models.text import (  # noqa: F401  (the text API, also in models
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "CheckpointError", "GenerationStats", "Linear", "Llama",
     "LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm",
-    "check_generation_fits", "check_sequence_length", "from_pretrained", "generate",
-    "generate_with_stats", "hf_state_dict", "load_config", "TensorLayout",
+    "check_generation_fits", "check_sequence_length", "decode_step", "from_pretrained",
+    "generate", "generate_with_stats", "hf_state_dict", "load_config", "prefill_step",
+    "TensorLayout",
     "chat", "generate_text", "load_tokenizer",
 ]

@@ -32,12 +32,15 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 Rows = tuple[np.ndarray, np.ndarray] | None
 
 
-def _hf_parameters(
+def hf_parameters(
     model: Llama,
 ) -> dict[str, tuple[nnx.Param, tuple[int, ...], Callable, Rows]]:
     """HF tensor name -> (the parameter, the tensor's HF shape, HF array -> stored array,
     the rows of the parameter it fills: None for all of it, (stored, source) row indices
-    for a fused part, see :meth:`Linear.hf_rows`)."""
+    for a fused part, see :meth:`Linear.hf_rows`).
+
+    A fused projection's parameter appears once per HF tensor it holds. Works on an
+    abstract model (``nnx.eval_shape``) too: nothing is read."""
     same = lambda w: w
     out = {"model.embed_tokens.weight": (model.embed_tokens, model.embed_tokens.shape, same,
                                          None),
@@ -78,7 +81,7 @@ Reader = Callable[[str, tuple], np.ndarray]
 def _sources(model: Llama) -> dict[int, tuple[nnx.Param, list[tuple[str, Callable, Rows]]]]:
     """id(parameter) -> (the parameter, [(HF name, convert, rows)] of the tensors filling it)."""
     out: dict[int, tuple[nnx.Param, list]] = {}
-    for name, (param, _, convert, rows) in _hf_parameters(model).items():
+    for name, (param, _, convert, rows) in hf_parameters(model).items():
         out.setdefault(id(param), (param, []))[1].append((name, convert, rows))
     return out
 
@@ -104,8 +107,9 @@ def _block(shape: tuple[int, ...], index: tuple, dtype, sources, read: Reader) -
     return out
 
 
-def _fill(model: Llama, read: Reader, shardings=None) -> None:
-    """Sets every parameter of ``model`` (abstract or not) from HF tensors.
+def fill_parameters(model: Llama, read: Reader, shardings=None) -> None:
+    """Sets every parameter of ``model`` (abstract or not) from HF tensors, each block
+    read with ``read(name, index)`` (:data:`Reader`).
 
     ``shardings``: id(parameter) -> a ``jax.sharding.Sharding``; each device then gets
     its block through ``jax.make_array_from_callback`` and nothing reads more than the
@@ -216,7 +220,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     layout = TensorLayout() if plan is None else plan.layout
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
                                          param_dtype=param_dtype, layout=layout))
-    expected = _hf_parameters(model)
+    expected = hf_parameters(model)
     handles: dict[str, object] = {}  # tensor name -> the open file holding it
     with contextlib.ExitStack() as stack:
         for file, names in _safetensors_files(path).items():
@@ -255,7 +259,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         def read(name, index):
             return np.asarray(handles[name].get_slice(name)[index])
 
-        _fill(model, read, None if plan is None else plan.param_shardings(model))
+        fill_parameters(model, read, None if plan is None else plan.param_shardings(model))
     if plan is not None:
         model.mesh = plan.mesh
     return model
@@ -265,7 +269,7 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face names and in HF's layout, as float32 NumPy
     arrays (the inverse of :func:`from_pretrained`, e.g. to ``save_file`` them)."""
     out = {}
-    for name, (param, hf_shape, convert, rows) in _hf_parameters(model).items():
+    for name, (param, hf_shape, convert, rows) in hf_parameters(model).items():
         stored = np.asarray(param[...], np.float32)
         if rows is not None:  # a fused part: its HF rows (a copied row is read once)
             hf = np.empty((hf_shape[0],) + stored.shape[1:], np.float32)

@@ -174,6 +174,10 @@ def _rope_from_hf(config: dict) -> tuple[float, fj.RopeScaling | None]:
 # --------------------------------------------------------------------------------------
 # Modules
 # --------------------------------------------------------------------------------------
+# Modules hold their weights; head_dim, RoPE and eps come with each call (the config).
+# What a module holds besides arrays is in the graphdef, a static argument of the jitted
+# steps, which jit hashes on every call: the chat session's per-token decode step, where a
+# 30-layer graphdef already takes ~1 ms to hash on CPU.
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype)
@@ -297,10 +301,15 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """Holds the ``weight`` [dim] of an RMSNorm; the model calls ``fj.rms_norm`` with it."""
+    """An RMSNorm's ``weight`` [dim], applied with ``fj.rms_norm`` (float32 math)."""
 
     def __init__(self, dim: int, *, param_dtype=jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, eps: float):
+        """``x`` [..., dim] -> ``y`` [..., dim]; with ``residual`` [..., dim], the fused
+        residual add: ``(y, h)`` with ``h = x + residual`` and ``y`` its norm."""
+        return fj.rms_norm(x, self.weight[...], eps=eps, residual=residual)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +330,16 @@ class TensorLayout:
     kv_repeat: int = 1
 
 
+# attend(q, k, v, cache) -> (o, cache): the attention of one layer, over the new keys
+# alone or over a KV cache they are first written into. q ``[batch, t, heads, head_dim]``,
+# k and v ``[batch, t, kv_heads, head_dim]`` (RoPE applied), o like q; ``cache`` is
+# whatever the caller threads through the layers (None without a cache).
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
 class LlamaAttention(nnx.Module):
-    """The q/k/v/o projections of one layer; the attention itself runs in the model loop."""
+    """Grouped-query self-attention: the fused q/k/v projection, RoPE, the attention
+    (``attend``, which the caller gives) and the output projection."""
 
     def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype,
                  layout: TensorLayout = TensorLayout()):
@@ -338,6 +355,35 @@ class LlamaAttention(nnx.Module):
                                groups=layout.groups, **kw)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
 
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any = None,
+                 *, config: LlamaConfig) -> tuple[jax.Array, Any]:
+        """Self-attention of ``x``.
+
+        Args:
+          x: ``[batch, t, hidden_size]``, the normed hidden states.
+          positions: int32 ``[batch, t]``, each token's absolute position (for RoPE).
+          attend: the attention itself (:data:`Attend`): ``fj.attention`` for a full
+            forward, or a KV cache's write and ``attend`` for this layer.
+          cache: passed to ``attend`` and returned as it returns it.
+          config: the model's config (head_dim, RoPE).
+
+        Returns:
+          ``(out, cache)``: ``out`` ``[batch, t, hidden_size]``.
+        """
+        batch, t, _ = x.shape
+        c = config
+        with jax.named_scope("attention"):
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+            # [batch, t, heads, head_dim]; k and v have the layout's KV heads (copies
+            # included), which the weights' shape gives.
+            q = q.reshape(batch, t, c.num_attention_heads, c.head_dim)
+            k = k.reshape(batch, t, -1, c.head_dim)
+            v = v.reshape(batch, t, -1, c.head_dim)
+            q = fj.rope(q, positions, theta=c.rope_theta, scaling=c.rope_scaling)
+            k = fj.rope(k, positions, theta=c.rope_theta, scaling=c.rope_scaling)
+            o, cache = attend(q, k, v, cache)  # [batch, t, heads, head_dim]
+            return self.o_proj(o.reshape(batch, t, c.num_attention_heads * c.head_dim)), cache
+
 
 class LlamaMLP(nnx.Module):
     """``down(silu(gate(x)) * up(x))``."""
@@ -352,13 +398,22 @@ class LlamaMLP(nnx.Module):
             groups=layout.groups, **kw)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, **kw)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x`` [..., hidden_size] -> [..., hidden_size]."""
         with jax.named_scope("mlp"):
             gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
             return self.down_proj(fj.silu_mul(gate, up))
 
 
 class LlamaDecoderLayer(nnx.Module):
+    """A pre-norm decoder block: ``h += attention(norm(h)); h += mlp(norm(h))``.
+
+    The residual adds are fused into the norms (``fj.rms_norm(x, w, residual=h)`` adds
+    and normalises in one op), so a layer returns its MLP output unadded, with the
+    residual stream beside it; the next layer's input norm (or the model's final norm)
+    adds them.
+    """
+
     def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype,
                  layout: TensorLayout = TensorLayout()):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout)
@@ -366,6 +421,30 @@ class LlamaDecoderLayer(nnx.Module):
         self.self_attn = LlamaAttention(config, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, param_dtype=param_dtype)
         self.mlp = LlamaMLP(config, **kw)
+
+    def __call__(self, x: jax.Array, residual: jax.Array | None, positions: jax.Array,
+                 attend: Attend, cache: Any = None, *, config: LlamaConfig
+                 ) -> tuple[jax.Array, jax.Array, Any]:
+        """One block.
+
+        Args:
+          x: ``[batch, t, hidden_size]``: the previous layer's MLP output, not yet added
+            to ``residual``; for the first layer, the embeddings (``residual`` None).
+          residual: ``[batch, t, hidden_size]``, the residual stream, or None.
+          positions, attend, cache, config: as :meth:`LlamaAttention.__call__` takes them.
+
+        Returns:
+          ``(mlp_out, residual, cache)``: the MLP output (to add to ``residual``) and the
+          residual stream, both ``[batch, t, hidden_size]``; the cache ``attend`` returned.
+        """
+        eps = config.rms_norm_eps
+        if residual is None:
+            y, residual = self.input_layernorm(x, eps=eps), x
+        else:
+            y, residual = self.input_layernorm(x, residual, eps=eps)
+        x, cache = self.self_attn(y, positions, attend, cache, config=config)
+        y, residual = self.post_attention_layernorm(x, residual, eps=eps)
+        return self.mlp(y), residual, cache
 
 
 class Llama(nnx.Module):
@@ -487,8 +566,7 @@ class Llama(nnx.Module):
             return self._layers(tokens, positions, attend, cache)
 
     def _layers(self, tokens, positions, attend: Callable, cache):
-        c = self.config
-        batch, t = tokens.shape
+        batch = tokens.shape[0]
         x = fj.embedding(self.embed_tokens[...], tokens).astype(self.dtype)  # [b, t, d]
         if self.mesh is not None:  # the batch rows stay on their data-axis shard throughout
             rows = self.mesh.batch_axis(batch)
@@ -496,26 +574,10 @@ class Llama(nnx.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                # Pre-norm block, with the residual add fused into the next norm:
-                # residual += delta; y = norm(residual).
-                w = layer.input_layernorm.weight[...]
-                if residual is None:
-                    y, residual = fj.rms_norm(x, w, eps=c.rms_norm_eps), x
-                else:
-                    y, residual = fj.rms_norm(x, w, eps=c.rms_norm_eps, residual=residual)
-                attn = layer.self_attn
-                q, k, v = attn.qkv_proj.split(attn.qkv_proj(y))
-                q = q.reshape(batch, t, c.num_attention_heads, c.head_dim)
-                k = k.reshape(batch, t, self.kv_heads, c.head_dim)
-                v = v.reshape(batch, t, self.kv_heads, c.head_dim)
-                q = fj.rope(q, positions, theta=c.rope_theta, scaling=c.rope_scaling)
-                k = fj.rope(k, positions, theta=c.rope_theta, scaling=c.rope_scaling)
-                o, cache = attend(i, q, k, v, cache)  # [b, t, heads, head_dim]
-                x = attn.o_proj(o.reshape(batch, t, c.num_attention_heads * c.head_dim))
-                y, residual = fj.rms_norm(x, layer.post_attention_layernorm.weight[...],
-                                          eps=c.rms_norm_eps, residual=residual)
-                x = layer.mlp(y)
-        hidden = fj.rms_norm(x, self.norm.weight[...], eps=c.rms_norm_eps, residual=residual)[0]
+                x, residual, cache = layer(x, residual, positions,
+                                           functools.partial(attend, i), cache,
+                                           config=self.config)
+        hidden = self.norm(x, residual, eps=self.config.rms_norm_eps)[0]
         return hidden, cache
 
     def _logits(self, hidden):

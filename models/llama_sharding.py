@@ -132,8 +132,8 @@ def shard(model: Llama, mesh: Mesh | fj_sharding.MeshConfig, *, tp_axis: str = "
     hf = llama_checkpoint.hf_state_dict(model)  # the weights in HF's layout, on the host
     sharded = nnx.eval_shape(lambda: Llama(model.config, rngs=nnx.Rngs(0), dtype=model.dtype,
                                            param_dtype=model.param_dtype, layout=p.layout))
-    llama_checkpoint._fill(sharded, lambda name, index: hf[name][index],
-                           p.param_shardings(sharded))
+    llama_checkpoint.fill_parameters(sharded, lambda name, index: hf[name][index],
+                                     p.param_shardings(sharded))
     sharded.mesh = p.mesh
     return sharded
 

@@ -320,14 +320,14 @@ def test_steps_donate_the_cache(model):
     params = sampling.SamplingParams().arrays()
     seen = jnp.zeros((4, CONFIG.vocab_size), bool)
     mode = sampling.SamplingParams().mode
-    first, seen, new = llama._prefill_step(state, cache, tokens, jnp.full((4,), 8, jnp.int32),
-                                           jax.random.key(0), params, seen, graphdef=graphdef,
-                                           mode=mode)
+    first, seen, new = llama.prefill_step(state, cache, tokens, jnp.full((4,), 8, jnp.int32),
+                                          jax.random.key(0), params, seen, graphdef=graphdef,
+                                          mode=mode)
     assert cache.k_pages[0].is_deleted() and not new.k_pages[0].is_deleted()
     np.testing.assert_array_equal(np.asarray(seen).sum(-1), [1, 1, 1, 1])  # the new token
-    _, _, newer = llama._decode_step(state, new, first, jnp.ones((4,), bool), jax.random.key(0),
-                                     jnp.asarray(1, jnp.int32), params, seen, graphdef=graphdef,
-                                     mode=mode)
+    _, _, newer = llama.decode_step(state, new, first, jnp.ones((4,), bool), jax.random.key(0),
+                                    jnp.asarray(1, jnp.int32), params, seen, graphdef=graphdef,
+                                    mode=mode)
     assert new.k_pages[0].is_deleted() and seen.is_deleted()  # the mask too, in place
     np.testing.assert_array_equal(np.asarray(newer.lengths), [9, 9, 9, 9])
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 import forge_jax as fj
 from forge_jax import dispatch, sharding
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
-from forge_jax.models import generation, llama, llama_sharding
+from forge_jax.models import llama, llama_sharding, steps
 from forge_jax.models import sampling as sampling_lib
 
 LOGITS_TOL = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
@@ -106,10 +106,10 @@ def test_sharded_model_matches_one_device(name, mesh):
 def test_generate_on_a_mesh_compiles_once():
     sharded = _sharded("8q2kv", "dp=2,tp=4")
     llama.generate(sharded, PROMPTS, 4)
-    sizes = generation._prefill_step._cache_size(), generation._decode_step._cache_size()
+    sizes = steps.prefill_step._cache_size(), steps.decode_step._cache_size()
     again = llama.generate(sharded, [[9, 8, 7], [1, 2], [3, 4, 5, 6]], 4)  # same buckets
-    assert (generation._prefill_step._cache_size(),
-            generation._decode_step._cache_size()) == sizes
+    assert (steps.prefill_step._cache_size(),
+            steps.decode_step._cache_size()) == sizes
     assert again == llama.generate(_model("8q2kv"), [[9, 8, 7], [1, 2], [3, 4, 5, 6]], 4)
 
 
@@ -205,7 +205,7 @@ def _decode_collectives(layers, mesh, cache):
     params = {name: rep(np.asarray(value))
               for name, value in sampling_lib.SamplingParams().arrays().items()}
     seen = rep(np.zeros((2, config.vocab_size), bool))
-    compiled = generation._decode_step.lower(
+    compiled = steps.decode_step.lower(
         state, kv, rep(np.zeros(2, np.int32)), sharding.put(np.ones(2, bool), m.sharding(
             m.batch_axis(2))), jax.random.key(0), rep(np.int32(1)), params, seen,
         graphdef=graphdef, mode=sampling_lib.SamplingParams().mode).compile()

@@ -1,0 +1,154 @@
+"""The jitted prefill and decode steps of a model with a KV cache: explicit cache in, cache
+out, donated under ``jax.jit`` (updated in place), and the sampling of each step's token.
+
+:func:`forge_jax.models.generation.generate` runs them over a batch of prompts and
+:class:`forge_jax.models.chat_session.ChatSession` over a conversation; a server can run
+them as they do::
+
+    graphdef, state = nnx.split(model)
+    statics = steps.step_statics(graphdef, sampling.mode)
+    params = sampling.arrays()
+    tokens, seen, cache = steps.prefill_step(state, cache, prompt, lengths, key, params,
+                                             seen, **statics)
+    for i in range(1, n):
+        tokens, seen, cache = steps.decode_step(state, cache, tokens, active, key,
+                                                jnp.int32(i), params, seen, **statics)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import forge_jax as fj
+from forge_jax.models import llama_sharding
+from forge_jax.models import sampling as sampling_lib
+from forge_jax.models.llama_model import Llama
+
+
+def _sample(logits, key, sampling, seen, greedy):
+    """One token per row of ``logits`` [batch, vocab] with the traced parameters
+    ``sampling`` (:meth:`SamplingParams.arrays`); ``seen`` bool [batch, vocab] marks each
+    sequence's tokens so far (for the repetition penalty). Returns (tokens, seen with them)."""
+    tokens = sampling_lib.sample(
+        logits, key, temperature=0.0 if greedy else sampling["temperature"],
+        top_k=sampling["top_k"], top_p=sampling["top_p"], min_p=sampling["min_p"],
+        repetition_penalty=sampling["repetition_penalty"], seen=seen)
+    return tokens, seen.at[jnp.arange(seen.shape[0]), tokens].set(True)
+
+
+def seen_tokens(prompts: Sequence[Sequence[int]], batch: int, vocab_size: int) -> np.ndarray:
+    """bool ``[batch, vocab_size]``: row ``b`` marks the tokens of ``prompts[b]`` (the
+    repetition penalty's memory; rows past the prompts stay False)."""
+    seen = np.zeros((batch, vocab_size), bool)
+    for b, p in enumerate(prompts):
+        seen[b, np.asarray(p, np.int64)] = True
+    return seen
+
+
+def step_statics(graphdef: nnx.GraphDef, mode: bool) -> dict:
+    """The static keyword arguments of :func:`prefill_step` and :func:`decode_step`:
+    ``graphdef`` (``nnx.split(model)[0]``), ``mode`` (:attr:`SamplingParams.mode`) and
+    ``implementation_key``, the active implementation preference
+    (``fj.use_implementation``, the environment).
+
+    Ops pick their implementation when traced and jit's cache does not see the
+    preference, so the steps take it as a static argument: one compiled step per
+    preference. (Left out, it is None: the step compiled first serves every preference.)
+    """
+    return dict(graphdef=graphdef, mode=mode,
+                implementation_key=fj.dispatch.current_preference())
+
+
+_STATIC = ("graphdef", "mode", "implementation_key")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
+                 key: jax.Array, sampling: dict[str, jax.Array], seen: jax.Array, *,
+                 graphdef: nnx.GraphDef, mode: bool, implementation_key=None):
+    """Prefills new tokens into a KV cache and samples the first token after them (jitted;
+    ``cache`` is donated: use the returned one).
+
+    Row ``b``'s new tokens continue its cache: they take positions ``cache.lengths[b]``
+    onwards (0 for a new cache; the conversation so far in a chat).
+
+    Args:
+      state: the model's weights, ``nnx.split(model)[1]``.
+      cache: a ``ContiguousKVCache`` or ``PagedKVCache`` with ``batch`` rows.
+      tokens: int32 ``[batch, t]``, the new tokens right-padded (``t`` bucketed, see
+        :func:`forge_jax.models.generation.prompt_bucket`, so that one compiled step
+        serves nearby lengths).
+      lengths: int32 ``[batch]``, the new tokens of each row; padding past them is not
+        written (a row of 0 writes nothing).
+      key: the ``jax.random`` key; the prefill samples with ``fold_in(key, 0)``.
+      sampling: :meth:`SamplingParams.arrays`, scalars.
+      seen: bool ``[batch, vocab]``, each row's tokens so far (:func:`seen_tokens`), for
+        the repetition penalty.
+      graphdef, mode, implementation_key: static (:func:`step_statics`).
+
+    Returns:
+      ``(tokens, seen, cache)``: the first new token of each row, int32 ``[batch]``;
+      ``seen`` with it marked; the cache holding the new tokens.
+    """
+    model = nnx.merge(graphdef, state)
+    batch, t = tokens.shape
+    offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+    valid = offsets < lengths[:, None]
+    positions = cache.lengths.astype(jnp.int32)[:, None] + offsets
+    logits, cache = model.forward_cached(tokens, positions, valid, cache,
+                                         logits_at=jnp.maximum(lengths - 1, 0))
+    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, mode),
+                   cache)
+
+
+# The decode step also donates ``seen`` (each step's is the previous step's output), so the
+# [batch, vocab] mask is updated in place rather than allocated per token. The prefill does
+# not: generate's warm-up run passes the same ``seen`` again.
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "seen"))
+def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
+                key: jax.Array, step: jax.Array, sampling: dict[str, jax.Array],
+                seen: jax.Array, *, graphdef: nnx.GraphDef, mode: bool,
+                implementation_key=None):
+    """One new token per sequence (jitted; ``cache`` and ``seen`` are donated: use the
+    returned ones).
+
+    Args:
+      state: the model's weights, ``nnx.split(model)[1]``.
+      cache: the KV cache :func:`prefill_step` (or the previous step) returned.
+      tokens: int32 ``[batch]``, each row's latest token, written at position
+        ``cache.lengths[b]``.
+      active: bool ``[batch]``; rows with False (batch padding) are not written.
+      key: the ``jax.random`` key; step ``step`` samples with ``fold_in(key, step)``.
+      step: int32 scalar, 1 for the first decode step, then 2, 3, ...
+      sampling, seen: as for :func:`prefill_step`.
+      graphdef, mode, implementation_key: static (:func:`step_statics`).
+
+    Returns:
+      ``(tokens, seen, cache)``: the next token of each row, int32 ``[batch]``; ``seen``
+      with it marked; the cache one token longer per active row.
+    """
+    model = nnx.merge(graphdef, state)
+    positions = cache.lengths[:, None]  # [batch, 1]
+    logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
+                                         logits_at=jnp.zeros_like(cache.lengths))
+    return _placed(model, *_sample(logits, jax.random.fold_in(key, step), sampling, seen,
+                                   mode), cache)
+
+
+def _placed(model: Llama, tokens, seen, cache):
+    """On a mesh: the sampled tokens and ``seen`` replicated (every process can read them)
+    and the cache kept in its shardings (so the next step takes it donated, with no
+    recompile). Returns ``(tokens, seen, cache)``."""
+    if model.mesh is None:
+        return tokens, seen, cache
+    replicated = model.mesh.replicated()
+    return (jax.lax.with_sharding_constraint(tokens, replicated),
+            jax.lax.with_sharding_constraint(seen, replicated),
+            jax.lax.with_sharding_constraint(
+                cache, llama_sharding.cache_shardings(cache, model.mesh)))
