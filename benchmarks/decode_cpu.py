@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from forge_jax.models import llama, llama_checkpoint  # noqa: E402
+from forge_jax.models import llama, llama_hf  # noqa: E402
 
 FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=12, num_key_value_heads=4)
@@ -92,7 +92,7 @@ def weight_bytes_per_token(model: llama.Llama) -> int:
     """Bytes of weights one decode token reads: all of them, the embedding table aside
     (one row), the output head in full (the table itself when tied)."""
     total, seen = 0, set()
-    for name, (param, *_) in llama_checkpoint.hf_parameters(model).items():
+    for name, (param, *_) in llama_hf.hf_parameters(model).items():
         if id(param) in seen:  # a fused projection holds several HF tensors
             continue
         seen.add(id(param))

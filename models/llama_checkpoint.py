@@ -7,16 +7,19 @@ import contextlib
 import json
 import os
 import pathlib
-from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can read it)
 import numpy as np
 from flax import nnx
 
 from forge_jax import memory as fj_memory
-from forge_jax.models.llama_model import Linear, Llama, LlamaConfig, TensorLayout
+from forge_jax.models.llama_hf import (  # noqa: F401  (hf_parameters, hf_state_dict: API here too)
+    fill_parameters,
+    hf_parameters,
+    hf_state_dict,
+)
+from forge_jax.models.llama_model import Llama, LlamaConfig, TensorLayout
 
 
 class CheckpointError(ValueError):
@@ -25,106 +28,6 @@ class CheckpointError(ValueError):
 
 # Buffers some older checkpoints carry that are not parameters (recomputed from the config).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-# How one HF tensor fills a parameter: None (the whole parameter, as is) or, for a part
-# of a fused projection, (stored rows, the HF rows they hold) along axis 0.
-Rows = tuple[np.ndarray, np.ndarray] | None
-
-
-def hf_parameters(
-    model: Llama,
-) -> dict[str, tuple[nnx.Param, tuple[int, ...], Callable, Rows]]:
-    """HF tensor name -> (the parameter, the tensor's HF shape, HF array -> stored array,
-    the rows of the parameter it fills: None for all of it, (stored, source) row indices
-    for a fused part, see :meth:`Linear.hf_rows`).
-
-    A fused projection's parameter appears once per HF tensor it holds. Works on an
-    abstract model (``nnx.eval_shape``) too: nothing is read."""
-    same = lambda w: w
-    out = {"model.embed_tokens.weight": (model.embed_tokens, model.embed_tokens.shape, same,
-                                         None),
-           "model.norm.weight": (model.norm.weight, model.norm.weight.shape, same, None)}
-
-    def linear(name, lin: Linear):
-        if not lin.parts:
-            out[f"{name}.weight"] = (lin.kernel, lin.hf_shape(), lin.kernel_from_hf, None)
-            if lin.bias is not None:
-                out[f"{name}.bias"] = (lin.bias, lin.bias.shape, same, None)
-            return
-        prefix = name.rsplit(".", 1)[0]
-        for part, stored, source in lin.hf_rows():
-            size = int(source.max()) + 1
-            out[f"{prefix}.{part}.weight"] = (lin.kernel, (size, lin.in_features),
-                                              lin.kernel_from_hf, (stored, source))
-            if lin.bias is not None:
-                out[f"{prefix}.{part}.bias"] = (lin.bias, (size,), same, (stored, source))
-
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            weight = getattr(layer, norm).weight
-            out[f"{p}.{norm}.weight"] = (weight, weight.shape, same, None)
-        for proj in ("qkv_proj", "o_proj"):
-            linear(f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj))
-        for proj in ("gate_up_proj", "down_proj"):
-            linear(f"{p}.mlp.{proj}", getattr(layer.mlp, proj))
-    if model.lm_head is not None:
-        linear("lm_head", model.lm_head)
-    return out
-
-
-# reader(name, index) -> the HF tensor's block at index (a tuple of slices or int arrays).
-Reader = Callable[[str, tuple], np.ndarray]
-
-
-def _sources(model: Llama) -> dict[int, tuple[nnx.Param, list[tuple[str, Callable, Rows]]]]:
-    """id(parameter) -> (the parameter, [(HF name, convert, rows)] of the tensors filling it)."""
-    out: dict[int, tuple[nnx.Param, list]] = {}
-    for name, (param, _, convert, rows) in hf_parameters(model).items():
-        out.setdefault(id(param), (param, []))[1].append((name, convert, rows))
-    return out
-
-
-def _block(shape: tuple[int, ...], index: tuple, dtype, sources, read: Reader) -> np.ndarray:
-    """The block ``index`` (a tuple of slices, one device's shard) of a parameter of
-    ``shape``, read from its HF tensors: only the rows and columns the block holds."""
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True)]
-    out = np.empty([hi - lo for lo, hi in bounds], dtype)
-    rest = tuple(slice(lo, hi) for lo, hi in bounds[1:])
-    for name, convert, rows in sources:
-        if rows is None:
-            out[...] = convert(read(name, (slice(*bounds[0]),) + rest)).astype(dtype)
-            continue
-        stored, source = rows
-        mine = (stored >= bounds[0][0]) & (stored < bounds[0][1])
-        if not mine.any():
-            continue
-        lo, hi = int(source[mine].min()), int(source[mine].max()) + 1
-        hf = read(name, (slice(lo, hi),) + rest)  # only the HF rows this block needs
-        out[stored[mine] - bounds[0][0]] = convert(hf[source[mine] - lo]).astype(dtype)
-    return out
-
-
-def fill_parameters(model: Llama, read: Reader, shardings=None) -> None:
-    """Sets every parameter of ``model`` (abstract or not) from HF tensors, each block
-    read with ``read(name, index)`` (:data:`Reader`).
-
-    ``shardings``: id(parameter) -> a ``jax.sharding.Sharding``; each device then gets
-    its block through ``jax.make_array_from_callback`` and nothing reads more than the
-    devices of this process hold. None: whole arrays on the default device.
-    """
-    for key, (param, sources) in _sources(model).items():
-        dtype = np.dtype(param.dtype)
-        shape = tuple(param.shape)
-        if shardings is None:
-            param.set_value(jnp.asarray(_block(shape, (), dtype, sources, read)))
-        else:
-            param.set_value(jax.make_array_from_callback(
-                shape, shardings[key],
-                lambda index, shape=shape, dtype=dtype, sources=sources:
-                    _block(shape, index, dtype, sources, read)))
 
 
 def _safetensors_files(path: pathlib.Path) -> dict[pathlib.Path, list[str] | None]:
@@ -263,20 +166,3 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     if plan is not None:
         model.mesh = plan.mesh
     return model
-
-
-def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
-    """The model's weights under Hugging Face names and in HF's layout, as float32 NumPy
-    arrays (the inverse of :func:`from_pretrained`, e.g. to ``save_file`` them)."""
-    out = {}
-    for name, (param, hf_shape, convert, rows) in hf_parameters(model).items():
-        stored = np.asarray(param[...], np.float32)
-        if rows is not None:  # a fused part: its HF rows (a copied row is read once)
-            hf = np.empty((hf_shape[0],) + stored.shape[1:], np.float32)
-            hf[rows[1]] = stored[rows[0]]
-            stored = hf
-        # convert maps HF's layout to ours (the identity today); check that it still is.
-        if stored.shape != tuple(hf_shape) or not np.array_equal(convert(stored), stored):
-            raise ValueError(f"cannot convert {name} of shape {stored.shape} to HF's {hf_shape}")
-        out[name] = stored
-    return out

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from forge_jax import sharding as fj_sharding
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
+from forge_jax.models import llama_hf
 from forge_jax.models.llama_model import Llama, LlamaConfig, TensorLayout
 
 __all__ = ["ShardingPlan", "layout_for", "plan", "shard", "cache_shardings"]
@@ -123,17 +124,15 @@ def shard(model: Llama, mesh: Mesh | fj_sharding.MeshConfig, *, tp_axis: str = "
     The weights are re-laid out for the tensor axis (:func:`layout_for`) and each device
     receives only its shard. The result computes what ``model`` computes.
     """
-    from forge_jax.models import llama_checkpoint
-
     if model.mesh is not None or model.layout != TensorLayout():
         raise ValueError(f"model is already laid out for a mesh ({model.layout}); shard the "
                          f"single-device model")
     p = plan(model.config, mesh, tp_axis=tp_axis, dp_axis=dp_axis)
-    hf = llama_checkpoint.hf_state_dict(model)  # the weights in HF's layout, on the host
+    hf = llama_hf.hf_state_dict(model)  # the weights in HF's layout, on the host
     sharded = nnx.eval_shape(lambda: Llama(model.config, rngs=nnx.Rngs(0), dtype=model.dtype,
                                            param_dtype=model.param_dtype, layout=p.layout))
-    llama_checkpoint.fill_parameters(sharded, lambda name, index: hf[name][index],
-                                     p.param_shardings(sharded))
+    llama_hf.fill_parameters(sharded, lambda name, index: hf[name][index],
+                             p.param_shardings(sharded))
     sharded.mesh = p.mesh
     return sharded
 
