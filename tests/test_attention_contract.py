@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
-from reference import attention_mask_ref, attention_ref, softmax_ref
+from cases.checks import assert_close
+from cases.references import attention_mask_ref, attention_ref, softmax_ref
 
 import forge_jax as fj
 

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, normal, rng
-from reference import attention_ref
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import attention_ref
 
 import forge_jax as fj
 from forge_jax import backends, dispatch

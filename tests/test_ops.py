@@ -1,4 +1,4 @@
-"""Every op against the independent float64 references in tests/reference.py.
+"""Every op against the independent float64 references in tests/cases/references.py.
 
 Inputs are fresh random values (never zeros) rounded to the op's dtype; the reference
 is computed from those rounded inputs, so the only error left is the op's own, which
@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FLOAT_DTYPES, assert_close, case_id, jcall, normal, rng
-from reference import (
+from cases.calls import case_id, jcall
+from cases.checks import assert_close
+from cases.inputs import FLOAT_DTYPES, normal, rng
+from cases.references import (
     attention_ref,
     embedding_ref,
     f64,

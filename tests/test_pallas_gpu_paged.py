@@ -21,8 +21,9 @@ import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
 import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
-from helpers import assert_close, case_id
-from reference import attention_mask_ref, attention_ref, f64
+from cases.calls import case_id
+from cases.checks import assert_close
+from cases.references import attention_mask_ref, attention_ref, f64
 
 import forge_jax as fj
 from forge_jax import _compat, tolerances

@@ -14,8 +14,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_close, case_id, jcall, normal, rng
-from reference import f64, sigmoid_ref, silu_mul_ref
+from cases.calls import case_id, jcall
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import f64, sigmoid_ref, silu_mul_ref
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
-from helpers import assert_close, case_id, normal, rng
-from reference import attention_ref, f64
+from cases.calls import case_id
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import attention_ref, f64
 from test_pallas_gpu_attention import (
     assert_nonfinite_exactly,
     attention_grads64,

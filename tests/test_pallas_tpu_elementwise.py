@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, case_id, jcall, normal, rng
-from reference import f64, rms_norm_ref, rope_ref, round_to, silu_mul_ref
+from cases.calls import case_id, jcall
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import f64, rms_norm_ref, rope_ref, round_to, silu_mul_ref
 from test_pallas_gpu_rope import assert_rope_close
 
 import forge_jax as fj

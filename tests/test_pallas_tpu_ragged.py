@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
-from reference import f64
+from cases.checks import assert_close
+from cases.references import f64
 from test_ragged import CASES, make_step, ragged_ref
 
 import forge_jax as fj

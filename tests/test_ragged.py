@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
 import numpy as np
 import pytest
-from helpers import assert_close
-from reference import f64
+from cases.checks import assert_close
+from cases.references import f64
 
 import forge_jax as fj
 from forge_jax import dispatch, tolerances

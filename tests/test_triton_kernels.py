@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, case_id, normal, rng
-from reference import rms_norm_ref, rope_ref, silu_mul_ref
+from cases.calls import case_id
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import rms_norm_ref, rope_ref, silu_mul_ref
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
-from helpers import assert_close, normal, rng
-from reference import (
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import (
     attention_ref,
     embedding_ref,
     matmul_ref,
