@@ -111,6 +111,17 @@ def pages_from_dense(gen, k, v, *, num_pages, page_size):
 
 RAGGED_HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (q_heads, kv_heads)
 
+# make_step's sequences: new tokens and cache lengths per sequence, room for max_seqs
+# sequences and total_tokens rows.
+RAGGED_MIXES = {
+    "decode": dict(q_lens=[1] * 5, kv_lens=[1, 17, 32, 9, 40], max_seqs=7, total_tokens=8),
+    "prefill": dict(q_lens=[12, 5, 20], kv_lens=[12, 5, 20], max_seqs=4, total_tokens=40),
+    "chunked_prefill": dict(q_lens=[7, 16], kv_lens=[23, 16], max_seqs=2, total_tokens=23),
+    # Decode, chunked prefill and a sequence with no new token (q_len 0) together.
+    "mixed": dict(q_lens=[1, 9, 0, 1, 6], kv_lens=[30, 17, 11, 1, 40], max_seqs=7,
+                  total_tokens=21),
+}
+
 
 @dataclasses.dataclass
 class Step:
