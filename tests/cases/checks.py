@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cases.references import f64, rope_angles_ref, rope_ref
+from cases.references import f64, rms_norm_ref, rope_angles_ref, rope_ref, round_to
 from forge_jax import tolerances
 
 
@@ -27,6 +27,23 @@ def assert_close(out, ref, *, dtype=None, implementation: str = "xla", factor: f
     tol = tolerances.tolerance(dtype if dtype is not None else out.dtype, implementation)
     tol = tolerances.scaled(tol, factor)
     np.testing.assert_allclose(out64, ref, err_msg=err_msg, **tol.as_kwargs())
+
+
+def assert_rms_norm_close(out, xla, x, w, r, *, eps, implementation):
+    """``out`` (``y`` or, with a residual ``r``, ``(y, h)``) of ``fj.rms_norm(x, w, eps=eps,
+    residual=r)`` against the float64 reference and the XLA implementation's ``xla``: ``h``
+    is one float32 add rounded to ``x.dtype`` in every implementation, so bitwise equal."""
+    ref = rms_norm_ref(x, w, eps=eps, residual=r, h_dtype=x.dtype)
+    if r is not None:
+        (y, h), (xla_y, xla_h), (ref_y, ref_h) = out, xla, ref
+        assert h.dtype == x.dtype
+        np.testing.assert_array_equal(f64(h), f64(xla_h))
+        np.testing.assert_array_equal(f64(h), round_to(ref_h, x.dtype))
+    else:
+        y, xla_y, ref_y = out, xla, ref
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert_close(y, ref_y, implementation=implementation)
+    assert_close(y, f64(xla_y), implementation=implementation)
 
 
 def assert_close_nan(out, ref, *, dtype, implementation, err_msg=""):
