@@ -19,7 +19,12 @@ import pytest
 from cases.calls import case_id
 from cases.checks import assert_close
 from cases.inputs import rng
-from cases.paged import default_positions, paged_cache
+from cases.paged import (
+    default_positions,
+    paged_attention_args,
+    paged_attention_specs,
+    paged_cache,
+)
 from cases.paged_base import PagedAttentionCases, PagedCase
 from cases.references import attention_ref, f64
 from cases.shapes import LLAMA3_8B_HEADS, PHI2_HEAD_DIM, SMOLLM2_135M_HEADS
@@ -118,18 +123,6 @@ def test_knobs_that_cannot_lower_are_refused():
 S = jax.ShapeDtypeStruct
 
 
-def _shapes(q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype=None, batch=3):
-    q = (batch, q_heads, head_dim) if q_len is None else (batch, q_len, q_heads, head_dim)
-    pool = S((kv_heads, 40, page_size, head_dim), dtype)
-    return (S(q, q_dtype or dtype), pool, pool, S((batch, 9), jnp.int32), S((batch,), jnp.int32))
-
-
-def _args(shapes, **kw):
-    q, k, v, t, n = shapes
-    return dict(q=q, k_pages=k, v_pages=v, block_tables=t, lengths=n, scale=None,
-                q_positions=None, sliding_window=None, logits_soft_cap=None) | kw
-
-
 LOWERED = [  # (q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype)
     (32, 8, 128, 16, None, BF16, None), (32, 8, 128, 16, 16, BF16, None),
     (9, 3, 64, 8, 4, F16, None), (9, 3, 80, 32, None, F32, None), (8, 2, 96, 64, 2, BF16, F32),
@@ -142,8 +135,8 @@ LOWERED = [  # (q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype)
 @pytest.mark.parametrize("masking", [{}, dict(sliding_window=7, logits_soft_cap=30.0)],
                          ids=["plain", "window_cap"])
 def test_accepted_cases_lower_for_cuda(case, masking):
-    shapes = _shapes(*case)
-    assert kernel.supports(_args(shapes, **masking)) is None
+    shapes = paged_attention_specs(*case)
+    assert kernel.supports(paged_attention_args(shapes, **masking)) is None
     positions = S((3, case[4] or 1), jnp.int32)
     exported = _compat.export_for_cuda(
         lambda q, k, v, t, n, p: kernel.paged_attention(q, k, v, t, n, q_positions=p,
@@ -155,20 +148,20 @@ def test_accepted_cases_lower_for_cuda(case, masking):
 
 @pytest.mark.parametrize("page_size", [12, 24])
 def test_page_size_not_power_of_two_is_rejected_and_fails_lowering(page_size):
-    shapes = _shapes(8, 2, 64, page_size, None, BF16)
-    assert "page_size" in kernel.supports(_args(shapes))
+    shapes = paged_attention_specs(8, 2, 64, page_size, None, BF16)
+    assert "page_size" in kernel.supports(paged_attention_args(shapes))
     with pytest.raises(ValueError, match="power of 2"):
         _compat.export_for_cuda(kernel.paged_attention, *shapes)
 
 
 @pytest.mark.parametrize("shapes,match", [
-    (_shapes(8, 2, 64, 16, 17, BF16), "q_len=17 > 16"),
-    (_shapes(8, 2, 512, 16, None, BF16), "head_dim=512 > 256"),
-    (_shapes(8, 2, 64, 16, None, jnp.float64, BF16), "k_pages.dtype=float64"),
-    (_shapes(8, 2, 64, 16, None, BF16, jnp.float64), "q.dtype=float64"),
+    (paged_attention_specs(8, 2, 64, 16, 17, BF16), "q_len=17 > 16"),
+    (paged_attention_specs(8, 2, 512, 16, None, BF16), "head_dim=512 > 256"),
+    (paged_attention_specs(8, 2, 64, 16, None, jnp.float64, BF16), "k_pages.dtype=float64"),
+    (paged_attention_specs(8, 2, 64, 16, None, BF16, jnp.float64), "q.dtype=float64"),
 ], ids=["q_len", "head_dim", "pages_f64", "q_f64"])
 def test_supports_rejects_with_reason(shapes, match):
-    assert match in (kernel.supports(_args(shapes)) or "")
+    assert match in (kernel.supports(paged_attention_args(shapes)) or "")
 
 
 def test_dispatch_names_the_rejection():

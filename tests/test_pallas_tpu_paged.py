@@ -18,7 +18,12 @@ import pytest
 from cases.calls import case_id
 from cases.checks import assert_close
 from cases.inputs import rng
-from cases.paged import default_positions, paged_cache
+from cases.paged import (
+    default_positions,
+    paged_attention_args,
+    paged_attention_specs,
+    paged_cache,
+)
 from cases.paged_base import PagedAttentionCases, PagedCase
 from cases.references import attention_ref, f64
 from cases.shapes import LLAMA3_8B_HEADS
@@ -97,18 +102,6 @@ def test_small_blocks_double_buffer_over_many_blocks():
 S = jax.ShapeDtypeStruct
 
 
-def _shapes(q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype=None, batch=3):
-    q = (batch, q_heads, head_dim) if q_len is None else (batch, q_len, q_heads, head_dim)
-    pool = S((kv_heads, 40, page_size, head_dim), dtype)
-    return (S(q, q_dtype or dtype), pool, pool, S((batch, 9), jnp.int32), S((batch,), jnp.int32))
-
-
-def _args(shapes, **kw):
-    q, k, v, t, n = shapes
-    return dict(q=q, k_pages=k, v_pages=v, block_tables=t, lengths=n, scale=None,
-                q_positions=None, sliding_window=None, logits_soft_cap=None) | kw
-
-
 LOWERED = [  # (q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype)
     (32, 8, 128, 16, None, BF16, None), (8, 2, 128, 16, 16, BF16, None),
     (8, 2, 128, 8, None, F32, None), (8, 2, 256, 32, 3, F32, BF16),
@@ -120,8 +113,8 @@ LOWERED = [  # (q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype)
 @pytest.mark.parametrize("masking", [{}, dict(sliding_window=7, logits_soft_cap=30.0)],
                          ids=["plain", "window_cap"])
 def test_accepted_cases_lower_for_tpu(case, masking):
-    shapes = _shapes(*case)
-    assert kernel.supports(_args(shapes, **masking)) is None
+    shapes = paged_attention_specs(*case)
+    assert kernel.supports(paged_attention_args(shapes, **masking)) is None
     positions = S((3, case[4] or 1), jnp.int32)
     exported = _compat.export_for_tpu(
         lambda q, k, v, t, n, p: kernel.paged_attention(q, k, v, t, n, q_positions=p,
@@ -132,18 +125,18 @@ def test_accepted_cases_lower_for_tpu(case, masking):
 
 
 @pytest.mark.parametrize("shapes,match", [
-    (_shapes(8, 2, 128, 16, 17, BF16), "q_len=17 > 16"),
-    (_shapes(8, 2, 64, 16, None, BF16), "head_dim=64 is not a multiple of 128"),
-    (_shapes(8, 2, 128, 8, None, BF16), "page_size=8 is not a multiple of 16"),
-    (_shapes(8, 2, 128, 12, None, F32), "page_size=12 is not a multiple of 8"),
-    (_shapes(8, 2, 128, 16, None, F16, F32), "k_pages.dtype=float16"),
-    (_shapes(8, 2, 128, 16, None, F32, F16), "q.dtype=float16"),
+    (paged_attention_specs(8, 2, 128, 16, 17, BF16), "q_len=17 > 16"),
+    (paged_attention_specs(8, 2, 64, 16, None, BF16), "head_dim=64 is not a multiple of 128"),
+    (paged_attention_specs(8, 2, 128, 8, None, BF16), "page_size=8 is not a multiple of 16"),
+    (paged_attention_specs(8, 2, 128, 12, None, F32), "page_size=12 is not a multiple of 8"),
+    (paged_attention_specs(8, 2, 128, 16, None, F16, F32), "k_pages.dtype=float16"),
+    (paged_attention_specs(8, 2, 128, 16, None, F32, F16), "q.dtype=float16"),
 ], ids=["q_len", "head_dim", "page_bf16", "page_f32", "pages_f16", "q_f16"])
 def test_supports_rejects_with_reason(shapes, match):
     # The head_dim and page_size rejections follow Mosaic's (8, 128) layout rules, enforced by
     # libtpu's compiler; the CPU-side lowering of export_for_tpu accepts those shapes, so
     # these rejections cannot be shown failing here (see the kernel's module docstring).
-    assert match in (kernel.supports(_args(shapes)) or "")
+    assert match in (kernel.supports(paged_attention_args(shapes)) or "")
 
 
 def test_dispatch_names_the_rejection():

@@ -191,3 +191,25 @@ def make_step(gen, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, heads,
     return Step(q.astype(np.dtype(q_dtype or dtype)), pool(k_pages), pool(v_pages),
                 pool(k_clean), pool(v_clean), tables.astype(np.int32), kv.astype(np.int32),
                 cu.astype(np.int32), n, dense_k, dense_v)
+
+
+# --- shapes for supports() and the lowering ---------------------------------------------------
+
+
+def paged_attention_specs(q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype=None,
+                          batch=3):
+    """``jax.ShapeDtypeStruct`` s of ``(q, k_pages, v_pages, block_tables, lengths)``: 40
+    pages, 9 block-table entries per sequence; ``q_len`` None: a decode ``q``."""
+    spec = jax.ShapeDtypeStruct
+    q = (batch, q_heads, head_dim) if q_len is None else (batch, q_len, q_heads, head_dim)
+    pool = spec((kv_heads, 40, page_size, head_dim), dtype)
+    return (spec(q, q_dtype or dtype), pool, pool, spec((batch, 9), jnp.int32),
+            spec((batch,), jnp.int32))
+
+
+def paged_attention_args(specs, **masking):
+    """The bound arguments of ``fj.paged_attention`` (what ``supports()`` reads) for
+    :func:`paged_attention_specs`, with ``masking`` keywords."""
+    q, k, v, t, n = specs
+    return dict(q=q, k_pages=k, v_pages=v, block_tables=t, lengths=n, scale=None,
+                q_positions=None, sliding_window=None, logits_soft_cap=None) | masking
