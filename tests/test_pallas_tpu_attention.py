@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.attention_base import AttentionCase, AttentionCases
+from cases.base import PallasTpu
 from cases.calls import case_id
 from cases.checks import assert_close
 from cases.inputs import poison_unseen, random_qkv, rng
@@ -71,22 +72,12 @@ GRADIENT_CASES = {
 }
 
 
-class TestAttentionPallasTpu(AttentionCases):
+class TestAttentionPallasTpu(PallasTpu, AttentionCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
     CASES = CASES
     NONFINITE_CASES = NONFINITE_CASES
     GRADIENT_CASES = GRADIENT_CASES
-
-    @classmethod
-    def skip_reason(cls):
-        if not cls.INTERPRET and jax.default_backend() != "tpu":
-            return f"compiled Mosaic TPU kernel: backend is {jax.default_backend()}"
-        return None
-
-    def after_test(self):
-        if self.INTERPRET:
-            _compat.reset_tpu_interpreter()
 
     def test_small_blocks_skip_masked_blocks(self):
         # 8 x 128 blocks: three query blocks (the last partial), three kv blocks (the last

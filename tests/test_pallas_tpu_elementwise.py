@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.base import PallasTpu
 from cases.calls import by_id, case_id
 from cases.checks import assert_close, assert_rms_norm_close, assert_rope_close
 from cases.elementwise_base import RmsNormCases, RopeCases, SiluMulCases
@@ -68,23 +69,9 @@ def _id(value):
     return case_id(value)
 
 
-class PallasTpu:
-    """The skip rule and interpreter clean-up of the compiled Mosaic kernels."""
-
+class TestRmsNormPallasTpu(PallasTpu, RmsNormCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
-
-    @classmethod
-    def skip_reason(cls):
-        if not cls.INTERPRET and jax.default_backend() != "tpu":
-            return "compiled Mosaic kernel: no TPU here (the interpret subclass runs here)"
-        return None
-
-    def after_test(self):
-        _compat.reset_tpu_interpreter()
-
-
-class TestRmsNormPallasTpu(PallasTpu, RmsNormCases):
     CASES = by_id(NORM_CASES)
 
     def test_partial_last_block(self):
@@ -102,6 +89,8 @@ class TestRmsNormPallasTpuInterpret(TestRmsNormPallasTpu):
 
 
 class TestSiluMulPallasTpu(PallasTpu, SiluMulCases):
+    IMPLEMENTATION = "pallas"
+    INTERPRET = False
     CASES = by_id(SILU_CASES)
 
     def test_partial_last_block(self):
@@ -118,6 +107,8 @@ class TestSiluMulPallasTpuInterpret(TestSiluMulPallasTpu):
 
 
 class TestRopePallasTpu(PallasTpu, RopeCases):
+    IMPLEMENTATION = "pallas"
+    INTERPRET = False
     CASES = by_id(ROPE_CASES, _id)
 
     def test_partial_last_block_and_grad(self):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.base import PallasTpu
 from cases.calls import case_id
 from cases.checks import assert_close
 from cases.inputs import rng
@@ -52,23 +53,13 @@ NONFINITE_CASES = {
 }
 
 
-class TestPagedAttentionPallasTpu(PagedAttentionCases):
+class TestPagedAttentionPallasTpu(PallasTpu, PagedAttentionCases):
     """The kernel compiled for the TPU (skipped without one)."""
 
     IMPLEMENTATION = "pallas"
     INTERPRET = False
     CASES = CASES
     NONFINITE_CASES = NONFINITE_CASES
-
-    @classmethod
-    def skip_reason(cls):
-        if not cls.INTERPRET and jax.default_backend() != "tpu":
-            return f"compiled Mosaic TPU kernel: backend is {jax.default_backend()}"
-        return None
-
-    def after_test(self):
-        if self.INTERPRET:
-            _compat.reset_tpu_interpreter()
 
 
 class TestPagedAttentionPallasTpuInterpret(TestPagedAttentionPallasTpu):

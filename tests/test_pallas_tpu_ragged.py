@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.base import PallasTpu
 from cases.checks import assert_close
 from cases.inputs import rng
 from cases.paged import make_step
@@ -41,7 +42,7 @@ def _fresh_interpreter():
     _compat.reset_tpu_interpreter()
 
 
-class TestRaggedPagedAttentionPallasTpu(RaggedPagedAttentionCases):
+class TestRaggedPagedAttentionPallasTpu(PallasTpu, RaggedPagedAttentionCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
     HEAD_DIM = HEAD_DIM
@@ -56,13 +57,6 @@ class TestRaggedPagedAttentionPallasTpu(RaggedPagedAttentionCases):
         "mixed-mha-f32-window-cap": ("mixed", "mha", jnp.float32, None, 8,
                                      dict(sliding_window=5, logits_soft_cap=3.0)),
     }
-
-    @classmethod
-    def skip_reason(cls):
-        if not cls.INTERPRET and jax.default_backend() != "tpu":
-            return ("the compiled Mosaic kernel needs a TPU (the interpret subclass runs the "
-                    "same tests on CPU)")
-        return None
 
     def test_small_blocks_many_kv_steps_and_query_blocks(self):
         """Knobs small enough that sequences span query blocks and several kv blocks (the

@@ -23,7 +23,10 @@ in the subclass, with the reason beside it.
 
 from __future__ import annotations
 
+import jax
 import pytest
+
+from forge_jax import _compat
 
 
 def parametrize_from(table: str, argnames: str = "case"):
@@ -61,3 +64,20 @@ class ImplementationCases:
         if table is not None:
             cases = getattr(metafunc.cls, table)
             metafunc.parametrize(argnames, list(cases.values()), ids=list(cases))
+
+
+class PallasTpu:
+    """The skip rule of the Pallas TPU (Mosaic) kernels: compiled only on a TPU, in the TPU
+    interpreter (``INTERPRET``) anywhere; the interpreter's state is reset after each test.
+    Mixed in before the op family's base: ``class TestXPallasTpu(PallasTpu, XCases)``."""
+
+    @classmethod
+    def skip_reason(cls) -> str | None:
+        if not cls.INTERPRET and jax.default_backend() != "tpu":
+            return (f"compiled Mosaic TPU kernel: backend is {jax.default_backend()} (the "
+                    "interpret subclass runs the same tests here)")
+        return None
+
+    def after_test(self) -> None:
+        if self.INTERPRET:
+            _compat.reset_tpu_interpreter()
