@@ -34,8 +34,8 @@ hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(scope="session")
 def chat_checkpoint(tmp_path_factory):
     """A small Llama checkpoint with a trained BPE tokenizer and a chat template
-    (tests/chat_checkpoint.py), written once for every text and chat test."""
-    from chat_checkpoint import write_checkpoint
+    (tests/cases/chat_checkpoint.py), written once for every text and chat test."""
+    from cases.chat_checkpoint import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("chat_ckpt"))
 

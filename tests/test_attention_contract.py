@@ -15,49 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
-from reference import attention_mask_ref, attention_ref, softmax_ref
+from cases.checks import assert_close
+from cases.inputs import poison_unseen
+from cases.paged import pages_from_dense
+from cases.references import attention_mask_ref, attention_ref, softmax_ref
 
 import forge_jax as fj
 
-rng = np.random.default_rng(20261122)
+gen = np.random.default_rng(20261122)
 PAGE = 4
 
 
 def _case(batch, kv_len, q_len, q_heads, kv_heads, head_dim, lengths, dtype=jnp.float32):
-    q = rng.standard_normal((batch, q_len, q_heads, head_dim)).astype(np.float32)
-    k = rng.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
-    v = rng.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
+    q = gen.standard_normal((batch, q_len, q_heads, head_dim)).astype(np.float32)
+    k = gen.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
+    v = gen.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
     return q, k, v, np.asarray(lengths, np.int32), dtype
-
-
-def _poison(k, v, mask_any):
-    """NaN / inf in every key and value slot that no query of its sequence sees."""
-    k, v = k.copy(), v.copy()
-    hidden = ~mask_any  # [batch, kv_len]
-    k[hidden] = np.nan
-    v[hidden] = np.where(rng.random(v[hidden].shape) < 0.5, np.nan, np.inf)
-    return k, v
-
-
-def _to_pages(k, v, num_pages):
-    """Dense ``[batch, kv_len, kv_heads, d]`` keys and values -> shuffled pools, their block
-    tables (garbage past each sequence's pages), and NaN in the pages no sequence owns."""
-    batch, kv_len, kv_heads, d = k.shape
-    per_seq = -(-kv_len // PAGE)
-    order = rng.permutation(num_pages)
-    tables = np.full((batch, per_seq + 1), 10**6, np.int32)
-    pools = []
-    for x in (k, v):
-        pool = np.full((kv_heads, num_pages, PAGE, d), np.nan, np.float32)
-        for b in range(batch):
-            for i in range(per_seq):
-                page = int(order[b * per_seq + i])
-                tables[b, i] = page
-                rows = x[b, i * PAGE:(i + 1) * PAGE]
-                pool[:, page, :rows.shape[0]] = np.transpose(rows, (1, 0, 2))
-        pools.append(pool)
-    return pools[0], pools[1], tables
 
 
 MASKINGS = {
@@ -85,14 +58,15 @@ def test_dense_and_paged_agree_with_nan_in_every_invisible_slot(name, dtype):
                               sliding_window=opts.get("sliding_window"))
     if "q_positions" in opts:
         opts["q_positions"] = jnp.asarray(opts["q_positions"], jnp.int32)
-    k, v = _poison(k, v, mask.any(axis=1))
+    k, v = poison_unseen(k, v, mask, gen=gen)  # NaN / inf
     qd, kd, vd = (jnp.asarray(a, dtype) for a in (q, k, v))
     ref = attention_ref(qd, kd, vd, kv_lengths=lengths, **opts)  # from the rounded inputs
     assert np.isfinite(ref).all()
     dense = jax.jit(lambda q, k, v, n: fj.attention(q, k, v, kv_lengths=n, **opts))(
         qd, kd, vd, jnp.asarray(lengths))
-    k_pages, v_pages, tables = _to_pages(np.asarray(kd.astype(jnp.float32)),
-                                         np.asarray(vd.astype(jnp.float32)), 16)
+    k_pages, v_pages, tables = pages_from_dense(gen, np.asarray(kd.astype(jnp.float32)),
+                                                np.asarray(vd.astype(jnp.float32)),
+                                                num_pages=16, page_size=PAGE)
     paged_q = qd[:, 0] if q_len == 1 else qd
     paged = jax.jit(lambda q, kp, vp, t, n: fj.paged_attention(q, kp, vp, t, n, **opts))(
         paged_q, jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype), jnp.asarray(tables),
@@ -143,7 +117,7 @@ def test_visible_nan_propagates(where):
     else:
         {"q": q, "k": k, "v": v}[where][0, 0, 0, 0] = np.nan
     dense = np.asarray(fj.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), **kwargs))
-    k_pages, v_pages, tables = _to_pages(k, v, 4)
+    k_pages, v_pages, tables = pages_from_dense(gen, k, v, num_pages=4, page_size=PAGE)
     paged = np.asarray(fj.paged_attention(jnp.asarray(q[:, 0]), jnp.asarray(k_pages),
                                           jnp.asarray(v_pages), jnp.asarray(tables),
                                           jnp.asarray(lengths), **kwargs))
@@ -206,8 +180,8 @@ def test_hidden_nan_reaches_no_gradient(q_len):
     NaN or inf (dq would otherwise read 0 * NaN through the masked logits)."""
     q, k, v, lengths, _ = _case(2, 12, q_len, 4, 2, 8, [12, 7])
     mask = attention_mask_ref(2, q_len, 12, kv_lengths=lengths, sliding_window=5)
-    k, v = _poison(k, v, mask.any(axis=1))
-    k_pages, v_pages, tables = _to_pages(k, v, 8)
+    k, v = poison_unseen(k, v, mask, gen=gen)  # NaN / inf
+    k_pages, v_pages, tables = pages_from_dense(gen, k, v, num_pages=8, page_size=PAGE)
     args = dict(kv_lengths=jnp.asarray(lengths), sliding_window=5)
 
     def dense(q, k, v):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import normal, rng
+from cases.inputs import normal, rng
 
 import forge_jax as fj
 from forge_jax import autotuning, dispatch

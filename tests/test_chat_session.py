@@ -5,7 +5,7 @@ tokens."""
 from __future__ import annotations
 
 import pytest
-from chat_checkpoint import write_checkpoint
+from cases.chat_checkpoint import write_checkpoint
 
 from forge_jax.models import text
 from forge_jax.models.chat_session import ChatSession, ContextFullError

@@ -9,7 +9,7 @@ import io
 import re
 
 import jax
-from chat_checkpoint import write_checkpoint
+from cases.chat_checkpoint import write_checkpoint
 
 from forge_jax import cli
 from forge_jax.cli._compilation_cache import compilation_cache_dir

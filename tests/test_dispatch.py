@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, normal, rng
-from reference import rms_norm_ref, softmax_ref
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import rms_norm_ref, softmax_ref
 
 import forge_jax as fj
 from forge_jax import dispatch

@@ -1,7 +1,7 @@
 """Gradients of every differentiable op under ``jax.grad`` against the float64 references.
 
 The reference gradient is a central finite difference of the float64 NumPy reference
-(tests/reference.py), which shares no code with forge_jax. For a random cotangent
+(tests/cases/references.py), which shares no code with forge_jax. For a random cotangent
 ``C`` and loss ``L(x) = sum(op(x) * C)``, each check compares the directional
 derivative ``<grad L, D>`` from ``jax.grad`` (float32) with
 ``(L_ref(x + eps D) - L_ref(x - eps D)) / (2 eps)`` along a few random directions ``D``.
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import normal, rng
-from reference import (
+from cases.inputs import normal, rng
+from cases.references import (
     attention_ref,
     embedding_ref,
     f64,

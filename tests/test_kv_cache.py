@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
 import numpy as np
 import pytest
-from absl.testing import parameterized
+from cases import variants
+from cases.inputs import garbage
+from cases.references import attention_ref, f64
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import forge_jax as fj
@@ -25,32 +25,6 @@ from forge_jax.kv_cache import (
     ContiguousKVCache,
     PagedKVCache,
 )
-
-GARBAGE = 3e3
-
-
-def _f64(x):
-    return np.asarray(x).astype(np.float64)
-
-
-def attention_np(q, k, v, positions, lengths):
-    """float64 causal attention with explicit positions: key j visible iff j <= p, j < len."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    batch, t_len, q_heads, head_dim = q.shape
-    group = q_heads // k.shape[2]
-    out = np.zeros(q.shape)
-    for b in range(batch):
-        j = np.arange(k.shape[1])
-        for t in range(t_len):
-            seen = (j <= positions[b, t]) & (j < lengths[b])
-            if not seen.any():
-                continue
-            for h in range(q_heads):
-                logits = k[b, seen, h // group] @ q[b, t, h] / math.sqrt(head_dim)
-                w = np.exp(logits - logits.max())
-                out[b, t, h] = (w / w.sum()) @ v[b, seen, h // group]
-    return out
-
 
 # --- device caches: construction and pytree -----------------------------------------------
 
@@ -138,7 +112,7 @@ def test_cache_validation():
 def test_contiguous_write_exact_placement_and_padding():
     rng = np.random.default_rng(0)
     cache = _contiguous(max_len=6, dtype=jnp.bfloat16)
-    poison = jnp.asarray(rng.standard_normal(cache.k[1].shape) * GARBAGE, jnp.bfloat16)
+    poison = garbage(rng, cache.k[1].shape, jnp.bfloat16)
     cache = ContiguousKVCache(k=(cache.k[0], poison), v=(cache.v[0], -poison),
                               lengths=cache.lengths)
     k = jnp.asarray(rng.standard_normal((2, 4, 2, 8)), jnp.float32)
@@ -236,7 +210,7 @@ def test_caches_agree_with_each_other_and_reference(cache_dtype):
                                           kv_heads=kv_heads, head_dim=head_dim,
                                           dtype=cache_dtype)
     # Poison both caches: nothing unwritten may matter.
-    poison = lambda x: jnp.asarray(rng.standard_normal(x.shape) * GARBAGE, x.dtype)
+    poison = lambda x: garbage(rng, x.shape, x.dtype)
     paged = jax.tree_util.tree_map(lambda x: poison(x) if x.ndim == 4 else x, paged)
     contiguous = jax.tree_util.tree_map(lambda x: poison(x) if x.ndim == 4 else x, contiguous)
     dense = np.zeros((2, layers, batch, max_len, kv_heads, head_dim))  # the truth, f64
@@ -249,8 +223,8 @@ def test_caches_agree_with_each_other_and_reference(cache_dtype):
         for b in range(batch):
             for i in range(t):
                 if valid[b, i]:
-                    dense[0, :, b, positions[b, i]] = _f64(jnp.asarray(k[:, b, i], cache_dtype))
-                    dense[1, :, b, positions[b, i]] = _f64(jnp.asarray(v[:, b, i], cache_dtype))
+                    dense[0, :, b, positions[b, i]] = f64(jnp.asarray(k[:, b, i], cache_dtype))
+                    dense[1, :, b, positions[b, i]] = f64(jnp.asarray(v[:, b, i], cache_dtype))
         args = (jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
                 jnp.asarray(v, jnp.float32), jnp.asarray(positions, jnp.int32),
                 jnp.asarray(valid), jnp.asarray(new_lengths, jnp.int32))
@@ -258,15 +232,15 @@ def test_caches_agree_with_each_other_and_reference(cache_dtype):
         paged, out_p = step(paged, *args)
         assert out_c.dtype == out_p.dtype == jnp.float32
         tol = tolerances.tolerance(jnp.float32)
-        np.testing.assert_allclose(_f64(out_p), _f64(out_c), **tol.as_kwargs())
+        np.testing.assert_allclose(f64(out_p), f64(out_c), **tol.as_kwargs())
         for layer in range(layers):
-            ref = attention_np(q[layer], dense[0, layer], dense[1, layer], positions,
-                               new_lengths)
-            np.testing.assert_allclose(_f64(out_c[layer]), ref, **tol.as_kwargs())
+            ref = attention_ref(q[layer], dense[0, layer], dense[1, layer],
+                                q_positions=positions, kv_lengths=new_lengths)
+            np.testing.assert_allclose(f64(out_c[layer]), ref, **tol.as_kwargs())
             # And fj.attention on the dense K/V the paged cache holds.
             got = gather_attend(args[0][layer], paged.k_pages[layer], paged.v_pages[layer],
                                 paged.block_tables, args[3], args[-1])
-            np.testing.assert_allclose(_f64(got), _f64(out_p[layer]), **tol.as_kwargs())
+            np.testing.assert_allclose(f64(got), f64(out_p[layer]), **tol.as_kwargs())
 
     # Prefill: ragged prompts padded to the longest.
     t = int(prompt.max())
@@ -304,8 +278,7 @@ def test_forked_sequences_copy_on_write_end_to_end():
                                 kv_heads=kv_heads, head_dim=head_dim, dtype=jnp.float32,
                                 block_tables=manager.block_tables(["a"], max_pages))
     cache = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(rng.standard_normal(x.shape) * GARBAGE, x.dtype)
-        if x.ndim == 4 else x, cache)
+        lambda x: garbage(rng, x.shape, x.dtype) if x.ndim == 4 else x, cache)
     positions = jnp.arange(6, dtype=jnp.int32)[None]
     cache = cache.write(0, jnp.asarray(prompt[0][None], jnp.float32),
                         jnp.asarray(prompt[1][None], jnp.float32), positions,
@@ -331,8 +304,8 @@ def test_forked_sequences_copy_on_write_end_to_end():
         cache, out = _cow_step(cache, padded, manager.block_tables(ids, max_pages),
                                *(jnp.asarray(x, jnp.float32) for x in (new[0], new[1], q)),
                                pos, lengths.astype(np.int32))
-        ref = attention_np(q, dense[0], dense[1], np.asarray(pos), lengths)
-        np.testing.assert_allclose(_f64(out), ref, **tolerances.tolerance(
+        ref = attention_ref(q, dense[0], dense[1], q_positions=np.asarray(pos), kv_lengths=lengths)
+        np.testing.assert_allclose(f64(out), ref, **tolerances.tolerance(
             jnp.float32).as_kwargs())
     for s in [*ids, "pad"]:
         manager.free(s)
@@ -373,35 +346,34 @@ def test_decode_loop_example():
                                 x(2, 1, kv_heads, head_dim), lengths[:, None],
                                 jnp.ones((2, 1), bool), lengths + 1)
         lengths = lengths + 1
-        assert out.shape == (2, 1, q_heads, head_dim) and np.isfinite(_f64(out)).all()
+        assert out.shape == (2, 1, q_heads, head_dim) and np.isfinite(f64(out)).all()
     assert [manager.seq_len(s) for s in (0, 1)] == [15, 21]
     manager.free(0)
     manager.free(1)
     assert manager.usage().used_pages == 0
 
 
-class CacheVariantsTest(parameterized.TestCase):
+@variants.device_variants
+def test_write_attend_variants(variant):
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((2, 3, 2, 8)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
+    positions = jnp.asarray([[0, 1, 2], [0, 1, 2]], jnp.int32)
+    valid = jnp.asarray([[True, True, True], [True, True, False]])
+    kv_lengths = jnp.asarray([3, 2], jnp.int32)
 
-    @chex.variants(with_jit=True, without_jit=True, with_device=True, without_device=True)
-    def test_write_attend_variants(self):
-        rng = np.random.default_rng(3)
-        k = jnp.asarray(rng.standard_normal((2, 3, 2, 8)), jnp.float32)
-        q = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
-        positions = jnp.asarray([[0, 1, 2], [0, 1, 2]], jnp.int32)
-        valid = jnp.asarray([[True, True, True], [True, True, False]])
-        kv_lengths = jnp.asarray([3, 2], jnp.int32)
+    @variant
+    def f(cache, q, k, positions, valid, kv_lengths):
+        cache = cache.write(0, k, -k, positions, valid)
+        return cache.attend(0, q, q_positions=positions, kv_lengths=kv_lengths)
 
-        @self.variant
-        def f(cache, q, k, positions, valid, kv_lengths):
-            cache = cache.write(0, k, -k, positions, valid)
-            return cache.attend(0, q, q_positions=positions, kv_lengths=kv_lengths)
-
-        dense = np.asarray(k, np.float64)
-        ref = attention_np(q, dense, -dense, np.asarray(positions), np.asarray(kv_lengths))
-        tol = tolerances.tolerance(jnp.float32).as_kwargs()
-        for cache in (_contiguous(), _paged(tables=((3, 1, 0), (2, 5, 4)))):
-            out = f(cache, q, k, positions, valid, kv_lengths)
-            np.testing.assert_allclose(_f64(out), ref, **tol)
+    dense = np.asarray(k, np.float64)
+    ref = attention_ref(q, dense, -dense, q_positions=np.asarray(positions),
+                        kv_lengths=np.asarray(kv_lengths))
+    tol = tolerances.tolerance(jnp.float32).as_kwargs()
+    for cache in (_contiguous(), _paged(tables=((3, 1, 0), (2, 5, 4)))):
+        out = f(cache, q, k, positions, valid, kv_lengths)
+        np.testing.assert_allclose(f64(out), ref, **tol)
 
 
 # --- BlockManager: unit tests -------------------------------------------------------------
@@ -555,8 +527,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.manager = BlockManager(NUM_PAGES, page_size)
         shape = (KV_HEADS, NUM_PAGES, page_size, HEAD_DIM)
         rng = np.random.default_rng(page_size)
-        self.k_pages = jnp.asarray(rng.standard_normal(shape) * GARBAGE, jnp.float32)
-        self.v_pages = jnp.asarray(rng.standard_normal(shape) * GARBAGE, jnp.float32)
+        self.k_pages = garbage(rng, shape, jnp.float32)
+        self.v_pages = garbage(rng, shape, jnp.float32)
         self.tokens: dict[int, list[int]] = {}
         self.next_id = 0
         self.next_token = 0

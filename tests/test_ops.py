@@ -1,4 +1,4 @@
-"""Every op against the independent float64 references in tests/reference.py.
+"""Every op against the independent float64 references in tests/cases/references.py.
 
 Inputs are fresh random values (never zeros) rounded to the op's dtype; the reference
 is computed from those rounded inputs, so the only error left is the op's own, which
@@ -13,20 +13,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FLOAT_DTYPES, assert_close, case_id, jcall, normal, rng
-from reference import (
+from cases.calls import case_id, jcall
+from cases.checks import assert_close, assert_rope_close, rope_angle_slack
+from cases.inputs import FLOAT_DTYPES, normal, rng
+from cases.references import (
     attention_ref,
     embedding_ref,
     f64,
     matmul_ref,
     rms_norm_ref,
-    rope_angles_ref,
     rope_cos_sin_ref,
     rope_inv_freq_ref,
     rope_ref,
     silu_mul_ref,
     softmax_ref,
 )
+from cases.shapes import LINEAR_SCALING, LLAMA31_SCALING
 
 import forge_jax as fj
 from forge_jax import tolerances
@@ -34,9 +36,8 @@ from forge_jax import tolerances
 DTYPE_IDS = ["f32", "f16", "bf16"]
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS)
 
-LLAMA3 = fj.RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                        original_max_position_embeddings=8192)
-LINEAR = fj.RopeScaling("linear", factor=4.0)
+LLAMA3 = LLAMA31_SCALING
+LINEAR = LINEAR_SCALING
 
 
 # --- matmul ------------------------------------------------------------------------------
@@ -187,32 +188,9 @@ def test_softmax_huge_logits_stay_finite():
 
 # --- RoPE --------------------------------------------------------------------------------
 #
-# The inverse-frequency table is float32, as in Hugging Face; float32 `pow` and division
-# leave it a few ulp from the correctly rounded table of the reference, and that error
-# grows with the position: an angle p * f carries up to ~4 ulp of f times p. The rope
-# tests allow exactly that on top of the dtype tolerance (it is below 2e-5 for p < ~80).
-
-ANGLE_ULPS = 4 * 2.0**-24
-
-
-def _angle_slack(positions, head_dim, theta, scaling):
-    """Per-pair bound on |angle error| from the float32 frequency table."""
-    return ANGLE_ULPS * rope_angles_ref(positions, head_dim, theta=theta, scaling=scaling)
-
-
-def _assert_rope_close(out, ref, x, slack, interleaved):
-    x = f64(x)
-    if interleaved:
-        mag = np.repeat(np.abs(x[..., 0::2]) + np.abs(x[..., 1::2]), 2, axis=-1)
-        slack = np.repeat(slack, 2, axis=-1)
-    else:
-        half = x.shape[-1] // 2
-        mag = np.tile(np.abs(x[..., :half]) + np.abs(x[..., half:]), 2)
-        slack = np.concatenate([slack, slack], axis=-1)
-    tol = tolerances.tolerance(out.dtype)
-    err = np.abs(f64(out) - ref)
-    bound = tol.atol + tol.rtol * np.abs(ref) + mag * slack[:, :, None, :]
-    assert (err <= bound).all(), f"max excess {np.max(err - bound)}"
+# The inverse-frequency table is float32, as in Hugging Face; the rope checks allow its
+# error, which grows with the position, on top of the dtype tolerance
+# (cases.checks.rope_angle_slack).
 
 ROPE_SCALINGS = pytest.mark.parametrize("scaling", [None, LINEAR, LLAMA3],
                                         ids=["none", "linear", "llama3"])
@@ -234,9 +212,7 @@ def test_rope(dtype, scaling, interleaved, shape, theta):
     positions = jnp.asarray(g.integers(0, 40000, shape[:2]), jnp.int32)
     out = jcall(fj.rope, x, positions, theta=theta, scaling=scaling, interleaved=interleaved)
     assert out.dtype == dtype and out.shape == shape
-    ref = rope_ref(x, positions, theta=theta, scaling=scaling, interleaved=interleaved)
-    slack = _angle_slack(positions, shape[-1], theta, scaling)
-    _assert_rope_close(out, ref, x, slack, interleaved)
+    assert_rope_close(out, x, positions, theta=theta, scaling=scaling, interleaved=interleaved)
     # Small positions: the plain dtype tolerance.
     small = positions % 64
     out = jcall(fj.rope, x, small, theta=theta, scaling=scaling, interleaved=interleaved)
@@ -278,7 +254,7 @@ def test_rope_cos_sin(scaling, pos_shape):
     assert cos.shape == sin.shape == (*pos_shape, 32)
     assert cos.dtype == sin.dtype == jnp.float32
     cos_ref, sin_ref = rope_cos_sin_ref(positions, 64, theta=500000.0, scaling=scaling)
-    slack = _angle_slack(positions, 64, 500000.0, scaling)
+    slack = rope_angle_slack(positions, 64, theta=500000.0, scaling=scaling)
     tol = tolerances.tolerance(jnp.float32)
     for got, want in ((cos, cos_ref), (sin, sin_ref)):
         err = np.abs(f64(got) - want)

@@ -9,107 +9,30 @@ from __future__ import annotations
 
 import math
 
-import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
 import numpy as np
 import pytest
-from absl.testing import parameterized
+from cases import variants
+from cases.calls import jit_attention, jit_paged_attention, jit_paged_gather
+from cases.checks import assert_close
+from cases.inputs import garbage, rng
+from cases.paged import paged_cache
+from cases.references import attention_ref, f64
 
 import forge_jax as fj
 from forge_jax import tolerances
 
-GARBAGE = 3e3
 
-
-# --- an independent float64 reference -----------------------------------------------------
-
-
-def attention_np(q, k, v, lengths, *, positions=None, scale=None, window=None, cap=None):
-    """float64 attention of ``q [b, t, hq, d]`` over dense ``k, v [b, s, hk, d]``.
-
-    Query ``t`` of sequence ``b`` at position ``p`` (default ``lengths[b] - t_len + t``)
-    sees key ``j`` iff ``j <= p``, ``j < lengths[b]`` and ``j > p - window``.
-    """
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    batch, t_len, q_heads, head_dim = q.shape
-    group = q_heads // k.shape[2]
-    lengths = np.asarray(lengths)
-    if positions is None:
-        positions = lengths[:, None] - t_len + np.arange(t_len)[None, :]
-    scale = 1 / math.sqrt(head_dim) if scale is None else scale
-    out = np.zeros(q.shape)
-    for b in range(batch):
-        for h in range(q_heads):
-            for t in range(t_len):
-                p = int(positions[b, t])
-                j = np.arange(k.shape[1])
-                seen = (j <= p) & (j < lengths[b])
-                if window is not None:
-                    seen &= j > p - window
-                if not seen.any():
-                    continue
-                logits = scale * (k[b, seen, h // group] @ q[b, t, h])
-                if cap is not None:
-                    logits = cap * np.tanh(logits / cap)
-                w = np.exp(logits - logits.max())
-                out[b, t, h] = (w / w.sum()) @ v[b, seen, h // group]
-    return out
-
-
-def _f64(x):
-    return np.asarray(x).astype(np.float64)
-
-
-def _close(out, ref, dtype, factor=1.0):
-    out = _f64(out)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert np.isfinite(out).all()
-    assert np.abs(ref).max() > 0
-    tol = tolerances.scaled(tolerances.tolerance(dtype), factor)
-    np.testing.assert_allclose(out, ref, **tol.as_kwargs())
-
-
-# --- random paged caches ------------------------------------------------------------------
-
-
-def make_paged(rng, lengths, *, page_size, kv_heads, head_dim, dtype, spare_pages=3,
-               spare_entries=1, max_pages=None, num_pages=None):
-    """Random sequences scattered over randomly permuted pages of a garbage-filled pool.
-
-    Returns (k_pages, v_pages, block_tables, dense_k, dense_v) with dense_* the float64
-    ``[batch, max_pages * page_size, kv_heads, head_dim]`` ground truth (zero past the
-    lengths), exactly as rounded to ``dtype``.
-    """
-    lengths = np.asarray(lengths)
-    batch = len(lengths)
-    pages_per_seq = [-(-int(n) // page_size) for n in lengths]
-    max_pages = max_pages or max(pages_per_seq) + spare_entries
-    num_pages = num_pages or sum(pages_per_seq) + spare_pages
-    shape = (kv_heads, num_pages, page_size, head_dim)
-    garbage = lambda: rng.choice([-1, 1], shape) * rng.uniform(GARBAGE, 2 * GARBAGE, shape)
-    k_pages, v_pages = garbage(), garbage()
-    # Unused entries: huge values of either sign (a wrapped negative index would read a page).
-    tables = rng.integers(-2**30, 2**30, (batch, max_pages))
-    dense_k = np.zeros((batch, max_pages * page_size, kv_heads, head_dim))
-    dense_v = np.zeros_like(dense_k)
-    order = rng.permutation(num_pages)
-    cursor = 0
-    for b, n in enumerate(lengths):
-        for i in range(pages_per_seq[b]):
-            tables[b, i] = order[cursor]
-            cursor += 1
-        for pos in range(int(n)):
-            kv = rng.standard_normal((2, kv_heads, head_dim))
-            kv = kv.astype(np.dtype(dtype)).astype(np.float64)
-            dense_k[b, pos], dense_v[b, pos] = kv
-            page, off = tables[b, pos // page_size], pos % page_size
-            k_pages[:, page, off], v_pages[:, page, off] = kv
-    return (jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
-            jnp.asarray(tables, jnp.int32), dense_k, dense_v)
+def make_paged(gen, lengths, *, page_size, kv_heads, head_dim, dtype, **shapes):
+    """Random sequences on randomly permuted pages of a pool of large finite garbage:
+    ``(k_pages, v_pages, block_tables, dense_k, dense_v)`` with ``dense_*`` the float64
+    ``[batch, max_pages * page_size, kv_heads, head_dim]`` truth (zero past the lengths)."""
+    cache = paged_cache(gen, lengths, page_size=page_size, kv_heads=kv_heads,
+                        head_dim=head_dim, dtype=dtype, **shapes)
+    return cache.finite_k, cache.finite_v, cache.block_tables, cache.dense_k, cache.dense_v
 
 
 def _lengths(page_size):
@@ -118,13 +41,6 @@ def _lengths(page_size):
 
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
-
-# jitted once per shape: the masking arguments are static.
-paged_attention = jax.jit(fj.paged_attention, static_argnames=(
-    "scale", "sliding_window", "logits_soft_cap", "implementation"))
-attention = jax.jit(fj.attention, static_argnames=(
-    "scale", "causal", "sliding_window", "logits_soft_cap", "implementation"))
-paged_gather = jax.jit(fj.paged_gather)
 
 
 # --- paged_attention ----------------------------------------------------------------------
@@ -135,31 +51,31 @@ paged_gather = jax.jit(fj.paged_gather)
     (1, "mha", None), (1, "gqa", 3), (8, "mqa", None), (8, "mha", 3), (16, "gqa", None),
     (16, "mqa", 3)])
 def test_paged_attention_matches_references(page_size, heads, q_len):
-    rng = np.random.default_rng([page_size, q_len or 0])
+    gen = rng(page_size, q_len or 0)
     q_heads, kv_heads = HEADS[heads]
     head_dim = 16
     lengths = _lengths(page_size)
     k_pages, v_pages, tables, dense_k, dense_v = make_paged(
-        rng, lengths, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim,
+        gen, lengths, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim,
         dtype=jnp.float32)
     batch = len(lengths)
     q_shape = (batch, q_heads, head_dim) if q_len is None else (batch, q_len, q_heads, head_dim)
-    q = jnp.asarray(rng.standard_normal(q_shape), jnp.float32)
+    q = jnp.asarray(gen.standard_normal(q_shape), jnp.float32)
     lens = jnp.asarray(lengths, jnp.int32)
-    out = paged_attention(q, k_pages, v_pages, tables, lens)
+    out = jit_paged_attention(q, k_pages, v_pages, tables, lens)
     assert out.shape == q.shape and out.dtype == q.dtype
     q4 = q[:, None] if q_len is None else q
-    ref = attention_np(q4, dense_k, dense_v, lengths)
+    ref = attention_ref(q4, dense_k, dense_v, kv_lengths=lengths)
     ref = ref[:, 0] if q_len is None else ref
-    _close(out, ref, jnp.float32)
+    assert_close(out, ref, dtype=jnp.float32)
     # Against fj.attention on the gathered dense K/V, same positions.
     t = q4.shape[1]
     positions = lens[:, None] - t + jnp.arange(t)[None, :]
-    k = paged_gather(k_pages, tables, lens)
-    v = paged_gather(v_pages, tables, lens)
-    dense = attention(q4, k, v, q_positions=positions, kv_lengths=lens)
+    k = jit_paged_gather(k_pages, tables, lens)
+    v = jit_paged_gather(v_pages, tables, lens)
+    dense = jit_attention(q4, k, v, q_positions=positions, kv_lengths=lens)
     dense = dense[:, 0] if q_len is None else dense
-    np.testing.assert_allclose(_f64(out), _f64(dense), **tolerances.tolerance(
+    np.testing.assert_allclose(f64(out), f64(dense), **tolerances.tolerance(
         jnp.float32).as_kwargs())
 
 
@@ -168,46 +84,47 @@ def test_paged_attention_matches_references(page_size, heads, q_len):
     (jnp.float16, jnp.float16, None, 4.0), (jnp.float32, jnp.float32, 9, 2.5),
     (jnp.float32, jnp.float32, 1, None), (jnp.bfloat16, jnp.float32, 9, 2.5)])
 def test_paged_attention_dtypes_window_cap(dtype, q_dtype, window, cap):
-    rng = np.random.default_rng(7)
+    gen = rng(7)
     page_size, q_heads, kv_heads, head_dim = 8, 6, 2, 32
     lengths = np.array([21, 3, 8, 16])
     k_pages, v_pages, tables, dense_k, dense_v = make_paged(
-        rng, lengths, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    q = jnp.asarray(rng.standard_normal((4, 4, q_heads, head_dim)) * 2, q_dtype)
-    out = paged_attention(q, k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32),
+        gen, lengths, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    q = jnp.asarray(gen.standard_normal((4, 4, q_heads, head_dim)) * 2, q_dtype)
+    out = jit_paged_attention(q, k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32),
                           sliding_window=window, logits_soft_cap=cap, scale=0.3)
     assert out.dtype == q.dtype
-    ref = attention_np(_f64(q), dense_k, dense_v, lengths, scale=0.3, window=window, cap=cap)
-    _close(out, ref, q_dtype)
+    ref = attention_ref(f64(q), dense_k, dense_v, kv_lengths=lengths, scale=0.3,
+                        sliding_window=window, logits_soft_cap=cap)
+    assert_close(out, ref, dtype=q_dtype)
 
 
 def test_paged_attention_explicit_positions_and_decode_forms():
     """Chunked prefill with explicit (and padded) positions; 3-D q equals its 4-D form."""
-    rng = np.random.default_rng(3)
+    gen = rng(3)
     lengths = np.array([12, 30, 5])
     k_pages, v_pages, tables, dense_k, dense_v = make_paged(
-        rng, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
+        gen, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
     lens = jnp.asarray(lengths, jnp.int32)
     positions = np.array([[8, 9, 10, 11], [20, 21, 22, 23], [3, 4, -1, -1]], np.int32)
-    q = jnp.asarray(rng.standard_normal((3, 4, 4, 8)), jnp.float32)
-    out = paged_attention(q, k_pages, v_pages, tables, lens, q_positions=positions)
-    ref = attention_np(q, dense_k, dense_v, lengths, positions=positions)
-    _close(out, ref, jnp.float32)
+    q = jnp.asarray(gen.standard_normal((3, 4, 4, 8)), jnp.float32)
+    out = jit_paged_attention(q, k_pages, v_pages, tables, lens, q_positions=positions)
+    ref = attention_ref(q, dense_k, dense_v, kv_lengths=lengths, q_positions=positions)
+    assert_close(out, ref, dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(out[2, 2:]), 0.0)  # sees no key
     # Decode: [batch, heads, dim] with [batch] or [batch, 1] positions == the 4-D call.
     qd = q[:, 0]
-    full = paged_attention(qd[:, None], k_pages, v_pages, tables, lens)
+    full = jit_paged_attention(qd[:, None], k_pages, v_pages, tables, lens)
     for pos in (None, lens - 1, (lens - 1)[:, None]):
-        got = paged_attention(qd, k_pages, v_pages, tables, lens, q_positions=pos)
+        got = jit_paged_attention(qd, k_pages, v_pages, tables, lens, q_positions=pos)
         np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, 0]), atol=1e-6)
 
 
 def test_paged_attention_empty_sequence_gives_zeros():
-    rng = np.random.default_rng(4)
+    gen = rng(4)
     k_pages, v_pages, tables, _, _ = make_paged(
-        rng, [5, 1], page_size=4, kv_heads=1, head_dim=8, dtype=jnp.float32)
-    q = jnp.asarray(rng.standard_normal((2, 2, 8)), jnp.float32)
-    out = paged_attention(q, k_pages, v_pages, tables, jnp.asarray([5, 0], jnp.int32))
+        gen, [5, 1], page_size=4, kv_heads=1, head_dim=8, dtype=jnp.float32)
+    q = jnp.asarray(gen.standard_normal((2, 2, 8)), jnp.float32)
+    out = jit_paged_attention(q, k_pages, v_pages, tables, jnp.asarray([5, 0], jnp.int32))
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
     assert np.abs(np.asarray(out[0])).max() > 0
@@ -227,13 +144,13 @@ def test_paged_attention_reads_only_the_named_pages():
 
 
 def test_paged_attention_grad_and_vmap():
-    rng = np.random.default_rng(8)
+    gen = rng(8)
     lengths = np.array([7, 2, 12])
     k_pages, v_pages, tables, dense_k, dense_v = make_paged(
-        rng, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
+        gen, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
     lens = jnp.asarray(lengths, jnp.int32)
-    q = jnp.asarray(rng.standard_normal((3, 2, 4, 8)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    q = jnp.asarray(gen.standard_normal((3, 2, 4, 8)), jnp.float32)
+    w = jnp.asarray(gen.standard_normal(q.shape), jnp.float32)
 
     def paged_loss(q, k_pages, v_pages):
         return jnp.sum(fj.paged_attention(q, k_pages, v_pages, tables, lens) * w)
@@ -262,7 +179,7 @@ def test_paged_attention_grad_and_vmap():
     for layer in range(2):
         np.testing.assert_allclose(
             np.asarray(out[layer]),
-            np.asarray(paged_attention(q2[layer], k2[layer], v2[layer], tables, lens)), **tol)
+            np.asarray(jit_paged_attention(q2[layer], k2[layer], v2[layer], tables, lens)), **tol)
 
 
 @hypothesis.given(
@@ -272,19 +189,20 @@ def test_paged_attention_grad_and_vmap():
     seed=st.integers(0, 2**16))
 def test_paged_attention_fuzz(lengths, shift, masking, seed):
     """Random ragged lengths (empty included) and query positions; fixed shapes."""
-    rng = np.random.default_rng(seed)
+    gen = rng(seed)
     lengths = np.array(lengths)
     k_pages, v_pages, tables, dense_k, dense_v = make_paged(
-        rng, lengths, page_size=4, kv_heads=1, head_dim=8, dtype=jnp.float32, max_pages=4,
+        gen, lengths, page_size=4, kv_heads=1, head_dim=8, dtype=jnp.float32, max_pages=4,
         num_pages=14)
-    q = jnp.asarray(rng.standard_normal((3, 2, 3, 8)), jnp.float32)
+    q = jnp.asarray(gen.standard_normal((3, 2, 3, 8)), jnp.float32)
     positions = (lengths[:, None] - 2 + shift + np.arange(2)[None, :]).astype(np.int32)
     window, cap = masking
-    out = paged_attention(q, k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32),
+    out = jit_paged_attention(q, k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32),
                           q_positions=jnp.asarray(positions), sliding_window=window,
                           logits_soft_cap=cap)
-    ref = attention_np(q, dense_k, dense_v, lengths, positions=positions, window=window, cap=cap)
-    out = _f64(out)
+    ref = attention_ref(q, dense_k, dense_v, kv_lengths=lengths, q_positions=positions,
+                        sliding_window=window, logits_soft_cap=cap)
+    out = f64(out)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, **tolerances.tolerance(jnp.float32).as_kwargs())
 
@@ -294,36 +212,32 @@ def test_paged_attention_fuzz(lengths, shift, masking, seed):
 
 @pytest.mark.parametrize("page_size", [1, 8])
 def test_paged_gather_exact_and_zero_past_lengths(page_size):
-    rng = np.random.default_rng(page_size)
+    gen = rng(page_size)
     lengths = _lengths(page_size)
     k_pages, _, tables, dense_k, _ = make_paged(
-        rng, lengths, page_size=page_size, kv_heads=3, head_dim=8, dtype=jnp.bfloat16)
-    out = paged_gather(k_pages, tables, jnp.asarray(lengths, jnp.int32))
+        gen, lengths, page_size=page_size, kv_heads=3, head_dim=8, dtype=jnp.bfloat16)
+    out = jit_paged_gather(k_pages, tables, jnp.asarray(lengths, jnp.int32))
     assert out.shape == dense_k.shape and out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(_f64(out), dense_k)  # zeros past each length included
+    np.testing.assert_array_equal(f64(out), dense_k)  # zeros past each length included
 
 
 # --- paged_write --------------------------------------------------------------------------
 
 
-def _pool(rng, shape, dtype=jnp.float32):
-    return jnp.asarray(rng.standard_normal(shape) * GARBAGE, dtype)
-
-
 @pytest.mark.parametrize("page_size", [1, 8])
 def test_paged_write_exact_placement_and_padding(page_size):
-    rng = np.random.default_rng(11)
+    gen = rng(11)
     kv_heads, num_pages, head_dim, tokens = 2, 12, 4, 9
     shape = (kv_heads, num_pages, page_size, head_dim)
-    k_pages, v_pages = _pool(rng, shape, jnp.bfloat16), _pool(rng, shape, jnp.bfloat16)
+    k_pages, v_pages = garbage(gen, shape, jnp.bfloat16), garbage(gen, shape, jnp.bfloat16)
     capacity = num_pages * page_size
-    slots = rng.permutation(capacity)[:tokens].astype(np.int32)
+    slots = gen.permutation(capacity)[:tokens].astype(np.int32)
     slots[[1, 4]] = -1  # padding
     slots[6] = -capacity  # would wrap around to slot 0 if negatives were not masked
     if capacity > tokens:
         slots[7] = capacity + 3  # out of range: skipped too
-    k = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), jnp.float32)
+    k = jnp.asarray(gen.standard_normal((tokens, kv_heads, head_dim)), jnp.float32)
+    v = jnp.asarray(gen.standard_normal((tokens, kv_heads, head_dim)), jnp.float32)
     new_k, new_v = jax.jit(fj.paged_write)(k_pages, v_pages, k, v, jnp.asarray(slots))
     assert new_k.dtype == jnp.bfloat16 and new_k.shape == shape
     for pages, new, x in ((k_pages, new_k, k), (v_pages, new_v, v)):
@@ -336,11 +250,11 @@ def test_paged_write_exact_placement_and_padding(page_size):
 
 
 def test_paged_write_donated_updates_in_place():
-    rng = np.random.default_rng(12)
+    gen = rng(12)
     kv_heads, num_pages, page_size, head_dim = 2, 2048, 16, 32
     shape = (kv_heads, num_pages, page_size, head_dim)
-    k_pages, v_pages = _pool(rng, shape), _pool(rng, shape)
-    k = jnp.asarray(rng.standard_normal((4, kv_heads, head_dim)), jnp.float32)
+    k_pages, v_pages = garbage(gen, shape), garbage(gen, shape)
+    k = jnp.asarray(gen.standard_normal((4, kv_heads, head_dim)), jnp.float32)
     slots = jnp.asarray([5, -1, 700, 32767], jnp.int32)
     step = jax.jit(fj.paged_write, donate_argnums=(0, 1))
     compiled = step.lower(k_pages, v_pages, k, k, slots).compile()
@@ -364,9 +278,9 @@ def test_paged_write_donated_updates_in_place():
 
 
 def test_copy_pages_copies_and_skips_padding_rows():
-    rng = np.random.default_rng(13)
+    gen = rng(13)
     shape = (2, 8, 4, 8)
-    k_pages, v_pages = _pool(rng, shape), _pool(rng, shape)
+    k_pages, v_pages = garbage(gen, shape), garbage(gen, shape)
     copies = np.array([[1, 5], [-1, 0], [3, 2], [-1, -1], [1, 7]], np.int32)
     new_k, new_v = jax.jit(fj.copy_pages, donate_argnums=(0, 1))(
         jnp.array(k_pages), jnp.array(v_pages), jnp.asarray(copies))
@@ -385,41 +299,39 @@ def test_copy_pages_copies_and_skips_padding_rows():
 # --- chex variants ------------------------------------------------------------------------
 
 
-class PagedVariantsTest(parameterized.TestCase):
-
-    @chex.variants(with_jit=True, without_jit=True, with_device=True, without_device=True)
-    def test_attention_and_write_agree_across_variants(self):
-        rng = np.random.default_rng(21)
-        lengths = np.array([9, 2, 16])
-        k_pages, v_pages, tables, dense_k, dense_v = make_paged(
-            rng, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
-        q = jnp.asarray(rng.standard_normal((3, 2, 4, 8)), jnp.float32)
-        lens = jnp.asarray(lengths, jnp.int32)
-        attend = self.variant(lambda q, k, v, t, n: fj.paged_attention(
-            q, k, v, t, n, sliding_window=6, logits_soft_cap=5.0))
-        out = attend(q, k_pages, v_pages, tables, lens)
-        ref = attention_np(q, dense_k, dense_v, lengths, window=6, cap=5.0)
-        _close(out, ref, jnp.float32)
-        new = jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.float32)
-        slots = jnp.asarray([int(tables[0, 2]) * 4 + 1, -1, int(tables[2, 3]) * 4 + 3],
-                            jnp.int32)
-        write = self.variant(fj.paged_write)
-        nk, nv = write(k_pages, v_pages, new, -new, slots)
-        np.testing.assert_array_equal(np.asarray(nk[:, tables[0, 2], 1]), np.asarray(new[0]))
-        np.testing.assert_array_equal(np.asarray(nv[:, tables[2, 3], 3]), -np.asarray(new[2]))
-        np.testing.assert_array_equal(np.asarray(nk[:, tables[1, 0]]),
-                                      np.asarray(k_pages[:, tables[1, 0]]))
-        gather = self.variant(fj.paged_gather)
-        np.testing.assert_array_equal(_f64(gather(k_pages, tables, lens)), dense_k)
+@variants.device_variants
+def test_attention_and_write_agree_across_variants(variant):
+    gen = rng(21)
+    lengths = np.array([9, 2, 16])
+    k_pages, v_pages, tables, dense_k, dense_v = make_paged(
+        gen, lengths, page_size=4, kv_heads=2, head_dim=8, dtype=jnp.float32)
+    q = jnp.asarray(gen.standard_normal((3, 2, 4, 8)), jnp.float32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    attend = variant(lambda q, k, v, t, n: fj.paged_attention(
+        q, k, v, t, n, sliding_window=6, logits_soft_cap=5.0))
+    out = attend(q, k_pages, v_pages, tables, lens)
+    ref = attention_ref(q, dense_k, dense_v, kv_lengths=lengths, sliding_window=6,
+                        logits_soft_cap=5.0)
+    assert_close(out, ref, dtype=jnp.float32)
+    new = jnp.asarray(gen.standard_normal((3, 2, 8)), jnp.float32)
+    slots = jnp.asarray([int(tables[0, 2]) * 4 + 1, -1, int(tables[2, 3]) * 4 + 3], jnp.int32)
+    write = variant(fj.paged_write)
+    nk, nv = write(k_pages, v_pages, new, -new, slots)
+    np.testing.assert_array_equal(np.asarray(nk[:, tables[0, 2], 1]), np.asarray(new[0]))
+    np.testing.assert_array_equal(np.asarray(nv[:, tables[2, 3], 3]), -np.asarray(new[2]))
+    np.testing.assert_array_equal(np.asarray(nk[:, tables[1, 0]]),
+                                  np.asarray(k_pages[:, tables[1, 0]]))
+    gather = variant(fj.paged_gather)
+    np.testing.assert_array_equal(f64(gather(k_pages, tables, lens)), dense_k)
 
 
 # --- dispatch and validation --------------------------------------------------------------
 
 
 def test_registered_with_dispatch():
-    rng = np.random.default_rng(0)
+    gen = rng(0)
     k_pages, v_pages, tables, _, _ = make_paged(
-        rng, [3], page_size=2, kv_heads=1, head_dim=4, dtype=jnp.float32)
+        gen, [3], page_size=2, kv_heads=1, head_dim=4, dtype=jnp.float32)
     q = jnp.ones((1, 2, 4), jnp.float32)
     lens = jnp.asarray([3], jnp.int32)
     assert fj.explain("paged_attention", q, k_pages, v_pages, tables, lens).implementation == "xla"

@@ -1,12 +1,13 @@
 """The Pallas GPU rms_norm kernel (pallas_kernels/gpu/rms_norm.py).
 
-``TestRmsNormPallas`` runs the compiled kernel (``"pallas"``) and is skipped without a GPU
-of compute capability >= 8.0; ``TestRmsNormInterpret`` runs the same tests on the same
-kernel code in Pallas' interpreter (``"pallas_gpu_interpret"``), everywhere. Every case is
-checked against the float64 reference and against the XLA implementation; Pallas'
-interpreter starts outputs as NaN (``test_interpreter_poisons_outputs``), so an element the
-kernel fails to write fails the finiteness check. The lowering tests lower every accepted
-case exactly as for a CUDA GPU (``_compat.export_for_cuda``) on this machine.
+:class:`TestRmsNormPallasGpu` runs the compiled kernel (``"pallas"``) and is skipped without
+a GPU of compute capability >= 8.0; :class:`TestRmsNormPallasGpuInterpret` runs the same
+tests on the same kernel code in Pallas' interpreter (``"pallas_gpu_interpret"``),
+everywhere. The behaviours every rms_norm implementation shows (float64 reference and XLA,
+the VJP) come from :class:`cases.elementwise_base.RmsNormCases`; Pallas' interpreter starts
+outputs as NaN (``test_interpreter_poisons_outputs``), so an element the kernel fails to
+write fails the finiteness check. The lowering tests lower every accepted case exactly as
+for a CUDA GPU (``_compat.export_for_cuda``) on this machine.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, case_id, jcall, normal, rng
-from reference import f64, rms_norm_ref, round_to
+from cases.calls import by_id, case_id, jcall
+from cases.checks import assert_close
+from cases.elementwise_base import RmsNormCases
+from cases.inputs import rms_norm_inputs, rng
+from cases.references import f64, rms_norm_ref, round_to
+from cases.shapes import GPT_OSS_HIDDEN, LLAMA2_13B_HIDDEN, LLAMA32_1B_HIDDEN, SMOLLM_HIDDEN
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch
@@ -27,99 +32,53 @@ from forge_jax.pallas_kernels.gpu import rms_norm as kernel
 
 pl = _compat.pallas()
 
-# (x shape, x dtype, weight dtype, residual): hidden sizes of SmolLM (576), Llama 3.2 1B
-# (2048), gpt-oss (2880) and Llama 2 13B (5120); row counts that end inside a block.
+# (x shape, x dtype, weight dtype, residual): hidden sizes of released models; row counts
+# that end inside a block.
 CASES = [
-    ((2, 3, 576), jnp.bfloat16, jnp.float32, True),   # 6 rows, 8 per program
-    ((5, 2048), jnp.float16, jnp.float16, True),      # 5 rows, 4 per program
-    ((3, 2880), jnp.float32, jnp.float32, False),
-    ((1, 3, 5120), jnp.bfloat16, jnp.bfloat16, False),
+    ((2, 3, SMOLLM_HIDDEN), jnp.bfloat16, jnp.float32, True),   # 6 rows, 8 per program
+    ((5, LLAMA32_1B_HIDDEN), jnp.float16, jnp.float16, True),   # 5 rows, 4 per program
+    ((3, GPT_OSS_HIDDEN), jnp.float32, jnp.float32, False),
+    ((1, 3, LLAMA2_13B_HIDDEN), jnp.bfloat16, jnp.bfloat16, False),
 ]
 
 
-def inputs(shape, dtype, w_dtype, residual, seed=0):
-    gen = rng(seed, shape[-1])
-    x = normal(gen, shape, dtype, scale=3.0)
-    w = jnp.asarray((1.0 + 0.2 * gen.standard_normal(shape[-1])).astype(np.dtype(w_dtype)))
-    r = normal(gen, shape, dtype) if residual else None
-    return x, w, r
-
-
-class TestRmsNormPallas:
+class TestRmsNormPallasGpu(RmsNormCases):
     IMPLEMENTATION = "pallas"
+    INTERPRET = False
+    CASES = by_id(CASES)
 
-    @pytest.fixture(autouse=True)
-    def _needs_device(self):
-        if self.IMPLEMENTATION == "pallas" and (reason := _common.gpu_reason("gpu")):
-            pytest.skip(f"compiled Triton kernel: {reason} (the interpret subclass runs here)")
+    @classmethod
+    def skip_reason(cls):
+        if cls.INTERPRET or (reason := _common.gpu_reason("gpu")) is None:
+            return None
+        return f"compiled Triton kernel: {reason} (the interpret subclass runs here)"
 
     def rms_norm(self, x, w, **kw):
         return jcall(fj.rms_norm, x, w, implementation=self.IMPLEMENTATION, **kw)
 
-    @pytest.mark.parametrize("shape,dtype,w_dtype,with_residual", CASES, ids=case_id)
-    def test_matches_reference_and_xla(self, shape, dtype, w_dtype, with_residual):
-        x, w, r = inputs(shape, dtype, w_dtype, with_residual)
-        out = self.rms_norm(x, w, eps=1e-5, residual=r)
-        want = fj.rms_norm(x, w, eps=1e-5, residual=r, implementation="xla")
-        ref = rms_norm_ref(x, w, eps=1e-5, residual=r, h_dtype=dtype)
-        if with_residual:
-            (y, h), (want_y, want_h), (ref_y, ref_h) = out, want, ref
-            assert h.dtype == dtype
-            # h is one float32 add rounded to x.dtype in both: bitwise equal.
-            np.testing.assert_array_equal(f64(h), f64(want_h))
-            np.testing.assert_array_equal(f64(h), round_to(ref_h, dtype))
-        else:
-            y, want_y, ref_y = out, want, ref
-        assert y.dtype == dtype and y.shape == shape
-        assert_close(y, ref_y, implementation=self.IMPLEMENTATION)
-        assert_close(y, f64(want_y), implementation=self.IMPLEMENTATION)
-
     def test_largest_hidden(self):
-        x, w, r = inputs((3, kernel.MAX_HIDDEN), jnp.float32, jnp.float32, True)
+        x, w, r = rms_norm_inputs((3, kernel.MAX_HIDDEN), jnp.float32, jnp.float32, True)
         y, h = self.rms_norm(x, w, residual=r)
         ref_y, _ = rms_norm_ref(x, w, residual=r, h_dtype=jnp.float32)
         assert_close(y, ref_y, implementation=self.IMPLEMENTATION)
 
     def test_vmap(self):
-        x, w, r = inputs((3, 2, 576), jnp.bfloat16, jnp.bfloat16, True)
+        x, w, r = rms_norm_inputs((3, 2, 576), jnp.bfloat16, jnp.bfloat16, True)
         fn = functools.partial(fj.rms_norm, implementation=self.IMPLEMENTATION)
         y, h = jax.jit(jax.vmap(lambda x, r: fn(x, w, residual=r)))(x, r)
         ref_y, ref_h = rms_norm_ref(x, w, residual=r, h_dtype=jnp.bfloat16)
         assert_close(y, ref_y, implementation=self.IMPLEMENTATION)
         np.testing.assert_array_equal(f64(h), round_to(ref_h, jnp.bfloat16))
 
-    def test_grad_matches_xla_vjp_and_float64(self):
-        """The VJP is the XLA implementation's (custom_vjp); also checked analytically."""
-        x, w, r = inputs((2, 3, 576), jnp.float32, jnp.float32, True)
-        gen = rng(1)
-        gy, gh = normal(gen, x.shape), normal(gen, x.shape)
-
-        def loss(implementation, x, w, r):
-            y, h = fj.rms_norm(x, w, residual=r, implementation=implementation)
-            return jnp.sum(y * gy) + jnp.sum(h * gh)
-
-        grads = jax.jit(jax.grad(functools.partial(loss, self.IMPLEMENTATION),
-                                 argnums=(0, 1, 2)))(x, w, r)
-        want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(x, w, r)
-        # float64: y = w h s, s = (mean(h^2) + eps)^-1/2, h = x + r.
-        h, w64, gy64 = f64(x) + f64(r), f64(w), f64(gy)
-        s = 1.0 / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6)
-        dh = w64 * gy64 * s - h * s**3 * np.mean(w64 * gy64 * h, axis=-1, keepdims=True)
-        dh = dh + f64(gh)
-        ref = (dh, np.sum(gy64 * h * s, axis=(0, 1)), dh)
-        for name, g, g_xla, g_ref in zip("xwr", grads, want, ref, strict=True):
-            assert_close(g, f64(g_xla), implementation=self.IMPLEMENTATION, err_msg=name)
-            # Sums over 576 terms (dh) and 6 rows (dw): a wider float32 budget.
-            assert_close(g, g_ref, implementation=self.IMPLEMENTATION, factor=20, err_msg=name)
-
     def test_no_rows(self):
-        x, w, r = inputs((2, 3, 64), jnp.float32, jnp.float32, True)
+        x, w, r = rms_norm_inputs((2, 3, 64), jnp.float32, jnp.float32, True)
         y, h = self.rms_norm(x[:0], w, residual=r[:0])
         assert y.shape == h.shape == (0, 3, 64) and y.dtype == h.dtype == jnp.float32
 
 
-class TestRmsNormInterpret(TestRmsNormPallas):
+class TestRmsNormPallasGpuInterpret(TestRmsNormPallasGpu):
     IMPLEMENTATION = "pallas_gpu_interpret"
+    INTERPRET = True
 
 
 def test_interpreter_poisons_outputs():
@@ -199,7 +158,7 @@ def test_launch_table_blocks_are_powers_of_two():
 
 
 def test_pallas_rejects_compute_capability_below_8(monkeypatch):
-    x, w, r = inputs((2, 64), jnp.bfloat16, jnp.bfloat16, True)
+    x, w, r = rms_norm_inputs((2, 64), jnp.bfloat16, jnp.bfloat16, True)
     pallas = dispatch.implementations("rms_norm", "gpu")["pallas"]
     monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "7.5")
     assert "compute capability >= 8.0; this GPU has 7.5" in pallas.supports(_args(x, w, r), "gpu")

@@ -1,10 +1,11 @@
 """The Pallas GPU rope kernel (pallas_kernels/gpu/rope.py).
 
-``TestRopePallas`` runs the compiled kernel (``"pallas"``, skipped without a GPU of compute
-capability >= 8.0); ``TestRopeInterpret`` runs the same kernel code in Pallas' interpreter
-everywhere. Each case is checked against the float64 reference (Hugging Face's definitions)
-and the XLA implementation; the interpreter starts outputs as NaN (see
-test_pallas_gpu_norm.py), so an unwritten element fails the finiteness check.
+:class:`TestRopePallasGpu` runs the compiled kernel (``"pallas"``, skipped without a GPU of
+compute capability >= 8.0); :class:`TestRopePallasGpuInterpret` runs the same kernel code in
+Pallas' interpreter everywhere. Each case of :class:`cases.elementwise_base.RopeCases` is
+checked against the float64 reference (Hugging Face's definitions) and the XLA
+implementation; the interpreter starts outputs as NaN (see test_pallas_gpu_norm.py), so an
+unwritten element fails the finiteness check.
 """
 
 from __future__ import annotations
@@ -15,60 +16,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, case_id, jcall, normal, rng
-from reference import f64, rope_angles_ref, rope_ref
+from cases.calls import by_id, case_id
+from cases.checks import assert_close, assert_rope_close
+from cases.elementwise_base import RopeCases
+from cases.inputs import normal, rng, rope_inputs
+from cases.references import f64
+from cases.shapes import (
+    LINEAR_SCALING,
+    LLAMA31_SCALING,
+    LLAMA31_THETA,
+    PHI2_HEAD_DIM,
+    SMOLLM_THETA,
+)
 
 import forge_jax as fj
-from forge_jax import _compat, backends, dispatch, tolerances
+from forge_jax import _compat, backends, dispatch
 from forge_jax.pallas_kernels.gpu import _common
 from forge_jax.pallas_kernels.gpu import rope as kernel
 
-LLAMA3 = fj.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
-LINEAR = fj.RopeScaling("linear", 4.0)
+LLAMA3 = LLAMA31_SCALING
 
 # (batch, seq, heads, head_dim), dtype, theta, scaling, interleaved, first position:
 # SmolLM 135M (9 query heads of 64, theta 1e5), Phi-2's head dim 80, Llama 3.1 8B
 # (128, theta 5e5, llama3 scaling) at positions past 65536; both conventions.
 CASES = [
-    ((2, 5, 9, 64), jnp.bfloat16, 1e5, None, False, 3),
-    ((1, 6, 9, 80), jnp.float16, 1e4, LINEAR, True, 17),
-    ((3, 2, 9, 80), jnp.bfloat16, 1e4, None, False, 0),
-    ((2, 3, 4, 128), jnp.float32, 5e5, LLAMA3, False, 70000),
-    ((1, 4, 2, 128), jnp.bfloat16, 5e5, LLAMA3, True, 70000),
+    ((2, 5, 9, 64), jnp.bfloat16, SMOLLM_THETA, None, False, 3),
+    ((1, 6, 9, PHI2_HEAD_DIM), jnp.float16, 1e4, LINEAR_SCALING, True, 17),
+    ((3, 2, 9, PHI2_HEAD_DIM), jnp.bfloat16, 1e4, None, False, 0),
+    ((2, 3, 4, 128), jnp.float32, LLAMA31_THETA, LLAMA3, False, 70000),
+    ((1, 4, 2, 128), jnp.bfloat16, LLAMA31_THETA, LLAMA3, True, 70000),
 ]
-
-
-def inputs(shape, dtype, start, seed=0):
-    gen = rng(seed, shape[-1])
-    x = normal(gen, shape, dtype)
-    # Increasing positions from `start`, a different offset per sequence (left padding).
-    positions = start + np.arange(shape[1])[None, :] + 11 * np.arange(shape[0])[:, None]
-    return x, jnp.asarray(positions, jnp.int32)
-
-
-def assert_rope_close(out, x, positions, implementation, **kw):
-    """``out`` agrees with the float64 RoPE of ``x``, allowing, on top of the dtype
-    tolerance, the angle error of the float32 frequency table (as tests/test_ops.py does):
-    Hugging Face's float32 ``pow`` leaves it a few ulp from the correctly rounded table,
-    and at position p an angle carries ~4 ulp of the frequency times p. The kernel and the
-    XLA implementation share the table, so they are also compared at the plain tolerance."""
-    ref = rope_ref(x, positions, **kw)
-    slack = 4 * 2.0**-24 * np.abs(rope_angles_ref(positions, x.shape[-1], theta=kw["theta"],
-                                                  scaling=kw["scaling"]))
-    x = f64(x)
-    if kw["interleaved"]:
-        mag = np.repeat(np.abs(x[..., 0::2]) + np.abs(x[..., 1::2]), 2, axis=-1)
-        slack = np.repeat(slack, 2, axis=-1)
-    else:
-        half = x.shape[-1] // 2
-        mag = np.tile(np.abs(x[..., :half]) + np.abs(x[..., half:]), 2)
-        slack = np.concatenate([slack, slack], axis=-1)
-    out64 = f64(out)
-    assert np.isfinite(out64).all()
-    tol = tolerances.tolerance(out.dtype, implementation)
-    bound = tol.atol + tol.rtol * np.abs(ref) + mag * slack[:, :, None, :]
-    excess = np.abs(out64 - ref) - bound
-    assert (excess <= 0).all(), f"{np.sum(excess > 0)} elements off by up to {excess.max()}"
 
 
 def _id(value):
@@ -76,32 +53,24 @@ def _id(value):
                                                                "rotate_half")
 
 
-class TestRopePallas:
+class TestRopePallasGpu(RopeCases):
     IMPLEMENTATION = "pallas"
+    INTERPRET = False
+    CASES = by_id(CASES, _id)
 
-    @pytest.fixture(autouse=True)
-    def _needs_device(self):
-        if self.IMPLEMENTATION == "pallas" and (reason := _common.gpu_reason("gpu")):
-            pytest.skip(f"compiled Triton kernel: {reason} (the interpret subclass runs here)")
-
-    @pytest.mark.parametrize("shape,dtype,theta,scaling,interleaved,start", CASES, ids=_id)
-    def test_matches_reference_and_xla(self, shape, dtype, theta, scaling, interleaved, start):
-        x, pos = inputs(shape, dtype, start)
-        kw = dict(theta=theta, scaling=scaling, interleaved=interleaved)
-        out = jcall(fj.rope, x, pos, implementation=self.IMPLEMENTATION, **kw)
-        assert out.dtype == dtype and out.shape == shape
-        assert_rope_close(out, x, pos, self.IMPLEMENTATION, **kw)
-        want = jcall(fj.rope, x, pos, implementation="xla", **kw)
-        assert_close(out, f64(want), implementation=self.IMPLEMENTATION)
+    @classmethod
+    def skip_reason(cls):
+        if cls.INTERPRET or (reason := _common.gpu_reason("gpu")) is None:
+            return None
+        return f"compiled Triton kernel: {reason} (the interpret subclass runs here)"
 
     def test_vmap(self):
-        x, pos = inputs((2, 3, 9, 64), jnp.bfloat16, 5)
+        x, pos = rope_inputs((2, 3, 9, 64), jnp.bfloat16, 5)
         fn = functools.partial(fj.rope, implementation=self.IMPLEMENTATION)
         xs = jnp.stack([x, -x])  # [2, batch, seq, heads, head_dim]
         out = jax.jit(jax.vmap(fn, in_axes=(0, None)))(xs, pos)
         for i in range(2):
-            assert_rope_close(out[i], xs[i], pos, self.IMPLEMENTATION, theta=1e4,
-                              scaling=None, interleaved=False)
+            assert_rope_close(out[i], xs[i], pos, implementation=self.IMPLEMENTATION)
 
     @pytest.mark.parametrize("interleaved", [False, True], ids=_id)
     def test_grad_matches_xla_vjp_and_float64(self, interleaved):
@@ -109,7 +78,7 @@ class TestRopePallas:
         forward kernel, which the tests above check). A rotation's transpose is the
         rotation by the opposite angle, and float32(-p * f) = -float32(p * f) exactly, so
         the float64 reference of the gradient is RoPE of the cotangent at ``-positions``."""
-        x, pos = inputs((1, 4, 3, 80), jnp.float32, 70000)
+        x, pos = rope_inputs((1, 4, 3, 80), jnp.float32, 70000)
         ct = normal(rng(1), x.shape)
         kw = dict(theta=5e5, scaling=LLAMA3, interleaved=interleaved)
 
@@ -119,11 +88,12 @@ class TestRopePallas:
         grad = jax.jit(jax.grad(functools.partial(loss, self.IMPLEMENTATION)))(x)
         want = jax.jit(jax.grad(functools.partial(loss, "xla")))(x)
         assert_close(grad, f64(want), implementation=self.IMPLEMENTATION)
-        assert_rope_close(grad, ct, -pos, self.IMPLEMENTATION, **kw)
+        assert_rope_close(grad, ct, -pos, implementation=self.IMPLEMENTATION, **kw)
 
 
-class TestRopeInterpret(TestRopePallas):
+class TestRopePallasGpuInterpret(TestRopePallasGpu):
     IMPLEMENTATION = "pallas_gpu_interpret"
+    INTERPRET = True
 
 
 # --- the contract with the CUDA lowering -------------------------------------------------
@@ -185,7 +155,7 @@ def test_rejections():
 
 
 def test_pallas_rejects_compute_capability_below_8(monkeypatch):
-    x, pos = inputs((1, 2, 9, 64), jnp.bfloat16, 0)
+    x, pos = rope_inputs((1, 2, 9, 64), jnp.bfloat16, 0)
     args = dict(x=x, positions=pos, theta=1e4, scaling=None, interleaved=False)
     pallas = dispatch.implementations("rope", "gpu")["pallas"]
     monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "7.5")

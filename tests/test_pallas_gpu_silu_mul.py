@@ -1,10 +1,11 @@
 """The Pallas GPU silu_mul kernel (pallas_kernels/gpu/silu_mul.py).
 
-``TestSiluMulPallas`` runs the compiled kernel (``"pallas"``, skipped without a GPU of
-compute capability >= 8.0); ``TestSiluMulInterpret`` runs the same kernel code in Pallas'
-interpreter everywhere. Each case is checked against the float64 reference and the XLA
-implementation; the interpreter starts outputs as NaN (see test_pallas_gpu_norm.py), so an
-unwritten element fails the finiteness check.
+:class:`TestSiluMulPallasGpu` runs the compiled kernel (``"pallas"``, skipped without a GPU of
+compute capability >= 8.0); :class:`TestSiluMulPallasGpuInterpret` runs the same kernel code
+in Pallas' interpreter everywhere. Each case of :class:`cases.elementwise_base.SiluMulCases`
+is checked against the float64 reference and the XLA implementation; the interpreter starts
+outputs as NaN (see test_pallas_gpu_norm.py), so an unwritten element fails the finiteness
+check.
 """
 
 from __future__ import annotations
@@ -14,46 +15,38 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_close, case_id, jcall, normal, rng
-from reference import f64, sigmoid_ref, silu_mul_ref
+from cases.calls import by_id, case_id, jcall
+from cases.checks import assert_close
+from cases.elementwise_base import SiluMulCases
+from cases.inputs import normal, rng, silu_mul_inputs
+from cases.references import f64, sigmoid_ref, silu_mul_ref
+from cases.shapes import LLAMA3_8B_MLP, LLAMA32_1B_MLP, SMOLLM_MLP
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch
 from forge_jax.pallas_kernels.gpu import _common
 from forge_jax.pallas_kernels.gpu import silu_mul as kernel
 
-# (shape, dtype): the MLP widths of SmolLM 135M (1536) and Llama 3.2 1B (8192) at
-# (batch, seq); sizes that end inside a block; a scalar.
+# (shape, dtype): the MLP widths of SmolLM 135M and Llama 3.2 1B at (batch, seq); sizes that
+# end inside a block; a scalar.
 CASES = [
-    ((2, 3, 1536), jnp.bfloat16),   # 9216 elements: 3 blocks, the last partly filled
-    ((2, 5, 8192), jnp.float16),
+    ((2, 3, SMOLLM_MLP), jnp.bfloat16),   # 9216 elements: 3 blocks, the last partly filled
+    ((2, 5, LLAMA32_1B_MLP), jnp.float16),
     ((7, 999), jnp.float32),
     ((), jnp.float32),
 ]
 
 
-def inputs(shape, dtype, seed=0):
-    gen = rng(seed, len(shape))
-    gate = normal(gen, shape, dtype, scale=4.0)  # the sigmoid's tails, not only its middle
-    return gate, normal(gen, shape, dtype)
-
-
-class TestSiluMulPallas:
+class TestSiluMulPallasGpu(SiluMulCases):
     IMPLEMENTATION = "pallas"
+    INTERPRET = False
+    CASES = by_id(CASES)
 
-    @pytest.fixture(autouse=True)
-    def _needs_device(self):
-        if self.IMPLEMENTATION == "pallas" and (reason := _common.gpu_reason("gpu")):
-            pytest.skip(f"compiled Triton kernel: {reason} (the interpret subclass runs here)")
-
-    @pytest.mark.parametrize("shape,dtype", CASES, ids=case_id)
-    def test_matches_reference_and_xla(self, shape, dtype):
-        gate, up = inputs(shape, dtype)
-        out = jcall(fj.silu_mul, gate, up, implementation=self.IMPLEMENTATION)
-        assert out.dtype == dtype and out.shape == shape
-        assert_close(out, silu_mul_ref(gate, up), implementation=self.IMPLEMENTATION)
-        want = fj.silu_mul(gate, up, implementation="xla")
-        assert_close(out, f64(want), implementation=self.IMPLEMENTATION)
+    @classmethod
+    def skip_reason(cls):
+        if cls.INTERPRET or (reason := _common.gpu_reason("gpu")) is None:
+            return None
+        return f"compiled Triton kernel: {reason} (the interpret subclass runs here)"
 
     def test_saturated_gates(self):
         """exp(-g) overflows for g << 0: the product must go to -0, not NaN."""
@@ -63,14 +56,14 @@ class TestSiluMulPallas:
         assert_close(out, silu_mul_ref(gate, up), implementation=self.IMPLEMENTATION)
 
     def test_vmap(self):
-        gate, up = inputs((3, 2, 1536), jnp.bfloat16)
+        gate, up = silu_mul_inputs((3, 2, 1536), jnp.bfloat16)
         fn = functools.partial(fj.silu_mul, implementation=self.IMPLEMENTATION)
         out = jax.jit(jax.vmap(fn))(gate, up)
         assert_close(out, silu_mul_ref(gate, up), implementation=self.IMPLEMENTATION)
 
     def test_grad_matches_xla_vjp_and_float64(self):
         """The VJP is the XLA implementation's (custom_vjp); also checked analytically."""
-        gate, up = inputs((3, 1536), jnp.float32)
+        gate, up = silu_mul_inputs((3, 1536), jnp.float32)
         ct = normal(rng(1), gate.shape)
 
         def loss(implementation, gate, up):
@@ -86,13 +79,14 @@ class TestSiluMulPallas:
             assert_close(grad, g_ref, implementation=self.IMPLEMENTATION, factor=4, err_msg=name)
 
     def test_empty(self):
-        gate, up = inputs((2, 0, 8), jnp.bfloat16)
+        gate, up = silu_mul_inputs((2, 0, 8), jnp.bfloat16)
         out = jcall(fj.silu_mul, gate, up, implementation=self.IMPLEMENTATION)
         assert out.shape == (2, 0, 8) and out.dtype == jnp.bfloat16
 
 
-class TestSiluMulInterpret(TestSiluMulPallas):
+class TestSiluMulPallasGpuInterpret(TestSiluMulPallasGpu):
     IMPLEMENTATION = "pallas_gpu_interpret"
+    INTERPRET = True
 
 
 # --- the contract with the CUDA lowering -------------------------------------------------
@@ -102,7 +96,7 @@ def _lower(gate, up, **knobs):
     return _compat.export_for_cuda(lambda g, u: kernel.silu_mul(g, u, **knobs), gate, up)
 
 
-@pytest.mark.parametrize("shape,dtype", CASES + [((4, 14336), jnp.bfloat16)], ids=case_id)
+@pytest.mark.parametrize("shape,dtype", CASES + [((4, LLAMA3_8B_MLP), jnp.bfloat16)], ids=case_id)
 def test_accepted_cases_lower_for_cuda(shape, dtype):
     gate = jax.ShapeDtypeStruct(shape, dtype)
     assert kernel.supports(dict(gate=gate, up=gate)) is None
@@ -136,7 +130,7 @@ def test_rejects_float64_by_name():
 
 
 def test_pallas_rejects_compute_capability_below_8(monkeypatch):
-    gate, up = inputs((2, 64), jnp.bfloat16)
+    gate, up = silu_mul_inputs((2, 64), jnp.bfloat16)
     pallas = dispatch.implementations("silu_mul", "gpu")["pallas"]
     monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "7.5")
     assert "compute capability >= 8.0; this GPU has 7.5" in pallas.supports(

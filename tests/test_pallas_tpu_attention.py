@@ -1,13 +1,13 @@
-"""The Pallas TPU (Mosaic) flash-attention kernel against the XLA implementation and a float64
-reference of the attention contract.
+"""The Pallas TPU (Mosaic) flash-attention kernel (pallas_kernels/tpu/attention.py).
 
-JAX's tests/pallas pattern: :class:`FlashAttentionTpuTest` runs the kernel compiled on a
-TPU (``implementation="pallas"``, skipped without one); :class:`FlashAttentionInterpretTest`
+JAX's tests/pallas pattern: :class:`TestAttentionPallasTpu` runs the kernel compiled on a
+TPU (``implementation="pallas"``, skipped without one); :class:`TestAttentionPallasTpuInterpret`
 runs the same cases in the TPU interpreter on any machine (race detection, NaN-poisoned
 uninitialised memory: an output block the kernel never writes, or the garbage rows of a
-partial block reaching a query, fail the finiteness checks). K/V slots no query sees hold
-NaN/inf; the per-query test also poisons slots that some queries of a sequence see and
-others do not. Lowering tests run the real Pallas -> Mosaic lowering for TPU here.
+partial block reaching a query, fail the finiteness checks). The behaviours come from
+:class:`cases.attention_base.AttentionCases`, with the cases Mosaic's layouts accept (head
+dim 128, kv lengths that end in a partial block); K/V slots no query sees hold NaN/inf.
+Lowering tests run the real Pallas -> Mosaic lowering for TPU here.
 """
 
 from __future__ import annotations
@@ -18,115 +18,68 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import absltest, parameterized
-from helpers import assert_close, case_id, normal, rng
-from reference import attention_ref, f64
-from test_pallas_gpu_attention import (
-    assert_nonfinite_exactly,
-    attention_grads64,
-    poison_per_query,
-    poison_unseen,
-    visible64,
-)
+from cases.attention_base import AttentionCase, AttentionCases
+from cases.base import PallasTpu
+from cases.calls import case_id
+from cases.checks import assert_close
+from cases.inputs import poison_unseen, random_qkv, rng
+from cases.references import attention_mask_ref, attention_ref
 
 import forge_jax as fj
-from forge_jax import _compat, tolerances
+from forge_jax import _compat
 from forge_jax.pallas_kernels.tpu import _common as tpu_common
 from forge_jax.pallas_kernels.tpu import attention as kernel
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 S = jax.ShapeDtypeStruct
 
-_attention = jax.jit(fj.attention, static_argnames=(
-    "scale", "causal", "sliding_window", "logits_soft_cap", "implementation"))
 
-# (q_heads, kv_heads, q_len, kv_len, dtype, masking); head_dim 128. Default blocks are
-# 128 x 128 in the interpreter, so kv_len 300 / 260 / 200 end in a partial block.
-CASES = [
+def _explicit_positions(seed, batch, q_len, kv_len):
+    """Random positions, one query before key 0."""
+    positions = rng(seed).integers(-2, kv_len, (batch, q_len)).astype(np.int32)
+    positions[0, 0] = -1
+    return positions
+
+
+# (batch, q_len, kv_len, q_heads, kv_heads, head_dim 128). Default blocks are 128 x 128 in the
+# interpreter, so kv_len 300 / 260 / 200 end in a partial block.
+CASES = {
     # GQA, float32, causal with lengths, a window (skips blocks) and a soft cap.
-    (4, 2, 40, 300, F32, dict(kv_lengths=[300, 170], sliding_window=64, logits_soft_cap=5.0)),
+    "gqa-f32-lengths-window-cap": AttentionCase(
+        (2, 40, 300, 4, 2, 128), F32, poison=True, seed=4,
+        masking=dict(kv_lengths=np.array([300, 170]), sliding_window=64, logits_soft_cap=5.0)),
     # MHA, bfloat16, not causal, explicit positions (one query before key 0).
-    (2, 2, 24, 200, BF16, dict(causal=False, kv_lengths=[200, 3], q_positions="explicit")),
+    "mha-bf16-non_causal-positions": AttentionCase(
+        (2, 24, 200, 2, 2, 128), BF16, poison=True, seed=2,
+        masking=dict(causal=False, kv_lengths=np.array([200, 3]),
+                     q_positions=_explicit_positions(2, 2, 24, 200))),
     # MQA bfloat16 decode, an empty sequence among them.
-    (8, 1, 1, 260, BF16, dict(kv_lengths=[0, 259, 1])),
-]
+    "mqa-bf16-decode": AttentionCase((3, 1, 260, 8, 1, 128), BF16, poison=True, seed=8,
+                                     masking=dict(kv_lengths=np.array([0, 259, 1]))),
+}
+
+NONFINITE_CASES = {
+    # Chunked prefill, causal with a window across the kv block boundary (key 128): NaN/inf
+    # also in every slot no query sees; the same NaNs as XLA's.
+    "window-across-blocks": AttentionCase(
+        (2, 5, 140, 4, 2, 128), F32, dict(kv_lengths=np.array([131, 9]), sliding_window=4),
+        poison=True, seed=7, nans_as_xla=True),
+}
+
+GRADIENT_CASES = {
+    # Gradients equal to the XLA VJP's within 1e-5.
+    "lengths-window-cap": AttentionCase(
+        (2, 16, 130, 4, 2, 128), F32, poison=True, seed=5, grad_xla_factor=0.2,
+        masking=dict(kv_lengths=np.array([130, 50]), sliding_window=40, logits_soft_cap=4.0)),
+}
 
 
-def _inputs(seed, batch, q_len, kv_len, q_heads, kv_heads, dtype, head_dim=128):
-    gen = rng(seed)
-    return (normal(gen, (batch, q_len, q_heads, head_dim), dtype),
-            normal(gen, (batch, kv_len, kv_heads, head_dim), dtype),
-            normal(gen, (batch, kv_len, kv_heads, head_dim), dtype))
-
-
-def _masking(masking, q_len, kv_len, seed):
-    """The case's keywords as arrays (``q_positions="explicit"``: random positions)."""
-    kw = dict(masking)
-    if kw.get("q_positions") == "explicit":
-        batch = len(kw["kv_lengths"])
-        kw["q_positions"] = rng(seed).integers(-2, kv_len, (batch, q_len)).astype(np.int32)
-        kw["q_positions"][0, 0] = -1
-    if "kv_lengths" in kw:
-        kw["kv_lengths"] = np.asarray(kw["kv_lengths"], np.int32)
-    return kw
-
-
-def _jnp(kw):
-    return {n: jnp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
-
-
-class FlashAttentionTpuTest(parameterized.TestCase):
-    """The kernel compiled for the TPU (skipped without one)."""
-
+class TestAttentionPallasTpu(PallasTpu, AttentionCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
-
-    def setUp(self):
-        super().setUp()
-        if not self.INTERPRET and jax.default_backend() != "tpu":
-            self.skipTest(f"compiled Mosaic TPU kernel: backend is {jax.default_backend()}")
-
-    def tearDown(self):
-        if self.INTERPRET:
-            _compat.reset_tpu_interpreter()
-        super().tearDown()
-
-    def attend(self, q, k, v, implementation=None, **kw):
-        return _attention(q, k, v, implementation=implementation or self.IMPLEMENTATION,
-                          **_jnp(kw))
-
-    @parameterized.parameters(*CASES)
-    def test_matches_xla_and_float64(self, q_heads, kv_heads, q_len, kv_len, dtype, masking):
-        kw = _masking(masking, q_len, kv_len, seed=q_heads)
-        batch = len(kw["kv_lengths"])
-        q, k, v = _inputs(q_heads, batch, q_len, kv_len, q_heads, kv_heads, dtype)
-        mask = visible64(batch, q_len, kv_len, **kw)
-        k, v = poison_unseen(k, v, mask)
-        out = self.attend(q, k, v, **kw)
-        assert out.shape == q.shape and out.dtype == q.dtype
-        ref = attention_ref(q, np.nan_to_num(f64(k)), np.nan_to_num(f64(v)), **kw)
-        assert_close(out, ref, implementation=self.IMPLEMENTATION, err_msg="vs float64")
-        xla = self.attend(q, k, v, implementation="xla", **kw)
-        tol = tolerances.tolerance(dtype, self.IMPLEMENTATION)
-        np.testing.assert_allclose(f64(out), f64(xla), atol=2 * tol.atol, rtol=2 * tol.rtol)
-        # A query that sees no key gives exact zeros.
-        np.testing.assert_array_equal(f64(out)[~mask.any(-1)], 0.0)
-
-    def test_nonfinite_reaches_only_the_queries_that_see_it(self):
-        # Chunked prefill, causal with a window across the kv block boundary (key 128):
-        # NaN/inf in slots some queries of a sequence see and others do not (and in every
-        # slot none sees), a +inf logit.
-        kw = dict(kv_lengths=np.array([131, 9], np.int32), sliding_window=4)
-        q, k, v = _inputs(7, 2, 5, 140, 4, 2, F32)
-        mask = visible64(2, 5, 140, **kw)
-        ref = attention_ref(q, k, v, **kw)
-        k, v = poison_unseen(k, v, mask)
-        q, k, v, must_nan, must_inf = poison_per_query(q, k, v, mask, seed=7)
-        out = self.attend(q, k, v, **kw)
-        assert_nonfinite_exactly(out, ref, must_nan, must_inf, dtype=F32,
-                                 implementation=self.IMPLEMENTATION)
-        xla = f64(self.attend(q, k, v, implementation="xla", **kw))
-        np.testing.assert_array_equal(np.isnan(f64(out)), np.isnan(xla))
+    CASES = CASES
+    NONFINITE_CASES = NONFINITE_CASES
+    GRADIENT_CASES = GRADIENT_CASES
 
     def test_small_blocks_skip_masked_blocks(self):
         # 8 x 128 blocks: three query blocks (the last partial), three kv blocks (the last
@@ -134,37 +87,17 @@ class FlashAttentionTpuTest(parameterized.TestCase):
         # The window is chosen so that the first query of sequence 0 (position 270) sees
         # key 127 as its oldest: the last key of kv block 0, which must not be skipped.
         lengths, window = np.array([290, 100], np.int32), 144
-        q, k, v = _inputs(3, 2, 20, 300, 2, 1, F32)
-        k, v = poison_unseen(k, v, visible64(2, 20, 300, kv_lengths=lengths,
-                                             sliding_window=window))
+        q, k, v = random_qkv(3, 2, 20, 300, 2, 1, 128, F32)
+        k, v = poison_unseen(k, v, attention_mask_ref(2, 20, 300, kv_lengths=lengths,
+                                                      sliding_window=window))
         out = jax.jit(lambda q, k, v, n: kernel.flash_attention(
             q, k, v, kv_lengths=n, sliding_window=window, block_q=8, block_k=128,
             interpret=self.INTERPRET))(q, k, v, jnp.asarray(lengths))
-        ref = attention_ref(q, np.nan_to_num(f64(k)), np.nan_to_num(f64(v)),
-                            kv_lengths=lengths, sliding_window=window)
+        ref = attention_ref(q, k, v, kv_lengths=lengths, sliding_window=window)
         assert_close(out, ref, implementation=self.IMPLEMENTATION)
 
-    def test_gradients_match_the_xla_vjp(self):
-        kw = dict(kv_lengths=np.array([130, 50], np.int32), sliding_window=40,
-                  logits_soft_cap=4.0)
-        q, k, v = _inputs(5, 2, 16, 130, 4, 2, F32)
-        g = normal(rng(6), q.shape, F32)
-        mask = visible64(2, 16, 130, **kw)
-        want64 = attention_grads64(q, k, v, g, **kw)
-        k, v = poison_unseen(k, v, mask)
 
-        def grads(implementation):
-            loss = lambda q, k, v: jnp.sum(
-                fj.attention(q, k, v, implementation=implementation, **_jnp(kw)) * g)
-            return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-        got, xla = grads(self.IMPLEMENTATION), grads("xla")
-        for name, a, b, w in zip("qkv", got, xla, want64, strict=True):
-            np.testing.assert_allclose(f64(a), f64(b), atol=1e-5, rtol=1e-5, err_msg=name)
-            assert_close(a, w, implementation=self.IMPLEMENTATION, factor=4.0, err_msg=name)
-
-
-class FlashAttentionInterpretTest(FlashAttentionTpuTest):
+class TestAttentionPallasTpuInterpret(TestAttentionPallasTpu):
     """The same kernel in the TPU interpreter, on any machine."""
 
     IMPLEMENTATION = "pallas_tpu_interpret"
@@ -264,10 +197,6 @@ def test_tuning_table():
     assert kernel.block_sizes(4096, 8192, BF16, device_kind="TPU v6 lite") == (512, 1024)
     assert kernel.block_sizes(1, 37, F32, device_kind="unknown") == (1, 37)  # clipped
     assert kernel.block_sizes(100, 300, BF16, block_q=32) == (32, 128)
-
-
-if __name__ == "__main__":
-    absltest.main()
 
 
 def test_every_tpu_kernel_has_a_table_serving_every_generation():

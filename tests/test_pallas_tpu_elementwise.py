@@ -1,12 +1,14 @@
 """The Pallas TPU (Mosaic) kernels rms_norm, silu_mul and rope (pallas_kernels/tpu/).
 
-``TestTpuElementwise`` runs the compiled kernels (``"pallas"``) and is skipped off TPU;
-``TestTpuElementwiseInterpret`` runs the same tests on the same kernel code in the TPU
-interpreter (``"pallas_tpu_interpret"``: race detection, uninitialised memory read as NaN,
-so an element a kernel fails to write fails the finiteness check). Every case goes through
-the public op and is checked against the float64 reference and the XLA implementation.
-The lowering tests run the real Mosaic lowering for TPU on this machine
-(``_compat.export_for_tpu``) for every accepted case, and force the cases it refuses.
+For each op, ``Test<Op>PallasTpu`` runs the compiled kernel (``"pallas"``) and is skipped off
+TPU; ``Test<Op>PallasTpuInterpret`` runs the same tests on the same kernel code in the TPU
+interpreter (``"pallas_tpu_interpret"``: race detection, uninitialised memory read as NaN, so
+an element a kernel fails to write fails the finiteness check). The behaviours come from
+:mod:`cases.elementwise_base` (every case through the public op, against the float64
+reference and the XLA implementation), with the cases Mosaic's layouts serve; the kernel
+knobs (block sizes) are tested in each class. The lowering tests run the real Mosaic
+lowering for TPU on this machine (``_compat.export_for_tpu``) for every accepted case, and
+force the cases it refuses.
 """
 
 from __future__ import annotations
@@ -17,9 +19,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, case_id, jcall, normal, rng
-from reference import f64, rms_norm_ref, rope_ref, round_to, silu_mul_ref
-from test_pallas_gpu_rope import assert_rope_close
+from cases.base import PallasTpu
+from cases.calls import by_id, case_id
+from cases.checks import assert_close, assert_rms_norm_close, assert_rope_close
+from cases.elementwise_base import RmsNormCases, RopeCases, SiluMulCases
+from cases.inputs import normal, rms_norm_inputs, rng, rope_inputs
+from cases.references import f64, rope_ref, silu_mul_ref
+from cases.shapes import (
+    LINEAR_SCALING,
+    LLAMA31_SCALING,
+    LLAMA31_THETA,
+    LLAMA32_1B_HIDDEN,
+    SMOLLM_HIDDEN,
+    SMOLLM_THETA,
+)
 
 import forge_jax as fj
 from forge_jax import _compat, dispatch
@@ -30,24 +43,23 @@ from forge_jax.pallas_kernels.tpu import silu_mul as silu_mul_kernel
 
 pl = _compat.pallas()
 S = jax.ShapeDtypeStruct
-LLAMA3 = fj.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
-LINEAR = fj.RopeScaling("linear", 4.0)
+LLAMA3 = LLAMA31_SCALING
 
 # (x shape, x dtype, weight dtype, residual): SmolLM's 576 (not a multiple of 128 lanes) and
 # Llama 3.2 1B's 2048; row counts below one sublane tile and between tiles.
 NORM_CASES = [
-    ((2, 3, 576), jnp.bfloat16, jnp.float32, True),
-    ((5, 2048), jnp.float32, jnp.bfloat16, False),
+    ((2, 3, SMOLLM_HIDDEN), jnp.bfloat16, jnp.float32, True),
+    ((5, LLAMA32_1B_HIDDEN), jnp.float32, jnp.bfloat16, False),
 ]
 # (shape, dtype): a lane-dense [rows, 1024] view, and a size no multiple of 128 divides.
 SILU_CASES = [((3, 5, 1024), jnp.bfloat16), ((7, 11), jnp.float32)]
 # (batch, seq, heads, head_dim), dtype, theta, scaling, interleaved, first position:
 # head dims 64 and 128, both conventions, Llama 3.1's theta and scaling past 65536.
 ROPE_CASES = [
-    ((2, 5, 4, 64), jnp.bfloat16, 1e5, None, False, 3),
-    ((1, 6, 2, 64), jnp.float32, 1e4, LINEAR, True, 17),
-    ((2, 3, 4, 128), jnp.float32, 5e5, LLAMA3, False, 70000),
-    ((1, 4, 3, 128), jnp.bfloat16, 5e5, LLAMA3, True, 70000),
+    ((2, 5, 4, 64), jnp.bfloat16, SMOLLM_THETA, None, False, 3),
+    ((1, 6, 2, 64), jnp.float32, 1e4, LINEAR_SCALING, True, 17),
+    ((2, 3, 4, 128), jnp.float32, LLAMA31_THETA, LLAMA3, False, 70000),
+    ((1, 4, 3, 128), jnp.bfloat16, LLAMA31_THETA, LLAMA3, True, 70000),
 ]
 
 
@@ -57,107 +69,49 @@ def _id(value):
     return case_id(value)
 
 
-def norm_inputs(shape, dtype, w_dtype, residual, seed=0):
-    gen = rng(seed, shape[-1])
-    x = normal(gen, shape, dtype, scale=3.0)
-    w = jnp.asarray((1.0 + 0.2 * gen.standard_normal(shape[-1])).astype(np.dtype(w_dtype)))
-    return x, w, (normal(gen, shape, dtype) if residual else None)
-
-
-def rope_inputs(shape, dtype, start, seed=0):
-    x = normal(rng(seed, shape[-1]), shape, dtype)
-    # Increasing positions from `start`, a different offset per sequence (left padding).
-    positions = start + np.arange(shape[1])[None, :] + 11 * np.arange(shape[0])[:, None]
-    return x, jnp.asarray(positions, jnp.int32)
-
-
-def check_rms_norm(out, x, w, r, implementation, eps=1e-6):
-    want = fj.rms_norm(x, w, eps=eps, residual=r, implementation="xla")
-    ref = rms_norm_ref(x, w, eps=eps, residual=r, h_dtype=x.dtype)
-    if r is not None:
-        (y, h), (want_y, want_h), (ref_y, ref_h) = out, want, ref
-        assert h.dtype == x.dtype
-        # h is one float32 add rounded to x.dtype in both: bitwise equal.
-        np.testing.assert_array_equal(f64(h), f64(want_h))
-        np.testing.assert_array_equal(f64(h), round_to(ref_h, x.dtype))
-    else:
-        y, want_y, ref_y = out, want, ref
-    assert y.dtype == x.dtype and y.shape == x.shape
-    assert_close(y, ref_y, implementation=implementation)
-    assert_close(y, f64(want_y), implementation=implementation)
-
-
-class TestTpuElementwise:
+class TestRmsNormPallasTpu(PallasTpu, RmsNormCases):
     IMPLEMENTATION = "pallas"
+    INTERPRET = False
+    CASES = by_id(NORM_CASES)
 
-    @pytest.fixture(autouse=True)
-    def _needs_device(self):
-        if self.IMPLEMENTATION == "pallas" and jax.default_backend() != "tpu":
-            pytest.skip("compiled Mosaic kernel: no TPU here (the interpret subclass runs here)")
-        yield
-        _compat.reset_tpu_interpreter()
-
-    @property
-    def interpret(self):
-        return self.IMPLEMENTATION != "pallas"
-
-    @pytest.mark.parametrize("shape,dtype,w_dtype,with_residual", NORM_CASES, ids=case_id)
-    def test_rms_norm(self, shape, dtype, w_dtype, with_residual):
-        x, w, r = norm_inputs(shape, dtype, w_dtype, with_residual)
-        out = jcall(fj.rms_norm, x, w, eps=1e-5, residual=r, implementation=self.IMPLEMENTATION)
-        check_rms_norm(out, x, w, r, self.IMPLEMENTATION, eps=1e-5)
-
-    def test_rms_norm_partial_last_block(self):
+    def test_partial_last_block(self):
         """37 rows in blocks of 16: three grid steps, the last one clipped."""
-        x, w, r = norm_inputs((37, 256), jnp.bfloat16, jnp.bfloat16, True)
+        x, w, r = rms_norm_inputs((37, 256), jnp.bfloat16, jnp.bfloat16, True)
         out = jax.jit(lambda x, w, r: rms_norm_kernel.rms_norm(
-            x, w, eps=1e-6, residual=r, block_rows=16, interpret=self.interpret))(x, w, r)
-        check_rms_norm(out, x, w, r, self.IMPLEMENTATION)
+            x, w, eps=1e-6, residual=r, block_rows=16, interpret=self.INTERPRET))(x, w, r)
+        xla = fj.rms_norm(x, w, eps=1e-6, residual=r, implementation="xla")
+        assert_rms_norm_close(out, xla, x, w, r, eps=1e-6, implementation=self.IMPLEMENTATION)
 
-    def test_rms_norm_grad_matches_xla_vjp(self):
-        """The VJP is the XLA implementation's (custom_vjp): this checks its wiring."""
-        x, w, r = norm_inputs((2, 3, 576), jnp.float32, jnp.float32, True)
-        gen = rng(1)
-        gy, gh = normal(gen, x.shape), normal(gen, x.shape)
 
-        def loss(implementation, x, w, r):
-            y, h = fj.rms_norm(x, w, residual=r, implementation=implementation)
-            return jnp.sum(y * gy) + jnp.sum(h * gh)
+class TestRmsNormPallasTpuInterpret(TestRmsNormPallasTpu):
+    IMPLEMENTATION = "pallas_tpu_interpret"
+    INTERPRET = True
 
-        grads = jax.jit(jax.grad(functools.partial(loss, self.IMPLEMENTATION),
-                                 argnums=(0, 1, 2)))(x, w, r)
-        want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(x, w, r)
-        for name, g, g_xla in zip("xwr", grads, want, strict=True):
-            assert_close(g, f64(g_xla), implementation=self.IMPLEMENTATION, err_msg=name)
 
-    @pytest.mark.parametrize("shape,dtype", SILU_CASES, ids=case_id)
-    def test_silu_mul(self, shape, dtype):
-        gen = rng(2, *shape)
-        gate, up = normal(gen, shape, dtype, scale=4.0), normal(gen, shape, dtype)
-        out = jcall(fj.silu_mul, gate, up, implementation=self.IMPLEMENTATION)
-        assert out.dtype == dtype and out.shape == shape
-        assert_close(out, silu_mul_ref(gate, up), implementation=self.IMPLEMENTATION)
-        assert_close(out, f64(fj.silu_mul(gate, up, implementation="xla")),
-                     implementation=self.IMPLEMENTATION)
+class TestSiluMulPallasTpu(PallasTpu, SiluMulCases):
+    IMPLEMENTATION = "pallas"
+    INTERPRET = False
+    CASES = by_id(SILU_CASES)
 
-    def test_silu_mul_partial_last_block(self):
+    def test_partial_last_block(self):
         gen = rng(3)
         gate, up = normal(gen, (37, 128), scale=4.0), normal(gen, (37, 128))
         out = jax.jit(lambda g, u: silu_mul_kernel.silu_mul(
-            g, u, block_rows=16, interpret=self.interpret))(gate, up)
+            g, u, block_rows=16, interpret=self.INTERPRET))(gate, up)
         assert_close(out, silu_mul_ref(gate, up), implementation=self.IMPLEMENTATION)
 
-    @pytest.mark.parametrize("shape,dtype,theta,scaling,interleaved,start", ROPE_CASES, ids=_id)
-    def test_rope(self, shape, dtype, theta, scaling, interleaved, start):
-        x, pos = rope_inputs(shape, dtype, start)
-        kw = dict(theta=theta, scaling=scaling, interleaved=interleaved)
-        out = jcall(fj.rope, x, pos, implementation=self.IMPLEMENTATION, **kw)
-        assert out.dtype == dtype and out.shape == shape
-        assert_rope_close(out, x, pos, self.IMPLEMENTATION, **kw)
-        want = jcall(fj.rope, x, pos, implementation="xla", **kw)
-        assert_close(out, f64(want), implementation=self.IMPLEMENTATION)
 
-    def test_rope_partial_last_block_and_grad(self):
+class TestSiluMulPallasTpuInterpret(TestSiluMulPallasTpu):
+    IMPLEMENTATION = "pallas_tpu_interpret"
+    INTERPRET = True
+
+
+class TestRopePallasTpu(PallasTpu, RopeCases):
+    IMPLEMENTATION = "pallas"
+    INTERPRET = False
+    CASES = by_id(ROPE_CASES, _id)
+
+    def test_partial_last_block_and_grad(self):
         """20 tokens in blocks of 8 (the last clipped); the gradient is the XLA VJP's, i.e.
         RoPE of the cotangent at ``-positions`` (see test_pallas_gpu_rope.py)."""
         x, pos = rope_inputs((2, 10, 2, 64), jnp.float32, 70000)
@@ -165,20 +119,21 @@ class TestTpuElementwise:
         kw = dict(theta=5e5, scaling=LLAMA3, interleaved=False)
 
         def loss(x):
-            return jnp.sum(rope_kernel.rope(x, pos, block_tokens=8, interpret=self.interpret,
+            return jnp.sum(rope_kernel.rope(x, pos, block_tokens=8, interpret=self.INTERPRET,
                                             **kw) * ct)
 
         out, grad = jax.jit(jax.value_and_grad(loss))(x)
         assert_close(out, np.sum(rope_ref(x, pos, **kw) * f64(ct)), factor=10,
                      implementation=self.IMPLEMENTATION)
-        assert_rope_close(grad, ct, -pos, self.IMPLEMENTATION, **kw)
+        assert_rope_close(grad, ct, -pos, implementation=self.IMPLEMENTATION, **kw)
         out = jax.jit(lambda x: rope_kernel.rope(x, pos, block_tokens=8,
-                                                 interpret=self.interpret, **kw))(x)
-        assert_rope_close(out, x, pos, self.IMPLEMENTATION, **kw)
+                                                 interpret=self.INTERPRET, **kw))(x)
+        assert_rope_close(out, x, pos, implementation=self.IMPLEMENTATION, **kw)
 
 
-class TestTpuElementwiseInterpret(TestTpuElementwise):
+class TestRopePallasTpuInterpret(TestRopePallasTpu):
     IMPLEMENTATION = "pallas_tpu_interpret"
+    INTERPRET = True
 
 
 def test_interpreter_poisons_outputs():

@@ -11,26 +11,25 @@ compared with a float64 reference written from the ragged definition, with
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (bfloat16 in NumPy)
 import numpy as np
 import pytest
-from helpers import assert_close
-from reference import f64
+from cases.calls import PAGED_STATIC, jit_ragged_paged_attention
+from cases.checks import assert_close
+from cases.inputs import rng
+from cases.paged import RAGGED_MIXES, make_step
+from cases.references import f64, ragged_paged_attention_ref
 
 import forge_jax as fj
 from forge_jax import dispatch, tolerances
 
-MASKING = ("scale", "sliding_window", "logits_soft_cap", "implementation")
-ragged = jax.jit(fj.ragged_paged_attention, static_argnames=MASKING)
+ragged = jit_ragged_paged_attention
 
 
-@functools.partial(jax.jit, static_argnames=MASKING)
+@functools.partial(jax.jit, static_argnames=PAGED_STATIC)
 def xla_references(q, k_pages, v_pages, block_tables, lengths, positions, **masking):
     """fj.paged_attention on the pages, fj.attention on what fj.paged_gather returns."""
     paged = fj.paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions=positions,
@@ -39,101 +38,6 @@ def xla_references(q, k_pages, v_pages, block_tables, lengths, positions, **mask
     v = fj.paged_gather(v_pages, block_tables, lengths)
     dense = fj.attention(q, k, v, q_positions=positions, kv_lengths=lengths, **masking)
     return paged, dense
-
-HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
-
-
-@dataclasses.dataclass
-class Step:
-    """One ragged step: the op's arguments (NumPy, so that editing them compiles nothing),
-    and the float64 truth behind them."""
-
-    q: np.ndarray
-    k_pages: np.ndarray  # NaN wherever no query may look
-    v_pages: np.ndarray
-    k_clean: np.ndarray  # the same, but finite in the slots a sliding window hides
-    v_clean: np.ndarray
-    block_tables: np.ndarray
-    kv_lengths: np.ndarray
-    cu_q_lens: np.ndarray
-    num_seqs: int
-    dense_k: np.ndarray  # float64 [num_seqs, pages_per_seq * page_size, kv_heads, head_dim]
-    dense_v: np.ndarray
-
-    def args(self, clean=False):
-        k, v = (self.k_clean, self.v_clean) if clean else (self.k_pages, self.v_pages)
-        return (*map(jnp.asarray, (self.q, k, v, self.block_tables, self.kv_lengths,
-                                   self.cu_q_lens)), np.int32(self.num_seqs))
-
-
-def make_step(rng, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, heads, head_dim,
-              dtype, q_dtype=None, window=None, spare_pages=3, pages_per_seq=None, num_pages=None):
-    """Random sequences on randomly permuted pages of a NaN-filled pool."""
-    q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
-    n = len(q_lens)
-    q_heads, kv_heads = HEADS[heads]
-    used = [-(-int(x) // page_size) for x in kv_lens]
-    pages_per_seq = pages_per_seq or max(used) + 1
-    num_pages = num_pages or sum(used) + spare_pages
-    capacity = pages_per_seq * page_size
-    shape = (kv_heads, num_pages, page_size, head_dim)
-    k_pages, v_pages = np.full(shape, np.nan), np.full(shape, np.nan)
-    k_clean, v_clean = np.full(shape, np.nan), np.full(shape, np.nan)
-    # Ignored sequences and unused entries: huge values of either sign.
-    tables = rng.integers(-2**30, 2**30, (max_seqs, pages_per_seq))
-    kv = rng.integers(-2**30, 2**30, max_seqs)
-    cu = rng.integers(-2**30, 2**30, max_seqs + 1)
-    cu[0] = 0
-    cu[1:n + 1] = np.cumsum(q_lens)
-    kv[:n] = kv_lens
-    dense_k = np.zeros((n, capacity, kv_heads, head_dim))
-    dense_v = np.zeros_like(dense_k)
-    order = iter(rng.permutation(num_pages))
-    for i in range(n):
-        tables[i, :used[i]] = [next(order) for _ in range(used[i])]
-        first = kv_lens[i] - q_lens[i]  # the earliest new token's position
-        for pos in range(kv_lens[i]):
-            kv_val = rng.standard_normal((2, kv_heads, head_dim)).astype(np.dtype(dtype))
-            dense_k[i, pos], dense_v[i, pos] = kv_val.astype(np.float64)
-            page, off = tables[i, pos // page_size], pos % page_size
-            k_clean[:, page, off], v_clean[:, page, off] = kv_val
-            hidden = q_lens[i] == 0 or (window is not None and pos <= first - window)
-            if not hidden:
-                k_pages[:, page, off], v_pages[:, page, off] = kv_val
-    q = rng.standard_normal((total_tokens, q_heads, head_dim))
-    q[cu[n]:] = np.nan  # padding rows
-    pool = lambda x: x.astype(np.dtype(dtype))
-    return Step(q.astype(np.dtype(q_dtype or dtype)), pool(k_pages), pool(v_pages),
-                pool(k_clean), pool(v_clean), tables.astype(np.int32), kv.astype(np.int32),
-                cu.astype(np.int32), n, dense_k, dense_v)
-
-
-def ragged_ref(step, *, scale=None, window=None, cap=None):
-    """float64, from the definition: row r of sequence i sits at kv_len - (cu[i + 1] - r)."""
-    q = f64(step.q)
-    total, q_heads, head_dim = q.shape
-    group = q_heads // step.dense_k.shape[2]
-    cu, kv = step.cu_q_lens, step.kv_lengths
-    scale = 1 / math.sqrt(head_dim) if scale is None else scale
-    out = np.zeros(q.shape)
-    for i in range(step.num_seqs):
-        heads = np.arange(q_heads) // group
-        k, v = step.dense_k[i][:, heads], step.dense_v[i][:, heads]  # [seq, q_heads, d]
-        for r in range(cu[i], cu[i + 1]):
-            p = kv[i] - (cu[i + 1] - r)
-            j = np.arange(k.shape[0])
-            seen = (j <= p) & (j < kv[i])
-            if window is not None:
-                seen &= j > p - window
-            if not seen.any():
-                continue
-            logits = scale * np.einsum("shd,hd->hs", k[seen], q[r])
-            if cap is not None:
-                logits = cap * np.tanh(logits / cap)
-            w = np.exp(logits - logits.max(-1, keepdims=True))
-            out[r] = np.einsum("hs,shd->hd", w / w.sum(-1, keepdims=True), v[seen])
-    return out
-
 
 def padded_references(step, **masking):
     """fj.paged_attention and fj.attention of each sequence's rows, scattered back to rows."""
@@ -155,9 +59,7 @@ def padded_references(step, **masking):
 def check_step(step, out, *, dtype, xla_ops=True, **masking):
     """``out`` against the float64 reference and (``xla_ops``) fj.paged_attention and
     fj.attention; padding rows exactly zero."""
-    scale = masking.get("scale")
-    ref = ragged_ref(step, scale=scale, window=masking.get("sliding_window"),
-                     cap=masking.get("logits_soft_cap"))
+    ref = ragged_paged_attention_ref(step, **masking)
     assert out.shape == step.q.shape and out.dtype == step.q.dtype
     assert_close(out, ref, dtype=dtype)
     end = step.cu_q_lens[step.num_seqs]
@@ -170,13 +72,7 @@ def check_step(step, out, *, dtype, xla_ops=True, **masking):
     np.testing.assert_allclose(f64(out)[rows], dense, **tol)
 
 
-MIXED = dict(q_lens=[1, 9, 0, 1, 6], kv_lens=[30, 17, 11, 1, 40], max_seqs=7, total_tokens=21)
-CASES = {
-    "decode": dict(q_lens=[1] * 5, kv_lens=[1, 17, 32, 9, 40], max_seqs=7, total_tokens=8),
-    "prefill": dict(q_lens=[12, 5, 20], kv_lens=[12, 5, 20], max_seqs=4, total_tokens=40),
-    "chunked_prefill": dict(q_lens=[7, 16], kv_lens=[23, 16], max_seqs=2, total_tokens=23),
-    "mixed": MIXED,
-}
+MIXED = RAGGED_MIXES["mixed"]
 
 
 @pytest.mark.parametrize("mix,heads,dtype,q_dtype,page_size", [
@@ -188,8 +84,8 @@ CASES = {
     ("mixed", "mqa", jnp.bfloat16, jnp.float32, 8),  # bfloat16 cache, float32 queries
 ])
 def test_matches_references(mix, heads, dtype, q_dtype, page_size):
-    rng = np.random.default_rng(list(mix.encode()) + [page_size])
-    step = make_step(rng, **CASES[mix], page_size=page_size, heads=heads, head_dim=16,
+    step = make_step(rng(*mix.encode(), page_size), **RAGGED_MIXES[mix], page_size=page_size,
+                     heads=heads, head_dim=16,
                      dtype=dtype, q_dtype=q_dtype)
     check_step(step, ragged(*step.args()), dtype=q_dtype or dtype)
 
@@ -198,8 +94,8 @@ def test_matches_references(mix, heads, dtype, q_dtype, page_size):
     (jnp.float32, 5, None, None, True), (jnp.float32, None, 3.0, 0.3, True),
     (jnp.bfloat16, 3, 2.0, None, True), (jnp.float32, 1, None, None, False)])
 def test_sliding_window_and_soft_cap(dtype, window, cap, scale, xla_ops):
-    rng = np.random.default_rng([window or 0, int(cap or 0)])
-    step = make_step(rng, **MIXED, page_size=4, heads="gqa", head_dim=16, dtype=dtype,
+    step = make_step(rng(window or 0, int(cap or 0)), **MIXED, page_size=4, heads="gqa",
+                     head_dim=16, dtype=dtype,
                      window=window)
     assert np.isnan(f64(step.k_pages)).sum() > np.isnan(f64(step.k_clean)).sum()
     out = ragged(*step.args(), scale=scale, sliding_window=window, logits_soft_cap=cap)
@@ -210,7 +106,7 @@ def test_sliding_window_and_soft_cap(dtype, window, cap, scale, xla_ops):
 def test_concrete_values_with_garbage_in_ignored_entries_pass_and_python_int_num_seqs():
     """Concrete valid input, garbage in the ignored sequences' entries: the value checks pass
     (explain validates as the op does); a Python int num_seqs gives the traced one's result."""
-    step = make_step(np.random.default_rng(5), **MIXED, page_size=8, heads="gqa", head_dim=8,
+    step = make_step(rng(5), **MIXED, page_size=8, heads="gqa", head_dim=8,
                      dtype=jnp.float32)
     assert step.cu_q_lens[step.num_seqs + 1] != step.cu_q_lens[step.num_seqs]  # garbage
     fj.explain("ragged_paged_attention", *step.args()[:-1], step.num_seqs)
@@ -220,12 +116,12 @@ def test_concrete_values_with_garbage_in_ignored_entries_pass_and_python_int_num
 
 def test_row_blocks_longer_than_one_step():
     """More rows than one step of the XLA implementation attends at once."""
-    step = make_step(np.random.default_rng(6), q_lens=[130, 1, 150, 7], kv_lens=[160, 20, 150, 9],
+    step = make_step(rng(6), q_lens=[130, 1, 150, 7], kv_lens=[160, 20, 150, 9],
                      max_seqs=5, total_tokens=300, page_size=16, heads="gqa", head_dim=8,
                      dtype=jnp.float32)
     assert step.q.shape[0] > 256
     out = ragged(*step.args(), sliding_window=100)
-    ref = ragged_ref(step, window=100)
+    ref = ragged_paged_attention_ref(step, sliding_window=100)
     assert_close(out, ref, dtype=jnp.float32)
     np.testing.assert_array_equal(f64(out[288:]), 0.0)
 
@@ -238,31 +134,31 @@ def test_one_compilation_serves_any_mix():
         return fj.ragged_paged_attention(*args, sliding_window=12)
 
     step_fn = jax.jit(step_fn)
-    rng = np.random.default_rng(7)
+    gen = rng(7)
     shapes = dict(max_seqs=6, total_tokens=24, page_size=8, heads="gqa", head_dim=8,
                   dtype=jnp.float32, pages_per_seq=6, num_pages=30)
     mixes = [([4, 1, 1], [4, 30, 9]), ([1, 1, 7, 1, 5, 1], [40, 2, 7, 13, 25, 1]), ([], [])]
     for q_lens, kv_lens in mixes:
         if not q_lens:  # nothing scheduled: every row is padding
-            step = make_step(rng, [1], [3], **shapes)
+            step = make_step(gen, [1], [3], **shapes)
             step.num_seqs = 0
             out = step_fn(*step.args())
             np.testing.assert_array_equal(f64(out), 0.0)
             continue
-        step = make_step(rng, q_lens, kv_lens, **shapes)
+        step = make_step(gen, q_lens, kv_lens, **shapes)
         out = step_fn(*step.args())
-        assert_close(out, ragged_ref(step, window=12), dtype=jnp.float32)
+        assert_close(out, ragged_paged_attention_ref(step, sliding_window=12), dtype=jnp.float32)
     assert len(traces) == 1
 
 
 def test_padding_rows_are_zero_whatever_q_holds():
-    step = make_step(np.random.default_rng(8), **MIXED, page_size=4, heads="mqa", head_dim=8,
+    step = make_step(rng(8), **MIXED, page_size=4, heads="mqa", head_dim=8,
                      dtype=jnp.float32)
     end = step.cu_q_lens[step.num_seqs]
     step.q[end:end + 2] = [[[np.inf]], [[-np.inf]]]  # NaN after them
     out = f64(ragged(*step.args()))
     np.testing.assert_array_equal(out[end:], 0.0)
-    assert_close(out[:end], ragged_ref(step)[:end], dtype=jnp.float32)
+    assert_close(out[:end], ragged_paged_attention_ref(step)[:end], dtype=jnp.float32)
 
 
 def _poison_visible(step, pages, value):
@@ -278,7 +174,7 @@ def _nan_rows_and_heads(out):
 
 
 def _visible_nan_step():
-    return make_step(np.random.default_rng(9), q_lens=[3, 2], kv_lens=[3, 5], max_seqs=2,
+    return make_step(rng(9), q_lens=[3, 2], kv_lens=[3, 5], max_seqs=2,
                      total_tokens=5, page_size=4, heads="gqa", head_dim=8, dtype=jnp.float32)
 
 
@@ -291,10 +187,10 @@ def test_non_finite_visible_data_gives_nan_only_where_seen(where, value):
 
 def test_out_of_range_values_under_jit_are_safe():
     """Values jit cannot check: clamped or hidden as documented, other sequences intact."""
-    step = make_step(np.random.default_rng(10), q_lens=[2, 3, 1], kv_lens=[9, 12, 5],
+    step = make_step(rng(10), q_lens=[2, 3, 1], kv_lens=[9, 12, 5],
                      max_seqs=3, total_tokens=8, page_size=4, heads="gqa", head_dim=8,
                      dtype=jnp.float32)
-    ref = ragged_ref(step)
+    ref = ragged_paged_attention_ref(step)
     q, k, v, tables, kv, cu, _ = step.args()
     # num_seqs past max_seqs is max_seqs, below zero is zero.
     np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, np.int32(7))),
@@ -314,10 +210,10 @@ def test_out_of_range_values_under_jit_are_safe():
 
 
 def test_grads_match_dense_attention_despite_nan_in_hidden_slots():
-    step = make_step(np.random.default_rng(12), q_lens=[3, 1, 4], kv_lens=[3, 9, 6], max_seqs=3,
+    step = make_step(rng(12), q_lens=[3, 1, 4], kv_lens=[3, 9, 6], max_seqs=3,
                      total_tokens=10, page_size=4, heads="gqa", head_dim=8, dtype=jnp.float32)
     q, k_pages, v_pages, tables, kv, cu, n = step.args()
-    w = jnp.asarray(np.random.default_rng(13).standard_normal(q.shape), jnp.float32)
+    w = jnp.asarray(rng(13).standard_normal(q.shape), jnp.float32)
 
     def ragged_loss(q, k_pages, v_pages):
         return jnp.sum(fj.ragged_paged_attention(q, k_pages, v_pages, tables, kv, cu, n) * w)
@@ -345,7 +241,7 @@ def test_grads_match_dense_attention_despite_nan_in_hidden_slots():
 
 
 def test_auto_selects_xla_and_explain_validates():
-    step = make_step(np.random.default_rng(11), q_lens=[1], kv_lens=[3], max_seqs=1,
+    step = make_step(rng(11), q_lens=[1], kv_lens=[3], max_seqs=1,
                      total_tokens=1, page_size=4, heads="mqa", head_dim=8, dtype=jnp.float32)
     assert fj.explain("ragged_paged_attention", *step.args()).implementation == "xla"
     assert "xla" in dispatch.implementations("ragged_paged_attention", "cpu")

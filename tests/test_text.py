@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from chat_checkpoint import TEMPLATE, write_checkpoint
+from cases.chat_checkpoint import TEMPLATE, write_checkpoint
 
 from forge_jax.models import llama, text
 

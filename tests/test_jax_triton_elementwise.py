@@ -1,10 +1,13 @@
-"""The ``"triton"`` implementations (pallas_kernels/gpu/jax_triton_elementwise.py, jax-triton).
+"""The ``"triton"`` implementations: plain Triton kernels launched through jax-triton
+(pallas_kernels/gpu/jax_triton_elementwise.py).
 
 On CPU: everything around the kernels: why they are unavailable (not installed, a release
 for another JAX, no GPU), the launch plans (argument order, outputs, grid, the tuning
 table), both ``triton_call`` signatures, and the plumbing (reshapes, residual, vmap, VJP)
 with the launch replaced by a NumPy emulation of the kernels' contract.
-``TestTritonOnGpu`` runs the real kernels and is skipped where they cannot run.
+:class:`TestRmsNormTriton`, :class:`TestSiluMulTriton` and :class:`TestRopeTriton` run the real
+kernels through the behaviours of :mod:`cases.elementwise_base` and are skipped where they
+cannot run.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, case_id, normal, rng
-from reference import rms_norm_ref, rope_ref, silu_mul_ref
+from cases.calls import by_id, case_id
+from cases.checks import assert_close
+from cases.elementwise_base import RmsNormCases, RopeCases, SiluMulCases
+from cases.inputs import normal, rng
+from cases.references import rms_norm_ref, rope_ref, silu_mul_ref
 
 import forge_jax as fj
 from forge_jax import _compat, backends, dispatch
@@ -248,44 +254,34 @@ def test_rope_plumbing_vmap_and_grad(emulated, interleaved, dtype):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
-class TestTritonOnGpu:
-    """The real kernels (skipped where jax-triton cannot run)."""
+class Triton:
+    """The skip rule of the real kernels: jax-triton installed for this JAX, and a GPU."""
 
-    @pytest.fixture(autouse=True)
-    def _needs_device(self):
-        if reason := tk.available():
-            pytest.skip(f"jax-triton kernels: {reason}")
+    IMPLEMENTATION = "triton"
+    INTERPRET = False
 
-    @pytest.mark.parametrize("shape,dtype", CASES + [((4, 4096), jnp.bfloat16),
-                                                     ((3, 5000), jnp.float16)], ids=case_id)
-    def test_rms_norm(self, shape, dtype):
-        gen = rng(len(shape), shape[-1])
-        x, r = normal(gen, shape, dtype), normal(gen, shape, dtype)
-        w = normal(gen, shape[-1:], dtype)
-        y, h = jax.jit(lambda x, w, r: fj.rms_norm(x, w, residual=r, implementation="triton"))(
-            x, w, r)
-        want = rms_norm_ref(x, w, residual=r)
-        assert_close(y, want[0], implementation="triton", allow_zero_ref=not x.size)
-        assert_close(h, want[1], implementation="triton", allow_zero_ref=not x.size)
-        y = fj.rms_norm(x, w, implementation="triton")
-        assert_close(y, rms_norm_ref(x, w), implementation="triton", allow_zero_ref=not x.size)
+    @classmethod
+    def skip_reason(cls):
+        return (reason := tk.available()) and f"jax-triton kernels: {reason}"
 
-    @pytest.mark.parametrize("shape,dtype", [((2, 3, 1536), jnp.bfloat16),
-                                             ((7, 999), jnp.float32)], ids=case_id)
-    def test_silu_mul(self, shape, dtype):
-        gen = rng(len(shape))
-        gate, up = normal(gen, shape, dtype, scale=4.0), normal(gen, shape, dtype)
-        out = jax.jit(lambda g, u: fj.silu_mul(g, u, implementation="triton"))(gate, up)
-        assert_close(out, silu_mul_ref(gate, up), implementation="triton")
 
-    @pytest.mark.parametrize("interleaved", [False, True])
-    @pytest.mark.parametrize("shape,dtype", [((2, 37, 9, 128), jnp.bfloat16),
-                                             ((1, 5, 3, 80), jnp.float32)], ids=case_id)
-    def test_rope(self, shape, dtype, interleaved):
-        gen = rng(len(shape))
-        x = normal(gen, shape, dtype)
-        positions = jnp.asarray(gen.integers(0, 5000, shape[:2]), jnp.int32)
-        out = jax.jit(lambda x, p: fj.rope(x, p, interleaved=interleaved,
-                                           implementation="triton"))(x, positions)
-        assert_close(out, rope_ref(x, positions, interleaved=interleaved),
-                     implementation="triton")
+class TestRmsNormTriton(Triton, RmsNormCases):
+    CASES = by_id([(shape, dtype, dtype, with_residual)
+                   for shape, dtype in [*CASES, ((4, 4096), jnp.bfloat16),
+                                        ((3, 5000), jnp.float16)]
+                   for with_residual in (False, True)])
+    # The VJP is the XLA reference's (custom_vjp), checked with the launch emulated:
+    # test_rms_norm_vmap_and_grad.
+    test_grad_matches_xla_vjp_and_float64 = None
+
+
+class TestSiluMulTriton(Triton, SiluMulCases):
+    CASES = by_id([((2, 3, 1536), jnp.bfloat16), ((7, 999), jnp.float32)])
+
+
+class TestRopeTriton(Triton, RopeCases):
+    # Positions up to 5000.
+    CASES = by_id([(shape, dtype, 1e4, None, interleaved, 4950)
+                   for shape, dtype in [((2, 37, 9, 128), jnp.bfloat16),
+                                        ((1, 5, 3, 80), jnp.float32)]
+                   for interleaved in (False, True)])

@@ -187,26 +187,29 @@ def rope_ref(x, positions, *, theta=10000.0, scaling=None, interleaved=False):
 
 
 def attention_mask_ref(batch, q_len, kv_len, *, causal=True, q_positions=None,
-                       kv_lengths=None, sliding_window=None):
+                       kv_lengths=None, sliding_window=None, scale=None, logits_soft_cap=None):
     """Boolean ``[batch, q_len, kv_len]``: key ``j`` visible to the query at position ``p``
-    iff ``(not causal or j <= p) and j < kv_lengths[b] and j > p - sliding_window``."""
-    if q_positions is None and kv_lengths is not None:  # bottom-right, per sequence
-        q_positions = (np.asarray(kv_lengths, np.int64)[:, None] - q_len
-                       + np.arange(q_len)[None, :])
-    elif q_positions is None:
-        q_positions = np.broadcast_to(kv_len - q_len + np.arange(q_len), (batch, q_len))
-    q_positions = np.asarray(q_positions, np.int64)
-    mask = np.zeros((batch, q_len, kv_len), bool)
-    for b in range(batch):
-        for t in range(q_len):
-            p = int(q_positions[b, t])
-            for j in range(kv_len):
-                ok = (not causal) or j <= p
-                if kv_lengths is not None:
-                    ok = ok and j < int(np.asarray(kv_lengths)[b])
-                if sliding_window is not None:
-                    ok = ok and j > p - sliding_window
-                mask[b, t, j] = ok
+    iff ``(not causal or j <= p) and j < kv_lengths[b] and j > p - sliding_window``.
+
+    Positions default to bottom-right alignment per sequence, ``kv_lengths[b] - q_len + t``
+    (``kv_len - q_len + t`` without lengths). ``scale`` and ``logits_soft_cap`` change no
+    visibility; they are taken (and ignored) so that an attention call's keywords pass as
+    they are.
+    """
+    del scale, logits_soft_cap
+    if q_positions is None:
+        ends = (np.full(batch, kv_len) if kv_lengths is None
+                else np.asarray(kv_lengths, np.int64))
+        q_positions = ends[:, None] - q_len + np.arange(q_len)[None, :]
+    p = np.broadcast_to(np.asarray(q_positions, np.int64), (batch, q_len))[:, :, None]
+    j = np.arange(kv_len)[None, None, :]
+    mask = np.ones((batch, q_len, kv_len), bool)
+    if causal:
+        mask &= j <= p
+    if kv_lengths is not None:
+        mask &= j < np.asarray(kv_lengths, np.int64)[:, None, None]
+    if sliding_window is not None:
+        mask &= j > p - sliding_window
     return mask
 
 
@@ -248,6 +251,69 @@ def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_leng
             for t in range(q_len):
                 seen = mask[b, t]
                 out[b, t, h, :] = probs[t, seen] @ vh[seen]
+    return out
+
+
+def attention_grads_ref(q, k, v, g, *, scale=None, causal=True, q_positions=None,
+                        kv_lengths=None, sliding_window=None, logits_soft_cap=None):
+    """float64 ``(dq, dk, dv)`` of ``sum(attention_ref(q, k, v) * g)``.
+
+    Hidden keys get zero gradients, whatever they hold (NaN included): they enter neither
+    the logits nor the weighted sum.
+    """
+    q, k, v, g = f64(q), f64(k), f64(v), f64(g)
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    mask = attention_mask_ref(batch, q_len, kv_len, causal=causal, q_positions=q_positions,
+                              kv_lengths=kv_lengths, sliding_window=sliding_window)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(batch):
+        for h in range(q_heads):
+            kh = h // group
+            kk = np.where(mask[b].any(0)[:, None], k[b, :, kh], 0.0)
+            vv = np.where(mask[b].any(0)[:, None], v[b, :, kh], 0.0)
+            raw = scale * q[b, :, h] @ kk.T  # [q_len, kv_len]
+            s = raw if logits_soft_cap is None else logits_soft_cap * np.tanh(
+                raw / logits_soft_cap)
+            s = np.where(mask[b], s, -np.inf)
+            m = s.max(-1, keepdims=True)
+            e = np.where(mask[b], np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+            total = e.sum(-1, keepdims=True)
+            p = e / np.where(total > 0, total, 1.0)
+            dv[b, :, kh] += p.T @ g[b, :, h]
+            dp = g[b, :, h] @ vv.T
+            ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+            if logits_soft_cap is not None:
+                ds = ds * (1.0 - np.tanh(raw / logits_soft_cap) ** 2)
+            dq[b, :, h] = scale * ds @ kk
+            dk[b, :, kh] += scale * ds.T @ q[b, :, h]
+    return dq, dk, dv
+
+
+def ragged_paged_attention_ref(step, *, scale=None, sliding_window=None,
+                               logits_soft_cap=None):
+    """float64 ragged paged attention of a step (``cases.paged.Step``: ``q [rows, q_heads,
+    head_dim]``, the dense ``[num_seqs, capacity, kv_heads, head_dim]`` keys and values of
+    its sequences, ``cu_q_lens``, ``kv_lengths``, ``num_seqs``).
+
+    From the ragged definition: row ``r`` of sequence ``i`` is the query at position
+    ``kv_lengths[i] - (cu_q_lens[i + 1] - r)``, attending causally over that sequence's
+    ``kv_lengths[i]`` keys; rows past ``cu_q_lens[num_seqs]`` are zero.
+    """
+    q = f64(step.q)
+    cu, kv = np.asarray(step.cu_q_lens), np.asarray(step.kv_lengths)
+    out = np.zeros(q.shape)
+    for i in range(step.num_seqs):
+        n = int(cu[i + 1] - cu[i])
+        if n == 0:
+            continue
+        positions = kv[i] - n + np.arange(n)
+        out[cu[i]:cu[i + 1]] = attention_ref(
+            q[None, cu[i]:cu[i + 1]], step.dense_k[i][None], step.dense_v[i][None],
+            q_positions=positions[None], kv_lengths=kv[i:i + 1], scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)[0]
     return out
 
 

@@ -1,0 +1,83 @@
+"""The base of every implementation's test class (JAX's ``tests/pallas`` and tokamax's
+``test_base.py`` pattern).
+
+An op family's base class (``cases.attention_base.AttentionCases``, ...) holds the
+behaviours every implementation of the op must show, written once and run through the
+public op with ``implementation=IMPLEMENTATION``. Each implementation's test file
+subclasses it as ``Test<Op><Implementation>``, naming:
+
+* ``IMPLEMENTATION``: the registered implementation name ("pallas", "pallas_gpu_interpret",
+  "pallas_tpu_interpret", "triton", "cudnn", ...);
+* ``INTERPRET``: whether it runs the kernel in Pallas' interpreter (kernel knobs are called
+  with ``interpret=INTERPRET``);
+* :meth:`ImplementationCases.skip_reason`: why it cannot run on this machine (no GPU, no
+  TPU, no toolchain), or None;
+* its case tables: class attributes of ``{case id: case}`` that the base's tests are
+  parametrized with (:func:`parametrize_from`), so that each implementation runs the cases
+  its hardware accepts and no more;
+
+and keeps its kernel-specific tests (knobs, ``supports()`` rejections) in that subclass.
+A behaviour an implementation does not offer is switched off by setting the test to None
+in the subclass, with the reason beside it.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from forge_jax import _compat
+
+
+def parametrize_from(table: str, argnames: str = "case"):
+    """Parametrizes a base-class test with the concrete class's ``table``: a dict from case
+    id to the case (a tuple of values when ``argnames`` names several)."""
+
+    def mark(test):
+        test.case_table = (table, argnames)
+        return test
+
+    return mark
+
+
+class ImplementationCases:
+    IMPLEMENTATION: str
+    INTERPRET: bool = False
+
+    @classmethod
+    def skip_reason(cls) -> str | None:
+        """Why this implementation cannot run here, or None if it can."""
+        return None
+
+    def after_test(self) -> None:
+        """Runs after each test of the class (e.g. to reset the TPU interpreter's state)."""
+
+    @pytest.fixture(autouse=True)
+    def _runs_here(self):
+        if (reason := self.skip_reason()) is not None:
+            pytest.skip(f"{self.IMPLEMENTATION}: {reason}")
+        yield
+        self.after_test()
+
+    def pytest_generate_tests(self, metafunc):
+        table, argnames = getattr(metafunc.function, "case_table", (None, None))
+        if table is not None:
+            cases = getattr(metafunc.cls, table)
+            metafunc.parametrize(argnames, list(cases.values()), ids=list(cases))
+
+
+class PallasTpu:
+    """The skip rule of the Pallas TPU (Mosaic) kernels: compiled only on a TPU, in the TPU
+    interpreter (``INTERPRET``) anywhere; the interpreter's state is reset after each test.
+    Mixed in before the op family's base: ``class TestXPallasTpu(PallasTpu, XCases)``."""
+
+    @classmethod
+    def skip_reason(cls) -> str | None:
+        if not cls.INTERPRET and jax.default_backend() != "tpu":
+            return (f"compiled Mosaic TPU kernel: backend is {jax.default_backend()} (the "
+                    "interpret subclass runs the same tests here)")
+        return None
+
+    def after_test(self) -> None:
+        if self.INTERPRET:
+            _compat.reset_tpu_interpreter()
