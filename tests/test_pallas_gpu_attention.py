@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.attention_base import AttentionCase, AttentionCases
+from cases.base import PallasGpu
 from cases.calls import as_jnp, case_id, jcall
 from cases.checks import assert_close, assert_close_nan
 from cases.inputs import poison_unseen, random_qkv
@@ -92,16 +93,12 @@ GRADIENT_CASES = {
 }
 
 
-class TestAttentionPallasGpu(AttentionCases):
+class TestAttentionPallasGpu(PallasGpu, AttentionCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
     CASES = CASES
     NONFINITE_CASES = NONFINITE_CASES
     GRADIENT_CASES = GRADIENT_CASES
-
-    @classmethod
-    def skip_reason(cls):
-        return None if cls.INTERPRET else _common.gpu_reason(jax.default_backend())
 
     def test_nan_in_a_visible_query_propagates(self):
         # NaN/inf in keys and values: test_nonfinite_reaches_only_the_queries_that_see_it.

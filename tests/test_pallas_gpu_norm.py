@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.base import PallasGpu
 from cases.calls import by_id, case_id, jcall
 from cases.checks import assert_close
 from cases.elementwise_base import RmsNormCases
@@ -42,16 +43,10 @@ CASES = [
 ]
 
 
-class TestRmsNormPallasGpu(RmsNormCases):
+class TestRmsNormPallasGpu(PallasGpu, RmsNormCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
     CASES = by_id(CASES)
-
-    @classmethod
-    def skip_reason(cls):
-        if cls.INTERPRET or (reason := _common.gpu_reason("gpu")) is None:
-            return None
-        return f"compiled Triton kernel: {reason} (the interpret subclass runs here)"
 
     def rms_norm(self, x, w, **kw):
         return jcall(fj.rms_norm, x, w, implementation=self.IMPLEMENTATION, **kw)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.base import PallasGpu
 from cases.calls import case_id
 from cases.checks import assert_close
 from cases.inputs import rng
@@ -31,7 +32,6 @@ from cases.shapes import LLAMA3_8B_HEADS, PHI2_HEAD_DIM, SMOLLM2_135M_HEADS
 
 import forge_jax as fj
 from forge_jax import _compat
-from forge_jax.pallas_kernels.gpu import _common
 from forge_jax.pallas_kernels.gpu import paged_attention as kernel
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -60,20 +60,13 @@ NONFINITE_CASES = {
 }
 
 
-class TestPagedAttentionPallasGpu(PagedAttentionCases):
+class TestPagedAttentionPallasGpu(PallasGpu, PagedAttentionCases):
     """The kernel compiled for the GPU (skipped without one)."""
 
     IMPLEMENTATION = "pallas"
     INTERPRET = False
     CASES = CASES
     NONFINITE_CASES = NONFINITE_CASES
-
-    @classmethod
-    def skip_reason(cls):
-        if cls.INTERPRET:
-            return None
-        reason = _common.gpu_reason(jax.default_backend())
-        return reason and f"compiled Pallas GPU kernel: {reason}"
 
 
 class TestPagedAttentionPallasGpuInterpret(TestPagedAttentionPallasGpu):

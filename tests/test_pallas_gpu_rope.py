@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.base import PallasGpu
 from cases.calls import by_id, case_id
 from cases.checks import assert_close, assert_rope_close
 from cases.elementwise_base import RopeCases
@@ -53,16 +54,10 @@ def _id(value):
                                                                "rotate_half")
 
 
-class TestRopePallasGpu(RopeCases):
+class TestRopePallasGpu(PallasGpu, RopeCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
     CASES = by_id(CASES, _id)
-
-    @classmethod
-    def skip_reason(cls):
-        if cls.INTERPRET or (reason := _common.gpu_reason("gpu")) is None:
-            return None
-        return f"compiled Triton kernel: {reason} (the interpret subclass runs here)"
 
     def test_vmap(self):
         x, pos = rope_inputs((2, 3, 9, 64), jnp.bfloat16, 5)

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from cases.base import PallasGpu
 from cases.calls import by_id, case_id, jcall
 from cases.checks import assert_close
 from cases.elementwise_base import SiluMulCases
@@ -37,16 +38,10 @@ CASES = [
 ]
 
 
-class TestSiluMulPallasGpu(SiluMulCases):
+class TestSiluMulPallasGpu(PallasGpu, SiluMulCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
     CASES = by_id(CASES)
-
-    @classmethod
-    def skip_reason(cls):
-        if cls.INTERPRET or (reason := _common.gpu_reason("gpu")) is None:
-            return None
-        return f"compiled Triton kernel: {reason} (the interpret subclass runs here)"
 
     def test_saturated_gates(self):
         """exp(-g) overflows for g << 0: the product must go to -0, not NaN."""

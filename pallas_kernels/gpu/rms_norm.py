@@ -6,14 +6,11 @@ power of two with masked loads, and writes ``y`` (and ``h``) once. The contract 
 :func:`forge_jax.rms_norm` (its XLA implementation is the reference): ``h = x + residual``
 rounded to ``x.dtype``, ``y = weight * h / sqrt(mean(h * h) + eps)``, float32 math.
 
-The backward pass is the XLA implementation's VJP
-(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel: a ``pallas_call``
-has no automatic derivative, and inference never differentiates.
-
+Backward: the reference's VJP (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`).
 Op: :func:`forge_jax.ops.norm.rms_norm`; reference: its XLA implementation
 :func:`forge_jax.ops.norm.rms_norm_xla`. Launch knobs: :class:`Config`, the per-device table
-:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
-GPU, by name until :data:`VERIFIED` names a GPU, and ``"pallas_gpu_interpret"``. Tests:
+:data:`TUNED`, :func:`default_config`. Registered by
+:func:`~forge_jax.pallas_kernels._registration.register` (GPU; :data:`VERIFIED`). Tests:
 ``tests/test_pallas_gpu_norm.py``, ``tests/test_gpu_tuning.py``.
 """
 

@@ -15,8 +15,8 @@ The backward pass is the XLA implementation's VJP
 
 Op: :func:`forge_jax.ops.rope.rope`; reference: its XLA implementation
 :func:`forge_jax.ops.rope.rope_xla`. Launch knobs: :class:`Config`, the per-device table
-:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
-GPU, by name until :data:`VERIFIED` names a GPU, and ``"pallas_gpu_interpret"``. Tests:
+:data:`TUNED`, :func:`default_config`. Registered by
+:func:`~forge_jax.pallas_kernels._registration.register` (GPU; :data:`VERIFIED`). Tests:
 ``tests/test_pallas_gpu_rope.py``, ``tests/test_gpu_tuning.py``.
 """
 

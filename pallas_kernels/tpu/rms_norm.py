@@ -10,14 +10,11 @@ block reads ``x`` (and ``residual``) once and writes ``y`` (and ``h``) once. The
 that of :func:`forge_jax.rms_norm` (its XLA implementation is the reference): ``h = x +
 residual`` rounded to ``x.dtype``, ``y = weight * h / sqrt(mean(h * h) + eps)``, float32 math.
 
-The backward pass is the XLA implementation's VJP
-(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel: a ``pallas_call``
-has no automatic derivative, and inference never differentiates.
-
+Backward: the reference's VJP (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`).
 Op: :func:`forge_jax.ops.norm.rms_norm`; reference: its XLA implementation
 :func:`forge_jax.ops.norm.rms_norm_xla`. Launch knobs: :class:`Config`, the per-device table
-:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
-TPU, by name until :data:`VERIFIED` names a TPU, and ``"pallas_tpu_interpret"``. Tests:
+:data:`TUNED`, :func:`default_config`. Registered by
+:func:`~forge_jax.pallas_kernels._registration.register` (TPU; :data:`VERIFIED`). Tests:
 ``tests/test_pallas_tpu_elementwise.py``.
 """
 

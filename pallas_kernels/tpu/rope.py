@@ -30,8 +30,8 @@ The backward pass is the XLA implementation's VJP
 
 Op: :func:`forge_jax.ops.rope.rope`; reference: its XLA implementation
 :func:`forge_jax.ops.rope.rope_xla`. Launch knobs: :class:`Config`, the per-device table
-:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
-TPU, by name until :data:`VERIFIED` names a TPU, and ``"pallas_tpu_interpret"``. Tests:
+:data:`TUNED`, :func:`default_config`. Registered by
+:func:`~forge_jax.pallas_kernels._registration.register` (TPU; :data:`VERIFIED`). Tests:
 ``tests/test_pallas_tpu_elementwise.py``.
 """
 

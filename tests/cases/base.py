@@ -66,6 +66,20 @@ class ImplementationCases:
             metafunc.parametrize(argnames, list(cases.values()), ids=list(cases))
 
 
+class PallasGpu:
+    """The skip rule of the Pallas GPU (Triton lowering) kernels: compiled only on a GPU the
+    lowering supports, in Pallas' interpreter (``INTERPRET``) anywhere. Mixed in before the
+    op family's base: ``class TestXPallasGpu(PallasGpu, XCases)``."""
+
+    @classmethod
+    def skip_reason(cls) -> str | None:
+        from forge_jax.pallas_kernels.gpu import _common
+
+        if cls.INTERPRET or (reason := _common.gpu_reason(jax.default_backend())) is None:
+            return None
+        return f"compiled Pallas GPU kernel: {reason} (the interpret subclass runs here)"
+
+
 class PallasTpu:
     """The skip rule of the Pallas TPU (Mosaic) kernels: compiled only on a TPU, in the TPU
     interpreter (``INTERPRET``) anywhere; the interpreter's state is reset after each test.
