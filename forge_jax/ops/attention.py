@@ -111,6 +111,14 @@ def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=
     query may not see never influence its output, even when they hold NaN or inf; NaN
     in visible data propagates. A query that sees no key returns zeros.
 
+    Implementations (``fj.explain("attention", ...)`` says which runs): ``"xla"``,
+    :func:`attention_xla` below, the reference; the Pallas flash kernels
+    ``pallas_kernels/gpu/attention.py`` and ``pallas_kernels/tpu/attention.py``; ``"cudnn"``
+    in ``pallas_kernels/gpu/jax_nn_attention.py``. Partition rule:
+    :func:`_attention_partition` below. Tests: ``tests/test_ops.py``,
+    ``tests/test_attention_contract.py``, ``tests/cases/attention_base.py`` (the cases every
+    kernel runs), ``tests/test_pallas_{gpu,tpu}_attention.py``, ``tests/test_jax_nn_attention.py``.
+
     Args:
       q: ``[batch, q_len, q_heads, head_dim]``.
       k, v: ``[batch, kv_len, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``.

@@ -224,6 +224,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     The pages may be stored in a narrower dtype than ``q`` (e.g. a bfloat16 cache with
     float32 queries); the math is float32 either way.
 
+    Implementations (``fj.explain("paged_attention", ...)`` says which runs): ``"xla"``,
+    :func:`paged_attention_xla` below, the reference; the Pallas kernels
+    ``pallas_kernels/gpu/paged_attention.py`` (Triton lowering) and
+    ``pallas_kernels/tpu/paged_attention.py`` (Mosaic), each with its ``Config``, tuned
+    table and ``default_config``. Partition rule: :func:`_paged_attention_partition` below.
+    Tests: ``tests/test_paged.py`` (this op), ``tests/cases/paged_base.py`` (the cases every
+    kernel runs), ``tests/test_pallas_{gpu,tpu}_paged.py`` (each kernel).
+
     Args:
       q: ``[batch, q_heads, head_dim]`` (decode: one new token per sequence) or
         ``[batch, q_len, q_heads, head_dim]``.

@@ -174,6 +174,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     position (``n_i > kv_lengths[i]``) sees nothing and returns zeros; a row outside its
     sequence's range (``cu_q_lens`` decreasing) returns zeros.
 
+    Implementations (``fj.explain("ragged_paged_attention", ...)`` says which runs):
+    ``"xla"``, :func:`ragged_paged_attention_xla` below, the reference; the Pallas TPU kernel
+    ``pallas_kernels/tpu/ragged_paged_attention.py``. Partition rule:
+    :func:`_ragged_paged_attention_partition` below. Tests: ``tests/test_ragged.py``,
+    ``tests/cases/ragged_base.py``, ``tests/test_pallas_tpu_ragged.py``.
+
     Args:
       q: ``[total_tokens, q_heads, head_dim]``, the sequences' new tokens, concatenated.
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype (may differ
