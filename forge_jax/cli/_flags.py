@@ -19,6 +19,20 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message, prog=self.prog)
 
 
+def check_implementation_env() -> None:
+    """``$FORGE_JAX_IMPLEMENTATION``, when set, names a registered implementation (a typo
+    there would otherwise surface as a traceback from the first op, after the model loads)."""
+    import os
+
+    from forge_jax import dispatch
+
+    name = os.environ.get(dispatch.ENV_VAR, "").strip()
+    if name and name not in dispatch.names():
+        raise UsageError(f"{dispatch.ENV_VAR}={name!r} is not a registered implementation; "
+                         f"registered: {', '.join(dispatch.names())} (unset it for auto "
+                         f"selection)")
+
+
 def check_seed(seed: int) -> None:
     if not 0 <= seed < _SEED_LIMIT:
         raise UsageError(f"--seed must be in [0, 2**63), got {seed}")

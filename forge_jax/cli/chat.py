@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     _flags.check_sampling_flags(args)
     _flags.check_seed(args.seed)
+    _flags.check_implementation_env()
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.max_context is not None and args.max_context < 2:
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-context {args.max_context} is beyond "
                          f"max_position_embeddings={config.max_position_embeddings} "
                          f"of {path}")
+    _compilation_cache.check(args)
     interactive = sys.stdin.isatty()
     with _compilation_cache.compilation_cache(args):
         model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))

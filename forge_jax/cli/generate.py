@@ -11,6 +11,8 @@ from forge_jax.cli import _compilation_cache, _flags
 from forge_jax.cli._checkpoint import describe, read_checkpoint
 from forge_jax.cli._run import UsageError
 
+NUM_PROBLEMS, SHOW = 256, 5  # a task run's defaults
+
 
 def add_parser(subparsers) -> None:
     gen = subparsers.add_parser(
@@ -33,9 +35,11 @@ def add_parser(subparsers) -> None:
                      help="preferred op implementation (forge_jax.use_implementation), e.g. xla")
     gen.add_argument("--dtype", choices=_flags.DTYPES, default="float32")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed and problem draw")
-    gen.add_argument("--num-problems", type=int, default=256,
-                     help="problems in the accuracy batch of a task model (default 256)")
-    gen.add_argument("--show", type=int, default=5, help="problems to print (default 5)")
+    gen.add_argument("--num-problems", type=int, default=None,
+                     help=f"problems in the accuracy batch of a task model (default "
+                          f"{NUM_PROBLEMS}; not with --prompt)")
+    gen.add_argument("--show", type=int, default=None,
+                     help=f"problems to print (default {SHOW}; not with --prompt)")
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="progress bar on stderr (default: when stderr is a terminal)")
     gen.add_argument("--mesh", metavar="tp=4", default=None,
@@ -75,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{path} is not a forge_jax task model: give --prompt TEXT or "
                          f"--prompt-ids 1,2,3")
     else:
+        args.num_problems = NUM_PROBLEMS if args.num_problems is None else args.num_problems
+        args.show = SHOW if args.show is None else args.show
         _check_task(task, config, args, path, mesh)
     model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh)
     print(describe(model, path, args))
@@ -98,14 +104,20 @@ def _check_flags(args: argparse.Namespace) -> None:
     """Every numeric flag of ``generate``, before anything is read or loaded."""
     if args.prompt and args.prompt_ids is not None:
         raise UsageError("give --prompt or --prompt-ids, not both")
+    prompt = "--prompt" if args.prompt else "--prompt-ids" if args.prompt_ids is not None else None
+    for flag, value in (("--num-problems", args.num_problems), ("--show", args.show)):
+        if prompt and value is not None:
+            raise UsageError(f"{flag} {value} is for a task model's accuracy batch (the "
+                             f"embedded tiny model); with {prompt} it would be ignored")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     _flags.check_sampling_flags(args)
-    if args.num_problems < 1:
+    if args.num_problems is not None and args.num_problems < 1:
         raise UsageError(f"--num-problems must be >= 1, got {args.num_problems}")
-    if args.show < 0:
+    if args.show is not None and args.show < 0:
         raise UsageError(f"--show must be >= 0, got {args.show}")
     _flags.check_seed(args.seed)
+    _flags.check_implementation_env()
     if args.mesh is not None:
         from forge_jax import sharding
 
@@ -120,17 +132,22 @@ def _check_flags(args: argparse.Namespace) -> None:
         if args.implementation not in known:
             raise UsageError(f"unknown --implementation {args.implementation!r}; "
                              f"registered: {', '.join(known)}")
+    _compilation_cache.check(args)
 
 
 def _parse_ids(text: str) -> list[int]:
+    items = text.replace(" ", "").split(",")
+    if not any(items):
+        raise UsageError(f"--prompt-ids is empty: {text!r}")
+    empty = [i + 1 for i, x in enumerate(items) if not x]
+    if empty:
+        raise UsageError(f"--prompt-ids {text!r} has an empty item (between two commas, or "
+                         f"at an end) at position {empty[0]} of {len(items)}")
     try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+        return [int(x) for x in items]
     except ValueError:
         raise UsageError(
             f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise UsageError(f"--prompt-ids is empty: {text!r}")
-    return ids
 
 
 def _prompts(args, config, tokenizer, path) -> list[list[int]]:
