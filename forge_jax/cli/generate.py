@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = _prompts(args, config, tokenizer, path)
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
         what = ("--prompt-ids" if args.prompt_ids is not None
-                else f"--prompt {args.prompt[longest]!r}")
+                else _prompt_name(args.prompt, longest))
         _check_length(args, config, path, len(prompts[longest]),
                       _prompt_new_tokens(args, text.load_generation_config(path)), what)
     elif task is None:
@@ -157,26 +157,51 @@ def _prompts(args, config, tokenizer, path) -> list[list[int]]:
         ids = _parse_ids(args.prompt_ids)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise UsageError(f"--prompt-ids {bad} outside the vocabulary [0, {vocab})")
+            raise UsageError(f"--prompt-ids {_some(bad)} outside the vocabulary [0, {vocab})")
         return [ids]
     if tokenizer is None:
         raise UsageError(f"{path} has no tokenizer.json: give token ids with --prompt-ids")
     prompts = []
-    for text in args.prompt:
+    for i, text in enumerate(args.prompt):
+        name = _prompt_name(args.prompt, i)
         try:
             ids = tokenizer.encode(text).ids
         except Exception as e:  # the tokenizers library raises a bare Exception
-            raise UsageError(f"--prompt {text!r} cannot be encoded with "
-                             f"{path / 'tokenizer.json'}: {e}") from None
+            raise UsageError(f"{name} cannot be encoded with {path / 'tokenizer.json'}: "
+                             f"{_clip(str(e))}") from None
         if not ids:
-            raise UsageError(f"--prompt {text!r} encodes to no tokens")
+            raise UsageError(f"{name} encodes to no tokens")
         bad = sorted({i for i in ids if not 0 <= i < vocab})
         if bad:
-            raise UsageError(f"--prompt {text!r} encodes to token ids {bad} outside the "
+            raise UsageError(f"{name} encodes to token ids {_some(bad)} outside the "
                              f"model's vocabulary [0, {vocab}): {path / 'tokenizer.json'} "
                              f"does not match the checkpoint")
         prompts.append(ids)
     return prompts
+
+
+_ECHO = 60  # characters of a prompt an error quotes in full
+
+
+def _prompt_name(prompts: list[str], i: int) -> str:
+    """How an error names ``--prompt`` number ``i``: quoted when short; when long, by its
+    number, length and first words (a 45 KB prompt is not echoed back)."""
+    text = prompts[i]
+    if len(text) <= _ECHO:
+        return f"--prompt {text!r}"
+    which = f" #{i + 1} of {len(prompts)}" if len(prompts) > 1 else ""
+    return f"--prompt{which} ({len(text):,} characters, {text[:30]!r}...)"
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _some(values: list[int], shown: int = 10) -> str:
+    """``[1, 2, 3]``, or the first ``shown`` and how many more."""
+    if len(values) <= shown:
+        return str(values)
+    return f"{str(values[:shown])[:-1]}, ... ({len(values) - shown} more)]"
 
 
 def _check_length(args, config, path, prompt_tokens: int, max_new: int, what: str) -> None:
