@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,
             top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=sampling.min_p,
             repetition_penalty=sampling.repetition_penalty, seed=args.seed)
-        print(f"{describe(model, path, args)}; context {session.max_context} tokens. "
+        decoding = _flags.describe_sampling(args, sampling, tokenizer.generation_config)
+        print(f"{describe(model, path, args)}; context {session.max_context} tokens; "
+              f"{decoding}. "
               f"One message per line; /reset starts over; end of input (Ctrl-D) quits.",
               file=sys.stderr)
         while True:

@@ -350,9 +350,8 @@ def _run_task(model, task, args, progress) -> None:
         verdict = "ok" if tasks.is_correct(p, ids) else f"WRONG: {p.a}+{p.b} = {p.a + p.b}"
         print(f"  {p.prompt:>9s} {text:<5s} {reads:<11s}{end} {verdict}")
     correct = sum(tasks.is_correct(p, g) for p, g in zip(problems, generated, strict=True))
-    mode = "greedy" if sampling.greedy else f"temperature {sampling.temperature}"
     print(f"accuracy: {correct}/{n} = {100 * correct / n:.1f}% exact match on fresh held-out "
-          f"problems ({mode}, one batch, stop at <eos>)")
+          f"problems ({_flags.describe_sampling(args, sampling)}; one batch, stop at <eos>)")
     _print_stats(stats)
 
 
@@ -398,4 +397,5 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
         if tokenizer is not None:
             print(f"prompt:     {tokenizer.decode(prompt, skip_special_tokens=True)!r}")
             print(f"completion: {tokenizer.decode(ids, skip_special_tokens=True)!r}")
+    print(f"decoding: {_flags.describe_sampling(args, sampling, generation_config)}")
     _print_stats(stats)
