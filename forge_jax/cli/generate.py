@@ -260,7 +260,9 @@ class _ProgressLine:
             self.stream.flush()
 
 
-def _print_stats(stats) -> None:
+def _print_stats(stats, generated) -> None:
+    """The prefill, decode and compile lines; ``generated``: the new ids of each sequence
+    (eos included), to count the decode steps that ran past the last eos."""
     if stats.max_new_tokens == 0:
         print("prefill: not run (--max-new-tokens 0: no token to generate)")
         print("decode:  not run")
@@ -270,7 +272,12 @@ def _print_stats(stats) -> None:
     print(f"time to first token: {stats.prefill_seconds * 1e3:.1f} ms (the prefill; compiled "
           f"and warmed up before it in {stats.compile_seconds:.2f} s)")
     if stats.decode_steps:
-        print(f"decode:  {stats.decode_tokens} tokens in {stats.decode_steps} steps, "
+        # The prefill gives each sequence its first token; a decode step, one more each.
+        past = stats.decode_steps - (max(len(ids) for ids in generated) - 1)
+        note = "" if past <= 0 else (
+            f" ({past} past the end-of-sequence token: it is read one step behind, so the "
+            f"device never waits for the host)")
+        print(f"decode:  {stats.decode_tokens} tokens in {stats.decode_steps} steps{note}, "
               f"{stats.decode_ms_per_step:.2f} ms/step = {stats.decode_tokens_per_s:,.0f} tokens/s")
     elif stats.max_new_tokens == 1:
         print("decode:  no decode steps (--max-new-tokens 1: the prefill gives the only token)")
@@ -340,7 +347,7 @@ def _run_task(model, task, args, progress) -> None:
     if stats.max_new_tokens == 0:
         print(f"accuracy: not measured (--max-new-tokens 0: no answers generated for the "
               f"{n} problems)")
-        _print_stats(stats)
+        _print_stats(stats, generated)
         return
     for p, ids in list(zip(problems, generated, strict=True))[:args.show]:
         text, finished = tasks.decode(ids)
@@ -352,7 +359,7 @@ def _run_task(model, task, args, progress) -> None:
     correct = sum(tasks.is_correct(p, g) for p, g in zip(problems, generated, strict=True))
     print(f"accuracy: {correct}/{n} = {100 * correct / n:.1f}% exact match on fresh held-out "
           f"problems ({_flags.describe_sampling(args, sampling)}; one batch, stop at <eos>)")
-    _print_stats(stats)
+    _print_stats(stats, generated)
 
 
 def _prompt_new_tokens(args, generation_config=None) -> int:
@@ -398,4 +405,4 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
             print(f"prompt:     {tokenizer.decode(prompt, skip_special_tokens=True)!r}")
             print(f"completion: {tokenizer.decode(ids, skip_special_tokens=True)!r}")
     print(f"decoding: {_flags.describe_sampling(args, sampling, generation_config)}")
-    _print_stats(stats)
+    _print_stats(stats, generated)
