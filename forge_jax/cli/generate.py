@@ -41,7 +41,8 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--show", type=int, default=None,
                      help=f"problems to print (default {SHOW}; not with --prompt)")
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="progress bar on stderr (default: when stderr is a terminal)")
+                     help="progress bar on stderr (default: when stderr is a terminal; never "
+                          "on the terminal a completion streams to)")
     gen.add_argument("--mesh", metavar="tp=4", default=None,
                      help="shard the model over a device mesh: tensor-parallel axis tp, "
                           "data-parallel axis dp, e.g. tp=4 or dp=2,tp=4")
@@ -235,6 +236,17 @@ def _mesh(args, config):
     return mesh
 
 
+def _same_terminal(a, b) -> bool:
+    """Whether streams ``a`` and ``b`` write to the same terminal."""
+    import os
+
+    try:
+        return a.isatty() and b.isatty() and os.path.samestat(os.fstat(a.fileno()),
+                                                              os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor
+        return False
+
+
 class _ProgressLine:
     """A one-line progress bar on a stream: ``generating [#####.....] 12/32 tokens``.
 
@@ -386,6 +398,13 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
         streamer = text.TextStreamer(text.Tokenizer(tokenizer), 1, eos or (),
                                      lambda b, piece: (sys.stdout.write(piece),
                                                        sys.stdout.flush()))
+        if progress.enabled and _same_terminal(sys.stdout, progress.stream):
+            # The text streaming in is the progress; a bar on the same terminal would write
+            # over it (its carriage returns land in the middle of the completion).
+            progress.enabled = False
+            if args.progress:
+                print("forge-jax generate: no progress bar while the completion streams to "
+                      "this terminal (--no-stream for the bar)", file=sys.stderr)
         sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
         sys.stdout.flush()
     generated, stats = llama.generate_with_stats(
