@@ -149,9 +149,11 @@ def jax_triton_reason(jt_version: str | None = None, jax_version: str | None = N
     """``None`` if the installed jax-triton release matches this JAX, else why not (it is
     not installed, or built for another JAX). Checks versions only; importing it needs a
     GPU jaxlib."""
+    from forge_jax import _install
+
     jt_version = jt_version or jax_triton_version()
     if jt_version is None:
-        return "jax-triton not installed (pip install 'forge-jax[gpu]')"
+        return f"jax-triton not installed ({_install.pip_install('gpu')})"
     jax_version = jax_version or jax.__version__
     wants = JAX_TRITON_FOR_JAX.get(_release(jt_version))
     have = _release(jax_version)
@@ -161,7 +163,7 @@ def jax_triton_reason(jt_version: str | None = None, jax_version: str | None = N
         return f"jax-triton {jt_version} is not a release forge_jax supports ({known})"
     if wants != have:
         return (f"jax-triton {jt_version} is built for JAX {wants[0]}.{wants[1]}, this is JAX "
-                f"{jax_version}: install the matching release (pip install 'forge-jax[gpu]')")
+                f"{jax_version}: install the matching release ({_install.pip_install('gpu')})")
     return None
 
 

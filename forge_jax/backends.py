@@ -64,8 +64,9 @@ class Summary:
         out = [f"forge_jax on JAX {self.jax_version} (jaxlib {self.jaxlib_version}), "
                f"default backend: {self.default_backend}", "", "Platforms:"]
         for p in self.platforms:
-            if not p.devices:
-                out.append(f"  {p.name}: none ({p.error})")
+            if not p.devices:  # the whole reason, its later lines indented
+                error = str(p.error).replace("\n", "\n    ")
+                out.append(f"  {p.name}: none ({error})")
                 continue
             out.append(f"  {p.name}: {len(p.devices)} device(s)")
             for d in p.devices:
@@ -115,7 +116,7 @@ def _platform_info(name: str) -> PlatformInfo:
     try:
         devices = jax.devices(name)
     except RuntimeError as e:
-        return PlatformInfo(name, (), str(e).splitlines()[0][:160])
+        return PlatformInfo(name, (), str(e).strip())
     return PlatformInfo(name, tuple(_device_info(d) for d in devices), None)
 
 

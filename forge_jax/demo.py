@@ -32,7 +32,7 @@ class Check:
 
     def __str__(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        return (f"  {self.op:16s} {self.implementation:22s} max |err| {self.max_abs_err:.1e}"
+        return (f"  {self.op:22s} {self.implementation:22s} max |err| {self.max_abs_err:.1e}"
                 f"  ({self.worst:6.1%} of tolerance)  {verdict}")
 
 
@@ -64,6 +64,21 @@ def _attention64(q, k, v, positions, lengths):
             p = np.exp(logits - logits.max(-1, keepdims=True)) * seen
             total = p.sum(-1, keepdims=True)
             out[b, :, h] = (p / np.where(total > 0, total, 1.0)) @ v[b, :, h // group]
+    return out
+
+
+def _ragged64(q, k, v, kv_lengths, q_lens):
+    """Ragged paged attention in float64: sequence ``i``'s ``q_lens[i]`` rows of ``q``
+    (concatenated; rows past them are padding, zeros) are its last tokens of
+    ``kv_lengths[i]``, over its keys ``k[i]`` ``[seq, kv_heads, head_dim]``."""
+    out = np.zeros(q.shape)
+    start = 0
+    for i, (n, length) in enumerate(zip(q_lens, kv_lengths, strict=True)):
+        rows = q[start:start + n][None]  # [1, n, heads, dim]: n queries at the end
+        positions = np.arange(length - n, length)[None]
+        out[start:start + n] = _attention64(rows, k[i][None, :length], v[i][None, :length],
+                                            positions, np.array([length]))[0]
+        start += n
     return out
 
 
@@ -125,7 +140,46 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
                              jnp.asarray(order.astype(np.int32)), jnp.asarray(lengths))
     checks.append(_check("paged_attention", out, ref[:, -1]))
 
-    print_fn("op               implementation         error vs float64 NumPy"
+    # Ragged: sequence 0's last 3 tokens (a prefill chunk), sequence 1's last one (a decode
+    # step), and a padding row; over the same pages, whose unused ones hold NaN.
+    q_lens = np.array([3, 1])
+    cu_q_lens = np.array([0, 3, 4], np.int32)
+    q_rows = f32(int(cu_q_lens[-1]) + 1, heads, dim)
+    out = fj.ragged_paged_attention(
+        jnp.asarray(q_rows), jnp.asarray(k_pages), jnp.asarray(v_pages),
+        jnp.asarray(order.astype(np.int32)), jnp.asarray(lengths), jnp.asarray(cu_q_lens), 2)
+    checks.append(_check("ragged_paged_attention", out,
+                         _ragged64(q_rows.astype(np.float64), k, v, lengths, q_lens)))
+
+    checks.append(_check("paged_gather", fj.paged_gather(
+        jnp.asarray(k_pages), jnp.asarray(order.astype(np.int32)), jnp.asarray(lengths)),
+        np.where(np.arange(t)[None, :, None, None] < lengths[:, None, None, None],
+                 k.astype(np.float64), 0.0)))
+
+    # Writes and copies over pools of random values: every element is compared.
+    pools = f32(2, kv_heads, num_pages, page, dim)
+    slots = rng.permutation(num_pages * page)[:5].astype(np.int32)
+    slots[2] = -1  # skipped, as padding is
+    new_k, new_v = f32(5, kv_heads, dim), f32(5, kv_heads, dim)
+    ref = pools.astype(np.float64)
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            ref[0, :, slot // page, slot % page] = new_k[i]
+            ref[1, :, slot // page, slot % page] = new_v[i]
+    out = fj.paged_write(jnp.asarray(pools[0]), jnp.asarray(pools[1]), jnp.asarray(new_k),
+                         jnp.asarray(new_v), jnp.asarray(slots))
+    checks.append(_check("paged_write", jnp.stack(out), ref))
+
+    src, dst = rng.permutation(num_pages)[:4], rng.permutation(num_pages)[:4]
+    copies = np.stack([src, dst], axis=1).astype(np.int32)
+    copies[1, 0] = -1  # skipped
+    ref = pools.astype(np.float64)
+    kept = copies[:, 0] >= 0
+    ref[:, :, copies[kept, 1]] = pools[:, :, copies[kept, 0]]  # every source read first
+    out = fj.copy_pages(jnp.asarray(pools[0]), jnp.asarray(pools[1]), jnp.asarray(copies))
+    checks.append(_check("copy_pages", jnp.stack(out), ref))
+
+    print_fn("  op                     implementation         error vs float64 NumPy"
              "        verdict (project tolerance)")
     for check in checks:
         print_fn(str(check))

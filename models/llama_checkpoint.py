@@ -56,9 +56,29 @@ def _safetensors_files(path: pathlib.Path) -> dict[pathlib.Path, list[str] | Non
     raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _float_dtype(name: str, dtype) -> np.dtype:
+    """``dtype`` as a floating dtype, or a ValueError naming the argument."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{name} must be a float dtype (float32, bfloat16, float16), got "
+                         f"{name}={dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name} must be a float dtype (float32, bfloat16, float16), got "
+                         f"{name}={dtype.name}")
+    return dtype
+
+
 def load_config(path: str | os.PathLike) -> LlamaConfig:
     """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file)."""
     path = pathlib.Path(path)
+    if path.is_file():
+        raise CheckpointError(f"{str(path)!r} is a file; a checkpoint is the directory that "
+                              f"holds config.json and the weights: {str(path.parent)!r}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
     file = path / "config.json"
@@ -68,6 +88,11 @@ def load_config(path: str | os.PathLike) -> LlamaConfig:
         raw = json.loads(file.read_text())
     except ValueError as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    if eos is not None and not (_is_int(eos) or (
+            isinstance(eos, list) and all(_is_int(e) for e in eos))):
+        raise CheckpointError(f"{file}: eos_token_id must be an int or a list of ints, got "
+                              f"{eos!r}")
     try:
         return LlamaConfig.from_hf(raw)
     except (ValueError, TypeError) as e:
@@ -103,15 +128,17 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     Raises:
       CheckpointError (a ValueError): unreadable or unsupported config, missing
         files, or a missing, mis-shaped or unexpected tensor (named in the message).
-      ValueError: a mesh the model's head counts or sizes cannot be split over.
+      ValueError: a ``dtype`` or ``param_dtype`` that is not a float dtype; a mesh the
+        model's head counts or sizes cannot be split over.
     """
     from safetensors import SafetensorError, safe_open
 
     from forge_jax.models import llama_sharding
 
+    dtype = _float_dtype("dtype", dtype)
+    param_dtype = dtype if param_dtype is None else _float_dtype("param_dtype", param_dtype)
     path = pathlib.Path(path)
     config = load_config(path)
-    param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,

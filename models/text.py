@@ -96,16 +96,25 @@ class GenerationConfig:
     def sampling_params(self, *, temperature=None, top_k=None, top_p=None, min_p=None,
                         repetition_penalty=None) -> sampling_lib.SamplingParams:
         """The caller's values where given (not None), this config's elsewhere. Without a
-        caller's temperature, ``do_sample=False`` is greedy and ``do_sample=True`` samples
-        at the config's temperature (1.0 if unset). ``top_k=0`` turns top-k off."""
+        caller's temperature, ``do_sample=True`` or a caller's ``top_k`` (other than 0),
+        ``top_p`` or ``min_p`` samples at the config's temperature (1.0 if unset): a
+        filter asks for sampling, and is not dropped for greedy decoding. Otherwise it is
+        greedy. ``top_k=0`` turns top-k off."""
         if temperature is None:
             temperature = (1.0 if self.temperature is None else self.temperature) \
-                if self.do_sample else 0.0
+                if self.do_sample or implies_sampling(top_k, top_p, min_p) else 0.0
         top_k = self.top_k if top_k is None else top_k
         return sampling_lib.SamplingParams(
             temperature, None if top_k == 0 else top_k, self.top_p if top_p is None else top_p,
             self.min_p if min_p is None else min_p,
             self.repetition_penalty if repetition_penalty is None else repetition_penalty)
+
+
+def implies_sampling(top_k=None, top_p=None, min_p=None) -> bool:
+    """Whether a caller's filters ask for sampling: any of ``top_k`` (other than 0, which
+    turns top-k off), ``top_p`` or ``min_p`` given. Without a temperature they sample at
+    the generation config's temperature, else 1.0 (:meth:`GenerationConfig.sampling_params`)."""
+    return (top_k is not None and top_k != 0) or top_p is not None or min_p is not None
 
 
 def load_generation_config(path: str | os.PathLike) -> GenerationConfig | None:
@@ -433,7 +442,9 @@ def generate_text(model: Llama, tokenizer: Tokenizer, prompts: str | Sequence[st
       temperature, top_k, top_p, min_p, repetition_penalty: as in
         :func:`~forge_jax.models.generation.generate`. None: the value of
         ``generation_config`` (by default the checkpoint's generation_config.json);
-        without one, greedy decoding and no filters. ``top_k=0`` turns top-k off.
+        without one, greedy decoding and no filters. ``top_k``, ``top_p`` or ``min_p``
+        without a temperature samples (at the config's temperature, else 1.0), as
+        :meth:`GenerationConfig.sampling_params`. ``top_k=0`` turns top-k off.
       seed: the sampling seed.
       eos_token_id: the ids that end a sequence. None: generation_config.json's, else
         config.json's, else the tokenizer's eos token.

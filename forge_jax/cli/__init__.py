@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``forge-jax`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = Parser(
         prog="forge-jax", description="forge_jax: functional JAX kernels for LLM inference")
+    parser.add_argument("--version", action="store_true",
+                        help="print the versions of forge_jax and JAX, and exit")
     subparsers = parser.add_subparsers(dest="command")
     for module in (info, demo, generate, tune, chat):  # the order --help lists them in
         module.add_parser(subparsers)
@@ -25,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
                              prog=f"forge-jax {command}" if command else "forge-jax")
     except UsageError as e:
         return report(e.prog, e, 2)
+    if args.version:
+        import jax
+
+        import forge_jax
+
+        print(f"forge-jax {forge_jax.__version__} (JAX {jax.__version__})")
+        return 0
     if not hasattr(args, "fn"):
         parser.print_help()
         return 2

@@ -38,6 +38,25 @@ def compilation_cache_dir(args: argparse.Namespace):
     return pathlib.Path(base) / "forge_jax" / "jax"
 
 
+def check(args: argparse.Namespace) -> None:
+    """Creates the cache directory the flags ask for now, before the model loads, so that
+    one that cannot be created is a usage error naming where it came from."""
+    import os
+
+    directory = compilation_cache_dir(args)
+    if directory is None:
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        source = (f"--compilation-cache {args.compilation_cache}" if args.compilation_cache
+                  else f"${CACHE_ENV}={os.environ[CACHE_ENV]}" if os.environ.get(CACHE_ENV)
+                  else "the default compilation cache")
+        raise UsageError(f"{source}: cannot create the directory {directory}: "
+                         f"{e.strerror or e}; pass --compilation-cache DIR or "
+                         f"--no-compilation-cache") from None
+
+
 def compilation_cache(args: argparse.Namespace) -> CompilationCache:
     """The cache the flags ask for, as a context manager: ``with compilation_cache(args):``."""
     return CompilationCache(compilation_cache_dir(args))

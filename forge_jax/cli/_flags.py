@@ -19,6 +19,20 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message, prog=self.prog)
 
 
+def check_implementation_env() -> None:
+    """``$FORGE_JAX_IMPLEMENTATION``, when set, names a registered implementation (a typo
+    there would otherwise surface as a traceback from the first op, after the model loads)."""
+    import os
+
+    from forge_jax import dispatch
+
+    name = os.environ.get(dispatch.ENV_VAR, "").strip()
+    if name and name not in dispatch.names():
+        raise UsageError(f"{dispatch.ENV_VAR}={name!r} is not a registered implementation; "
+                         f"registered: {', '.join(dispatch.names())} (unset it for auto "
+                         f"selection)")
+
+
 def check_seed(seed: int) -> None:
     if not 0 <= seed < _SEED_LIMIT:
         raise UsageError(f"--seed must be in [0, 2**63), got {seed}")
@@ -26,10 +40,15 @@ def check_seed(seed: int) -> None:
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None,
-                        help="0: greedy (default, unless generation_config.json samples)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--min-p", type=float, default=None)
+                        help="0: greedy (default, unless generation_config.json samples or "
+                             "--top-k, --top-p or --min-p is given: then 1.0 or the "
+                             "config's)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most "
+                        "probable tokens (implies sampling)")
+    parser.add_argument("--top-p", type=float, default=None, help="sample from the nucleus "
+                        "of probability p (implies sampling)")
+    parser.add_argument("--min-p", type=float, default=None, help="sample from the tokens at "
+                        "least p times as probable as the most probable (implies sampling)")
     parser.add_argument("--repetition-penalty", type=float, default=None,
                         help="transformers' repetition penalty (1: off)")
 
@@ -68,3 +87,29 @@ def sampling_params(args: argparse.Namespace, generation_config):
             min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def describe_sampling(args: argparse.Namespace, params, generation_config=None) -> str:
+    """How the tokens are picked, in one phrase, saying why when the flags imply sampling:
+    ``sampling at temperature 1 (--top-p without --temperature; --temperature 0 for
+    greedy), top-p 0.9, seed 1``, or ``greedy``."""
+    if params.greedy:
+        words = ["greedy"]
+    else:
+        why = ""
+        if args.temperature is None:
+            if generation_config is not None and generation_config.do_sample:
+                why = " (generation_config.json's do_sample)"
+            else:
+                given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                                                  ("--min-p", args.min_p)) if value is not None]
+                why = f" ({', '.join(given)} without --temperature; --temperature 0 for greedy)"
+        words = [f"sampling at temperature {params.temperature:g}{why}"]
+        words += [f"{name} {value:g}" for name, value in (
+            ("top-k", params.top_k), ("top-p", params.top_p), ("min-p", params.min_p))
+            if value is not None]
+    if params.repetition_penalty is not None:
+        words.append(f"repetition penalty {params.repetition_penalty:g}")
+    if not params.greedy:
+        words.append(f"seed {args.seed}")
+    return ", ".join(words)

@@ -16,6 +16,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _flags.check_seed(args.seed)
+    _flags.check_implementation_env()
     from forge_jax import demo
 
     return 0 if demo.run(args.seed) else 1

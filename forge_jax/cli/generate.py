@@ -11,6 +11,8 @@ from forge_jax.cli import _compilation_cache, _flags
 from forge_jax.cli._checkpoint import describe, read_checkpoint
 from forge_jax.cli._run import UsageError
 
+NUM_PROBLEMS, SHOW = 256, 5  # a task run's defaults
+
 
 def add_parser(subparsers) -> None:
     gen = subparsers.add_parser(
@@ -33,11 +35,14 @@ def add_parser(subparsers) -> None:
                      help="preferred op implementation (forge_jax.use_implementation), e.g. xla")
     gen.add_argument("--dtype", choices=_flags.DTYPES, default="float32")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed and problem draw")
-    gen.add_argument("--num-problems", type=int, default=256,
-                     help="problems in the accuracy batch of a task model (default 256)")
-    gen.add_argument("--show", type=int, default=5, help="problems to print (default 5)")
+    gen.add_argument("--num-problems", type=int, default=None,
+                     help=f"problems in the accuracy batch of a task model (default "
+                          f"{NUM_PROBLEMS}; not with --prompt)")
+    gen.add_argument("--show", type=int, default=None,
+                     help=f"problems to print (default {SHOW}; not with --prompt)")
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="progress bar on stderr (default: when stderr is a terminal)")
+                     help="progress bar on stderr (default: when stderr is a terminal; never "
+                          "on the terminal a completion streams to)")
     gen.add_argument("--mesh", metavar="tp=4", default=None,
                      help="shard the model over a device mesh: tensor-parallel axis tp, "
                           "data-parallel axis dp, e.g. tp=4 or dp=2,tp=4")
@@ -68,13 +73,15 @@ def run(args: argparse.Namespace) -> int:
         prompts = _prompts(args, config, tokenizer, path)
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
         what = ("--prompt-ids" if args.prompt_ids is not None
-                else f"--prompt {args.prompt[longest]!r}")
+                else _prompt_name(args.prompt, longest))
         _check_length(args, config, path, len(prompts[longest]),
                       _prompt_new_tokens(args, text.load_generation_config(path)), what)
     elif task is None:
         raise UsageError(f"{path} is not a forge_jax task model: give --prompt TEXT or "
                          f"--prompt-ids 1,2,3")
     else:
+        args.num_problems = NUM_PROBLEMS if args.num_problems is None else args.num_problems
+        args.show = SHOW if args.show is None else args.show
         _check_task(task, config, args, path, mesh)
     model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh)
     print(describe(model, path, args))
@@ -98,14 +105,20 @@ def _check_flags(args: argparse.Namespace) -> None:
     """Every numeric flag of ``generate``, before anything is read or loaded."""
     if args.prompt and args.prompt_ids is not None:
         raise UsageError("give --prompt or --prompt-ids, not both")
+    prompt = "--prompt" if args.prompt else "--prompt-ids" if args.prompt_ids is not None else None
+    for flag, value in (("--num-problems", args.num_problems), ("--show", args.show)):
+        if prompt and value is not None:
+            raise UsageError(f"{flag} {value} is for a task model's accuracy batch (the "
+                             f"embedded tiny model); with {prompt} it would be ignored")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     _flags.check_sampling_flags(args)
-    if args.num_problems < 1:
+    if args.num_problems is not None and args.num_problems < 1:
         raise UsageError(f"--num-problems must be >= 1, got {args.num_problems}")
-    if args.show < 0:
+    if args.show is not None and args.show < 0:
         raise UsageError(f"--show must be >= 0, got {args.show}")
     _flags.check_seed(args.seed)
+    _flags.check_implementation_env()
     if args.mesh is not None:
         from forge_jax import sharding
 
@@ -120,17 +133,22 @@ def _check_flags(args: argparse.Namespace) -> None:
         if args.implementation not in known:
             raise UsageError(f"unknown --implementation {args.implementation!r}; "
                              f"registered: {', '.join(known)}")
+    _compilation_cache.check(args)
 
 
 def _parse_ids(text: str) -> list[int]:
+    items = text.replace(" ", "").split(",")
+    if not any(items):
+        raise UsageError(f"--prompt-ids is empty: {text!r}")
+    empty = [i + 1 for i, x in enumerate(items) if not x]
+    if empty:
+        raise UsageError(f"--prompt-ids {text!r} has an empty item (between two commas, or "
+                         f"at an end) at position {empty[0]} of {len(items)}")
     try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+        return [int(x) for x in items]
     except ValueError:
         raise UsageError(
             f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise UsageError(f"--prompt-ids is empty: {text!r}")
-    return ids
 
 
 def _prompts(args, config, tokenizer, path) -> list[list[int]]:
@@ -140,26 +158,51 @@ def _prompts(args, config, tokenizer, path) -> list[list[int]]:
         ids = _parse_ids(args.prompt_ids)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise UsageError(f"--prompt-ids {bad} outside the vocabulary [0, {vocab})")
+            raise UsageError(f"--prompt-ids {_some(bad)} outside the vocabulary [0, {vocab})")
         return [ids]
     if tokenizer is None:
         raise UsageError(f"{path} has no tokenizer.json: give token ids with --prompt-ids")
     prompts = []
-    for text in args.prompt:
+    for i, text in enumerate(args.prompt):
+        name = _prompt_name(args.prompt, i)
         try:
             ids = tokenizer.encode(text).ids
         except Exception as e:  # the tokenizers library raises a bare Exception
-            raise UsageError(f"--prompt {text!r} cannot be encoded with "
-                             f"{path / 'tokenizer.json'}: {e}") from None
+            raise UsageError(f"{name} cannot be encoded with {path / 'tokenizer.json'}: "
+                             f"{_clip(str(e))}") from None
         if not ids:
-            raise UsageError(f"--prompt {text!r} encodes to no tokens")
+            raise UsageError(f"{name} encodes to no tokens")
         bad = sorted({i for i in ids if not 0 <= i < vocab})
         if bad:
-            raise UsageError(f"--prompt {text!r} encodes to token ids {bad} outside the "
+            raise UsageError(f"{name} encodes to token ids {_some(bad)} outside the "
                              f"model's vocabulary [0, {vocab}): {path / 'tokenizer.json'} "
                              f"does not match the checkpoint")
         prompts.append(ids)
     return prompts
+
+
+_ECHO = 60  # characters of a prompt an error quotes in full
+
+
+def _prompt_name(prompts: list[str], i: int) -> str:
+    """How an error names ``--prompt`` number ``i``: quoted when short; when long, by its
+    number, length and first words (a 45 KB prompt is not echoed back)."""
+    text = prompts[i]
+    if len(text) <= _ECHO:
+        return f"--prompt {text!r}"
+    which = f" #{i + 1} of {len(prompts)}" if len(prompts) > 1 else ""
+    return f"--prompt{which} ({len(text):,} characters, {text[:30]!r}...)"
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _some(values: list[int], shown: int = 10) -> str:
+    """``[1, 2, 3]``, or the first ``shown`` and how many more."""
+    if len(values) <= shown:
+        return str(values)
+    return f"{str(values[:shown])[:-1]}, ... ({len(values) - shown} more)]"
 
 
 def _check_length(args, config, path, prompt_tokens: int, max_new: int, what: str) -> None:
@@ -193,6 +236,17 @@ def _mesh(args, config):
     return mesh
 
 
+def _same_terminal(a, b) -> bool:
+    """Whether streams ``a`` and ``b`` write to the same terminal."""
+    import os
+
+    try:
+        return a.isatty() and b.isatty() and os.path.samestat(os.fstat(a.fileno()),
+                                                              os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor
+        return False
+
+
 class _ProgressLine:
     """A one-line progress bar on a stream: ``generating [#####.....] 12/32 tokens``.
 
@@ -218,7 +272,9 @@ class _ProgressLine:
             self.stream.flush()
 
 
-def _print_stats(stats) -> None:
+def _print_stats(stats, generated) -> None:
+    """The prefill, decode and compile lines; ``generated``: the new ids of each sequence
+    (eos included), to count the decode steps that ran past the last eos."""
     if stats.max_new_tokens == 0:
         print("prefill: not run (--max-new-tokens 0: no token to generate)")
         print("decode:  not run")
@@ -228,7 +284,12 @@ def _print_stats(stats) -> None:
     print(f"time to first token: {stats.prefill_seconds * 1e3:.1f} ms (the prefill; compiled "
           f"and warmed up before it in {stats.compile_seconds:.2f} s)")
     if stats.decode_steps:
-        print(f"decode:  {stats.decode_tokens} tokens in {stats.decode_steps} steps, "
+        # The prefill gives each sequence its first token; a decode step, one more each.
+        past = stats.decode_steps - (max(len(ids) for ids in generated) - 1)
+        note = "" if past <= 0 else (
+            f" ({past} past the end-of-sequence token: it is read one step behind, so the "
+            f"device never waits for the host)")
+        print(f"decode:  {stats.decode_tokens} tokens in {stats.decode_steps} steps{note}, "
               f"{stats.decode_ms_per_step:.2f} ms/step = {stats.decode_tokens_per_s:,.0f} tokens/s")
     elif stats.max_new_tokens == 1:
         print("decode:  no decode steps (--max-new-tokens 1: the prefill gives the only token)")
@@ -298,7 +359,7 @@ def _run_task(model, task, args, progress) -> None:
     if stats.max_new_tokens == 0:
         print(f"accuracy: not measured (--max-new-tokens 0: no answers generated for the "
               f"{n} problems)")
-        _print_stats(stats)
+        _print_stats(stats, generated)
         return
     for p, ids in list(zip(problems, generated, strict=True))[:args.show]:
         text, finished = tasks.decode(ids)
@@ -308,10 +369,9 @@ def _run_task(model, task, args, progress) -> None:
         verdict = "ok" if tasks.is_correct(p, ids) else f"WRONG: {p.a}+{p.b} = {p.a + p.b}"
         print(f"  {p.prompt:>9s} {text:<5s} {reads:<11s}{end} {verdict}")
     correct = sum(tasks.is_correct(p, g) for p, g in zip(problems, generated, strict=True))
-    mode = "greedy" if sampling.greedy else f"temperature {sampling.temperature}"
     print(f"accuracy: {correct}/{n} = {100 * correct / n:.1f}% exact match on fresh held-out "
-          f"problems ({mode}, one batch, stop at <eos>)")
-    _print_stats(stats)
+          f"problems ({_flags.describe_sampling(args, sampling)}; one batch, stop at <eos>)")
+    _print_stats(stats, generated)
 
 
 def _prompt_new_tokens(args, generation_config=None) -> int:
@@ -338,6 +398,13 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
         streamer = text.TextStreamer(text.Tokenizer(tokenizer), 1, eos or (),
                                      lambda b, piece: (sys.stdout.write(piece),
                                                        sys.stdout.flush()))
+        if progress.enabled and _same_terminal(sys.stdout, progress.stream):
+            # The text streaming in is the progress; a bar on the same terminal would write
+            # over it (its carriage returns land in the middle of the completion).
+            progress.enabled = False
+            if args.progress:
+                print("forge-jax generate: no progress bar while the completion streams to "
+                      "this terminal (--no-stream for the bar)", file=sys.stderr)
         sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
         sys.stdout.flush()
     generated, stats = llama.generate_with_stats(
@@ -356,4 +423,5 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
         if tokenizer is not None:
             print(f"prompt:     {tokenizer.decode(prompt, skip_special_tokens=True)!r}")
             print(f"completion: {tokenizer.decode(ids, skip_special_tokens=True)!r}")
-    _print_stats(stats)
+    print(f"decoding: {_flags.describe_sampling(args, sampling, generation_config)}")
+    _print_stats(stats, generated)

@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, "
                              f"got {getattr(args, flag)}")
+    _flags.check_implementation_env()
     names = _implementation_names(args.implementations) if args.implementations else None
     config, _, _, path = read_checkpoint(args)
     calls = llama_ops.op_calls(config, batch=args.batch, seq_len=args.seq_len,

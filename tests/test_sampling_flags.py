@@ -1,0 +1,84 @@
+"""A sampling filter (top-k, top-p, min-p) given without a temperature samples, the same
+way in ``forge-jax generate``, ``forge-jax chat`` and the Python API (``generate_text``,
+``ChatSession``), and the commands say so (issue 22, item 10). It used to be greedy, the
+filter silently dropped."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from forge_jax import cli
+from forge_jax.models import text
+from forge_jax.models.chat_session import ChatSession
+
+
+def run(capsys, monkeypatch, *argv, stdin=""):
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05)])
+def test_a_filter_without_a_temperature_samples_at_1(filters):
+    params = text.GenerationConfig().sampling_params(**filters)
+    assert not params.greedy and params.temperature == 1.0, params
+    # At the generation config's temperature where it sets one (as do_sample would).
+    params = text.GenerationConfig(temperature=0.7).sampling_params(**filters)
+    assert not params.greedy and params.temperature == 0.7, params
+    # A temperature given says it all: 0 is greedy.
+    assert text.GenerationConfig().sampling_params(temperature=0.0, **filters).greedy
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(top_k=0), dict(repetition_penalty=1.3)])
+def test_no_filter_is_still_greedy(kwargs):
+    """top_k=0 turns top-k off; the repetition penalty applies to greedy decoding too."""
+    assert text.GenerationConfig().sampling_params(**kwargs).greedy
+
+
+def test_generate_text_and_chat_session_sample_with_a_filter(chat_model, chat_tokenizer):
+    kw = dict(max_new_tokens=12, seed=1)
+    greedy = text.generate_text(chat_model, chat_tokenizer, "Hello there", **kw)
+    sampled = text.generate_text(chat_model, chat_tokenizer, "Hello there", top_p=0.9, **kw)
+    assert sampled == text.generate_text(chat_model, chat_tokenizer, "Hello there",
+                                         temperature=1.0, top_p=0.9, **kw)
+    assert sampled != greedy
+    session = ChatSession(chat_model, chat_tokenizer, top_p=0.9, max_new_tokens=4)
+    assert not session.sampling.greedy and session.sampling.temperature == 1.0
+
+
+def test_generate_command_samples_with_top_p_and_says_so(capsys, monkeypatch, chat_checkpoint,
+                                                         chat_model, chat_tokenizer):
+    rc, out, err = run(capsys, monkeypatch, "generate", "--checkpoint", str(chat_checkpoint),
+                       "--prompt", "Hello there", "--max-new-tokens", "12", "--top-p", "0.9",
+                       "--seed", "1")
+    assert rc == 0, err
+    expected = text.generate_text(chat_model, chat_tokenizer, "Hello there", max_new_tokens=12,
+                                  temperature=1.0, top_p=0.9, seed=1)
+    assert f"completion: {expected!r}" in out, out
+    assert ("decoding: sampling at temperature 1 (--top-p without --temperature; --temperature "
+            "0 for greedy), top-p 0.9, seed 1") in out, out
+
+
+def test_chat_command_samples_with_top_k_and_says_so(capsys, monkeypatch, chat_checkpoint,
+                                                     chat_model, chat_tokenizer):
+    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(chat_checkpoint),
+                       "--max-new-tokens", "8", "--top-k", "40", "--seed", "3", "--no-stats",
+                       stdin="Hello there!\n")
+    assert rc == 0, err
+    session = ChatSession(chat_model, chat_tokenizer, max_new_tokens=8, temperature=1.0,
+                          top_k=40, seed=3)
+    assert out == session.send("Hello there!") + "\n"
+    assert "sampling at temperature 1 (--top-k without --temperature" in err, err
+
+
+def test_task_run_says_how_it_decoded(capsys, monkeypatch):
+    rc, out, err = run(capsys, monkeypatch, "generate", "--num-problems", "8", "--show", "0",
+                       "--min-p", "0.5")
+    assert rc == 0, err
+    assert "(sampling at temperature 1 (--min-p without --temperature; --temperature 0 for " \
+           "greedy), min-p 0.5, seed 0; one batch" in out, out
+    rc, out, err = run(capsys, monkeypatch, "generate", "--num-problems", "8", "--show", "0")
+    assert rc == 0 and "problems (greedy; one batch, stop at <eos>)" in out, out
