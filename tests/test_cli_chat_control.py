@@ -19,7 +19,7 @@ import sys
 import time
 
 import pytest
-from chat_checkpoint import write_checkpoint
+from cases.chat_checkpoint import write_checkpoint
 
 from forge_jax import cli
 from forge_jax.models import llama
