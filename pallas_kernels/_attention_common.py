@@ -34,8 +34,13 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
       row_pos: int32 ``[batch, rows_pad]``, the position of each query row (row ``r`` is
         query ``r // group``, query-major); padding rows get -1 and see no key;
       tables: int32 ``[batch, table_width]`` (``table_width >= max_pages``: whole compute
-        blocks of pages); entries past a sequence's pages (which may hold garbage) and the
-        padding read page 0, and no entry leaves the pool.
+        blocks of pages): the page of each entry a sequence uses, and -1 for every other
+        entry (past its pages, where garbage may be, and the padding) and for a used entry
+        that names no page of the pool (traced tables cannot be checked). A kernel reads
+        no page for a -1 entry and hides its slots from every query (the index contract of
+        :mod:`forge_jax.ops.paged`).
+    Lengths outside ``[0, max_pages * page_size]`` are clamped into it, default positions
+    included.
     """
     batch, max_pages = block_tables.shape
     capacity = max_pages * page_size
@@ -52,9 +57,9 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
     row_pos = jnp.pad(jnp.repeat(pos, group, axis=1), ((0, 0), (0, rows_pad - q_len * group)),
                       constant_values=-1)
     used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
-    tables = jnp.where(used, jnp.clip(jnp.asarray(block_tables).astype(jnp.int32), 0,
-                                      num_pages - 1), 0)
-    tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages)))
+    tables = jnp.asarray(block_tables).astype(jnp.int32)
+    tables = jnp.where(used & (tables >= 0) & (tables < num_pages), tables, -1)
+    tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages)), constant_values=-1)
     return window, key_lo, key_hi, row_pos, tables
 
 
