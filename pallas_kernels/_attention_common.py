@@ -94,18 +94,18 @@ def ungroup_queries(out, *, q_len: int, q_heads: int, head_dim: int):
 def explicit_positions(q_positions, kv_lengths, *, batch, q_len, kv_len):
     """The flash kernels' ``(positions, lengths)``: int32 ``[batch, q_len]`` and ``[batch]``.
 
-    ``positions`` are ``q_positions``, else bottom-right per sequence (the last query sits
-    at the last valid key: ``kv_lengths[b] - q_len + t``, or ``kv_len - q_len + t``),
-    clamped to ``[-POS_LIMIT, POS_LIMIT]``; ``lengths`` are ``kv_lengths`` clamped to
-    ``[0, kv_len]`` (keys past ``kv_len`` do not exist anyway), else ``kv_len``.
+    ``lengths`` are ``kv_lengths`` clamped to ``[0, kv_len]`` (how traced lengths outside
+    it act, by the attention contract), else ``kv_len``; ``positions`` are
+    ``q_positions``, else bottom-right per sequence at the clamped lengths (the last query
+    sits at the last valid key: ``lengths[b] - q_len + t``), clamped to
+    ``[-POS_LIMIT, POS_LIMIT]``.
     """
     if kv_lengths is None:
-        raw = jnp.full((batch,), kv_len, jnp.int32)
+        lengths = jnp.full((batch,), kv_len, jnp.int32)
     else:
-        raw = jnp.clip(kv_lengths.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
-    lengths = jnp.clip(raw, 0, kv_len)
+        lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, kv_len)
     if q_positions is None:
-        positions = raw[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
+        positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
     else:
         positions = jnp.clip(q_positions.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
     return positions, lengths
