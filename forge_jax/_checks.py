@@ -50,6 +50,20 @@ def array(name: str, x: Any, *, ndim: int | tuple[int, ...] | None = None,
     return x
 
 
+def same_dtype(first: tuple[str, Any], second: tuple[str, Any], hint: str = "") -> None:
+    """The dtype rule of :mod:`forge_jax.ops`: two compute inputs of one op share a dtype.
+
+    ``first`` and ``second`` are ``(name, array)``; a mismatch raises TypeError naming
+    both dtypes, whatever ``jax_numpy_dtype_promotion`` says (ops never promote)."""
+    (a_name, a), (b_name, b) = first, second
+    a_dtype, b_dtype = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
+    if a_dtype != b_dtype:
+        raise TypeError(
+            f"{a_name} and {b_name} must have the same dtype (forge_jax ops never promote: "
+            f"cast one explicitly), got {a_name}.dtype={a_dtype.name}, "
+            f"{b_name}.dtype={b_dtype.name}{hint}")
+
+
 def positive_int(name: str, value: Any, *, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None

@@ -49,9 +49,7 @@ def check_pages(k_pages, v_pages):
         raise ValueError(
             f"k_pages and v_pages must have the same shape [kv_heads, num_pages, page_size, "
             f"head_dim]: {k_pages.shape=}, {v_pages.shape=}")
-    if k_pages.dtype != v_pages.dtype:
-        raise TypeError(f"k_pages and v_pages must have the same dtype: "
-                        f"{k_pages.dtype=}, {v_pages.dtype=}")
+    _checks.same_dtype(("k_pages", k_pages), ("v_pages", v_pages))
     check_dims(**{f"{name} (k_pages.shape[{i}])": k_pages.shape[i]
                   for i, name in enumerate(("kv_heads", "num_pages", "page_size", "head_dim"))})
 

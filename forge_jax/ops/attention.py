@@ -81,6 +81,7 @@ def _attention_args(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
                   "kv_heads (k.shape[2])": k.shape[2]})
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape: {k.shape=}, {v.shape=}")
+    _checks.same_dtype(("k", k), ("v", v))
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k disagree on batch: {q.shape=}, {k.shape=}")
     if q.shape[3] != k.shape[3]:
@@ -142,7 +143,10 @@ def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=
 
     Args:
       q: ``[batch, q_len, q_heads, head_dim]``.
-      k, v: ``[batch, kv_len, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``.
+      k, v: ``[batch, kv_len, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``, one
+        dtype, which may differ from ``q``'s (a KV cache stored in its own dtype; the math
+        is float32 either way). A k/v mix raises TypeError (the dtype rule of
+        :mod:`forge_jax.ops`).
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       causal: apply the causal mask.
       q_positions: optional int ``[batch, q_len]``, each query's position among the keys.

@@ -72,6 +72,7 @@ def _paged_write_args(k_pages, v_pages, k, v, slots):
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape [tokens, kv_heads, head_dim]: "
                          f"{k.shape=}, {v.shape=}")
+    _checks.same_dtype(("k", k), ("v", v))
     kv_heads, _, _, head_dim = k_pages.shape
     if tuple(k.shape[1:]) != (kv_heads, head_dim):
         raise ValueError(
@@ -115,7 +116,8 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
 
     Args:
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype.
-      k, v: ``[tokens, kv_heads, head_dim]``, any float dtype.
+      k, v: ``[tokens, kv_heads, head_dim]``, one float dtype (any: they are stored in the
+        pages' dtype, the cache's storage dtype; a k/v mix raises TypeError).
       slots: int ``[tokens]``, ``page * page_size + offset`` or negative to skip.
       implementation: ``None`` (auto) or a registered implementation name.
 
@@ -280,8 +282,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     included (the index contract in the docstring of :mod:`forge_jax.ops.paged`;
     :func:`forge_jax.debug_checks` reports traced violations through checkify).
 
-    The pages may be stored in a narrower dtype than ``q`` (e.g. a bfloat16 cache with
-    float32 queries); the math is float32 either way.
+    The pages may be stored in another dtype than ``q`` (e.g. a bfloat16 cache with
+    float32 queries: a KV cache is storage under the dtype rule of :mod:`forge_jax.ops`);
+    the math is float32 either way.
 
     Args:
       q: ``[batch, q_heads, head_dim]`` (decode: one new token per sequence) or
