@@ -444,8 +444,8 @@ def copy_pages(k_pages, v_pages, copies, *, implementation=None):
     padding and skipped, so callers can pad ``copies`` to a fixed shape. In the other
     rows ``src`` and ``dst`` must name pages of the pool: concrete rows that do not raise
     ValueError, traced ones copy nothing (the index contract in the docstring of
-    :mod:`forge_jax.ops.paged`). All sources are read before any destination is written; each
-    destination should appear at most once (:class:`forge_jax.kv_cache.BlockManager`
+    :mod:`forge_jax.ops.paged`). All sources are read before any destination is written;
+    each destination should appear at most once (:class:`forge_jax.kv_cache.BlockManager`
     guarantees both). With the pages donated under ``jax.jit`` the copy is in place.
 
     Args:
