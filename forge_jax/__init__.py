@@ -15,6 +15,7 @@ from forge_jax import (
     sharding,
     tolerances,
 )
+from forge_jax._checks import debug_checks
 from forge_jax.autotuning import autotune
 from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
@@ -41,5 +42,5 @@ __all__ = [
     "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
-    "ragged_paged_attention", "sharding", "registry", "autotune_cache",
+    "ragged_paged_attention", "sharding", "registry", "autotune_cache", "debug_checks",
 ]

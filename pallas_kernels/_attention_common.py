@@ -34,8 +34,13 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
       row_pos: int32 ``[batch, rows_pad]``, the position of each query row (row ``r`` is
         query ``r // group``, query-major); padding rows get -1 and see no key;
       tables: int32 ``[batch, table_width]`` (``table_width >= max_pages``: whole compute
-        blocks of pages); entries past a sequence's pages (which may hold garbage) and the
-        padding read page 0, and no entry leaves the pool.
+        blocks of pages): the page of each entry a sequence uses, and -1 for every other
+        entry (past its pages, where garbage may be, and the padding) and for a used entry
+        that names no page of the pool (traced tables cannot be checked). A kernel reads
+        no page for a -1 entry and hides its slots from every query (the index contract of
+        :mod:`forge_jax.ops.paged`).
+    Lengths outside ``[0, max_pages * page_size]`` are clamped into it, default positions
+    included.
     """
     batch, max_pages = block_tables.shape
     capacity = max_pages * page_size
@@ -52,9 +57,9 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
     row_pos = jnp.pad(jnp.repeat(pos, group, axis=1), ((0, 0), (0, rows_pad - q_len * group)),
                       constant_values=-1)
     used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
-    tables = jnp.where(used, jnp.clip(jnp.asarray(block_tables).astype(jnp.int32), 0,
-                                      num_pages - 1), 0)
-    tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages)))
+    tables = jnp.asarray(block_tables).astype(jnp.int32)
+    tables = jnp.where(used & (tables >= 0) & (tables < num_pages), tables, -1)
+    tables = jnp.pad(tables, ((0, 0), (0, table_width - max_pages)), constant_values=-1)
     return window, key_lo, key_hi, row_pos, tables
 
 
@@ -89,18 +94,18 @@ def ungroup_queries(out, *, q_len: int, q_heads: int, head_dim: int):
 def explicit_positions(q_positions, kv_lengths, *, batch, q_len, kv_len):
     """The flash kernels' ``(positions, lengths)``: int32 ``[batch, q_len]`` and ``[batch]``.
 
-    ``positions`` are ``q_positions``, else bottom-right per sequence (the last query sits
-    at the last valid key: ``kv_lengths[b] - q_len + t``, or ``kv_len - q_len + t``),
-    clamped to ``[-POS_LIMIT, POS_LIMIT]``; ``lengths`` are ``kv_lengths`` clamped to
-    ``[0, kv_len]`` (keys past ``kv_len`` do not exist anyway), else ``kv_len``.
+    ``lengths`` are ``kv_lengths`` clamped to ``[0, kv_len]`` (how traced lengths outside
+    it act, by the attention contract), else ``kv_len``; ``positions`` are
+    ``q_positions``, else bottom-right per sequence at the clamped lengths (the last query
+    sits at the last valid key: ``lengths[b] - q_len + t``), clamped to
+    ``[-POS_LIMIT, POS_LIMIT]``.
     """
     if kv_lengths is None:
-        raw = jnp.full((batch,), kv_len, jnp.int32)
+        lengths = jnp.full((batch,), kv_len, jnp.int32)
     else:
-        raw = jnp.clip(kv_lengths.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
-    lengths = jnp.clip(raw, 0, kv_len)
+        lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, kv_len)
     if q_positions is None:
-        positions = raw[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
+        positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)
     else:
         positions = jnp.clip(q_positions.astype(jnp.int32), -POS_LIMIT, POS_LIMIT)
     return positions, lengths

@@ -89,9 +89,12 @@ def test_matmul_out_dtype_and_float32_accumulation():
     out = jcall(fj.matmul, a, b, out_dtype=jnp.float32)
     assert out.dtype == jnp.float32
     assert_close(out, matmul_ref(a, b), dtype=jnp.float32, factor=5)
-    # Mixed input dtypes with an explicit out_dtype.
+    # Mixed input dtypes are refused even with out_dtype (the dtype rule of forge_jax.ops;
+    # tests/test_dtype_rule.py): the caller casts.
     c32 = normal(g, (256, 4), jnp.float32)
-    out = jcall(fj.matmul, a, c32, out_dtype=jnp.float32)
+    with pytest.raises(TypeError, match=r"a\.dtype=bfloat16.*b\.dtype=float32"):
+        jcall(fj.matmul, a, c32, out_dtype=jnp.float32)
+    out = jcall(fj.matmul, a.astype(jnp.float32), c32, out_dtype=jnp.float32)
     assert_close(out, matmul_ref(a, c32), dtype=jnp.float32, factor=5)
 
 

@@ -196,7 +196,7 @@ def test_out_of_range_values_under_jit_are_safe():
     np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, np.int32(7))),
                                   f64(ragged(q, k, v, tables, kv, cu, np.int32(3))))
     np.testing.assert_array_equal(f64(ragged(q, k, v, tables, kv, cu, np.int32(-4))), 0.0)
-    # Page ids out of range (clamped) in sequence 0 leave the others' rows intact.
+    # Page ids out of range (read nothing) in sequence 0 leave the others' rows intact.
     bad = step.block_tables.copy()
     bad[0, :2] = [-5, 1 << 30]
     out = f64(ragged(q, k, v, bad, kv, cu, np.int32(3)))

@@ -1,4 +1,27 @@
-"""The public ops, one module per family; each module holds the op and its XLA reference."""
+"""The public ops, one module per family; each module holds the op and its XLA reference.
+
+The dtype rule (every op, every implementation)
+-----------------------------------------------
+An op's *compute inputs* share one float dtype, and its result is in that dtype (or in
+``out_dtype`` where the op takes one). A mix raises TypeError naming both dtypes, before
+any work and whatever ``jax_numpy_dtype_promotion`` says: the ops never promote one input
+or round another silently (cast explicitly). The compute inputs are: ``matmul``'s ``a``
+and ``b``; ``rms_norm``'s ``x`` and ``residual`` (their sum is rounded to ``x.dtype``);
+``silu_mul``'s ``gate`` and ``up``; ``paged_write``'s new ``k`` and ``v``. ``rope``,
+``softmax`` and ``embedding`` have one float input, whose dtype the result keeps.
+
+Two kinds of inputs are *storage*, not compute: any float dtype is accepted, read exactly
+into the op's float32 math, and the result keeps the compute dtype.
+
+* **Parameters** that scale or shift the result: ``rms_norm``'s ``weight`` and
+  ``matmul``'s ``c`` (e.g. float32 weights with bfloat16 activations, as a model's
+  ``param_dtype`` gives).
+* **KV caches**: ``attention``'s ``k`` and ``v`` and the paged pools ``k_pages`` and
+  ``v_pages`` (``paged_attention``, ``ragged_paged_attention``, ``copy_pages``,
+  ``paged_gather``), stored in the cache's own dtype (e.g. a bfloat16 cache with float32
+  queries). The keys and values of one cache share one dtype (a mix raises TypeError);
+  the queries may differ. ``paged_write`` stores new keys and values in the pools' dtype.
+"""
 
 from forge_jax.ops.activation import silu_mul, softmax
 from forge_jax.ops.attention import attention

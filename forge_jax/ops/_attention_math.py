@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from forge_jax import _checks
 from forge_jax.ops.activation import safe_softmax_f32
@@ -48,9 +49,7 @@ def check_pages(k_pages, v_pages):
         raise ValueError(
             f"k_pages and v_pages must have the same shape [kv_heads, num_pages, page_size, "
             f"head_dim]: {k_pages.shape=}, {v_pages.shape=}")
-    if k_pages.dtype != v_pages.dtype:
-        raise TypeError(f"k_pages and v_pages must have the same dtype: "
-                        f"{k_pages.dtype=}, {v_pages.dtype=}")
+    _checks.same_dtype(("k_pages", k_pages), ("v_pages", v_pages))
     check_dims(**{f"{name} (k_pages.shape[{i}])": k_pages.shape[i]
                   for i, name in enumerate(("kv_heads", "num_pages", "page_size", "head_dim"))})
 
@@ -63,6 +62,58 @@ def check_tables(block_tables, lengths):
         raise ValueError(f"lengths must be [batch] = ({block_tables.shape[0]},) to match "
                          f"block_tables [batch, max_pages], got {lengths.shape=}, "
                          f"{block_tables.shape=}")
+
+
+def check_table_values(block_tables, lengths, *, num_pages, page_size,
+                       lengths_name="lengths"):
+    """The value checks of a paged call (the contract of :mod:`forge_jax.ops.paged`):
+    ``0 <= lengths[b] <= max_pages * page_size``, and every entry sequence ``b`` uses (the
+    first ``ceil(lengths[b] / page_size)``) names a page of the pool. Raises ValueError
+    where the values are concrete; emits checkify checks for traced ones inside
+    :func:`forge_jax.debug_checks`."""
+    max_pages = block_tables.shape[1]
+    capacity = max_pages * page_size
+    lengths_rule = (f"must lie in [0, {capacity}] (max_pages * page_size = {max_pages} * "
+                    f"{page_size}: keys beyond the block table do not exist)")
+    n, tables = _checks.concrete_ints(lengths), _checks.concrete_ints(block_tables)
+    if n is not None:
+        bad = np.flatnonzero((n < 0) | (n > capacity))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"{lengths_name}[{b}]={n[b]} {lengths_rule}")
+    if n is not None and tables is not None:
+        used = np.arange(max_pages)[None, :] * page_size < n[:, None]
+        bad = np.argwhere(used & ((tables < 0) | (tables >= num_pages)))
+        if bad.size:
+            b, j = (int(i) for i in bad[0])
+            raise ValueError(
+                f"block_tables[{b}, {j}]={tables[b, j]} names no page of the pool "
+                f"(num_pages={num_pages}); sequence {b} uses its first {used[b].sum()} "
+                f"entries ({lengths_name}[{b}]={n[b]}, page_size={page_size})")
+        return
+    if not _checks.debug_checks_enabled():
+        return
+    n = jnp.asarray(lengths)
+    bad = (n < 0) | (n > capacity)
+    b = _checks.first_bad(bad)
+    _checks.traced_check(~jnp.any(bad), f"{lengths_name}[{{b}}]={{n}} {lengths_rule}",
+                         b=b, n=n[b])
+    tables = jnp.asarray(block_tables)
+    used = (jnp.arange(max_pages)[None, :] * page_size
+            < jnp.clip(n, 0, capacity).astype(jnp.int32)[:, None])
+    bad = used & ((tables < 0) | (tables >= num_pages))
+    i = _checks.first_bad(bad)
+    b, j = i // max_pages, i % max_pages
+    _checks.traced_check(
+        ~jnp.any(bad), f"block_tables[{{b}}, {{j}}]={{entry}} names no page of the pool "
+        f"(num_pages={num_pages}), and sequence {{b}} uses it ({lengths_name}[{{b}}]={{n}}, "
+        f"page_size={page_size})", b=b, j=j, entry=tables[b, j], n=n[b])
+
+
+def clamp_lengths(lengths, capacity):
+    """int32 ``lengths`` clamped to ``[0, capacity]``: how a traced length outside the
+    table acts (the contract of :mod:`forge_jax.ops.paged`)."""
+    return jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, capacity)
 
 
 # ---------------------------------------------------------------------------------------
@@ -175,14 +226,20 @@ def masked_probs(logits, mask, *, scale, logits_soft_cap):
 def named_pages(pages, block_tables, lengths):
     """The pages the block tables name, head-major ``[kv_heads, batch, seq, head_dim]``
     with ``seq = max_pages * page_size``, and which of those slots are valid
-    (``[batch, seq]``, slot < length). Invalid slots hold anything."""
-    kv_heads, _, page_size, head_dim = pages.shape
+    (``[batch, seq]``: slot < length, on an entry that names a page of the pool).
+    ``lengths`` must lie in ``[0, seq]`` (:func:`clamp_lengths`). Invalid slots hold
+    anything: they are to be hidden (an out-of-range entry reads nothing)."""
+    kv_heads, num_pages, page_size, head_dim = pages.shape
     batch, max_pages = block_tables.shape
+    table = jnp.asarray(block_tables).astype(jnp.int32)
     used = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < lengths[:, None]
-    # Unused entries may hold garbage: read page 0 instead, and clip the rest so that no
-    # index wraps around or reads out of bounds.
-    table = jnp.where(used, jnp.asarray(block_tables).astype(jnp.int32), 0)
+    named = used & (table >= 0) & (table < num_pages)  # [batch, max_pages]
+    # Unused entries may hold garbage, and a used entry may name no page (traced tables
+    # cannot be checked): read page 0 for them, hidden by `valid`.
+    table = jnp.where(named, table, 0)
     seq = max_pages * page_size
-    named = jnp.take(pages, table, axis=1, mode="clip").reshape(kv_heads, batch, seq, head_dim)
-    valid = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
-    return named, valid
+    gathered = jnp.take(pages, table, axis=1, mode="clip").reshape(
+        kv_heads, batch, seq, head_dim)
+    valid = ((jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None])
+             & jnp.repeat(named, page_size, axis=1))
+    return gathered, valid

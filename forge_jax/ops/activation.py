@@ -15,8 +15,7 @@ def _silu_mul_args(gate, up):
     _checks.array("up", up)
     if tuple(gate.shape) != tuple(up.shape):
         raise ValueError(f"gate and up must have the same shape: {gate.shape=}, {up.shape=}")
-    if gate.dtype != up.dtype:
-        raise TypeError(f"gate and up must have the same dtype: {gate.dtype=}, {up.dtype=}")
+    _checks.same_dtype(("gate", gate), ("up", up))
     return dict(gate=gate, up=up)
 
 
@@ -26,7 +25,8 @@ def silu_mul(gate, up, *, implementation=None):
     ``silu(g) = g * sigmoid(g)``, computed in float32.
 
     Args:
-      gate, up: arrays of the same shape and float dtype.
+      gate, up: arrays of the same shape and the same float dtype (the dtype rule of
+        :mod:`forge_jax.ops`: a mix raises TypeError).
       implementation: ``None`` (auto) or a registered implementation name.
 
     Returns:

@@ -34,6 +34,19 @@ them compute the same thing; this is the one place it is written down.
 * **Gradients** follow the same rule: a slot a query does not see contributes nothing to
   any gradient, even when it holds NaN or inf.
 * **A query that sees no key returns zeros** (so does its gradient).
+* **Lengths and page indices.** ``kv_lengths[b]`` lies in ``[0, kv_len]``, paged
+  ``lengths[b]`` in ``[0, max_pages * page_size]``, and every block-table entry a sequence
+  uses (the first ``ceil(lengths[b] / page_size)``) names a page of the pool; entries past
+  them may hold anything (garbage, ``-1`` padding) and are never read. Concrete arguments
+  (NumPy arrays, JAX arrays outside ``jax.jit``) that break this raise ValueError naming
+  the argument and the value, before any work. Traced ones cannot be checked at trace
+  time, and are defined: a length is clamped into its range, and the default positions
+  follow the clamped length (``kv_lengths=[40]`` with 16 keys is ``kv_lengths=[16]``;
+  ``-3`` is ``0``); a used entry that names no page of the pool reads nothing, its slots
+  invisible as if masked, never another page. Every implementation gives these results.
+  Inside :func:`forge_jax.debug_checks` the ops emit the same checks for traced values as
+  ``jax.experimental.checkify`` checks (reported by ``checkify.checkify``). The index
+  rules of all paged ops (writes and copies too) are in :mod:`forge_jax.ops.paged`.
 """
 
 from __future__ import annotations
@@ -68,6 +81,7 @@ def _attention_args(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
                   "kv_heads (k.shape[2])": k.shape[2]})
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape: {k.shape=}, {v.shape=}")
+    _checks.same_dtype(("k", k), ("v", v))
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k disagree on batch: {q.shape=}, {k.shape=}")
     if q.shape[3] != k.shape[3]:
@@ -86,11 +100,27 @@ def _attention_args(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         _checks.array("kv_lengths", kv_lengths, ndim=1, kind="int")
         if kv_lengths.shape[0] != batch:
             raise ValueError(f"kv_lengths must be [batch] = ({batch},), got {kv_lengths.shape=}")
+        _check_kv_length_values(kv_lengths, k.shape[1])
     scale, sliding_window, logits_soft_cap = check_masking(
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return dict(q=q, k=k, v=v, scale=scale, causal=causal, q_positions=q_positions,
                 kv_lengths=kv_lengths, sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap)
+
+
+def _check_kv_length_values(kv_lengths, kv_len):
+    rule = f"must lie in [0, kv_len={kv_len}] (k.shape[1])"
+    values = _checks.concrete_ints(kv_lengths)
+    if values is not None:
+        bad = np.flatnonzero((values < 0) | (values > kv_len))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"kv_lengths[{b}]={values[b]} {rule}")
+    elif _checks.debug_checks_enabled():
+        values = jnp.asarray(kv_lengths)
+        bad = (values < 0) | (values > kv_len)
+        b = _checks.first_bad(bad)
+        _checks.traced_check(~jnp.any(bad), f"kv_lengths[{{b}}]={{n}} {rule}", b=b, n=values[b])
 
 
 def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
@@ -121,12 +151,17 @@ def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=
 
     Args:
       q: ``[batch, q_len, q_heads, head_dim]``.
-      k, v: ``[batch, kv_len, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``.
+      k, v: ``[batch, kv_len, kv_heads, head_dim]``, ``q_heads % kv_heads == 0``, one
+        dtype, which may differ from ``q``'s (a KV cache stored in its own dtype; the math
+        is float32 either way). A k/v mix raises TypeError (the dtype rule of
+        :mod:`forge_jax.ops`).
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       causal: apply the causal mask.
       q_positions: optional int ``[batch, q_len]``, each query's position among the keys.
-      kv_lengths: optional int ``[batch]``, the number of valid keys of each sequence; the
-        default positions align the queries of each sequence to its own last key.
+      kv_lengths: optional int ``[batch]`` in ``[0, kv_len]``, the number of valid keys of
+        each sequence; the default positions align the queries of each sequence to its own
+        last key. Concrete values outside ``[0, kv_len]`` raise ValueError; traced ones are
+        clamped into it, default positions included (the attention contract).
       sliding_window: optional positive int, keys further back than this are hidden
         (a query sees itself and the ``sliding_window - 1`` keys before it).
       logits_soft_cap: optional positive float.
@@ -166,6 +201,8 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
     groups = q_heads // kv_heads
     if scale is None:
         scale = head_dim ** -0.5
+    if kv_lengths is not None:  # traced lengths outside [0, kv_len] act clamped (the contract)
+        kv_lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, kv_len)
     if q_positions is None:
         q_positions = default_positions(batch, q_len, kv_len, kv_lengths)
     qg = q.reshape(batch, q_len, kv_heads, groups, head_dim)

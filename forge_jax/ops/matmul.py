@@ -34,13 +34,9 @@ def _matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=N
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
     out_shape = (*batch, m, n)
+    _checks.same_dtype(("a", a), ("b", b), hint="; out_dtype sets only the result's dtype")
     if out_dtype is None:
-        try:
-            out_dtype = jnp.promote_types(a.dtype, b.dtype)
-        except (TypeError, ValueError) as e:  # e.g. strict promotion: jax.dtypes.TypePromotionError
-            raise TypeError(
-                f"{a.dtype=} and {b.dtype=} have no implicit result type; pass out_dtype ({e})"
-            ) from None
+        out_dtype = a.dtype
     try:
         out_dtype = jnp.dtype(out_dtype)
     except TypeError:
@@ -77,11 +73,13 @@ def matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
 
     Args:
       a: ``[..., M, K]`` (``[..., K, M]`` if ``trans_a``), float32/float16/bfloat16.
-      b: ``[..., K, N]`` (``[..., N, K]`` if ``trans_b``).
+      b: ``[..., K, N]`` (``[..., N, K]`` if ``trans_b``), ``a``'s dtype (the dtype rule of
+        :mod:`forge_jax.ops`: a mix raises TypeError, even with ``out_dtype``).
       trans_a, trans_b: transpose the last two axes of ``a`` / ``b``.
       alpha, beta: scalars (Python numbers or scalar arrays).
-      c: optional array broadcastable to ``[..., M, N]``; required when ``beta != 0``.
-      out_dtype: result dtype; defaults to the promoted dtype of ``a`` and ``b``.
+      c: optional array broadcastable to ``[..., M, N]``, any float dtype (a parameter,
+        added at the accumulation precision); required when ``beta != 0``.
+      out_dtype: result dtype; defaults to the dtype of ``a`` and ``b``.
       implementation: ``None`` (auto) or a registered implementation name.
 
     Returns:
@@ -109,8 +107,6 @@ def _acc_dtype(*dtypes):
                    description="jnp.matmul with float32 accumulation")
 def matmul_xla(a, b, *, trans_a, trans_b, alpha, beta, c, out_dtype):
     acc = _acc_dtype(a.dtype, b.dtype)
-    if a.dtype != b.dtype:  # Mixed inputs: compute in the accumulation dtype.
-        a, b = a.astype(acc), b.astype(acc)
     with jax.named_scope("matmul"):
         if a.ndim == 2 and b.ndim == 2:
             # The transposes as contracting dimensions, not as transpose ops: XLA on CPU

@@ -19,6 +19,9 @@ def _rms_norm_args(x, weight, *, eps=1e-6, residual=None):
         _checks.array("residual", residual)
         if tuple(residual.shape) != tuple(x.shape):
             raise ValueError(f"residual must have x's shape: {residual.shape=}, {x.shape=}")
+        # h = x + residual is rounded to x.dtype: a residual of another dtype would be
+        # rounded silently (the dtype rule of forge_jax.ops).
+        _checks.same_dtype(("x", x), ("residual", residual))
     return dict(x=x, weight=weight, eps=eps, residual=residual)
 
 
@@ -33,9 +36,11 @@ def rms_norm(x, weight, *, eps=1e-6, residual=None, implementation=None):
 
     Args:
       x: ``[..., dim]`` float32/float16/bfloat16.
-      weight: ``[dim]``, any float dtype.
+      weight: ``[dim]``, any float dtype: a parameter, read in float32 (e.g. float32
+        weights with bfloat16 activations, a model's ``param_dtype``).
       eps: added to the mean square, a positive float.
-      residual: optional ``[..., dim]`` like ``x``.
+      residual: optional ``[..., dim]``, ``x``'s shape and dtype (the dtype rule of
+        :mod:`forge_jax.ops`: another dtype raises TypeError rather than being rounded).
       implementation: ``None`` (auto) or a registered implementation name.
 
     Returns:

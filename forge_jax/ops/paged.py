@@ -7,12 +7,38 @@ Sequence ``b`` owns the pages its block table names, in order: its token at posi
 ``i`` lives in page ``block_tables[b, i // page_size]`` at offset ``i % page_size``, i.e.
 in *slot* ``page * page_size + offset`` of the flattened pool. Which pages a sequence
 owns is decided on the host by :class:`forge_jax.kv_cache.BlockManager`.
+
+Indices and lengths (every paged op, every implementation, and
+:func:`forge_jax.ragged_paged_attention`)
+------------------------------------------------------------------------------------------
+A sequence of length ``n`` *uses* the first ``ceil(n / page_size)`` entries of its block
+table row; ``0 <= n <= max_pages * page_size`` (keys beyond the table do not exist). The
+entries it uses must name pages of the pool, ``[0, num_pages)``; the entries past them may
+hold anything (garbage, ``-1`` padding) and are never read. A write slot is
+``page * page_size + offset`` in ``[0, num_pages * page_size)`` or negative (padding: the
+token is skipped); a copy row is ``(src, dst)`` of pages in ``[0, num_pages)``, or has a
+negative ``src`` (padding: skipped, whatever ``dst`` holds).
+
+* **Concrete values** (NumPy arrays, JAX arrays outside ``jax.jit``) are checked before
+  any work: a used entry outside the pool, a length outside ``[0, max_pages *
+  page_size]``, a slot at or past ``num_pages * page_size`` or a non-padding copy row
+  outside the pool raises ValueError naming the argument, the index and the value.
+* **Traced values** cannot be checked at trace time, and never read or write a page the
+  arguments do not name: a used entry outside the pool reads nothing (its slots are
+  invisible to attention, exactly as if hidden by the mask, and zero in
+  :func:`paged_gather`; never another page); a length is clamped into ``[0, max_pages *
+  page_size]`` (the default positions follow the clamped length); an out-of-range slot
+  writes nothing and an out-of-range copy row copies nothing.
+* **Debug checks**: inside :func:`forge_jax.debug_checks`, traced values get the same
+  checks as ``jax.experimental.checkify`` checks; ``checkify.checkify`` the jitted
+  function to have them reported (see :func:`forge_jax.debug_checks`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
@@ -22,7 +48,9 @@ from forge_jax.ops._attention_math import (
     check_heads,
     check_masking,
     check_pages,
+    check_table_values,
     check_tables,
+    clamp_lengths,
     exact_logits,
     finite_keys,
     hide_from_decode,
@@ -44,6 +72,7 @@ def _paged_write_args(k_pages, v_pages, k, v, slots):
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape [tokens, kv_heads, head_dim]: "
                          f"{k.shape=}, {v.shape=}")
+    _checks.same_dtype(("k", k), ("v", v))
     kv_heads, _, _, head_dim = k_pages.shape
     if tuple(k.shape[1:]) != (kv_heads, head_dim):
         raise ValueError(
@@ -52,7 +81,23 @@ def _paged_write_args(k_pages, v_pages, k, v, slots):
             f"{k_pages.shape=}")
     if slots.shape[0] != k.shape[0]:
         raise ValueError(f"slots must be [tokens] = ({k.shape[0]},), got {slots.shape=}")
+    _check_slot_values(slots, k_pages.shape[1] * k_pages.shape[2])
     return dict(k_pages=k_pages, v_pages=v_pages, k=k, v=v, slots=slots)
+
+
+def _check_slot_values(slots, capacity):
+    rule = f"is past the pool (num_pages * page_size = {capacity} slots; negative = skip)"
+    values = _checks.concrete_ints(slots)
+    if values is not None:
+        bad = np.flatnonzero(values >= capacity)
+        if bad.size:
+            t = int(bad[0])
+            raise ValueError(f"slots[{t}]={values[t]} {rule}")
+    elif _checks.debug_checks_enabled():
+        bad = jnp.asarray(slots) >= capacity
+        t = _checks.first_bad(bad)
+        _checks.traced_check(~jnp.any(bad), f"slots[{{t}}]={{slot}} {rule}", t=t,
+                             slot=jnp.asarray(slots)[t])
 
 
 def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
@@ -60,9 +105,10 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
 
     ``k_pages[h, s // page_size, s % page_size] = k[t, h]`` for every token ``t`` with
     slot ``s = slots[t] >= 0`` (the same for ``v``). A negative slot means "skip this
-    token" (padding); slots at or beyond ``num_pages * page_size`` are skipped as well.
-    If two tokens name the same slot, which one lands is unspecified. ``k`` and ``v``
-    are cast to the pages' dtype.
+    token" (padding). A slot at or beyond ``num_pages * page_size`` raises ValueError
+    when ``slots`` is concrete and writes nothing when it is traced (the index contract
+    in the docstring of :mod:`forge_jax.ops.paged`). If two tokens name the same slot,
+    which one lands is unspecified. ``k`` and ``v`` are cast to the pages' dtype.
 
     The op is pure; under ``jax.jit`` with the pages donated
     (``donate_argnames=("k_pages", "v_pages")`` or a donated cache pytree) XLA performs
@@ -70,7 +116,8 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
 
     Args:
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype.
-      k, v: ``[tokens, kv_heads, head_dim]``, any float dtype.
+      k, v: ``[tokens, kv_heads, head_dim]``, one float dtype (any: they are stored in the
+        pages' dtype, the cache's storage dtype; a k/v mix raises TypeError).
       slots: int ``[tokens]``, ``page * page_size + offset`` or negative to skip.
       implementation: ``None`` (auto) or a registered implementation name.
 
@@ -121,6 +168,8 @@ def paged_write_xla(k_pages, v_pages, k, v, slots):
 def _paged_gather_args(pages, block_tables, lengths):
     _checks.array("pages", pages, ndim=4)
     check_tables(block_tables, lengths)
+    check_table_values(block_tables, lengths, num_pages=pages.shape[1],
+                       page_size=pages.shape[2])
     return dict(pages=pages, block_tables=block_tables, lengths=lengths)
 
 
@@ -131,7 +180,10 @@ def paged_gather(pages, block_tables, lengths, *, implementation=None):
     ``i < lengths[b]`` and ``0`` for ``i >= lengths[b]``: whatever the unused tail of the
     last page or the unused block-table entries hold never reaches the result (unused
     entries may hold any value, even out of range). Only the pages the block tables name
-    are read.
+    are read. The entries a sequence uses must name pages of the pool and
+    ``0 <= lengths[b] <= max_pages * page_size``: concrete values that break this raise
+    ValueError; traced ones give zeros for the slots of an out-of-range entry and clamp
+    the lengths (the index contract in the docstring of :mod:`forge_jax.ops.paged`).
 
     Args:
       pages: ``[kv_heads, num_pages, page_size, head_dim]``.
@@ -151,8 +203,8 @@ dispatch.define("paged_gather", _paged_gather_args)
 
 def gather_pages(pages, block_tables, lengths):
     """The XLA gather: ``[batch, max_pages * page_size, kv_heads, head_dim]``, zero past lengths."""
-    pages, lengths = jnp.asarray(pages), jnp.asarray(lengths).astype(jnp.int32)
-    kv_heads, _, _, head_dim = pages.shape
+    pages = jnp.asarray(pages)
+    lengths = clamp_lengths(lengths, block_tables.shape[1] * pages.shape[2])
     named, valid = named_pages(pages, block_tables, lengths)  # [h, b, s, d], [b, s]
     dense = jnp.transpose(named, (1, 2, 0, 3))  # [b, s, h, d]
     return jnp.where(valid[:, :, None, None], dense, jnp.zeros((), pages.dtype))
@@ -185,6 +237,8 @@ def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=N
     if head_dim != k_pages.shape[3]:
         raise ValueError(f"q and k_pages disagree on head_dim: {q.shape=}, {k_pages.shape=}")
     check_heads(q_heads, kv_heads, q.shape, k_pages.shape)
+    check_table_values(block_tables, lengths, num_pages=k_pages.shape[1],
+                       page_size=k_pages.shape[2])
     if q_positions is not None:
         _checks.array("q_positions", q_positions, ndim=(1, 2) if q.ndim == 3 else 2, kind="int")
         if q_positions.ndim == 1:
@@ -221,8 +275,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     the causal mask, the window or the length) never reaches its output even when it
     holds NaN or inf. A query that sees no key (e.g. ``lengths[b] == 0``) returns zeros.
 
-    The pages may be stored in a narrower dtype than ``q`` (e.g. a bfloat16 cache with
-    float32 queries); the math is float32 either way.
+    The entries a sequence uses must name pages of the pool and ``0 <= lengths[b] <=
+    max_pages * page_size``. Concrete values that break this raise ValueError before any
+    work; traced ones never read a page the table does not name: an out-of-range entry's
+    slots are invisible (as if masked), and a length is clamped into range, positions
+    included (the index contract in the docstring of :mod:`forge_jax.ops.paged`;
+    :func:`forge_jax.debug_checks` reports traced violations through checkify).
+
+    The pages may be stored in another dtype than ``q`` (e.g. a bfloat16 cache with
+    float32 queries: a KV cache is storage under the dtype rule of :mod:`forge_jax.ops`);
+    the math is float32 either way.
 
     Implementations (``fj.explain("paged_attention", ...)`` says which runs): ``"xla"``,
     :func:`paged_attention_xla` below, the reference; the Pallas kernels
@@ -239,7 +301,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
         ``q_heads % kv_heads == 0``.
       block_tables: int ``[batch, max_pages]``, each sequence's pages in order.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included;
-        at most ``max_pages * page_size`` (keys beyond the block table do not exist).
+        in ``[0, max_pages * page_size]`` (keys beyond the block table do not exist).
       scale: logit scale, default ``1 / sqrt(head_dim)``.
       q_positions: optional int ``[batch, q_len]`` (``[batch]`` also accepted for 3-D
         ``q``), each query's absolute position; default ``lengths[b] - q_len + t``.
@@ -283,7 +345,7 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_
     if decode:
         q = q[:, None]
     batch, q_len = q.shape[:2]
-    lengths = lengths.astype(jnp.int32)
+    lengths = clamp_lengths(lengths, block_tables.shape[1] * k_pages.shape[2])
     if q_positions is None:
         q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
     q_positions = jnp.asarray(q_positions)
@@ -308,11 +370,12 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
     groups = q_heads // kv_heads
     if scale is None:
         scale = head_dim ** -0.5
-    k, _ = named_pages(k_pages, block_tables, lengths)  # [k, b, s, h]
+    k, named = named_pages(k_pages, block_tables, lengths)  # [k, b, s, h], [b, s]
     v, _ = named_pages(v_pages, block_tables, lengths)
     seq = k.shape[2]
-    mask = visible_mask(q_positions, seq, causal=True, kv_lengths=lengths,
-                        sliding_window=sliding_window)  # [batch, q_len, seq]
+    # Slots past the length or on an entry that names no page are invisible to every query.
+    mask = visible_mask(q_positions, seq, causal=True, kv_lengths=None,
+                        sliding_window=sliding_window) & named[:, None, :]  # [b, t, s]
     qg = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim), (2, 0, 3, 1, 4))
     qg = qg.reshape(kv_heads, batch, groups * q_len, head_dim)
 
@@ -359,17 +422,38 @@ def _copy_pages_args(k_pages, v_pages, copies):
     _checks.array("copies", copies, ndim=2, kind="int")
     if copies.shape[1] != 2:
         raise ValueError(f"copies must be [n, 2] rows of (src, dst), got {copies.shape=}")
+    _check_copy_values(copies, k_pages.shape[1])
     return dict(k_pages=k_pages, v_pages=v_pages, copies=copies)
+
+
+def _check_copy_values(copies, num_pages):
+    rule = f"names no page of the pool (num_pages={num_pages}; a row with src < 0 is padding)"
+    values = _checks.concrete_ints(copies)
+    if values is not None:
+        # Rows with a negative src are padding, whatever their dst holds.
+        bad = np.argwhere((values[:, :1] >= 0) & ((values < 0) | (values >= num_pages)))
+        if bad.size:
+            i, j = (int(x) for x in bad[0])
+            raise ValueError(f"copies[{i}, {j}]={values[i, j]} {rule}")
+    elif _checks.debug_checks_enabled():
+        copies = jnp.asarray(copies)
+        bad = (copies[:, :1] >= 0) & ((copies < 0) | (copies >= num_pages))
+        flat = _checks.first_bad(bad)
+        i, j = flat // 2, flat % 2
+        _checks.traced_check(~jnp.any(bad), f"copies[{{i}}, {{j}}]={{page}} {rule}", i=i, j=j,
+                             page=copies[i, j])
 
 
 def copy_pages(k_pages, v_pages, copies, *, implementation=None):
     """Copies whole pages, for copy-on-write of shared pages.
 
     ``k_pages[:, dst] = k_pages[:, src]`` (and the same for ``v_pages``) for every row
-    ``(src, dst)`` of ``copies`` with ``src >= 0``; rows with a negative ``src`` (or a
-    negative or out-of-range ``dst``) are skipped, so callers can pad ``copies`` to a
-    fixed shape. All sources are read before any destination is written; each
-    destination should appear at most once (:class:`forge_jax.kv_cache.BlockManager`
+    ``(src, dst)`` of ``copies`` with ``src >= 0``; rows with a negative ``src`` are
+    padding and skipped, so callers can pad ``copies`` to a fixed shape. In the other
+    rows ``src`` and ``dst`` must name pages of the pool: concrete rows that do not raise
+    ValueError, traced ones copy nothing (the index contract in the docstring of
+    :mod:`forge_jax.ops.paged`). All sources are read before any destination is written;
+    each destination should appear at most once (:class:`forge_jax.kv_cache.BlockManager`
     guarantees both). With the pages donated under ``jax.jit`` the copy is in place.
 
     Args:

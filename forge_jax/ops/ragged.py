@@ -22,6 +22,7 @@ from forge_jax.ops._attention_math import (
     check_heads,
     check_masking,
     check_pages,
+    clamp_lengths,
     exact_logits,
     masked_probs,
     named_pages,
@@ -52,16 +53,16 @@ def _check_num_seqs(num_seqs, max_seqs):
     return num_seqs
 
 
-def _concrete(x):
-    """``x`` as a NumPy value, or ``None`` when it is traced (its value is unknown)."""
-    if isinstance(x, jax.core.Tracer):
-        return None
-    return np.asarray(x).astype(np.int64)
+_concrete = _checks.concrete_ints
 
 
 def _check_values(block_tables, kv_lengths, cu_q_lens, num_seqs, *, total_tokens, num_pages,
                   page_size):
-    """The value checks possible on the concrete arguments (none under ``jax.jit``)."""
+    """The value checks possible on the concrete arguments (none under ``jax.jit``; there,
+    :func:`_debug_checks` inside :func:`forge_jax.debug_checks`)."""
+    if any(_concrete(x) is None for x in (block_tables, kv_lengths, cu_q_lens, num_seqs)):
+        _debug_checks(block_tables, kv_lengths, cu_q_lens, num_seqs,
+                      total_tokens=total_tokens, num_pages=num_pages, page_size=page_size)
     max_seqs, pages_per_seq = block_tables.shape
     n, cu = _concrete(num_seqs), _concrete(cu_q_lens)
     if n is not None and not 0 <= n <= max_seqs:
@@ -103,6 +104,46 @@ def _check_values(block_tables, kv_lengths, cu_q_lens, num_seqs, *, total_tokens
             raise ValueError(f"block_tables[{i}, {j}]={used[j]} names no page of k_pages "
                              f"(num_pages={num_pages}); sequence {i} uses its first "
                              f"{used.size} entries (kv_lengths[{i}]={kv[i]})")
+
+
+def _debug_checks(block_tables, kv_lengths, cu_q_lens, num_seqs, *, total_tokens, num_pages,
+                  page_size):
+    """:func:`_check_values` as checkify checks of traced values (debug checks only)."""
+    if not _checks.debug_checks_enabled():
+        return
+    max_seqs, pages_per_seq = block_tables.shape
+    capacity = pages_per_seq * page_size
+    n = jnp.asarray(num_seqs)
+    _checks.traced_check((n >= 0) & (n <= max_seqs),
+                         f"num_seqs must be in [0, max_seqs={max_seqs}], got num_seqs={{n}}", n=n)
+    cu, kv = jnp.asarray(cu_q_lens), jnp.asarray(kv_lengths)
+    active = jnp.arange(max_seqs) < n
+    _checks.traced_check(cu[0] == 0, "cu_q_lens must start at 0, got cu_q_lens[0]={c}", c=cu[0])
+    bad = active & (cu[1:] < cu[:-1])
+    i = _checks.first_bad(bad)
+    _checks.traced_check(~jnp.any(bad), "cu_q_lens must be non-decreasing over its first "
+                         "num_seqs + 1 entries, got cu_q_lens[{i}]={a} > cu_q_lens[{j}]={b}",
+                         i=i, a=cu[i], j=i + 1, b=cu[i + 1])
+    last = cu[jnp.clip(n, 0, max_seqs)]
+    _checks.traced_check(last <= total_tokens, f"cu_q_lens[num_seqs]={{c}} exceeds the "
+                         f"{total_tokens} rows of q (q.shape[0])", c=last)
+    q_len = cu[1:] - cu[:-1]
+    bad = active & ((kv < q_len) | (kv > capacity))
+    i = _checks.first_bad(bad)
+    _checks.traced_check(
+        ~jnp.any(bad), f"sequence {{i}}: kv_lengths[{{i}}]={{kv}} must count its {{q}} new "
+        f"tokens and fit its block table (pages_per_seq * page_size = {pages_per_seq} * "
+        f"{page_size} = {capacity})", i=i, kv=kv[i], q=q_len[i])
+    tables = jnp.asarray(block_tables)
+    used = active[:, None] & (jnp.arange(pages_per_seq)[None, :] * page_size
+                              < jnp.clip(kv, 0, capacity)[:, None])
+    bad = used & ((tables < 0) | (tables >= num_pages))
+    flat = _checks.first_bad(bad)
+    i, j = flat // pages_per_seq, flat % pages_per_seq
+    _checks.traced_check(
+        ~jnp.any(bad), f"block_tables[{{i}}, {{j}}]={{entry}} names no page of k_pages "
+        f"(num_pages={num_pages}), and sequence {{i}} uses it (kv_lengths[{{i}}]={{kv}})",
+        i=i, j=j, entry=tables[i, j], kv=kv[i])
 
 
 def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
@@ -168,11 +209,14 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     ``cu_q_lens[0] == 0`` and non-decreasing up to ``cu_q_lens[num_seqs] <= total_tokens``,
     ``n_i <= kv_lengths[i] <= pages_per_seq * page_size`` and every page a sequence uses in
     ``[0, num_pages)``. Under ``jax.jit`` they cannot be; out-of-range values are then safe
-    (nothing is read out of bounds) but give these results: ``num_seqs`` is clamped to
-    ``[0, max_seqs]``; a page id outside ``[0, num_pages)`` is clamped into it (that row
-    reads another page); keys beyond the block table do not exist; a query at a negative
-    position (``n_i > kv_lengths[i]``) sees nothing and returns zeros; a row outside its
-    sequence's range (``cu_q_lens`` decreasing) returns zeros.
+    (no page the table does not name is ever read) and give these results (the index
+    contract in the docstring of :mod:`forge_jax.ops.paged`): ``num_seqs`` is clamped to
+    ``[0, max_seqs]``; a used page id outside ``[0, num_pages)`` reads nothing (its slots
+    are invisible, as if masked); ``kv_lengths`` are clamped to ``[0, pages_per_seq *
+    page_size]``, positions included; a query at a negative position (``n_i >
+    kv_lengths[i]``) sees nothing and returns zeros; a row outside its sequence's range
+    (``cu_q_lens`` decreasing) returns zeros. Inside :func:`forge_jax.debug_checks` the
+    traced values get the concrete checks as checkify checks.
 
     Implementations (``fj.explain("ragged_paged_attention", ...)`` says which runs):
     ``"xla"``, :func:`ragged_paged_attention_xla` below, the reference; the Pallas TPU kernel
@@ -220,12 +264,12 @@ def _ragged_paged_attention_partition(args, config):
 dispatch.define("ragged_paged_attention", _ragged_args, partition=_ragged_paged_attention_partition)
 
 
-def _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens):
+def _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens, capacity):
     """Each query row's block table ``[tokens, pages_per_seq]``, kv length ``[tokens]`` (0 for
     padding rows, which therefore see nothing and read no page) and position ``[tokens]``."""
     max_seqs = block_tables.shape[0]
     cu = cu_q_lens.astype(jnp.int32)
-    kv = kv_lengths.astype(jnp.int32)
+    kv = clamp_lengths(kv_lengths, capacity)
     n = jnp.clip(jnp.asarray(num_seqs).astype(jnp.int32), 0, max_seqs)
     # Ends of the active sequences, then "never": sorted whenever cu_q_lens is valid, so the
     # search finds each row's sequence; ignored sequences' entries play no part.
@@ -247,11 +291,12 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
     rows, q_heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
     groups = q_heads // kv_heads
-    k, _ = named_pages(k_pages, tables, lengths)  # [kv_heads, rows, seq, head_dim]
+    k, named = named_pages(k_pages, tables, lengths)  # [kv_heads, rows, seq, head_dim]
     v, _ = named_pages(v_pages, tables, lengths)
     seq = k.shape[2]
-    mask = visible_mask(positions[:, None], seq, causal=True, kv_lengths=lengths,
-                        sliding_window=sliding_window)[:, 0]  # [rows, seq]
+    # Slots past the length or on an entry that names no page are invisible.
+    mask = visible_mask(positions[:, None], seq, causal=True, kv_lengths=None,
+                        sliding_window=sliding_window)[:, 0] & named  # [rows, seq]
     # Hidden slots may hold NaN or inf (a zero probability times NaN is still NaN): each
     # row zeroes the keys and values it does not see (the keys for the gradient of q). A
     # non-finite value it sees makes its output NaN (the attention contract), also where
@@ -286,7 +331,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu
     with jax.named_scope("ragged_paged_attention"):
         tables, lengths, positions = _token_rows(
             jnp.asarray(block_tables).astype(jnp.int32), jnp.asarray(kv_lengths),
-            jnp.asarray(cu_q_lens), num_seqs, total_tokens)
+            jnp.asarray(cu_q_lens), num_seqs, total_tokens,
+            block_tables.shape[1] * k_pages.shape[2])
         attend = lambda q, tables, lengths, positions: _attend_rows(
             q, k_pages, v_pages, tables, lengths, positions, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)

@@ -16,6 +16,12 @@ any (rare: a ``lax.cond``) marks NaN the output columns of exactly the rows that
 In decode (``q_len == 1``) every row sees exactly the visited range, so the values are
 only zeroed outside it and the guard is not emitted.
 
+A table entry of -1 (:func:`~forge_jax.pallas_kernels._attention_common.paged_ranges`
+writes it for an entry past the sequence's pages or one that names no page of the pool)
+reads page 0 in place of a page, and its slots are hidden from every row like the slots
+outside the visited range: an out-of-range entry reads nothing (the index contract of
+:mod:`forge_jax.ops.paged`).
+
 The attention contract is that of :func:`forge_jax.paged_attention` (its XLA implementation
 is the reference).
 
@@ -105,8 +111,8 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
             sliding_window, logits_soft_cap, pv_dtype, exact_range):
     # q_ref [rows, head_dim_pad]; pos_ref [rows]; lo_ref, hi_ref [1]: the keys any row of
     # this sequence sees lie in [lo, hi) (exactly the keys every row sees when exact_range);
-    # tables_ref [pages]; k_ref, v_ref [num_pages, page_size, head_dim_pad] (one kv head,
-    # the whole pool, read in place).
+    # tables_ref [pages], -1 where no page is named; k_ref, v_ref [num_pages, page_size,
+    # head_dim_pad] (one kv head, the whole pool, read in place).
     rows, head_dim_pad = q_ref.shape
     block_k = pages_per_compute_block * page_size
     split = pl.program_id(2)
@@ -128,7 +134,11 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
 
     def body(block, carry):
         o, m, l_sum = carry
-        pages = tables_ref[pl.ds(block * pages_per_compute_block, pages_per_compute_block)]
+        entries = tables_ref[pl.ds(block * pages_per_compute_block, pages_per_compute_block)]
+        pages = jnp.maximum(entries, 0)
+        # [block_k]: whether each key's entry names a page (a -1 entry's slots are hidden).
+        named = jnp.broadcast_to(jnp.where(entries >= 0, 1, 0)[:, None],
+                                 (pages_per_compute_block, page_size)).reshape(block_k) > 0
         k = load(k_ref, pages)
         qk = q
         if q.dtype != k.dtype:
@@ -140,7 +150,7 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
         if logits_soft_cap is not None:
             s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
         j = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        visible = (j[None, :] <= pos[:, None]) & (j[None, :] < key_hi)
+        visible = (j[None, :] <= pos[:, None]) & (j[None, :] < key_hi) & named[None, :]
         if sliding_window is not None:
             visible &= j[None, :] > pos[:, None] - sliding_window
         # where, not a bias: keys no row may see can hold NaN or inf.
@@ -148,7 +158,7 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
         p, correction, m_next, l_sum = _common.online_softmax_step(s, m, l_sum)
         # Zero probabilities do not hide NaN values (0 * NaN = NaN).
         v = load(v_ref, pages)
-        in_range = ((j >= key_lo) & (j < key_hi))[:, None]
+        in_range = ((j >= key_lo) & (j < key_hi) & named)[:, None]
         if exact_range:  # every row sees exactly [key_lo, key_hi): zero the rest
             v = jnp.where(in_range, v, jnp.zeros((), v.dtype))
         else:  # a slot in range may be hidden from some rows: non-finite values leave p @ v

@@ -28,6 +28,12 @@ layout passes, which run in libtpu's compiler: the Pallas -> Mosaic lowering tha
 and not demonstrated off a TPU. Pools with head_dim 64 are not padded here (that would copy
 the whole cache on every call); they fall back to XLA.
 
+A table entry of -1 (:func:`~forge_jax.pallas_kernels._attention_common.paged_ranges`
+writes it for an entry past the sequence's pages or one that names no page of the pool)
+copies nothing, and its slots are hidden from every row like the slots outside ``[lo,
+hi)``: an out-of-range entry reads nothing (the index contract of
+:mod:`forge_jax.ops.paged`).
+
 Block tables are scalar-prefetched whole (``batch * max_pages`` int32 in SMEM), as in JAX's
 own TPU paged attention: very large batches times table widths can exceed SMEM.
 
@@ -104,8 +110,9 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             k_buf, v_buf, sems,  # scratch
             *, pages_per_compute_block, max_pages, scale, sliding_window, logits_soft_cap,
             exact_range):
-    # tables_ref [batch * max_pages]; lo_ref, hi_ref [batch]: the keys any row of sequence b
-    # sees lie in [lo, hi) (exactly the keys every row sees when exact_range).
+    # tables_ref [batch * max_pages], -1 where no page is named; lo_ref, hi_ref [batch]: the
+    # keys any row of sequence b sees lie in [lo, hi) (exactly the keys every row sees when
+    # exact_range).
     # q_ref [rows, head_dim]; pos_ref [rows, 1]; k_hbm, v_hbm [kv_heads, num_pages, page_size,
     # head_dim] in HBM; o_ref [rows, head_dim]; k_buf, v_buf [2, pages, page_size, head_dim].
     b, h = pl.program_id(0), pl.program_id(1)
@@ -123,10 +130,10 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         # may be partly outside); the slots of the others keep stale data, which the masks
         # keep out of the output like any other invisible slot.
         entry = block * pages_per_compute_block + i
+        page = tables_ref[b * max_pages + entry]
 
-        @pl.when((entry * page_size < hi) & ((entry + 1) * page_size > lo))
+        @pl.when((entry * page_size < hi) & ((entry + 1) * page_size > lo) & (page >= 0))
         def _():
-            page = tables_ref[b * max_pages + entry]
             for pool, buf, sem in ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1)):
                 copy = pltpu.make_async_copy(pool.at[h, page], buf.at[slot, i],
                                              sems.at[sem, slot])
@@ -135,6 +142,18 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     def each_copy(block, slot, method):
         for i in range(pages_per_compute_block):
             page_copy(block, slot, i, method)
+
+    def named(block, shape, axis):
+        # Whether each key of the block (along `axis` of `shape`) lies on a page its entry
+        # names: a -1 entry's slots are hidden, their buffer holds stale data. Comparisons
+        # against scalar bounds, not a vector division by page_size.
+        key = lax.broadcasted_iota(jnp.int32, shape, axis)
+        mask = jnp.zeros(shape, jnp.bool_)
+        for i in range(pages_per_compute_block):
+            page = tables_ref[b * max_pages + block * pages_per_compute_block + i]
+            start = jnp.where(page >= 0, i * page_size, block_k)  # block_k: no key
+            mask |= (key >= start) & (key < (i + 1) * page_size)
+        return mask
 
     @pl.when(first < last)
     def _():
@@ -161,7 +180,7 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         if logits_soft_cap is not None:
             s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
         j = block * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-        visible = (j <= pos) & (j < hi)
+        visible = (j <= pos) & (j < hi) & named(block, (rows, block_k), 1)
         if sliding_window is not None:
             visible &= j > pos - sliding_window
         # where, not a bias: keys no row may see can hold NaN or inf.
@@ -173,8 +192,9 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         l_sum = correction * l_sum + p.sum(axis=1, keepdims=True)
         v = v_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
         jv = block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        if exact_range:  # every row sees exactly [lo, hi): zero the rest
-            v = jnp.where((jv >= lo) & (jv < hi), v, 0.0)
+        named_v = named(block, (block_k, head_dim), 0)
+        if exact_range:  # every row sees exactly [lo, hi) on named pages: zero the rest
+            v = jnp.where((jv >= lo) & (jv < hi) & named_v, v, 0.0)
         else:  # a slot in range may be hidden from some rows: non-finite values leave p @ v
             nonfinite = (jnp.abs(v) == jnp.inf) | (v != v)
             v = jnp.where(nonfinite, 0.0, v)
@@ -183,7 +203,7 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
                              preferred_element_type=jnp.float32)  # [rows, head_dim]
         o = correction * o + pv
         if not exact_range:
-            in_range = (jv >= lo) & (jv < hi)
+            in_range = (jv >= lo) & (jv < hi) & named_v
             hits = lax.dot_general(jnp.where(visible, 1.0, 0.0),
                                    jnp.where(nonfinite & in_range, 1.0, 0.0),
                                    (((1,), (0,)), ((), ())),

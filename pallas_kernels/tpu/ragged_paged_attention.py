@@ -11,7 +11,11 @@ other sequences and padding rows are masked, so a row's state is touched only by
 sequence and padding rows end at zero.
 
 Values a row does not see never reach it: logits are masked by selection, and values are
-used with their non-finite entries zeroed. Should a block hold a non-finite value some row
+used with their non-finite entries zeroed. A page id a sequence uses that names no page of
+the pool (traced block tables cannot be checked) is read as page 0 and its slots are
+masked like any hidden slot: it reads nothing (the index contract of
+:mod:`forge_jax.ops.paged`); lengths past the block table are clamped to it before the
+launch. Should a block hold a non-finite value some row
 sees (rare: real caches hold finite data), a masked count of them makes exactly the rows and
 columns that read it NaN, as the attention contract asks.
 
@@ -133,10 +137,22 @@ def _kernel(
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)
     key_col = jax.lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0)
 
+    def named(seq, kb, shape, axis):
+        # Whether each key of kv block kb (along `axis` of `shape`) lies on a page of the
+        # pool: a page id outside it reads nothing. Comparisons against scalar bounds.
+        key = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+        mask = jnp.zeros(shape, jnp.bool_)
+        for p in range(pages_per_block):
+            t = jnp.minimum(kb * pages_per_block + p, pages_per_seq - 1)
+            page = tables_ref[seq * pages_per_seq + t]
+            start = jnp.where((page >= 0) & (page < num_pages), p * page_size, kv_block)
+            mask |= (key >= start) & (key < (p + 1) * page_size)
+        return mask
+
     def copies(seq, kb, slot):
         out = []
         for p in range(pages_per_block):
-            # Entries past the table or the pool are clamped; their keys are masked.
+            # Entries past the table or the pool are clamped; their keys are masked (named).
             t = jnp.minimum(kb * pages_per_block + p, pages_per_seq - 1)
             page = jnp.clip(tables_ref[seq * pages_per_seq + t], 0, num_pages - 1)
             out.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, p],
@@ -181,7 +197,7 @@ def _kernel(
             if f32:
                 k = k.astype(jnp.float32)
             key = kb * kv_block + col
-            visible = in_seq & (key <= pos) & (key < kv_end)
+            visible = in_seq & (key <= pos) & (key < kv_end) & named(seq, kb, key.shape, 1)
             if sliding_window is not None:
                 visible &= key > pos - sliding_window
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -209,7 +225,8 @@ def _kernel(
             # Slots no row of this sequence sees may hold anything; a non-finite value among
             # the others is real data that the rows seeing it must turn into NaN.
             seen_bad = jnp.where((key_col >= lo - kb * kv_block)
-                                 & (key_col < hi - kb * kv_block) & ~finite, 1.0, 0.0)
+                                 & (key_col < hi - kb * kv_block) & ~finite
+                                 & named(seq, kb, key_col.shape, 0), 1.0, 0.0)
 
             @pl.when(jnp.max(seen_bad) > 0)
             def _():
@@ -287,7 +304,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     padded = q_blocks * block_q
 
     cu = cu_q_lens.astype(jnp.int32)
-    kv_lengths = kv_lengths.astype(jnp.int32)
+    # Keys beyond the block table do not exist: a longer (traced) length is clamped, and the
+    # positions follow it (the index contract of forge_jax.ops.paged).
+    kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, pages_per_seq * page_size)
     n = jnp.clip(jnp.asarray(num_seqs).astype(jnp.int32), 0, max_seqs)
     # Each query block's first and last sequence (sequences past num_seqs end "never").
     ends = jnp.where(jnp.arange(max_seqs) < n, cu[1:], jnp.iinfo(jnp.int32).max)

@@ -94,7 +94,7 @@ class RaggedPagedAttentionCases(ImplementationCases):
                          dtype=jnp.float32)
         q, k, v, tables, kv, cu, _ = step.args()
         bad = np.array(tables)
-        bad[0, :2] = [-5, 1 << 30]  # clamped into the pool: sequence 0 reads other pages
+        bad[0, :2] = [-5, 1 << 30]  # read nothing: sequence 0 sees no key
         out = self.ragged(q, k, v, bad, kv, cu, np.int32(7))
         assert_close(f64(out)[2:6], ragged_paged_attention_ref(step)[2:6], dtype=jnp.float32,
                      implementation=self.IMPLEMENTATION)
