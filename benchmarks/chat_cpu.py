@@ -94,7 +94,7 @@ def decode_rates(model, tokenizer, prompt, new_tokens, rounds):
     out = {"no eos (no host reads)": [], "eos, not streaming": [], "eos, streaming text": []}
     for _ in range(rounds):
         for name in out:
-            kw = {} if name.startswith("no eos") else {"eos_token_id": eos}
+            kw = {"eos_token_id": () if name.startswith("no eos") else eos}
             if name.endswith("streaming text"):
                 kw["on_tokens"] = text.TextStreamer(tokenizer, 1, eos, lambda b, piece: None)
             _, stats = llama.generate_with_stats(model, [prompt], new_tokens, **kw)

@@ -98,7 +98,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
       tp_axis, dp_axis: the mesh axes' roles (ignored for a ``MeshConfig``).
 
     Returns:
-      A :class:`Llama` holding the checkpoint's weights.
+      A :class:`Llama` holding the checkpoint's weights, with ``generation_config.json``
+      (if present) in ``model.generation_config``.
 
     Raises:
       CheckpointError (a ValueError): unreadable or unsupported config, missing
@@ -165,4 +166,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         fill_parameters(model, read, None if plan is None else plan.param_shardings(model))
     if plan is not None:
         model.mesh = plan.mesh
+    from forge_jax.models import text  # text reads checkpoints too: imported here, not above
+
+    model.generation_config = text.load_generation_config(path)
     return model
