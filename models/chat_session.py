@@ -10,6 +10,11 @@ template that rewrites earlier turns, a reply that re-encodes to other tokens), 
 is cut back to where they first differ. The reply is therefore always the one a fresh
 prefill of the whole conversation would give.
 
+The new tokens are prefilled in chunks of one shape (``prefill_chunk``), so the session
+compiles two steps, a prefill and a decode step, once: in its first turn (reported apart,
+in :attr:`TurnStats.compile_seconds`) or in :meth:`ChatSession.warm_up`. A later turn,
+whatever its length, compiles nothing.
+
 A reply can be stopped mid-stream by closing its iterator (``close()``), or by an
 exception such as a Ctrl-C while it runs: the turn ends with the reply so far in the
 conversation and the cache consistent with it, and the next turn goes on from there.
@@ -62,8 +67,12 @@ class TurnStats:
       reused_tokens: of those, the ones already in the KV cache (not prefilled again).
       prefilled_tokens: ``prompt_tokens - reused_tokens``, the tokens the prefill ran on.
       new_tokens: tokens generated (the eos that ended the reply included).
+      compile_seconds: compiling the steps and their first run on nothing (per
+        executable runtimes), in the session's first turn unless :meth:`ChatSession.warm_up`
+        ran before; 0 in later turns. Not included in the times below.
       first_token_seconds: from the turn's start (the template rendered) to the first
-        new token on the host, compilation included if the prefill's shape is new.
+        new token on the host, compilation excluded (the wall time to the first token
+        is ``compile_seconds + first_token_seconds``).
       decode_seconds: the decode steps, from the first token to the last.
       decode_steps: decode steps run.
       context_full: the reply stopped because the context was full.
@@ -75,6 +84,7 @@ class TurnStats:
     reused_tokens: int = 0
     prefilled_tokens: int = 0
     new_tokens: int = 0
+    compile_seconds: float = 0.0
     first_token_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
@@ -111,6 +121,10 @@ class ChatSession:
         model's ``max_position_embeddings``, at most 4096. The cache for all of them is
         allocated up front (``forge_jax.memory`` checks it fits).
       page_size: tokens per page of the paged cache.
+      prefill_chunk: a turn's new tokens are prefilled in chunks of this many (the last
+        one padded), so that every turn runs the same compiled prefill: a turn whose
+        length is new to the session compiles nothing. 32 keeps a short turn's padding
+        cheap on a CPU, where a prefill's time grows with its rows from ~16 on.
       system: an optional system message that starts the conversation (kept by
         :meth:`reset`).
       max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
@@ -122,7 +136,7 @@ class ChatSession:
     """
 
     def __init__(self, model: Llama, tokenizer: text_lib.Tokenizer, *,
-                 max_context: int | None = None, page_size: int = 16,
+                 max_context: int | None = None, page_size: int = 16, prefill_chunk: int = 32,
                  system: str | None = None, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, min_p: float | None = None,
@@ -143,6 +157,9 @@ class ChatSession:
             raise ValueError(f"max_context must be an int >= 2, got {max_context=!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size=!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
+                or prefill_chunk <= 0:
+            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk=!r}")
         if system is not None:
             text_lib.check_messages([{"role": "system", "content": system}])
         gen_config = tokenizer.generation_config if generation_config is None \
@@ -158,6 +175,7 @@ class ChatSession:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens=!r}")
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.max_new_tokens = max_new_tokens
+        self.prefill_chunk = prefill_chunk
         self.eos = frozenset(text_lib.eos_ids(model, tokenizer, gen_config, eos_token_id))
         self.key = jax.random.key(seed)
         self.max_context = max_context
@@ -169,6 +187,7 @@ class ChatSession:
         self._graphdef, self._state = nnx.split(model)
         self._statics = steps_lib.step_statics(self._graphdef, self.sampling.mode)
         self._params = self.sampling.arrays()
+        self._warm = {"prefill": False, "decode": False}  # steps run once in this session
         self._open: Iterator[str] | None = None  # the stream of the turn in progress
         self.turns = 0
         self.messages: list[dict[str, str]] = []
@@ -203,11 +222,45 @@ class ChatSession:
                 raise RuntimeError("a ChatSession turn cannot be ended from inside itself")
             stream.close()
 
+    def warm_up(self) -> float:
+        """Compiles the prefill and decode steps and runs each once on nothing (no token
+        written), so that the first turn's time to first token is its work alone; the
+        first turn does this itself otherwise (in its ``compile_seconds``). Returns the
+        seconds it took (about one prefill and one decode step when the steps were
+        compiled before in this process)."""
+        self.stop()
+        return self._warm_up(decode=True)
+
     def _check_cache(self) -> None:
         """A new cache (and nothing reused) if a step the cache was donated to was
         interrupted and its result lost (a Ctrl-C)."""
         if self._cache is None or _deleted(self._cache):
             self._cache, self.cached_tokens = self._new_cache(), []
+
+    def _warm_up(self, decode: bool) -> float:
+        """The steps' first runs in this session, on nothing: compiling them if new to the
+        process, and building their per-executable runtimes (a compiled step's first run
+        costs several of its later runs on a CPU). Returns the seconds (0.0: nothing
+        to do)."""
+        self._check_cache()
+        if self._warm["prefill"] and (self._warm["decode"] or not decode):
+            return 0.0
+        start = time.perf_counter()
+        seen = jnp.zeros((1, self.model.config.vocab_size), bool)
+        if not self._warm["prefill"]:
+            tokens = jnp.zeros((1, self.prefill_chunk), jnp.int32)
+            first, _, self._cache = steps_lib.prefill_step(
+                self._state, self._cache, tokens, jnp.zeros((1,), jnp.int32), self.key,
+                self._params, seen, **self._statics)
+            jax.block_until_ready(first)
+            self._warm["prefill"] = True
+        if decode and not self._warm["decode"]:
+            first, _, self._cache = steps_lib.decode_step(
+                self._state, self._cache, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool),
+                self.key, jnp.asarray(1, jnp.int32), self._params, seen, **self._statics)
+            jax.block_until_ready(first)
+            self._warm["decode"] = True
+        return time.perf_counter() - start
 
     def send(self, content: str, *, on_text: Callable[[str], None] | None = None,
              max_new_tokens: int | None = None) -> str:
@@ -255,8 +308,8 @@ class ChatSession:
 
     def _turn(self, messages, ids, max_new, capped, render_seconds) -> Iterator[str]:
         stats = TurnStats(prompt_tokens=len(ids))
-        self._check_cache()
-        start = time.perf_counter() - render_seconds  # the turn's start
+        stats.compile_seconds = self._warm_up(decode=max_new > 1)
+        start = time.perf_counter() - render_seconds  # the turn's start, compiling aside
         # At least the last prompt token is prefilled: its logits give the first token.
         reused = min(_common_prefix(self.cached_tokens, ids), len(ids) - 1)
         stats.reused_tokens, stats.prefilled_tokens = reused, len(ids) - reused
@@ -279,13 +332,19 @@ class ChatSession:
 
         steps, decode_start, done = 0, None, False
         try:
-            new = ids[reused:]
-            tokens = np.zeros((1, generation.prompt_bucket(len(new))), np.int32)
-            tokens[0, :len(new)] = new
-            first, seen, cache = steps_lib.prefill_step(
-                self._state, cache, jnp.asarray(tokens), jnp.asarray([len(new)], jnp.int32),
-                key, self._params, seen, **self._statics)
-            held = len(ids)
+            # The new tokens in chunks of one shape; each continues the cache. Only the
+            # last chunk's sample is the first token (each chunk is given the prompt's
+            # `seen`, so the others' samples leave no trace).
+            chunk = self.prefill_chunk
+            for lo in range(reused, len(ids), chunk):
+                new = ids[lo:lo + chunk]
+                tokens = np.zeros((1, chunk), np.int32)
+                tokens[0, :len(new)] = new
+                first, first_seen, cache = steps_lib.prefill_step(
+                    self._state, cache, jnp.asarray(tokens), jnp.asarray([len(new)], jnp.int32),
+                    key, self._params, seen, **self._statics)
+                held = lo + len(new)
+            seen = first_seen
             done = take(int(np.asarray(first)[0]))
             stats.first_token_seconds = time.perf_counter() - start
             decode_start = time.perf_counter()
