@@ -55,6 +55,11 @@ TURNS = ["Hello! Could you tell me about the history of the printing press?",
          "Interesting. And how did it change the way people read and learn?",
          "Give me three short facts about paper making, please.",
          "Thanks. Now summarise everything we talked about in two sentences."]
+# A conversation whose turns' new tokens span several power-of-two sizes (a short "Thanks!"
+# to a pasted paragraph), as a real one does: each size was a new prefill shape to compile.
+CHAT = [TURNS[0], TURNS[1],
+        "Here is a passage I am reading; please explain it: " + " ".join(TURNS[1:3]) * 2,
+        "Thanks!", TURNS[2], TURNS[3] + " Keep it simple, clear and short, please."]
 
 
 def build_checkpoint(directory: pathlib.Path, shape: dict) -> pathlib.Path:
@@ -65,7 +70,7 @@ def build_checkpoint(directory: pathlib.Path, shape: dict) -> pathlib.Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TURNS * 10, trainers.BpeTrainer(
+    tok.train_from_iterator((TURNS + CHAT) * 10, trainers.BpeTrainer(
         vocab_size=400, special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.save(str(directory / "tokenizer.json"))
@@ -94,7 +99,7 @@ def decode_rates(model, tokenizer, prompt, new_tokens, rounds):
     out = {"no eos (no host reads)": [], "eos, not streaming": [], "eos, streaming text": []}
     for _ in range(rounds):
         for name in out:
-            kw = {} if name.startswith("no eos") else {"eos_token_id": eos}
+            kw = {"eos_token_id": () if name.startswith("no eos") else eos}
             if name.endswith("streaming text"):
                 kw["on_tokens"] = text.TextStreamer(tokenizer, 1, eos, lambda b, piece: None)
             _, stats = llama.generate_with_stats(model, [prompt], new_tokens, **kw)
@@ -103,30 +108,57 @@ def decode_rates(model, tokenizer, prompt, new_tokens, rounds):
 
 
 def chat_turns(model, tokenizer, max_new_tokens):
-    """Per turn: (prompt tokens, prefilled, TTFT kept cache, TTFT fresh prefill)."""
+    """Per turn: (prompt tokens, prefilled, compile, TTFT kept cache, TTFT fresh prefill,
+    tokens it prefilled), and the kept conversation's TTFTs on a second pass.
+
+    The kept conversation runs first, in a process that has compiled nothing for a chat,
+    as ``forge-jax chat`` runs it (the fresh sessions' prefills would compile shapes the
+    kept one uses)."""
     kept = ChatSession(model, tokenizer, max_new_tokens=max_new_tokens, max_context=2048)
-    rows = []
-    for turn in TURNS:
+    kept_stats, histories = [], []
+    for turn in CHAT:
+        histories.append(list(kept.messages))
         kept.send(turn)
-        stats = kept.last_turn
+        kept_stats.append(kept.last_turn)
+    rows = []
+    for turn, history, stats in zip(CHAT, histories, kept_stats, strict=True):
         # The same conversation in a fresh session: everything is prefilled. Run twice so
         # that the timed one has its prefill compiled and warmed up, like the kept one's.
-        history = kept.messages[:-2]
-        fresh_times = []
         for _ in range(2):
             fresh = ChatSession(model, tokenizer, max_new_tokens=1, max_context=2048)
             fresh.messages = list(history)
             fresh.send(turn)
-            fresh_times.append(fresh.last_turn.first_token_seconds)
-        rows.append((stats.prompt_tokens, stats.prefilled_tokens, stats.first_token_seconds,
-                     fresh_times[-1], fresh.last_turn.prefilled_tokens))
-    # Later turns once more, now that every prefill shape they use is compiled and warm.
+        rows.append((stats.prompt_tokens, stats.prefilled_tokens, stats.compile_seconds,
+                     stats.first_token_seconds, fresh.last_turn.first_token_seconds,
+                     fresh.last_turn.prefilled_tokens))
+    # The conversation once more, now that every prefill shape it uses is compiled and warm.
     kept = ChatSession(model, tokenizer, max_new_tokens=max_new_tokens, max_context=2048)
     warm = []
-    for turn in TURNS:
+    for turn in CHAT:
         kept.send(turn)
         warm.append(kept.last_turn.first_token_seconds)
     return rows, warm
+
+
+def prefill_and_decode(model, tokenizer, rounds, quick):
+    """Sections 1 and 2: a short prompt's prefill, and decode ms/step."""
+    prompt = tokenizer.encode("Hello there, friend")[:5]
+    first, warm = prefill_first_run(model, prompt, rounds)
+    best = min(warm, key=lambda s: s.prefill_seconds)
+    print(f"\n1. {len(prompt)}-token prompt, prefill bucket {best.prompt_bucket}")
+    print(f"   first run after compiling : {first.prefill_seconds * 1e3:8.1f} ms "
+          f"(compile {first.compile_seconds:.2f} s)")
+    print(f"   warmed up (best of {rounds})   : {best.prefill_seconds * 1e3:8.1f} ms "
+          f"(median {statistics.median(s.prefill_seconds for s in warm) * 1e3:.1f})")
+    print(f"   one decode step            : {best.decode_ms_per_step:8.2f} ms")
+
+    long_prompt = tokenizer.encode(" ".join(TURNS))[:32]
+    best_rates, all_rates = decode_rates(model, tokenizer, long_prompt,
+                                         32 if quick else 64, rounds)
+    print(f"\n2. decode ms/step, {len(long_prompt)}-token prompt (best of {rounds}; all runs)")
+    for name, ms in best_rates.items():
+        runs = ", ".join(f"{x:.2f}" for x in all_rates[name])
+        print(f"   {name:26s}: {ms:7.2f}   ({runs})")
 
 
 def starts(checkpoint: pathlib.Path, cache_dir: pathlib.Path):
@@ -153,6 +185,8 @@ def main():
     parser.add_argument("--starts", action="store_true",
                         help="also time two fresh `forge-jax generate` processes")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chat-only", action="store_true",
+                        help="only section 3, the chat turns")
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,32 +200,18 @@ def main():
               f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
               f"load average {os.getloadavg()[0]:.2f}")
 
-        prompt = tokenizer.encode("Hello there, friend")[:5]
-        first, warm = prefill_first_run(model, prompt, rounds)
-        best = min(warm, key=lambda s: s.prefill_seconds)
-        print(f"\n1. {len(prompt)}-token prompt, prefill bucket {best.prompt_bucket}")
-        print(f"   first run after compiling : {first.prefill_seconds * 1e3:8.1f} ms "
-              f"(compile {first.compile_seconds:.2f} s)")
-        print(f"   warmed up (best of {rounds})   : {best.prefill_seconds * 1e3:8.1f} ms "
-              f"(median {statistics.median(s.prefill_seconds for s in warm) * 1e3:.1f})")
-        print(f"   one decode step            : {best.decode_ms_per_step:8.2f} ms")
-
-        long_prompt = tokenizer.encode(" ".join(TURNS))[:32]
-        best_rates, all_rates = decode_rates(model, tokenizer, long_prompt,
-                                             32 if args.quick else 64, rounds)
-        print(f"\n2. decode ms/step, {len(long_prompt)}-token prompt (best of {rounds}; all runs)")
-        for name, ms in best_rates.items():
-            runs = ", ".join(f"{x:.2f}" for x in all_rates[name])
-            print(f"   {name:26s}: {ms:7.2f}   ({runs})")
+        if not args.chat_only:
+            prefill_and_decode(model, tokenizer, rounds, args.quick)
 
         rows, warm_turns = chat_turns(model, tokenizer, 8 if args.quick else 24)
         print("\n3. chat turns: time to first token, kept cache vs the whole conversation "
               "prefilled")
-        print("   turn | prompt tokens | prefilled (kept) | TTFT kept | TTFT fresh prefill"
-              " (tokens) | kept, 2nd pass")
-        for i, (n, pre, kept, fresh, fresh_pre) in enumerate(rows):
-            print(f"   {i + 1:4d} | {n:13d} | {pre:16d} | {kept * 1e3:7.1f} ms | "
-                  f"{fresh * 1e3:9.1f} ms ({fresh_pre:4d}) | {warm_turns[i] * 1e3:7.1f} ms")
+        print("   turn | prompt tokens | prefilled (kept) | compile + warm-up | TTFT kept | "
+              "TTFT fresh prefill (tokens) | kept, 2nd pass")
+        for i, (n, pre, compile_s, kept, fresh, fresh_pre) in enumerate(rows):
+            print(f"   {i + 1:4d} | {n:13d} | {pre:16d} | {compile_s:15.2f} s | "
+                  f"{kept * 1e3:7.1f} ms | {fresh * 1e3:9.1f} ms ({fresh_pre:4d}) | "
+                  f"{warm_turns[i] * 1e3:7.1f} ms")
 
         if args.starts:
             cache = pathlib.Path(tmp) / "jax_cache"

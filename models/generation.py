@@ -43,7 +43,7 @@ class GenerationStats:
       new_tokens: tokens returned, summed over the batch.
       decode_tokens: tokens returned that decode steps produced (the first new token of
         each prompt comes from the prefill).
-      decode_steps: decode steps run. With ``eos_token_id``, one more than needed when
+      decode_steps: decode steps run. With eos ids, one more than needed when
         every sequence stops early (eos is checked one step behind, so the host never
         stalls the device).
       compile_seconds: tracing and compiling both steps (about 0 when cached), and the
@@ -197,16 +197,24 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
                               f"plus activations")
 
 
+def default_eos_token_ids(model: Llama) -> tuple[int, ...]:
+    """The ids :func:`generate` stops at when not given ``eos_token_id``, as transformers'
+    ``generate`` chooses them: the model's ``generation_config.json`` ids (read by
+    ``from_pretrained``), else its ``config.json`` ``eos_token_id``, else none."""
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and generation_config.eos_token_id:
+        return tuple(generation_config.eos_token_id)
+    return model.config.eos_token_ids
+
+
 def _eos_set(eos_token_id) -> frozenset[int]:
-    if eos_token_id is None:
-        return frozenset()
     if isinstance(eos_token_id, int | np.integer) and not isinstance(eos_token_id, bool):
         return frozenset([int(eos_token_id)])
     if isinstance(eos_token_id, Sequence | set | frozenset) and all(
             isinstance(e, int | np.integer) and not isinstance(e, bool) for e in eos_token_id):
         return frozenset(int(e) for e in eos_token_id)
-    raise TypeError(f"eos_token_id must be an int, a collection of ints or None, got "
-                    f"{eos_token_id!r}")
+    raise TypeError(f"eos_token_id must be an int, a collection of ints (() for none) or "
+                    f"None, got {eos_token_id!r}")
 
 
 def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
@@ -244,7 +252,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
                  allow_beyond_max_positions=allow_beyond_max_positions)
     sampling = sampling_lib.SamplingParams(temperature, top_k, top_p, min_p,
                                            repetition_penalty)
-    eos = _eos_set(eos_token_id)
+    eos = _eos_set(default_eos_token_ids(model) if eos_token_id is None else eos_token_id)
     cache_dtype = model.dtype if cache_dtype is None else jnp.dtype(cache_dtype)
     stats = GenerationStats(
         batch=plan.batch, padded_batch=plan.padded_batch, prompt_bucket=plan.prompt_bucket,
@@ -540,8 +548,10 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
       page_size: tokens per page of the paged cache.
       eos_token_id: an id or a collection of ids; a sequence stops after generating one
         of them, and the eos token *is included* in its output (as transformers'
-        ``generate`` returns it). None: always ``max_new_tokens`` tokens. (The model's
-        ``config.eos_token_ids`` are not applied unless passed here.)
+        ``generate`` returns it). None (the default): the model's own, as transformers
+        picks them (:func:`default_eos_token_ids`: ``generation_config.json``'s, else
+        ``config.json``'s, else none). ``()``: no stopping, always ``max_new_tokens``
+        tokens.
       allow_beyond_max_positions: run prompts whose length plus ``max_new_tokens``
         exceeds ``config.max_position_embeddings`` (for a model whose RoPE scaling
         extends the range); otherwise they raise ValueError before any work.

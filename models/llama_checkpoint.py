@@ -73,6 +73,33 @@ def _float_dtype(name: str, dtype) -> np.dtype:
     return dtype
 
 
+def _check_finite(name: str, block: np.ndarray, file: str, param_dtype: np.dtype) -> None:
+    """Raises CheckpointError if a block of tensor ``name`` read from ``file`` holds NaN
+    or inf, or values beyond float16's range when it is loaded as float16: such a model
+    runs without error and generates garbage (token 0 forever).
+
+    One summation pass (a NaN or inf makes the sum non-finite); only a non-finite sum,
+    which finite values of float32's range practically never reach, pays for a
+    precise count."""
+    wide = np.float64 if block.dtype == np.float64 else np.float32
+    if not np.isfinite(block.sum(dtype=wide)):
+        finite = np.isfinite(block)
+        if not finite.all():
+            nan = int(np.isnan(block).sum())
+            raise CheckpointError(
+                f"tensor {name!r} in {file} holds non-finite values ({nan} NaN, "
+                f"{finite.size - int(finite.sum()) - nan} inf, of {block.size}): the "
+                f"checkpoint is corrupt, or overflowed when it was saved")
+    if param_dtype == np.float16 and block.dtype != np.float16:
+        limit = float(np.finfo(np.float16).max)
+        largest = float(np.abs(block).max(initial=0.0))
+        if largest > limit:
+            raise CheckpointError(
+                f"tensor {name!r} in {file} holds values up to {largest:.4g}, beyond "
+                f"float16's {limit:.0f}: they would load as inf. Load it with "
+                f"param_dtype float32 or bfloat16")
+
+
 def load_config(path: str | os.PathLike) -> LlamaConfig:
     """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file)."""
     path = pathlib.Path(path)
@@ -123,11 +150,13 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
       tp_axis, dp_axis: the mesh axes' roles (ignored for a ``MeshConfig``).
 
     Returns:
-      A :class:`Llama` holding the checkpoint's weights.
+      A :class:`Llama` holding the checkpoint's weights, with ``generation_config.json``
+      (if present) in ``model.generation_config``.
 
     Raises:
       CheckpointError (a ValueError): unreadable or unsupported config, missing
-        files, or a missing, mis-shaped or unexpected tensor (named in the message).
+        files, or a missing, mis-shaped or unexpected tensor, or one holding NaN or inf
+        (or values beyond float16's range, loaded as float16) (named in the message).
       ValueError: a ``dtype`` or ``param_dtype`` that is not a float dtype; a mesh the
         model's head counts or sizes cannot be split over.
     """
@@ -152,6 +181,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                                          param_dtype=param_dtype, layout=layout))
     expected = hf_parameters(model)
     handles: dict[str, object] = {}  # tensor name -> the open file holding it
+    files: dict[str, str] = {}  # tensor name -> that file's name, for errors
     with contextlib.ExitStack() as stack:
         for file, names in _safetensors_files(path).items():
             try:
@@ -181,15 +211,21 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                     raise CheckpointError(
                         f"tensor {name!r} in {file.name} has dtype {kind}, expected float")
                 handles[name] = f
+                files[name] = file.name
         missing = sorted(set(expected) - set(handles))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:5]}{more}")
 
         def read(name, index):
-            return np.asarray(handles[name].get_slice(name)[index])
+            block = np.asarray(handles[name].get_slice(name)[index])
+            _check_finite(name, block, files[name], np.dtype(expected[name][0].dtype))
+            return block
 
         fill_parameters(model, read, None if plan is None else plan.param_shardings(model))
     if plan is not None:
         model.mesh = plan.mesh
+    from forge_jax.models import text  # text reads checkpoints too: imported here, not above
+
+    model.generation_config = text.load_generation_config(path)
     return model

@@ -85,7 +85,7 @@ def _block(shape: tuple[int, ...], index: tuple, dtype, sources, read: Reader) -
     rest = tuple(slice(lo, hi) for lo, hi in bounds[1:])
     for name, convert, rows in sources:
         if rows is None:
-            out[...] = convert(read(name, (slice(*bounds[0]),) + rest)).astype(dtype)
+            out[...] = convert(read(name, (slice(*bounds[0]),) + rest))  # cast as written
             continue
         stored, source = rows
         mine = (stored >= bounds[0][0]) & (stored < bounds[0][1])
@@ -93,7 +93,7 @@ def _block(shape: tuple[int, ...], index: tuple, dtype, sources, read: Reader) -
             continue
         lo, hi = int(source[mine].min()), int(source[mine].max()) + 1
         hf = read(name, (slice(lo, hi),) + rest)  # only the HF rows this block needs
-        out[stored[mine] - bounds[0][0]] = convert(hf[source[mine] - lo]).astype(dtype)
+        out[stored[mine] - bounds[0][0]] = convert(hf[source[mine] - lo])
     return out
 
 

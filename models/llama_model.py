@@ -460,6 +460,10 @@ class Llama(nnx.Module):
         sharded over a mesh (:func:`forge_jax.models.llama_sharding.shard`) has its
         tensor axis's layout and carries the mesh in ``mesh``.
 
+    ``generation_config``: the checkpoint's ``generation_config.json`` as a
+    :class:`forge_jax.models.text.GenerationConfig` (set by ``from_pretrained``; None
+    here), whose eos ids :func:`forge_jax.models.generation.generate` stops at by default.
+
     Each layer's weights live in their own module (``self.layers[i]``), not in stacked
     ``[layers, ...]`` arrays: indexing a stacked array inside ``jit`` made XLA copy the
     layer's weights on every decode step on CPU.
@@ -473,6 +477,7 @@ class Llama(nnx.Module):
         self.layout = layout
         # The forge_jax.sharding.MeshConfig the weights are sharded over (None: one device).
         self.mesh = None
+        self.generation_config = None  # generation_config.json, set by from_pretrained
         c = config
         self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), param_dtype))
         self.layers = nnx.List([

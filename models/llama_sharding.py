@@ -134,6 +134,7 @@ def shard(model: Llama, mesh: Mesh | fj_sharding.MeshConfig, *, tp_axis: str = "
     llama_hf.fill_parameters(sharded, lambda name, index: hf[name][index],
                              p.param_shardings(sharded))
     sharded.mesh = p.mesh
+    sharded.generation_config = model.generation_config
     return sharded
 
 

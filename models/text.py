@@ -415,7 +415,7 @@ def generate_ids(model: Llama, tokenizer: Tokenizer, prompts: Sequence[Sequence[
     ids, stats = generate_with_stats(
         model, prompts, max_new_tokens, temperature=params.temperature, top_k=params.top_k,
         top_p=params.top_p, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
-        seed=seed, eos_token_id=eos or None, cache=cache, on_tokens=streamer, **kwargs)
+        seed=seed, eos_token_id=eos, cache=cache, on_tokens=streamer, **kwargs)
     if streamer is not None:
         streamer.close()
     texts = [tokenizer.decode(_strip_eos(row, eos)) for row in ids]
@@ -447,7 +447,8 @@ def generate_text(model: Llama, tokenizer: Tokenizer, prompts: str | Sequence[st
         :meth:`GenerationConfig.sampling_params`. ``top_k=0`` turns top-k off.
       seed: the sampling seed.
       eos_token_id: the ids that end a sequence. None: generation_config.json's, else
-        config.json's, else the tokenizer's eos token.
+        config.json's, else the tokenizer's eos token. ``()``: none (always
+        ``max_new_tokens`` tokens).
       add_special_tokens: apply tokenizer.json's post-processor (e.g. a leading ``<s>``).
       generation_config: overrides ``tokenizer.generation_config``.
       stream: called as ``stream(index, piece)`` with each piece of text of prompt
