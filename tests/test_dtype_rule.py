@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, normal, rng
-from reference import attention_ref, f64, matmul_ref, rms_norm_ref, round_to
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import attention_ref, f64, matmul_ref, rms_norm_ref, round_to
 
 import forge_jax as fj
 

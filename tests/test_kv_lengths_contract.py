@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, normal, rng
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import attention_ref, f64
 from jax.experimental import checkify
-from reference import attention_ref, f64
 
 import forge_jax as fj
 from forge_jax.pallas_kernels.gpu import jax_nn_attention as cudnn

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from cases.checks import assert_close
+from cases.references import f64
 from jax.experimental import checkify
-from reference import f64
 
 import forge_jax as fj
 
