@@ -14,17 +14,16 @@ import numpy as np
 from flax import nnx
 
 from forge_jax import memory as fj_memory
+from forge_jax.models.generation_config import (  # noqa: F401  (CheckpointError: API here too)
+    CheckpointError,
+    load_generation_config,
+)
 from forge_jax.models.llama_hf import (  # noqa: F401  (hf_parameters, hf_state_dict: API here too)
     fill_parameters,
     hf_parameters,
     hf_state_dict,
 )
 from forge_jax.models.llama_model import Llama, LlamaConfig, TensorLayout
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded: the message names the file or tensor."""
-
 
 # Buffers some older checkpoints carry that are not parameters (recomputed from the config).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -225,7 +224,5 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         fill_parameters(model, read, None if plan is None else plan.param_shardings(model))
     if plan is not None:
         model.mesh = plan.mesh
-    from forge_jax.models import text  # text reads checkpoints too: imported here, not above
-
-    model.generation_config = text.load_generation_config(path)
+    model.generation_config = load_generation_config(path)
     return model

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from chat_checkpoint import write_checkpoint
+from cases.chat_checkpoint import write_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from forge_jax import sharding

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from chat_checkpoint import write_checkpoint
+from cases.chat_checkpoint import write_checkpoint
 
 from forge_jax.models import llama, text
 
