@@ -56,7 +56,9 @@ def _command(line: str) -> tuple[str, str] | None:
 
 
 def _stats_line(stats) -> str:
-    return (f"[first token {stats.first_token_seconds * 1e3:.0f} ms; prefilled "
+    compiled = (f"compiled in {stats.compile_seconds:.1f} s, then "
+                if getattr(stats, "compile_seconds", 0.0) else "")
+    return (f"[{compiled}first token {stats.first_token_seconds * 1e3:.0f} ms; prefilled "
             f"{stats.prefilled_tokens} of {stats.prompt_tokens} tokens ({stats.reused_tokens} "
             f"kept in the cache); {stats.new_tokens} new tokens, "
             f"{stats.decode_ms_per_step:.1f} ms/token]")
