@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ def _dispatched(monkeypatch, model, prompts, max_new_tokens):
         return call(op, args, implementation)
 
     monkeypatch.setattr(dispatch, "call", recording)
+    jax.clear_caches()  # steps compiled by earlier tests would not dispatch (trace) again
     llama.generate_with_stats(model, prompts, max_new_tokens)
     return seen
 
