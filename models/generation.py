@@ -146,7 +146,7 @@ def check_sequence_length(config: LlamaConfig, prompt_tokens: int, max_new_token
             f"RoPE scaling extends the range")
 
 
-def _cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
+def cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
                 page_size: int, batch_multiple: int = 1) -> tuple[int, int, int, int]:
     """(padded batch, prompt bucket, cache length per sequence, pages per sequence).
 
@@ -174,7 +174,7 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
     one device's share of the cache.
     """
     cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
-    padded_batch, prompt_bucket, cache_len, max_pages = _cache_plan(
+    padded_batch, prompt_bucket, cache_len, max_pages = cache_plan(
         batch, longest_prompt, max_new_tokens, cache, page_size,
         batch_multiple=1 if mesh is None else mesh.dp)
     kv_dim = config.num_key_value_heads * config.head_dim
@@ -287,7 +287,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """A checked :func:`generate` call: its prompts and the bucketed shapes it runs with
-    (see :func:`_cache_plan`)."""
+    (see :func:`cache_plan`)."""
 
     prompts: list[list[int]]
     max_new_tokens: int
@@ -330,7 +330,7 @@ def _plan(model: Llama, prompts, max_new_tokens, *, cache, page_size, seed,
             or not -2**63 <= seed < 2**63:
         raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed=!r}")
     mesh = model.mesh  # a forge_jax.sharding.MeshConfig for a sharded model, else None
-    shapes = _cache_plan(len(prompts), len(prompts[longest]), max_new_tokens, cache,
+    shapes = cache_plan(len(prompts), len(prompts[longest]), max_new_tokens, cache,
                          page_size, batch_multiple=1 if mesh is None else mesh.dp)
     return _Plan(prompts, max_new_tokens, cache, page_size, *shapes)
 

@@ -91,7 +91,9 @@ def implies_sampling(top_k=None, top_p=None, min_p=None) -> bool:
 
 
 def load_generation_config(path: str | os.PathLike) -> GenerationConfig | None:
-    """``path/generation_config.json`` as a :class:`GenerationConfig`, or None if absent."""
+    """``path/generation_config.json`` (a local directory) as a :class:`GenerationConfig`,
+    or None if absent. :func:`forge_jax.models.text.load_generation_config` also takes a Hub
+    repository id."""
     file = pathlib.Path(path) / "generation_config.json"
     if not file.is_file():
         return None

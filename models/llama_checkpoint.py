@@ -18,6 +18,7 @@ from forge_jax.models.generation_config import (  # noqa: F401  (CheckpointError
     CheckpointError,
     load_generation_config,
 )
+from forge_jax.models.hub import resolve_checkpoint
 from forge_jax.models.llama_hf import (  # noqa: F401  (hf_parameters, hf_state_dict: API here too)
     fill_parameters,
     hf_parameters,
@@ -99,9 +100,21 @@ def _check_finite(name: str, block: np.ndarray, file: str, param_dtype: np.dtype
                 f"param_dtype float32 or bfloat16")
 
 
-def load_config(path: str | os.PathLike) -> LlamaConfig:
-    """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file)."""
-    path = pathlib.Path(path)
+def default_dtype(platform: str | None = None) -> np.dtype:
+    """The compute dtype for ``platform`` (default: JAX's default backend): float32 on CPU,
+    where XLA's bfloat16 products are several times slower than float32's, bfloat16 on
+    GPU and TPU."""
+    import jax
+
+    platform = jax.default_backend() if platform is None else platform
+    return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
+
+
+def load_config(path: str | os.PathLike, *, revision: str | None = None) -> LlamaConfig:
+    """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file).
+    ``path`` may be a Hub repository id (``ORG/NAME``, at ``revision``): see
+    :func:`forge_jax.models.hub.resolve_checkpoint`."""
+    path = resolve_checkpoint(path, revision=revision)
     if path.is_file():
         raise CheckpointError(f"{str(path)!r} is a file; a checkpoint is the directory that "
                               f"holds config.json and the weights: {str(path.parent)!r}")
@@ -125,8 +138,8 @@ def load_config(path: str | os.PathLike) -> LlamaConfig:
         raise CheckpointError(f"{file}: {e}") from None
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
-                    mesh=None, tp_axis: str = "tp", dp_axis: str = "dp") -> Llama:
+def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dtype=None,
+                    param_dtype=None, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp") -> Llama:
     """Loads a Hugging Face Llama-family checkpoint directory.
 
     Reads ``config.json`` and ``model.safetensors`` (or the shards named by
@@ -137,8 +150,13 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     as transformers does).
 
     Args:
-      path: the checkpoint directory.
-      dtype: compute dtype of the model.
+      path: the checkpoint directory, or a Hugging Face Hub repository id (``ORG/NAME``,
+        e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``) fetched into (or, with
+        ``HF_HUB_OFFLINE=1``, read from) the ``huggingface_hub`` cache; an existing local
+        directory always wins over a Hub name.
+      revision: the Hub revision (branch, tag or commit; default main); Hub names only.
+      dtype: compute dtype of the model; None: :func:`default_dtype` (float32 on CPU,
+        bfloat16 on GPU and TPU).
       param_dtype: storage dtype of the weights; defaults to ``dtype``.
       mesh: a ``jax.sharding.Mesh`` (or a :class:`forge_jax.sharding.MeshConfig`) to
         load the model sharded over, tensor-parallel over ``tp_axis`` and data-parallel
@@ -163,9 +181,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
     from forge_jax.models import llama_sharding
 
-    dtype = _float_dtype("dtype", dtype)
+    dtype = default_dtype() if dtype is None else _float_dtype("dtype", dtype)
     param_dtype = dtype if param_dtype is None else _float_dtype("param_dtype", param_dtype)
-    path = pathlib.Path(path)
+    path = resolve_checkpoint(path, revision=revision)
     config = load_config(path)
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)

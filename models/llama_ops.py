@@ -1,6 +1,7 @@
-"""The op calls a Llama model makes, at the shapes its config gives them: what
-``forge-jax tune`` times with ``fj.autotune`` so that auto selection knows the fastest
-implementation at exactly those shapes."""
+"""The op calls a Llama model makes in :func:`~forge_jax.models.generation.generate` (and
+``forge-jax generate`` / ``chat``), at the shapes and dtype its config and the generation plan
+give them: what ``forge-jax tune`` times with ``fj.autotune`` so that auto selection knows the
+fastest implementation at exactly the signatures the model dispatches."""
 
 from __future__ import annotations
 
@@ -14,45 +15,92 @@ if TYPE_CHECKING:
 
 
 def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
-             rng: np.random.Generator) -> list[tuple[str, tuple, dict]]:
-    """The ops of a prefill step of ``seq_len`` tokens and of a decode step (one token), on
-    standard-normal inputs: each distinct (op, shape, keyword) combination once.
+             rng: np.random.Generator, max_new_tokens: int = 256,
+             page_size: int = 16) -> list[tuple[str, tuple, dict]]:
+    """The ops of ``generate``'s prefill step (a prompt of ``seq_len`` tokens) and decode step
+    (one token) with the paged KV cache, on random inputs: each distinct (op, signature) once.
+
+    The shapes are those :func:`~forge_jax.models.generation.generate` plans: the batch
+    padded to a power of two, the prompt to its bucket (a power of two, at least 8), a page
+    pool of ``padded batch * pages per sequence`` pages for ``seq_len + max_new_tokens``
+    positions, the weights and the cache in ``dtype`` (generate's default: the model's).
 
     Args:
       config: the model's ``LlamaConfig``.
-      batch: sequences per step, ``b``.
-      seq_len: tokens of the prefill, ``t``; the decode step has ``t = 1`` (and is not
-        repeated when ``seq_len`` is 1).
-      dtype: the dtype of every array.
-      rng: draws the inputs (in float32, then cast to ``dtype``).
+      batch: prompts per call, ``b`` (padded as generate pads it).
+      seq_len: tokens of the longest prompt (padded to its bucket ``t``).
+      dtype: the model's compute dtype (that of the weights, activations and cache).
+      rng: draws the inputs (floats in float32, then cast to ``dtype``).
+      max_new_tokens, page_size: as given to ``generate`` (they size the page pool).
 
     Returns:
       ``(op name, positional arguments, keyword arguments)`` per call, the prefill's first:
-      ``rms_norm`` of x ``[b, t, hidden]`` by a weight ``[hidden]``, without and with a
-      residual; ``silu_mul`` of two ``[b, t, intermediate]``; ``rope`` of the queries
-      ``[b, t, heads, head_dim]`` and of the keys ``[b, t, kv_heads, head_dim]`` at
-      positions ``[b, t]`` (int32); and for the prefill only, causal ``attention`` of
-      queries, keys and values.
+      ``embedding``; ``rms_norm`` without and with a residual; ``matmul`` of the fused q/k/v,
+      output, fused gate/up and down projections (``[b t, in] x [out, in]^T``) and of the
+      output head at the last position (float32 logits); ``rope`` of queries and keys;
+      ``paged_write`` of the step's keys and values into the pool; ``paged_attention`` of
+      the queries over the pool; ``silu_mul``.
     """
-    c, b = config, batch
+    from forge_jax.models.generation import cache_plan
+
+    c = config
+    dtype = jnp.dtype(dtype)
+    b, bucket, _, max_pages = cache_plan(batch, seq_len, max_new_tokens, "paged", page_size)
+    num_pages = b * max_pages
+    heads, kv_heads, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q_dim, kv_dim = heads * hd, kv_heads * hd
 
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
+    def linear(m, out_features, in_features, bias, out_dtype=dtype):
+        kw = dict(trans_b=True, out_dtype=out_dtype)
+        if bias:
+            kw.update(beta=1.0, c=normal(out_features))
+        return ("matmul", (normal(m, in_features), normal(out_features, in_features)), kw)
+
+    block_tables = jnp.arange(num_pages, dtype=jnp.int32).reshape(b, max_pages)
+    pages = normal(kv_heads, num_pages, page_size, hd)
     calls = []
-    for t in dict.fromkeys((seq_len, 1)):  # prefill, then decode (one token)
+    for t, start in ((bucket, 0), (1, seq_len)):  # prefill, then decode (one token)
         x = normal(b, t, c.hidden_size)
-        w = normal(c.hidden_size)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        q = normal(b, t, c.num_attention_heads, c.head_dim)
-        kv = normal(b, t, c.num_key_value_heads, c.head_dim)
+        positions = jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (b, t))
+        slots = (block_tables[:, :, None] * page_size
+                 + jnp.arange(page_size, dtype=jnp.int32)).reshape(b, -1)[:, start:start + t]
+        lengths = jnp.full((b,), start + t, jnp.int32)
+        kv = normal(b * t, kv_heads, hd)
+        q = normal(b, t, heads, hd)
+        ids = jnp.asarray(rng.integers(0, c.vocab_size, (b, t)), jnp.int32)
         calls += [
-            ("rms_norm", (x, w), dict(eps=c.rms_norm_eps)),
-            ("rms_norm", (x, w), dict(eps=c.rms_norm_eps, residual=x)),
-            ("silu_mul", (normal(b, t, c.intermediate_size),) * 2, {}),
+            ("embedding", (normal(c.vocab_size, c.hidden_size), ids), {}),
+            ("rms_norm", (x, normal(c.hidden_size)), dict(eps=c.rms_norm_eps)),
+            linear(b * t, q_dim + 2 * kv_dim, c.hidden_size, c.attention_bias),
             ("rope", (q, positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
-            ("rope", (kv, positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
+            ("rope", (normal(b, t, kv_heads, hd), positions),
+             dict(theta=c.rope_theta, scaling=c.rope_scaling)),
+            ("paged_write", (pages, pages, kv, kv, slots.reshape(-1)), {}),
+            ("paged_attention", (q, pages, pages, block_tables, lengths),
+             dict(q_positions=positions)),
+            linear(b * t, c.hidden_size, q_dim, c.attention_bias),
+            ("rms_norm", (x, normal(c.hidden_size)), dict(eps=c.rms_norm_eps, residual=x)),
+            linear(b * t, 2 * c.intermediate_size, c.hidden_size, c.mlp_bias),
+            ("silu_mul", (normal(b, t, c.intermediate_size),) * 2, {}),
+            linear(b * t, c.hidden_size, c.intermediate_size, c.mlp_bias),
+            linear(b, c.vocab_size, c.hidden_size, False, out_dtype=jnp.dtype(jnp.float32)),
         ]
-        if t > 1:
-            calls.append(("attention", (q, kv, kv), dict(causal=True)))
-    return calls
+    return _distinct(calls)
+
+
+def _distinct(calls):
+    """``calls`` without repeats: one per (op, argument signature), as the autotune cache
+    keys them."""
+    from forge_jax import dispatch
+    from forge_jax.autotune_cache import signature
+
+    seen, out = set(), []
+    for op, args, kwargs in calls:
+        key = (op, signature(dispatch.bind(op, *args, **kwargs)))
+        if key not in seen:
+            seen.add(key)
+            out.append((op, args, kwargs))
+    return out

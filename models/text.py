@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,9 +34,18 @@ from forge_jax.models.generation_config import (  # noqa: F401  (the text API, a
     CheckpointError,
     GenerationConfig,
     implies_sampling,
-    load_generation_config,
 )
+from forge_jax.models.generation_config import load_generation_config as _read_generation_config
+from forge_jax.models.hub import resolve_checkpoint
 from forge_jax.models.llama_model import Llama
+
+
+def load_generation_config(path: str | os.PathLike, *,
+                           revision: str | None = None) -> GenerationConfig | None:
+    """``path/generation_config.json`` as a :class:`GenerationConfig`, or None if absent.
+    ``path`` may be a Hub repository id (``ORG/NAME``, at ``revision``)."""
+    return _read_generation_config(resolve_checkpoint(path, revision=revision))
+
 
 # Roles a message may have: the chat roles every template family uses (``developer`` for
 # OpenAI-style templates, ``ipython`` for Llama 3.1 tool output).
@@ -126,16 +134,17 @@ class Tokenizer:
                                     **self.special_tokens, **kwargs)
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> Tokenizer:
     """Reads a checkpoint directory's ``tokenizer.json`` (required), ``tokenizer_config.json``,
-    ``chat_template.jinja`` and ``generation_config.json`` (each optional).
+    ``chat_template.jinja`` and ``generation_config.json`` (each optional). ``path`` may be a
+    Hub repository id (``ORG/NAME``, at ``revision``), as in ``from_pretrained``.
 
     Raises:
       CheckpointError: a missing ``tokenizer.json`` or an unreadable file (named).
     """
     from tokenizers import Tokenizer as Backend
 
-    path = pathlib.Path(path)
+    path = resolve_checkpoint(path, revision=revision)
     file = path / "tokenizer.json"
     if not file.is_file():
         raise CheckpointError(f"{path} has no tokenizer.json (the text API reads Hugging Face "
@@ -314,6 +323,17 @@ def _strip_eos(ids: list[int], eos) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
 
+def default_max_new_tokens(model_config, longest_prompt: int,
+                           generation_config: GenerationConfig | None = None) -> int:
+    """The ``max_new_tokens`` of a call that gives none (``forge-jax generate``'s too):
+    generation_config.json's, else :data:`DEFAULT_MAX_NEW_TOKENS` (256) capped at the
+    positions the model has left after the longest prompt (at least 1)."""
+    if generation_config is not None and generation_config.max_new_tokens:
+        return generation_config.max_new_tokens
+    room = model_config.max_position_embeddings - longest_prompt
+    return max(1, min(DEFAULT_MAX_NEW_TOKENS, room))
+
+
 def generate_ids(model: Llama, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None,
@@ -330,8 +350,8 @@ def generate_ids(model: Llama, tokenizer: Tokenizer, prompts: Sequence[Sequence[
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition_penalty)
     if max_new_tokens is None:
-        max_new_tokens = (config.max_new_tokens if config and config.max_new_tokens
-                          else DEFAULT_MAX_NEW_TOKENS)
+        max_new_tokens = default_max_new_tokens(
+            model.config, max((len(p) for p in prompts), default=0), config)
     eos = eos_ids(model, tokenizer, config, eos_token_id)
     streamer = None if stream is None else TextStreamer(tokenizer, len(prompts), eos, stream)
     ids, stats = generate_with_stats(

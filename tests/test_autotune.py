@@ -217,16 +217,21 @@ def test_cache_location(monkeypatch, tmp_path):
 
 
 def test_cli_tune_names_apply_to_the_ops_that_have_them(cache, capsys):
-    from forge_jax import cli
+    import numpy as np
 
+    from forge_jax import cli
+    from forge_jax.models import TINY_DIR, llama, llama_ops
+
+    calls = len(llama_ops.op_calls(llama.load_config(TINY_DIR), batch=1, seq_len=4,
+                                   dtype=np.float32, rng=np.random.default_rng(0)))
     argv = ["tune", "--iters", "1", "--seq-len", "4", "--implementations", "cudnn"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     # cuDNN serves attention on a GPU only; nothing here has it.
-    assert out.count("not tuned: none of --implementations serves it on cpu") == 11, out
+    assert out.count("not tuned: none of --implementations serves it on cpu") == calls, out
     argv = ["tune", "--iters", "1", "--seq-len", "4", "--implementations", "xla,cudnn"]
     assert cli.main(argv) == 0
-    assert capsys.readouterr().out.count("candidates timed]") == 11
+    assert capsys.readouterr().out.count("candidates timed]") == calls
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -299,32 +304,36 @@ def test_an_unwritable_cache_is_not_fatal(tmp_path, monkeypatch):
 
 
 def test_end_to_end_the_tiny_model_follows_what_tune_measured(cache, capsys):
-    """forge-jax tune (every op of the tiny model, read back from the cache the second time)
-    with only the interpreted GPU kernels as candidates; then the tiny model's forward pass at
-    those shapes runs them by auto selection, and agrees with XLA."""
+    """forge-jax tune (every op call of the tiny model's generate, read back from the cache the
+    second time) with only the interpreted GPU kernels as candidates; then a generate at those
+    shapes runs them by auto selection, and agrees with XLA."""
     from forge_jax import cli
     from forge_jax.models import TINY_DIR, llama
 
-    argv = ["tune", "--iters", "1", "--seq-len", "8", "--dtype", "float32",
-            "--implementations", INTERPRET]
+    argv = ["tune", "--iters", "1", "--seq-len", "8", "--max-new-tokens", "4", "--dtype",
+            "float32", "--implementations", INTERPRET]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "models/tiny: tuning 11 op calls (batch 1, prefill 8 tokens and decode" in out
-    assert out.count(f": {INTERPRET}") == 11 and f"cache: {cache}" in out
+    assert "models/tiny: tuning 25 op calls of generate (batch 1, prefill 8 tokens and decode" \
+        in out
+    # The kernels the interpreter has: 2 norms, 2 ropes, paged attention and silu_mul, each
+    # at the prefill's and the decode's shapes.
+    assert out.count(f": {INTERPRET}") == 12 and f"cache: {cache}" in out
     entries = json.loads(cache.read_text())["entries"]
-    assert len(entries) == 11 and {e["op"] for e in entries} == {
-        "rms_norm", "silu_mul", "rope", "attention"}
+    assert len(entries) == 12 and {e["op"] for e in entries} == {
+        "rms_norm", "silu_mul", "rope", "paged_attention"}
     # The decode step's fused norm: x [1, 1, hidden] with the residual.
     assert any(e["op"] == "rms_norm" and e["signature"].startswith("x=float32[1, 1, 128]")
                and "residual=float32[1, 1, 128]" in e["signature"] for e in entries)
     assert cli.main(argv) == 0
-    assert capsys.readouterr().out.count("[cached]") == 11
+    assert capsys.readouterr().out.count("[cached]") == 12
     model = llama.from_pretrained(TINY_DIR)
-    tokens = jnp.asarray([[3, 4, 5, 6, 7, 8, 9, 10]], jnp.int32)
+    prompt = [[3, 4, 5, 6, 7, 8, 9, 10]]
     dispatch.clear_selections()
-    logits = jax.jit(lambda t: model(t))(tokens)
+    ids = llama.generate(model, prompt, 4)
     used = {op: s.implementation for op, s in dispatch.last_selections().items()}
-    assert all(used[op] == INTERPRET for op in ("rms_norm", "silu_mul", "rope", "attention"))
+    assert all(used[op] == INTERPRET
+               for op in ("rms_norm", "silu_mul", "rope", "paged_attention")), used
     with fj.use_implementation("xla"):
-        want = jax.jit(lambda t: model(t))(tokens)
-    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+        want = llama.generate(model, prompt, 4)
+    np.testing.assert_array_equal(ids, want)

@@ -16,15 +16,31 @@ def _tiny_dir():
     return pathlib.Path(forge_jax.models.__file__).parent / "tiny"
 
 
+def add_flags(parser: argparse.ArgumentParser, *, required: bool = False, help: str) -> None:
+    parser.add_argument("--checkpoint", metavar="DIR|ORG/NAME", required=required,
+                        help=help + "; or a Hugging Face Hub repository id, fetched into (with "
+                             "HF_HUB_OFFLINE=1: read from) the huggingface_hub cache (a local "
+                             "directory of that name wins)")
+    parser.add_argument("--revision", default=None,
+                        help="the Hub revision of --checkpoint ORG/NAME (branch, tag or commit; "
+                             "default main)")
+
+
+def checkpoint_path(args: argparse.Namespace):
+    """The local directory of ``--checkpoint`` (a Hub name resolved through the cache)."""
+    from forge_jax.models import hub
+
+    return hub.resolve_checkpoint(args.checkpoint, revision=args.revision)
+
+
 def read_checkpoint(args: argparse.Namespace):
     """(config, raw config dict, tokenizer or None, checkpoint path) for ``args.checkpoint``
     (default: the embedded tiny model): everything but the weights."""
     import json
-    import pathlib
 
     from forge_jax.models import llama
 
-    path = pathlib.Path(args.checkpoint) if args.checkpoint else _tiny_dir()
+    path = checkpoint_path(args) if args.checkpoint else _tiny_dir()
     config = llama.load_config(path)  # errors name the problem
     raw = json.loads((path / "config.json").read_text())
     tokenizer = None

@@ -33,6 +33,30 @@ def check_implementation_env() -> None:
                          f"selection)")
 
 
+def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="compute dtype (default: float32 on CPU, where XLA's bfloat16 "
+                             "products are several times slower, bfloat16 on GPU and TPU)")
+
+
+def resolve_dtype(args: argparse.Namespace) -> None:
+    """Sets ``args.dtype`` to the platform's default when not given; ``--dtype bfloat16`` on
+    CPU gets a one-line note on stderr that it will be slow."""
+    import sys
+
+    import jax
+
+    from forge_jax.models import llama_checkpoint
+
+    platform = jax.default_backend()
+    if args.dtype is None:
+        args.dtype = llama_checkpoint.default_dtype(platform).name
+    elif args.dtype == "bfloat16" and platform == "cpu":
+        print("note: --dtype bfloat16 on CPU is slow (XLA's bfloat16 products are several "
+              "times slower than float32's there); float32 is the CPU default",
+              file=sys.stderr)
+
+
 def check_seed(seed: int) -> None:
     if not 0 <= seed < _SEED_LIMIT:
         raise UsageError(f"--seed must be in [0, 2**63), got {seed}")

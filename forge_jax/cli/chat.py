@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from forge_jax.cli import _compilation_cache, _flags
+from forge_jax.cli import _checkpoint, _compilation_cache, _flags
 from forge_jax.cli._checkpoint import describe
 from forge_jax.cli._run import UsageError
 
@@ -23,8 +23,8 @@ def add_parser(subparsers) -> None:
                     "prefills only its own tokens. /reset starts over, /help lists the "
                     "commands; Ctrl-C stops a reply; /exit, end of input (Ctrl-D) or Ctrl-C "
                     "at the prompt ends.")
-    chat.add_argument("--checkpoint", metavar="DIR", required=True,
-                      help="a Hugging Face Llama-family directory with a chat template")
+    _checkpoint.add_flags(chat, required=True,
+                          help="a Hugging Face Llama-family directory with a chat template")
     chat.add_argument("--system", metavar="TEXT", help="a system message to start with")
     chat.add_argument("--max-new-tokens", type=int, default=None,
                       help="per reply (default: generation_config.json's, else 256)")
@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
                       help="tokens the conversation may hold (default: the model's "
                            "max_position_embeddings, at most 4096)")
     _flags.add_sampling_flags(chat)
-    chat.add_argument("--dtype", choices=_flags.DTYPES, default="float32")
+    _flags.add_dtype_flag(chat)
     chat.add_argument("--seed", type=int, default=0, help="sampling seed")
     chat.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True,
                       help="after each reply, its time to first token and speed on stderr")
@@ -66,7 +66,6 @@ def _stats_line(stats) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``forge-jax chat``: one user message per stdin line, each reply streamed to stdout."""
-    import pathlib
 
     import jax.numpy as jnp
 
@@ -83,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if args.system is not None and not args.system.strip():
         raise UsageError(f"--system is empty ({args.system!r}): give the system message's "
                          f"text, or leave --system out")
-    path = pathlib.Path(args.checkpoint)
+    _flags.resolve_dtype(args)
+    path = _checkpoint.checkpoint_path(args)
     config = llama.load_config(path)
     tokenizer = text.load_tokenizer(path)
     if not tokenizer.chat_template:

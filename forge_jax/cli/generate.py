@@ -7,11 +7,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from forge_jax.cli import _compilation_cache, _flags
+from forge_jax.cli import _checkpoint, _compilation_cache, _flags
 from forge_jax.cli._checkpoint import describe, read_checkpoint
 from forge_jax.cli._run import UsageError
 
 NUM_PROBLEMS, SHOW = 256, 5  # a task run's defaults
+# The API's default (models/text.py, models/chat_session.py; chat's too), without importing
+# the models before --help.
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def add_parser(subparsers) -> None:
@@ -20,20 +23,23 @@ def add_parser(subparsers) -> None:
         description="Without arguments: the embedded tiny model answers fresh addition problems; "
                     "prints examples, the accuracy, prefill and decode tokens/s, and the "
                     "implementation each op used.")
-    gen.add_argument("--checkpoint", metavar="DIR",
-                     help="a Hugging Face Llama-family directory (config.json, model.safetensors)")
+    _checkpoint.add_flags(gen, help="a Hugging Face Llama-family directory (config.json, "
+                                     "model.safetensors)")
     gen.add_argument("--prompt", action="append", metavar="TEXT",
                      help="prompt text, encoded with DIR/tokenizer.json (repeat for a batch)")
     gen.add_argument("--prompt-ids", metavar="1,2,3", help="prompt as comma-separated token ids")
     gen.add_argument("--max-new-tokens", type=int, default=None,
-                     help="tokens to generate (default: 32; for a task model, the longest answer)")
+                     help=f"tokens to generate (default, as in the API: generation_config.json's, "
+                          f"else {DEFAULT_MAX_NEW_TOKENS}, capped at the "
+                          f"positions the model has left; for a task model, the longest "
+                          f"answer)")
     _flags.add_sampling_flags(gen)
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print a single --prompt's completion as it is decoded (default: on)")
     gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
     gen.add_argument("--implementation", default=None,
                      help="preferred op implementation (forge_jax.use_implementation), e.g. xla")
-    gen.add_argument("--dtype", choices=_flags.DTYPES, default="float32")
+    _flags.add_dtype_flag(gen)
     gen.add_argument("--seed", type=int, default=0, help="sampling seed and problem draw")
     gen.add_argument("--num-problems", type=int, default=None,
                      help=f"problems in the accuracy batch of a task model (default "
@@ -65,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     # Every input is checked before the weights are loaded: the flags, then what needs
     # only config.json and tokenizer.json (prompt ids, lengths, the task's memory).
     _check_flags(args)
+    _flags.resolve_dtype(args)
     config, raw, tokenizer, path = read_checkpoint(args)
     task = tasks.task_from_config(raw)
     mesh = _mesh(args, config)
@@ -74,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
         what = ("--prompt-ids" if args.prompt_ids is not None
                 else _prompt_name(args.prompt, longest))
-        _check_length(args, config, path, len(prompts[longest]),
-                      _prompt_new_tokens(args, text.load_generation_config(path)), what)
+        max_new = _prompt_new_tokens(args, config, prompts, text.load_generation_config(path))
+        _check_length(args, config, path, len(prompts[longest]), max_new, what)
     elif task is None:
         raise UsageError(f"{path} is not a forge_jax task model: give --prompt TEXT or "
                          f"--prompt-ids 1,2,3")
@@ -374,12 +381,13 @@ def _run_task(model, task, args, progress) -> None:
     _print_stats(stats, generated)
 
 
-def _prompt_new_tokens(args, generation_config=None) -> int:
+def _prompt_new_tokens(args, config, prompts, generation_config=None) -> int:
+    """``--max-new-tokens``, else the API's default (``text.default_max_new_tokens``)."""
+    from forge_jax.models import text
+
     if args.max_new_tokens is not None:
         return args.max_new_tokens
-    if generation_config is not None and generation_config.max_new_tokens:
-        return generation_config.max_new_tokens
-    return 32
+    return text.default_max_new_tokens(config, max(len(p) for p in prompts), generation_config)
 
 
 def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
@@ -391,7 +399,7 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
         eos = generation_config.eos_token_id
     else:
         eos = model.config.eos_token_ids or None
-    max_new = _prompt_new_tokens(args, generation_config)
+    max_new = _prompt_new_tokens(args, model.config, prompts, generation_config)
     streamer = None
     if args.stream and tokenizer is not None and len(prompts) == 1 and max_new > 0:
         # Text as it is decoded: the prompt, then the completion piece by piece.
