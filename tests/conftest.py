@@ -52,3 +52,18 @@ def chat_tokenizer(chat_checkpoint):
     from forge_jax.models import text
 
     return text.load_tokenizer(chat_checkpoint)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails a command-line test if the weights are loaded, problems drawn or the demo's
+    ops run: a refused input must be refused before any of that work."""
+    from forge_jax import demo
+    from forge_jax.models import llama, tasks
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("did the work before refusing the input")
+
+    monkeypatch.setattr(llama, "from_pretrained", refuse)
+    monkeypatch.setattr(tasks.AdditionTask, "sample", refuse)
+    monkeypatch.setattr(demo, "run", refuse)

@@ -10,37 +10,12 @@ import shutil
 
 import jax.numpy as jnp
 import pytest
+from cases.cli import assert_one_line_error, run
 
-from forge_jax import cli, demo, dispatch
-from forge_jax.models import llama, tasks, train_tiny
+from forge_jax import dispatch
+from forge_jax.models import llama, train_tiny
 
 TINY = train_tiny.TINY_DIR
-
-
-def run(capsys, *argv):
-    rc = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_line_error(result, *fragments, prog="forge-jax generate"):
-    rc, out, err = result
-    assert rc == 2, (out, err)
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"{prog}: error: "), err
-    for fragment in fragments:
-        assert fragment in err, (fragment, err)
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fails the test if the weights are loaded, problems drawn or the demo's ops run."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("did the work before refusing the input")
-
-    monkeypatch.setattr(llama, "from_pretrained", refuse)
-    monkeypatch.setattr(tasks.AdditionTask, "sample", refuse)
-    monkeypatch.setattr(demo, "run", refuse)
 
 
 def _tiny_copy(directory, **config_changes):

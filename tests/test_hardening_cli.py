@@ -10,36 +10,12 @@ import shutil
 import time
 
 import pytest
+from cases.cli import assert_one_line_error, run
 
-from forge_jax import cli, dispatch
-from forge_jax.models import llama, tasks, train_tiny
+from forge_jax import dispatch
+from forge_jax.models import tasks, train_tiny
 
 TINY = train_tiny.TINY_DIR
-
-
-def run(capsys, *argv):
-    rc = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_line_error(result, *fragments, prog="forge-jax generate"):
-    rc, out, err = result
-    assert rc == 2, (out, err)
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"{prog}: error: "), err
-    for fragment in fragments:
-        assert fragment in err, (fragment, err)
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fails the test if the weights are loaded or problems drawn: the error must come first."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("loaded the model before refusing the input")
-
-    monkeypatch.setattr(llama, "from_pretrained", refuse)
-    monkeypatch.setattr(tasks.AdditionTask, "sample", refuse)
 
 
 BAD_FLAGS = {
