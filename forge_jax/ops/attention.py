@@ -66,6 +66,7 @@ from forge_jax.ops._attention_math import (
     exact_logits,
     finite_keys,
     hide_from_decode,
+    masked_exp,
     masked_probs,
     visible_mask,
     weighted_values,
@@ -193,14 +194,60 @@ def _attention_partition(args, config):
 dispatch.define("attention", _attention_args, partition=_attention_partition)
 
 
+# Queries per block of the plain prefill path (see _attend_blocks).
+Q_BLOCK = 128
+
+
+def _attend_blocks(q, k, v, mask, *, scale, logits_soft_cap, key_stop):
+    """Attention of several queries over finite keys and values, one block of queries at
+    a time, head-major: ``[b, k, g * block, s]`` logits straight from the product (no
+    relayout of the logits), unnormalised probabilities (:func:`masked_exp`) and the
+    division applied to the ``[.., head_dim]`` output.
+
+    Blocks keep each product's logits small enough for the CPU's caches, and a block
+    reads only the first ``key_stop(stop)`` keys (static): with the default bottom-right
+    alignment of causal attention, the keys up to its last query, so that a prefill
+    computes about half the ``[q_len, kv_len]`` square. ``mask`` is ``[b, t, s]``.
+
+    Returns:
+      float32 ``[batch, q_len, kv_heads, groups, head_dim]``.
+    """
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    groups = q_heads // kv_heads
+    qh = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim),
+                       (0, 2, 3, 1, 4))  # [b, k, g, t, h]
+    kh = jnp.transpose(k, (0, 2, 1, 3))  # [b, k, s, h]
+    vh = jnp.transpose(v, (0, 2, 1, 3)).astype(jnp.float32)
+    outs = []
+    for start in range(0, q_len, Q_BLOCK):
+        stop = min(q_len, start + Q_BLOCK)
+        n, keys = stop - start, key_stop(stop)
+        qb = qh[:, :, :, start:stop].reshape(batch, kv_heads, groups * n, head_dim)
+        logits = exact_logits("bkqh,bksh->bkqs", qb, kh[:, :, :keys])
+        e, denominator = masked_exp(
+            logits.reshape(batch, kv_heads, groups, n, keys),
+            mask[:, None, None, start:stop, :keys], scale=scale,
+            logits_soft_cap=logits_soft_cap)  # [b, k, g, n, keys], [b, k, g, n, 1]
+        out = jnp.einsum("bkqs,bksh->bkqh", e.reshape(batch, kv_heads, groups * n, keys),
+                         vh[:, :, :keys], preferred_element_type=jnp.float32,
+                         precision=jax.lax.Precision.HIGHEST)
+        outs.append(out.reshape(batch, kv_heads, groups, n, head_dim) / denominator)
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    return jnp.transpose(out, (0, 3, 1, 2, 4))
+
+
 def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, sliding_window,
                         logits_soft_cap):
-    """The XLA implementation: materialises the ``[batch, heads, q_len, kv_len]`` logits."""
+    """The XLA implementation: materialises the ``[batch, heads, q_len, kv_len]`` logits
+    (several queries with finite keys and values: per block of queries, see
+    :func:`_attend_blocks`)."""
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     groups = q_heads // kv_heads
     if scale is None:
         scale = head_dim ** -0.5
+    static_positions = q_positions is None and kv_lengths is None
     if kv_lengths is not None:  # traced lengths outside [0, kv_len] act clamped (the contract)
         kv_lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, kv_len)
     if q_positions is None:
@@ -233,10 +280,19 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
                                      precision=jax.lax.Precision.HIGHEST)[:, :, :, None, :],
             v)  # [b, t, k, g, h]
 
-    # The cache is read in place: one fused check picks the plain step for finite K/V
-    # (the usual case) and returns only the output, so nothing the size of K/V is copied.
-    out = jax.lax.cond(all_finite(k, v), lambda: attend(k, v, False),
-                       lambda: attend(k, v, True))
+    def key_stop(stop):  # keys the queries before `stop` may see, when known statically
+        if not (causal and static_positions):
+            return kv_len
+        return min(kv_len, max(1, kv_len - q_len + stop))
+
+    if q_len == 1:  # decode: the cache is read in place (no head-major copy of K/V)
+        plain = lambda: attend(k, v, False)  # noqa: E731
+    else:
+        plain = lambda: _attend_blocks(q, k, v, mask, scale=scale,  # noqa: E731
+                                       logits_soft_cap=logits_soft_cap, key_stop=key_stop)
+    # One fused check picks the plain step for finite K/V (the usual case) and returns only
+    # the output, so nothing the size of K/V is copied for the check.
+    out = jax.lax.cond(all_finite(k, v), plain, lambda: attend(k, v, True))
     return out.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype)
 
 
