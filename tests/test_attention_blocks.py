@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, case_id, jcall, normal, rng
-from reference import attention_ref, f64
+from cases.calls import case_id, jcall
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.references import attention_ref, f64
 
 import forge_jax as fj
 
