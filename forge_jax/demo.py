@@ -122,6 +122,14 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     ref = _attention64(q.astype(np.float64), k, v, positions, lengths)
     checks.append(_check("attention", out, ref))  # sequence 1's first 4 queries see nothing
 
+    # Grouped: 4 groups of 9 rows, one empty, one of a single row.
+    sizes = np.array([5, 0, 1, 3], np.int32)
+    xg, wg = f32(9, 32), f32(4, 32, 24)
+    ref_g = np.concatenate([xg[a:b].astype(np.float64) @ wg[i] for i, (a, b) in
+                          enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes)))])
+    checks.append(_check("grouped_matmul", fj.grouped_matmul(
+        jnp.asarray(xg), jnp.asarray(wg), jnp.asarray(sizes)), ref_g))
+
     table, ids = f32(300, 16), rng.integers(0, 300, (3, 7)).astype(np.int32)
     checks.append(_check("embedding", fj.embedding(jnp.asarray(table), jnp.asarray(ids)),
                          table[ids].astype(np.float64)))
