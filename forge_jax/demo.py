@@ -126,7 +126,7 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     sizes = np.array([5, 0, 1, 3], np.int32)
     xg, wg = f32(9, 32), f32(4, 32, 24)
     ref_g = np.concatenate([xg[a:b].astype(np.float64) @ wg[i] for i, (a, b) in
-                          enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes)))])
+                          enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes), strict=True))])
     checks.append(_check("grouped_matmul", fj.grouped_matmul(
         jnp.asarray(xg), jnp.asarray(wg), jnp.asarray(sizes)), ref_g))
 
