@@ -130,6 +130,13 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     checks.append(_check("grouped_matmul", fj.grouped_matmul(
         jnp.asarray(xg), jnp.asarray(wg), jnp.asarray(sizes)), ref_g))
 
+    logits = f32(6, 8)
+    weights, _ = fj.moe_route(jnp.asarray(logits), 2, renormalize=True)
+    p64 = np.exp(logits - logits.max(-1, keepdims=True).astype(np.float64))
+    p64 /= p64.sum(-1, keepdims=True)
+    top = -np.sort(-p64, axis=-1)[:, :2]
+    checks.append(_check("moe_route", weights, top / top.sum(-1, keepdims=True)))
+
     table, ids = f32(300, 16), rng.integers(0, 300, (3, 7)).astype(np.int32)
     checks.append(_check("embedding", fj.embedding(jnp.asarray(table), jnp.asarray(ids)),
                          table[ids].astype(np.float64)))

@@ -28,6 +28,7 @@ from forge_jax.ops.attention import attention
 from forge_jax.ops.embedding import embedding
 from forge_jax.ops.grouped_matmul import grouped_matmul
 from forge_jax.ops.matmul import matmul
+from forge_jax.ops.moe import moe, moe_permute, moe_route, moe_unpermute
 from forge_jax.ops.norm import rms_norm
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_gather, paged_write
 from forge_jax.ops.ragged import ragged_paged_attention
@@ -36,7 +37,7 @@ from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin
 __all__ = [
     "RopeScaling", "attention", "embedding", "grouped_matmul", "matmul", "rms_norm", "rope",
     "rope_cos_sin",
-    "silu_mul", "softmax",
+    "silu_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "copy_pages", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
 ]

@@ -38,3 +38,39 @@ def grouped_matmul_grads_ref(x, w, group_sizes, ct):
         dx[start:end] = ct[start:end] @ w[i].T
         dw[i] = x[start:end].T @ ct[start:end]
     return dx, dw
+
+
+def route_ref(logits, top_k, *, routing="softmax_topk", renormalize=False):
+    """``(weights, expert_ids)`` per token: the ``top_k`` experts of largest logit (ties to
+    the lower index), weighted by the softmax over all experts (optionally renormalised
+    over the chosen ones) or, for ``"topk_softmax"``, by the softmax over the chosen."""
+    logits = f64(logits)
+    lead = logits.shape[:-1]
+    logits = logits.reshape(-1, logits.shape[-1])
+    weights, ids = np.zeros((len(logits), top_k)), np.zeros((len(logits), top_k), np.int64)
+    for t, row in enumerate(logits):
+        chosen = sorted(range(len(row)), key=lambda e: (-row[e], e))[:top_k]
+        p = np.exp(row - row.max())
+        p /= p.sum()
+        if routing == "topk_softmax":
+            q = np.exp(row[chosen] - row[chosen].max())
+            w = q / q.sum()
+        else:
+            w = p[chosen]
+            if renormalize:
+                w = w / w.sum()
+        weights[t], ids[t] = w, chosen
+    return weights.reshape(*lead, top_k), ids.reshape(*lead, top_k)
+
+
+def moe_ref(x, w_gate, w_up, w_down, weights, expert_ids):
+    """The dense per-token expert layer: ``out[t] = sum_j weights[t, j] * (silu(x[t] @
+    w_gate[e]) * (x[t] @ w_up[e])) @ w_down[e]``, ``e = expert_ids[t, j]``."""
+    x, w_gate, w_up, w_down, weights = map(f64, (x, w_gate, w_up, w_down, weights))
+    out = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(np.asarray(expert_ids)[t]):
+            g, u = x[t] @ w_gate[e], x[t] @ w_up[e]
+            h = g / (1.0 + np.exp(-g)) * u
+            out[t] += weights[t, j] * (h @ w_down[e])
+    return out
