@@ -21,6 +21,7 @@ from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
     RopeScaling,
     attention,
+    conv2d,
     copy_pages,
     embedding,
     grouped_matmul,
@@ -43,7 +44,8 @@ from forge_jax.ops import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ImplementationError", "RopeScaling", "attention", "backends", "dispatch", "embedding",
+    "ImplementationError", "RopeScaling", "attention", "backends", "conv2d", "dispatch",
+    "embedding",
     "explain", "grouped_matmul", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul",
     "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "tolerances", "use_implementation", "autotune", "autotuning",

@@ -137,6 +137,15 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     top = -np.sort(-p64, axis=-1)[:, :2]
     checks.append(_check("moe_route", weights, top / top.sum(-1, keepdims=True)))
 
+    # conv2d, NHWC, stride 2, "SAME" padding (here one row and column on each side).
+    xc, wc = f32(2, 7, 7, 4), f32(3, 3, 4, 5)
+    xp = np.pad(xc.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    ref_c = np.stack([np.stack([
+        np.einsum("bpqc,pqco->bo", xp[:, 2 * i:2 * i + 3, 2 * j:2 * j + 3], wc)
+        for j in range(4)], 1) for i in range(4)], 1)
+    checks.append(_check("conv2d", fj.conv2d(jnp.asarray(xc), jnp.asarray(wc), stride=2,
+                                             padding="SAME"), ref_c))
+
     table, ids = f32(300, 16), rng.integers(0, 300, (3, 7)).astype(np.int32)
     checks.append(_check("embedding", fj.embedding(jnp.asarray(table), jnp.asarray(ids)),
                          table[ids].astype(np.float64)))

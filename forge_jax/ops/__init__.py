@@ -25,6 +25,7 @@ into the op's float32 math, and the result keeps the compute dtype.
 
 from forge_jax.ops.activation import silu_mul, softmax
 from forge_jax.ops.attention import attention
+from forge_jax.ops.conv import conv2d
 from forge_jax.ops.embedding import embedding
 from forge_jax.ops.grouped_matmul import grouped_matmul
 from forge_jax.ops.matmul import matmul
@@ -35,8 +36,8 @@ from forge_jax.ops.ragged import ragged_paged_attention
 from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin
 
 __all__ = [
-    "RopeScaling", "attention", "embedding", "grouped_matmul", "matmul", "rms_norm", "rope",
-    "rope_cos_sin",
+    "RopeScaling", "attention", "conv2d", "embedding", "grouped_matmul", "matmul", "rms_norm",
+    "rope", "rope_cos_sin",
     "silu_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "copy_pages", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
