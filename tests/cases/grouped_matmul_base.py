@@ -59,7 +59,7 @@ class GroupedMatmulCases(ImplementationCases):
     def test_rows_past_the_groups_are_zero(self):
         """Traced sizes summing below the row count: the NaN padding rows give zeros and
         reach no other row."""
-        x, w, group_sizes = gmm_inputs(UNEVEN, 64, 128, jnp.float32, pad=5)
+        x, w, group_sizes = gmm_inputs(UNEVEN, 128, 128, jnp.float32, pad=5)
         out = np.asarray(jit_gmm(self.IMPLEMENTATION)(x, w, group_sizes))
         assert np.isfinite(out).all()
         np.testing.assert_array_equal(out[sum(UNEVEN):], 0.0)
@@ -68,7 +68,7 @@ class GroupedMatmulCases(ImplementationCases):
     def test_grads_match_float64(self):
         """d x and d w with empty groups and NaN padding rows: zeros where no group reaches,
         never NaN."""
-        x, w, group_sizes = gmm_inputs(SINGLES, 32, 128, jnp.float32, pad=3)
+        x, w, group_sizes = gmm_inputs(SINGLES, 128, 128, jnp.float32, pad=3)
         ct = normal(rng(7), (x.shape[0], w.shape[2]))
 
         def loss(x, w, group_sizes):
