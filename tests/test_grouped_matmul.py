@@ -39,6 +39,14 @@ class TestGroupedMatmulXla(GroupedMatmulCases):
     }
 
 
+class TestGroupedMatmulRaggedDot(GroupedMatmulCases):
+    """``jax.lax.ragged_dot``, by name (on CPU it forms a masked dense operand)."""
+
+    IMPLEMENTATION = "ragged_dot"
+    CASES = {"uneven-f32": (UNEVEN, 64, 48, jnp.float32),
+             "singles-bf16": (SINGLES, 32, 128, jnp.bfloat16)}
+
+
 def test_eager_concrete_sizes_and_explain():
     x, w, sizes = gmm_inputs(UNEVEN, 16, 8, jnp.float32)
     # Concrete sizes inside a jit are checked (and taken) at trace time.
@@ -105,20 +113,21 @@ def test_debug_checks_report_traced_sizes_that_do_not_sum():
     err.throw()
 
 
-@pytest.mark.parametrize("groups,mesh,split", [(8, "tp=4", "groups"), (8, "dp=2,tp=4", "groups"),
-                                               (3, "tp=2", "n")])
-def test_runs_per_shard_on_a_mesh(groups, mesh, split):
+@pytest.mark.parametrize("groups,mesh,split,implementation", [
+    (8, "tp=4", "groups", "xla"), (8, "dp=2,tp=4", "groups", "ragged_dot"),
+    (3, "tp=2", "n", "xla")])
+def test_runs_per_shard_on_a_mesh(groups, mesh, split, implementation):
     """Groups over the tensor axis (each device's partial products summed), or ``n`` when
     the groups do not divide it; the result is the unsharded one."""
     sizes = (5, 0, 1, 9, 0, 3, 2, 4)[:groups]
     x, w, group_sizes = gmm_inputs(sizes, 16, 8, jnp.float32)
     seen = []
-    xla = dispatch.implementations("grouped_matmul", "cpu")["xla"]
+    impl = dispatch.implementations("grouped_matmul", "cpu")[implementation]
 
     @dispatch.register("grouped_matmul", "spy", replace=True)
     def spy(**args):
         seen.append(tuple(args["w"].shape))
-        return xla.fn(**args)
+        return impl.fn(**args)
 
     try:
         with sharding.use_mesh(sharding.make_mesh(mesh)):

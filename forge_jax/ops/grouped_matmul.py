@@ -225,3 +225,16 @@ def grouped_matmul_xla(x, w, *, group_starts, group_ends):
         if m == 0:
             return jnp.zeros((0, w.shape[2]), x.dtype)
         return _grouped(x, w, group_starts, group_ends, min(ROW_TILE, m))
+
+
+@dispatch.register("grouped_matmul", "ragged_dot",
+                   description="jax.lax.ragged_dot (XLA's ragged dot on GPU/TPU; a masked dense "
+                               "[groups, m, k] operand on CPU), by name")
+def grouped_matmul_ragged_dot(x, w, *, group_starts, group_ends):
+    with jax.named_scope("grouped_matmul"):
+        # ragged_dot's groups start at row 0; one shard's groups (the partition rule) start
+        # at group_starts[0]: rotate those rows to the top and the result back.
+        row0 = group_starts[0]
+        out = jax.lax.ragged_dot(jnp.roll(x, -row0, axis=0), w, group_ends - group_starts,
+                                 precision=_FULL, preferred_element_type=jnp.float32)
+        return jnp.roll(out, row0, axis=0).astype(x.dtype)
