@@ -58,6 +58,21 @@ def test_permute_and_unpermute_are_inverse():
     assert_close(out, f64(x) * f64(weights).sum(-1, keepdims=True))
 
 
+def test_traced_expert_ids_out_of_range_sort_last():
+    """Under jit an id outside [0, experts) joins no group: its copy is a zero row."""
+    x = normal(rng(6), (3, 4))
+    ids = jnp.asarray([[1, -1], [0, 5], [1, 0]], jnp.int32)
+    xs, sizes, order = jax.jit(fj.moe_permute, static_argnums=2)(x, ids, 4)
+    np.testing.assert_array_equal(sizes, [2, 2, 0, 0])
+    np.testing.assert_array_equal(np.asarray(order)[4:], [1, 3])  # the two invalid entries
+    w = normal(rng(7), (4, 4, 4))
+    ys = jax.jit(fj.grouped_matmul)(xs, w, sizes)
+    np.testing.assert_array_equal(np.asarray(ys)[4:], 0.0)
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\), got "
+                                         r"expert_ids\[0, 1\]=-1"):
+        fj.moe_permute(x, ids, 4)
+
+
 @pytest.mark.parametrize("routing,renormalize,dtype", [
     ("softmax_topk", True, jnp.float32), ("topk_softmax", False, jnp.float32),
     ("softmax_topk", False, jnp.bfloat16)])

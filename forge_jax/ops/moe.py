@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from forge_jax import _checks, dispatch
 from forge_jax.ops.activation import safe_softmax_f32, silu_mul
@@ -82,8 +83,9 @@ def moe_permute(x, expert_ids, num_experts: int):
 
     Args:
       x: ``[tokens, d]``.
-      expert_ids: int ``[tokens, top_k]`` in ``[0, num_experts)`` (an id outside it sorts
-        past every group: its row is one of the zero rows past ``sum(group_sizes)``).
+      expert_ids: int ``[tokens, top_k]`` in ``[0, num_experts)``: concrete ids outside it
+        raise ValueError; a traced one sorts past every group (its row is one of
+        :func:`forge_jax.grouped_matmul`'s zero rows past ``sum(group_sizes)``).
       num_experts: the expert count (static).
 
     Returns:
@@ -97,6 +99,11 @@ def moe_permute(x, expert_ids, num_experts: int):
     if expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"expert_ids must be [tokens, top_k] with tokens = x.shape[0]: "
                          f"{expert_ids.shape=}, {x.shape=}")
+    ids = _checks.concrete_ints(expert_ids)
+    if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+        bad = tuple(int(i) for i in np.argwhere((ids < 0) | (ids >= num_experts))[0])
+        raise ValueError(f"expert_ids must lie in [0, {num_experts}), got expert_ids{list(bad)}"
+                         f"={ids[bad]}")
     top_k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
