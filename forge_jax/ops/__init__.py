@@ -7,8 +7,10 @@ An op's *compute inputs* share one float dtype, and its result is in that dtype 
 any work and whatever ``jax_numpy_dtype_promotion`` says: the ops never promote one input
 or round another silently (cast explicitly). The compute inputs are: ``matmul``'s ``a``
 and ``b``; ``rms_norm``'s ``x`` and ``residual`` (their sum is rounded to ``x.dtype``);
-``silu_mul``'s ``gate`` and ``up``; ``paged_write``'s new ``k`` and ``v``. ``rope``,
-``softmax`` and ``embedding`` have one float input, whose dtype the result keeps.
+``silu_mul``'s ``gate`` and ``up``; ``grouped_matmul``'s and ``conv2d``'s ``x`` and ``w``;
+``paged_write``'s new ``k`` and ``v``. ``rope``, ``softmax`` and ``embedding`` have one
+float input, whose dtype the result keeps; ``moe_route``'s weights are float32 whatever
+its logits' dtype (routing weights are probabilities, kept in float32 to be combined).
 
 Two kinds of inputs are *storage*, not compute: any float dtype is accepted, read exactly
 into the op's float32 math, and the result keeps the compute dtype.
