@@ -16,6 +16,7 @@ from cases.checks import assert_close
 from cases.grouped_references import grouped_matmul_grads_ref, grouped_matmul_ref
 from cases.inputs import normal, rng
 from cases.references import f64
+from forge_jax import dispatch
 
 # Group-size patterns: empty groups first, last and between; single-row groups; one group
 # holding nearly every row.
@@ -81,3 +82,18 @@ class GroupedMatmulCases(ImplementationCases):
         assert_close(dw, dw_ref, implementation=self.IMPLEMENTATION, factor=4, err_msg="dw")
         np.testing.assert_array_equal(np.asarray(dw)[3:5], 0.0)  # the empty groups
         np.testing.assert_array_equal(np.asarray(dx)[sum(SINGLES):], 0.0)
+
+    def test_one_shards_groups(self):
+        """Groups 2-4 of 6 alone, as the partition rule hands them to one device: their
+        rows (which start past row 0) are computed, every other row is zero."""
+        sizes = (3, 9, 4, 0, 17, 5)
+        x, w, group_sizes = gmm_inputs(sizes, 128, 128, jnp.float32)
+        bound = fj.dispatch.bind("grouped_matmul", x, w, group_sizes)
+        fn = dispatch.implementations("grouped_matmul")[self.IMPLEMENTATION].fn
+        out = jax.jit(lambda x, w, starts, ends: fn(x=x, w=w, group_starts=starts,
+                                                    group_ends=ends))(
+            x, w[2:5], bound["group_starts"][2:5], bound["group_ends"][2:5])
+        ref = grouped_matmul_ref(x, w, sizes)
+        ref[:12], ref[33:] = 0.0, 0.0
+        np.testing.assert_array_equal(np.asarray(out)[:12], 0.0)
+        assert_close(out, ref, implementation=self.IMPLEMENTATION)
