@@ -79,6 +79,8 @@ def grouped_matmul(x, w, group_sizes, *, implementation=None):
     anything, NaN included, in its padding; it reaches neither the output nor the
     gradients). Inside :func:`forge_jax.debug_checks` a traced sum other than ``m`` is a
     checkify error. Empty groups give no rows, and zero gradients for their ``w[i]``.
+    Differentiable in reverse mode (``grad``, ``vjp``: a custom VJP of two more grouped
+    products); forward mode (``jax.jvp``) is not supported.
 
     Under :func:`forge_jax.sharding.use_mesh` the groups split over the tensor axis when
     their count divides it (expert parallelism: each device multiplies the rows of its
