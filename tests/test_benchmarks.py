@@ -39,3 +39,12 @@ def test_decode_cpu_prefill_quick_prints_the_table():
                 "first call"):
         assert row in out, out
     assert "HF forward's speed" in out and "target (" in out, out
+
+
+def test_grouped_matmul_cpu_quick_prints_the_table():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "grouped_matmul_cpu.py"), "--quick",
+         "--iters", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    for name in ("xla (visit loop)", "ragged_dot", "loop over groups"):
+        assert name in result.stdout, result.stdout
