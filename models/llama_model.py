@@ -389,7 +389,8 @@ class Llama(nnx.Module):
             ``num_hidden_layers`` layers.
           logits_at: optional int32 ``[batch]``: compute logits only at these indices
             of the ``t`` axis (e.g. each prompt's last token), saving the vocabulary
-            projection of the others.
+            projection of the others; or ``[batch, n]``, ``n`` indices per row (a serving
+            step's packed row: each sequence's last token), giving ``[batch, n, vocab]``.
 
         Positions are traced values, so nothing here compares them with
         ``max_position_embeddings``: :func:`generate` does, before it runs.
@@ -408,7 +409,10 @@ class Llama(nnx.Module):
 
         hidden, cache = self._decoder(tokens, positions, attend, cache)
         cache = cache.with_lengths(new_lengths)
-        if logits_at is not None:
+        if logits_at is not None and logits_at.ndim == 2:  # [batch, n]: n rows per sequence
+            hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, :, None],
+                                         axis=1)  # [batch, n, hidden]
+        elif logits_at is not None:
             hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None],
                                          axis=1)[:, 0]  # [batch, hidden]
         return self._logits(hidden), cache
