@@ -1,5 +1,6 @@
 """The ``forge-jax`` command line: ``info``, ``demo``, ``generate``, ``tune``, ``chat`` and
-``serve``, one module each; ``_run`` turns the errors a user can cause into one line and an exit code."""
+``serve``, one module each; ``_run`` turns the errors a user can cause into one line and an
+exit code."""
 
 from __future__ import annotations
 
