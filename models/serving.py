@@ -120,8 +120,13 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         dtype = cache_dtype or model.dtype
         shape = (model.kv_heads, int(num_pages), self.page_size, config.head_dim)
-        self.k_pages = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
-        self.v_pages = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        # On a mesh the pools are split by KV head over the tensor axis, as the model's.
+        place = (lambda x: x) if model.mesh is None else (
+            lambda x: jax.device_put(x, serving_step.pool_sharding(model.mesh, shape[0])))
+        self.k_pages = tuple(place(jnp.zeros(shape, dtype))
+                             for _ in range(config.num_hidden_layers))
+        self.v_pages = tuple(place(jnp.zeros(shape, dtype))
+                             for _ in range(config.num_hidden_layers))
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

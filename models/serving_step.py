@@ -171,7 +171,19 @@ def ragged_step(state: nnx.State, k_pages, v_pages, batch: dict, sampling: dict,
                                          batch["slots"][None] >= 0, cache,
                                          logits_at=batch["last_rows"][None])
     next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy)  # [max_seqs]
-    return next_tokens, cache.k_pages, cache.v_pages
+    k_pages, v_pages = cache.k_pages, cache.v_pages
+    if model.mesh is not None:  # kept in their shards: the next step takes them donated
+        pool = pool_sharding(model.mesh, k_pages[0].shape[0])
+        k_pages, v_pages = jax.lax.with_sharding_constraint((k_pages, v_pages), pool)
+        next_tokens = jax.lax.with_sharding_constraint(next_tokens, model.mesh.replicated())
+    return next_tokens, k_pages, v_pages
+
+
+def pool_sharding(mesh, kv_heads: int):
+    """The sharding of a page pool ``[kv_heads, num_pages, page_size, head_dim]`` on a
+    model's mesh (``forge_jax.sharding.MeshConfig``): KV heads over the tensor axis when
+    they divide, as :func:`forge_jax.models.llama_sharding.cache_shardings` places them."""
+    return mesh.sharding(mesh.tp_name if kv_heads % mesh.tp == 0 else None, None, None, None)
 
 
 def step_arrays(batch: StepBatch) -> dict[str, np.ndarray]:

@@ -143,3 +143,19 @@ def test_cancel_from_another_thread_frees_the_pages(chat_model, chat_tokenizer, 
         assert gauges["pages_used"] == 0 and gauges["running"] == 0
     finally:
         assert engine.shutdown() == {"finished": 0, "cancelled": 0}
+
+
+def test_a_sharded_model_serves_the_same_tokens():
+    from forge_jax import sharding
+    from forge_jax.models import TINY_DIR, llama, text
+
+    tokenizer = text.load_tokenizer(TINY_DIR)
+    prompts = [tokenizer.encode(p) for p in ["99+1=", "505+816=", "123+459="]]
+    want = llama.generate(llama.from_pretrained(TINY_DIR), prompts, 6, eos_token_id=())
+    model = llama.from_pretrained(TINY_DIR, mesh=sharding.make_mesh("tp=2"))
+    engine = serving.Engine(model, tokenizer, max_batch_tokens=32, num_pages=32, page_size=8,
+                            eos_token_ids=())
+    assert engine.k_pages[0].sharding.spec[0] == "tp"  # the pool split by KV head
+    results = _run(engine, prompts, [serving.RequestParams(max_tokens=6)] * 3)
+    assert [ids for ids, _, _ in results] == want
+    assert engine.k_pages[0].sharding.spec[0] == "tp"
