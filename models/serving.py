@@ -292,6 +292,7 @@ class Engine:
     def _schedule(self) -> list[tuple[_Request, int]]:
         """The (request, new tokens) pairs of the next batch, pages appended for them."""
         budget, batch = self.max_batch_tokens, []
+        preemptions = self.stats.preemptions
         for r in list(self._running):
             if r not in self._running:  # preempted while making room for an earlier one
                 continue
@@ -301,7 +302,9 @@ class Engine:
             if self._make_room(r, n):
                 batch.append((r, n))
                 budget -= n
-        while self._waiting and budget and len(batch) < self.max_seqs:
+        # After a preemption the pool is short: admit nothing new (nor the preempted) now.
+        while (self._waiting and budget and len(batch) < self.max_seqs
+               and self.stats.preemptions == preemptions):
             r = self._waiting[0]
             if not self._admit(r, budget):
                 break

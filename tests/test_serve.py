@@ -197,3 +197,13 @@ def test_the_command_serves_and_shuts_down(chat_checkpoint, chat_tokenizer):
     assert proc.returncode == 0, err
     assert "POST /v1/completions 200 prompt=" in err  # one line per request
     assert "shut down: 0 requests in flight finished, 0 cancelled" in err
+
+
+def test_without_uvicorn_the_command_says_how_to_install_it(monkeypatch, capsys,
+                                                             chat_checkpoint, no_model_load):
+    from cases.cli import assert_one_line_error, run
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn raises ImportError
+    assert_one_line_error(run(capsys, "serve", "--checkpoint", str(chat_checkpoint)),
+                          "needs uvicorn and starlette", "pip install", "[serve]",
+                          prog="forge-jax serve")
