@@ -92,21 +92,22 @@ class Output:
 
 
 class RequestStream:
-    """The events of one request, iterable from a thread (``for``) or from the asyncio loop
-    it was submitted on (``async for``); :meth:`cancel` ends it with ``cancelled``."""
+    """The events of one request, iterable from any thread (``for``, blocking) or, when it
+    was submitted with a ``loop`` (by default the running asyncio loop of the caller), from
+    a task of that loop (``async for``); :meth:`cancel` ends it with ``cancelled``."""
 
     def __init__(self, engine, request_id: int, loop: asyncio.AbstractEventLoop | None):
         self.engine, self.id, self.loop = engine, request_id, loop
-        self._queue: queue.Queue | asyncio.Queue = asyncio.Queue() if loop else queue.Queue()
+        self._queue: queue.Queue = queue.Queue()
+        self._ready = asyncio.Event() if loop else None  # set by put, on the loop
         self.finish_reason: str | None = None
 
     def put(self, out: Output) -> None:
-        if self.loop is None:
-            self._queue.put(out)
-        else:
+        self._queue.put(out)
+        if self.loop is not None:
             # A closed loop raises RuntimeError: no one is listening any more.
             with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self._queue.put_nowait, out)
+                self.loop.call_soon_threadsafe(self._ready.set)
 
     def cancel(self) -> None:
         self.engine.cancel(self.id)
@@ -118,8 +119,16 @@ class RequestStream:
             yield out
 
     async def __aiter__(self):
+        if self._ready is None:
+            raise RuntimeError("this stream was submitted outside an asyncio loop: iterate it "
+                               "with for, or submit with loop=")
         while self.finish_reason is None:
-            out = await self._queue.get()
+            try:
+                out = self._queue.get_nowait()
+            except queue.Empty:
+                await self._ready.wait()
+                self._ready.clear()
+                continue
             self.finish_reason = out.finish_reason
             yield out
 
