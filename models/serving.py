@@ -374,7 +374,10 @@ class Engine:
         tokens = np.zeros((rows,), np.int32)
         positions = np.zeros((rows,), np.int32)
         slots = np.full((rows,), -1, np.int32)
-        s = self.max_seqs
+        # Sequences per step at most: no more than rows, so that a small step (a few
+        # decodes) does not project max_seqs rows onto the vocabulary. One variant per row
+        # bucket still.
+        s = min(rows, self.max_seqs)
         cu = np.zeros((s + 1,), np.int32)
         kv = np.zeros((s,), np.int32)
         last = np.zeros((s,), np.int32)
