@@ -414,29 +414,33 @@ class Engine:
     def _run(self, scheduled: list[tuple[_Request, int]]) -> None:
         copies = self.manager.take_pending_copies()
         if copies.size:  # only a shared, partly filled page is copied (never here today)
-            self.k_pages = tuple(fj.copy_pages(k, v, copies)[0] for k, v in
-                                 zip(self.k_pages, self.v_pages, strict=True))
+            pairs = [fj.copy_pages(k, v, copies) for k, v in
+                     zip(self.k_pages, self.v_pages, strict=True)]
+            self.k_pages = tuple(k for k, _ in pairs)
+            self.v_pages = tuple(v for _, v in pairs)
         batch = self._build(scheduled)
         self.stats.compiled.add(batch.shape_key)
         next_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(
             self.state, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
             batch.sampling, batch.seen, graphdef=self.graphdef, greedy=batch.greedy,
             implementation_key=fj.dispatch.current_preference())
-        next_tokens = np.asarray(jax.device_get(next_tokens))
-        now = time.monotonic()
-        self.stats.steps += 1
-        drawn = sum(r.computed + n == len(r.tokens) for r, n in scheduled)
-        self.stats.recent.append((now, drawn))
-        while self.stats.recent and self.stats.recent[0][0] < now - 60:
-            self.stats.recent.popleft()
+        # While the device runs the step (dispatch is asynchronous), the host books it.
+        drawn = []
         for i, (r, n) in enumerate(scheduled):
+            self.stats.prompt_tokens += max(0, min(n, len(r.prompt) - r.computed))
             r.computed += n
-            if r.computed < len(r.prompt):
-                self.stats.prompt_tokens += n
             r.cached_pages = self.prefix_cache.insert(
                 r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages)
             if r.computed == len(r.tokens):  # its known tokens are in: a new one was drawn
-                self._accept(r, int(next_tokens[i]), now)
+                drawn.append((i, r))
+        self.stats.steps += 1
+        next_tokens = np.asarray(jax.device_get(next_tokens))
+        now = time.monotonic()
+        self.stats.recent.append((now, len(drawn)))
+        while self.stats.recent and self.stats.recent[0][0] < now - 60:
+            self.stats.recent.popleft()
+        for i, r in drawn:
+            self._accept(r, int(next_tokens[i]), now)
 
     # -- outputs --------------------------------------------------------------------------
 
