@@ -159,3 +159,21 @@ def test_a_sharded_model_serves_the_same_tokens():
     results = _run(engine, prompts, [serving.RequestParams(max_tokens=6)] * 3)
     assert [ids for ids, _, _ in results] == want
     assert engine.k_pages[0].sharding.spec[0] == "tp"
+
+
+def test_a_failed_step_ends_its_requests_with_error(monkeypatch, chat_model, chat_tokenizer,
+                                                    prompts, reference):
+    engine = cases.engine(chat_model, chat_tokenizer).start()
+    try:
+        def boom(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(serving_step, "ragged_step", boom)
+        [*_, last] = engine.submit(prompts[0], serving.RequestParams(max_tokens=24))
+        assert last.finish_reason == "error" and "RuntimeError: boom" in last.error
+        assert engine.manager.usage().num_sequences == 0  # its pages went back
+        monkeypatch.undo()
+        ids, _, _ = engine.submit(prompts[0], serving.RequestParams(max_tokens=24)).result()
+        assert ids == reference[0]  # and the engine goes on
+    finally:
+        engine.shutdown()
