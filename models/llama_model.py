@@ -389,8 +389,7 @@ class Llama(nnx.Module):
             ``num_hidden_layers`` layers.
           logits_at: optional int32 ``[batch]``: compute logits only at these indices
             of the ``t`` axis (e.g. each prompt's last token), saving the vocabulary
-            projection of the others; or ``[batch, n]``, ``n`` indices per row (a serving
-            step's packed row: each sequence's last token), giving ``[batch, n, vocab]``.
+            projection of the others.
 
         Positions are traced values, so nothing here compares them with
         ``max_position_embeddings``: :func:`generate` does, before it runs.
@@ -409,7 +408,9 @@ class Llama(nnx.Module):
 
         hidden, cache = self._decoder(tokens, positions, attend, cache)
         cache = cache.with_lengths(new_lengths)
-        if logits_at is not None and logits_at.ndim == 2:  # [batch, n]: n rows per sequence
+        # logits_at may also be [batch, n], n indices per row (the serving step's one packed
+        # row: each sequence's last token): the logits are then [batch, n, vocab].
+        if logits_at is not None and logits_at.ndim == 2:
             hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, :, None],
                                          axis=1)  # [batch, n, hidden]
         elif logits_at is not None:
