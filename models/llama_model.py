@@ -419,7 +419,12 @@ class Llama(nnx.Module):
 
         hidden, cache = self._decoder(tokens, positions, attend, cache)
         cache = cache.with_lengths(new_lengths)
-        if logits_at is not None:
+        # logits_at may also be [batch, n], n indices per row (the serving step's one packed
+        # row: each sequence's last token): the logits are then [batch, n, vocab].
+        if logits_at is not None and logits_at.ndim == 2:
+            hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, :, None],
+                                         axis=1)  # [batch, n, hidden]
+        elif logits_at is not None:
             hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None],
                                          axis=1)[:, 0]  # [batch, hidden]
         return self._logits(hidden), cache

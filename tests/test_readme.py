@@ -32,6 +32,10 @@ assert (np.asarray(out[7]) == 0).all() and np.abs(np.asarray(out[:7])).max() > 0
     "answers": """
 assert answers == ["001", "1231"], answers
 """,
+    "served": """
+assert served == ["001", "1231", "285"], served
+assert engine.manager.usage().num_sequences == 0
+""",
     "sharded_tokens": """
 one_device = llama.generate(llama.from_pretrained(TINY_DIR), [[3, 4, 5], [3, 6]], max_new_tokens=8)
 assert sharded_tokens == one_device, (sharded_tokens, one_device)
