@@ -21,12 +21,15 @@ os.environ["FORGE_JAX_COMPILATION_CACHE"] = "off"
 # On a machine without an accelerator, JAX's backends stay on the CPU: with the aot extra
 # installed (the CUDA plugin, libtpu; forge_jax.targets compiles for their devices without
 # them), JAX would otherwise try to start both and print their failures.
-if not any(pathlib.Path("/dev").glob(p) for p in ("nvidia[0-9]*", "accel[0-9]*", "vfio")):
+if not any(next(pathlib.Path("/dev").glob(p), None)
+           for p in ("nvidia[0-9]*", "accel[0-9]*", "vfio")):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+if os.environ.get("JAX_PLATFORMS"):  # also when a pytest plugin imported JAX before us
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402
