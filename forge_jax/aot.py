@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend import core as jex_core
 
 from forge_jax import _compat, targets
 
@@ -205,11 +206,11 @@ def compile(fn: Callable[..., Any], *args: Any, target: str | targets.Target,
                     dispatch.use_implementation(implementation):
                 traced = fn.trace(*args, **kwargs)
                 lowered = traced.lower()
-            kernels = _kernels(traced.jaxpr, t)
             options = {"xla_dump_to": str(dump)} if t.platform == "gpu" else {}
             compiled = lowered.compile(options)
         except Exception as e:  # the compiler's verdict, reported, not raised
             return Report(t, False, _message(e), time.perf_counter() - start, {}, (), ())
+        kernels = _kernels(traced.jaxpr, t)
         seconds = time.perf_counter() - start
         if t.platform == "gpu":
             kernels = _with_gpu_figures(kernels, dump, t)
@@ -238,9 +239,9 @@ def _memory(compiled) -> dict[str, int]:
 def _subjaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
     for value in params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jax.extend.core.ClosedJaxpr):
+            if isinstance(v, jex_core.ClosedJaxpr):
                 yield v.jaxpr
-            elif isinstance(v, jax.extend.core.Jaxpr):
+            elif isinstance(v, jex_core.Jaxpr):
                 yield v
 
 
