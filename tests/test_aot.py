@@ -113,6 +113,9 @@ def _compile(case, target):
                             **kwargs)
     assert report.compiled, report.error
     assert report.kernels, f"no pallas_call compiled for {op}"
+    # Every pallas_call carries a cost estimate (the roofline's flops and bytes).
+    assert all(k.costed and k.flops > 0 and k.bytes_accessed > 0 for k in report.kernels), \
+        report.kernels
     return report
 
 

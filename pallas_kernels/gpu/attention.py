@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels import _attention_common, _cost, _registration
 from forge_jax.pallas_kernels._attention_common import POS_LIMIT
 from forge_jax.pallas_kernels.gpu import _common
 
@@ -235,6 +235,9 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
                                                       num_stages=num_stages),
         interpret=interpret,
         name="forge_jax_flash_attention",
+        cost_estimate=_cost.attention(queries=batch * q_len * q_heads, keys=kv_len,
+                                      head_dim=head_dim, causal=causal and q_len == kv_len,
+                                      io=(qg, k, v, qg)),
     )(qg, k, v, row_pos, lengths)
     return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                              head_dim=head_dim)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from forge_jax import _compat
 from forge_jax.ops.rope import inverse_frequencies, rope_xla
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
@@ -156,6 +156,7 @@ def rope_forward(x, positions, inv_freq, *, interleaved, block_tokens, block_hea
                                                        num_stages=num_stages),
         interpret=interpret,
         name="forge_jax_rope",
+        cost_estimate=_cost.elementwise(x.size, flops=4, transcendentals=2, io=(x, x)),
     )(positions.reshape(tokens), inv_freq, x.reshape(tokens, heads, head_dim))
     return out.reshape(x.shape)
 

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels import _attention_common, _cost, _registration
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
@@ -293,6 +293,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 dimension_semantics=("parallel", "parallel")),
             interpret=_compat.tpu_interpret_params() if interpret else False,
             name="forge_jax_tpu_paged_attention",
+            cost_estimate=_cost.attention(
+                queries=batch * q_len * q_heads, keys=max_pages * page_size, head_dim=head_dim,
+                io=(qg, qg, tables), kv_bytes=2 * batch * kv_heads * max_pages * page_size
+                * head_dim * k_pages.dtype.itemsize),
         )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages)
 
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,

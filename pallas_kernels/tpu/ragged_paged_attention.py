@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
@@ -344,6 +344,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_ragged_paged_attention",
+        cost_estimate=_cost.attention(
+            queries=total_tokens * q_heads, keys=pages_per_seq * page_size, head_dim=head_dim,
+            io=(qt, qt, block_tables), kv_bytes=2 * max_seqs * kv_heads * pages_per_seq
+            * page_size * head_dim * k_pages.dtype.itemsize),
     )(seq_range, cu, kv_lengths, block_tables.astype(jnp.int32).reshape(-1), qt, k_pages,
       v_pages)
     return out.transpose(2, 0, 1, 3).reshape(padded, q_heads, head_dim)[:total_tokens]

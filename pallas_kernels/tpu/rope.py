@@ -52,7 +52,7 @@ import numpy as np
 
 from forge_jax import _compat
 from forge_jax.ops.rope import inverse_frequencies, rope_xla
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
@@ -198,6 +198,7 @@ def rope_forward(x, positions, *, theta, scaling, interleaved, block_tokens, int
         out_shape=jax.ShapeDtypeStruct((tokens, row), x.dtype),
         interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_rope",
+        cost_estimate=_cost.elementwise(x.size, flops=4, transcendentals=2, io=(x, x)),
     )(pos, table, x.reshape(tokens, row))
     return out.reshape(x.shape)
 
