@@ -88,6 +88,10 @@ TPU_CASES = {
     # tail chunk).
     "rope smollm bf16": ("rope", (S((1, 64, SMOL[0], SMOL[2]), BF16), S((1, 64), jnp.int32)),
                          dict(theta=shapes.SMOLLM_THETA)),
+    # head_dim 64: once rejected (head_dim % 128), libtpu compiles it.
+    "paged decode smollm bf16": ("paged_attention", _paged(BF16, 4, SMOL[:2], SMOL[2]), {}),
+    "ragged smollm bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, SMOL[:2], SMOL[2]),
+                           {}),
     "paged chunk llama bf16": ("paged_attention",
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
