@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from cases import shapes
+from cases.cli import assert_one_line_error
+from cases.cli import run as cli_run
 
 import forge_jax as fj
 from forge_jax.models import aot_steps, llama
@@ -194,3 +196,35 @@ def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, targe
     # The cache is donated and updated in place: no temporary or copy near a pool's size.
     assert report.memory["temp"] < pool / 8, report
     assert all(c.bytes < pool / 8 for c in report.copies), report
+
+
+@TPU
+def test_cli_compile_prints_each_steps_report(capsys):
+    rc, out, err = cli_run(capsys, "compile", "--target", "tpu-v5e", "--batch", "2",
+                           "--context", "16", "--implementation", "pallas")
+    assert rc == 0, err
+    assert "target tpu-v5e: TPU v5 lite" in out
+    for step in ("prefill step: tpu-v5e (TPU v5 lite): compiled", "decode step:"):
+        assert step in out, out
+    assert "forge_jax_tpu_rms_norm" in out and "roofline" in out
+
+
+def test_cli_compile_exits_1_on_a_failed_compile(capsys, monkeypatch):
+    target = fj.targets.get("h100")
+
+    def failed(fn, *args, target, **kwargs):
+        return fj.aot.Report(target, False, "RESOURCE_EXHAUSTED: out of shared memory", 0.1,
+                             {}, (), ())
+
+    monkeypatch.setattr(fj.aot, "compile", failed)
+    monkeypatch.setattr(fj.targets, "missing", lambda t: None)
+    rc, out, _ = cli_run(capsys, "compile", "--target", target.name)
+    assert rc == 1
+    assert "FAILED after 0.1 s: RESOURCE_EXHAUSTED: out of shared memory" in out
+
+
+def test_cli_compile_refuses_bad_flags_in_one_line(capsys):
+    assert_one_line_error(cli_run(capsys, "compile", "--target", "h100", "--batch", "0"),
+                          "--batch must be >= 1", prog="forge-jax compile")
+    assert_one_line_error(cli_run(capsys, "compile", "--target", "h200"), "invalid choice",
+                          prog="forge-jax compile")
