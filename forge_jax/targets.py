@@ -185,11 +185,15 @@ def missing(target: str | Target) -> str | None:
     """``None`` if this environment can compile for ``target``, else why not (the ``aot``
     extra's wheel for its platform is not installed)."""
     import importlib.util
+    import shutil
 
     t = get(target)
     if t.platform == "gpu":
         if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-            return "the CUDA plugin is not installed: pip install 'forge-jax[aot]' (jax[cuda12])"
+            return ("the CUDA plugin is not installed: pip install 'forge-jax[aot]' "
+                    "(jax[cuda12-local])")
+        if importlib.util.find_spec("nvidia.cuda_nvcc") is None and not shutil.which("ptxas"):
+            return "ptxas is not installed: pip install 'forge-jax[aot]' (nvidia-cuda-nvcc-cu12)"
         return None
     if importlib.util.find_spec("libtpu") is None:
         return "libtpu is not installed: pip install 'forge-jax[aot]' (jax[tpu])"
