@@ -28,6 +28,8 @@ from typing import Any
 
 import jax
 
+from forge_jax import _install
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -190,13 +192,14 @@ def missing(target: str | Target) -> str | None:
     t = get(target)
     if t.platform == "gpu":
         if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-            return ("the CUDA plugin is not installed: pip install 'forge-jax[aot]' "
-                    "(jax[cuda12-local])")
+            return (f"the CUDA plugin (jax[cuda12-local]) is not installed: "
+                    f"{_install.pip_install('aot')}")
         if importlib.util.find_spec("nvidia.cuda_nvcc") is None and not shutil.which("ptxas"):
-            return "ptxas is not installed: pip install 'forge-jax[aot]' (nvidia-cuda-nvcc-cu12)"
+            return (f"ptxas (nvidia-cuda-nvcc-cu12) is not installed: "
+                    f"{_install.pip_install('aot')}")
         return None
     if importlib.util.find_spec("libtpu") is None:
-        return "libtpu is not installed: pip install 'forge-jax[aot]' (jax[tpu])"
+        return f"libtpu (jax[tpu]) is not installed: {_install.pip_install('aot')}"
     return None
 
 

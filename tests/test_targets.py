@@ -95,3 +95,16 @@ def test_bad_names_are_refused_with_the_known_ones():
         fj.targets.get("h10")
     with pytest.raises(ValueError, match="'tpu-v5e' is a tpu target"):
         fj.targets.gpu_target_config("tpu-v5e")
+
+
+def test_a_missing_extra_is_named_with_its_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
+        "libtpu", "jax_plugins.xla_cuda12") else real(name, *a))
+    assert "libtpu" in fj.targets.missing("tpu-v5e")
+    assert "CUDA plugin" in fj.targets.missing("h100")
+    assert "[aot]" in fj.targets.missing("h100")
+    with pytest.raises(RuntimeError, match="cannot compile for tpu-v6e: libtpu"):
+        fj.targets.get("tpu-v6e").devices  # noqa: B018  (the property raises)
