@@ -68,6 +68,15 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
         256: dict(block_tokens=2, block_heads=16, num_warps=4),
         512: dict(block_tokens=1, block_heads=16, num_warps=8),
     },
+    # Compiled for an H100 (forge_jax.aot, ptxas; JAX 0.10.2, 2026-11-25): with 4 warps the
+    # bfloat16 kernel takes 168 registers and spills 24-36 bytes (SmolLM2's and Llama's
+    # shapes); 8 warps halve each thread's elements: ~100 registers, no spill, both dtypes.
+    "H100": {
+        64: dict(block_tokens=8, block_heads=16, num_warps=8),
+        128: dict(block_tokens=4, block_heads=16, num_warps=8),
+        256: dict(block_tokens=2, block_heads=16, num_warps=8),
+        512: dict(block_tokens=1, block_heads=16, num_warps=8),
+    },
 }
 
 
