@@ -6,6 +6,7 @@ hardware allows. See README.md for a tour.
 """
 
 from forge_jax import (
+    aot,
     autotune_cache,
     autotuning,
     backends,
@@ -13,6 +14,7 @@ from forge_jax import (
     kv_cache,
     registry,
     sharding,
+    targets,
     tolerances,
 )
 from forge_jax._checks import debug_checks
@@ -50,5 +52,6 @@ __all__ = [
     "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
-    "ragged_paged_attention", "sharding", "registry", "autotune_cache", "debug_checks",
+    "ragged_paged_attention", "sharding", "targets", "aot", "registry", "autotune_cache",
+    "debug_checks",
 ]
