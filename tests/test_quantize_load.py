@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.cli import assert_one_line_error, run
 
 import forge_jax as fj
 from forge_jax.models import TINY_DIR, llama, quantize_load
@@ -100,3 +101,15 @@ def test_bad_quantize_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         llama.from_pretrained(TINY_DIR, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_cli_generate_quantize(capsys):
+    code, out, _ = run(capsys, "generate", "--quantize", "int4", "--num-problems", "16",
+                       "--no-compilation-cache")
+    assert code == 0 and "int4 linear layers" in out and "accuracy: 16/16" in out
+    assert "quantized_matmul xla" in out
+
+
+def test_cli_bad_group_size(capsys):
+    assert_one_line_error(run(capsys, "generate", "--quantize", "int4", "--group-size", "48"),
+                          "--group-size 48 must be a positive even number dividing")
