@@ -114,6 +114,10 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
     """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file).
     ``path`` may be a Hub repository id (``ORG/NAME``, at ``revision``): see
     :func:`forge_jax.models.hub.resolve_checkpoint`."""
+    from forge_jax.models import gguf_checkpoint
+
+    if gguf_checkpoint.is_gguf(path):
+        return gguf_checkpoint.load_config(path)
     path = resolve_checkpoint(path, revision=revision)
     if path.is_file():
         raise CheckpointError(f"{str(path)!r} is a file; a checkpoint is the directory that "
@@ -142,6 +146,9 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
                     param_dtype=None, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp",
                     quantize: str | None = None, group_size: int | None = None) -> Llama:
     """Loads a Hugging Face Llama-family checkpoint directory.
+
+    A path ending in ``.gguf`` is a llama.cpp GGUF file, read by
+    :mod:`forge_jax.models.gguf_checkpoint` (quantized tensors stay quantized).
 
     Reads ``config.json`` and ``model.safetensors`` (or the shards named by
     ``model.safetensors.index.json``) with the safetensors library; pickle files are
@@ -193,6 +200,13 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
                          f"with it yet")
     dtype = default_dtype() if dtype is None else _float_dtype("dtype", dtype)
     param_dtype = dtype if param_dtype is None else _float_dtype("param_dtype", param_dtype)
+    from forge_jax.models import gguf_checkpoint
+
+    if gguf_checkpoint.is_gguf(path):
+        if quantize is not None or mesh is not None:
+            raise ValueError(f"a GGUF file loads as it is quantized, onto one device: "
+                             f"quantize={quantize!r} and mesh= are not supported with {path}")
+        return gguf_checkpoint.from_gguf(path, dtype=dtype, param_dtype=param_dtype)
     path = resolve_checkpoint(path, revision=revision)
     config = load_config(path)
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
