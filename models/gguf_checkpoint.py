@@ -293,3 +293,44 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
                               f"with this metadata")
     model.generation_config = GenerationConfig(eos_token_id=c.eos_token_ids)
     return model
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
+    """The pieces of a GGUF file's tokenizer, for :func:`forge_jax.models.text.load_tokenizer`:
+    ``backend`` (a ``tokenizers.Tokenizer``: byte-level BPE from ``tokenizer.ggml.tokens`` and
+    ``merges``, control tokens as special tokens), ``special_tokens``, ``chat_template`` and
+    ``generation_config``.
+
+    Only ``gpt2`` (byte-level BPE) vocabularies are read; SentencePiece-style ``llama``
+    vocabularies are refused by name."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    reader = open_gguf(path)
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(f"{path}: its tokenizer model {kind!r} is not supported; forge_jax "
+                              f"builds 'gpt2' (byte-level BPE) vocabularies from GGUF files")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = _field(reader, "tokenizer.ggml.merges") or []
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges],
+                                   ignore_merges=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    control = [t for t, kind in zip(tokens, types, strict=False) if kind in (3, 4)]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    special = {}
+    for name in ("bos", "eos", "unknown", "padding"):
+        i = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        if i is not None and 0 <= i < len(tokens):
+            special[{"unknown": "unk_token", "padding": "pad_token"}.get(
+                name, f"{name}_token")] = tokens[i]
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return dict(backend=backend, special_tokens=special,
+                chat_template=_field(reader, "tokenizer.chat_template"),
+                generation_config=GenerationConfig(eos_token_id=() if eos is None else (eos,)))

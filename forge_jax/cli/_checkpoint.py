@@ -66,6 +66,16 @@ def read_checkpoint(args: argparse.Namespace):
 
     path = checkpoint_path(args) if args.checkpoint else _tiny_dir()
     config = llama.load_config(path)  # errors name the problem
+    if path.is_file():  # a GGUF file (load_config refuses other files): its own tokenizer
+        from forge_jax.models import text
+
+        if getattr(args, "quantize", None):
+            raise UsageError(f"--quantize: {path} is a GGUF file, loaded as it is quantized")
+        try:
+            tokenizer = text.load_tokenizer(path).backend
+        except llama.CheckpointError:
+            tokenizer = None
+        return config, {}, tokenizer, path
     raw = json.loads((path / "config.json").read_text())
     tokenizer = None
     if (path / "tokenizer.json").is_file():
