@@ -212,7 +212,8 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
-                                                  param_dtype=param_dtype).weights
+                                                  param_dtype=param_dtype, quantize=quantize,
+                                                  group_size=group_size).weights
     if plan is not None:  # each device holds about its share of the weights
         weights //= plan.mesh.tp
     fj_memory.check_fits(weights, what=f"the weights of {path} in {param_dtype.name}"

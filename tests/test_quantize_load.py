@@ -62,6 +62,9 @@ def test_tiny_model_quantized_at_load(float_model, fmt):
     measured = quantize_load.parameter_bytes(model)
     assert abs(measured - ideal) / ideal < 0.05, (measured, ideal)
     assert measured < 0.35 * quantize_load.parameter_bytes(float_model)
+    estimate = fj.memory.estimate_inference_memory(model.config, batch=1, max_len=1,
+                                                   quantize=fmt).weights
+    assert abs(estimate - measured) / measured < 0.02, (estimate, measured)
 
 
 def test_generate_with_a_quantized_model(float_model):
