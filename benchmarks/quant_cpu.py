@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 import forge_jax as fj
 from forge_jax.models import llama, quantize_load
 
-FORMATS = {"int8": {}, "int4 g32": {"group_size": 32}, "int4 g128": {"group_size": 128},
+FORMATS = {"int8": {}, "int4 g32": {"group_size": 32}, "int4 g64": {"group_size": 64},
            "fp8": {}}
 
 

@@ -2,13 +2,14 @@
 
 :func:`forge_jax.matmul` calls this op when ``b`` is a :class:`forge_jax.quant.QuantizedArray`.
 
-The XLA implementation dequantizes inside the product, one block of 128 output rows at
-a time (``lax.map`` over the blocks), so no full-precision copy of the weight exists,
-not even a transient one. On CPU this is also the fastest form measured: a whole
-dequantized weight costs more in writing and reading its float32 copy than the product
-itself (an int8 [4096, 2048] weight: ~40 ms converted whole against ~1.3 ms blocked, and
-1.2 ms for the float32 product; int4 ~2 ms; XLA's int8 x int8 product, which needs
-quantized activations, ~34 ms for one row: see BENCHMARKS.md).
+The XLA implementation dequantizes inside the product, one block of output rows (about
+a MiB of float32) at a time (``lax.map`` over the blocks), so no full-precision copy of
+the weight exists, not even a transient one. On CPU this is the fastest form measured:
+converting a whole int8 weight first costs more than the product (writing and reading its
+float32 copy), and XLA's int8 x int8 product needs int8 activations (another computation)
+and is slow for one row. Against float32 on CPU, the quantized products are on par for
+one row of activations and slower for more, fp8 slowest (XLA converts float8 slowly
+there): figures in BENCHMARKS.md (``benchmarks/quant_cpu.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from forge_jax import _checks, dispatch
 from forge_jax.quant import QuantizedArray, dequantize
 
 _FULL = jax.lax.Precision.HIGHEST
-_ROWS = 128  # output rows dequantized at a time
+# Values dequantized at a time: a block of rows of about 1 MiB in float32, which stays in
+# cache; fewer, larger blocks also cost fewer loop iterations (each has a fixed overhead).
+_BLOCK_VALUES = 1 << 18
 
 
 def _quantized_matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
@@ -91,10 +94,12 @@ def quantized_matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0,
     return dispatch.call("quantized_matmul", args, implementation)
 
 
-def _row_block(n: int, rows_per_scale: int) -> int:
-    """Rows dequantized at a time: a divisor of ``n`` up to 128, whole scale blocks."""
-    for size in (_ROWS, 64, 32, 16, 8):
-        if n % size == 0 and size % rows_per_scale == 0:
+def _row_block(n: int, k: int, rows_per_scale: int) -> int:
+    """Rows dequantized at a time: the largest divisor of ``n`` up to about
+    ``_BLOCK_VALUES / k`` (at least 128) made of whole scale blocks and a multiple of 8."""
+    target = max(128, _BLOCK_VALUES // max(k, 1))
+    for size in range(min(target, n), 7, -1):
+        if n % size == 0 and size % rows_per_scale == 0 and size % 8 == 0:
             return size
     return n
 
@@ -132,7 +137,7 @@ def _block_product(a2, values, scales, minimums, *, fmt, group, rows_per_scale, 
 
 
 @dispatch.register("quantized_matmul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
-                   description="dequantize 128 output rows at a time inside the product")
+                   description="dequantizes a block of rows at a time inside the product")
 def quantized_matmul_xla(a, b, *, trans_b, alpha, beta, c, out_dtype):
     lead, k = a.shape[:-1], a.shape[-1]
     a2 = a.reshape(-1, k)  # [M, K]
@@ -141,7 +146,7 @@ def quantized_matmul_xla(a, b, *, trans_b, alpha, beta, c, out_dtype):
         if trans_b:
             rows_per_scale, group = b.full_block()
             n = b.shape[0]
-            bn = _row_block(n, rows_per_scale)
+            bn = _row_block(n, k, rows_per_scale)
             nb = n // bn
             split = lambda x: None if x is None else x.reshape(nb, -1, x.shape[-1])
             product = lambda blk: _block_product(
