@@ -182,3 +182,11 @@ def test_smollm2_q4_1_matches_transformers():
                            eos_token_id=None)[0, len(prompt):].tolist()
     got = llama.generate(model, [prompt], max_new_tokens=12, eos_token_id=())[0]
     assert [int(t) for t in got] == want
+    from forge_jax.models import text
+
+    tok = text.load_tokenizer(file)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    for sample in ["The capital of France is", "  spaces\tand\nnewlines 12345 caf\u00e9 \U0001f642",
+                   "<|im_start|>user\nHi<|im_end|>\n"]:
+        assert (tok.backend.encode(sample, add_special_tokens=False).ids
+                == hf_tok.encode(sample, add_special_tokens=False)), sample
