@@ -137,7 +137,8 @@ def _block_product(a2, values, scales, minimums, *, fmt, group, rows_per_scale, 
 
 
 @dispatch.register("quantized_matmul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
-                   description="dequantizes a block of rows at a time inside the product")
+                   description="dequantizes a block of rows at a time inside the product (CPU: "
+                               "not faster than float32, fp8 much slower; BENCHMARKS.md)")
 def quantized_matmul_xla(a, b, *, trans_b, alpha, beta, c, out_dtype):
     lead, k = a.shape[:-1], a.shape[-1]
     a2 = a.reshape(-1, k)  # [M, K]
