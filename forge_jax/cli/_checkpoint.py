@@ -41,6 +41,9 @@ def quantize_kwargs(args: argparse.Namespace, config) -> dict:
         if group is not None:
             raise UsageError(f"--group-size {group} needs --quantize")
         return {}
+    if str(getattr(args, "checkpoint", None) or "").endswith(".gguf"):
+        raise UsageError(f"--quantize: {args.checkpoint} is a GGUF file, loaded as it is "
+                         f"quantized")
     if group is not None:
         ins = {config.hidden_size, config.intermediate_size,
                config.num_attention_heads * config.head_dim}
