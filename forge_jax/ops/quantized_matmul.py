@@ -7,9 +7,9 @@ a MiB of float32) at a time (``lax.map`` over the blocks), so no full-precision 
 the weight exists, not even a transient one. On CPU this is the fastest form measured:
 converting a whole int8 weight first costs more than the product (writing and reading its
 float32 copy), and XLA's int8 x int8 product needs int8 activations (another computation)
-and is slow for one row. Against float32 on CPU, the quantized products are on par for
-one row of activations and slower for more, fp8 slowest (XLA converts float8 slowly
-there): figures in BENCHMARKS.md (``benchmarks/quant_cpu.py``).
+and is slow for one row. Against float32 on CPU, the int8 and int4 products measured on
+par for one row of activations (two runs on a noisy host disagree for 16 rows), fp8 far
+slower (XLA converts float8 slowly there): BENCHMARKS.md (``benchmarks/quant_cpu.py``).
 """
 
 from __future__ import annotations
