@@ -141,8 +141,8 @@ def test_cli_info(capsys):
     assert "  cpu: 8 device(s)" in out and "attention: xla -> available" in out
 
 
-DEMO_OPS = ("matmul", "rms_norm", "silu_mul", "softmax", "rope", "attention", "embedding",
-            "paged_attention")
+DEMO_OPS = ("matmul", "quantized_matmul", "rms_norm", "silu_mul", "softmax", "rope", "attention",
+            "embedding", "paged_attention")
 
 
 def test_cli_demo_gives_a_verdict_per_op(capsys):
@@ -152,7 +152,7 @@ def test_cli_demo_gives_a_verdict_per_op(capsys):
     for op in DEMO_OPS:
         assert re.search(rf"^  {op}\s+xla\s+max \|err\| \S+\s+\(\s*[\d.]+% of tolerance\)\s+PASS$",
                          out, re.M), out
-    assert "12/12 ops within tolerance" in out
+    assert "13/13 ops within tolerance" in out
 
 
 def test_cli_demo_fails_on_a_wrong_implementation(capsys):
@@ -166,7 +166,7 @@ def test_cli_demo_fails_on_a_wrong_implementation(capsys):
         dispatch.unregister("silu_mul", "wrong")
     out = capsys.readouterr().out
     assert re.search(r"^  silu_mul\s+wrong .* FAIL$", out, re.M), out
-    assert "11/12 ops within tolerance; FAILED: silu_mul" in out
+    assert "12/13 ops within tolerance; FAILED: silu_mul" in out
 
 
 def test_cli_without_command_prints_help(capsys):
