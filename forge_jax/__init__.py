@@ -12,6 +12,7 @@ from forge_jax import (
     backends,
     dispatch,
     kv_cache,
+    quant,
     registry,
     sharding,
     targets,
@@ -42,6 +43,7 @@ from forge_jax.ops import (
     silu_mul,
     softmax,
 )
+from forge_jax.quant import QuantizedArray, dequantize, quantize
 
 __version__ = "0.1.0"
 
@@ -53,5 +55,5 @@ __all__ = [
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention", "sharding", "targets", "aot", "registry", "autotune_cache",
-    "debug_checks",
+    "debug_checks", "QuantizedArray", "dequantize", "quantize", "quant",
 ]

@@ -92,6 +92,19 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     a, b = f32(4, 64, 32), f32(4, 32, 48)
     checks.append(_check("matmul", fj.matmul(a, b), a.astype(np.float64) @ b))
 
+    # A weight [48, 64] in int4 groups of 32 with minimums, read back byte by byte (its
+    # own random stream: the other checks' draws stay as they were).
+    qrng = np.random.default_rng(seed + 1)
+    q32 = lambda *shape: qrng.standard_normal(shape).astype(np.float32)
+    wq = fj.quantize(jnp.asarray(q32(48, 64)), "int4", group_size=32, symmetric=False)
+    packed = np.asarray(wq.values)
+    nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(48, 64).astype(np.float64)
+    w64 = (nibbles * np.repeat(np.asarray(wq.scales, np.float64), 32, axis=1)
+           + np.repeat(np.asarray(wq.minimums, np.float64), 32, axis=1))
+    xq = q32(5, 64)
+    checks.append(_check("quantized_matmul", fj.matmul(jnp.asarray(xq), wq, trans_b=True),
+                         xq.astype(np.float64) @ w64.T))
+
     x, res, w = f32(6, 256), f32(6, 256), f32(256)
     y, _ = fj.rms_norm(jnp.asarray(x), jnp.asarray(w), eps=1e-6, residual=jnp.asarray(res))
     h = x.astype(np.float64) + res

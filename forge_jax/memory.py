@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from forge_jax.quant import bits_per_value
+
 GIB = 1024 ** 3
 
 
@@ -72,7 +74,8 @@ def _itemsize(dtype) -> int:
 
 def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_len: int | None
                               = None, param_dtype=jnp.float32, dtype=jnp.float32,
-                              cache_dtype=None) -> InferenceMemory:
+                              cache_dtype=None, quantize: str | None = None,
+                              group_size: int | None = None) -> InferenceMemory:
     """Estimates the memory of running a Llama-family model.
 
     Args:
@@ -87,6 +90,12 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
       param_dtype: storage dtype of the weights.
       dtype: compute dtype of activations.
       cache_dtype: KV cache dtype (default ``dtype``).
+      quantize: ``"int8"``, ``"int4"`` or ``"fp8"``: the linear layers' weights (not the
+        embedding nor the norms) are counted at that format's bytes, float32 scales
+        included (:func:`forge_jax.quant.bits_per_value`), as ``from_pretrained(...,
+        quantize=...)`` stores them.
+      group_size: the quantization group along the in axis (int4 default 32; int8 and
+        fp8: one scale per output channel).
 
     Returns:
       An :class:`InferenceMemory` (bytes).
@@ -107,6 +116,14 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
     if not _get(config, "tie_word_embeddings", False):
         params += hidden * vocab
     weights = params * _itemsize(param_dtype)
+    if quantize is not None:
+        linear = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter)
+        if not _get(config, "tie_word_embeddings", False):
+            linear += hidden * vocab
+        group = group_size or (32 if quantize == "int4" else None)
+        bits = bits_per_value(quantize, group_size=group, columns=hidden)
+        weights -= linear * _itemsize(param_dtype)
+        weights += linear * bits / 8
 
     cache_dtype = dtype if cache_dtype is None else cache_dtype
     kv_cache = 2 * layers * batch * max_len * kv_dim * _itemsize(cache_dtype)

@@ -113,6 +113,10 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
     """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file).
     ``path`` may be a Hub repository id (``ORG/NAME``, at ``revision``): see
     :func:`forge_jax.models.hub.resolve_checkpoint`."""
+    from forge_jax.models import gguf_checkpoint
+
+    if gguf_checkpoint.is_gguf(path):
+        return gguf_checkpoint.load_config(path)
     path = resolve_checkpoint(path, revision=revision)
     if path.is_file():
         raise CheckpointError(f"{str(path)!r} is a file; a checkpoint is the directory that "
@@ -138,8 +142,12 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
 
 
 def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dtype=None,
-                    param_dtype=None, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp") -> Llama:
+                    param_dtype=None, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp",
+                    quantize: str | None = None, group_size: int | None = None) -> Llama:
     """Loads a Hugging Face Llama-family checkpoint directory.
+
+    A path ending in ``.gguf`` is a llama.cpp GGUF file, read by
+    :mod:`forge_jax.models.gguf_checkpoint` (quantized tensors stay quantized).
 
     Reads ``config.json`` and ``model.safetensors`` (or the shards named by
     ``model.safetensors.index.json``) with the safetensors library; pickle files are
@@ -164,6 +172,11 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         one device loads and the host never holds a full copy per device. None: one
         device.
       tp_axis, dp_axis: the mesh axes' roles (ignored for a ``MeshConfig``).
+      quantize: ``"int8"``, ``"int4"`` or ``"fp8"``: quantize the linear layers' kernels
+        as they load (:mod:`forge_jax.models.quantize_load`); the embedding and norms
+        keep ``param_dtype``. None: as stored. One device only (no ``mesh``).
+      group_size: int4's values per scale along the in axis (default 32); int8 and fp8
+        default to one scale per output channel.
 
     Returns:
       A :class:`Llama` holding the checkpoint's weights, with ``generation_config.json``
@@ -178,16 +191,28 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     """
     from safetensors import SafetensorError, safe_open
 
-    from forge_jax.models import llama_sharding
+    from forge_jax.models import llama_sharding, quantize_load
 
+    quantize_load.check_quantize(quantize, group_size)
+    if quantize is not None and mesh is not None:
+        raise ValueError(f"quantize={quantize!r} loads onto one device; mesh= is not supported "
+                         f"with it yet")
     dtype = default_dtype() if dtype is None else _float_dtype("dtype", dtype)
     param_dtype = dtype if param_dtype is None else _float_dtype("param_dtype", param_dtype)
+    from forge_jax.models import gguf_checkpoint
+
+    if gguf_checkpoint.is_gguf(path):
+        if quantize is not None or mesh is not None:
+            raise ValueError(f"a GGUF file loads as it is quantized, onto one device: "
+                             f"quantize={quantize!r} and mesh= are not supported with {path}")
+        return gguf_checkpoint.from_gguf(path, dtype=dtype, param_dtype=param_dtype)
     path = resolve_checkpoint(path, revision=revision)
     config = load_config(path)
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
-                                                  param_dtype=param_dtype).weights
+                                                  param_dtype=param_dtype, quantize=quantize,
+                                                  group_size=group_size).weights
     if plan is not None:  # each device holds about its share of the weights
         weights //= plan.mesh.tp
     fj_memory.check_fits(weights, what=f"the weights of {path} in {param_dtype.name}"
@@ -238,7 +263,11 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
             _check_finite(name, block, files[name], np.dtype(expected[name][0].dtype))
             return block
 
-        fill_parameters(model, read, None if plan is None else plan.param_shardings(model))
+        convert = None if quantize is None else {
+            id(k): quantize_load.quantizer(quantize, group_size)
+            for k in quantize_load.linear_kernels(model)}
+        fill_parameters(model, read, None if plan is None else plan.param_shardings(model),
+                        convert)
     if plan is not None:
         model.mesh = plan.mesh
     model.generation_config = load_generation_config(path)

@@ -97,18 +97,22 @@ def _block(shape: tuple[int, ...], index: tuple, dtype, sources, read: Reader) -
     return out
 
 
-def fill_parameters(model: Llama, read: Reader, shardings=None) -> None:
+def fill_parameters(model: Llama, read: Reader, shardings=None, convert=None) -> None:
     """Sets every parameter of ``model`` (abstract or not) from HF tensors, each block
     read with ``read(name, index)`` (:data:`Reader`).
 
     ``shardings``: id(parameter) -> a ``jax.sharding.Sharding``; each device then gets
     its block through ``jax.make_array_from_callback`` and nothing reads more than the
     devices of this process hold. None: whole arrays on the default device.
+    ``convert``: id(parameter) -> a function of the parameter's whole array (e.g. one
+    that quantizes it), applied as each parameter is read (models on one device).
     """
     for key, (param, sources) in _sources(model).items():
         dtype = np.dtype(param.dtype)
         shape = tuple(param.shape)
-        if shardings is None:
+        if convert is not None and key in convert:
+            param.set_value(convert[key](jnp.asarray(_block(shape, (), dtype, sources, read))))
+        elif shardings is None:
             param.set_value(jnp.asarray(_block(shape, (), dtype, sources, read)))
         else:
             param.set_value(jax.make_array_from_callback(

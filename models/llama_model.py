@@ -141,7 +141,11 @@ class Linear(nnx.Module):
         out_dtype = self.dtype if out_dtype is None else out_dtype
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).astype(self.dtype)  # [m, in]
-        kernel = self.kernel[...].astype(self.dtype)  # [out, in]
+        kernel = self.kernel.get_value()
+        # A quantized kernel (forge_jax.QuantizedArray, from_pretrained(quantize=...)) is
+        # dequantized inside the product; a float one is cast to the compute dtype.
+        if not isinstance(kernel, fj.QuantizedArray):
+            kernel = kernel.astype(self.dtype)  # [out, in]
         if self.bias is None:
             y = fj.matmul(x2, kernel, trans_b=True, out_dtype=out_dtype)
         else:

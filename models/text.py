@@ -144,6 +144,10 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> T
     """
     from tokenizers import Tokenizer as Backend
 
+    from forge_jax.models import gguf_checkpoint
+
+    if gguf_checkpoint.is_gguf(path):  # the file's own vocabulary and chat template
+        return Tokenizer(**gguf_checkpoint.tokenizer_parts(path), name=str(path))
     path = resolve_checkpoint(path, revision=revision)
     file = path / "tokenizer.json"
     if not file.is_file():

@@ -141,8 +141,8 @@ def test_cli_info(capsys):
     assert "  cpu: 8 device(s)" in out and "attention: xla -> available" in out
 
 
-DEMO_OPS = ("matmul", "rms_norm", "silu_mul", "softmax", "rope", "attention", "embedding",
-            "paged_attention")
+DEMO_OPS = ("matmul", "quantized_matmul", "rms_norm", "silu_mul", "softmax", "rope", "attention",
+            "embedding", "paged_attention")
 
 
 def test_cli_demo_gives_a_verdict_per_op(capsys):

@@ -29,6 +29,13 @@ import numpy as np
 assert out.shape == (8, 8, 64) and np.isfinite(np.asarray(out)).all()
 assert (np.asarray(out[7]) == 0).all() and np.abs(np.asarray(out[:7])).max() > 0
 """,
+    "int8_bytes": """
+import numpy as np
+float_bytes = quantize_load.parameter_bytes(llama.from_pretrained(TINY_DIR))
+assert 0.24 < int8_bytes / float_bytes < 0.28, int8_bytes / float_bytes
+want = np.ones((2, 128)) @ np.asarray(fj.dequantize(q), np.float64).T
+assert y.shape == (2, 64) and np.allclose(np.asarray(y), want, atol=1e-4)
+""",
     "answers": """
 assert answers == ["001", "1231"], answers
 """,

@@ -24,6 +24,33 @@ def add_flags(parser: argparse.ArgumentParser, *, required: bool = False, help: 
     parser.add_argument("--revision", default=None,
                         help="the Hub revision of --checkpoint ORG/NAME (branch, tag or commit; "
                              "default main)")
+    parser.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
+                        help="quantize the linear layers' weights as they load (the embedding "
+                             "and norms stay as they are); on CPU the quantized products are "
+                             "slower than float32's (BENCHMARKS.md), so it is never a default")
+    parser.add_argument("--group-size", type=int, default=None, metavar="N",
+                        help="values per scale along a weight's in axis with --quantize "
+                             "(int4 default 32; int8 and fp8: one scale per output channel)")
+
+
+def quantize_kwargs(args: argparse.Namespace, config) -> dict:
+    """``from_pretrained``'s ``quantize`` and ``group_size`` from ``--quantize`` and
+    ``--group-size``, checked against the config before the model loads."""
+    quantize, group = getattr(args, "quantize", None), getattr(args, "group_size", None)
+    if quantize is None:
+        if group is not None:
+            raise UsageError(f"--group-size {group} needs --quantize")
+        return {}
+    if str(getattr(args, "checkpoint", None) or "").endswith(".gguf"):
+        raise UsageError(f"--quantize: {args.checkpoint} is a GGUF file, loaded as it is "
+                         f"quantized")
+    if group is not None:
+        ins = {config.hidden_size, config.intermediate_size,
+               config.num_attention_heads * config.head_dim}
+        if group <= 0 or group % 2 or any(n % group for n in ins):
+            raise UsageError(f"--group-size {group} must be a positive even number dividing "
+                             f"the layers' in features {sorted(ins)}")
+    return {"quantize": quantize, "group_size": group}
 
 
 def checkpoint_path(args: argparse.Namespace):
@@ -42,6 +69,16 @@ def read_checkpoint(args: argparse.Namespace):
 
     path = checkpoint_path(args) if args.checkpoint else _tiny_dir()
     config = llama.load_config(path)  # errors name the problem
+    if path.is_file():  # a GGUF file (load_config refuses other files): its own tokenizer
+        from forge_jax.models import text
+
+        if getattr(args, "quantize", None):
+            raise UsageError(f"--quantize: {path} is a GGUF file, loaded as it is quantized")
+        try:
+            tokenizer = text.load_tokenizer(path).backend
+        except llama.CheckpointError:
+            tokenizer = None
+        return config, {}, tokenizer, path
     raw = json.loads((path / "config.json").read_text())
     tokenizer = None
     if (path / "tokenizer.json").is_file():
@@ -62,11 +99,18 @@ def describe(model, path, args: argparse.Namespace) -> str:
     import jax
     from flax import nnx
 
+    from forge_jax.models import quantize_load
+
     c = model.config
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    variables = jax.tree.leaves(nnx.state(model, nnx.Param),
+                                is_leaf=lambda v: isinstance(v, nnx.Variable))
+    params = sum(math.prod(v.get_value().shape) for v in variables)  # quantized: logical
+    quantized = getattr(args, "quantize", None)
     return (f"{path}: Llama, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
             f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, vocab "
-            f"{c.vocab_size}, {params / 1e6:.2f} M parameters, {args.dtype}, "
+            f"{c.vocab_size}, {params / 1e6:.2f} M parameters "
+            f"({quantize_load.parameter_bytes(model) / 1e6:.1f} MB"
+            + (f", {quantized} linear layers" if quantized else "") + f"), {args.dtype}, "
             f"{getattr(args, 'cache', 'paged')} cache"
             + ("" if model.mesh is None else
                f", sharded over {model.mesh.describe()} ({len(model.mesh.mesh.devices.flat)} "

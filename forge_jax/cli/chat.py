@@ -11,7 +11,7 @@ import sys
 import threading
 
 from forge_jax.cli import _checkpoint, _compilation_cache, _flags
-from forge_jax.cli._checkpoint import describe
+from forge_jax.cli._checkpoint import describe, quantize_kwargs
 from forge_jax.cli._run import UsageError
 
 
@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
                          f"of {path}")
     _compilation_cache.check(args)
     with _compilation_cache.compilation_cache(args):
-        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))
+        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype),
+                                      **quantize_kwargs(args, config))
         session = ChatSession(
             model, tokenizer, max_context=args.max_context, system=args.system,
             max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from forge_jax.cli import _checkpoint, _compilation_cache, _flags
-from forge_jax.cli._checkpoint import describe, read_checkpoint
+from forge_jax.cli._checkpoint import describe, quantize_kwargs, read_checkpoint
 from forge_jax.cli._run import UsageError
 
 NUM_PROBLEMS, SHOW = 256, 5  # a task run's defaults
@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
         args.num_problems = NUM_PROBLEMS if args.num_problems is None else args.num_problems
         args.show = SHOW if args.show is None else args.show
         _check_task(task, config, args, path, mesh)
-    model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh)
+    quantize = quantize_kwargs(args, config)
+    if quantize and mesh is not None:
+        raise UsageError("--quantize loads onto one device; it does not combine with --mesh yet")
+    model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh, **quantize)
     print(describe(model, path, args))
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     progress = _ProgressLine(sys.stderr, enabled=show)

@@ -11,7 +11,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
+
     from forge_jax import backends
 
     print(backends.summary())
+    if jax.default_backend() == "cpu":
+        print("\nquantized weights (--quantize): on CPU, int8 and int4 decode measured no faster "
+              "than float32 and fp8 several times slower (BENCHMARKS.md); they save memory, "
+              "and are never a default here")
     return 0

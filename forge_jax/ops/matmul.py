@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from forge_jax import _checks, dispatch
+from forge_jax.ops.quantized_matmul import quantized_matmul
+from forge_jax.quant import QuantizedArray
 
 
 def _matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
@@ -74,7 +76,10 @@ def matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
     Args:
       a: ``[..., M, K]`` (``[..., K, M]`` if ``trans_a``), float32/float16/bfloat16.
       b: ``[..., K, N]`` (``[..., N, K]`` if ``trans_b``), ``a``'s dtype (the dtype rule of
-        :mod:`forge_jax.ops`: a mix raises TypeError, even with ``out_dtype``).
+        :mod:`forge_jax.ops`: a mix raises TypeError, even with ``out_dtype``); or a 2-D
+        :class:`forge_jax.QuantizedArray` (a weight, storage: dequantized to ``a``'s dtype
+        inside the product, op ``"quantized_matmul"``, see
+        :func:`forge_jax.ops.quantized_matmul.quantized_matmul`).
       trans_a, trans_b: transpose the last two axes of ``a`` / ``b``.
       alpha, beta: scalars (Python numbers or scalar arrays).
       c: optional array broadcastable to ``[..., M, N]``, any float dtype (a parameter,
@@ -85,6 +90,9 @@ def matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
     Returns:
       ``[..., M, N]`` in ``out_dtype``.
     """
+    if isinstance(b, QuantizedArray):
+        return quantized_matmul(a, b, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta,
+                                c=c, out_dtype=out_dtype, implementation=implementation)
     args = _matmul_args(a, b, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta, c=c,
                         out_dtype=out_dtype)
     return dispatch.call("matmul", args, implementation)

@@ -1,0 +1,171 @@
+"""Matrix multiply with a quantized right-hand side: ``alpha * a @ op(dequantize(b)) + beta * c``.
+
+:func:`forge_jax.matmul` calls this op when ``b`` is a :class:`forge_jax.quant.QuantizedArray`.
+
+The XLA implementation dequantizes inside the product, one block of output rows (about
+a MiB of float32) at a time (``lax.map`` over the blocks), so no full-precision copy of
+the weight exists, not even a transient one. On CPU this is the fastest form measured:
+converting a whole int8 weight first costs more than the product (writing and reading its
+float32 copy), and XLA's int8 x int8 product needs int8 activations (another computation)
+and is slow for one row. Against float32 on CPU, the int8 and int4 products measured on
+par for one row of activations (two runs on a noisy host disagree for 16 rows), fp8 far
+slower (XLA converts float8 slowly there): BENCHMARKS.md (``benchmarks/quant_cpu.py``).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forge_jax import _checks, dispatch
+from forge_jax.quant import QuantizedArray, dequantize
+
+_FULL = jax.lax.Precision.HIGHEST
+# Values dequantized at a time: a block of rows of about 1 MiB in float32, which stays in
+# cache; fewer, larger blocks also cost fewer loop iterations (each has a fixed overhead).
+_BLOCK_VALUES = 1 << 18
+
+
+def _quantized_matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
+                           out_dtype=None):
+    _checks.array("a", a, min_ndim=2)
+    if not isinstance(b, QuantizedArray):
+        raise TypeError(f"b must be a QuantizedArray, got {type(b).__name__}")
+    if b.ndim != 2:
+        raise ValueError(f"a quantized b must be 2-D, got b.shape={b.shape}")
+    if trans_a:
+        raise ValueError("trans_a=True is not supported with a quantized b; transpose a")
+    if not isinstance(trans_b, bool):
+        raise TypeError(f"trans_b must be a bool, got {trans_b=!r}")
+    alpha = _checks.number("alpha", alpha)
+    beta = _checks.number("beta", beta)
+    k_b = b.shape[1] if trans_b else b.shape[0]
+    if a.shape[-1] != k_b:
+        raise ValueError(f"contracting dimensions disagree: {a.shape=} has K={a.shape[-1]}, "
+                         f"b.shape={b.shape} ({trans_b=}) has K={k_b}")
+    n = b.shape[0] if trans_b else b.shape[1]
+    out_shape = (*a.shape[:-1], n)
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    try:
+        out_dtype = jnp.dtype(out_dtype)
+    except TypeError:
+        raise TypeError(f"out_dtype must be a float dtype, got {out_dtype=!r}") from None
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"out_dtype must be a float dtype, got out_dtype={out_dtype.name}")
+    if c is not None:
+        _checks.array("c", c)
+        try:
+            broadcast = np.broadcast_shapes(tuple(c.shape), out_shape)
+        except ValueError:
+            broadcast = None
+        if broadcast != out_shape:
+            raise ValueError(
+                f"c must broadcast to the product's shape {out_shape}, got {c.shape=}")
+        if isinstance(beta, float) and beta == 0.0:
+            raise ValueError(
+                "c was given with beta=0.0, so it would be ignored; pass beta=1.0 to add c")
+    elif not (isinstance(beta, numbers.Real) and beta == 0.0):
+        raise ValueError(f"beta={beta!r} needs c, but c is None")
+    return dict(a=a, b=b, trans_b=trans_b, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype)
+
+
+dispatch.define("quantized_matmul", _quantized_matmul_args)
+
+
+def quantized_matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
+                     out_dtype=None, implementation=None):
+    """``alpha * a @ op(dequantize(b)) + beta * c`` with float32 accumulation.
+
+    Args:
+      a: ``[..., M, K]`` float (the compute dtype: ``b`` is dequantized to it).
+      b: a 2-D :class:`~forge_jax.quant.QuantizedArray`: ``[N, K]`` with ``trans_b``
+        (a weight in the ``[out, in]`` layout, the fast path), else ``[K, N]``.
+      trans_a: must be False.
+      alpha, beta, c, out_dtype, implementation: as :func:`forge_jax.matmul`.
+
+    Returns:
+      ``[..., M, N]`` in ``out_dtype`` (default ``a.dtype``).
+    """
+    args = _quantized_matmul_args(a, b, trans_a=trans_a, trans_b=trans_b, alpha=alpha,
+                                  beta=beta, c=c, out_dtype=out_dtype)
+    return dispatch.call("quantized_matmul", args, implementation)
+
+
+def _row_block(n: int, k: int, rows_per_scale: int) -> int:
+    """Rows dequantized at a time: the largest divisor of ``n`` up to about
+    ``_BLOCK_VALUES / k`` (at least 128) made of whole scale blocks and a multiple of 8."""
+    target = max(128, _BLOCK_VALUES // max(k, 1))
+    for size in range(min(target, n), 7, -1):
+        if n % size == 0 and size % rows_per_scale == 0 and size % 8 == 0:
+            return size
+    return n
+
+
+def _block_product(a2, values, scales, minimums, *, fmt, group, rows_per_scale, dtype):
+    """``a2 [M, K] @ W.T`` for one block of rows ``W`` ``[bn, K]`` stored as ``values``
+    with ``scales`` (and ``minimums``) ``[bn / rows_per_scale, K / group]``."""
+    dims = (((1,), (1,)), ((), ()))
+
+    def rows(s):  # [bn / rows_per_scale, G] -> [bn, G, 1]
+        s = s.astype(jnp.float32)
+        return (jnp.repeat(s, rows_per_scale, axis=0) if rows_per_scale > 1 else s)[..., None]
+
+    bn = values.shape[0]
+    g = scales.shape[-1]
+    if fmt == "int4":
+        # The low nibbles hold the even columns and the high ones the odd columns: two
+        # products against a's even and odd columns, so no interleaving copy is made.
+        out = 0.0
+        for half, cols in ((values & 0xF, slice(0, None, 2)), (values >> 4, slice(1, None, 2))):
+            q = half.astype(jnp.float32)
+            if minimums is None:
+                q = q - 8.0
+            w = q.reshape(bn, g, group // 2) * rows(scales)
+            if minimums is not None:
+                w = w + rows(minimums)
+            out = out + jax.lax.dot_general(a2[:, cols], w.reshape(bn, -1).astype(dtype), dims,
+                                            preferred_element_type=jnp.float32, precision=_FULL)
+        return out
+    w = values.astype(jnp.float32).reshape(bn, g, group) * rows(scales)
+    if minimums is not None:
+        w = w + rows(minimums)
+    return jax.lax.dot_general(a2, w.reshape(bn, -1).astype(dtype), dims,
+                               preferred_element_type=jnp.float32, precision=_FULL)
+
+
+@dispatch.register("quantized_matmul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="dequantizes a block of rows at a time inside the product (CPU: "
+                               "not faster than float32, fp8 much slower; BENCHMARKS.md)")
+def quantized_matmul_xla(a, b, *, trans_b, alpha, beta, c, out_dtype):
+    lead, k = a.shape[:-1], a.shape[-1]
+    a2 = a.reshape(-1, k)  # [M, K]
+    acc = jnp.float32
+    with jax.named_scope("quantized_matmul"):
+        if trans_b:
+            rows_per_scale, group = b.full_block()
+            n = b.shape[0]
+            bn = _row_block(n, k, rows_per_scale)
+            nb = n // bn
+            split = lambda x: None if x is None else x.reshape(nb, -1, x.shape[-1])
+            product = lambda blk: _block_product(
+                a2, *blk, fmt=b.format, group=group, rows_per_scale=rows_per_scale,
+                dtype=a.dtype)
+            parts = (split(b.values), split(b.scales), split(b.minimums))
+            if nb == 1:
+                out = product(tuple(None if p is None else p[0] for p in parts))
+            else:
+                out = jax.lax.map(product, parts)  # [nb, M, bn]
+                out = jnp.moveaxis(out, 0, 1).reshape(a2.shape[0], n)
+        else:  # [K, N]: blocks run along the wrong axis for row blocks; dequantize whole
+            w = dequantize(b, a.dtype)
+            out = jax.lax.dot_general(a2, w, (((1,), (0,)), ((), ())),
+                                      preferred_element_type=acc, precision=_FULL)
+        out = out.reshape(*lead, -1)
+        if not (isinstance(alpha, float) and alpha == 1.0):
+            out = out * jnp.asarray(alpha, acc)
+        if c is not None:
+            out = out + jnp.asarray(beta, acc) * c.astype(acc)
+        return out.astype(out_dtype)

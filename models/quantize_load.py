@@ -1,0 +1,63 @@
+"""Quantizing a Llama's linear layers as its checkpoint loads (``from_pretrained(path,
+quantize="int8" | "int4" | "fp8")``), tensor by tensor, and counting a model's bytes.
+
+The projections (q/k/v, o, gate/up, down, and an untied ``lm_head``) become
+:class:`forge_jax.QuantizedArray` kernels, which :class:`~forge_jax.models.llama_model.Linear`
+multiplies with ``fj.matmul`` (dequantized inside the product); the embedding and the
+norms keep ``param_dtype``. Each kernel is quantized as soon as it is read, so the host
+holds one float copy of one tensor beyond the quantized model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+import forge_jax as fj
+from forge_jax.models.llama_model import Linear, Llama
+
+# --quantize's choices: format and its default group size along the in axis.
+FORMATS = {"int8": None, "int4": 32, "fp8": None}
+
+
+def check_quantize(quantize: str | None, group_size: int | None) -> None:
+    """Raises ValueError for a ``quantize`` or ``group_size`` from_pretrained cannot use."""
+    if quantize is None:
+        if group_size is not None:
+            raise ValueError(f"group_size={group_size} needs quantize=")
+        return
+    if quantize not in FORMATS:
+        raise ValueError(f"quantize={quantize!r} is not a format; choose one of "
+                         f"{', '.join(FORMATS)}")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(
+            group_size, int) or group_size <= 0 or group_size % 2):
+        raise ValueError(f"group_size must be a positive even int, got {group_size=!r}")
+
+
+def quantizer(quantize: str, group_size: int | None) -> Callable[[jax.Array], fj.QuantizedArray]:
+    """The function that quantizes one ``[out, in]`` kernel."""
+    group = FORMATS[quantize] if group_size is None else group_size
+
+    def convert(kernel: jax.Array) -> fj.QuantizedArray:
+        size = group if group is not None and kernel.shape[-1] % group == 0 else None
+        if group is not None and size is None:
+            raise ValueError(f"group_size={group} does not divide a kernel's in features "
+                             f"({kernel.shape[-1]}); choose another group_size")
+        return fj.quantize(kernel, quantize, group_size=size)
+
+    return convert
+
+
+def linear_kernels(model: Llama) -> list[nnx.Param]:
+    """The kernels of the model's linear layers (not the embedding, nor the norms)."""
+    return [module.kernel for _, module in nnx.iter_graph(model) if isinstance(module, Linear)]
+
+
+def parameter_bytes(model: Llama) -> int:
+    """Bytes of the model's parameters as stored (a quantized kernel's values, scales and
+    minimums), measured from the arrays."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves))
