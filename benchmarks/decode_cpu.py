@@ -1,8 +1,9 @@
-"""Steady-state batch-1 decode on CPU: forge_jax's Llama vs the memory-bandwidth limit and HF.
+"""Steady-state batch-1 decode on CPU: forge_jax's model vs the memory-bandwidth limit and HF.
 
-Builds a Llama-shaped model with random weights (by default the ~125M shape: 12 layers,
-hidden 768, 12 heads, 4 KV heads, intermediate 2048, vocab 32000, untied), saves it once
-with transformers' ``save_pretrained`` (safetensors) in float32 and in bfloat16, and
+Builds a Llama-shaped model (or, with ``--family``, the same shape as another family)
+with random weights (by default the ~125M shape: 12 layers, hidden 768, 12 heads, 4 KV
+heads, intermediate 2048, vocab 32000, untied), saves it once with transformers'
+``save_pretrained`` (safetensors) in float32 and in bfloat16, and
 measures in one run:
 
 * the memory bandwidth: a jitted ``jnp.sum`` over a 1 GiB float32 array, best of several;
@@ -23,6 +24,7 @@ Usage::
 
     python benchmarks/decode_cpu.py            # the 125M shape (a few minutes)
     python benchmarks/decode_cpu.py --quick    # tiny shape, seconds: a smoke test
+    python benchmarks/decode_cpu.py --family qwen2   # the same shape as a Qwen2 (q/k/v bias)
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidde
             num_attention_heads=12, num_key_value_heads=4)
 QUICK = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
+# --family -> (transformers config class, causal LM class, extra config fields)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": None}),
+}
 
 
 def cpu_model() -> str:
@@ -61,16 +71,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def save_checkpoints(shape: dict, directory: pathlib.Path, seed: int = 0):
-    """Random-weight HF Llama saved as float32 (``f32/``) and bfloat16 (``bf16/``)."""
+def save_checkpoints(shape: dict, directory: pathlib.Path, seed: int = 0,
+                     family: str = "llama"):
+    """Random-weight HF model of ``family`` saved as float32 (``f32/``) and bfloat16
+    (``bf16/``)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**shape, max_position_embeddings=2048,
-                                      tie_word_embeddings=False, rms_norm_eps=1e-6,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.LlamaForCausalLM(config).eval()
+    config_cls, model_cls, extra = FAMILIES[family]
+    extra = dict(extra)
+    if extra.get("head_dim", 0) is None:  # Gemma's default head_dim is 256: the shape's
+        extra["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    config = getattr(transformers, config_cls)(
+        **shape, **extra, max_position_embeddings=2048, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = getattr(transformers, model_cls)(config).eval()
     model.save_pretrained(directory / "f32", safe_serialization=True)
     model.to(torch.bfloat16).save_pretrained(directory / "bf16", safe_serialization=True)
     del model
@@ -142,6 +158,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (3)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (32)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (128)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama",
+                        help="the model family of the random checkpoint (default llama)")
     args = parser.parse_args(argv)
     quick = args.quick
     shape = QUICK if quick else FULL
@@ -159,14 +177,14 @@ def main(argv=None):
           f" | {cpu_model()}, {os.cpu_count()} cores | jax {jax.__version__} "
           f"({jax.default_backend()}) | torch {torch.__version__}, transformers "
           f"{transformers.__version__} (torch threads {torch.get_num_threads()})")
-    print(f"# shape {shape}; batch 1, prompt {prompt_len}, {new_tokens} new tokens, greedy, "
-          f"{rounds} round(s)")
+    print(f"# {args.family}, shape {shape}; batch 1, prompt {prompt_len}, {new_tokens} new "
+          f"tokens, greedy, {rounds} round(s)")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        save_checkpoints(shape, tmp)
+        save_checkpoints(shape, tmp, family=args.family)
         model = llama.from_pretrained(tmp / "f32")
         model_bf16 = llama.from_pretrained(tmp / "bf16")  # default: float32 weights
-        hf_model = transformers.LlamaForCausalLM.from_pretrained(
+        hf_model = getattr(transformers, FAMILIES[args.family][1]).from_pretrained(
             tmp / "f32", dtype=torch.float32).eval()
     hf_model.generation_config.pad_token_id = None
     prompt = [int(t) for t in np.random.default_rng(0).integers(

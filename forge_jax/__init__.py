@@ -23,6 +23,7 @@ from forge_jax.ops import (
     attention,
     copy_pages,
     embedding,
+    gelu_tanh_mul,
     matmul,
     paged_attention,
     paged_gather,
@@ -39,7 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ImplementationError", "RopeScaling", "attention", "backends", "dispatch", "embedding",
-    "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
+    "explain", "gelu_tanh_mul", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention", "sharding", "registry", "autotune_cache", "debug_checks",
