@@ -190,7 +190,9 @@ def test_each_family_feature_changes_the_logits(hf, checkpoints, name):
     tokens = _tokens(vocab, seed=1)
     expected = _hf_logits(ref, tokens)
     for field, value in CASES[name][3].items():
-        wrong = _with_config(model, dataclasses.replace(model.config, **{field: value}))
+        change = {field: value} if field != "sliding_window" else {field: value,
+                                                                   "layer_types": None}
+        wrong = _with_config(model, dataclasses.replace(model.config, **change))
         miss = np.abs(_logits(wrong, tokens) - expected).max()
         assert miss > 50 * LOGITS_TOL.atol, (field, miss)
 
@@ -231,6 +233,20 @@ def test_phi3_fused_checkpoint_round_trips(hf, checkpoints):
     assert set(exported) == set(saved)
     for name, value in exported.items():
         np.testing.assert_array_equal(value, saved[name].astype(np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma3_text"])
+def test_family_on_a_mesh_matches_transformers(hf, checkpoints, name):
+    """Loaded over tp=4 (each of the 2 KV heads stored twice; Phi-3's fused tensors and
+    Gemma 3's q/k norms placed by the same rules): transformers' greedy tokens."""
+    from forge_jax import sharding
+
+    directory, ref, vocab = checkpoints(name)
+    model = llama.from_pretrained(directory, mesh=sharding.make_mesh("tp=4"))
+    assert model.layout.kv_repeat == 2
+    prompts = [_tokens(vocab, seed=3)[0, :10].tolist()]
+    assert llama.generate(model, prompts, 5, eos_token_id=()) == [
+        _hf_greedy(ref, prompts[0], 5)]
 
 
 # --------------------------------------------------------------------------------------
