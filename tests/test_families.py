@@ -25,8 +25,8 @@ import pytest
 from flax import nnx
 
 import forge_jax as fj
-from forge_jax.models import families, llama
-from tests.cases.chat_checkpoint import build_tokenizer
+from forge_jax.models import families, llama, text
+from tests.cases.chat_checkpoint import TEMPLATE, build_tokenizer
 from tests.cases.cli import run
 
 LOGITS_TOL = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
@@ -89,7 +89,7 @@ def tokenizer_files(tmp_path_factory):
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-         "eos_token": "</s>", "model_max_length": 128}))
+         "eos_token": "</s>", "model_max_length": 128, "chat_template": TEMPLATE}))
     return directory, tok.get_vocab_size()
 
 
@@ -249,6 +249,22 @@ def test_family_on_a_mesh_matches_transformers(hf, checkpoints, name):
         _hf_greedy(ref, prompts[0], 5)]
 
 
+def test_chat_matches_transformers(hf, checkpoints):
+    """A chat turn with a Qwen2 checkpoint: transformers' chat template rendering and
+    greedy reply, decoded by its tokenizer, are what ``text.chat`` answers."""
+    _, transformers = hf
+    directory, ref, _ = checkpoints("qwen2")
+    messages = [{"role": "user", "content": "Hello there! How are you today?"}]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(directory)
+    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = hf_tok.decode(_hf_greedy(ref, ids, 6), skip_special_tokens=True)
+    model = llama.from_pretrained(directory)
+    got = text.chat(model, text.load_tokenizer(directory), messages, max_new_tokens=6,
+                    eos_token_id=())
+    assert want and got == want
+
+
 # --------------------------------------------------------------------------------------
 # Config fields: each read, irrelevant or refused
 
@@ -306,3 +322,4 @@ def test_cli_generates_text_with_every_family(hf, checkpoints, capsys):
                            "Hello there", "--max-new-tokens", "3", "--no-stream")
         assert rc == 0, (name, err)
         assert out.strip(), (name, out, err)
+        assert f": {name}, 2 layers" in out + err, (name, out, err)
