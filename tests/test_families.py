@@ -305,6 +305,30 @@ def test_unimplemented_settings_are_refused_by_name(hf, name):
     assert words.get(key, key) in message, message
 
 
+# transformers 4's config.json (the format of most checkpoints on the Hub): top-level RoPE
+# keys, no layer_types (the family's default pattern), Gemma 3's rope_local_base_freq and
+# sliding_window_pattern.
+OLD_FORMAT = {
+    "gemma3_text": dict(rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                        rope_local_base_freq=50.0, sliding_window_pattern=2),
+    "gemma2": dict(rope_theta=10000.0),
+    "qwen2": dict(rope_theta=1000.0),
+    "phi3": dict(rope_theta=10000.0, partial_rotary_factor=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_FORMAT))
+def test_transformers4_config_format_reads_the_same(hf, checkpoints, name):
+    """The transformers-4 keys give the config that the transformers-5 file (checked
+    against transformers above) gives."""
+    directory, _, _ = checkpoints(name)
+    raw = json.loads((directory / "config.json").read_text())
+    assert "rope_parameters" in raw
+    old = {k: v for k, v in raw.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(OLD_FORMAT[name])
+    assert llama.LlamaConfig.from_hf(old) == llama.load_config(directory)
+
+
 def test_mismatched_architecture_is_refused():
     with pytest.raises(ValueError, match=r"model_type='qwen2'.*MistralForCausalLM"):
         llama.LlamaConfig.from_hf(dict(model_type="qwen2", architectures=["MistralForCausalLM"],
