@@ -12,7 +12,9 @@ Each family lists its ``config.json`` keys in three groups: the keys it reads
 training, initialisation, caching flags) and the keys it refuses unless they hold a
 harmless value (``REFUSED``: a feature forge_jax does not implement is an error naming the
 key, never a silently different model). ``tests/test_families.py`` checks that every field
-of each family's transformers config is in one of them.
+of each family's transformers config is in one of them. Other keys are ignored, as
+transformers' model classes ignore them (a ``quantization_config`` is refused in every
+family: its tensors are not plain weights).
 """
 
 from __future__ import annotations
@@ -75,7 +77,13 @@ IRRELEVANT = frozenset({
     "pretraining_tp",
     # A longrope parameter; without a longrope scaling (refused) it changes nothing.
     "original_max_position_embeddings",
+    # Which KV cache class transformers' generate uses (Gemma's "hybrid"); ours is chosen
+    # per layer from layer_types.
+    "cache_implementation",
 })
+
+# Keys refused in every family unless absent or None.
+_REFUSED_EVERYWHERE = ("quantization_config",)
 
 _DROPOUT = (None, 0.0, 0)
 
@@ -135,6 +143,10 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     """
     config = dict(config)
     fam = family(config)
+    for key in _REFUSED_EVERYWHERE:
+        if config.get(key) is not None:
+            raise ValueError(f"unsupported config setting {key}={config[key]!r}: forge_jax "
+                             f"reads unquantized float checkpoints")
     for key, allowed in fam.refused.items():
         if config.get(key) not in allowed:
             raise ValueError(f"unsupported config setting {key}={config[key]!r} for "

@@ -336,6 +336,15 @@ def test_mismatched_architecture_is_refused():
                                        num_hidden_layers=1, num_attention_heads=1))
 
 
+def test_quantized_checkpoints_are_refused_in_every_family():
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=1, quantization_config={"quant_method": "awq", "bits": 4})
+    for fam in families.FAMILIES.values():
+        with pytest.raises(ValueError, match="quantization_config="):
+            llama.LlamaConfig.from_hf(dict(base, model_type=fam.model_type,
+                                           architectures=[fam.architecture]))
+
+
 # --------------------------------------------------------------------------------------
 # The command line
 
@@ -347,3 +356,4 @@ def test_cli_generates_text_with_every_family(hf, checkpoints, capsys):
         assert rc == 0, (name, err)
         assert out.strip(), (name, out, err)
         assert f": {name}, 2 layers" in out + err, (name, out, err)
+
