@@ -348,7 +348,8 @@ class LlamaDecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """A Llama decoder with its output head (HF ``LlamaForCausalLM``).
+    """A Llama decoder with its output head (HF ``LlamaForCausalLM``), or a decoder of
+    another family the config describes (:mod:`forge_jax.models.families`).
 
     Args:
       config: the :class:`LlamaConfig`.
