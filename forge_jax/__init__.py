@@ -21,10 +21,16 @@ from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
     RopeScaling,
     attention,
+    conv2d,
     copy_pages,
     embedding,
     gelu_tanh_mul,
+    grouped_matmul,
     matmul,
+    moe,
+    moe_permute,
+    moe_route,
+    moe_unpermute,
     paged_attention,
     paged_gather,
     paged_write,
@@ -39,8 +45,10 @@ from forge_jax.ops import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ImplementationError", "RopeScaling", "attention", "backends", "dispatch", "embedding",
-    "explain", "gelu_tanh_mul", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
+    "ImplementationError", "RopeScaling", "attention", "backends", "conv2d", "dispatch",
+    "embedding",
+    "explain", "gelu_tanh_mul", "grouped_matmul", "matmul", "rms_norm", "rope", "rope_cos_sin",
+    "silu_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention", "sharding", "registry", "autotune_cache", "debug_checks",
