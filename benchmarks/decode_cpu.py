@@ -1,8 +1,9 @@
-"""Steady-state batch-1 decode on CPU: forge_jax's Llama vs the memory-bandwidth limit and HF.
+"""Steady-state batch-1 decode on CPU: forge_jax's model vs the memory-bandwidth limit and HF.
 
-Builds a Llama-shaped model with random weights (by default the ~125M shape: 12 layers,
-hidden 768, 12 heads, 4 KV heads, intermediate 2048, vocab 32000, untied), saves it once
-with transformers' ``save_pretrained`` (safetensors) in float32 and in bfloat16, and
+Builds a Llama-shaped model (or, with ``--family``, the same shape as another family)
+with random weights (by default the ~125M shape: 12 layers, hidden 768, 12 heads, 4 KV
+heads, intermediate 2048, vocab 32000, untied), saves it once with transformers'
+``save_pretrained`` (safetensors) in float32 and in bfloat16, and
 measures in one run:
 
 * the memory bandwidth: a jitted ``jnp.sum`` over a 1 GiB float32 array, best of several;
@@ -39,6 +40,7 @@ Usage::
     python benchmarks/decode_cpu.py --prefill  # prefill at 128, 512, 2048 tokens (minutes)
     python benchmarks/decode_cpu.py --quick    # tiny shape, seconds: a smoke test
     python benchmarks/decode_cpu.py --prefill --quick
+    python benchmarks/decode_cpu.py --family qwen2   # the same shape as a Qwen2 (q/k/v bias)
 """
 
 from __future__ import annotations
@@ -67,6 +69,14 @@ FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidde
             num_attention_heads=12, num_key_value_heads=4)
 QUICK = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
+# --family -> (transformers config class, causal LM class, extra config fields)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": None}),
+}
 # The prefill's model: SmolLM2-135M's shape (head_dim 64), tied output head.
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
@@ -84,19 +94,23 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def save_checkpoints(shape: dict, directory: pathlib.Path, seed: int = 0, bf16: bool = True):
-    """Random-weight HF Llama saved as float32 (``f32/``) and, with ``bf16``, bfloat16
-    (``bf16/``). ``shape`` may set ``max_position_embeddings`` (2048) and
+def save_checkpoints(shape: dict, directory: pathlib.Path, seed: int = 0, bf16: bool = True,
+                     family: str = "llama"):
+    """Random-weight HF model of ``family`` saved as float32 (``f32/``) and, with ``bf16``,
+    bfloat16 (``bf16/``). ``shape`` may set ``max_position_embeddings`` (2048) and
     ``tie_word_embeddings`` (False)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{"max_position_embeddings": 2048,
-                                         "tie_word_embeddings": False, **shape},
-                                      rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
-                                      pad_token_id=None)
-    model = transformers.LlamaForCausalLM(config).eval()
+    config_cls, model_cls, extra = FAMILIES[family]
+    extra = dict(extra)
+    if extra.get("head_dim", 0) is None:  # Gemma's default head_dim is 256: the shape's
+        extra["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    config = getattr(transformers, config_cls)(
+        **{"max_position_embeddings": 2048, "tie_word_embeddings": False, **shape}, **extra,
+        rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = getattr(transformers, model_cls)(config).eval()
     model.save_pretrained(directory / "f32", safe_serialization=True)
     if bf16:
         model.to(torch.bfloat16).save_pretrained(directory / "bf16", safe_serialization=True)
@@ -280,6 +294,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (3)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (32)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (128)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama",
+                        help="the model family of the random checkpoint (default llama)")
     parser.add_argument("--prefill", action="store_true",
                         help="measure the prefill instead (SmolLM2-135M's shape)")
     parser.add_argument("--lengths", default=None,
@@ -303,14 +319,14 @@ def main(argv=None):
           f" | {cpu_model()}, {os.cpu_count()} cores | jax {jax.__version__} "
           f"({jax.default_backend()}) | torch {torch.__version__}, transformers "
           f"{transformers.__version__} (torch threads {torch.get_num_threads()})")
-    print(f"# shape {shape}; batch 1, prompt {prompt_len}, {new_tokens} new tokens, greedy, "
-          f"{rounds} round(s)")
+    print(f"# {args.family}, shape {shape}; batch 1, prompt {prompt_len}, {new_tokens} new "
+          f"tokens, greedy, {rounds} round(s)")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        save_checkpoints(shape, tmp)
+        save_checkpoints(shape, tmp, family=args.family)
         model = llama.from_pretrained(tmp / "f32")
         model_bf16 = llama.from_pretrained(tmp / "bf16")  # default: float32 weights
-        hf_model = transformers.LlamaForCausalLM.from_pretrained(
+        hf_model = getattr(transformers, FAMILIES[args.family][1]).from_pretrained(
             tmp / "f32", dtype=torch.float32).eval()
     hf_model.generation_config.pad_token_id = None
     prompt = [int(t) for t in np.random.default_rng(0).integers(

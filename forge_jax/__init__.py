@@ -27,6 +27,7 @@ from forge_jax.ops import (
     conv2d,
     copy_pages,
     embedding,
+    gelu_tanh_mul,
     grouped_matmul,
     matmul,
     moe,
@@ -50,8 +51,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ImplementationError", "RopeScaling", "attention", "backends", "conv2d", "dispatch",
     "embedding",
-    "explain", "grouped_matmul", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul",
-    "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
+    "explain", "gelu_tanh_mul", "grouped_matmul", "matmul", "rms_norm", "rope", "rope_cos_sin",
+    "silu_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention", "sharding", "targets", "aot", "registry", "autotune_cache",

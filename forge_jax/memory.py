@@ -110,6 +110,8 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
                  + 3 * hidden * inter + 2 * hidden)  # MLP, two norms
     if _get(config, "attention_bias", False):
         per_layer += 2 * q_dim + 2 * kv_dim - q_dim + hidden
+    elif _get(config, "qkv_bias", False):  # Qwen2: q, k and v only
+        per_layer += q_dim + 2 * kv_dim
     if _get(config, "mlp_bias", False):
         per_layer += 2 * inter + hidden
     params = vocab * hidden + layers * per_layer + hidden

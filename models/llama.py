@@ -3,9 +3,11 @@
 Covers what Hugging Face's ``LlamaForCausalLM`` configs describe: multi-head, grouped
 and multi-query attention, ``head_dim`` different from ``hidden_size //
 num_attention_heads``, tied or separate output embeddings, optional attention and MLP
-biases, and RoPE with no scaling or with the ``linear`` and ``llama3`` scalings.
-Anything else (another architecture, another rope type, another activation) is
-refused when the config is read, never run wrongly.
+biases, and RoPE with no scaling or with the ``linear`` and ``llama3`` scalings; and,
+as data in the same config, the Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 (text) and
+Phi-3 families (:mod:`forge_jax.models.families`). Anything else (another architecture,
+another rope type, another activation) is refused when the config is read, never run
+wrongly.
 
 Every numerical step is a forge_jax op (``fj.embedding``, ``fj.rms_norm`` with the
 fused residual add, ``fj.rope``, ``fj.attention`` or the KV cache's ``attend``,

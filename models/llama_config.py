@@ -1,5 +1,7 @@
-"""The Llama-family decoder's config: :class:`LlamaConfig`, read from a Hugging Face
-``config.json`` (:meth:`LlamaConfig.from_hf`), with the keys forge_jax refuses."""
+"""The decoder's config: :class:`LlamaConfig`, read from a Hugging Face ``config.json``
+(:meth:`LlamaConfig.from_hf`) of any family :mod:`forge_jax.models.families` lists (Llama,
+Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3): one model, the families' differences as
+fields of this config."""
 
 from __future__ import annotations
 
@@ -9,16 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import forge_jax as fj
+from forge_jax.models import families
+from forge_jax.models.families import FULL, SLIDING, SUPPORTED_ARCHITECTURES  # noqa: F401
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-
-# Config keys that change the computation and that forge_jax does not implement: refused
-# when present with a value other than the harmless one.
-_HARMLESS = {
-    "pretraining_tp": (None, 1),  # tensor-parallel slicing in training; same maths.
-    "attention_dropout": (None, 0.0, 0),
-    "mlp_dropout": (None, 0.0, 0),
-}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +25,33 @@ class LlamaConfig:
     to ``hidden_size // num_attention_heads``. ``rope_scaling`` is a
     :class:`forge_jax.RopeScaling` (an HF-style dict is converted) or None.
     ``eos_token_id`` is an int, a tuple of ints (Llama 3 lists several) or None.
+
+    The fields after ``model_type`` are the other families' differences (defaults: Llama):
+
+    * ``qkv_bias``: bias on q, k and v but not on o (Qwen2); ``attention_bias`` puts one
+      on all four.
+    * ``qk_norm``: an RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3).
+    * ``norm_offset``: every RMSNorm scales by ``norm_offset + weight`` (Gemma: 1).
+    * ``sandwich_norms``: norms after attention and after the MLP too, and one before the
+      MLP named ``pre_feedforward_layernorm`` (Gemma 2 and 3).
+    * ``scale_embeddings``: embeddings times ``sqrt(hidden_size)`` (Gemma).
+    * ``hidden_act``: ``"silu"`` (SwiGLU) or ``"gelu_pytorch_tanh"`` (GeGLU, Gemma).
+    * ``query_pre_attn_scalar``: attention scale ``query_pre_attn_scalar ** -0.5``
+      instead of ``head_dim ** -0.5`` (Gemma).
+    * ``attn_logit_softcapping``, ``final_logit_softcapping``: ``cap * tanh(x / cap)`` on
+      the attention logits and on the output logits (Gemma 2).
+    * ``sliding_window`` with ``layer_types`` (one ``"sliding_attention"`` or
+      ``"full_attention"`` per layer; None: every layer slides): the window of each layer
+      (Mistral, Gemma 2 and 3, Qwen with ``use_sliding_window``, Phi-3).
+    * ``rope_local_theta``: the RoPE base of the sliding layers, which are never scaled
+      (Gemma 3's ``rope_local_base_freq``); None: ``rope_theta`` for all.
+    * ``partial_rotary_factor``: RoPE on the first ``head_dim * factor`` dims of each
+      head (Phi-3).
+    * ``fused_checkpoint``: the checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused
+      (Phi-3) rather than q/k/v and gate/up apart.
+
+    All of them are static: one compiled step serves every layer kind, the per-layer
+    window and RoPE base being Python values of the unrolled layer loop.
     """
 
     vocab_size: int
@@ -50,6 +73,19 @@ class LlamaConfig:
     pad_token_id: int | None = None
     hidden_act: str = "silu"
     model_type: str = "llama"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0
+    fused_checkpoint: bool = False
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -70,8 +106,10 @@ class LlamaConfig:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got head_dim={self.head_dim}")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ValueError(f"RoPE needs an even rotated dimension, got head_dim={self.head_dim} "
+                             f"and partial_rotary_factor={self.partial_rotary_factor} "
+                             f"(rotary_dim={self.rotary_dim})")
         if isinstance(self.rope_scaling, Mapping):
             set_("rope_scaling", fj.RopeScaling.from_hf(dict(self.rope_scaling)))
         elif self.rope_scaling is not None and not isinstance(self.rope_scaling, fj.RopeScaling):
@@ -79,10 +117,31 @@ class LlamaConfig:
                             f"got {self.rope_scaling!r}")
         if isinstance(self.eos_token_id, list | tuple):
             set_("eos_token_id", tuple(int(e) for e in self.eos_token_id))
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act={self.hidden_act!r}: Llama uses 'silu'")
-        if self.model_type != "llama":
-            raise ValueError(f"unsupported model_type={self.model_type!r}: this is the Llama model")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act={self.hidden_act!r}: forge_jax implements "
+                             f"{ACTIVATIONS}")
+        if self.model_type not in families.FAMILIES:
+            raise ValueError(f"unsupported model_type={self.model_type!r}: forge_jax reads "
+                             f"{sorted(families.FAMILIES)}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {name}={value!r}")
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+        if self.layer_types is not None:
+            set_("layer_types", tuple(self.layer_types))
+            if (len(self.layer_types) != self.num_hidden_layers
+                    or set(self.layer_types) - {SLIDING, FULL}):
+                raise ValueError(f"layer_types={self.layer_types!r} must give num_hidden_layers="
+                                 f"{self.num_hidden_layers} entries, each {SLIDING!r} or {FULL!r}")
+            if SLIDING in self.layer_types and self.sliding_window is None:
+                raise ValueError(f"layer_types={self.layer_types!r} lists sliding layers but "
+                                 f"sliding_window is None")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
+                             f"partial_rotary_factor={self.partial_rotary_factor!r}")
         if not (isinstance(self.rms_norm_eps, int | float) and self.rms_norm_eps > 0):
             raise ValueError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
@@ -94,6 +153,34 @@ class LlamaConfig:
         if self.eos_token_id is None:
             return ()
         return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention logits' scale; None: the ops' default ``head_dim ** -0.5``."""
+        q = self.query_pre_attn_scalar
+        return None if q is None else float(q) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends within ``sliding_window`` (else to everything)."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == SLIDING
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``, or None (global attention)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def layer_rope(self, layer: int) -> tuple[float, fj.RopeScaling | None]:
+        """(RoPE base, scaling) of layer ``layer``: Gemma 3's sliding layers have their
+        own unscaled base."""
+        if self.rope_local_theta is not None and self.is_sliding(layer):
+            return float(self.rope_local_theta), None
+        return float(self.rope_theta), self.rope_scaling
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> LlamaConfig:
@@ -108,60 +195,9 @@ class LlamaConfig:
           ValueError: another architecture or ``model_type``, an unsupported rope type
             or activation, or a setting forge_jax does not implement.
         """
-        config = dict(config)
-        model_type = config.get("model_type", "llama")
-        architectures = config.get("architectures") or list(SUPPORTED_ARCHITECTURES)
-        unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
-        if model_type != "llama" or unsupported:
-            raise ValueError(
-                f"unsupported checkpoint: model_type={model_type!r}, "
-                f"architectures={architectures!r}; forge_jax's Llama model reads "
-                f"model_type 'llama' with architectures {list(SUPPORTED_ARCHITECTURES)}")
-        for key, allowed in _HARMLESS.items():
-            if config.get(key) not in allowed:
-                raise ValueError(f"unsupported config setting {key}={config[key]!r}")
-        theta, scaling = _rope_from_hf(config)
-        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "rope_scaling"}
-        kwargs = {k: config[k] for k in fields if k in config and config[k] is not None}
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in kwargs]
-        if missing:
-            raise ValueError(f"config.json lacks required keys {missing}")
-        return cls(**kwargs, rope_theta=theta, rope_scaling=scaling)
+        return cls(**families.config_kwargs(config))
 
 
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-
-
-_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-              "original_max_position_embeddings"}
-
-
-def _rope_from_hf(config: dict) -> tuple[float, fj.RopeScaling | None]:
-    """(rope_theta, scaling) from either HF config format."""
-    params = config.get("rope_parameters")
-    if params is None:
-        theta = config.get("rope_theta", 10000.0)
-        rope = config.get("rope_scaling")
-    else:
-        if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
-            raise ValueError(f"unsupported rope_parameters {params!r}: expected one flat dict "
-                             f"(per-layer-type RoPE is not part of the Llama architecture)")
-        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        rope = params
-    if rope:
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind in (None, "default") and "factor" in rope:
-            raise ValueError(f"rope parameters {rope!r} give a factor but no rope_type")
-        unknown = set(rope) - _ROPE_KEYS
-        if unknown and kind in ("linear", "llama3", "default", None):
-            # e.g. "attention_factor" or "partial_rotary_factor": not part of these types in
-            # transformers, and forge_jax will not guess what they mean.
-            raise ValueError(f"unsupported rope parameters {sorted(unknown)} in {rope!r}")
-    return float(theta), fj.RopeScaling.from_hf(dict(rope) if rope else None)
-
-
-# --------------------------------------------------------------------------------------
-# Modules

@@ -36,11 +36,23 @@ def hf_parameters(
                                          None),
            "model.norm.weight": (model.norm.weight, model.norm.weight.shape, same, None)}
 
-    def linear(name, lin: Linear):
+    def linear(name, lin: Linear, fused: bool = False):
         if not lin.parts:
             out[f"{name}.weight"] = (lin.kernel, lin.hf_shape(), lin.kernel_from_hf, None)
             if lin.bias is not None:
                 out[f"{name}.bias"] = (lin.bias, lin.bias.shape, same, None)
+            return
+        if fused:  # the checkpoint holds the parts as one tensor (Phi-3): offset rows
+            stored, source, offset = [], [], 0
+            for _, part_stored, part_source in lin.hf_rows():
+                stored.append(part_stored)
+                source.append(part_source + offset)
+                offset += int(part_source.max()) + 1
+            rows = (np.concatenate(stored), np.concatenate(source))
+            out[f"{name}.weight"] = (lin.kernel, (offset, lin.in_features),
+                                     lin.kernel_from_hf, rows)
+            if lin.bias is not None:
+                out[f"{name}.bias"] = (lin.bias, (offset,), same, rows)
             return
         prefix = name.rsplit(".", 1)[0]
         for part, stored, source in lin.hf_rows():
@@ -50,15 +62,15 @@ def hf_parameters(
             if lin.bias is not None:
                 out[f"{prefix}.{part}.bias"] = (lin.bias, (size,), same, (stored, source))
 
+    fused = model.config.fused_checkpoint
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            weight = getattr(layer, norm).weight
-            out[f"{p}.{norm}.weight"] = (weight, weight.shape, same, None)
+        for norm, module in layer.norms().items():
+            out[f"{p}.{norm}.weight"] = (module.weight, module.weight.shape, same, None)
         for proj in ("qkv_proj", "o_proj"):
-            linear(f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj))
+            linear(f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj), fused)
         for proj in ("gate_up_proj", "down_proj"):
-            linear(f"{p}.mlp.{proj}", getattr(layer.mlp, proj))
+            linear(f"{p}.mlp.{proj}", getattr(layer.mlp, proj), fused)
     if model.lm_head is not None:
         linear("lm_head", model.lm_head)
     return out

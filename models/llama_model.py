@@ -160,10 +160,16 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, param_dtype=jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
 
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, eps: float):
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None, *, eps: float,
+                 offset: float = 0.0):
         """``x`` [..., dim] -> ``y`` [..., dim]; with ``residual`` [..., dim], the fused
-        residual add: ``(y, h)`` with ``h = x + residual`` and ``y`` its norm."""
-        return fj.rms_norm(x, self.weight[...], eps=eps, residual=residual)
+        residual add: ``(y, h)`` with ``h = x + residual`` and ``y`` its norm. The scale is
+        ``offset + weight`` (Gemma stores ``weight - 1``: ``offset=1``), added in float32
+        as Gemma does."""
+        weight = self.weight[...]
+        if offset:
+            weight = weight.astype(jnp.float32) + offset
+        return fj.rms_norm(x, weight, eps=eps, residual=residual)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,13 +198,15 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 class LlamaAttention(nnx.Module):
-    """Grouped-query self-attention: the fused q/k/v projection, RoPE, the attention
-    (``attend``, which the caller gives) and the output projection."""
+    """Grouped-query self-attention: the fused q/k/v projection, the per-head q and k
+    norms (``config.qk_norm``), RoPE (over the first ``config.rotary_dim`` dimensions),
+    the attention (``attend``, which the caller gives) and the output projection."""
 
     def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype,
                  layout: TensorLayout = TensorLayout()):
         c = config
         kw = dict(use_bias=c.attention_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        qkv_kw = dict(kw, use_bias=c.attention_bias or c.qkv_bias)
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         # q, k and v in one [q + 2 kv, hidden] weight: one matrix-vector product per decode
         # step instead of three (measured a few percent faster on CPU); loading and export
@@ -206,11 +214,13 @@ class LlamaAttention(nnx.Module):
         kv_part = functools.partial(Part, rows=kv, unit=c.head_dim, repeat=layout.kv_repeat)
         self.qkv_proj = Linear(c.hidden_size, q + 2 * kv * layout.kv_repeat,
                                parts=(Part("q_proj", q), kv_part("k_proj"), kv_part("v_proj")),
-                               groups=layout.groups, **kw)
+                               groups=layout.groups, **qkv_kw)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
+        self.q_norm = RMSNorm(c.head_dim, param_dtype=param_dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, param_dtype=param_dtype) if c.qk_norm else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any = None,
-                 *, config: LlamaConfig) -> tuple[jax.Array, Any]:
+                 *, config: LlamaConfig, layer: int = 0) -> tuple[jax.Array, Any]:
         """Self-attention of ``x``.
 
         Args:
@@ -220,6 +230,7 @@ class LlamaAttention(nnx.Module):
             forward, or a KV cache's write and ``attend`` for this layer.
           cache: passed to ``attend`` and returned as it returns it.
           config: the model's config (head_dim, RoPE).
+          layer: this layer's index (its RoPE base: :meth:`LlamaConfig.layer_rope`).
 
         Returns:
           ``(out, cache)``: ``out`` ``[batch, t, hidden_size]``.
@@ -233,14 +244,27 @@ class LlamaAttention(nnx.Module):
             q = q.reshape(batch, t, c.num_attention_heads, c.head_dim)
             k = k.reshape(batch, t, -1, c.head_dim)
             v = v.reshape(batch, t, -1, c.head_dim)
-            q = fj.rope(q, positions, theta=c.rope_theta, scaling=c.rope_scaling)
-            k = fj.rope(k, positions, theta=c.rope_theta, scaling=c.rope_scaling)
+            if self.q_norm is not None:  # RMSNorm over each head, before RoPE
+                q = self.q_norm(q, eps=c.rms_norm_eps, offset=c.norm_offset)
+                k = self.k_norm(k, eps=c.rms_norm_eps, offset=c.norm_offset)
+            theta, scaling = c.layer_rope(layer)
+            q = _rope(q, positions, c.rotary_dim, theta, scaling)
+            k = _rope(k, positions, c.rotary_dim, theta, scaling)
             o, cache = attend(q, k, v, cache)  # [batch, t, heads, head_dim]
             return self.o_proj(o.reshape(batch, t, c.num_attention_heads * c.head_dim)), cache
 
 
+def _rope(x, positions, rotary_dim, theta, scaling):
+    """RoPE on the first ``rotary_dim`` dimensions of each head of ``x`` [b, t, heads,
+    head_dim]; the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``)."""
+    if rotary_dim == x.shape[-1]:
+        return fj.rope(x, positions, theta=theta, scaling=scaling)
+    rotated = fj.rope(x[..., :rotary_dim], positions, theta=theta, scaling=scaling)
+    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+
 class LlamaMLP(nnx.Module):
-    """``down(silu(gate(x)) * up(x))``."""
+    """``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
 
     def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype,
                  layout: TensorLayout = TensorLayout()):
@@ -251,16 +275,20 @@ class LlamaMLP(nnx.Module):
             parts=(("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
             groups=layout.groups, **kw)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, **kw)
+        self.gelu = c.hidden_act == "gelu_pytorch_tanh"
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x`` [..., hidden_size] -> [..., hidden_size]."""
         with jax.named_scope("mlp"):
             gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-            return self.down_proj(fj.silu_mul(gate, up))
+            act = fj.gelu_tanh_mul if self.gelu else fj.silu_mul
+            return self.down_proj(act(gate, up))
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """A pre-norm decoder block: ``h += attention(norm(h)); h += mlp(norm(h))``.
+    """A pre-norm decoder block: ``h += attention(norm(h)); h += mlp(norm(h))``; with
+    ``config.sandwich_norms`` (Gemma 2 and 3), ``h += norm(attention(norm(h))); h +=
+    norm(mlp(norm(h)))``.
 
     The residual adds are fused into the norms (``fj.rms_norm(x, w, residual=h)`` adds
     and normalises in one op), so a layer returns its MLP output unadded, with the
@@ -271,13 +299,30 @@ class LlamaDecoderLayer(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype,
                  layout: TensorLayout = TensorLayout()):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout)
-        self.input_layernorm = RMSNorm(config.hidden_size, param_dtype=param_dtype)
+        # Named as in HF: without sandwich norms, post_attention_layernorm is the MLP's input
+        # norm; with them, it norms the attention's output and pre_feedforward_layernorm is
+        # the MLP's input norm.
+        norm = functools.partial(RMSNorm, config.hidden_size, param_dtype=param_dtype)
+        self.input_layernorm = norm()
         self.self_attn = LlamaAttention(config, **kw)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, param_dtype=param_dtype)
+        self.post_attention_layernorm = norm()
+        sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = norm() if sandwich else None
+        self.post_feedforward_layernorm = norm() if sandwich else None
         self.mlp = LlamaMLP(config, **kw)
 
+    def norms(self) -> dict[str, RMSNorm]:
+        """HF name (under the layer) -> each RMSNorm of the layer, q and k norms included."""
+        out = {name: getattr(self, name) for name in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+            "post_feedforward_layernorm") if getattr(self, name) is not None}
+        if self.self_attn.q_norm is not None:
+            out["self_attn.q_norm"] = self.self_attn.q_norm
+            out["self_attn.k_norm"] = self.self_attn.k_norm
+        return out
+
     def __call__(self, x: jax.Array, residual: jax.Array | None, positions: jax.Array,
-                 attend: Attend, cache: Any = None, *, config: LlamaConfig
+                 attend: Attend, cache: Any = None, *, config: LlamaConfig, layer: int = 0
                  ) -> tuple[jax.Array, jax.Array, Any]:
         """One block.
 
@@ -285,24 +330,30 @@ class LlamaDecoderLayer(nnx.Module):
           x: ``[batch, t, hidden_size]``: the previous layer's MLP output, not yet added
             to ``residual``; for the first layer, the embeddings (``residual`` None).
           residual: ``[batch, t, hidden_size]``, the residual stream, or None.
-          positions, attend, cache, config: as :meth:`LlamaAttention.__call__` takes them.
+          positions, attend, cache, config, layer: as :meth:`LlamaAttention.__call__`
+            takes them.
 
         Returns:
           ``(mlp_out, residual, cache)``: the MLP output (to add to ``residual``) and the
           residual stream, both ``[batch, t, hidden_size]``; the cache ``attend`` returned.
         """
-        eps = config.rms_norm_eps
+        kw = dict(eps=config.rms_norm_eps, offset=config.norm_offset)
         if residual is None:
-            y, residual = self.input_layernorm(x, eps=eps), x
+            y, residual = self.input_layernorm(x, **kw), x
         else:
-            y, residual = self.input_layernorm(x, residual, eps=eps)
-        x, cache = self.self_attn(y, positions, attend, cache, config=config)
-        y, residual = self.post_attention_layernorm(x, residual, eps=eps)
-        return self.mlp(y), residual, cache
+            y, residual = self.input_layernorm(x, residual, **kw)
+        x, cache = self.self_attn(y, positions, attend, cache, config=config, layer=layer)
+        if self.pre_feedforward_layernorm is None:
+            y, residual = self.post_attention_layernorm(x, residual, **kw)
+            return self.mlp(y), residual, cache
+        x = self.post_attention_layernorm(x, **kw)
+        y, residual = self.pre_feedforward_layernorm(x, residual, **kw)
+        return self.post_feedforward_layernorm(self.mlp(y), **kw), residual, cache
 
 
 class Llama(nnx.Module):
-    """A Llama decoder with its output head (HF ``LlamaForCausalLM``).
+    """A Llama decoder with its output head (HF ``LlamaForCausalLM``), or a decoder of
+    another family the config describes (:mod:`forge_jax.models.families`).
 
     Args:
       config: the :class:`LlamaConfig`.
@@ -368,8 +419,8 @@ class Llama(nnx.Module):
                 f"allow_beyond_max_positions=True if its RoPE scaling extends the range")
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
-        def attend(i, q, k, v, cache):
-            return fj.attention(q, k, v, causal=True), cache
+        def attend(i, q, k, v, cache, **kw):
+            return fj.attention(q, k, v, causal=True, **kw), cache
 
         hidden, _ = self._decoder(tokens, positions, attend, None)
         return self._logits(hidden)
@@ -413,13 +464,14 @@ class Llama(nnx.Module):
             cache.lengths.astype(jnp.int32),
             jnp.max(jnp.where(valid, positions.astype(jnp.int32) + 1, 0), axis=1))
 
-        def attend(i, q, k, v, cache):
+        def attend(i, q, k, v, cache, **kw):
             cache = cache.write(i, k, v, positions, valid)
             if empty_cache:
                 # The keys as the cache holds them (its dtype), as decode will read them.
                 k, v = k.astype(cache.dtype), v.astype(cache.dtype)
-                return fj.attention(q, k, v, causal=True), cache
-            return cache.attend(i, q, q_positions=positions, kv_lengths=new_lengths), cache
+                return fj.attention(q, k, v, causal=True, **kw), cache
+            return cache.attend(i, q, q_positions=positions, kv_lengths=new_lengths,
+                                **kw), cache
 
         hidden, cache = self._decoder(tokens, positions, attend, cache)
         cache = cache.with_lengths(new_lengths)
@@ -442,28 +494,39 @@ class Llama(nnx.Module):
     def _layers(self, tokens, positions, attend: Callable, cache):
         batch = tokens.shape[0]
         x = fj.embedding(self.embed_tokens[...], tokens).astype(self.dtype)  # [b, t, d]
+        if self.config.scale_embeddings:  # Gemma: sqrt(hidden) rounded to the dtype, as HF
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.dtype)
         if self.mesh is not None:  # the batch rows stay on their data-axis shard throughout
             rows = self.mesh.batch_axis(batch)
             x = jax.lax.with_sharding_constraint(x, self.mesh.sharding(rows, None, None))
         residual = None
+        c = self.config
         for i, layer in enumerate(self.layers):
+            # The layer's attention settings are Python values: the loop is unrolled into
+            # one program, so sliding and global layers compile once, together.
+            kw = dict(scale=c.attention_scale, sliding_window=c.layer_window(i),
+                      logits_soft_cap=c.attn_logit_softcapping)
             with jax.named_scope(f"layer_{i}"):
                 x, residual, cache = layer(x, residual, positions,
-                                           functools.partial(attend, i), cache,
-                                           config=self.config)
-        hidden = self.norm(x, residual, eps=self.config.rms_norm_eps)[0]
+                                           functools.partial(attend, i, **kw), cache,
+                                           config=c, layer=i)
+        hidden = self.norm(x, residual, eps=c.rms_norm_eps, offset=c.norm_offset)[0]
         return hidden, cache
 
     def _logits(self, hidden):
         """hidden ``[..., hidden_size]`` -> float32 logits ``[..., vocab]``."""
         with jax.named_scope("lm_head"):
             if self.lm_head is not None:
-                return self.lm_head(hidden, out_dtype=jnp.float32)
-            lead = hidden.shape[:-1]
-            table = self.embed_tokens[...].astype(self.dtype)  # [vocab, hidden]
-            logits = fj.matmul(hidden.reshape(-1, hidden.shape[-1]), table, trans_b=True,
-                               out_dtype=jnp.float32)
-            return logits.reshape(*lead, table.shape[0])
+                logits = self.lm_head(hidden, out_dtype=jnp.float32)
+            else:
+                lead = hidden.shape[:-1]
+                table = self.embed_tokens[...].astype(self.dtype)  # [vocab, hidden]
+                logits = fj.matmul(hidden.reshape(-1, hidden.shape[-1]), table, trans_b=True,
+                                   out_dtype=jnp.float32).reshape(*lead, table.shape[0])
+            cap = self.config.final_logit_softcapping
+            if cap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32
+                logits = cap * jnp.tanh(logits / cap)
+            return logits
 
 
 def _check_tokens(tokens, vocab_size):

@@ -49,6 +49,8 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
     b, bucket, _, max_pages = cache_plan(batch, seq_len, max_new_tokens, "paged", page_size)
     num_pages = b * max_pages
     heads, kv_heads, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    rot = c.rotary_dim  # RoPE's dims (all of head_dim but with Phi-3's partial rotary)
+    act = "gelu_tanh_mul" if c.hidden_act == "gelu_pytorch_tanh" else "silu_mul"
     q_dim, kv_dim = heads * hd, kv_heads * hd
 
     def normal(*shape):
@@ -75,9 +77,9 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
         calls += [
             ("embedding", (normal(c.vocab_size, c.hidden_size), ids), {}),
             ("rms_norm", (x, normal(c.hidden_size)), dict(eps=c.rms_norm_eps)),
-            linear(b * t, q_dim + 2 * kv_dim, c.hidden_size, c.attention_bias),
-            ("rope", (q, positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
-            ("rope", (normal(b, t, kv_heads, hd), positions),
+            linear(b * t, q_dim + 2 * kv_dim, c.hidden_size, c.attention_bias or c.qkv_bias),
+            ("rope", (q[..., :rot], positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
+            ("rope", (normal(b, t, kv_heads, rot), positions),
              dict(theta=c.rope_theta, scaling=c.rope_scaling)),
             ("paged_write", (pages, pages, kv, kv, slots.reshape(-1)), {}),
             # The prefill's prompts attend to themselves (a new cache: see
@@ -89,7 +91,7 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
             linear(b * t, c.hidden_size, q_dim, c.attention_bias),
             ("rms_norm", (x, normal(c.hidden_size)), dict(eps=c.rms_norm_eps, residual=x)),
             linear(b * t, 2 * c.intermediate_size, c.hidden_size, c.mlp_bias),
-            ("silu_mul", (normal(b, t, c.intermediate_size),) * 2, {}),
+            (act, (normal(b, t, c.intermediate_size),) * 2, {}),
             linear(b * t, c.hidden_size, c.intermediate_size, c.mlp_bias),
             linear(b, c.vocab_size, c.hidden_size, False, out_dtype=jnp.dtype(jnp.float32)),
         ]

@@ -95,8 +95,8 @@ class ShardingPlan:
                 out[id(lin.bias)] = m.sharding(tp) if rows else m.replicated()
 
         for layer in model.layers:
-            out[id(layer.input_layernorm.weight)] = m.replicated()
-            out[id(layer.post_attention_layernorm.weight)] = m.replicated()
+            for norm in layer.norms().values():
+                out[id(norm.weight)] = m.replicated()
             linear(layer.self_attn.qkv_proj, rows=True)
             linear(layer.self_attn.o_proj, rows=False)
             linear(layer.mlp.gate_up_proj, rows=True)

@@ -242,7 +242,8 @@ def test_config_formats_agree():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "mistral"),
+    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "gpt2"),
+    (dict(architectures=["MistralForCausalLM"]), "MistralForCausalLM"),  # != model_type
     (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
     (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "dynamic"),

@@ -20,6 +20,7 @@ from cases.references import (
     attention_ref,
     embedding_ref,
     f64,
+    gelu_tanh_mul_ref,
     matmul_ref,
     rms_norm_ref,
     rope_cos_sin_ref,
@@ -151,6 +152,24 @@ def test_silu_mul_extreme_gates():
     gate = jnp.asarray(np.array([-100.0, -30.0, -1.0, 0.5, 30.0, 100.0], np.float32))
     up = jnp.asarray(np.array([1.0, 2.0, -3.0, 4.0, -5.0, 6.0], np.float32))
     assert_close(jcall(fj.silu_mul, gate, up), silu_mul_ref(gate, up))
+
+
+@dtypes
+@pytest.mark.parametrize("shape", [(1,), (5, 7), (2, 3, 64)], ids=case_id)
+def test_gelu_tanh_mul(dtype, shape):
+    g = rng(61, *shape)
+    gate, up = normal(g, shape, dtype, scale=4.0), normal(g, shape, dtype)
+    out = jcall(fj.gelu_tanh_mul, gate, up)
+    assert out.dtype == dtype
+    assert_close(out, gelu_tanh_mul_ref(gate, up))
+
+
+def test_gelu_tanh_mul_extreme_gates_and_mixed_dtypes():
+    gate = jnp.asarray(np.array([-100.0, -30.0, -1.0, 0.5, 30.0, 100.0], np.float32))
+    up = jnp.asarray(np.array([1.0, 2.0, -3.0, 4.0, -5.0, 6.0], np.float32))
+    assert_close(jcall(fj.gelu_tanh_mul, gate, up), gelu_tanh_mul_ref(gate, up))
+    with pytest.raises(TypeError, match="dtype"):
+        fj.gelu_tanh_mul(gate, up.astype(jnp.bfloat16))
 
 
 @dtypes

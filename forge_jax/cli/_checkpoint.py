@@ -92,8 +92,8 @@ def read_checkpoint(args: argparse.Namespace):
 
 
 def describe(model, path, args: argparse.Namespace) -> str:
-    """``DIR: Llama, 2 layers, hidden 64, ... M parameters, float32, paged cache``, and the
-    mesh it is sharded over, if any."""
+    """``DIR: llama, 2 layers, hidden 64, ... M parameters, float32, paged cache`` (the
+    family: config.json's model_type), and the mesh it is sharded over, if any."""
     import math
 
     import jax
@@ -106,7 +106,7 @@ def describe(model, path, args: argparse.Namespace) -> str:
                                 is_leaf=lambda v: isinstance(v, nnx.Variable))
     params = sum(math.prod(v.get_value().shape) for v in variables)  # quantized: logical
     quantized = getattr(args, "quantize", None)
-    return (f"{path}: Llama, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+    return (f"{path}: {c.model_type}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
             f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, vocab "
             f"{c.vocab_size}, {params / 1e6:.2f} M parameters "
             f"({quantize_load.parameter_bytes(model) / 1e6:.1f} MB"

@@ -7,10 +7,11 @@ An op's *compute inputs* share one float dtype, and its result is in that dtype 
 any work and whatever ``jax_numpy_dtype_promotion`` says: the ops never promote one input
 or round another silently (cast explicitly). The compute inputs are: ``matmul``'s ``a``
 and ``b``; ``rms_norm``'s ``x`` and ``residual`` (their sum is rounded to ``x.dtype``);
-``silu_mul``'s ``gate`` and ``up``; ``grouped_matmul``'s and ``conv2d``'s ``x`` and ``w``;
-``paged_write``'s new ``k`` and ``v``. ``rope``, ``softmax`` and ``embedding`` have one
-float input, whose dtype the result keeps; ``moe_route``'s weights are float32 whatever
-its logits' dtype (routing weights are probabilities, kept in float32 to be combined).
+``silu_mul``'s and ``gelu_tanh_mul``'s ``gate`` and ``up``; ``grouped_matmul``'s and
+``conv2d``'s ``x`` and ``w``; ``paged_write``'s new ``k`` and ``v``. ``rope``, ``softmax`` and
+``embedding`` have one float input, whose dtype the result keeps; ``moe_route``'s weights are
+float32 whatever its logits' dtype (routing weights are probabilities, kept in float32 to be
+combined).
 
 Two kinds of inputs are *storage*, not compute: any float dtype is accepted, read exactly
 into the op's float32 math, and the result keeps the compute dtype.
@@ -25,7 +26,7 @@ into the op's float32 math, and the result keeps the compute dtype.
   the queries may differ. ``paged_write`` stores new keys and values in the pools' dtype.
 """
 
-from forge_jax.ops.activation import silu_mul, softmax
+from forge_jax.ops.activation import gelu_tanh_mul, silu_mul, softmax
 from forge_jax.ops.attention import attention
 from forge_jax.ops.conv import conv2d
 from forge_jax.ops.embedding import embedding
@@ -40,7 +41,7 @@ from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin
 __all__ = [
     "RopeScaling", "attention", "conv2d", "embedding", "grouped_matmul", "matmul", "rms_norm",
     "rope", "rope_cos_sin",
-    "silu_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
+    "silu_mul", "gelu_tanh_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "copy_pages", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
 ]

@@ -55,6 +55,35 @@ def silu_mul_xla(gate, up):
         return (jax.nn.silu(g) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
+def gelu_tanh_mul(gate, up, *, implementation=None):
+    """The gated-linear-unit activation of Gemma's MLP (GeGLU): ``gelu_tanh(gate) * up``.
+
+    ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))``, the tanh
+    approximation of GELU (PyTorch's ``gelu(approximate="tanh")``, Hugging Face's
+    ``gelu_pytorch_tanh``), computed in float32.
+
+    Args:
+      gate, up: arrays of the same shape and the same float dtype (the dtype rule of
+        :mod:`forge_jax.ops`: a mix raises TypeError).
+      implementation: ``None`` (auto) or a registered implementation name.
+
+    Returns:
+      ``gelu_tanh(gate) * up`` in the inputs' dtype.
+    """
+    return dispatch.call("gelu_tanh_mul", _silu_mul_args(gate, up), implementation)
+
+
+dispatch.define("gelu_tanh_mul", _silu_mul_args, partition=_silu_mul_partition)
+
+
+@dispatch.register("gelu_tanh_mul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
+                   description="jnp, float32 math")
+def gelu_tanh_mul_xla(gate, up):
+    with jax.named_scope("gelu_tanh_mul"):
+        g = gate.astype(jnp.float32)
+        return (jax.nn.gelu(g, approximate=True) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 def _softmax_args(x, *, axis=-1, where=None):
     _checks.array("x", x, min_ndim=1)
     if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:

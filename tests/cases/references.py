@@ -76,6 +76,12 @@ def silu_mul_ref(gate, up):
     return g * sigmoid_ref(g) * f64(up)
 
 
+def gelu_tanh_mul_ref(gate, up):
+    """``gelu_tanh(gate) * up`` in float64, tanh-approximate GELU written out."""
+    g = f64(gate)
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3))) * f64(up)
+
+
 def softmax_ref(x, *, axis=-1, where=None):
     """Masked softmax; ``-inf`` entries count as masked; a row with nothing valid -> zeros;
     ``+inf`` entries share their row equally; NaN in a valid entry makes its row NaN."""
