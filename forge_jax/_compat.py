@@ -7,9 +7,11 @@ release touches one file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -88,16 +90,46 @@ def export_for_cuda(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return export_for(fn, ["cuda"], *args, **kwargs)
 
 
+# The GPU a CUDA lowering targets on a machine without one. The Triton lowering needs a
+# compute capability: JAX 0.10 fell back to 9.0 by itself; from 0.12 it raises "No supported
+# GPU devices found, please specify an abstract GPU device" unless an abstract mesh names
+# the device. An H100 (compute capability 9.0) keeps 0.10's target on every release.
+ABSTRACT_GPU = dict(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.local_devices(backend="gpu"))
+    except RuntimeError:  # no GPU backend in this process
+        return False
+
+
+@contextlib.contextmanager
+def gpu_lowering_target() -> Iterator[None]:
+    """Within it, Pallas' Triton lowering targets :data:`ABSTRACT_GPU` when this process
+    has no GPU and no abstract device is set (a compile target's, for instance); otherwise
+    it changes nothing."""
+    if _has_gpu() or jax.sharding.get_abstract_mesh().abstract_device is not None:
+        yield
+        return
+    device = jax.sharding.AbstractDevice(**ABSTRACT_GPU)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
+                                                                  abstract_device=device)):
+        yield
+
+
 def export_for(fn: Any, platforms: Any, *args: Any, **kwargs: Any) -> Any:
     """``jax.export`` of ``jax.jit(fn)(*args, **kwargs)`` for ``platforms`` (a sequence of
     lowering platforms), on any machine; Triton kernel calls are allowed in a CUDA lowering
-    (as :func:`export_for_cuda`). Returns the ``jax.export.Exported``."""
+    (as :func:`export_for_cuda`), which targets :data:`ABSTRACT_GPU` where there is no GPU.
+    Returns the ``jax.export.Exported``."""
     platforms = list(platforms)
+    target = contextlib.nullcontext()
+    checks = []
     if "cuda" in platforms:
         checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    else:
-        checks = []
-    with warnings.catch_warnings():
+        target = gpu_lowering_target()
+    with warnings.catch_warnings(), target:
         warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
         return jax.export.export(jax.jit(fn), platforms=platforms,
                                  disabled_checks=checks)(*args, **kwargs)
