@@ -16,13 +16,29 @@ measures in one run:
   steps), best of its default thread count and one thread;
 * the bfloat16 checkpoint loaded with the default ``from_pretrained`` (float32 compute).
 
+With ``--prefill``, measures the prompt's side instead, on SmolLM2-135M's shape (30
+layers, hidden 576, 9 query / 3 KV heads, intermediate 1536, vocab 49152, tied output
+head) in float32, batch 1, at each ``--lengths`` prompt length (128, 512, 2048):
+
+* our jitted forward pass, ``model(tokens)`` (logits at every position, as transformers'
+  forward returns them), the weights as arguments (``nnx.split`` / ``nnx.merge``);
+* ``generate_with_stats``' own prefill (``prefill_seconds``: the compiled prefill step,
+  which writes the KV cache and samples the first token), paged and contiguous cache,
+  after a first call per length that compiles it and pays the first-run initialisation
+  of its CPU runtimes (reported apart, as "first call");
+* transformers' eager forward on the same checkpoint (``torch.inference_mode``), with
+  logits at every position and, as its own ``generate`` prefills, at the last only
+  (``logits_to_keep=1``); each the faster of torch's default thread count and one thread.
+
 Measurements are interleaved over ``--rounds`` rounds and each keeps its best round, so
 that a burst of load from other processes hurts one sample, not one contender.
 
 Usage::
 
     python benchmarks/decode_cpu.py            # the 125M shape (a few minutes)
+    python benchmarks/decode_cpu.py --prefill  # prefill at 128, 512, 2048 tokens (minutes)
     python benchmarks/decode_cpu.py --quick    # tiny shape, seconds: a smoke test
+    python benchmarks/decode_cpu.py --prefill --quick
 """
 
 from __future__ import annotations
@@ -43,12 +59,19 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from flax import nnx  # noqa: E402
+
 from forge_jax.models import llama, llama_hf  # noqa: E402
 
 FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=12, num_key_value_heads=4)
 QUICK = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
+# The prefill's model: SmolLM2-135M's shape (head_dim 64), tied output head.
+SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+            max_position_embeddings=8192, tie_word_embeddings=True)
+QUICK_TIED = dict(QUICK, tie_word_embeddings=True)
 
 
 def cpu_model() -> str:
@@ -61,18 +84,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def save_checkpoints(shape: dict, directory: pathlib.Path, seed: int = 0):
-    """Random-weight HF Llama saved as float32 (``f32/``) and bfloat16 (``bf16/``)."""
+def save_checkpoints(shape: dict, directory: pathlib.Path, seed: int = 0, bf16: bool = True):
+    """Random-weight HF Llama saved as float32 (``f32/``) and, with ``bf16``, bfloat16
+    (``bf16/``). ``shape`` may set ``max_position_embeddings`` (2048) and
+    ``tie_word_embeddings`` (False)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**shape, max_position_embeddings=2048,
-                                      tie_word_embeddings=False, rms_norm_eps=1e-6,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = transformers.LlamaConfig(**{"max_position_embeddings": 2048,
+                                         "tie_word_embeddings": False, **shape},
+                                      rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+                                      pad_token_id=None)
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(directory / "f32", safe_serialization=True)
-    model.to(torch.bfloat16).save_pretrained(directory / "bf16", safe_serialization=True)
+    if bf16:
+        model.to(torch.bfloat16).save_pretrained(directory / "bf16", safe_serialization=True)
     del model
 
 
@@ -135,6 +162,117 @@ def hf_ms(hf_model, prompt, new_tokens, threads) -> float:
         torch.set_num_threads(old)
 
 
+def forward_fn(model: llama.Llama):
+    """``f(tokens) -> logits``: the model's jitted forward, its weights passed as arguments."""
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    return lambda tokens: step(state, tokens)
+
+
+def timed(fn, *args) -> float:
+    """Seconds until ``fn(*args)``'s result is ready."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def hf_forward_s(hf_model, prompt, logits_to_keep: int = 0) -> float:
+    """Seconds of transformers' eager forward over ``prompt`` (logits at every position,
+    or at the last ``logits_to_keep``): the faster of torch's default thread count and
+    one thread (a loaded machine can make one thread faster)."""
+    import torch
+
+    old = torch.get_num_threads()
+    best = float("inf")
+    try:
+        for threads in sorted({old, 1}, reverse=True):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                ids = torch.tensor([prompt], dtype=torch.long)
+                start = time.perf_counter()
+                hf_model(input_ids=ids, logits_to_keep=logits_to_keep)  # eager: done on return
+                best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(old)
+    return best
+
+
+def ours_prefill_s(model, prompt, cache) -> float:
+    """``generate_with_stats``' prefill seconds (compilation excluded) for one new token."""
+    return llama.generate_with_stats(model, [prompt], 1, cache=cache)[1].prefill_seconds
+
+
+def main_prefill(args):
+    """Prefill at several prompt lengths: our forward and generate's prefill against
+    transformers' forward, interleaved (see the module docstring)."""
+    import torch
+    import transformers
+
+    quick = args.quick
+    shape = QUICK_TIED if quick else SMOL
+    rounds = args.rounds or (1 if quick else 3)
+    lengths = [int(n) for n in (args.lengths or ("8,32" if quick else "128,512,2048")
+                                ).split(",")]
+    transformers.utils.logging.disable_progress_bar()
+    now = datetime.datetime.now(datetime.UTC)
+    print(f"# decode_cpu --prefill {'--quick ' if quick else ''}| {now:%Y-%m-%d %H:%M} UTC"
+          f" | {cpu_model()}, {os.cpu_count()} cores | jax {jax.__version__} "
+          f"({jax.default_backend()}) | torch {torch.__version__}, transformers "
+          f"{transformers.__version__} (torch threads {torch.get_num_threads()})")
+    print(f"# shape {shape}; float32, batch 1, prompts of {lengths} tokens, {rounds} round(s)")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        save_checkpoints(shape, tmp, bf16=False)
+        model = llama.from_pretrained(tmp / "f32")
+        hf_model = transformers.LlamaForCausalLM.from_pretrained(
+            tmp / "f32", dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    prompts = {n: [int(t) for t in rng.integers(0, shape["vocab_size"], n)] for n in lengths}
+    forward = forward_fn(model)
+    tokens = {n: jnp.asarray([p], jnp.int32) for n, p in prompts.items()}
+    contenders = {
+        "forward": lambda n: timed(forward, tokens[n]),
+        "paged": lambda n: ours_prefill_s(model, prompts[n], "paged"),
+        "contiguous": lambda n: ours_prefill_s(model, prompts[n], "contiguous"),
+        "hf": lambda n: hf_forward_s(hf_model, prompts[n]),
+        "hf_last": lambda n: hf_forward_s(hf_model, prompts[n], logits_to_keep=1),
+    }
+    # Warm-up: compile every step; the first generate call per length also pays the
+    # first-run initialisation of the compiled prefill (kept apart as "first call").
+    first = {(key, n): fn(n) for n in lengths for key, fn in contenders.items()}
+    samples = {key: {n: [] for n in lengths} for key in contenders}
+    for _ in range(rounds):
+        for n in lengths:
+            for key, fn in contenders.items():
+                samples[key][n].append(fn(n))
+    best = {key: {n: min(v) for n, v in by_n.items()} for key, by_n in samples.items()}
+
+    labels = {"forward": "forge_jax forward (all logits)",
+              "paged": "forge_jax generate prefill, paged",
+              "contiguous": "forge_jax generate prefill, contiguous",
+              "hf": "HF transformers forward (all logits)",
+              "hf_last": "HF transformers forward (last logits)"}
+    width = max(len(v) for v in labels.values())
+    print(f"\n| {'prefill, best of ' + str(rounds):<{width}} | "
+          + " | ".join(f"{str(n) + ' tokens':>23}" for n in lengths) + " |")
+    print(f"|{'-' * (width + 2)}|" + "|".join("-" * 25 for _ in lengths) + "|")
+    for key, label in labels.items():
+        cells = [f"{1e3 * best[key][n]:6.0f} ms {n / best[key][n]:6.0f} tok/s" for n in lengths]
+        print(f"| {label:<{width}} | " + " | ".join(f"{c:>23}" for c in cells) + " |")
+    print()
+    for key in ("paged", "contiguous"):
+        print(f"generate prefill, {key}: first call (first-run init included) "
+              + ", ".join(f"{1e3 * first[(key, n)]:.0f} ms at {n}" for n in lengths))
+    for key in ("forward", "paged", "contiguous"):
+        print(f"{labels[key]}: "
+              + ", ".join(f"{best['hf'][n] / best[key][n]:.2f}x" for n in lengths)
+              + " HF forward's speed at " + "/".join(map(str, lengths)) + " tokens")
+    met = [n for n in lengths if best["paged"][n] <= best["hf"][n]]
+    print(f"target (generate's paged prefill at least as fast as HF's forward): "
+          f"met at {met or 'no length'} of {lengths}")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -142,7 +280,13 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (3)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (32)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (128)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="measure the prefill instead (SmolLM2-135M's shape)")
+    parser.add_argument("--lengths", default=None,
+                        help="with --prefill: comma-separated prompt lengths (128,512,2048)")
     args = parser.parse_args(argv)
+    if args.prefill:
+        return main_prefill(args)
     quick = args.quick
     shape = QUICK if quick else FULL
     rounds = args.rounds or (1 if quick else 3)

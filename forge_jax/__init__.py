@@ -6,6 +6,7 @@ hardware allows. See README.md for a tour.
 """
 
 from forge_jax import (
+    aot,
     autotune_cache,
     autotuning,
     backends,
@@ -13,6 +14,7 @@ from forge_jax import (
     kv_cache,
     registry,
     sharding,
+    targets,
     tolerances,
 )
 from forge_jax._checks import debug_checks
@@ -21,9 +23,15 @@ from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
     RopeScaling,
     attention,
+    conv2d,
     copy_pages,
     embedding,
+    grouped_matmul,
     matmul,
+    moe,
+    moe_permute,
+    moe_route,
+    moe_unpermute,
     paged_attention,
     paged_gather,
     paged_write,
@@ -38,9 +46,12 @@ from forge_jax.ops import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ImplementationError", "RopeScaling", "attention", "backends", "dispatch", "embedding",
-    "explain", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul", "softmax",
+    "ImplementationError", "RopeScaling", "attention", "backends", "conv2d", "dispatch",
+    "embedding",
+    "explain", "grouped_matmul", "matmul", "rms_norm", "rope", "rope_cos_sin", "silu_mul",
+    "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "tolerances", "use_implementation", "autotune", "autotuning",
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
-    "ragged_paged_attention", "sharding", "registry", "autotune_cache", "debug_checks",
+    "ragged_paged_attention", "sharding", "targets", "aot", "registry", "autotune_cache",
+    "debug_checks",
 ]

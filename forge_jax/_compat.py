@@ -244,3 +244,12 @@ def shard_map(fn: Any, *, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
     which that check does not understand."""
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
+
+
+def pallas_call_name(params: Any) -> str:
+    """The ``name=`` of a ``pallas_call`` equation from its params: ``name`` (JAX 0.10+),
+    ``name_and_src_info.name`` (older releases), else the kernel jaxpr's function name."""
+    name = params.get("name") or getattr(params.get("name_and_src_info"), "name", None)
+    if not name and params.get("jaxpr") is not None:
+        name = getattr(getattr(params["jaxpr"], "debug_info", None), "func_name", None)
+    return str(name or "pallas_call")

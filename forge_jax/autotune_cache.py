@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from forge_jax import targets
+
 CACHE_ENV = "FORGE_JAX_AUTOTUNE_CACHE"
 FORMAT = "forge_jax.autotune"
 VERSION = 1
@@ -43,10 +45,7 @@ def cache_path() -> pathlib.Path | None:
 
 def device_kind(platform: str) -> str:
     """The device kind autotuning keys on, e.g. "NVIDIA H100 80GB HBM3" or "cpu"."""
-    try:
-        return jax.devices(platform)[0].device_kind
-    except RuntimeError:
-        return platform
+    return targets.device_kind(platform) or platform
 
 
 def _describe(value: Any) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from forge_jax import _compat, registry
+from forge_jax import _compat, registry, targets
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -121,18 +121,14 @@ def _platform_info(name: str) -> PlatformInfo:
 
 
 def has_platform(name: str) -> bool:
-    try:
-        return bool(jax.devices(name))
-    except RuntimeError:
-        return False
+    """Whether platform ``name`` has devices (inside ``fj.targets.use``: the target's)."""
+    return targets.has_platform(name)
 
 
 def gpu_compute_capability() -> str | None:
-    """The compute capability of the first GPU (e.g. "9.0"), or None."""
-    if not has_platform("gpu"):
-        return None
-    cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
-    return str(cc) if cc else None
+    """The compute capability of the first GPU (e.g. "9.0"), or None (inside
+    ``fj.targets.use``: the target's)."""
+    return targets.compute_capability()
 
 
 def toolchains() -> tuple[ToolchainInfo, ...]:

@@ -122,6 +122,30 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     ref = _attention64(q.astype(np.float64), k, v, positions, lengths)
     checks.append(_check("attention", out, ref))  # sequence 1's first 4 queries see nothing
 
+    # Grouped: 4 groups of 9 rows, one empty, one of a single row.
+    sizes = np.array([5, 0, 1, 3], np.int32)
+    xg, wg = f32(9, 32), f32(4, 32, 24)
+    ref_g = np.concatenate([xg[a:b].astype(np.float64) @ wg[i] for i, (a, b) in
+                          enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes), strict=True))])
+    checks.append(_check("grouped_matmul", fj.grouped_matmul(
+        jnp.asarray(xg), jnp.asarray(wg), jnp.asarray(sizes)), ref_g))
+
+    logits = f32(6, 8)
+    weights, _ = fj.moe_route(jnp.asarray(logits), 2, renormalize=True)
+    p64 = np.exp(logits - logits.max(-1, keepdims=True).astype(np.float64))
+    p64 /= p64.sum(-1, keepdims=True)
+    top = -np.sort(-p64, axis=-1)[:, :2]
+    checks.append(_check("moe_route", weights, top / top.sum(-1, keepdims=True)))
+
+    # conv2d, NHWC, stride 2, "SAME" padding (here one row and column on each side).
+    xc, wc = f32(2, 7, 7, 4), f32(3, 3, 4, 5)
+    xp = np.pad(xc.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    ref_c = np.stack([np.stack([
+        np.einsum("bpqc,pqco->bo", xp[:, 2 * i:2 * i + 3, 2 * j:2 * j + 3], wc)
+        for j in range(4)], 1) for i in range(4)], 1)
+    checks.append(_check("conv2d", fj.conv2d(jnp.asarray(xc), jnp.asarray(wc), stride=2,
+                                             padding="SAME"), ref_c))
+
     table, ids = f32(300, 16), rng.integers(0, 300, (3, 7)).astype(np.int32)
     checks.append(_check("embedding", fj.embedding(jnp.asarray(table), jnp.asarray(ids)),
                          table[ids].astype(np.float64)))

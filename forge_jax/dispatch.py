@@ -43,7 +43,7 @@ from typing import Any
 
 import jax
 
-from forge_jax import autotune_cache, registry, sharding
+from forge_jax import autotune_cache, registry, sharding, targets
 from forge_jax.registry import (  # noqa: F401  (the registry's API, as dispatch's)
     Implementation,
     check_name,
@@ -163,7 +163,10 @@ def check(impl: Implementation, args: Mapping[str, Any], platform: str) -> str |
 
 
 def platform_of(args: Mapping[str, Any]) -> str:
-    """The platform the op will run on: that of its committed inputs, else the default."""
+    """The platform the op will run on: inside ``fj.targets.use``, the target's; else that
+    of its committed inputs, else the default."""
+    if targets.current() is not None:
+        return targets.platform()
     for value in args.values():
         if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
             try:
@@ -171,7 +174,7 @@ def platform_of(args: Mapping[str, Any]) -> str:
                     return next(iter(value.devices())).platform
             except Exception:  # Deleted or abstract arrays: fall through.
                 pass
-    return jax.default_backend()
+    return targets.platform()
 
 
 def _measured(impls: Mapping[str, Implementation], args: Mapping[str, Any], platform: str,

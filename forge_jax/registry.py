@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
+from forge_jax import targets
 
 logger = logging.getLogger("forge_jax.registry")
 
@@ -256,7 +256,7 @@ def _variants(op: str) -> dict[str, tuple[Implementation, ...]]:
 def implementations(op: str, platform: str | None = None) -> Mapping[str, Implementation]:
     """The implementations of ``op`` that serve ``platform`` (default: JAX's default
     backend), by name."""
-    platform = platform or jax.default_backend()
+    platform = platform or targets.platform()
     return {name: v for name, variants in _variants(op).items()
             for v in variants if v.serves(platform)}
 

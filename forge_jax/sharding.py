@@ -39,7 +39,8 @@ from jax.sharding import PartitionSpec as P
 from forge_jax import _compat, registry
 
 __all__ = [
-    "MeshConfig", "current", "make_mesh", "parse_mesh", "per_shard", "put", "use_mesh",
+    "MeshConfig", "Summed", "current", "make_mesh", "parse_mesh", "per_shard", "put",
+    "use_mesh",
 ]
 
 
@@ -218,6 +219,17 @@ def current() -> MeshConfig | None:
 # so per-shard results are exactly the global result's slices.
 
 Specs = tuple[dict[str, P], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Summed:
+    """An out spec for a result each shard holds a part of, as a sum: the op's result is
+    the sum of the shards' results over mesh axis ``axis`` (a ``psum``), laid out as
+    ``spec``. E.g. ``grouped_matmul`` with its groups split: each device multiplies the
+    rows of its own groups, the others' rows are zero there."""
+
+    spec: P
+    axis: str
 Rule = Callable[[Mapping[str, Any], MeshConfig], Specs]
 
 
@@ -256,12 +268,17 @@ def per_shard(rule: Rule | None, fn: Callable[..., Any], args: Mapping[str, Any]
     names = [n for n in specs if args.get(n) is not None]
     static = {n: v for n, v in args.items() if n not in names}
 
+    summed = out_specs.axis if isinstance(out_specs, Summed) else None
+    if summed is not None:
+        out_specs = out_specs.spec
+
     def body(*arrays):
         _LOCAL.inside = True
         try:
-            return fn(**static, **dict(zip(names, arrays, strict=True)))
+            out = fn(**static, **dict(zip(names, arrays, strict=True)))
         finally:
             _LOCAL.inside = False
+        return out if summed is None else jax.lax.psum(out, summed)
 
     mapped = _compat.shard_map(body, mesh=config.mesh, in_specs=tuple(specs[n] for n in names),
                                out_specs=out_specs)

@@ -421,8 +421,10 @@ def _compile_steps(state, kv, inputs: _Inputs, statics: dict, plan: _Plan, warm_
     """The compiled prefill and decode steps (the decode step None when the prefill gives
     the only token), compiled ahead of time (cached by jit after the first call) so that
     the timings measure the steps alone. Returns ``(prefill, decode, kv)``."""
+    # The cache is new: the prompts attend to themselves, not to its whole capacity.
     prefill = prefill_step.lower(state, kv, inputs.tokens, inputs.lengths, inputs.key,
-                                 inputs.params, inputs.seen, **statics).compile()
+                                 inputs.params, inputs.seen, **statics,
+                                 empty_cache=True).compile()
     decode = None
     if plan.max_new_tokens > 1:
         # The decode step takes the tokens the previous step sampled: shaped like `first`.

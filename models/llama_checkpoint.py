@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from forge_jax import memory as fj_memory
+from forge_jax import targets as fj_targets
 from forge_jax.models.generation_config import (  # noqa: F401  (CheckpointError: API here too)
     CheckpointError,
     load_generation_config,
@@ -103,10 +104,8 @@ def _check_finite(name: str, block: np.ndarray, file: str, param_dtype: np.dtype
 def default_dtype(platform: str | None = None) -> np.dtype:
     """The compute dtype for ``platform`` (default: JAX's default backend): float32 on CPU,
     where XLA's bfloat16 products are several times slower than float32's, bfloat16 on
-    GPU and TPU."""
-    import jax
-
-    platform = jax.default_backend() if platform is None else platform
+    GPU and TPU (inside ``fj.targets.use``: the target's platform)."""
+    platform = fj_targets.platform() if platform is None else platform
     return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
 
 

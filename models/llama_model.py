@@ -371,7 +371,7 @@ class Llama(nnx.Module):
         return self._logits(hidden)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array, cache,
-                       *, logits_at: jax.Array | None = None):
+                       *, logits_at: jax.Array | None = None, empty_cache: bool = False):
         """Forward over new tokens that attend to themselves and to a KV cache.
 
         Each layer writes the new keys/values into ``cache`` at ``positions`` (padding,
@@ -390,6 +390,13 @@ class Llama(nnx.Module):
           logits_at: optional int32 ``[batch]``: compute logits only at these indices
             of the ``t`` axis (e.g. each prompt's last token), saving the vocabulary
             projection of the others.
+          empty_cache: static; True promises that the cache holds no token yet
+            (``cache.lengths`` all 0) and that each row's valid tokens come first, at
+            positions ``0, 1, ...`` (a prompt right-padded, as :func:`generate`'s
+            prefill has it). The tokens then attend to themselves alone with
+            ``fj.attention`` (causal), instead of reading back the cache's whole
+            capacity; the cache is written all the same. A valid token never sees the
+            padding after it, so the result is the cached path's.
 
         Positions are traced values, so nothing here compares them with
         ``max_position_embeddings``: :func:`generate` does, before it runs.
@@ -404,11 +411,20 @@ class Llama(nnx.Module):
 
         def attend(i, q, k, v, cache):
             cache = cache.write(i, k, v, positions, valid)
+            if empty_cache:
+                # The keys as the cache holds them (its dtype), as decode will read them.
+                k, v = k.astype(cache.dtype), v.astype(cache.dtype)
+                return fj.attention(q, k, v, causal=True), cache
             return cache.attend(i, q, q_positions=positions, kv_lengths=new_lengths), cache
 
         hidden, cache = self._decoder(tokens, positions, attend, cache)
         cache = cache.with_lengths(new_lengths)
-        if logits_at is not None:
+        # logits_at may also be [batch, n], n indices per row (the serving step's one packed
+        # row: each sequence's last token): the logits are then [batch, n, vocab].
+        if logits_at is not None and logits_at.ndim == 2:
+            hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, :, None],
+                                         axis=1)  # [batch, n, hidden]
+        elif logits_at is not None:
             hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None],
                                          axis=1)[:, 0]  # [batch, hidden]
         return self._logits(hidden), cache

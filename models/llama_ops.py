@@ -38,8 +38,9 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
       ``embedding``; ``rms_norm`` without and with a residual; ``matmul`` of the fused q/k/v,
       output, fused gate/up and down projections (``[b t, in] x [out, in]^T``) and of the
       output head at the last position (float32 logits); ``rope`` of queries and keys;
-      ``paged_write`` of the step's keys and values into the pool; ``paged_attention`` of
-      the queries over the pool; ``silu_mul``.
+      ``paged_write`` of the step's keys and values into the pool; ``attention`` of the
+      prompt over its own keys (prefill) and ``paged_attention`` of the query over the pool
+      (decode); ``silu_mul``.
     """
     from forge_jax.models.generation import cache_plan
 
@@ -79,6 +80,10 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
             ("rope", (normal(b, t, kv_heads, hd), positions),
              dict(theta=c.rope_theta, scaling=c.rope_scaling)),
             ("paged_write", (pages, pages, kv, kv, slots.reshape(-1)), {}),
+            # The prefill's prompts attend to themselves (a new cache: see
+            # prefill_step's empty_cache), decode to the pool.
+            ("attention", (q, normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd)),
+             dict(causal=True)) if start == 0 else
             ("paged_attention", (q, pages, pages, block_tables, lengths),
              dict(q_positions=positions)),
             linear(b * t, c.hidden_size, q_dim, c.attention_bias),

@@ -68,10 +68,12 @@ def step_statics(graphdef: nnx.GraphDef, mode: bool) -> dict:
 _STATIC = ("graphdef", "mode", "implementation_key")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "empty_cache"),
+                   donate_argnames=("cache",))
 def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
                  key: jax.Array, sampling: dict[str, jax.Array], seen: jax.Array, *,
-                 graphdef: nnx.GraphDef, mode: bool, implementation_key=None):
+                 graphdef: nnx.GraphDef, mode: bool, implementation_key=None,
+                 empty_cache: bool = False):
     """Prefills new tokens into a KV cache and samples the first token after them (jitted;
     ``cache`` is donated: use the returned one).
 
@@ -91,6 +93,11 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
       seen: bool ``[batch, vocab]``, each row's tokens so far (:func:`seen_tokens`), for
         the repetition penalty.
       graphdef, mode, implementation_key: static (:func:`step_statics`).
+      empty_cache: static; True when ``cache`` holds no token yet (``cache.lengths``
+        all 0: :func:`~forge_jax.models.generation.generate`'s prefill). The tokens then
+        attend to themselves alone rather than to the cache's whole capacity (see
+        :meth:`Llama.forward_cached`): the same result, a fraction of the work when the
+        cache is much longer than the prompt. Left False, any cache works.
 
     Returns:
       ``(tokens, seen, cache)``: the first new token of each row, int32 ``[batch]``;
@@ -102,7 +109,8 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
     valid = offsets < lengths[:, None]
     positions = cache.lengths.astype(jnp.int32)[:, None] + offsets
     logits, cache = model.forward_cached(tokens, positions, valid, cache,
-                                         logits_at=jnp.maximum(lengths - 1, 0))
+                                         logits_at=jnp.maximum(lengths - 1, 0),
+                                         empty_cache=empty_cache)
     return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, mode),
                    cache)
 

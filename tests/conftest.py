@@ -8,6 +8,7 @@
 """
 
 import os
+import pathlib
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -17,10 +18,18 @@ os.environ.pop("FORGE_JAX_IMPLEMENTATION", None)
 # point these at temporary directories themselves.
 os.environ["FORGE_JAX_AUTOTUNE_CACHE"] = "off"
 os.environ["FORGE_JAX_COMPILATION_CACHE"] = "off"
+# On a machine without an accelerator, JAX's backends stay on the CPU: with the aot extra
+# installed (the CUDA plugin, libtpu; forge_jax.targets compiles for their devices without
+# them), JAX would otherwise try to start both and print their failures.
+if not any(next(pathlib.Path("/dev").glob(p), None)
+           for p in ("nvidia[0-9]*", "accel[0-9]*", "vfio")):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+if os.environ.get("JAX_PLATFORMS"):  # also when a pytest plugin imported JAX before us
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402

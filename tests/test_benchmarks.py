@@ -23,3 +23,28 @@ def test_decode_cpu_quick_prints_the_table():
                 "forge_jax, bf16 checkpoint", "HF transformers eager"):
         assert row in out, out
     assert "% of limit" in out and "x HF" in out, out
+
+
+def test_decode_cpu_prefill_quick_prints_the_table():
+    pytest.importorskip("torch", reason="the benchmark compares with transformers on torch")
+    pytest.importorskip("transformers", reason="the benchmark compares with transformers")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode_cpu.py"), "--prefill", "--quick"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = result.stdout
+    for row in ("forge_jax forward (all logits)", "forge_jax generate prefill, paged",
+                "forge_jax generate prefill, contiguous", "HF transformers forward (all logits)",
+                "HF transformers forward (last logits)", "8 tokens", "32 tokens", "tok/s",
+                "first call"):
+        assert row in out, out
+    assert "HF forward's speed" in out and "target (" in out, out
+
+
+def test_grouped_matmul_cpu_quick_prints_the_table():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "grouped_matmul_cpu.py"), "--quick",
+         "--iters", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    for name in ("xla (visit loop)", "ragged_dot", "loop over groups"):
+        assert name in result.stdout, result.stdout

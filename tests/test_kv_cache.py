@@ -732,3 +732,30 @@ def test_decode_step_write_then_attend_does_not_copy_the_pool():
     stats = compiled.memory_analysis()
     assert stats.temp_size_in_bytes < pool_bytes / 20
     assert stats.alias_size_in_bytes >= 4 * pool_bytes
+
+
+def test_block_manager_prefix_pages_and_holds():
+    m = BlockManager(num_pages=6, page_size=2)
+    m.allocate("a", 5)  # pages 0, 1 full, page 2 partly filled
+    prefix = m.block_table("a")[:2].tolist()
+    for page in prefix:
+        m.hold(page)  # a prefix cache keeps them
+    m.free("a")
+    assert m.usage().used_pages == 2 and [m.refcount(p) for p in prefix] == [1, 1]
+    slots = m.allocate("b", 5, prefix_pages=prefix)  # shares them, one new page for token 4
+    assert m.block_table("b")[:2].tolist() == prefix and slots[:4].tolist() == [
+        prefix[0] * 2, prefix[0] * 2 + 1, prefix[1] * 2, prefix[1] * 2 + 1]
+    assert [m.refcount(p) for p in prefix] == [2, 2] and m.usage().used_pages == 3
+    m.append("b", 2)  # the shared pages are full: no copy-on-write
+    assert m.pending_copies().shape == (0, 2)
+    with pytest.raises(ValueError, match="more than num_tokens=3"):
+        m.allocate("c", 3, prefix_pages=prefix)
+    with pytest.raises(ValueError, match="page 5 is not in use"):
+        m.allocate("c", 4, prefix_pages=[5, prefix[0]])
+    assert "c" not in m and [m.refcount(p) for p in prefix] == [2, 2]
+    m.free("b")
+    for page in prefix:
+        m.release(page)
+    assert m.usage().used_pages == 0 and m.usage().free_pages == 6
+    with pytest.raises(ValueError, match="not in use"):
+        m.release(prefix[0])

@@ -245,16 +245,20 @@ def test_rope_lane_table():
     assert rope_kernel.chunk_width(2, 64) == 128
 
 
-def test_rope_rejects_rows_off_the_lanes():
-    """9 heads of 64 (SmolLM) make 576-lane rows: the pair swap's lane rotation would act
-    on a shape Mosaic's tpu.rotate does not handle ("unsupported unaliged shape"). That
-    check runs in the TPU compiler, past the jax.export lowering available here, so this
-    test checks the rejection; the claim is unverified here."""
-    x, pos = rope_inputs((1, 2, 9, 64), jnp.bfloat16, 0)
-    args = dict(x=x, positions=pos, theta=1e4, scaling=None, interleaved=False)
-    assert "not a multiple of 128 lanes" in rope_kernel.supports(args)
-    with pytest.raises(dispatch.ImplementationError, match="multiple of 128"):
-        fj.rope(x, pos, implementation="pallas_tpu_interpret")
+@pytest.mark.parametrize("heads,head_dim", [(9, 64), (3, 80), (1, 96)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_rows_off_the_lanes_are_written_to_the_end(heads, head_dim, interleaved):
+    """Rows of heads * head_dim that are not a multiple of the kernel's chunk (9 heads of 64,
+    SmolLM's 576 lanes) end in a narrower chunk. Once rejected, they hid a bug: lanes
+    512-575 of a 9 x 64 row were never written (NaN in the interpreter). libtpu compiles
+    them (tests/test_aot.py); here the interpreter's output, every lane, against float64."""
+    x, pos = rope_inputs((2, 16, heads, head_dim), jnp.float32, 300)
+    args = dict(x=x, positions=pos, theta=1e4, scaling=None, interleaved=interleaved)
+    assert rope_kernel.supports(args) is None
+    out = fj.rope(x, pos, theta=1e4, interleaved=interleaved,
+                  implementation="pallas_tpu_interpret")
+    assert np.isfinite(np.asarray(out)).all()
+    assert_rope_close(out, x, pos, theta=1e4, interleaved=interleaved)
 
 
 def test_policy_rejections():

@@ -27,7 +27,7 @@ from cases.paged import (
 )
 from cases.paged_base import PagedAttentionCases, PagedCase
 from cases.references import attention_ref, f64
-from cases.shapes import LLAMA3_8B_HEADS
+from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 
 import forge_jax as fj
 from forge_jax import _compat
@@ -38,6 +38,8 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 CASES = {
     # Llama-3-8B heads, bfloat16 decode; lengths 0 and 1, one ending inside a page.
     "llama3_8b-bf16-decode": PagedCase(*LLAMA3_8B_HEADS, 16, None, BF16, (0, 1, 37, 64)),
+    # SmolLM2's 9/3 heads of 64 (once rejected as head_dim % 128; libtpu compiles it).
+    "smollm2-bf16-decode": PagedCase(*SMOLLM2_135M_HEADS, 16, None, BF16, (5, 40, 64)),
     # 8/2 heads, float32 decode with a window and a soft cap.
     "8q2kv-f32-decode-window-cap": PagedCase(8, 2, 128, 16, None, F32, (50, 3, 17), window=20,
                                              cap=5.0),
@@ -116,23 +118,22 @@ def test_accepted_cases_lower_for_tpu(case, masking):
 
 @pytest.mark.parametrize("shapes,match", [
     (paged_attention_specs(8, 2, 128, 16, 17, BF16), "q_len=17 > 16"),
-    (paged_attention_specs(8, 2, 64, 16, None, BF16), "head_dim=64 is not a multiple of 128"),
     (paged_attention_specs(8, 2, 128, 8, None, BF16), "page_size=8 is not a multiple of 16"),
     (paged_attention_specs(8, 2, 128, 12, None, F32), "page_size=12 is not a multiple of 8"),
     (paged_attention_specs(8, 2, 128, 16, None, F16, F32), "k_pages.dtype=float16"),
     (paged_attention_specs(8, 2, 128, 16, None, F32, F16), "q.dtype=float16"),
-], ids=["q_len", "head_dim", "page_bf16", "page_f32", "pages_f16", "q_f16"])
+], ids=["q_len", "page_bf16", "page_f32", "pages_f16", "q_f16"])
 def test_supports_rejects_with_reason(shapes, match):
-    # The head_dim and page_size rejections follow Mosaic's (8, 128) layout rules, enforced by
+    # The page_size rejections follow Mosaic's (8, 128) layout rules, enforced by
     # libtpu's compiler; the CPU-side lowering of export_for_tpu accepts those shapes, so
     # these rejections cannot be shown failing here (see the kernel's module docstring).
     assert match in (kernel.supports(paged_attention_args(shapes)) or "")
 
 
 def test_dispatch_names_the_rejection():
-    q = jnp.ones((1, 4, 64), F32)
-    pool = jnp.ones((2, 4, 16, 64), F32)
-    with pytest.raises(fj.ImplementationError, match="head_dim=64"):
+    q = jnp.ones((1, 4, 128), F32)
+    pool = jnp.ones((2, 4, 12, 128), F32)
+    with pytest.raises(fj.ImplementationError, match="page_size=12"):
         fj.paged_attention(q, pool, pool, jnp.zeros((1, 4), jnp.int32),
                            jnp.ones((1,), jnp.int32), implementation="pallas_tpu_interpret")
 

@@ -32,11 +32,21 @@ assert (np.asarray(out[7]) == 0).all() and np.abs(np.asarray(out[:7])).max() > 0
     "answers": """
 assert answers == ["001", "1231"], answers
 """,
+    "served": """
+assert served == ["001", "1231", "285"], served
+assert engine.manager.usage().num_sequences == 0
+""",
     "sharded_tokens": """
 one_device = llama.generate(llama.from_pretrained(TINY_DIR), [[3, 4, 5], [3, 6]], max_new_tokens=8)
 assert sharded_tokens == one_device, (sharded_tokens, one_device)
 assert model.mesh.tp == 2 and model.mesh.dp == 2
 assert copy.layers[0].self_attn.qkv_proj.kernel[...].sharding.spec[0] == "tp"
+""",
+    "moe_out": """
+import numpy as np
+assert moe_out.shape == (6, 64) and mixtral_out.shape == (6, 64)
+assert np.isfinite(np.asarray(moe_out)).all() and np.abs(np.asarray(mixtral_out)).max() > 0
+assert feat.shape == (2, 16, 16, 16) and depthwise.shape == (2, 16, 16, 16)
 """,
     "new_tokens": """
 assert logits.shape[:2] == (1, 4) and len(new_tokens) == 2, (logits.shape, new_tokens)

@@ -1,10 +1,10 @@
-"""The ``forge-jax`` command line: ``info``, ``demo``, ``generate``, ``tune``, ``chat`` and
-``export``, one module each; ``_run`` turns the errors a user can cause into one line and an
-exit code."""
+"""The ``forge-jax`` command line: ``info``, ``demo``, ``generate``, ``tune``, ``chat``,
+``serve``, ``compile`` and ``export``, one module each; ``_run`` turns the errors a user can
+cause into one line and an exit code."""
 
 from __future__ import annotations
 
-from forge_jax.cli import chat, demo, export, generate, info, tune
+from forge_jax.cli import chat, compile, demo, export, generate, info, serve, tune
 from forge_jax.cli._flags import Parser
 from forge_jax.cli._run import GenerateError, UsageError, report, run_command
 
@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="store_true",
                         help="print the versions of forge_jax and JAX, and exit")
     subparsers = parser.add_subparsers(dest="command")
-    for module in (info, demo, generate, tune, chat, export):  # the order --help lists them in
+    # The order --help lists them in.
+    for module in (info, demo, generate, tune, chat, serve, compile, export):
         module.add_parser(subparsers)
     try:
         args, extra = parser.parse_known_args(argv)

@@ -44,11 +44,10 @@ def resolve_dtype(args: argparse.Namespace) -> None:
     CPU gets a one-line note on stderr that it will be slow."""
     import sys
 
-    import jax
-
+    from forge_jax import targets
     from forge_jax.models import llama_checkpoint
 
-    platform = jax.default_backend()
+    platform = targets.platform()
     if args.dtype is None:
         args.dtype = llama_checkpoint.default_dtype(platform).name
     elif args.dtype == "bfloat16" and platform == "cpu":

@@ -171,8 +171,13 @@ class BlockManager:
 
     # -- mutations ------------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> np.ndarray:
+    def allocate(self, seq_id: Hashable, num_tokens: int, *,
+                 prefix_pages: Sequence[int] = ()) -> np.ndarray:
         """Creates sequence ``seq_id`` with ``num_tokens`` tokens (e.g. its prompt).
+
+        ``prefix_pages`` are pages in use (held by another sequence or by :meth:`hold`)
+        whose full contents are this sequence's first ``len(prefix_pages) * page_size``
+        tokens: they are shared, not copied (a prefix cache). ``num_tokens`` counts them.
 
         Returns:
           np.int32 ``[num_tokens]``: the slots of those tokens, for ``paged_write``.
@@ -180,11 +185,35 @@ class BlockManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         num_tokens = _count("num_tokens", num_tokens)
-        need = self._pages_for(num_tokens)
+        prefix = [int(p) for p in prefix_pages]
+        if len(prefix) * self.page_size > num_tokens:
+            raise ValueError(f"{len(prefix)} prefix pages hold {len(prefix) * self.page_size} "
+                             f"tokens, more than {num_tokens=}")
+        for page in prefix:
+            self._check_held(page)
+        need = self._pages_for(num_tokens) - len(prefix)
         self._ensure(need, f"allocate {num_tokens} tokens for sequence {seq_id!r}")
-        seq = _Sequence(pages=[self._take() for _ in range(need)], length=num_tokens)
+        for page in prefix:
+            self._refs[page] += 1
+        seq = _Sequence(pages=prefix + [self._take() for _ in range(need)], length=num_tokens)
         self._seqs[seq_id] = seq
         return self._slots(seq, 0, num_tokens)
+
+    def hold(self, page: int) -> None:
+        """Adds a reference to ``page`` (in use) that no sequence owns: a prefix cache's
+        hold, which keeps the page out of the pool after its sequences are freed."""
+        self._check_held(page)
+        self._refs[page] += 1
+
+    def release(self, page: int) -> None:
+        """Drops a reference taken by :meth:`hold`; the page returns to the pool once no
+        one else holds it."""
+        self._check_held(page)
+        self._release(page)
+
+    def refcount(self, page: int) -> int:
+        """References to ``page``: owning sequences, holds and pending copies reading it."""
+        return self._refs[page]
 
     def append(self, seq_id: Hashable, num_tokens: int = 1) -> np.ndarray:
         """Extends ``seq_id`` by ``num_tokens`` tokens.
@@ -234,6 +263,11 @@ class BlockManager:
         except (KeyError, TypeError):
             raise KeyError(f"unknown sequence {seq_id!r} (never allocated or already freed); "
                            f"{len(self._seqs)} sequences allocated") from None
+
+    def _check_held(self, page: int) -> None:
+        if not (isinstance(page, numbers.Integral) and 0 <= page < self.num_pages
+                and self._refs[page] > 0):
+            raise ValueError(f"page {page!r} is not in use (num_pages={self.num_pages})")
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

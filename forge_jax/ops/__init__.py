@@ -7,8 +7,10 @@ An op's *compute inputs* share one float dtype, and its result is in that dtype 
 any work and whatever ``jax_numpy_dtype_promotion`` says: the ops never promote one input
 or round another silently (cast explicitly). The compute inputs are: ``matmul``'s ``a``
 and ``b``; ``rms_norm``'s ``x`` and ``residual`` (their sum is rounded to ``x.dtype``);
-``silu_mul``'s ``gate`` and ``up``; ``paged_write``'s new ``k`` and ``v``. ``rope``,
-``softmax`` and ``embedding`` have one float input, whose dtype the result keeps.
+``silu_mul``'s ``gate`` and ``up``; ``grouped_matmul``'s and ``conv2d``'s ``x`` and ``w``;
+``paged_write``'s new ``k`` and ``v``. ``rope``, ``softmax`` and ``embedding`` have one
+float input, whose dtype the result keeps; ``moe_route``'s weights are float32 whatever
+its logits' dtype (routing weights are probabilities, kept in float32 to be combined).
 
 Two kinds of inputs are *storage*, not compute: any float dtype is accepted, read exactly
 into the op's float32 math, and the result keeps the compute dtype.
@@ -25,16 +27,20 @@ into the op's float32 math, and the result keeps the compute dtype.
 
 from forge_jax.ops.activation import silu_mul, softmax
 from forge_jax.ops.attention import attention
+from forge_jax.ops.conv import conv2d
 from forge_jax.ops.embedding import embedding
+from forge_jax.ops.grouped_matmul import grouped_matmul
 from forge_jax.ops.matmul import matmul
+from forge_jax.ops.moe import moe, moe_permute, moe_route, moe_unpermute
 from forge_jax.ops.norm import rms_norm
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_gather, paged_write
 from forge_jax.ops.ragged import ragged_paged_attention
 from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin
 
 __all__ = [
-    "RopeScaling", "attention", "embedding", "matmul", "rms_norm", "rope", "rope_cos_sin",
-    "silu_mul", "softmax",
+    "RopeScaling", "attention", "conv2d", "embedding", "grouped_matmul", "matmul", "rms_norm",
+    "rope", "rope_cos_sin",
+    "silu_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "copy_pages", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
 ]

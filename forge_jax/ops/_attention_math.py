@@ -219,6 +219,59 @@ def masked_probs(logits, mask, *, scale, logits_soft_cap):
     return safe_softmax_f32(logits, -1, mask)
 
 
+def softmax_step(logits, mask, previous_max, *, scale, logits_soft_cap):
+    """One span of keys of :func:`masked_probs` taken span by span and left unnormalised
+    (an online softmax), so that a caller can keep each span's logits small and divide
+    the ``[..., q, head_dim]`` output instead of the ``[..., q, kv]`` probabilities.
+
+    With ``e, m, rescale = softmax_step(...)`` per span, a caller accumulates
+    ``total = total * rescale + sum(e)`` and ``out = out * rescale + e @ v``; after the
+    last span ``out / where(total == 0, 1, total)`` is :func:`masked_probs`' result times
+    ``v``, up to rounding:
+
+    * hidden keys get ``e = 0`` (their logit is replaced by ``-inf`` before the exp, so
+      neither a hidden value nor its gradient is ever read);
+    * a visible ``+inf`` logit makes the row's max ``+inf`` and its own term
+      ``exp(inf - inf) = NaN``: NaN for the query, as the contract asks; visible NaN
+      propagates through the max;
+    * a row that sees no key (or only ``-inf`` logits) ends with ``total = 0``: zeros.
+
+    Args:
+      logits: float32 ``[..., span]``, the raw ``q . k`` of these keys.
+      mask: broadcasts to ``logits``; or None when every query sees every key of the
+        span, whose row max is then read off the logits (no masked copy written): this
+        needs ``scale > 0``, so that the capped, scaled logits grow with the logits.
+      previous_max: the running row max ``[..., 1]`` of the spans before, or None.
+      scale, logits_soft_cap: the logits are ``cap(scale * logits)``.
+
+    Returns:
+      ``(e, row_max, rescale)``: float32 ``e`` like ``logits``; the running row max
+      including this span (for the next call); ``exp(previous_max - row_max)`` for what
+      the earlier spans accumulated (None for the first span).
+    """
+    def capped(x):
+        x = x * jnp.asarray(scale, jnp.float32)
+        if logits_soft_cap is not None:
+            x = logits_soft_cap * jnp.tanh(x / logits_soft_cap)
+        return x
+
+    # initial=-inf: an empty span (zero keys) is one that no query sees.
+    if mask is None:
+        x = None
+        m = capped(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
+    else:
+        x = jnp.where(mask, capped(logits), -jnp.inf)
+        m = jnp.max(x, axis=-1, keepdims=True, initial=-jnp.inf)
+    if previous_max is not None:
+        m = jnp.maximum(previous_max, m)  # NaN propagates
+    # The max only shifts the exponents (softmax does not depend on it): no gradient.
+    m = jax.lax.stop_gradient(m)
+    shift = jnp.where(m == -jnp.inf, jnp.float32(0), m)  # a row that has seen nothing yet
+    e = jnp.exp((capped(logits) if x is None else x) - shift)
+    rescale = None if previous_max is None else jnp.exp(previous_max - shift)
+    return e, m, rescale
+
+
 # ---------------------------------------------------------------------------------------
 # Paged KV pools
 

@@ -13,6 +13,7 @@
 
 from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers the kernels)
     attention,
+    grouped_matmul,
     jax_nn_attention,
     jax_triton_elementwise,
     paged_attention,

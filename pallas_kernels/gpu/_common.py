@@ -13,10 +13,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from forge_jax import backends
+from forge_jax import backends, targets
 
 # The Triton lowering supports compute capability 8.0 and up (A100, L4, H100); XLA refuses
 # it on a T4 (7.5), the most common free Colab GPU.
@@ -105,10 +104,11 @@ def gpu_reason(platform: str) -> str | None:
 
 def device_kind(interpret: bool = False) -> str | None:
     """The GPU's device kind (e.g. "NVIDIA H100 80GB HBM3") for the launch tables, or None
-    in interpret mode or without a usable GPU (the tables' defaults then apply)."""
+    in interpret mode or without a usable GPU (the tables' defaults then apply). Inside
+    ``fj.targets.use``, the target's."""
     if interpret or gpu_reason("gpu") is not None:
         return None
-    return jax.devices("gpu")[0].device_kind
+    return targets.device_kind("gpu")
 
 
 def next_pow2(n: int) -> int:

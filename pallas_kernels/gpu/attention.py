@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels import _attention_common, _cost, _registration
 from forge_jax.pallas_kernels._attention_common import POS_LIMIT
 from forge_jax.pallas_kernels.gpu import _common
 
@@ -81,7 +81,9 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
         256: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
     },
     "H100": {
-        64: dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
+        # 8 warps: with 4, ptxas spills 28 bytes at head_dim 64 (255 registers; compiled
+        # with forge_jax.aot, JAX 0.10.2, 2026-11-25); with 8, 212 registers and no spill.
+        64: dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
         128: dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
         256: dict(block_q=64, block_k=32, num_warps=8, num_stages=2),
     },
@@ -98,11 +100,31 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
 }
 
 
+# Float32 tiles take twice the shared memory and registers of 16-bit ones: the rows above,
+# sized for bfloat16, do not compile on an H100 at head_dim 80-128 ("Shared memory size
+# limit exceeded: requested 262656, available: 232448") and spill 20-47 KB at 64 and 256.
+# These, checked by compiling for the targets (tests/test_aot.py; JAX 0.10.2, 2026-11-25),
+# compile on H100 without spills up to head_dim 128 (896 bytes spilled at 256), on A100
+# (1076 bytes at 256) and in an L4's 99 KiB (552 bytes at 128, none at 256).
+TUNED_FLOAT32: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        128: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
+        256: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
+    },
+    "L4": {
+        128: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
+        256: dict(block_q=32, block_k=16, num_warps=8, num_stages=1),
+    },
+}
+
+
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
     """The launch knobs for ``args["q"]`` (``[batch, q_len, q_heads, head_dim]``, anything
-    with a shape) on ``device_kind``, from :data:`TUNED`."""
-    return Config(**_common.tuned(TUNED, device_kind,
-                                  _common.dot_size(args["q"].shape[-1])))
+    with a shape and dtype) on ``device_kind``, from :data:`TUNED` (:data:`TUNED_FLOAT32`
+    for float32)."""
+    q = args["q"]
+    table = TUNED_FLOAT32 if jnp.dtype(q.dtype).itemsize == 4 else TUNED
+    return Config(**_common.tuned(table, device_kind, _common.dot_size(q.shape[-1])))
 
 
 def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
@@ -215,6 +237,9 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
                                                       num_stages=num_stages),
         interpret=interpret,
         name="forge_jax_flash_attention",
+        cost_estimate=_cost.attention(queries=batch * q_len * q_heads, keys=kv_len,
+                                      head_dim=head_dim, causal=causal and q_len == kv_len,
+                                      io=(qg, k, v, qg)),
     )(qg, k, v, row_pos, lengths)
     return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                              head_dim=head_dim)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels import _attention_common, _cost, _registration
 from forge_jax.pallas_kernels.gpu import _common
 
 pl = _compat.pallas()
@@ -300,6 +300,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 num_stages=num_stages or config.num_stages),
             interpret=interpret,
             name="forge_jax_paged_attention",
+            cost_estimate=_cost.attention(
+                queries=batch * q_len * q_heads, keys=max_pages * page_size, head_dim=head_dim,
+                io=(qg, tables), kv_bytes=2 * batch * kv_heads * max_pages * page_size
+                * head_dim * k_pages.dtype.itemsize + 4 * batch * q_heads * q_len
+                * num_splits * (head_dim_pad + 2)),
         )(qg, row_pos, key_lo, key_hi, tables, k_pages, v_pages)
 
         out = _attention_common.ungroup_queries(_merge_splits(o, m, l_sum), q_len=q_len,

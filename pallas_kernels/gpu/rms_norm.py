@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import rms_norm_reference, with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
@@ -150,6 +150,8 @@ def rms_norm_forward(x, weight, residual=None, *, eps, block_rows, num_warps, nu
                                                        num_stages=num_stages),
         interpret=interpret,
         name="forge_jax_rms_norm",
+        cost_estimate=_cost.elementwise(n_rows * dim, flops=4 + has_residual,
+                                        io=(*operands, *operands[:-1])),
     )(*operands)
     out = [o.reshape(x.shape) for o in out]
     return tuple(out) if has_residual else out[0]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from forge_jax import _compat
 from forge_jax.ops.rope import inverse_frequencies, rope_xla
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
@@ -66,6 +66,15 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
         64: dict(block_tokens=8, block_heads=16, num_warps=4),
         128: dict(block_tokens=4, block_heads=16, num_warps=4),
         256: dict(block_tokens=2, block_heads=16, num_warps=4),
+        512: dict(block_tokens=1, block_heads=16, num_warps=8),
+    },
+    # Compiled for an H100 (forge_jax.aot, ptxas; JAX 0.10.2, 2026-11-25): with 4 warps the
+    # bfloat16 kernel takes 168 registers and spills 24-36 bytes (SmolLM2's and Llama's
+    # shapes); 8 warps halve each thread's elements: ~100 registers, no spill, both dtypes.
+    "H100": {
+        64: dict(block_tokens=8, block_heads=16, num_warps=8),
+        128: dict(block_tokens=4, block_heads=16, num_warps=8),
+        256: dict(block_tokens=2, block_heads=16, num_warps=8),
         512: dict(block_tokens=1, block_heads=16, num_warps=8),
     },
 }
@@ -156,6 +165,7 @@ def rope_forward(x, positions, inv_freq, *, interleaved, block_tokens, block_hea
                                                        num_stages=num_stages),
         interpret=interpret,
         name="forge_jax_rope",
+        cost_estimate=_cost.elementwise(x.size, flops=4, transcendentals=2, io=(x, x)),
     )(positions.reshape(tokens), inv_freq, x.reshape(tokens, heads, head_dim))
     return out.reshape(x.shape)
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from forge_jax import _compat
 from forge_jax.ops.activation import silu_mul_xla
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
 
@@ -112,6 +112,7 @@ def silu_mul_forward(gate, up, *, block_size, num_warps, num_stages, interpret=F
                                                        num_stages=num_stages),
         interpret=interpret,
         name="forge_jax_silu_mul",
+        cost_estimate=_cost.elementwise(size, flops=4, transcendentals=1, io=(gate, up, gate)),
     )(gate.reshape(size), up.reshape(size))
     return out.reshape(gate.shape)
 

@@ -9,6 +9,7 @@ generations and their scoped VMEM, the table lookup).
 
 from forge_jax.pallas_kernels.tpu import (  # noqa: F401  (importing registers the kernels)
     attention,
+    grouped_matmul,
     paged_attention,
     ragged_paged_attention,
     rms_norm,

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
 
-from forge_jax import backends
+from forge_jax import backends, targets
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LANES = 128  # the lane width of a vreg: the last dimension of a lane-dense block
@@ -40,12 +39,13 @@ def sublane_tile(dtype) -> int:
 
 def device_kind(interpret: bool = False) -> str | None:
     """The row of the per-generation tables: the TPU's device kind (e.g. "TPU v5 lite"),
-    "interpret" in the TPU interpreter, None off a TPU (the tables' defaults then apply)."""
+    "interpret" in the TPU interpreter, None off a TPU (the tables' defaults then apply).
+    Inside ``fj.targets.use``, the target's."""
     if interpret:
         return "interpret"
-    if jax.default_backend() != "tpu":
+    if targets.platform() != "tpu":
         return None
-    return jax.devices()[0].device_kind
+    return targets.device_kind("tpu")
 
 
 def tpu_reason(platform: str) -> str | None:

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels import _attention_common, _cost, _registration
 from forge_jax.pallas_kernels._attention_common import POS_LIMIT
 from forge_jax.pallas_kernels.tpu import _common
 
@@ -257,6 +257,9 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_flash_attention",
+        cost_estimate=_cost.attention(queries=batch * q_len * q_heads, keys=k.shape[1],
+                                      head_dim=head_dim, causal=causal and q_len == k.shape[1],
+                                      io=(q, k, v, q)),
     )(lengths, lo.reshape(-1), hi.reshape(-1),
       q.reshape(batch, q_len, q_heads * head_dim),
       k.reshape(batch, kv_len, kv_heads * head_dim),

@@ -20,13 +20,12 @@ the ``p @ v`` product there and a second product marks NaN the output columns of
 the rows that see one.
 
 Mosaic constraints (checked by :func:`supports`): a block of pages is reshaped to
-``[pages * page_size, head_dim]``, which needs ``page_size`` to be a multiple of the
-sublane tile (8 rows for float32, 16 for bfloat16) and ``head_dim`` a multiple of the 128
-lanes; TPUs have no float16 vector unit. These are the (8, 128) tiling rules of Mosaic's
-layout passes, which run in libtpu's compiler: the Pallas -> Mosaic lowering that
-``jax.export`` runs on CPU accepts the rejected shapes, so the rejections are conservative
-and not demonstrated off a TPU. Pools with head_dim 64 are not padded here (that would copy
-the whole cache on every call); they fall back to XLA.
+``[pages * page_size, head_dim]``, kept to ``page_size`` a multiple of the sublane tile (8
+rows for float32, 16 for bfloat16; a rule not yet re-checked against libtpu's compiler,
+which accepts bfloat16 pages of 8); TPUs have no float16 vector unit. Any ``head_dim``:
+the head_dim % 128 rule this kernel once had was not libtpu's (64, 80 and 192 compile for
+v5e and v6e through :func:`forge_jax.aot.compile`), and the pools are read in place, never
+padded.
 
 A table entry of -1 (:func:`~forge_jax.pallas_kernels._attention_common.paged_ranges`
 writes it for an entry past the sequence's pages or one that names no page of the pool)
@@ -56,7 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels import _attention_common, _cost, _registration
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
@@ -293,6 +292,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 dimension_semantics=("parallel", "parallel")),
             interpret=_compat.tpu_interpret_params() if interpret else False,
             name="forge_jax_tpu_paged_attention",
+            cost_estimate=_cost.attention(
+                queries=batch * q_len * q_heads, keys=max_pages * page_size, head_dim=head_dim,
+                io=(qg, qg, tables), kv_bytes=2 * batch * kv_heads * max_pages * page_size
+                * head_dim * k_pages.dtype.itemsize),
         )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages)
 
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
@@ -305,7 +308,7 @@ def supports(args: Mapping[str, Any]) -> str | None:
     else why not."""
     q, k_pages = args["q"], args["k_pages"]
     q_len = 1 if q.ndim == 3 else q.shape[1]
-    page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+    page_size = k_pages.shape[2]
     for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
         if jnp.dtype(dtype) not in _common.FLOAT_DTYPES:
             return (f"{name}.dtype={jnp.dtype(dtype).name}: the kernel reads float32/bfloat16 "
@@ -313,9 +316,9 @@ def supports(args: Mapping[str, Any]) -> str | None:
     if q_len > MAX_Q_LEN:
         return (f"q_len={q_len} > {MAX_Q_LEN}: the decode kernel holds all of a group's "
                 "queries in one tile; long prefill chunks belong to dense attention")
-    if head_dim % _common.LANES:
-        return (f"head_dim={head_dim} is not a multiple of {_common.LANES}: a block of pages is "
-                "reshaped to [keys, head_dim] in VMEM, which Mosaic lowers only for whole lanes")
+    # Any head_dim: 64, 80 and 192 (and 128) compile for v5e and v6e (forge_jax.aot, JAX
+    # 0.10.2, 2026-11-25; a head_dim % 128 rejection once kept SmolLM2, Llama-3.2-1B/3B and
+    # Qwen2.5-0.5B off this kernel) and agree with XLA in the interpreter.
     tile = _common.sublane_tile(k_pages.dtype)
     if page_size % tile:
         return (f"page_size={page_size} is not a multiple of {tile} (the sublane tile of "

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels.tpu import _common
 
 pl = _compat.pallas()
@@ -253,10 +253,9 @@ def supports(args):
         if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
             return f"{name}.dtype={jnp.dtype(x.dtype).name}: the TPU kernel takes float32 or " \
                    f"bfloat16"
-    head_dim, page_size = k_pages.shape[3], k_pages.shape[2]
-    if head_dim % _common.LANES:
-        return (f"head_dim={head_dim} is not a multiple of {_common.LANES}: Mosaic tiles the "
-                f"last dimension of K/V pages and query blocks by {_common.LANES} lanes")
+    page_size = k_pages.shape[2]
+    # Any head_dim: 64, 80 and 192 (and 128) compile for v5e and v6e (forge_jax.aot, JAX
+    # 0.10.2, 2026-11-25) and agree with XLA in the interpreter.
     sublanes = max(_common.sublane_tile(x.dtype) for x in (q, k_pages))
     if page_size % sublanes:
         return (f"page_size={page_size} is not a multiple of {sublanes}: the pages of a kv "
@@ -344,6 +343,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_ragged_paged_attention",
+        cost_estimate=_cost.attention(
+            queries=total_tokens * q_heads, keys=pages_per_seq * page_size, head_dim=head_dim,
+            io=(qt, qt, block_tables), kv_bytes=2 * max_seqs * kv_heads * pages_per_seq
+            * page_size * head_dim * k_pages.dtype.itemsize),
     )(seq_range, cu, kv_lengths, block_tables.astype(jnp.int32).reshape(-1), qt, k_pages,
       v_pages)
     return out.transpose(2, 0, 1, 3).reshape(padded, q_heads, head_dim)[:total_tokens]

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import rms_norm_reference, with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
@@ -149,6 +149,8 @@ def rms_norm_forward(x, weight, residual=None, *, eps, block_rows, interpret=Fal
         out_shape=[jax.ShapeDtypeStruct((n_rows, dim), x.dtype)] * n_out,
         interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_rms_norm",
+        cost_estimate=_cost.elementwise(n_rows * dim, flops=4 + has_residual,
+                                        io=(*operands, *operands, weight)),
     )(*operands, weight.reshape(1, dim))
     out = [o.reshape(x.shape) for o in out]
     return tuple(out) if has_residual else out[0]

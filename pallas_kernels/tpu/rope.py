@@ -19,10 +19,13 @@ rotate-half convention, ``d = 1`` for the interleaved GPT-J one):
 the first lane of each pair, and the partners come from two lane rotations (``pltpu.roll``)
 and a select, which costs the same for both conventions. Math in float32.
 
-Mosaic's lane rotation (``tpu.rotate``) only handles 32-bit values of vreg-aligned shape
-(apply_vector_layout.cc: "unsupported unaliged shape"), so a row of ``heads * head_dim``
-that is not a multiple of 128 (e.g. 9 heads of 64) is rejected. That check runs in the TPU
-compiler, after the ``jax.export`` lowering that runs on CPU, so no test here can show it.
+A row of ``heads * head_dim`` that is not a multiple of ``width`` (e.g. 9 heads of 64:
+576 lanes, not a multiple of 128) ends in a narrower tail chunk of whole heads. Such rows
+were once rejected as shapes Mosaic's lane rotation would refuse, and the rejection hid a
+bug: the tail lanes were never written. libtpu's compiler accepts them (9x64, 3x80, 1x96,
+3x192 and others, both conventions, float32 and bfloat16, on v4, v5e and v6e; compiled
+deviceless with forge_jax.aot, JAX 0.10.2, 2026-11-25) and the interpreter matches the
+reference (``tests/test_pallas_tpu_elementwise.py``, ``tests/test_aot.py``).
 
 The contract is that of :func:`forge_jax.rope` (its XLA implementation is the reference).
 The backward pass is the XLA implementation's VJP
@@ -49,7 +52,7 @@ import numpy as np
 
 from forge_jax import _compat
 from forge_jax.ops.rope import inverse_frequencies, rope_xla
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
@@ -131,10 +134,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
         return (f"x.dtype={jnp.dtype(x.dtype).name}; the kernel is built and tested for "
                 "float32/bfloat16, the TPU inference dtypes (a policy: float16 lowers)")
     _, _, heads, head_dim = x.shape
-    if (heads * head_dim) % 128:
-        return (f"heads * head_dim = {heads} * {head_dim} = {heads * head_dim} is not a "
-                "multiple of 128 lanes: Mosaic's lane rotation (tpu.rotate) needs vreg-aligned "
-                "shapes")
     if heads * head_dim > MAX_ROW:
         return (f"heads * head_dim = {heads * head_dim} > {MAX_ROW}: a block of whole token "
                 "rows must fit VMEM")
@@ -149,12 +148,18 @@ def _kernel(pos_ref, table_ref, x_ref, o_ref, *, width, shift):
     angle = pos_ref[...] * freq  # [block_tokens, width]
     cos, sin = jnp.cos(angle), sign * jnp.sin(angle)
     first = jnp.broadcast_to(sign < 0, angle.shape)
-    for c in range(x_ref.shape[1] // width):
-        lanes = slice(c * width, (c + 1) * width)
+    row = x_ref.shape[1]
+    # Whole chunks, then the row's tail: whole heads too (width and the row are multiples
+    # of head_dim, and the table repeats per head), narrower than a chunk when the row is
+    # not a multiple of the width (a row that is not a multiple of 128 lanes, which Mosaic's
+    # rotation refuses; supports() rejects it, the interpreter runs it).
+    for start in range(0, row, width):
+        n = min(width, row - start)
+        lanes = slice(start, start + n)
         x = x_ref[:, lanes].astype(jnp.float32)
         # roll(x, s)[j] = x[j - s]; a chunk holds whole heads, so no partner wraps around.
-        partner = jnp.where(first, pltpu.roll(x, width - shift, 1), pltpu.roll(x, shift, 1))
-        o_ref[:, lanes] = (x * cos + partner * sin).astype(o_ref.dtype)
+        partner = jnp.where(first[:, :n], pltpu.roll(x, n - shift, 1), pltpu.roll(x, shift, 1))
+        o_ref[:, lanes] = (x * cos[:, :n] + partner * sin[:, :n]).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("theta", "scaling", "interleaved", "block_tokens",
@@ -163,8 +168,7 @@ def rope_forward(x, positions, *, theta, scaling, interleaved, block_tokens, int
     """The kernel alone (no VJP).
 
     Args:
-      x: ``[batch, seq, heads, head_dim]`` float32/bfloat16, heads * head_dim a multiple
-        of 128.
+      x: ``[batch, seq, heads, head_dim]`` float32/bfloat16.
       positions: int ``[batch, seq]``.
       theta, scaling, interleaved: as :func:`forge_jax.rope` (static: they build the lane
         table, from :func:`forge_jax.ops.rope.inverse_frequencies`).
@@ -194,6 +198,7 @@ def rope_forward(x, positions, *, theta, scaling, interleaved, block_tokens, int
         out_shape=jax.ShapeDtypeStruct((tokens, row), x.dtype),
         interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_rope",
+        cost_estimate=_cost.elementwise(x.size, flops=4, transcendentals=2, io=(x, x)),
     )(pos, table, x.reshape(tokens, row))
     return out.reshape(x.shape)
 

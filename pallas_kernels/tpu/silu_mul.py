@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from forge_jax import _compat
 from forge_jax.ops.activation import silu_mul_xla
-from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
 
@@ -138,6 +138,8 @@ def silu_mul_forward(gate, up, *, block_rows, interpret=False):
         out_shape=jax.ShapeDtypeStruct((rows, lanes), gate.dtype),
         interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_silu_mul",
+        cost_estimate=_cost.elementwise(gate.size, flops=4, transcendentals=1,
+                                        io=(gate, up, gate)),
     )(gate.reshape(rows, lanes), up.reshape(rows, lanes))
     return out.reshape(gate.shape)
 

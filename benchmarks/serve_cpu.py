@@ -1,0 +1,119 @@
+"""The serving engine's throughput and time to first token on CPU, against sequential
+``llama.generate`` in the same process.
+
+Builds a Llama with random weights in SmolLM2-135M's shape (``--quick``: a tiny one) and
+sends bursts of ``concurrency`` requests straight to :class:`forge_jax.models.serving.Engine`
+(no HTTP: this measures the engine's batching, not uvicorn), each a ``--prompt-tokens``
+prompt (random ids; the first ``--shared-tokens`` the same in every prompt, a system
+prompt) and ``--new-tokens`` greedy tokens without eos. Reports per concurrency and with the
+prefix cache on and off: output tokens/s over the burst, the speed-up over sequential
+``generate`` of the same requests one at a time, and time to first token p50 / p99 (from
+``submit`` to the first token reaching the caller). Every shape is compiled before timing.
+
+Usage::
+
+    python benchmarks/serve_cpu.py [--concurrency 1 4 16 64]
+    python benchmarks/serve_cpu.py --quick     # tiny shape, seconds: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from forge_jax.models import llama, serving  # noqa: E402
+
+SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+            rope_theta=100000.0, tie_word_embeddings=True)
+QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+             rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def build_model(shape: dict):
+    config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama",
+                  hidden_act="silu", rms_norm_eps=1e-5)
+    return llama.Llama(llama.LlamaConfig.from_hf(config), rngs=nnx.Rngs(0))
+
+
+def prompts_for(n: int, args, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, vocab, args.shared_tokens).tolist()
+    return [shared + rng.integers(3, vocab, args.prompt_tokens - args.shared_tokens).tolist()
+            for _ in range(n)]
+
+
+def sequential(model, prompts, new_tokens: int) -> float:
+    """Output tokens/s of ``generate`` over the prompts one at a time (warmed up)."""
+    llama.generate(model, prompts[:1], new_tokens, eos_token_id=())
+    start = time.perf_counter()
+    for p in prompts:
+        llama.generate(model, [p], new_tokens, eos_token_id=())
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def burst(engine, prompts, new_tokens: int) -> tuple[float, list[float]]:
+    """Output tokens/s of one burst of requests, and each request's time to first token."""
+    params = serving.RequestParams(max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    streams = [(time.perf_counter(), engine.submit(p, params)) for p in prompts]
+    ttft = []
+    for submitted, stream in streams:
+        first = None
+        for out in stream:
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+        ttft.append(first - submitted)
+    return len(prompts) * new_tokens / (time.perf_counter() - start), ttft
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shape: a smoke test")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--shared-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--sequential-requests", type=int, default=4)
+    args = parser.parse_args()
+    model = build_model(QUICK if args.quick else SMOL)
+    vocab = model.config.vocab_size
+    seq = sequential(model, prompts_for(args.sequential_requests, args, vocab, 0),
+                     args.new_tokens)
+    print(f"# JAX {jax.__version__}, {jax.devices()[0].device_kind}, "
+          f"{'quick' if args.quick else 'SmolLM2-135M shape'}; prompts of "
+          f"{args.prompt_tokens} tokens ({args.shared_tokens} shared), {args.new_tokens} new "
+          f"tokens each, greedy; max {args.max_batch_tokens} tokens per step")
+    print(f"sequential generate: {seq:.1f} tokens/s")
+    print("| prefix cache | concurrency | tokens/s | x sequential | TTFT p50 (s) | TTFT p99 (s) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    max_len = args.prompt_tokens + args.new_tokens
+    for caching in (True, False):
+        for c in args.concurrency:
+            pages = c * -(-max_len // 16) + 64
+            engine = serving.Engine(model, None, max_batch_tokens=args.max_batch_tokens,
+                                    max_seqs=max(args.concurrency), num_pages=pages,
+                                    max_model_len=max_len, prefix_caching=caching,
+                                    eos_token_ids=())
+            burst(engine.start(), prompts_for(c, args, vocab, 1), args.new_tokens)  # compile
+            if caching:
+                engine.prefix_cache.clear()  # the timed burst meets only its own prefix
+            rate, ttft = burst(engine, prompts_for(c, args, vocab, 2), args.new_tokens)
+            engine.shutdown()
+            print(f"| {'on' if caching else 'off'} | {c} | {rate:.1f} | {rate / seq:.2f} | "
+                  f"{np.percentile(ttft, 50):.3f} | {np.percentile(ttft, 99):.3f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""``forge-jax serve``: an OpenAI-compatible HTTP server over the serving engine
+(:mod:`forge_jax.models.serving`, :mod:`forge_jax.models.serving_http`), on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from forge_jax import _install
+from forge_jax.cli import _checkpoint, _compilation_cache, _flags
+from forge_jax.cli._checkpoint import describe
+from forge_jax.cli._run import UsageError
+
+
+def add_parser(subparsers) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching, prefix cache)",
+        description="Serves POST /v1/chat/completions and /v1/completions (streamed or not), "
+                    "GET /v1/models, /health and /metrics. Requests run together: every step "
+                    "packs the running requests' next tokens and chunks of new prompts into "
+                    "one ragged paged attention batch. Ctrl-C (SIGINT) or SIGTERM stops "
+                    "taking requests, lets those in flight finish for a few seconds and "
+                    "cancels the rest.")
+    _checkpoint.add_flags(serve, required=True, help="a Hugging Face Llama-family directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any)")
+    serve.add_argument("--model-name", default=None,
+                       help="the model's name in the API (default: the checkpoint's)")
+    serve.add_argument("--max-batch-tokens", type=int, default=256,
+                       help="tokens per step, decode tokens and prompt chunks together "
+                            "(rounded up to a power of two)")
+    serve.add_argument("--max-seqs", type=int, default=64, help="requests running at once")
+    serve.add_argument("--max-pages", type=int, default=512,
+                       help="pages in the KV cache pool")
+    serve.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt plus new tokens per request (default: the model's "
+                            "max_position_embeddings, at most 4096)")
+    serve.add_argument("--max-waiting", type=int, default=1024,
+                       help="requests waiting at most; more are answered 429")
+    serve.add_argument("--max-tokens", type=int, default=256,
+                       help="a request's max_tokens when it gives none")
+    serve.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="keep full pages for requests with the same prefix")
+    _flags.add_dtype_flag(serve)
+    _compilation_cache.add_flags(serve)
+    serve.set_defaults(fn=run)
+
+
+def _import_server():
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise UsageError(f"forge-jax serve needs uvicorn and starlette ({e.name} is missing): "
+                         f"{_install.pip_install('serve')}") from None
+    return uvicorn
+
+
+def run(args: argparse.Namespace) -> int:
+    uvicorn = _import_server()
+    for name in ("max_batch_tokens", "max_seqs", "max_pages", "page_size", "max_waiting",
+                 "max_tokens"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65536), got {args.port}")
+    _flags.check_implementation_env()
+    _flags.resolve_dtype(args)
+
+    import jax.numpy as jnp
+
+    from forge_jax.models import llama, serving, serving_http, text
+
+    path = _checkpoint.checkpoint_path(args)
+    config = llama.load_config(path)
+    max_len = args.max_model_len or min(config.max_position_embeddings, 4096)
+    if not 2 <= max_len <= config.max_position_embeddings:
+        raise UsageError(f"--max-model-len must be in [2, max_position_embeddings="
+                         f"{config.max_position_embeddings}], got {max_len}")
+    tokenizer = text.load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    _compilation_cache.check(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        stream=sys.stderr)
+    with _compilation_cache.compilation_cache(args):
+        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))
+        eos = text.eos_ids(model, tokenizer, tokenizer.generation_config) if tokenizer else None
+        engine = serving.Engine(
+            model, tokenizer, max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+            num_pages=args.max_pages, page_size=args.page_size, max_model_len=max_len,
+            max_waiting=args.max_waiting, prefix_caching=args.prefix_caching,
+            eos_token_ids=eos)
+        name = args.model_name or args.checkpoint
+        app = serving_http.create_app(engine, model_name=name, tokenizer=tokenizer,
+                                      default_max_tokens=args.max_tokens)
+        print(f"{describe(model, path, args)}; serving {name!r} on http://{args.host}:"
+              f"{args.port}/v1 (max {engine.max_batch_tokens} tokens and {args.max_seqs} "
+              f"requests per step, {args.max_pages} pages of {args.page_size})",
+              file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,513 @@
+"""A serving engine: continuous batching over ragged paged attention, chunked prefill, a
+prefix cache, preemption, streaming and cancellation.
+
+Requests are added and cancelled from any thread or asyncio task; each returns a
+:class:`RequestStream` of :class:`Output` events (new token ids, their text, and at the
+end a finish reason: ``stop``, ``length``, ``cancelled`` or ``error``). Every step packs
+the decode token of each running request and chunks of waiting prompts into one
+:func:`forge_jax.ragged_paged_attention` batch under a token budget
+(:func:`forge_jax.models.serving_step.ragged_step`, jitted for a few bucketed shapes,
+pages donated)::
+
+    engine = Engine(model, tokenizer, max_batch_tokens=256, num_pages=512)
+    engine.start()                                   # the step loop, in a thread
+    stream = engine.submit(prompt_ids, RequestParams(max_tokens=32, temperature=0.7))
+    for out in stream:                               # or: async for out in stream
+        print(out.text, end="")
+    engine.shutdown()
+
+Pages come from a :class:`forge_jax.kv_cache.BlockManager`; full pages stay in the
+:class:`~forge_jax.models.prefix_cache.PrefixCache` after their request ends and are
+evicted (least recently used) only when the pool needs them. When the pool runs out, the
+newest running request is preempted: its pages are freed and it is requeued, to be
+recomputed from its prompt and the tokens it has so far. A request that could never fit
+is refused at once (:class:`RequestRefused`, with the numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import forge_jax as fj
+from forge_jax.kv_cache import BlockManager, CacheFullError
+from forge_jax.models import serving_step
+from forge_jax.models.prefix_cache import PrefixCache
+from forge_jax.models.serving_requests import (  # noqa: F401  (the engine's API)
+    FINISH_REASONS,
+    EngineStats,
+    Output,
+    QueueFull,
+    RequestParams,
+    RequestRefused,
+    RequestStream,
+)
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    id: int
+    prompt: list[int]
+    params: RequestParams
+    stream: RequestStream
+    seed: int
+    arrival: float
+    generated: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens in the cache
+    cached_pages: int = 0  # full pages already offered to the prefix cache
+    sent_ids: int = 0
+    sent_text: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+def _pow2_at_least(n: int, low: int) -> int:
+    return max(low, 1 << max(0, n - 1).bit_length())
+
+
+class Engine:
+    """Continuous batching of many requests over one model and one page pool.
+
+    Args:
+      model: a model ``from_pretrained`` loads (its ``forward_cached`` takes the cache).
+      tokenizer: a :class:`forge_jax.models.text.Tokenizer` for the text of the outputs
+        and stop strings (None: token ids only).
+      max_batch_tokens: tokens per step (decode tokens plus prefill chunks).
+      max_seqs: sequences per step (and running at once).
+      num_pages, page_size: the page pool.
+      max_model_len: prompt plus new tokens per request at most (default: the model's
+        ``max_position_embeddings``).
+      max_waiting: requests waiting at most; more raise :class:`QueueFull`.
+      prefix_caching: keep full pages for later requests with the same prefix.
+      eos_token_ids: ids that end every request (default: the model's).
+      cache_dtype: the pages' dtype (default: the model's compute dtype).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 256,
+                 max_seqs: int = 64, num_pages: int = 512, page_size: int = 16,
+                 max_model_len: int | None = None, max_waiting: int = 1024,
+                 prefix_caching: bool = True, eos_token_ids: Sequence[int] | None = None,
+                 cache_dtype=None):
+        self.model, self.tokenizer = model, tokenizer
+        config = model.config
+        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        self.max_batch_tokens = _pow2_at_least(int(max_batch_tokens), 8)
+        self.max_seqs, self.max_waiting = int(max_seqs), int(max_waiting)
+        self.page_size = int(page_size)
+        self.pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.manager = BlockManager(int(num_pages), self.page_size)
+        self.prefix_cache = PrefixCache(self.manager, enabled=prefix_caching)
+        if eos_token_ids is None:
+            from forge_jax.models.generation import default_eos_token_ids
+
+            eos_token_ids = default_eos_token_ids(model)
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = config.vocab_size
+        self.graphdef, self.state = nnx.split(model)
+        dtype = cache_dtype or model.dtype
+        shape = (model.kv_heads, int(num_pages), self.page_size, config.head_dim)
+        # On a mesh the pools are split by KV head over the tensor axis, as the model's.
+        place = (lambda x: x) if model.mesh is None else (
+            lambda x: jax.device_put(x, serving_step.pool_sharding(model.mesh, shape[0])))
+        self.k_pages = tuple(place(jnp.zeros(shape, dtype))
+                             for _ in range(config.num_hidden_layers))
+        self.v_pages = tuple(place(jnp.zeros(shape, dtype))
+                             for _ in range(config.num_hidden_layers))
+        self.stats = EngineStats()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[_Request] = []
+        self._cancels: set[int] = set()
+        self._waiting: list[_Request] = []  # by arrival (preempted ones go back in order)
+        self._running: list[_Request] = []  # by arrival
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.last_error: Exception | None = None
+        self.gauges: dict = {}
+
+    # -- the public API -------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: RequestParams | None = None, *,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Adds a request (any thread; from an asyncio task its stream is async by default).
+
+        Raises:
+          RequestRefused: an empty prompt, ids outside the vocabulary, or a prompt plus
+            ``max_tokens`` that can never fit the context or the page pool.
+          QueueFull: ``max_waiting`` requests are already waiting.
+        """
+        params = RequestParams() if params is None else params
+        prompt = [int(t) for t in prompt]
+        self.check_fits(prompt, params)
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+        stream = RequestStream(self, next(self._ids), loop)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        request = _Request(stream.id, prompt, params, stream, seed, time.monotonic())
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the engine is shutting down")
+            if len(self._waiting) + len(self._inbox) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting) + len(self._inbox)} requests waiting, "
+                                f"the limit is max_waiting={self.max_waiting}")
+            self._inbox.append(request)
+            self._wake.notify()
+        return stream
+
+    def check_fits(self, prompt: Sequence[int], params: RequestParams) -> None:
+        """Raises :class:`RequestRefused` for a request that could never be served."""
+        if not prompt:
+            raise RequestRefused("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRefused(f"token id {bad[0]} is outside the vocabulary "
+                                 f"(vocab_size={self.vocab_size})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRefused(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                f"{total} tokens, more than the context of {self.max_model_len} tokens")
+        pages = -(-total // self.page_size)
+        if pages > self.manager.num_pages:
+            raise RequestRefused(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"needs {pages} pages of {self.page_size} tokens, the pool has "
+                f"{self.manager.num_pages}")
+
+    def cancel(self, request_id: int) -> None:
+        """Ends a request with ``cancelled`` (any thread; unknown or finished ids: no-op)."""
+        with self._lock:
+            self._cancels.add(request_id)
+            self._wake.notify()
+
+    def start(self) -> Engine:
+        """Runs :meth:`step` in a daemon thread until :meth:`shutdown`."""
+        self._thread = threading.Thread(target=self._loop, name="forge-jax-engine",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, *, wait: float = 0.0) -> dict[str, int]:
+        """Stops taking requests, lets the running ones finish for up to ``wait`` seconds,
+        cancels the rest and stops the loop. Returns ``{"finished": n, "cancelled": m}``,
+        the in-flight requests that finished and that were cancelled meanwhile."""
+        with self._lock:
+            self._stopping = True
+            before = dict(self.stats.finished)
+        deadline = time.monotonic() + wait
+        while self.has_work() and time.monotonic() < deadline and self._thread:
+            time.sleep(0.01)
+        with self._lock:
+            for r in self._inbox + self._waiting + self._running:
+                self._cancels.add(r.id)
+            self._wake.notify()
+        if self._thread is None:
+            self.step()
+        else:
+            while self.has_work():
+                time.sleep(0.01)
+            with self._lock:
+                self._thread, thread = None, self._thread
+                self._wake.notify()
+            thread.join()
+        cancelled = self.stats.finished["cancelled"] - before["cancelled"]
+        return {"finished": sum(self.stats.finished.values()) - sum(before.values())
+                - cancelled, "cancelled": cancelled}
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`shutdown` has begun (new requests are refused)."""
+        return self._stopping
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._waiting or self._running)
+
+    def snapshot(self) -> dict:
+        """Gauges for ``/metrics`` (any thread): requests running and waiting; pages used,
+        held by the prefix cache and reclaimable, and the prefix-cache counters, as of the
+        last step."""
+        return dict(self.gauges, running=len(self._running),
+                    waiting=len(self._waiting) + len(self._inbox))
+
+    def _update_gauges(self) -> None:
+        usage = self.manager.usage()
+        self.gauges = dict(pages_total=usage.total_pages, pages_used=usage.used_pages,
+                           pages_cached=len(self.prefix_cache),
+                           pages_reclaimable=self.prefix_cache.reclaimable(),
+                           prefix=dataclasses.replace(self.prefix_cache.stats))
+
+    # -- the step -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._inbox or self._cancels or self._waiting or self._running):
+                    if self._thread is None:
+                        return
+                    self._wake.wait()
+            try:
+                self.step()
+            except Exception as e:  # the step's requests got the error; the engine goes on
+                self.last_error = e
+
+    def step(self) -> int:
+        """One scheduling step: takes new requests and cancellations, runs one batch and
+        streams its tokens. Returns the sequences it ran (0 when idle)."""
+        with self._lock:
+            self._waiting += self._inbox
+            self._inbox, cancels, self._cancels = [], self._cancels, set()
+        for r in [r for r in self._waiting + self._running if r.id in cancels]:
+            self._finish(r, "cancelled")
+        try:
+            scheduled = self._schedule()
+            if scheduled:
+                self._run(scheduled)
+        except Exception as e:  # a failed step ends its requests, not the engine
+            for r in list(self._running):
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self._update_gauges()
+        return len(scheduled)
+
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        """The (request, new tokens) pairs of the next batch, pages appended for them."""
+        budget, batch = self.max_batch_tokens, []
+        preemptions = self.stats.preemptions
+        for r in list(self._running):
+            if r not in self._running:  # preempted while making room for an earlier one
+                continue
+            if len(batch) == self.max_seqs or budget == 0:
+                break
+            n = min(len(r.tokens) - r.computed, budget)
+            if self._make_room(r, n):
+                batch.append((r, n))
+                budget -= n
+        # After a preemption the pool is short: admit nothing new (nor the preempted) now.
+        while (self._waiting and budget and len(batch) < self.max_seqs
+               and self.stats.preemptions == preemptions):
+            r = self._waiting[0]
+            if not self._admit(r, budget):
+                break
+            self._waiting.pop(0)
+            self._running.append(r)
+            self._running.sort(key=lambda x: x.arrival)
+            n = min(len(r.tokens) - r.computed, budget)
+            batch.append((r, n))
+            budget -= n
+        return batch
+
+    def _make_room(self, r: _Request, n: int) -> bool:
+        """Appends ``n`` tokens' room to running request ``r``, evicting cached pages and then
+        preempting the newest running requests as needed; False if ``r`` itself went."""
+        while True:
+            try:
+                self.manager.append(r.id, n)
+                return True
+            except CacheFullError as e:
+                if self.prefix_cache.evict(e.requested_pages - e.free_pages):
+                    continue
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is r:
+                    return False
+
+    def _admit(self, r: _Request, budget: int) -> bool:
+        """Allocates a waiting request's cached prefix and first chunk, if the pool allows
+        (evicting cached pages, never preempting)."""
+        tokens = r.tokens
+        pages = self.prefix_cache.lookup(tokens)
+        for page in pages:  # held across the eviction below, which takes only unheld pages
+            self.manager.hold(page)
+        try:
+            computed = len(pages) * self.page_size
+            n = min(len(tokens) - computed, budget)
+            need = -(-(computed + n) // self.page_size) - len(pages)
+            free = self.manager.usage().free_pages
+            if need > free:
+                self.prefix_cache.evict(need - free)
+            if need > self.manager.usage().free_pages:
+                stats = self.prefix_cache.stats  # not admitted: the lookup did not count
+                stats.queried_tokens -= len(tokens)
+                stats.hit_tokens -= computed
+                stats.reused_pages -= len(pages)
+                return False
+            self.manager.allocate(r.id, computed, prefix_pages=pages)
+            self.manager.append(r.id, n)
+        finally:
+            for page in pages:
+                self.manager.release(page)
+        r.computed, r.cached_pages = computed, len(pages)
+        return True
+
+    def _preempt(self, r: _Request) -> None:
+        self.manager.free(r.id)
+        self._running.remove(r)
+        r.computed, r.cached_pages = 0, 0
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self._waiting.append(r)
+        self._waiting.sort(key=lambda x: x.arrival)
+
+    def _build(self, scheduled: list[tuple[_Request, int]]) -> serving_step.StepBatch:
+        total = sum(n for _, n in scheduled)
+        rows = _pow2_at_least(total, 8)
+        tokens = np.zeros((rows,), np.int32)
+        positions = np.zeros((rows,), np.int32)
+        slots = np.full((rows,), -1, np.int32)
+        # Sequences per step at most: no more than rows, so that a small step (a few
+        # decodes) does not project max_seqs rows onto the vocabulary. One variant per row
+        # bucket still.
+        s = min(rows, self.max_seqs)
+        cu = np.zeros((s + 1,), np.int32)
+        kv = np.zeros((s,), np.int32)
+        last = np.zeros((s,), np.int32)
+        ids = [r.id for r, _ in scheduled]
+        tables = np.zeros((s, self.pages_per_seq), np.int32)
+        tables[:len(ids)] = self.manager.block_tables(ids, self.pages_per_seq)
+        sampling = dict(temperature=np.zeros((s,), np.float32), top_k=np.zeros((s,), np.int32),
+                        top_p=np.ones((s,), np.float32), min_p=np.zeros((s,), np.float32),
+                        repetition_penalty=np.ones((s,), np.float32),
+                        seed=np.zeros((s,), np.uint32), step=np.zeros((s,), np.int32))
+        greedy = all(r.params.greedy for r, _ in scheduled)
+        seen = None if greedy else np.zeros((s, self.vocab_size), bool)
+        at = 0
+        for i, (r, n) in enumerate(scheduled):
+            start = r.computed
+            tokens[at:at + n] = r.tokens[start:start + n]
+            positions[at:at + n] = np.arange(start, start + n)
+            slots[at:at + n] = self.manager.slots(r.id, start, start + n)
+            at += n
+            cu[i + 1], kv[i], last[i] = at, start + n, at - 1
+            p = r.params
+            sampling["temperature"][i] = p.temperature
+            sampling["top_k"][i] = p.top_k or 0
+            sampling["top_p"][i] = 1.0 if p.top_p is None else p.top_p
+            sampling["min_p"][i] = p.min_p or 0.0
+            sampling["repetition_penalty"][i] = p.repetition_penalty or 1.0
+            sampling["seed"][i], sampling["step"][i] = r.seed, len(r.generated)
+            if seen is not None:
+                seen[i, r.tokens] = True
+        cu[len(scheduled) + 1:] = at
+        return serving_step.StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled),
+                                      last, sampling, seen, greedy)
+
+    def _run(self, scheduled: list[tuple[_Request, int]]) -> None:
+        copies = self.manager.take_pending_copies()
+        if copies.size:  # only a shared, partly filled page is copied (never here today)
+            pairs = [fj.copy_pages(k, v, copies) for k, v in
+                     zip(self.k_pages, self.v_pages, strict=True)]
+            self.k_pages = tuple(k for k, _ in pairs)
+            self.v_pages = tuple(v for _, v in pairs)
+        batch = self._build(scheduled)
+        self.stats.compiled.add(batch.shape_key)
+        next_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(
+            self.state, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
+            batch.sampling, batch.seen, graphdef=self.graphdef, greedy=batch.greedy,
+            implementation_key=fj.dispatch.current_preference())
+        # While the device runs the step (dispatch is asynchronous), the host books it.
+        drawn = []
+        for i, (r, n) in enumerate(scheduled):
+            self.stats.prompt_tokens += max(0, min(n, len(r.prompt) - r.computed))
+            r.computed += n
+            r.cached_pages = self.prefix_cache.insert(
+                r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages)
+            if r.computed == len(r.tokens):  # its known tokens are in: a new one was drawn
+                drawn.append((i, r))
+        self.stats.steps += 1
+        next_tokens = np.asarray(jax.device_get(next_tokens))
+        now = time.monotonic()
+        self.stats.recent.append((now, len(drawn)))
+        while self.stats.recent and self.stats.recent[0][0] < now - 60:
+            self.stats.recent.popleft()
+        for i, r in drawn:
+            self._accept(r, int(next_tokens[i]), now)
+
+    # -- outputs --------------------------------------------------------------------------
+
+    def _accept(self, r: _Request, token: int, now: float) -> None:
+        r.generated.append(token)
+        self.stats.generated_tokens += 1
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.stats.ttft.observe(now - r.arrival)
+        elif r.last_token_at is not None:
+            self.stats.inter_token.observe(now - r.last_token_at)
+        r.last_token_at = now
+        p = r.params
+        reason = None
+        stop_ids = p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos)
+        if token in stop_ids:
+            reason = "stop"
+        elif len(r.generated) >= p.max_tokens or len(r.tokens) >= self.max_model_len:
+            reason = "length"
+        text, stopped = self._text(r, final=reason is not None)
+        if stopped:
+            reason = "stop"
+        if reason:
+            self._finish(r, reason, text=text)
+        else:
+            self._emit(r, text)
+
+    def _text(self, r: _Request, *, final: bool) -> tuple[str, bool]:
+        """The new text of ``r`` to send, and whether a stop string ended it."""
+        if self.tokenizer is None:
+            return "", False
+        ids = r.generated
+        stops = r.params.stop_token_ids if r.params.ignore_eos else (
+            *r.params.stop_token_ids, *self.eos)
+        if ids and ids[-1] in stops:
+            ids = ids[:-1]
+        full = self.tokenizer.decode(ids)
+        for s in r.params.stop:
+            at = full.find(s, max(0, r.sent_text - len(s) + 1))
+            if at >= 0:
+                full = full[:at]
+                piece = full[r.sent_text:]
+                r.sent_text = len(full)
+                return piece, True
+        if not final:
+            if full.endswith("\ufffd"):  # an incomplete character: wait for its bytes
+                return "", False
+            hold = max((len(s) - 1 for s in r.params.stop), default=0)
+            end = max(r.sent_text, len(full) - hold)
+            piece, r.sent_text = full[r.sent_text:end], end
+            return piece, False
+        piece, r.sent_text = full[r.sent_text:], len(full)
+        return piece, False
+
+    def _emit(self, r: _Request, text: str, reason: str | None = None,
+              error: str | None = None) -> None:
+        new = tuple(r.generated[r.sent_ids:])
+        r.sent_ids = len(r.generated)
+        if new or text or reason:
+            r.stream.put(Output(new, text, reason, error, len(r.prompt), len(r.generated)))
+
+    def _finish(self, r: _Request, reason: str, *, text: str = "",
+                error: str | None = None) -> None:
+        if r in self._running:
+            self._running.remove(r)
+            self.manager.free(r.id)
+        elif r in self._waiting:
+            self._waiting.remove(r)
+        self.stats.finished[reason] += 1
+        self._emit(r, text, reason, error)

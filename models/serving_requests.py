@@ -1,0 +1,186 @@
+"""What a serving request is made of: its parameters (:class:`RequestParams`), the events
+of its stream (:class:`Output`, :class:`RequestStream`), the engine's refusals, and the
+engine's counters (:class:`EngineStats`). :mod:`forge_jax.models.serving` re-exports them."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import queue
+import time
+
+from forge_jax.models import sampling as sampling_lib
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class RequestRefused(ValueError):
+    """A request the engine can never serve (too long for the context or the pool)."""
+
+
+class QueueFull(RuntimeError):
+    """More requests waiting than the engine's ``max_waiting``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """One request's generation parameters.
+
+    Attributes:
+      max_tokens: new tokens at most (>= 1).
+      temperature, top_k, top_p, min_p, repetition_penalty: as
+        :class:`forge_jax.models.sampling.SamplingParams` (checked the same way).
+      seed: the seed of this request's sampling (None: drawn by the engine).
+      stop_token_ids: ids that end the request (besides the model's eos ids), included in
+        its token ids but not in its text.
+      stop: strings that end the request; the text stops before the first one.
+      ignore_eos: do not stop at the model's eos ids.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        sampling_lib.SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p,
+                                    self.repetition_penalty)
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(
+                self.seed, int) or not 0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < sampling_lib.GREEDY_BELOW and self.repetition_penalty in (
+            None, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One event of a request's stream.
+
+    Attributes:
+      token_ids: the new token ids since the previous event.
+      text: their text (held back while a character or a stop string may be incomplete).
+      finish_reason: None while the request runs; then one of :data:`FINISH_REASONS`.
+      error: the message of an ``error`` finish.
+      prompt_tokens, completion_tokens: counts so far.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RequestStream:
+    """The events of one request, iterable from any thread (``for``, blocking) or, when it
+    was submitted with a ``loop`` (by default the running asyncio loop of the caller), from
+    a task of that loop (``async for``); :meth:`cancel` ends it with ``cancelled``."""
+
+    def __init__(self, engine, request_id: int, loop: asyncio.AbstractEventLoop | None):
+        self.engine, self.id, self.loop = engine, request_id, loop
+        self._queue: queue.Queue = queue.Queue()
+        self._ready = asyncio.Event() if loop else None  # set by put, on the loop
+        self.finish_reason: str | None = None
+
+    def put(self, out: Output) -> None:
+        self._queue.put(out)
+        if self.loop is not None:
+            # A closed loop raises RuntimeError: no one is listening any more.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._ready.set)
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.id)
+
+    def __iter__(self):
+        while self.finish_reason is None:
+            out = self._queue.get()
+            self.finish_reason = out.finish_reason
+            yield out
+
+    async def __aiter__(self):
+        if self._ready is None:
+            raise RuntimeError("this stream was submitted outside an asyncio loop: iterate it "
+                               "with for, or submit with loop=")
+        while self.finish_reason is None:
+            try:
+                out = self._queue.get_nowait()
+            except queue.Empty:
+                await self._ready.wait()
+                self._ready.clear()
+                continue
+            self.finish_reason = out.finish_reason
+            yield out
+
+    def result(self) -> tuple[list[int], str, str]:
+        """Waits for the end (threads only): ``(token_ids, text, finish_reason)``."""
+        ids, text = [], []
+        for out in self:
+            ids += out.token_ids
+            text.append(out.text)
+        return ids, "".join(text), self.finish_reason
+
+
+class Histogram:
+    """A Prometheus histogram: counts per upper bound (seconds), their sum and count."""
+
+    BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+    def __init__(self):
+        self.counts = [0] * len(self.BOUNDS)
+        self.total, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.BOUNDS):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(le, count)`` pairs, ``+Inf`` last."""
+        out = list(zip(map(str, self.BOUNDS), itertools.accumulate(self.counts), strict=True))
+        return out + [("+Inf", self.count)]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters and histograms since the engine was made (read by ``/metrics``)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    ttft: Histogram = dataclasses.field(default_factory=Histogram)  # seconds
+    inter_token: Histogram = dataclasses.field(default_factory=Histogram)
+    compiled: set = dataclasses.field(default_factory=set)  # StepBatch.shape_key seen
+    created: float = dataclasses.field(default_factory=time.time)
+    recent: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Tokens generated per second over the last ``window`` seconds."""
+        now = time.monotonic()
+        recent = [n for t, n in list(self.recent) if t > now - window]
+        return sum(recent) / window

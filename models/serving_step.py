@@ -1,0 +1,194 @@
+"""The serving engine's jitted step: the new tokens of many sequences (prefill chunks and
+decode tokens alike) packed into one row, attended with :func:`forge_jax.ragged_paged_attention`
+over the page pool, and one token sampled per sequence with its own parameters.
+
+:class:`forge_jax.models.serving.Engine` builds the :class:`StepBatch` on the host and runs
+:func:`ragged_step`; the pages are donated (updated in place). Shapes are static per
+``(tokens, max_seqs, pages_per_seq)``; the engine buckets ``tokens`` to powers of two so that
+new traffic reuses the compiled variants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import forge_jax as fj
+from forge_jax.models import sampling as sampling_lib
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedBatchCache:
+    """The KV cache a model's ``forward_cached`` sees during a serving step: the page pools
+    and one packed row ``[1, tokens]`` whose sequences ``cu_q_lens`` delimits.
+
+    It speaks the cache protocol the models use (``write``, ``attend``, ``lengths``,
+    ``with_lengths``); ``write`` puts token ``t`` at ``slots[t]`` (``-1``: padding, skipped)
+    and ``attend`` is one ragged paged attention over all sequences.
+
+    Attributes:
+      k_pages, v_pages: per layer ``[kv_heads, num_pages, page_size, head_dim]``.
+      block_tables: int32 ``[max_seqs, pages_per_seq]``.
+      kv_lengths: int32 ``[max_seqs]``, tokens in the cache after this step, per sequence.
+      cu_q_lens: int32 ``[max_seqs + 1]``, the sequences' rows of the packed row.
+      num_seqs: int32 scalar.
+      slots: int32 ``[tokens]``.
+      lengths: int32 ``[1]``, unused (the protocol's per-row length).
+    """
+
+    k_pages: tuple[jax.Array, ...]
+    v_pages: tuple[jax.Array, ...]
+    block_tables: jax.Array
+    kv_lengths: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+    slots: jax.Array
+    lengths: jax.Array
+
+    def write(self, layer: int, k, v, positions, valid) -> RaggedBatchCache:
+        """Writes ``k``, ``v`` ``[1, tokens, kv_heads, head_dim]`` at ``slots``."""
+        del positions, valid  # the slots say where (and -1 for padding)
+        new_k, new_v = fj.paged_write(self.k_pages[layer], self.v_pages[layer], k[0], v[0],
+                                      self.slots)
+        return dataclasses.replace(
+            self, k_pages=self.k_pages[:layer] + (new_k,) + self.k_pages[layer + 1:],
+            v_pages=self.v_pages[:layer] + (new_v,) + self.v_pages[layer + 1:])
+
+    def attend(self, layer: int, q, *, q_positions=None, kv_lengths=None, scale=None,
+               sliding_window=None, logits_soft_cap=None, implementation=None):
+        """``q`` ``[1, tokens, q_heads, head_dim]`` over the pages: each sequence's rows see
+        its own cache causally (:func:`forge_jax.ragged_paged_attention`)."""
+        del q_positions, kv_lengths  # the ragged layout carries both
+        out = fj.ragged_paged_attention(
+            q[0], self.k_pages[layer], self.v_pages[layer], self.block_tables,
+            self.kv_lengths, self.cu_q_lens, self.num_seqs, scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            implementation=implementation)
+        return out[None]
+
+    def with_lengths(self, lengths) -> RaggedBatchCache:
+        del lengths  # kv_lengths are the host's
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's host-built inputs (NumPy).
+
+    Attributes:
+      tokens, positions, slots: int32 ``[tokens]`` (padding: token 0, position 0, slot -1).
+      block_tables: int32 ``[max_seqs, pages_per_seq]``.
+      kv_lengths: int32 ``[max_seqs]``.
+      cu_q_lens: int32 ``[max_seqs + 1]``.
+      num_seqs: int, sequences in the step.
+      last_rows: int32 ``[max_seqs]``, each sequence's last row (its logits are sampled).
+      sampling: per sequence ``[max_seqs]`` arrays: ``temperature``, ``top_k`` (0: all),
+        ``top_p``, ``min_p``, ``repetition_penalty``, ``seed`` (uint32) and ``step`` (the
+        index of the token being drawn, folded into the seed's key).
+      seen: bool ``[max_seqs, vocab]`` (each sequence's tokens, for the repetition
+        penalty), or None when no sequence has a penalty.
+      greedy: whether every sequence is greedy without a penalty (the cheaper compiled mode).
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    block_tables: np.ndarray
+    kv_lengths: np.ndarray
+    cu_q_lens: np.ndarray
+    num_seqs: int
+    last_rows: np.ndarray
+    sampling: dict[str, np.ndarray]
+    seen: np.ndarray | None
+    greedy: bool
+
+    @property
+    def shape_key(self) -> tuple:
+        """What selects a compiled variant of :func:`ragged_step`."""
+        return (self.tokens.shape[0], self.block_tables.shape, self.greedy)
+
+
+def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
+    """One token per row of ``logits`` ``[rows, vocab]``, each row with its own parameters
+    (``sampling``'s ``[rows]`` arrays, as :class:`StepBatch` describes); greedy rows
+    (temperature below :data:`~forge_jax.models.sampling.GREEDY_BELOW`) take the argmax
+    after their repetition penalty. Returns int32 ``[rows]``."""
+    if greedy:
+        return sampling_lib.sample(logits, None, temperature=0.0)
+    logits = sampling_lib.apply_repetition_penalty(
+        logits, seen, sampling["repetition_penalty"][:, None])
+    argmax = sampling_lib.sample(logits, None, temperature=0.0)
+    is_greedy = sampling["temperature"] < sampling_lib.GREEDY_BELOW
+    temperature = jnp.where(is_greedy, 1.0, sampling["temperature"])
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(
+        sampling["seed"], sampling["step"])
+
+    def one(row, key, t, k, p, m):
+        return sampling_lib.sample(row[None], key, temperature=t, top_k=k, top_p=p,
+                                   min_p=m)[0]
+
+    drawn = jax.vmap(one)(logits, keys, temperature, sampling["top_k"], sampling["top_p"],
+                          sampling["min_p"])
+    return jnp.where(is_greedy, argmax, drawn)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "implementation_key"),
+                   donate_argnames=("k_pages", "v_pages"))
+def ragged_step(state: nnx.State, k_pages, v_pages, batch: dict, sampling: dict, seen, *,
+                graphdef: nnx.GraphDef, greedy: bool, implementation_key=None):
+    """Writes and attends one packed batch, samples one token per sequence (jitted; the
+    pages are donated: use the returned ones).
+
+    Args:
+      state: the model's weights, ``nnx.split(model)[1]``.
+      k_pages, v_pages: per layer ``[kv_heads, num_pages, page_size, head_dim]``.
+      batch: :class:`StepBatch`'s arrays ``tokens``, ``positions``, ``slots``,
+        ``block_tables``, ``kv_lengths``, ``cu_q_lens``, ``num_seqs`` and ``last_rows``.
+      sampling, seen: as :class:`StepBatch` describes (``seen`` None when ``greedy``).
+      graphdef: static, ``nnx.split(model)[0]``.
+      greedy: static, :attr:`StepBatch.greedy`.
+      implementation_key: static, the active implementation preference
+        (``fj.dispatch.current_preference()``), so that a preference change recompiles.
+
+    Returns:
+      ``(tokens, k_pages, v_pages)``: int32 ``[max_seqs]``, the token drawn after each
+      sequence's last row (meaningful for the rows that end their sequence's known tokens).
+    """
+    del implementation_key
+    model = nnx.merge(graphdef, state)
+    cache = RaggedBatchCache(
+        k_pages=tuple(k_pages), v_pages=tuple(v_pages), block_tables=batch["block_tables"],
+        kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
+        num_seqs=batch["num_seqs"], slots=batch["slots"], lengths=jnp.zeros((1,), jnp.int32))
+    tokens = batch["tokens"][None]  # [1, tokens]: one packed row
+    logits, cache = model.forward_cached(tokens, batch["positions"][None],
+                                         batch["slots"][None] >= 0, cache,
+                                         logits_at=batch["last_rows"][None])
+    next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy)  # [max_seqs]
+    k_pages, v_pages = cache.k_pages, cache.v_pages
+    if model.mesh is not None:  # kept in their shards: the next step takes them donated
+        pool = pool_sharding(model.mesh, k_pages[0].shape[0])
+        k_pages, v_pages = jax.lax.with_sharding_constraint((k_pages, v_pages), pool)
+        next_tokens = jax.lax.with_sharding_constraint(next_tokens, model.mesh.replicated())
+    return next_tokens, k_pages, v_pages
+
+
+def pool_sharding(mesh, kv_heads: int):
+    """The sharding of a page pool ``[kv_heads, num_pages, page_size, head_dim]`` on a
+    model's mesh (``forge_jax.sharding.MeshConfig``): KV heads over the tensor axis when
+    they divide, as :func:`forge_jax.models.llama_sharding.cache_shardings` places them."""
+    return mesh.sharding(mesh.tp_name if kv_heads % mesh.tp == 0 else None, None, None, None)
+
+
+def step_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
+    """The ``batch`` argument of :func:`ragged_step`."""
+    return dict(tokens=batch.tokens, positions=batch.positions, slots=batch.slots,
+                block_tables=batch.block_tables, kv_lengths=batch.kv_lengths,
+                cu_q_lens=batch.cu_q_lens, num_seqs=np.int32(batch.num_seqs),
+                last_rows=batch.last_rows)

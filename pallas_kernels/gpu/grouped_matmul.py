@@ -1,0 +1,197 @@
+"""Pallas GPU kernel (Triton lowering): the grouped matrix multiply
+``out[r] = x[r] @ w[group of r]``.
+
+The same schedule as the TPU kernel (:func:`forge_jax.ops.grouped_matmul.tile_schedule`,
+megablox's): the rows are cut into tiles of ``block_m`` and each non-empty group visits
+every tile its rows touch. Grid ``(visits, n blocks)``, the visits' static upper bound
+``cdiv(m, block_m) + groups - 1``; a program reads its visit's group and tile from the
+schedule (the Triton lowering has no scalar prefetch: ``x``, ``w`` and ``out`` are whole
+arrays in global memory, read and written with masked gathers), loops over ``k`` in blocks
+of ``block_k`` with float32 accumulation, and stores only its group's rows of the tile.
+Rows of other groups are masked loads (zeros), so NaN padding rows are never read; the
+programs of one tile write disjoint rows, so they never race. Programs past the real
+visit count compute and store nothing; rows of no group are set to zero in XLA afterwards.
+
+The backward pass is the XLA implementation's VJP
+(:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
+
+Op: :func:`forge_jax.ops.grouped_matmul.grouped_matmul`; reference: its XLA implementation
+:func:`forge_jax.ops.grouped_matmul.grouped_matmul_xla`. Launch knobs: :class:`Config`, the
+per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
+as ``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
+``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_grouped_matmul.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _compat
+from forge_jax.ops.grouped_matmul import cdiv, grouped_matmul_xla, tile_schedule
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels._vjp import with_reference_vjp
+from forge_jax.pallas_kernels.gpu import _common
+
+pl = _compat.pallas()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet.
+VERIFIED: dict[str, str] = {}
+
+# Element offsets are int32: stay clear of 2**31.
+MAX_SIZE = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes (powers of two >= 16: Triton dots) and Triton launch parameters."""
+
+    block_m: int
+    block_k: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 2
+
+
+# The defaults per device kind (:func:`_common.kind_row`; "default" serves any other kind
+# and the interpreter). Not measured yet: the shapes of common Triton matmul configs.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "H100": dict(block_m=64, block_k=64, block_n=128, num_warps=4, num_stages=3),
+    "A100": dict(block_m=64, block_k=32, block_n=128, num_warps=4, num_stages=3),
+    "L4": dict(block_m=32, block_k=32, block_n=64, num_warps=4, num_stages=2),
+    "default": dict(block_m=32, block_k=32, block_n=64, num_warps=4, num_stages=2),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch knobs on ``device_kind`` from :data:`TUNED` (the same for any arguments)."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.grouped_matmul` arguments, else
+    why not."""
+    x, w = args["x"], args["w"]
+    if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
+        return f"x.dtype={jnp.dtype(x.dtype).name}; the kernel reads float32/bf16/f16"
+    for name, a in (("x", x), ("w", w)):
+        if a.size > MAX_SIZE:
+            return f"{name}.size={a.size} > {MAX_SIZE}: the kernel's offsets are int32"
+    return None
+
+
+def _kernel(group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref, x_ref, w_ref,
+            out_ref, *, block_m, block_k, block_n):
+    # x_ref [m, k], w_ref [groups, k, n], out_ref [m, n]: whole arrays; the schedule refs
+    # [steps] and the group bounds [groups] likewise.
+    m, k = x_ref.shape
+    n = out_ref.shape[1]
+    s = pl.program_id(0)
+    group = group_ids_ref[s]
+    rows = tile_ids_ref[s] * block_m + jnp.arange(block_m, dtype=jnp.int32)
+    cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    mine = (rows >= starts_ref[group]) & (rows < ends_ref[group])  # rows < m too
+    col_ok = cols < n
+    real = s < visits_ref[0]
+
+    def body(kb, acc):
+        kk = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        k_ok = kk < k
+        xb = _compat.triton_load(x_ref, (rows[:, None], kk[None, :]),
+                                 mask=mine[:, None] & k_ok[None, :], other=0)
+        wb = _compat.triton_load(w_ref, (group, kk[:, None], cols[None, :]),
+                                 mask=k_ok[:, None] & col_ok[None, :], other=0)
+        # HIGHEST: float32 operands as IEEE products (Triton's default is TF32).
+        return acc + jax.lax.dot_general(xb, wb, (((1,), (0,)), ((), ())),
+                                         precision=jax.lax.Precision.HIGHEST,
+                                         preferred_element_type=jnp.float32)
+
+    k_blocks = jnp.where(real, pl.cdiv(k, block_k), 0)
+    acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
+    _compat.triton_store(out_ref, (rows[:, None], cols[None, :]), acc.astype(out_ref.dtype),
+                         mask=real & mine[:, None] & col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_k", "block_n", "num_warps",
+                                             "num_stages", "interpret"))
+def grouped_matmul_forward(x, w, group_starts, group_ends, *, block_m, block_k, block_n,
+                           num_warps, num_stages, interpret=False):
+    """The kernel alone (no VJP).
+
+    Args:
+      x: ``[m, k]``; w: ``[groups, k, n]``, one dtype (float32/bfloat16/float16).
+      group_starts, group_ends: int32 ``[groups]``, consecutive row ranges (as the op binds
+        them).
+      block_m, block_k, block_n: tile sizes, powers of two >= 16.
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run in Pallas' interpreter (any platform).
+    """
+    _compat.filter_triton_deprecation()
+    for name, b in (("block_m", block_m), ("block_k", block_k), ("block_n", block_n)):
+        if b < _common.MIN_DOT or _common.next_pow2(b) != b:
+            raise ValueError(f"{name}={b} must be a power of two >= {_common.MIN_DOT}")
+    m, k = x.shape
+    groups, _, n = w.shape
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
+    group_ids, tile_ids, visits = tile_schedule(group_starts, group_ends, m, block_m)
+    itemsize = jnp.dtype(x.dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n, transcendentals=0,
+        bytes_accessed=itemsize * (m * k * cdiv(n, block_n) + groups * k * n + m * n))
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_m=block_m, block_k=block_k, block_n=block_n),
+        grid=(group_ids.shape[0], cdiv(n, block_n)),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
+                                                       num_stages=num_stages),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="forge_jax_grouped_matmul",
+    )(group_ids, tile_ids, group_starts, group_ends, visits[None], x, w)
+    # Rows of no group were never written: zeros.
+    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+    covered = (rows >= group_starts[0]) & (rows < group_ends[-1])
+    return jnp.where(covered, out, jnp.zeros((), out.dtype))
+
+
+def _reference(x, w, group_starts, group_ends):
+    return grouped_matmul_xla(x, w, group_starts=group_starts, group_ends=group_ends)
+
+
+_grouped_matmul = with_reference_vjp(grouped_matmul_forward, _reference)
+
+
+def grouped_matmul(x, w, *, group_starts, group_ends, block_m=None, block_k=None,
+                   block_n=None, num_warps=None, num_stages=None, interpret=False):
+    """:func:`forge_jax.grouped_matmul` through the kernel; differentiable (XLA VJP).
+
+    Args:
+      x, w, group_starts, group_ends: as the op binds them.
+      block_m, block_k, block_n, num_warps, num_stages: override the tuning table's entry.
+      interpret: run in Pallas' interpreter (any platform).
+    """
+    config = _common.with_knobs(default_config({}, _common.device_kind(interpret)),
+                                block_m=block_m, block_k=block_k, block_n=block_n,
+                                num_warps=num_warps, num_stages=num_stages)
+    return _grouped_matmul(x, w, group_starts, group_ends, interpret=interpret,
+                           **dataclasses.asdict(config))
+
+
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults."""
+    del args
+    return [dict(block_m=bm, block_k=bk, block_n=bn, num_warps=w)
+            for bm in (16, 64, 128) for bk in (32, 64) for bn in (64, 128) for w in (4, 8)]
+
+
+_registration.register(
+    "grouped_matmul", grouped_matmul, backend="gpu", supports=supports, verified=VERIFIED,
+    description="megablox schedule of (row tile, group) visits, masked gathers",
+    configs=configs, interpret_configs=lambda args: [dict(block_m=16, block_n=32)])

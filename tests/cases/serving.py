@@ -1,0 +1,74 @@
+"""A live ``forge-jax serve`` app on loopback (uvicorn in a thread) for the serving tests, and
+the greedy references they compare with."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from forge_jax.models import llama, serving, serving_http, text
+
+MODEL = "tiny-chat"
+# One geometry for every serving test, so that they share the step's compiled variants
+# (row buckets 8, 16 and 32; greedy or sampling).
+GEOMETRY = dict(max_batch_tokens=32, max_seqs=32, num_pages=64, page_size=8, max_model_len=128)
+
+
+class LiveServer:
+    """Serves ``app`` on 127.0.0.1 (a free port) until :meth:`stop`."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "no server"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                             **kwargs)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def engine(model, tokenizer, **kwargs) -> serving.Engine:
+    eos = text.eos_ids(model, tokenizer, tokenizer.generation_config)
+    kwargs = dict(GEOMETRY, **kwargs)
+    return serving.Engine(model, tokenizer, eos_token_ids=eos, **kwargs)
+
+
+def serve(model, tokenizer, **kwargs) -> tuple[LiveServer, serving.Engine]:
+    e = engine(model, tokenizer, **kwargs)
+    return LiveServer(serving_http.create_app(e, model_name=MODEL, tokenizer=tokenizer)), e
+
+
+def greedy(model, tokenizer, prompts, max_tokens: int) -> list[list[int]]:
+    """``llama.generate``'s greedy tokens for each prompt (ids), eos included, as the
+    engine's token ids are."""
+    eos = text.eos_ids(model, tokenizer, tokenizer.generation_config)
+    return llama.generate(model, prompts, max_tokens, eos_token_id=eos)
+
+
+def reply_text(tokenizer, ids, eos) -> str:
+    return tokenizer.decode([t for t in ids if t not in eos])
+
+
+def wait_idle(engine: serving.Engine, timeout: float = 30.0) -> dict:
+    """The engine's gauges once no request runs or waits (after its last step)."""
+    deadline = time.monotonic() + timeout
+    while engine.has_work() or not engine.gauges:
+        assert time.monotonic() < deadline, "the engine never went idle"
+        time.sleep(0.02)
+    time.sleep(0.05)
+    return engine.snapshot()

@@ -1,0 +1,101 @@
+"""The Pallas GPU grouped_matmul kernel (pallas_kernels/gpu/grouped_matmul.py).
+
+:class:`TestGroupedMatmulPallasGpu` runs the compiled kernel (``"pallas"``, skipped without a
+GPU of compute capability >= 8.0); :class:`TestGroupedMatmulPallasGpuInterpret` runs the same
+kernel code in Pallas' interpreter everywhere (outputs start as NaN there, so a row the
+kernel should have written and did not fails the finiteness check). The behaviours come from
+:class:`cases.grouped_matmul_base.GroupedMatmulCases`; the knob test cuts the rows into
+16-row tiles so that groups straddle tiles. The lowering tests run the Pallas-to-Triton
+lowering for CUDA on this machine (the PTX compile needs a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases.base import PallasGpu
+from cases.checks import assert_close
+from cases.grouped_matmul_base import ONE_GROUP, SINGLES, UNEVEN, GroupedMatmulCases, gmm_inputs
+from cases.grouped_references import grouped_matmul_ref
+
+from forge_jax import _compat, dispatch
+from forge_jax.pallas_kernels.gpu import grouped_matmul as kernel
+
+ops_gmm = importlib.import_module("forge_jax.ops.grouped_matmul")
+S = jax.ShapeDtypeStruct
+
+
+def _kernel_call(block_m, block_n, interpret):
+    def fn(x, w, group_sizes):
+        starts, ends = ops_gmm.group_bounds(group_sizes, x.shape[0])
+        return kernel.grouped_matmul(x, w, group_starts=starts, group_ends=ends,
+                                     block_m=block_m, block_n=block_n, interpret=interpret)
+
+    return fn
+
+
+class TestGroupedMatmulPallasGpu(PallasGpu, GroupedMatmulCases):
+    IMPLEMENTATION = "pallas"
+    INTERPRET = False
+    CASES = {
+        "uneven-f32": (UNEVEN, 24, 48, jnp.float32),      # k and n below one block
+        "singles-bf16": (SINGLES, 40, 96, jnp.bfloat16),  # partial k and n blocks
+    }
+
+    @pytest.mark.parametrize("sizes,dtype", [(SINGLES + (0, 7, 2), jnp.float16),
+                                             (ONE_GROUP, jnp.float32)])
+    def test_row_tiles_shared_by_groups(self, sizes, dtype):
+        x, w, group_sizes = gmm_inputs(sizes, 48, 40, dtype, pad=3)
+        out = jax.jit(_kernel_call(16, 16, self.INTERPRET))(x, w, group_sizes)
+        np.testing.assert_array_equal(np.asarray(out[sum(sizes):], np.float32), 0.0)
+        assert_close(out, grouped_matmul_ref(x, w, sizes), implementation=self.IMPLEMENTATION)
+
+
+class TestGroupedMatmulPallasGpuInterpret(TestGroupedMatmulPallasGpu):
+    IMPLEMENTATION = "pallas_gpu_interpret"
+    INTERPRET = True
+
+
+def test_registered_for_gpu_by_name_until_verified():
+    assert dispatch.implementations("grouped_matmul", "gpu")["pallas"].verified == {}
+    assert "pallas_gpu_interpret" in dispatch.implementations("grouped_matmul", "cpu")
+
+
+# --- the contract with the CUDA lowering -------------------------------------------------
+
+
+@pytest.mark.parametrize("m,k,n,groups,dtype", [
+    (37, 24, 48, 5, jnp.bfloat16),
+    (300, 2048, 768, 8, jnp.bfloat16),     # Qwen3-MoE's expert width
+    (8, 256, 384, 64, jnp.float16),        # decode: fewer rows than experts
+    (33, 64, 64, 3, jnp.float32),
+])
+def test_accepted_cases_lower_for_cuda(m, k, n, groups, dtype):
+    assert kernel.supports(dict(x=S((m, k), dtype), w=S((groups, k, n), dtype))) is None
+    text = _compat.export_for_cuda(_kernel_call(None, None, False), S((m, k), dtype),
+                                   S((groups, k, n), dtype),
+                                   S((groups,), jnp.int32)).mlir_module()
+    assert "__gpu$xla.gpu.triton" in text and "forge_jax_grouped_matmul" in text
+
+
+def test_blocks_must_be_powers_of_two():
+    """Triton dots need power-of-two operands of at least 16; every table entry is one."""
+    for kind in (None, "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L4"):
+        config = kernel.default_config({}, kind)
+        for b in (config.block_m, config.block_k, config.block_n):
+            assert b >= 16 and b & (b - 1) == 0, (kind, config)
+    with pytest.raises(ValueError, match="block_m=24 must be a power of two"):
+        _compat.export_for_cuda(_kernel_call(24, None, False), S((37, 24), jnp.float32),
+                                S((5, 24, 48), jnp.float32), S((5,), jnp.int32))
+
+
+def test_rejects_float64_and_huge_arrays():
+    with jax.enable_x64(True):
+        x = S((8, 16), jnp.float64)
+        assert "float64" in kernel.supports(dict(x=x, w=S((2, 16, 16), jnp.float64)))
+    huge = S((2**16, 2**15), jnp.bfloat16)
+    assert "int32" in kernel.supports(dict(x=huge, w=S((1, 2**15, 16), jnp.bfloat16)))

@@ -1,0 +1,99 @@
+"""``prefill_step(empty_cache=True)``, generate's prefill: the prompt attends to itself alone
+instead of to the cache's whole capacity, with the same tokens and the same cache as the
+cached path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
+from forge_jax.models import llama, sampling
+
+CONFIG = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+BATCH, BUCKET, CACHE_LEN, PAGE = 3, 16, 32, 8
+
+
+def _model(seed) -> llama.Llama:
+    """Weights large enough that the logits are far from uniform: no near-ties for greedy
+    decoding, whose tokens the two paths (equal up to rounding) must agree on."""
+    model = llama.Llama(CONFIG, rngs=nnx.Rngs(seed))
+    gen = np.random.default_rng(seed)
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param):
+            shape = param[...].shape
+            if len(path) > 1 and str(path[-2]).endswith("norm"):
+                value = gen.uniform(0.5, 1.5, shape)
+            else:
+                value = gen.normal(0.0, 0.25 if len(shape) > 1 else 0.1, shape)
+            param.set_value(jnp.asarray(value, jnp.float32))
+    return model
+
+
+def _cache(kind):
+    if kind == "contiguous":
+        return ContiguousKVCache.create(num_layers=2, batch=BATCH, max_len=CACHE_LEN,
+                                        kv_heads=2, head_dim=16)
+    pages = CACHE_LEN // PAGE
+    tables = np.arange(BATCH * pages, dtype=np.int32).reshape(BATCH, pages)[:, ::-1].copy()
+    return PagedKVCache.create(num_layers=2, num_pages=BATCH * pages, page_size=PAGE,
+                               kv_heads=2, head_dim=16, block_tables=tables)
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_empty_cache_prefill_matches_the_cached_path(kind):
+    graphdef, state = nnx.split(_model(3))
+    gen = np.random.default_rng(7)
+    lengths = np.array([16, 9, 0], np.int32)  # a full row, a padded one, a batch padding row
+    tokens = np.where(np.arange(BUCKET) < lengths[:, None],
+                      gen.integers(0, CONFIG.vocab_size, (BATCH, BUCKET)), 0).astype(np.int32)
+    greedy = sampling.SamplingParams()
+    seen = jnp.zeros((BATCH, CONFIG.vocab_size), bool)
+    out = {}
+    for empty in (False, True):
+        out[empty] = llama.prefill_step(
+            state, _cache(kind), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(1),
+            greedy.arrays(), seen, graphdef=graphdef, mode=greedy.mode, empty_cache=empty)
+    (tok0, _, cache0), (tok1, _, cache1) = out[False], out[True]
+    np.testing.assert_array_equal(np.asarray(tok0)[:2], np.asarray(tok1)[:2])
+    np.testing.assert_array_equal(np.asarray(cache0.lengths), lengths)
+    np.testing.assert_array_equal(np.asarray(cache1.lengths), lengths)
+    # The same slots written with the same keys and values (up to rounding past layer 0),
+    # the rest untouched (zeros).
+    for a, b in zip(jax.tree.leaves(cache0), jax.tree.leaves(cache1), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(a) == 0, np.asarray(b) == 0)
+
+
+def test_generate_prefills_an_empty_cache():
+    """generate's greedy tokens with the prompt attending to itself equal those of a
+    prefill over the cache (a cache longer than the prompt bucket: 8 + 30 -> 64)."""
+    model = _model(4)
+    prompts = [[5, 17, 33, 2, 90], [1, 2, 3, 4, 5, 6, 7]]
+    tokens, stats = llama.generate_with_stats(model, prompts, 30, cache="paged")
+    assert stats.cache_len > stats.prompt_bucket
+    graphdef, state = nnx.split(model)
+    # The same prefill over the cache, then generate's own decode: run by hand.
+    cache = PagedKVCache.create(num_layers=2, num_pages=2 * 4, page_size=16, kv_heads=2,
+                                head_dim=16,
+                                block_tables=np.arange(8, dtype=np.int32).reshape(2, 4))
+    ids = np.zeros((2, 8), np.int32)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
+    params = sampling.SamplingParams().arrays()
+    mode = sampling.SamplingParams().mode
+    seen = jnp.zeros((2, CONFIG.vocab_size), bool)
+    first, seen, cache = llama.prefill_step(
+        state, cache, jnp.asarray(ids), jnp.asarray([5, 7], jnp.int32), jax.random.key(0),
+        params, seen, graphdef=graphdef, mode=mode)
+    out = [np.asarray(first)]
+    for step in range(1, 30):
+        first, seen, cache = llama.decode_step(
+            state, cache, first, jnp.ones((2,), bool), jax.random.key(0),
+            jnp.asarray(step, jnp.int32), params, seen, graphdef=graphdef, mode=mode)
+        out.append(np.asarray(first))
+    np.testing.assert_array_equal(np.stack(out, 1), np.asarray(tokens))

@@ -1,0 +1,179 @@
+"""The serving engine (forge_jax.models.serving) without HTTP: greedy outputs equal
+``llama.generate``'s under chunked prefill, preemption and the prefix cache; compiled
+variants stay few; refusals, cancellation and stop strings."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from cases import serving as cases
+
+from forge_jax.models import serving, serving_step
+
+TEXTS = ["Hello there! How", "The quick brown fox jumps over the lazy dog. The quick",
+         "Numbers 0123", "user assistant system: tell me a story about a small robot who",
+         "Caf\u00e9 cr\u00e8me", "I am fine, thank you. Hello there! How are you today?"]
+
+
+def _run(engine, prompts, params):
+    streams = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+    while engine.has_work():
+        engine.step()
+    return [s.result() for s in streams]
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_tokenizer):
+    return [chat_tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def reference(chat_model, chat_tokenizer, prompts):
+    return cases.greedy(chat_model, chat_tokenizer, prompts, 24)
+
+
+def test_greedy_equals_generate_with_chunked_prefill(chat_model, chat_tokenizer, prompts,
+                                                     reference):
+    # 16 tokens per step: the longer prompts are prefilled in chunks beside decodes.
+    engine = cases.engine(chat_model, chat_tokenizer, max_batch_tokens=16)
+    assert max(len(p) for p in prompts) > 16
+    before = serving_step.ragged_step._cache_size()
+    results = _run(engine, prompts, [serving.RequestParams(max_tokens=24)] * len(prompts))
+    for (ids, text, reason), want in zip(results, reference, strict=True):
+        assert ids == want
+        assert reason == ("stop" if want[-1] in engine.eos else "length")
+        assert text == cases.reply_text(chat_tokenizer, want, engine.eos)
+    # Row buckets 8 and 16, greedy: at most two compiled variants for all of that traffic.
+    assert {k[0] for k in engine.stats.compiled} <= {8, 16}
+    assert serving_step.ragged_step._cache_size() - before <= len(engine.stats.compiled) <= 2
+    usage = engine.manager.usage()
+    assert usage.num_sequences == 0 and usage.used_pages == len(engine.prefix_cache)
+
+
+def test_preemption_with_a_small_pool_keeps_greedy_outputs(chat_model, chat_tokenizer,
+                                                           prompts):
+    # Twelve requests of 30-100 tokens need more than the pool's 64 pages of 8 at once.
+    long = [p * 2 for p in prompts] + [p * 3 for p in prompts]
+    want = cases.greedy(chat_model, chat_tokenizer, long, 24)
+    engine = cases.engine(chat_model, chat_tokenizer)
+    results = _run(engine, long, [serving.RequestParams(max_tokens=24)] * len(long))
+    assert [ids for ids, _, _ in results] == want
+    assert engine.stats.preemptions > 0
+    assert engine.prefix_cache.stats.evicted_pages > 0  # cached pages went first
+    assert engine.manager.usage().num_sequences == 0
+
+
+def test_prefix_cache_prefills_a_shared_prefix_once(chat_model, chat_tokenizer, reference):
+    system = chat_tokenizer.encode(TEXTS[3] + " " + TEXTS[1])  # several full pages
+    prompts = [system + chat_tokenizer.encode(t, add_special_tokens=False) for t in TEXTS[:3]]
+    want = cases.greedy(chat_model, chat_tokenizer, prompts, 8)
+    engine = cases.engine(chat_model, chat_tokenizer)
+    first = _run(engine, prompts[:1], [serving.RequestParams(max_tokens=8)])
+    rest = _run(engine, prompts[1:], [serving.RequestParams(max_tokens=8)] * 2)
+    assert [ids for ids, _, _ in first + rest] == want
+    stats = engine.prefix_cache.stats
+    shared_pages = len(system) // engine.page_size
+    assert stats.reused_pages >= 2 * shared_pages and stats.hit_tokens >= 2 * shared_pages * 8
+    # What the cache keeps is reclaimable: no request holds it, evict gives it all back.
+    cached = len(engine.prefix_cache)
+    assert engine.prefix_cache.reclaimable() == cached > 0
+    assert engine.manager.usage().used_pages == cached
+    assert engine.prefix_cache.evict(engine.manager.num_pages) == cached
+    assert engine.manager.usage().free_pages == engine.manager.num_pages
+
+
+def test_per_request_sampling_is_seeded_and_mixes_with_greedy(chat_model, chat_tokenizer,
+                                                              prompts, reference):
+    # 8 tokens per step: one row bucket, so the sampling step compiles once.
+    engine = cases.engine(chat_model, chat_tokenizer, max_batch_tokens=8)
+    sampled = serving.RequestParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95,
+                                    min_p=0.01, repetition_penalty=1.2, seed=7,
+                                    ignore_eos=True)
+    greedy = serving.RequestParams(max_tokens=24)
+    a = _run(engine, [prompts[2], prompts[0]], [sampled, greedy])
+    b = _run(engine, [prompts[2], prompts[0]], [sampled, serving.RequestParams(
+        max_tokens=12, seed=1, temperature=1.5, ignore_eos=True)])
+    assert a[0][0] == b[0][0] and len(a[0][0]) == 12  # the same seed, the same tokens
+    assert a[1][0] == reference[0]  # a greedy row beside sampled ones is still greedy
+    assert {k[0] for k in engine.stats.compiled} == {8}
+
+
+def test_stop_strings_and_stop_ids(chat_model, chat_tokenizer, prompts, reference):
+    engine = cases.engine(chat_model, chat_tokenizer)
+    full = cases.reply_text(chat_tokenizer, reference[0], engine.eos)
+    stop = full[5:8]
+    [(ids, text, reason)] = _run(engine, prompts[:1], [serving.RequestParams(
+        max_tokens=24, stop=(stop,))])
+    assert reason == "stop" and text == full[:full.find(stop)]
+    [(ids, text, reason)] = _run(engine, prompts[:1], [serving.RequestParams(
+        max_tokens=24, stop_token_ids=(reference[0][3],))])
+    assert reason == "stop" and ids == reference[0][:reference[0].index(reference[0][3]) + 1]
+
+
+def test_refusals_name_the_numbers(chat_model, chat_tokenizer):
+    engine = cases.engine(chat_model, chat_tokenizer, num_pages=4, max_model_len=64)
+    with pytest.raises(serving.RequestRefused, match=r"60 tokens and max_tokens is 8: 68 "
+                                                     r"tokens, more than the context of 64"):
+        engine.submit([5] * 60, serving.RequestParams(max_tokens=8))
+    with pytest.raises(serving.RequestRefused, match=r"needs 5 pages of 8 tokens, the pool "
+                                                     r"has 4"):
+        engine.submit([5] * 30, serving.RequestParams(max_tokens=8))
+    with pytest.raises(serving.RequestRefused, match="outside the vocabulary"):
+        engine.submit([10**6], serving.RequestParams())
+    with pytest.raises(ValueError, match="top_p"):
+        serving.RequestParams(top_p=1.5)
+    engine.max_waiting = 0
+    with pytest.raises(serving.QueueFull, match="max_waiting=0"):
+        engine.submit([5], serving.RequestParams())
+
+
+def test_cancel_from_another_thread_frees_the_pages(chat_model, chat_tokenizer, prompts):
+    engine = cases.engine(chat_model, chat_tokenizer, prefix_caching=False).start()
+    try:
+        stream = engine.submit(prompts[3], serving.RequestParams(max_tokens=100,
+                                                                 ignore_eos=True))
+        events = iter(stream)
+        first = next(events)
+        threading.Thread(target=stream.cancel).start()
+        rest = list(events)
+        assert first.finish_reason is None and rest[-1].finish_reason == "cancelled"
+        assert sum(len(o.token_ids) for o in [first, *rest]) < 100
+        gauges = cases.wait_idle(engine)
+        assert gauges["pages_used"] == 0 and gauges["running"] == 0
+    finally:
+        assert engine.shutdown() == {"finished": 0, "cancelled": 0}
+
+
+def test_a_sharded_model_serves_the_same_tokens():
+    from forge_jax import sharding
+    from forge_jax.models import TINY_DIR, llama, text
+
+    tokenizer = text.load_tokenizer(TINY_DIR)
+    prompts = [tokenizer.encode(p) for p in ["99+1=", "505+816=", "123+459="]]
+    want = llama.generate(llama.from_pretrained(TINY_DIR), prompts, 6, eos_token_id=())
+    model = llama.from_pretrained(TINY_DIR, mesh=sharding.make_mesh("tp=2"))
+    engine = serving.Engine(model, tokenizer, max_batch_tokens=32, num_pages=32, page_size=8,
+                            eos_token_ids=())
+    assert engine.k_pages[0].sharding.spec[0] == "tp"  # the pool split by KV head
+    results = _run(engine, prompts, [serving.RequestParams(max_tokens=6)] * 3)
+    assert [ids for ids, _, _ in results] == want
+    assert engine.k_pages[0].sharding.spec[0] == "tp"
+
+
+def test_a_failed_step_ends_its_requests_with_error(monkeypatch, chat_model, chat_tokenizer,
+                                                    prompts, reference):
+    engine = cases.engine(chat_model, chat_tokenizer).start()
+    try:
+        def boom(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(serving_step, "ragged_step", boom)
+        [*_, last] = engine.submit(prompts[0], serving.RequestParams(max_tokens=24))
+        assert last.finish_reason == "error" and "RuntimeError: boom" in last.error
+        assert engine.manager.usage().num_sequences == 0  # its pages went back
+        monkeypatch.undo()
+        ids, _, _ = engine.submit(prompts[0], serving.RequestParams(max_tokens=24)).result()
+        assert ids == reference[0]  # and the engine goes on
+    finally:
+        engine.shutdown()
