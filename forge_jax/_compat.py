@@ -1,15 +1,17 @@
 """Version shims: every difference between the JAX releases forge_jax supports lives here.
 
-forge_jax runs on JAX 0.10 (CPU machines, Python 3.11) and 0.11 (the GPU machine,
-Python 3.12). Kernels import what differs from this module, never from
-``jax.experimental`` directly, so a new JAX release touches one file.
+forge_jax runs on JAX 0.10 (Python 3.11), 0.11 and 0.12 (Python 3.12+). Kernels import
+what differs from this module, never from ``jax.experimental`` directly, so a new JAX
+release touches one file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -85,10 +87,51 @@ def export_for_cuda(fn: Any, *args: Any, **kwargs: Any) -> Any:
     whose size is not a power of two); only the Triton-to-PTX compile needs the device.
     Returns the ``jax.export.Exported``.
     """
-    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    with warnings.catch_warnings():
+    return export_for(fn, ["cuda"], *args, **kwargs)
+
+
+# The GPU a CUDA lowering targets on a machine without one. The Triton lowering needs a
+# compute capability: JAX 0.10 fell back to 9.0 by itself; from 0.12 it raises "No supported
+# GPU devices found, please specify an abstract GPU device" unless an abstract mesh names
+# the device. An H100 (compute capability 9.0) keeps 0.10's target on every release.
+ABSTRACT_GPU = dict(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.local_devices(backend="gpu"))
+    except RuntimeError:  # no GPU backend in this process
+        return False
+
+
+@contextlib.contextmanager
+def gpu_lowering_target() -> Iterator[None]:
+    """Within it, Pallas' Triton lowering targets :data:`ABSTRACT_GPU` when this process
+    has no GPU and no abstract device is set (a compile target's, for instance); otherwise
+    it changes nothing."""
+    if _has_gpu() or jax.sharding.get_abstract_mesh().abstract_device is not None:
+        yield
+        return
+    device = jax.sharding.AbstractDevice(**ABSTRACT_GPU)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
+                                                                  abstract_device=device)):
+        yield
+
+
+def export_for(fn: Any, platforms: Any, *args: Any, **kwargs: Any) -> Any:
+    """``jax.export`` of ``jax.jit(fn)(*args, **kwargs)`` for ``platforms`` (a sequence of
+    lowering platforms), on any machine; Triton kernel calls are allowed in a CUDA lowering
+    (as :func:`export_for_cuda`), which targets :data:`ABSTRACT_GPU` where there is no GPU.
+    Returns the ``jax.export.Exported``."""
+    platforms = list(platforms)
+    target = contextlib.nullcontext()
+    checks = []
+    if "cuda" in platforms:
+        checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        target = gpu_lowering_target()
+    with warnings.catch_warnings(), target:
         warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-        return jax.export.export(jax.jit(fn), platforms=["cuda"],
+        return jax.export.export(jax.jit(fn), platforms=platforms,
                                  disabled_checks=checks)(*args, **kwargs)
 
 
@@ -122,9 +165,9 @@ def export_for_tpu(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 # jax-triton's releases follow JAX's: 0.3.x is built against JAX 0.10, 0.4.x against JAX 0.11
-# (where ``triton_call`` renamed ``out_shape`` to ``out_type``). (major, minor) of jax-triton
-# -> the (major, minor) of JAX it works with.
-JAX_TRITON_FOR_JAX = {(0, 3): (0, 10), (0, 4): (0, 11)}
+# (where ``triton_call`` renamed ``out_shape`` to ``out_type``) and requires jax>=0.11, which
+# 0.12 keeps. (major, minor) of jax-triton -> the (major, minor) releases of JAX it works with.
+JAX_TRITON_FOR_JAX = {(0, 3): ((0, 10),), (0, 4): ((0, 11), (0, 12))}
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -157,12 +200,16 @@ def jax_triton_reason(jt_version: str | None = None, jax_version: str | None = N
     jax_version = jax_version or jax.__version__
     wants = JAX_TRITON_FOR_JAX.get(_release(jt_version))
     have = _release(jax_version)
+
+    def releases(pairs):
+        return " or ".join(f"{c}.{d}" for c, d in pairs)
+
     if wants is None:
-        known = ", ".join(f"{a}.{b}.x for JAX {c}.{d}"
-                          for (a, b), (c, d) in JAX_TRITON_FOR_JAX.items())
+        known = ", ".join(f"{a}.{b}.x for JAX {releases(pairs)}"
+                          for (a, b), pairs in JAX_TRITON_FOR_JAX.items())
         return f"jax-triton {jt_version} is not a release forge_jax supports ({known})"
-    if wants != have:
-        return (f"jax-triton {jt_version} is built for JAX {wants[0]}.{wants[1]}, this is JAX "
+    if have not in wants:
+        return (f"jax-triton {jt_version} is built for JAX {releases(wants)}, this is JAX "
                 f"{jax_version}: install the matching release ({_install.pip_install('gpu')})")
     return None
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from forge_jax import _install
+from forge_jax import _compat, _install
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,19 +186,21 @@ def _devices(name: str) -> tuple[Any, ...]:
 def missing(target: str | Target) -> str | None:
     """``None`` if this environment can compile for ``target``, else why not (the ``aot``
     extra's wheel for its platform is not installed)."""
-    import importlib.util
     import shutil
 
+    # module_available, not find_spec: a dotted name whose parent package is absent
+    # (no jax_plugins or nvidia namespace at all) raises instead of returning None.
+    available = _compat.module_available
     t = get(target)
     if t.platform == "gpu":
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        if not available("jax_plugins.xla_cuda12"):
             return (f"the CUDA plugin (jax[cuda12-local]) is not installed: "
                     f"{_install.pip_install('aot')}")
-        if importlib.util.find_spec("nvidia.cuda_nvcc") is None and not shutil.which("ptxas"):
+        if not available("nvidia.cuda_nvcc") and not shutil.which("ptxas"):
             return (f"ptxas (nvidia-cuda-nvcc-cu12) is not installed: "
                     f"{_install.pip_install('aot')}")
         return None
-    if importlib.util.find_spec("libtpu") is None:
+    if not available("libtpu"):
         return f"libtpu (jax[tpu]) is not installed: {_install.pip_install('aot')}"
     return None
 

@@ -30,7 +30,7 @@ from forge_jax.pallas_kernels.gpu import jax_triton_elementwise as tk
 @pytest.mark.parametrize("jt,jax_version,words", [
     (None, "0.10.2", "not installed"),
     ("0.3.1", "0.11.0", "built for JAX 0.10"),
-    ("0.4.1", "0.10.2", "built for JAX 0.11"),
+    ("0.4.1", "0.10.2", "built for JAX 0.11 or 0.12"),
     ("0.2.0", "0.10.2", "not a release forge_jax supports"),
 ])
 def test_version_reasons(jt, jax_version, words, monkeypatch):
@@ -39,7 +39,8 @@ def test_version_reasons(jt, jax_version, words, monkeypatch):
     assert words in reason, reason
 
 
-@pytest.mark.parametrize("jt,jax_version", [("0.3.1", "0.10.2"), ("0.4.1", "0.11.3")])
+@pytest.mark.parametrize("jt,jax_version", [("0.3.1", "0.10.2"), ("0.4.1", "0.11.3"),
+                                            ("0.4.1", "0.12.0.1")])
 def test_matching_releases(jt, jax_version):
     assert _compat.jax_triton_reason(jt, jax_version) is None
 

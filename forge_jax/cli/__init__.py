@@ -1,10 +1,10 @@
 """The ``forge-jax`` command line: ``info``, ``demo``, ``generate``, ``tune``, ``chat``,
-``serve`` and ``compile``, one module each; ``_run`` turns the errors a user can cause into
-one line and an exit code."""
+``serve``, ``compile`` and ``export``, one module each; ``_run`` turns the errors a user can
+cause into one line and an exit code."""
 
 from __future__ import annotations
 
-from forge_jax.cli import chat, compile, demo, generate, info, serve, tune
+from forge_jax.cli import chat, compile, demo, export, generate, info, serve, tune
 from forge_jax.cli._flags import Parser
 from forge_jax.cli._run import GenerateError, UsageError, report, run_command
 
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the versions of forge_jax and JAX, and exit")
     subparsers = parser.add_subparsers(dest="command")
     # The order --help lists them in.
-    for module in (info, demo, generate, tune, chat, serve, compile):
+    for module in (info, demo, generate, tune, chat, serve, compile, export):
         module.add_parser(subparsers)
     try:
         args, extra = parser.parse_known_args(argv)

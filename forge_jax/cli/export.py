@@ -1,0 +1,72 @@
+"""``forge-jax export``: a checkpoint's prefill and decode steps written as ``jax.export``
+artifacts (serialized StableHLO, a manifest, the weights as safetensors), which
+``forge_jax.programs.load`` runs without the model code."""
+
+from __future__ import annotations
+
+import argparse
+
+from forge_jax.cli import _checkpoint, _flags
+from forge_jax.cli._run import UsageError
+
+
+def add_parser(subparsers) -> None:
+    export = subparsers.add_parser(
+        "export", help="write a checkpoint's prefill and decode steps as jax.export programs",
+        description="Exports the model's greedy prefill and decode steps (contiguous KV "
+                    "cache) as jax.export artifacts beside a manifest and the weights "
+                    "(safetensors); forge_jax.programs.load(OUT) runs them without the "
+                    "model code.")
+    _checkpoint.add_flags(export, help="a Hugging Face Llama-family directory (default: the "
+                                       "embedded tiny model)")
+    export.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    export.add_argument("--platforms", default="cpu", metavar="A,B",
+                        help="lowering platforms among cpu, cuda, rocm, tpu (default cpu); "
+                             "for any but this machine's alone, every op uses XLA")
+    export.add_argument("--batch", type=int, default=1, help="sequences per call (default 1)")
+    export.add_argument("--context", type=int, default=None,
+                        help="KV cache positions per sequence, prompt plus new tokens "
+                             "(default: the model's max_position_embeddings)")
+    export.add_argument("--prompt-length", type=int, default=None,
+                        help="the prefill's padded prompt length (default: half the context)")
+    export.add_argument("--executable", action="store_true",
+                        help="also write the steps compiled for this machine's CPU "
+                             "(serialize_executable; runs only with this JAX and jaxlib)")
+    _flags.add_dtype_flag(export)
+    export.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the checkpoint and writes its exported steps to ``--out``."""
+    from forge_jax.models import export as export_lib
+    from forge_jax.models import llama
+
+    platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())
+    try:
+        export_lib.check_platforms(platforms)
+    except ValueError as e:
+        raise UsageError(f"--{e}") from None
+    if args.executable and "cpu" not in platforms:
+        raise UsageError(f"--executable compiles for CPU; --platforms {args.platforms} has no cpu")
+    config, _, tokenizer, path = _checkpoint.read_checkpoint(args)
+    for flag in ("batch", "context", "prompt_length"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive int, got {value}")
+    context = config.max_position_embeddings if args.context is None else args.context
+    if context > config.max_position_embeddings:
+        raise UsageError(f"--context {context} exceeds the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    if args.prompt_length is not None and args.prompt_length >= context:
+        raise UsageError(f"--prompt-length {args.prompt_length} must be below the context "
+                         f"({context})")
+    _flags.resolve_dtype(args)
+    model = llama.from_pretrained(path, dtype=args.dtype)
+    out = export_lib.export(
+        model, args.out, batch=args.batch, context=context, prompt_length=args.prompt_length,
+        platforms=platforms, executable=args.executable,
+        tokenizer=path / "tokenizer.json" if tokenizer is not None else None)
+    print(f"{_checkpoint.describe(model, path, args).replace('paged cache', 'contiguous cache')}"
+          f"\nwrote {out}: prefill and decode for {', '.join(platforms)}, batch {args.batch}, "
+          f"context {context}" + (", with CPU executables" if args.executable else ""))
+    return 0

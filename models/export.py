@@ -1,0 +1,220 @@
+"""Exports a model's prefill and decode steps (:mod:`forge_jax.models.steps`) as
+``jax.export`` artifacts that :func:`forge_jax.programs.load` runs without the model code.
+
+The steps are exported with greedy decoding over a contiguous KV cache of ``context``
+positions per sequence, for ``batch`` sequences of prompts up to ``prompt_length`` tokens.
+Their arguments are flat tuples of arrays (:func:`forge_jax.programs.step_trees`): the
+weights (saved beside the steps with safetensors), the cache's leaves, the inputs, so that
+no pytree class of the model's is needed to call them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import forge_jax as fj
+from forge_jax import _compat, programs
+from forge_jax.kv_cache import ContiguousKVCache
+from forge_jax.models import generation, steps
+from forge_jax.models.llama_model import Llama
+
+KEY_IMPL = "threefry2x32"
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def check_shapes(model: Llama, *, batch: int, context: int | None,
+                 prompt_length: int | None) -> tuple[int, int, int]:
+    """(batch, context, prompt_length) with the defaults filled in (context: the model's
+    ``max_position_embeddings``; prompt_length: half the context); ValueError naming the
+    argument for a value that does not fit."""
+    limit = model.config.max_position_embeddings
+    context = limit if context is None else context
+    for name, value in (("batch", batch), ("context", context)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    if context > limit:
+        raise ValueError(f"context={context} exceeds the model's max_position_embeddings="
+                         f"{limit}")
+    prompt_length = max(context // 2, 1) if prompt_length is None else prompt_length
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) \
+            or not 0 < prompt_length < context:
+        raise ValueError(f"prompt_length must be an int in [1, context={context}), got "
+                         f"prompt_length={prompt_length!r}")
+    return batch, context, prompt_length
+
+
+def check_platforms(platforms: Sequence[str]) -> tuple[str, ...]:
+    platforms = tuple(platforms)
+    bad = [p for p in platforms if p not in PLATFORMS]
+    if not platforms or bad or len(set(platforms)) != len(platforms):
+        raise ValueError(f"platforms must be distinct names among {PLATFORMS}, got "
+                         f"platforms={platforms!r}")
+    return platforms
+
+
+def _entry(name: str | None, x) -> dict:
+    entry = {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name}
+    return entry if name is None else {"name": name, **entry}
+
+
+def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
+           context: int | None = None, prompt_length: int | None = None,
+           platforms: Sequence[str] = ("cpu",), cache_dtype=None, executable: bool = False,
+           tokenizer: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Writes ``model``'s greedy prefill and decode steps to the directory ``out`` (see
+    :mod:`forge_jax.programs` for its files).
+
+    Args:
+      model: an unsharded :class:`Llama`.
+      out: the directory to write (created; files of an earlier export are replaced).
+      batch: sequences per call.
+      context: KV cache positions per sequence (prompt plus new tokens); default the
+        model's ``max_position_embeddings``.
+      prompt_length: the prefill's padded prompt length; default ``context // 2``.
+      platforms: ``jax.export`` lowering platforms. Ops are lowered with the
+        implementations chosen for this machine when it is the only platform; for others
+        every op uses its XLA implementation, which lowers for all of them.
+      cache_dtype: the KV cache's dtype; default the model's compute dtype.
+      executable: also write the steps compiled for this machine's CPU
+        (``jax.experimental.serialize_executable``); needs ``"cpu"`` in ``platforms``.
+      tokenizer: a ``tokenizer.json`` to copy beside the program (None: none; then the
+        program takes token ids only).
+
+    Returns:
+      The directory's path.
+    """
+    if model.mesh is not None:
+        raise ValueError("export takes an unsharded model (model.mesh is "
+                         f"{model.mesh.describe()}); load it without mesh=")
+    batch, context, prompt_length = check_shapes(model, batch=batch, context=context,
+                                                 prompt_length=prompt_length)
+    platforms = check_platforms(platforms)
+    if executable and "cpu" not in platforms:
+        raise ValueError(f"executable=True compiles for CPU; platforms={platforms!r} has no "
+                         f"'cpu'")
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    graphdef, state = nnx.split(model)
+    # XLA everywhere unless the program is for this machine's platform alone: a kernel
+    # picked here (a Pallas GPU kernel) would not lower for the other platforms.
+    here_only = platforms == (jax.default_backend(),)
+    with fj.use_implementation(None if here_only else "xla"):
+        statics = steps.step_statics(graphdef, mode=True)
+    cache = ContiguousKVCache.create(
+        num_layers=config.num_hidden_layers, batch=batch, max_len=context,
+        kv_heads=model.kv_heads, head_dim=config.head_dim,
+        dtype=model.dtype if cache_dtype is None else cache_dtype)
+    named_weights = jax.tree_util.tree_flatten_with_path(state)[0]
+    state_tree = jax.tree_util.tree_structure(state)
+    cache_leaves, cache_tree = jax.tree_util.tree_flatten(cache)
+
+    def prefill(weights, kv, tokens, lengths, key_data, sampling, seen):
+        new, seen, kv = steps.prefill_step(
+            state_tree.unflatten(weights), cache_tree.unflatten(kv), tokens, lengths,
+            jax.random.wrap_key_data(key_data, impl=KEY_IMPL),
+            dict(zip(programs.SAMPLING, sampling, strict=True)), seen, **statics)
+        return new, seen, tuple(jax.tree_util.tree_leaves(kv))
+
+    def decode(weights, kv, tokens, active, key_data, step, sampling, seen):
+        new, seen, kv = steps.decode_step(
+            state_tree.unflatten(weights), cache_tree.unflatten(kv), tokens, active,
+            jax.random.wrap_key_data(key_data, impl=KEY_IMPL), step,
+            dict(zip(programs.SAMPLING, sampling, strict=True)), seen, **statics)
+        return new, seen, tuple(jax.tree_util.tree_leaves(kv))
+
+    spec = jax.ShapeDtypeStruct
+    weights = tuple(spec(w.shape, w.dtype) for _, w in named_weights)
+    kv = tuple(spec(x.shape, x.dtype) for x in cache_leaves)
+    key = spec((2,), jnp.uint32)
+    sampling = (spec((), jnp.float32), spec((), jnp.int32), spec((), jnp.float32),
+                spec((), jnp.float32), spec((), jnp.float32))
+    seen = spec((batch, config.vocab_size), jnp.bool_)
+    rows_i32, rows_bool = spec((batch,), jnp.int32), spec((batch,), jnp.bool_)
+    args = {"prefill": (weights, kv, spec((batch, prompt_length), jnp.int32), rows_i32, key,
+                        sampling, seen),
+            "decode": (weights, kv, rows_i32, rows_bool, key, spec((), jnp.int32), sampling,
+                       seen)}
+    fns = {"prefill": prefill, "decode": decode}
+    manifest_steps, executables = {}, {}
+    with fj.use_implementation(None if here_only else "xla"):
+        for name in programs.STEPS:
+            exported = _compat.export_for(fns[name], platforms, *args[name])
+            (out / programs.step_file(name)).write_bytes(exported.serialize())
+            manifest_steps[name] = {
+                "file": programs.step_file(name),
+                "in_shapes": [_entry(None, a) for a in exported.in_avals],
+                "out_shapes": [_entry(None, a) for a in exported.out_avals]}
+            if executable:
+                executables[name] = _serialize_cpu(fns[name], args[name], out, name,
+                                                   len(weights), len(kv))
+    _save_weights(out, named_weights)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / programs.TOKENIZER)
+    manifest = {
+        "format": programs.FORMAT,
+        "forge_jax": fj.__version__,
+        **programs.versions(),
+        "platforms": list(platforms),
+        "implementations": "auto" if here_only else "xla",
+        "batch": batch, "context": context, "prompt_length": prompt_length,
+        "vocab_size": config.vocab_size,
+        "decoding": "greedy",
+        "key_impl": KEY_IMPL,
+        "eos_token_ids": list(generation.default_eos_token_ids(model)),
+        "bos_token_id": config.bos_token_id,
+        "tokenizer": programs.TOKENIZER if tokenizer is not None else None,
+        "steps": manifest_steps,
+        "cache": [_entry(None, x) for x in cache_leaves],
+        "weights": {"file": programs.WEIGHTS,
+                    "tensors": [_entry(jax.tree_util.keystr(p), w) for p, w in named_weights]},
+    }
+    if executable:
+        manifest["executables"] = {"cpu": {**programs.versions(), "files": executables}}
+    (out / programs.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return out
+
+
+def _save_weights(out: pathlib.Path, named_weights) -> None:
+    """The weights with safetensors (never pickle), named by their path in the model's
+    state; bfloat16 as its uint16 bits (safetensors' NumPy API has no bfloat16)."""
+    from safetensors.numpy import save_file
+
+    tensors = {}
+    for path, w in named_weights:
+        array = np.asarray(w)
+        if array.dtype == jnp.bfloat16:
+            array = array.view(np.uint16)
+        tensors[jax.tree_util.keystr(path)] = np.ascontiguousarray(array)
+    save_file(tensors, str(out / programs.WEIGHTS))
+
+
+def _serialize_cpu(fn, args, out: pathlib.Path, name: str, num_weights: int,
+                   num_cache: int) -> str:
+    """Compiles ``fn`` for this machine's CPU and writes its serialized executable; returns
+    the file's name."""
+    from jax.experimental import serialize_executable
+
+    cpu = jax.devices("cpu")[0]
+    sharding = jax.sharding.SingleDeviceSharding(cpu)
+    placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                          args)
+    donate = (1, 7) if name == "decode" else (1,)
+    compiled = jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
+    data, in_tree, out_tree = serialize_executable.serialize(compiled)
+    # The loader rebuilds the trees from the manifest's counts: they must be these.
+    expected = programs.step_trees(name, num_weights, num_cache)
+    if (in_tree, out_tree) != expected:
+        raise AssertionError(f"{name}: compiled trees {in_tree}, {out_tree} are not the "
+                             f"program's {expected}")
+    file = programs.executable_file(name, "cpu")
+    (out / file).write_bytes(data)
+    return file

@@ -1,0 +1,175 @@
+"""Exported programs: the tiny model's steps exported (``forge_jax.models.export`` and
+``forge-jax export``), loaded by ``forge_jax.programs`` in a fresh process that never imports
+the model code, give exactly the live model's greedy tokens on CPU."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from cases.cli import assert_one_line_error, run
+
+from forge_jax import programs
+from forge_jax.models import export as export_lib
+from forge_jax.models import generation, llama, tasks, train_tiny
+
+BATCH, CONTEXT, PROMPT_LENGTH, NEW = 4, 32, 16, 8
+
+# Runs in a fresh interpreter: loads the program both ways and reports the tokens, which
+# source each load used, and whether the model code (or Flax) was ever imported.
+_CHILD = """
+import json, sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+from forge_jax import programs
+prompts = json.loads(sys.argv[2])
+out = {}
+for executable in (False, True):
+    program = programs.load(sys.argv[1], executable=executable)
+    out[program.source] = program.generate(prompts, NEW)
+out["text"] = programs.load(sys.argv[1]).generate_text(sys.argv[3], NEW)
+out["modules"] = sorted(m for m in sys.modules
+                        if m == "flax" or m.startswith(("forge_jax.models", "flax.")))
+print(json.dumps(out))
+""".replace("NEW", str(NEW))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llama.from_pretrained(train_tiny.TINY_DIR)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    problems = tasks.AdditionTask(max_digits=3).sample(np.random.default_rng(23), BATCH,
+                                                        split="test")
+    return [tasks.encode_prompt(p) for p in problems]
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_program")
+    return export_lib.export(model, out, batch=BATCH, context=CONTEXT,
+                             prompt_length=PROMPT_LENGTH, executable=True,
+                             tokenizer=train_tiny.TINY_DIR / "tokenizer.json")
+
+
+def test_the_manifest_describes_the_files(exported, model):
+    manifest = programs.read_manifest(exported)
+    assert manifest["platforms"] == ["cpu"] and manifest["decoding"] == "greedy"
+    assert (manifest["batch"], manifest["context"], manifest["prompt_length"]) == (
+        BATCH, CONTEXT, PROMPT_LENGTH)
+    assert manifest["eos_token_ids"] == [tasks.EOS_ID]
+    for step in programs.STEPS:
+        assert (exported / manifest["steps"][step]["file"]).stat().st_size > 0
+        assert (exported / manifest["executables"]["cpu"]["files"][step]).stat().st_size > 0
+    # Weights are arguments, not constants: the steps are far smaller than the weights.
+    weights = exported / programs.WEIGHTS
+    assert (exported / programs.step_file("decode")).stat().st_size < weights.stat().st_size
+    config = model.config
+    cache = manifest["cache"]
+    assert len(cache) == 2 * config.num_hidden_layers + 1  # k and v per layer, lengths
+    assert cache[0]["shape"] == [BATCH, CONTEXT, config.num_key_value_heads, config.head_dim]
+
+
+def test_a_fresh_process_without_the_model_code_generates_the_live_tokens(
+        exported, model, prompts):
+    live = generation.generate(model, prompts, NEW, cache="contiguous")
+    live_paged = generation.generate(model, prompts, NEW)
+    assert live == live_paged
+    text_prompt = "123+459="
+    live_text = tasks.decode(generation.generate(
+        model, [tasks.encode_prompt(tasks.Problem(123, 459))], NEW)[0])[0]
+    result = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(exported), json.dumps(prompts), text_prompt],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["modules"] == []
+    assert out["stablehlo"] == live
+    assert out["executable"] == live
+    # Some answers ended with eos before NEW tokens: the loop stops as generate does.
+    assert any(row[-1] == tasks.EOS_ID and len(row) < NEW for row in live)
+    assert out["text"] == live_text
+
+
+def test_an_executable_from_another_jax_is_refused(exported, tmp_path):
+    copy = tmp_path / "program"
+    shutil.copytree(exported, copy)
+    manifest = json.loads((copy / programs.MANIFEST).read_text())
+    manifest["executables"]["cpu"]["jaxlib"] = "0.0.1"
+    (copy / programs.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(programs.ProgramError, match=r"jaxlib 0\.0\.1, this is jax ") as e:
+        programs.load(copy, executable=True)
+    assert "\n" not in str(e.value)
+    # Left to choose, it runs the exported StableHLO instead.
+    assert programs.load(copy).source == "stablehlo"
+
+
+@pytest.mark.parametrize("manifest, match", [
+    (None, "not an exported program: no manifest.json"),
+    ({"format": "other/1"}, "has format 'other/1'"),
+    ({"format": programs.FORMAT, "platforms": ["tpu"]}, r"exported for platforms \['tpu'\]"),
+])
+def test_load_refuses_what_it_cannot_run(tmp_path, manifest, match):
+    if manifest is not None:
+        (tmp_path / programs.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(programs.ProgramError, match=match):
+        programs.load(tmp_path)
+
+
+def test_generate_refuses_prompts_the_program_was_not_exported_for(exported):
+    program = programs.load(exported, executable=False)
+    with pytest.raises(programs.ProgramError, match=r"1 to 4 prompts .*got 5"):
+        program.generate([[1, 5]] * 5, 2)
+    with pytest.raises(programs.ProgramError, match=r"prompts\[0\] has 17 tokens"):
+        program.generate([[5] * 17], 2)
+    with pytest.raises(programs.ProgramError, match=r"beyond the exported context=32"):
+        program.generate([[5] * 16], 17)
+    with pytest.raises(programs.ProgramError, match=r"outside \[0, 15\)"):
+        program.generate([[1, 15]], 2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(context=65), "context=65 exceeds the model's max_position_embeddings=64"),
+    (dict(batch=0), "batch must be a positive int, got batch=0"),
+    (dict(context=16, prompt_length=16), r"prompt_length must be an int in \[1, context=16\)"),
+    (dict(platforms=("gpu",)), "platforms must be distinct names"),
+    (dict(platforms=("tpu",), executable=True), "executable=True compiles for CPU"),
+])
+def test_export_refuses_bad_arguments_before_any_work(model, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        export_lib.export(model, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_exports_for_several_platforms(capsys, tmp_path):
+    rc, out, err = run(capsys, "export", "--out", str(tmp_path), "--context", "16",
+                       "--platforms", "cpu,cuda,tpu")
+    assert rc == 0, err
+    assert "wrote" in out and "cpu, cuda, tpu" in out
+    manifest = programs.read_manifest(tmp_path)
+    assert manifest["platforms"] == ["cpu", "cuda", "tpu"]
+    assert manifest["implementations"] == "xla" and manifest["prompt_length"] == 8
+    assert manifest["tokenizer"] == "tokenizer.json" and (tmp_path / "tokenizer.json").is_file()
+    program = programs.load(tmp_path)
+    assert program.generate_text("12+34=", 6) == "64"
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--platforms", "cpu,gpu"], ["--platforms must be distinct names"]),
+    (["--platforms", "tpu", "--executable"], ["--executable compiles for CPU"]),
+    (["--context", "65"], ["--context 65 exceeds", "max_position_embeddings=64"]),
+    (["--context", "16", "--prompt-length", "16"], ["--prompt-length 16 must be below"]),
+    (["--batch", "0"], ["--batch must be a positive int, got 0"]),
+])
+def test_the_cli_refuses_bad_flags_before_loading(capsys, tmp_path, no_model_load, argv,
+                                                  fragments):
+    result = run(capsys, "export", "--out", str(tmp_path / "out"), *argv)
+    assert_one_line_error(result, *fragments, prog="forge-jax export")
+    assert not pathlib.Path(tmp_path / "out").exists()
