@@ -206,7 +206,10 @@ def compile(fn: Callable[..., Any], *args: Any, target: str | targets.Target,
                     dispatch.use_implementation(implementation):
                 traced = fn.trace(*args, **kwargs)
                 lowered = traced.lower()
-            options = {"xla_dump_to": str(dump)} if t.platform == "gpu" else {}
+            # xla_dump_emitter_re: newer XLA (JAX 0.12) writes the kernels' PTX only for
+            # the emitters it names; 0.10's wrote it with xla_dump_to alone.
+            options = ({"xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"}
+                       if t.platform == "gpu" else {})
             compiled = lowered.compile(options)
         except Exception as e:  # the compiler's verdict, reported, not raised
             return Report(t, False, _message(e), time.perf_counter() - start, {}, (), ())

@@ -114,6 +114,14 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     checks.append(_check("silu_mul", fj.silu_mul(jnp.asarray(g), jnp.asarray(u)),
                          g / (1.0 + np.exp(-g.astype(np.float64))) * u))
 
+    # gelu_tanh_mul draws from its own stream too (the checks after it keep their inputs).
+    grng = np.random.default_rng(seed + 2)
+    g, u = (grng.standard_normal((6, 384)).astype(np.float32) for _ in range(2))
+    g64 = g.astype(np.float64)
+    checks.append(_check(
+        "gelu_tanh_mul", fj.gelu_tanh_mul(jnp.asarray(g), jnp.asarray(u)),
+        0.5 * g64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g64 + 0.044715 * g64 ** 3))) * u))
+
     s = f32(5, 33)
     e = np.exp(s - s.max(-1, keepdims=True).astype(np.float64))
     checks.append(_check("softmax", fj.softmax(jnp.asarray(s)), e / e.sum(-1, keepdims=True)))

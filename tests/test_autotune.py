@@ -316,12 +316,13 @@ def test_end_to_end_the_tiny_model_follows_what_tune_measured(cache, capsys):
     out = capsys.readouterr().out
     assert "models/tiny: tuning 25 op calls of generate (batch 1, prefill 8 tokens and decode" \
         in out
-    # The kernels the interpreter has: 2 norms, 2 ropes, paged attention and silu_mul, each
-    # at the prefill's and the decode's shapes.
+    # The kernels the interpreter has: 2 norms, 2 ropes and silu_mul, each at the prefill's
+    # and the decode's shapes; attention at the prefill's (the prompt over itself) and paged
+    # attention at the decode's.
     assert out.count(f": {INTERPRET}") == 12 and f"cache: {cache}" in out
     entries = json.loads(cache.read_text())["entries"]
     assert len(entries) == 12 and {e["op"] for e in entries} == {
-        "rms_norm", "silu_mul", "rope", "paged_attention"}
+        "rms_norm", "silu_mul", "rope", "attention", "paged_attention"}
     # The decode step's fused norm: x [1, 1, hidden] with the residual.
     assert any(e["op"] == "rms_norm" and e["signature"].startswith("x=float32[1, 1, 128]")
                and "residual=float32[1, 1, 128]" in e["signature"] for e in entries)
@@ -333,7 +334,7 @@ def test_end_to_end_the_tiny_model_follows_what_tune_measured(cache, capsys):
     ids = llama.generate(model, prompt, 4)
     used = {op: s.implementation for op, s in dispatch.last_selections().items()}
     assert all(used[op] == INTERPRET
-               for op in ("rms_norm", "silu_mul", "rope", "paged_attention")), used
+               for op in ("rms_norm", "silu_mul", "rope", "attention", "paged_attention")), used
     with fj.use_implementation("xla"):
         want = llama.generate(model, prompt, 4)
     np.testing.assert_array_equal(ids, want)
