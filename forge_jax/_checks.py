@@ -93,6 +93,35 @@ def number(name: str, value: Any) -> Any:
     raise TypeError(f"{name} must be a Python number or a scalar array, got {name}={value!r:.80}")
 
 
+def product_output(out_dtype: Any, default: Any, c: Any, beta: Any,
+                   out_shape: tuple[int, ...]) -> np.dtype:
+    """The checks a product's output arguments share (``matmul``, ``quantized_matmul``):
+    ``out_dtype`` (None: ``default``) a float dtype; ``c`` broadcasting to ``out_shape``
+    and given exactly when ``beta`` is not 0. Returns the output dtype."""
+    out_dtype = default if out_dtype is None else out_dtype
+    try:
+        out_dtype = jnp.dtype(out_dtype)
+    except TypeError:
+        raise TypeError(f"out_dtype must be a float dtype, got {out_dtype=!r}") from None
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"out_dtype must be a float dtype, got out_dtype={out_dtype.name}")
+    if c is not None:
+        array("c", c)
+        try:
+            broadcast = np.broadcast_shapes(tuple(c.shape), out_shape)
+        except ValueError:
+            broadcast = None
+        if broadcast != out_shape:
+            raise ValueError(
+                f"c must broadcast to the product's shape {out_shape}, got {c.shape=}")
+        if isinstance(beta, float) and beta == 0.0:
+            raise ValueError(
+                "c was given with beta=0.0, so it would be ignored; pass beta=1.0 to add c")
+    elif not (isinstance(beta, numbers.Real) and beta == 0.0):
+        raise ValueError(f"beta={beta!r} needs c, but c is None")
+    return out_dtype
+
+
 def is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 

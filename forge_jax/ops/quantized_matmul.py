@@ -14,11 +14,8 @@ slower (XLA converts float8 slowly there): BENCHMARKS.md (``benchmarks/quant_cpu
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from forge_jax import _checks, dispatch
 from forge_jax.quant import QuantizedArray, dequantize
@@ -48,27 +45,7 @@ def _quantized_matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, bet
                          f"b.shape={b.shape} ({trans_b=}) has K={k_b}")
     n = b.shape[0] if trans_b else b.shape[1]
     out_shape = (*a.shape[:-1], n)
-    out_dtype = a.dtype if out_dtype is None else out_dtype
-    try:
-        out_dtype = jnp.dtype(out_dtype)
-    except TypeError:
-        raise TypeError(f"out_dtype must be a float dtype, got {out_dtype=!r}") from None
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        raise TypeError(f"out_dtype must be a float dtype, got out_dtype={out_dtype.name}")
-    if c is not None:
-        _checks.array("c", c)
-        try:
-            broadcast = np.broadcast_shapes(tuple(c.shape), out_shape)
-        except ValueError:
-            broadcast = None
-        if broadcast != out_shape:
-            raise ValueError(
-                f"c must broadcast to the product's shape {out_shape}, got {c.shape=}")
-        if isinstance(beta, float) and beta == 0.0:
-            raise ValueError(
-                "c was given with beta=0.0, so it would be ignored; pass beta=1.0 to add c")
-    elif not (isinstance(beta, numbers.Real) and beta == 0.0):
-        raise ValueError(f"beta={beta!r} needs c, but c is None")
+    out_dtype = _checks.product_output(out_dtype, a.dtype, c, beta, out_shape)
     return dict(a=a, b=b, trans_b=trans_b, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype)
 
 
