@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.inputs import random_llama
 from flax import nnx
 
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
@@ -19,19 +20,7 @@ BATCH, BUCKET, CACHE_LEN, PAGE = 3, 16, 32, 8
 
 
 def _model(seed) -> llama.Llama:
-    """Weights large enough that the logits are far from uniform: no near-ties for greedy
-    decoding, whose tokens the two paths (equal up to rounding) must agree on."""
-    model = llama.Llama(CONFIG, rngs=nnx.Rngs(seed))
-    gen = np.random.default_rng(seed)
-    for path, param in nnx.iter_graph(model):
-        if isinstance(param, nnx.Param):
-            shape = param[...].shape
-            if len(path) > 1 and str(path[-2]).endswith("norm"):
-                value = gen.uniform(0.5, 1.5, shape)
-            else:
-                value = gen.normal(0.0, 0.25 if len(shape) > 1 else 0.1, shape)
-            param.set_value(jnp.asarray(value, jnp.float32))
-    return model
+    return random_llama(CONFIG, seed)
 
 
 def _cache(kind):

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.inputs import random_llama
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -50,24 +51,9 @@ MESHES = [("8q2kv", "tp=8"), ("8q2kv", "dp=2,tp=4"), ("8q2kv", "dp=8"), ("9q3kv"
 PROMPTS = [[5, 17, 33, 2, 90], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [70, 7, 64]]
 
 
-def _random_model(config, seed=0) -> llama.Llama:
-    """Fresh random weights, large enough that greedy argmaxes have no near-ties."""
-    model = llama.Llama(config, rngs=nnx.Rngs(seed))
-    gen = np.random.default_rng(seed)
-    for path, param in nnx.iter_graph(model):
-        if isinstance(param, nnx.Param):
-            shape = param[...].shape
-            if len(path) > 1 and str(path[-2]).endswith("norm"):
-                value = gen.uniform(0.5, 1.5, shape)
-            else:
-                value = gen.normal(0.0, 0.25 if len(shape) > 1 else 0.1, shape)
-            param.set_value(jnp.asarray(value, jnp.float32))
-    return model
-
-
 @functools.cache
 def _model(name):
-    return _random_model(CONFIGS[name])
+    return random_llama(CONFIGS[name])
 
 
 @functools.cache

@@ -128,3 +128,24 @@ def poison_per_query(q, k, v, mask, *, seed, block_tables=None):
     q[b, t, h, col] = np.inf
     must_nan[b, t, h] = True
     return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), must_nan, must_inf
+
+
+def random_llama(config, seed=0):
+    """A ``llama.Llama`` with fresh random weights, large enough that the logits are far from
+    uniform: greedy argmaxes have no near-ties, so two paths equal up to rounding agree on
+    their tokens."""
+    from flax import nnx
+
+    from forge_jax.models import llama
+
+    model = llama.Llama(config, rngs=nnx.Rngs(seed))
+    gen = np.random.default_rng(seed)
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param):
+            shape = param[...].shape
+            if len(path) > 1 and str(path[-2]).endswith("norm"):
+                value = gen.uniform(0.5, 1.5, shape)
+            else:
+                value = gen.normal(0.0, 0.25 if len(shape) > 1 else 0.1, shape)
+            param.set_value(jnp.asarray(value, jnp.float32))
+    return model
