@@ -253,3 +253,45 @@ def pallas_call_name(params: Any) -> str:
     if not name and params.get("jaxpr") is not None:
         name = getattr(getattr(params["jaxpr"], "debug_info", None), "func_name", None)
     return str(name or "pallas_call")
+
+
+def pallas_mosaic_gpu():
+    """``jax.experimental.pallas.mosaic_gpu`` (``plgpu``: TMA copies, WGMMA, barriers,
+    warpgroups), imported lazily."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def mosaic_gpu_interpret_params(**kwargs: Any) -> Any:
+    """The Mosaic GPU interpreter's parameters (``InterpretGPUParams``: race detection,
+    uninitialised-memory poisoning); public in ``pallas.mosaic_gpu`` since JAX 0.11, under
+    ``jax._src`` in 0.10."""
+    plgpu = pallas_mosaic_gpu()
+    cls = getattr(plgpu, "InterpretGPUParams", None)
+    if cls is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
+    return cls(**kwargs)
+
+
+def force_mosaic_gpu_interpret(params: Any) -> contextlib.AbstractContextManager:
+    """A context in which every Mosaic GPU kernel (``plgpu.kernel`` and Mosaic GPU
+    ``pallas_call``) traced runs in the interpreter with ``params``."""
+    plgpu = pallas_mosaic_gpu()
+    fn = getattr(plgpu, "force_gpu_interpret_mode", None)
+    if fn is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode as fn
+    return fn(params)
+
+
+def mosaic_gpu_kernel(body: Any, *, out_shape: Any, scratch_shapes: Any = (),
+                      **kwargs: Any) -> Any:
+    """``plgpu.kernel(body, ...)``: its ``out_shape``/``scratch_shapes`` arguments were
+    renamed ``out_type``/``scratch_types`` in JAX 0.12."""
+    plgpu = pallas_mosaic_gpu()
+    import inspect
+
+    params = inspect.signature(plgpu.kernel).parameters
+    if "out_type" in params:
+        return plgpu.kernel(body, out_type=out_shape, scratch_types=scratch_shapes, **kwargs)
+    return plgpu.kernel(body, out_shape=out_shape, scratch_shapes=scratch_shapes, **kwargs)

@@ -13,6 +13,10 @@ A Pallas kernel registers its wrapper ``kernel(**op_args, interpret=...)`` twice
 * ``"pallas_<backend>_interpret"`` on every platform, by name only: the same kernel code in
   the interpreter (Pallas' for GPU kernels; the TPU interpreter, with race detection and
   NaN-poisoned uninitialised memory, for TPU ones), which is how CI checks them on CPU.
+* Mosaic GPU kernels (``backend="mosaic_gpu"``, Hopper and newer) register as
+  ``"mosaic_gpu"`` on GPU, above the Triton-lowered ``"pallas"`` where both are verified,
+  and ``"mosaic_gpu_interpret"`` (the Mosaic GPU interpreter) by name everywhere; see
+  :mod:`forge_jax.pallas_kernels.gpu._mosaic`.
 
 The jax-triton (``"triton"``) and cuDNN (``"cudnn"``) implementations are not Pallas
 kernels; their modules build their one record each and add it with :func:`add`.
@@ -28,6 +32,8 @@ from forge_jax import registry
 
 # Above XLA (0) wherever a kernel is verified; below cuDNN's 20 on a GPU.
 PRIORITY = 10
+# Mosaic GPU kernels outrank the Triton-lowered ones where both are verified (Hopper+).
+MOSAIC_GPU_PRIORITY = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +47,9 @@ class _Backend:
     available: Callable[[], str | None]
     compiled: str
     interpreted: str
+    interpret_name: str
+    name: str = "pallas"  # the compiled record's name
+    priority: int = 10
 
 
 def _backend(name: str) -> _Backend:
@@ -50,20 +59,30 @@ def _backend(name: str) -> _Backend:
         from forge_jax.pallas_kernels.gpu import _common as gpu
 
         return _Backend("gpu", gpu.gpu_reason, lambda: gpu.gpu_reason("gpu"),
-                        "Pallas, Triton lowering", "Pallas GPU kernel in interpret mode")
+                        "Pallas, Triton lowering", "Pallas GPU kernel in interpret mode",
+                        interpret_name="pallas_gpu_interpret")
+    if name == "mosaic_gpu":
+        from forge_jax.pallas_kernels.gpu import _mosaic
+
+        return _Backend("gpu", _mosaic.mosaic_reason, _mosaic.available,
+                        "Pallas, Mosaic GPU, Hopper+",
+                        "Mosaic GPU kernel in the Mosaic GPU interpreter",
+                        name="mosaic_gpu", interpret_name="mosaic_gpu_interpret",
+                        priority=MOSAIC_GPU_PRIORITY)
     if name == "tpu":
         from forge_jax.pallas_kernels.tpu import _common as tpu
 
         return _Backend("tpu", tpu.tpu_reason, tpu.tpu_available,
-                        "Pallas, Mosaic TPU", "Pallas TPU kernel in the TPU interpreter")
-    raise ValueError(f"backend={name!r}: a Pallas kernel is for 'gpu' or 'tpu'")
+                        "Pallas, Mosaic TPU", "Pallas TPU kernel in the TPU interpreter",
+                        interpret_name="pallas_tpu_interpret")
+    raise ValueError(f"backend={name!r}: a Pallas kernel is for 'gpu', 'mosaic_gpu' or 'tpu'")
 
 
 def register(
     op: str,
     kernel: Callable[..., Any],
     *,
-    backend: Literal["gpu", "tpu"],
+    backend: Literal["gpu", "mosaic_gpu", "tpu"],
     supports: Callable[[Mapping[str, Any]], str | None],
     description: str,
     verified: Mapping[str, str],
@@ -77,7 +96,8 @@ def register(
       op: the public op, e.g. ``"paged_attention"``.
       kernel: ``kernel(**op_args, interpret=False | True, **config)``: the jitted wrapper,
         its launch knobs keyword-only.
-      backend: ``"gpu"`` (Triton lowering) or ``"tpu"`` (Mosaic).
+      backend: ``"gpu"`` (Triton lowering), ``"mosaic_gpu"`` (Mosaic GPU, Hopper+) or
+        ``"tpu"`` (Mosaic TPU).
       supports: ``supports(args) -> None | reason``: the contract with the real lowering
         (every case it accepts must compile there; each rejection made for a lowering
         reason is shown to fail that lowering in a test).
@@ -91,13 +111,13 @@ def register(
     """
     spec = _backend(backend)
     compiled = registry.Implementation(
-        op=op, name="pallas", fn=lambda **args: kernel(**args, interpret=False),
+        op=op, name=spec.name, fn=lambda **args: kernel(**args, interpret=False),
         supports=lambda args, platform: spec.platform_reason(platform) or supports(args),
-        available=spec.available, priority={spec.platform: PRIORITY},
+        available=spec.available, priority={spec.platform: spec.priority},
         description=f"{description} ({spec.compiled})", platforms=frozenset({spec.platform}),
         verified=dict(verified), configs=configs)
     interpreted = registry.Implementation(
-        op=op, name=f"pallas_{backend}_interpret",
+        op=op, name=spec.interpret_name,
         fn=lambda **args: kernel(**args, interpret=True),
         supports=lambda args, platform: supports(args),
         description=f"{description} ({spec.interpreted})", configs=interpret_configs)

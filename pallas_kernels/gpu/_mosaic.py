@@ -1,0 +1,78 @@
+"""What every Mosaic GPU kernel shares: the hardware it needs, where it can run, and how
+it runs in the Mosaic GPU interpreter.
+
+Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``: TMA, WGMMA, warpgroups, barriers) is
+the GPU backend JAX maintains; it needs compute capability 9.0 (Hopper: H100/H200) or
+newer (Blackwell, 10.x). forge_jax's Mosaic GPU kernels register as ``"mosaic_gpu"`` on GPU
+(ranked by auto only where a ``verified`` record names the device) and
+``"mosaic_gpu_interpret"`` by name everywhere: the same kernel code in the Mosaic GPU
+interpreter (race detection, poisoned uninitialised shared memory), which is how CI checks
+them on CPU. The Triton-lowered kernels beside them (``"pallas"``) stay the Ampere/Ada path.
+Registration: :mod:`forge_jax.pallas_kernels._registration` (``backend="mosaic_gpu"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from forge_jax import _compat, backends
+from forge_jax.pallas_kernels.gpu import _common
+
+MIN_CAPABILITY = (9, 0)  # TMA and WGMMA: Hopper (sm_90a) and newer
+
+
+def mosaic_reason(platform: str) -> str | None:
+    """``None`` if Mosaic GPU kernels can run on ``platform`` here (inside
+    ``fj.targets.use``: on the target), else why not."""
+    if platform != "gpu":
+        return f"a GPU kernel, not for {platform}"
+    cc = backends.gpu_compute_capability()
+    if cc is None:
+        return "no GPU device in this process"
+    if _common.capability(cc) < MIN_CAPABILITY:
+        return (f"Mosaic GPU needs compute capability >= {MIN_CAPABILITY[0]}."
+                f"{MIN_CAPABILITY[1]} (Hopper or newer); this GPU has {cc}")
+    return None
+
+
+def available() -> str | None:
+    """``None`` if a Mosaic GPU kernel can be compiled in this process, else why not."""
+    reason = mosaic_reason("gpu")
+    if reason is not None:
+        return reason
+    try:
+        _compat.pallas_mosaic_gpu()
+    except Exception as e:  # a jaxlib without Mosaic GPU: report it, never crash
+        return f"jax.experimental.pallas.mosaic_gpu is not importable: {e}"
+    return None
+
+
+def interpret_params(**overrides: Any) -> Any:
+    """The interpreter parameters the ``"mosaic_gpu_interpret"`` records run with: races
+    detected, uninitialised shared memory poisoned with NaN (the defaults of the installed
+    JAX where a field differs)."""
+    params = _compat.mosaic_gpu_interpret_params()
+    fields = getattr(type(params), "__dataclass_fields__", {})
+    wanted = {"detect_races": True, "uninitialized_memory": "nan", **overrides}
+    import dataclasses
+
+    return dataclasses.replace(params, **{k: v for k, v in wanted.items() if k in fields})
+
+
+@contextlib.contextmanager
+def maybe_interpret(interpret: bool) -> Iterator[None]:
+    """Runs the kernel calls traced inside in the Mosaic GPU interpreter if ``interpret``
+    (a Mosaic GPU kernel's wrapper: ``with maybe_interpret(interpret): return call(...)``)."""
+    if not interpret:
+        yield
+        return
+    with _compat.force_mosaic_gpu_interpret(interpret_params()):
+        yield
+
+
+def kernel(body: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """``plgpu.kernel`` under the installed JAX's argument names (``out_shape``,
+    ``scratch_shapes`` here, renamed in JAX 0.12)."""
+    return _compat.mosaic_gpu_kernel(body, **kwargs)
