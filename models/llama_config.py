@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -115,8 +116,15 @@ class LlamaConfig:
         elif self.rope_scaling is not None and not isinstance(self.rope_scaling, fj.RopeScaling):
             raise TypeError(f"rope_scaling must be a forge_jax.RopeScaling, a dict or None, "
                             f"got {self.rope_scaling!r}")
-        if isinstance(self.eos_token_id, list | tuple):
-            set_("eos_token_id", tuple(int(e) for e in self.eos_token_id))
+        eos = self.eos_token_id
+        ids = eos if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        if any(isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 0 for e in ids):
+            raise ValueError(f"eos_token_id must be a token id (an int >= 0), a list of them "
+                             f"or None, got eos_token_id={eos!r}")
+        if isinstance(eos, list | tuple):
+            set_("eos_token_id", tuple(int(e) for e in eos))
+        elif eos is not None:
+            set_("eos_token_id", int(eos))
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act={self.hidden_act!r}: forge_jax implements "
                              f"{ACTIVATIONS}")

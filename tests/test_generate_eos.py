@@ -84,3 +84,25 @@ def test_default_eos_matches_transformers(checkpoint):
     assert expected[1][-1] == eos and len(expected[1]) < NEW  # transformers stopped
     assert llama.generate(model, PROMPTS, NEW) == expected
 
+
+
+@pytest.mark.parametrize("eos", ["2", ["2"], [1, -3], True, 2.0])
+def test_config_refuses_eos_that_is_not_a_token_id(eos):
+    # A string used to pass through and be read as a tuple of characters.
+    from forge_jax.models.llama_config import LlamaConfig
+
+    with pytest.raises(ValueError, match=r"eos_token_id must be a token id .* got eos_token_id="):
+        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, eos_token_id=eos)
+
+
+def test_config_keeps_eos_ids_as_ints():
+    import numpy as np
+
+    from forge_jax.models.llama_config import LlamaConfig
+
+    kw = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=2)
+    assert LlamaConfig(**kw, eos_token_id=[3, np.int64(7)]).eos_token_ids == (3, 7)
+    assert LlamaConfig(**kw, eos_token_id=np.int32(5)).eos_token_ids == (5,)
+    assert type(LlamaConfig(**kw, eos_token_id=np.int32(5)).eos_token_id) is int

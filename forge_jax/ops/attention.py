@@ -228,6 +228,10 @@ def _attend_blocks(q, k, v, *, q_positions, causal, kv_lengths, sliding_window, 
     groups = q_heads // kv_heads
     qh = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim),
                        (0, 2, 3, 1, 4))  # [b, k, g, t, h]
+    if qh.dtype == jnp.float32:
+        # The scale goes into the queries (q_len x head_dim products) rather than the
+        # logits (q_len x kv_len): one pass over every span of logits fewer.
+        qh, scale = qh * jnp.asarray(scale, jnp.float32), 1.0
     kh = jnp.transpose(k, (0, 2, 1, 3))  # [b, k, s, h]
     vh = jnp.transpose(v, (0, 2, 1, 3)).astype(jnp.float32)
     positions = q_positions.astype(jnp.int32)
@@ -346,7 +350,10 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
 
         def key_bounds(start, stop):
             keys = min(kv_len, max(1, kv_len - q_len + stop))
+            # Rounded down to whole key blocks: spans of odd sizes (257 keys, then 255
+            # masked ones) cost the products their vector alignment.
             seen = min(keys, max(0, kv_len - q_len + start + 1)) if unmasked else 0
+            seen -= seen % Q_BLOCK
             return seen, keys
 
     if q_len == 1:  # decode: the cache is read in place (no head-major copy of K/V)
