@@ -76,3 +76,35 @@ def kernel(body: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """``plgpu.kernel`` under the installed JAX's argument names (``out_shape``,
     ``scratch_shapes`` here, renamed in JAX 0.12)."""
     return _compat.mosaic_gpu_kernel(body, **kwargs)
+
+
+def costed_kernel(body: Callable[..., Any], *, out_shape: Any, grid: tuple[int, ...],
+                  grid_names: tuple[str, ...], name: str, cost_estimate: Any,
+                  compiler_params: Any = None, interpret: bool = False) -> Callable[..., Any]:
+    """A Mosaic GPU kernel over ``grid`` (one warpgroup per program) that carries its
+    ``name`` and ``cost_estimate`` (``plgpu.kernel`` takes neither): ``pl.kernel`` on a
+    ``plgpu.Mesh``, in the Mosaic GPU interpreter (:func:`interpret_params`) if
+    ``interpret``. The body allocates its own scratch (``pl.run_scoped``)."""
+    plgpu = _compat.pallas_mosaic_gpu()
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names)
+    return _compat.pallas().kernel(body, out_type=out_shape, mesh=mesh, name=name,
+                                   cost_estimate=cost_estimate,
+                                   compiler_params=compiler_params,
+                                   interpret=interpret_params() if interpret else False)
+
+
+def layout_cast(x: Any, layout: Any, *, interpret: bool) -> Any:
+    """``plgpu.layout_cast(x, layout)`` in a compiled kernel; ``x`` in the interpreter, which
+    has no rule for it (a register layout is a lowering hint: the values are the same)."""
+    return x if interpret else _compat.pallas_mosaic_gpu().layout_cast(x, layout)
+
+
+def iota(dtype: Any, shape: tuple[int, ...], dimension: int, layout: Any, *,
+         interpret: bool) -> Any:
+    """``plgpu.broadcasted_iota`` in ``layout`` in a compiled kernel; ``lax.broadcasted_iota``
+    in the interpreter."""
+    if interpret:
+        import jax
+
+        return jax.lax.broadcasted_iota(dtype, shape, dimension)
+    return _compat.pallas_mosaic_gpu().broadcasted_iota(dtype, shape, dimension, layout=layout)
