@@ -108,3 +108,27 @@ def iota(dtype: Any, shape: tuple[int, ...], dimension: int, layout: Any, *,
 
         return jax.lax.broadcasted_iota(dtype, shape, dimension)
     return _compat.pallas_mosaic_gpu().broadcasted_iota(dtype, shape, dimension, layout=layout)
+
+
+def shared_memory_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None:
+    """The shared memory Mosaic GPU's lowering allocates for the (one) Mosaic GPU kernel of
+    ``jax.jit(fn)(*args, **kwargs)`` lowered for CUDA on this machine, scratch and alignment
+    included: the figure it checks against the device's 227 KiB, read by lowering under an
+    artificial limit of 0 bytes. None where this JAX has no such limit or it lowers no
+    Mosaic GPU kernel."""
+    import re
+
+    try:
+        from jax.experimental.mosaic.gpu import core as mgpu_core
+
+        limit = mgpu_core.artificial_shared_memory_limit
+    except (ImportError, AttributeError):
+        return None
+    try:
+        with limit(0):
+            _compat.export_for_cuda(fn, *args, **kwargs)
+    except Exception as e:  # the lowering's verdict carries the figure
+        if m := re.search(r"smem_bytes=(\d+)", str(e)):
+            return int(m.group(1))
+        raise
+    return None

@@ -100,7 +100,7 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
 }
 
 # The interpreter's: the smallest ring (its time goes into tracing every copy).
-INTERPRET = dict(block_kv=64, stages=2, max_splits=4)
+INTERPRET = dict(block_kv=64, stages=2, max_splits=2)
 
 # Programs the split heuristic aims for: two per SM of an H100.
 TARGET_PROGRAMS = 264
