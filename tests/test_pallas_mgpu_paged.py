@@ -84,7 +84,7 @@ def test_accepted_cases_lower_for_h100_within_shared_memory(case):
     assert "mosaic_gpu" in text
     smem = _mosaic.shared_memory_bytes(kernel.paged_attention, *shapes)
     config = kernel.default_config({"q": shapes[0]}, "NVIDIA H100 80GB HBM3")
-    block_kv = kernel._block_kv(config.block_kv, case[3])
+    block_kv = kernel.block_keys(config.block_kv, case[3])
     stages = kernel.fitting_stages(config.stages, head_dim=case[2], block_kv=block_kv)
     estimate = kernel.smem_bytes(head_dim=case[2], block_kv=block_kv, stages=stages)
     assert smem is None or estimate <= smem <= min(estimate + 4096, 227 * 1024), smem

@@ -114,7 +114,7 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
     return Config(**_common.tuned(TUNED, device_kind, args["q"].shape[-1]))
 
 
-def _block_kv(config_block: int, page_size: int) -> int:
+def block_keys(config_block: int, page_size: int) -> int:
     """Keys per block: whole pages, a multiple of 64 (the WGMMA N of ``Q K^T``, the K of
     ``P V``), at least ``config_block``."""
     return max(config_block, page_size, ROWS) // max(page_size, ROWS) * max(page_size, ROWS)
@@ -336,7 +336,7 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
     items, kv_heads, _, head_dim = qg.shape
     _, num_pages, page_size, _ = k_pages.shape
     config = default_config({"q": qg}, "interpret" if interpret else _common.device_kind())
-    block_kv = _block_kv(block_kv or config.block_kv, page_size)
+    block_kv = block_keys(block_kv or config.block_kv, page_size)
     stages = stages or fitting_stages(config.stages, head_dim=head_dim, block_kv=block_kv)
     max_pages = tables.shape[1]
     num_blocks = max(1, -(-max_pages * page_size // block_kv))
@@ -438,7 +438,7 @@ def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int) -> str | 
         return (f"page_size={page_size} must be a multiple of 8 up to {MAX_TMA} that divides "
                 "64 or is a multiple of 64 (whole pages per 64-key block, 8-row tiles, <= 256 "
                 "rows per TMA copy)")
-    block_kv = _block_kv(_common.tuned(TUNED, None, head_dim)["block_kv"], page_size)
+    block_kv = block_keys(_common.tuned(TUNED, None, head_dim)["block_kv"], page_size)
     if smem_bytes(head_dim=head_dim, block_kv=block_kv, stages=MIN_STAGES) > SMEM_LIMIT:
         return (f"head_dim={head_dim} with page_size={page_size} (blocks of {block_kv} keys): "
                 f"{MIN_STAGES} key/value blocks in flight exceed the {SMEM_LIMIT // 1024} KiB "

@@ -4,9 +4,10 @@ launch.
 The packed rows are cut into *items*: up to ``block_q = 64 // group`` consecutive rows of
 one sequence (a decode token is an item of one row; a prefill chunk of ``n`` rows is
 ``ceil(n / block_q)`` items). XLA finds the items from ``cu_q_lens`` before the launch
-(a static bound of ``ceil(total_tokens / block_q) + max_seqs`` of them; the unused ones see
-no key), gathers each item's GQA rows, positions, key range and block-table row, and the
-paged kernel of :mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention` runs all of them
+(a static bound of ``min(total_tokens, ceil(total_tokens / block_q) + max_seqs)`` of them;
+the unused ones see no key), gathers each item's GQA rows, positions, key range and
+block-table row, and the paged kernel of
+:mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention` runs all of them
 in one launch, ``(items, kv_heads, splits)``: pages read in place through the tables, a
 group's query heads together, split-K merged with logsumexp weights. Rows go back to their
 place in the packed output; rows of no item (padding, a decreasing ``cu_q_lens``) are zero.
@@ -47,12 +48,13 @@ VERIFIED: dict[str, str] = {}
 
 def items_of(cu_q_lens, kv_lengths, num_seqs, *, total_tokens: int, block_q: int,
              capacity: int):
-    """The items of a ragged step, ``items = ceil(total_tokens / block_q) + max_seqs``: int32
-    ``[items]`` each of ``(seq, first_row, rows, length, seq_end)``: the item's sequence,
-    its first packed row and row count, the sequence's length (``kv_lengths`` clamped to
-    ``[0, capacity]``) and the end of its rows. An unused item has 0 rows and length 0."""
+    """The items of a ragged step (``min(total_tokens, ceil(total_tokens / block_q) +
+    max_seqs)``: each used one holds a row): int32 ``[items]`` each of ``(seq, first_row,
+    rows, length, seq_end)``, the item's sequence, its first packed row and row count, the
+    sequence's length (``kv_lengths`` clamped to ``[0, capacity]``) and the end of its rows.
+    An unused item has 0 rows and length 0."""
     max_seqs = kv_lengths.shape[0]
-    items = -(-total_tokens // block_q) + max_seqs
+    items = min(total_tokens, -(-total_tokens // block_q) + max_seqs)  # >= 1 row each
     cu = jnp.asarray(cu_q_lens).astype(jnp.int32)
     n = jnp.clip(jnp.asarray(num_seqs).astype(jnp.int32), 0, max_seqs)
     active = jnp.arange(max_seqs) < n
