@@ -132,3 +132,11 @@ def shared_memory_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> in
             return int(m.group(1))
         raise
     return None
+
+
+def transposed(ref: Any) -> Any:
+    """A 2-D shared-memory ref read transposed (a WGMMA operand): ``ref.T`` where refs have
+    it (``plgpu.transpose_ref`` is deprecated in JAX 0.12), else ``plgpu.transpose_ref``."""
+    if hasattr(ref, "T"):
+        return ref.T
+    return _compat.pallas_mosaic_gpu().transpose_ref(ref, (1, 0))

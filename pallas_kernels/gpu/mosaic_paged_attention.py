@@ -152,6 +152,17 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     def entry(block, p):
         return tables_ref[item, block * pages_per_block + p]
 
+    def named_keys(key, block, start):
+        # Whether each key lies on a page its entry names: an entry of -1 hides its page's
+        # keys. Comparisons of the keys with scalar bounds (no vector of scalar booleans).
+        named = None
+        for p in range(pages_per_block):
+            lo = start + p * page_size
+            hidden_lo = jnp.where(entry(block, p) >= 0, start + block_kv, lo)
+            outside = (key < hidden_lo) | (key >= lo + page_size)
+            named = outside if named is None else named & outside
+        return named
+
     def pipeline(q_smem, pos_smem, q_bar, k_smem, v_smem, p_smem, seen_smem, bad_smem,
                  k_bar, v_bar):
         def fetch(step, slot):
@@ -177,7 +188,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             start = block * block_kv
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, _mosaic.transposed(k_smem.at[slot]))
                 return acc_ref[...]
 
             plgpu.barrier_wait(k_bar.at[slot])
@@ -195,9 +206,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
             if sliding_window is not None:
                 visible &= key > row_pos - sliding_window
-            for p in range(pages_per_block):
-                in_page = (key >= start + p * page_size) & (key < start + (p + 1) * page_size)
-                visible &= ~in_page | (entry(block, p) >= 0)
+            visible &= named_keys(key, block, start)
             s = jnp.where(visible, s, -jnp.inf)
             m_next = jnp.maximum(m_prev, s.max(axis=1))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that saw nothing
@@ -210,10 +219,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             v_slot = v_smem.at[slot]
             vkey = start + _mosaic.iota(jnp.int32, (block_kv, head_dim), 0, wgmma_layout,
                                         interpret=interpret)
-            named = vkey >= 0
-            for p in range(pages_per_block):
-                in_page = (vkey >= start + p * page_size) & (vkey < start + (p + 1) * page_size)
-                named &= ~in_page | (entry(block, p) >= 0)
+            named = named_keys(vkey, block, start)
             boundary = (start < key_lo) | (start + block_kv > key_hi)
             for p in range(pages_per_block):
                 boundary |= entry(block, p) < 0
@@ -227,10 +233,12 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             @pl.when(~one_position)
             def _():
                 v = v_slot[...]
-                finite = (v - v).astype(jnp.float32) == 0.0  # NaN and +-inf give NaN
+                # x - x is NaN exactly for NaN and +-inf. (No `~` of a boolean vector: JAX
+                # 0.12's Mosaic GPU lowering cannot convert it.)
+                diff = (v - v).astype(jnp.float32)
                 in_range = named & (vkey >= key_lo) & (vkey < key_hi)
-                v_slot[...] = jnp.where(finite, v, jnp.zeros((), dtype))
-                bad_smem[...] = jnp.where(in_range & ~finite, jnp.ones((), dtype),
+                v_slot[...] = jnp.where(diff == 0.0, v, jnp.zeros((), dtype))
+                bad_smem[...] = jnp.where(in_range & (diff != 0.0), jnp.ones((), dtype),
                                           jnp.zeros((), dtype))
                 seen_smem[...] = jnp.where(visible, jnp.ones((), dtype), jnp.zeros((), dtype))
 
