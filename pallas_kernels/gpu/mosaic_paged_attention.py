@@ -152,13 +152,13 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     def entry(block, p):
         return tables_ref[item, block * pages_per_block + p]
 
-    def named_keys(key, block, start):
+    def named_keys(key, entries, start):
         # Whether each key lies on a page its entry names: an entry of -1 hides its page's
         # keys. Comparisons of the keys with scalar bounds (no vector of scalar booleans).
         named = None
-        for p in range(pages_per_block):
+        for p, page in enumerate(entries):
             lo = start + p * page_size
-            hidden_lo = jnp.where(entry(block, p) >= 0, start + block_kv, lo)
+            hidden_lo = jnp.where(page >= 0, start + block_kv, lo)
             outside = (key < hidden_lo) | (key >= lo + page_size)
             named = outside if named is None else named & outside
         return named
@@ -186,6 +186,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             slot = lax.rem(step, stages)
             block = first + step
             start = block * block_kv
+            entries = [entry(block, p) for p in range(pages_per_block)]  # scalars, read once
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, _mosaic.transposed(k_smem.at[slot]))
@@ -206,7 +207,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
             if sliding_window is not None:
                 visible &= key > row_pos - sliding_window
-            visible &= named_keys(key, block, start)
+            visible &= named_keys(key, entries, start)
             s = jnp.where(visible, s, -jnp.inf)
             m_next = jnp.maximum(m_prev, s.max(axis=1))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that saw nothing
@@ -219,10 +220,10 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             v_slot = v_smem.at[slot]
             vkey = start + _mosaic.iota(jnp.int32, (block_kv, head_dim), 0, wgmma_layout,
                                         interpret=interpret)
-            named = named_keys(vkey, block, start)
+            named = named_keys(vkey, entries, start)
             boundary = (start < key_lo) | (start + block_kv > key_hi)
-            for p in range(pages_per_block):
-                boundary |= entry(block, p) < 0
+            for page in entries:
+                boundary |= page < 0
 
             @pl.when(one_position & boundary)
             def _():
