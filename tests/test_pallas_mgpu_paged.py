@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from cases.base import MosaicGpu
 from cases.calls import case_id
+from cases.checks import assert_close
+from cases.inputs import rng
 from cases.paged import paged_attention_args, paged_attention_specs
 from cases.paged_base import PagedAttentionCases, PagedCase
+from cases.references import f64
 from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 
 import forge_jax as fj
@@ -158,3 +162,29 @@ def test_registered_needs_hopper_and_is_not_auto_selected_until_verified():
         assert record.supports(args, "gpu") is None
         assert fj.explain("paged_attention", *paged_attention_specs(
             32, 8, 128, 16, None, BF16)).implementation != "mosaic_gpu"
+
+
+def test_traced_out_of_range_entries_read_nothing_and_lengths_clamp():
+    """The index contract under jit: a used entry outside the pool (negative, num_pages,
+    2**30) reads nothing and a length past the table is clamped. The pool is NaN wherever no
+    valid entry points, so a read of any other page shows; against XLA's implementation of
+    the contract on the same arguments (its float64 truth is the same attention over the
+    named slots)."""
+    gen = rng(22)
+    num_pages, page, max_pages = 10, 16, 4
+    tables = np.array([[1, 99, 4, -7], [-1, 2, 2**30, -1], [5, num_pages, 3, 0],
+                       [0, 6, 7, 8]], np.int32)
+    lengths = np.array([40, 20, 48, 1000], np.int32)
+    k = np.full((2, num_pages, page, 64), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    for b, row in enumerate(tables):
+        for pos in range(min(lengths[b], max_pages * page)):
+            if 0 <= row[pos // page] < num_pages:
+                k[:, row[pos // page], pos % page], v[:, row[pos // page], pos % page] = \
+                    gen.standard_normal((2, 2, 64))
+    k, v = jnp.asarray(k, BF16), jnp.asarray(v, BF16)
+    q = jnp.asarray(gen.standard_normal((4, 8, 64)), BF16)
+    run = jax.jit(fj.paged_attention, static_argnames="implementation")
+    out = run(q, k, v, tables, lengths, implementation="mosaic_gpu_interpret")
+    xla = run(q, k, v, tables, lengths, implementation="xla")
+    assert_close(out, f64(xla), dtype=BF16, implementation="mosaic_gpu_interpret")
