@@ -89,8 +89,9 @@ class Config:
 
 
 # Defaults per device kind (:func:`_common.kind_row`), by head dim. Not measured (no GPU
-# has run the kernel): a ring of 3-4 blocks of K and V keeps ~64-96 KiB in flight per SM,
-# enough to cover HBM latency at the H100's 25 GB/s per SM; splits fill the 132 SMs.
+# has run the kernel): a ring of four 64-key blocks (32 KiB of K and V each at head_dim 128)
+# keeps ~96 KiB in flight per SM while one block is consumed, about what covers HBM latency
+# at the H100's ~25 GB/s per SM; the splits fill the 132 SMs (:data:`TARGET_PROGRAMS`).
 TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
     "default": {
         64: dict(block_kv=128, stages=4, max_splits=16),
