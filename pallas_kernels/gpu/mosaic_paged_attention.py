@@ -29,13 +29,18 @@ A block-table entry the item does not use, or one naming no page of the pool, is
 place and its slots are hidden from every row, so it reads nothing (the index contract of
 :mod:`forge_jax.ops.paged`).
 
-Constraints (:func:`supports`, settled by the H100 compile in ``tests/test_aot.py`` and
+Constraints (:func:`supports`, settled by the H100 lowering in
 ``tests/test_pallas_mgpu_paged.py``): compute capability 9.0+; bfloat16 or float16 queries
 and pages of one dtype (WGMMA takes float32 only as TF32, which misses the float32
 contract); ``q_len * group <= 64``; ``head_dim`` a multiple of 64 up to 256 (the 128-byte
 swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each dimension);
 ``page_size`` a multiple of 8 up to 256 that divides 64 or is a multiple of 64 (whole pages
-per key block, 8-row tiles). Quantized (int8/fp8) pages are not served here.
+per key block, 8-row tiles); a ring of two key blocks within the 227 KiB of shared memory.
+Quantized (int8/fp8) pages are not served here.
+
+In the Mosaic GPU interpreter (``interpret=True``) ``Q K^T`` is a ``dot_general`` of the
+two shared-memory tiles: the interpreter's WGMMA takes no transposed operand. Everything
+else (copies, barriers, the ring, masks, the ``P V`` WGMMA) is the compiled kernel's code.
 
 Op: :func:`forge_jax.ops.paged.paged_attention`; reference: its XLA implementation
 :func:`forge_jax.ops.paged.paged_attention_xla`. Launch knobs: :class:`Config`,
