@@ -284,6 +284,17 @@ def force_mosaic_gpu_interpret(params: Any) -> contextlib.AbstractContextManager
     return fn(params)
 
 
+def mosaic_gpu_races_found() -> bool | None:
+    """Whether the Mosaic GPU interpreter's race detection found a race in the last kernel
+    it ran (None before any ran, or where this JAX does not expose its state)."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    except ImportError:
+        return None
+    state = getattr(gpu_callbacks, "_races", None)
+    return None if state is None else bool(state.races_found)
+
+
 def mosaic_gpu_kernel(body: Any, *, out_shape: Any, scratch_shapes: Any = (),
                       **kwargs: Any) -> Any:
     """``plgpu.kernel(body, ...)``: its ``out_shape``/``scratch_shapes`` arguments were

@@ -250,10 +250,11 @@ def _subjaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
 
 def pallas_calls(jaxpr: Any) -> Iterator[Any]:
     """Every ``pallas_call`` equation of a (closed) jaxpr, nested ones included (outside
-    the kernels' own bodies)."""
+    the kernels' own bodies), and every ``mpmd_map`` (a ``pl.kernel`` on a Mosaic GPU mesh;
+    its params carry ``name`` and ``cost_estimate`` as a ``pallas_call``'s do)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
+        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
             yield eqn
             continue
         for sub in _subjaxprs(eqn.params):

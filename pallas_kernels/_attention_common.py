@@ -148,3 +148,16 @@ def flash_attention_call(forward: Callable[..., Any]) -> Callable[..., Any]:
                 sliding_window=window, logits_soft_cap=logits_soft_cap, **knobs)
 
     return call
+
+
+def merge_splits(o, m, l_sum):
+    """Combines a split-K kernel's partial results ``o [..., splits, rows, head_dim]`` and
+    ``m, l_sum [..., splits, rows]`` (unnormalised float32 output, running max and sum of
+    each split) with logsumexp weights: ``[..., rows, head_dim]``, normalised. A row that
+    saw no key gets zeros; NaN propagates."""
+    m_max = m.max(axis=-2)
+    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    w = jnp.exp(m - jnp.expand_dims(m_safe, -2))  # [..., splits, rows]
+    total = (w * l_sum).sum(axis=-2)
+    out = (w[..., None] * o).sum(axis=-3)
+    return jnp.where(total[..., None] == 0, 0.0, out / total[..., None])

@@ -219,10 +219,11 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     traced values get the concrete checks as checkify checks.
 
     Implementations (``fj.explain("ragged_paged_attention", ...)`` says which runs):
-    ``"xla"``, :func:`ragged_paged_attention_xla` below, the reference; the Pallas TPU kernel
-    ``pallas_kernels/tpu/ragged_paged_attention.py``. Partition rule:
-    :func:`_ragged_paged_attention_partition` below. Tests: ``tests/test_ragged.py``,
-    ``tests/cases/ragged_base.py``, ``tests/test_pallas_tpu_ragged.py``.
+    ``"xla"``, :func:`ragged_paged_attention_xla` below, the reference; the Pallas kernels
+    ``pallas_kernels/tpu/ragged_paged_attention.py`` (Mosaic TPU) and
+    ``pallas_kernels/gpu/mosaic_ragged_paged_attention.py`` (Mosaic GPU, Hopper+). Partition
+    rule: :func:`_ragged_paged_attention_partition` below. Tests: ``tests/test_ragged.py``,
+    ``tests/cases/ragged_base.py``, ``tests/test_pallas_{tpu,mgpu}_ragged.py``.
 
     Args:
       q: ``[total_tokens, q_heads, head_dim]``, the sequences' new tokens, concatenated.

@@ -76,3 +76,67 @@ def kernel(body: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """``plgpu.kernel`` under the installed JAX's argument names (``out_shape``,
     ``scratch_shapes`` here, renamed in JAX 0.12)."""
     return _compat.mosaic_gpu_kernel(body, **kwargs)
+
+
+def costed_kernel(body: Callable[..., Any], *, out_shape: Any, grid: tuple[int, ...],
+                  grid_names: tuple[str, ...], name: str, cost_estimate: Any,
+                  compiler_params: Any = None, interpret: bool = False) -> Callable[..., Any]:
+    """A Mosaic GPU kernel over ``grid`` (one warpgroup per program) that carries its
+    ``name`` and ``cost_estimate`` (``plgpu.kernel`` takes neither): ``pl.kernel`` on a
+    ``plgpu.Mesh``, in the Mosaic GPU interpreter (:func:`interpret_params`) if
+    ``interpret``. The body allocates its own scratch (``pl.run_scoped``)."""
+    plgpu = _compat.pallas_mosaic_gpu()
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names)
+    return _compat.pallas().kernel(body, out_type=out_shape, mesh=mesh, name=name,
+                                   cost_estimate=cost_estimate,
+                                   compiler_params=compiler_params,
+                                   interpret=interpret_params() if interpret else False)
+
+
+def layout_cast(x: Any, layout: Any, *, interpret: bool) -> Any:
+    """``plgpu.layout_cast(x, layout)`` in a compiled kernel; ``x`` in the interpreter, which
+    has no rule for it (a register layout is a lowering hint: the values are the same)."""
+    return x if interpret else _compat.pallas_mosaic_gpu().layout_cast(x, layout)
+
+
+def iota(dtype: Any, shape: tuple[int, ...], dimension: int, layout: Any, *,
+         interpret: bool) -> Any:
+    """``plgpu.broadcasted_iota`` in ``layout`` in a compiled kernel; ``lax.broadcasted_iota``
+    in the interpreter."""
+    if interpret:
+        import jax
+
+        return jax.lax.broadcasted_iota(dtype, shape, dimension)
+    return _compat.pallas_mosaic_gpu().broadcasted_iota(dtype, shape, dimension, layout=layout)
+
+
+def shared_memory_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None:
+    """The shared memory Mosaic GPU's lowering allocates for the (one) Mosaic GPU kernel of
+    ``jax.jit(fn)(*args, **kwargs)`` lowered for CUDA on this machine, scratch and alignment
+    included: the figure it checks against the device's 227 KiB, read by lowering under an
+    artificial limit of 0 bytes. None where this JAX has no such limit or it lowers no
+    Mosaic GPU kernel."""
+    import re
+
+    try:
+        from jax.experimental.mosaic.gpu import core as mgpu_core
+
+        limit = mgpu_core.artificial_shared_memory_limit
+    except (ImportError, AttributeError):
+        return None
+    try:
+        with limit(0):
+            _compat.export_for_cuda(fn, *args, **kwargs)
+    except Exception as e:  # the lowering's verdict carries the figure
+        if m := re.search(r"smem_bytes=(\d+)", str(e)):
+            return int(m.group(1))
+        raise
+    return None
+
+
+def transposed(ref: Any) -> Any:
+    """A 2-D shared-memory ref read transposed (a WGMMA operand): ``ref.T`` where refs have
+    it (``plgpu.transpose_ref`` is deprecated in JAX 0.12), else ``plgpu.transpose_ref``."""
+    if hasattr(ref, "T"):
+        return ref.T
+    return _compat.pallas_mosaic_gpu().transpose_ref(ref, (1, 0))

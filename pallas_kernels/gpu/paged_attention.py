@@ -307,21 +307,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 * num_splits * (head_dim_pad + 2)),
         )(qg, row_pos, key_lo, key_hi, tables, k_pages, v_pages)
 
-        out = _attention_common.ungroup_queries(_merge_splits(o, m, l_sum), q_len=q_len,
-                                                q_heads=q_heads, head_dim=head_dim)
+        merged = _attention_common.merge_splits(o, m, l_sum)
+        out = _attention_common.ungroup_queries(merged, q_len=q_len, q_heads=q_heads,
+                                                head_dim=head_dim)
         out = out.astype(q.dtype)
     return out[:, 0] if decode else out
-
-
-def _merge_splits(o, m, l_sum):
-    """Combines the splits' partial results ``o [b, k, s, r, d]``, ``m, l_sum [b, k, s, r]``
-    with logsumexp weights; a row that saw no key gets zeros, NaN propagates."""
-    m_max = m.max(axis=2)
-    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    w = jnp.exp(m - m_safe[:, :, None])  # [b, k, s, r]
-    total = (w * l_sum).sum(axis=2)
-    out = (w[..., None] * o).sum(axis=2)
-    return jnp.where(total[..., None] == 0, 0.0, out / total[..., None])
 
 
 def supports(args: Mapping[str, Any]) -> str | None:

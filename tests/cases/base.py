@@ -95,3 +95,22 @@ class PallasTpu:
     def after_test(self) -> None:
         if self.INTERPRET:
             _compat.reset_tpu_interpreter()
+
+
+class MosaicGpu:
+    """The skip rule of the Mosaic GPU kernels: compiled only on a GPU of compute capability
+    9.0+, in the Mosaic GPU interpreter (``INTERPRET``) anywhere, where each test also asserts
+    that the interpreter's race detection found no race. Mixed in before the op family's
+    base: ``class TestXMosaicGpu(MosaicGpu, XCases)``."""
+
+    @classmethod
+    def skip_reason(cls) -> str | None:
+        from forge_jax.pallas_kernels.gpu import _mosaic
+
+        if cls.INTERPRET or (reason := _mosaic.mosaic_reason(jax.default_backend())) is None:
+            return None
+        return f"compiled Mosaic GPU kernel: {reason} (the interpret subclass runs here)"
+
+    def after_test(self) -> None:
+        if self.INTERPRET:
+            assert _compat.mosaic_gpu_races_found() is not True, "the interpreter found a race"

@@ -1,0 +1,485 @@
+"""Mosaic GPU kernel (Hopper+): paged attention over the block tables, split over the keys.
+
+The launch is ``(items, kv_heads, splits)``. An *item* is one query block of one sequence
+(in ``fj.paged_attention`` a sequence's ``q_len`` queries; in
+``fj.ragged_paged_attention`` up to ``64 // group`` consecutive rows of one sequence, see
+:mod:`forge_jax.pallas_kernels.gpu.mosaic_ragged_paged_attention`). One program takes the
+query rows of one GQA group of one item (``q_len * group <= 64`` rows: one WGMMA tile,
+query-major, zero-padded), so every key and value page is read once per group, and walks
+its split's share of the item's key blocks (``block_kv`` keys, whole pages), each page
+copied in place from the pool by its own TMA copy, ``stages`` blocks in flight through a
+shared-memory ring. ``Q K^T`` and ``P V`` are WGMMAs with float32 accumulators; the online
+softmax runs between them in float32 registers. Each split writes its unnormalised rows
+with their running max and sum; an XLA epilogue merges the splits with logsumexp weights
+(:func:`forge_jax.pallas_kernels._attention_common.merge_splits`).
+
+Values a row does not see never reach it. Logits are hidden by selection. Values: a zero
+probability does not hide NaN (``0 * NaN = NaN``), so
+* an item whose rows all sit at one position (a decode token: every row sees exactly the
+  keys ``[key_lo, key_hi)`` on named pages) zeroes, in shared memory, the value rows of a
+  block outside that range (the first and last blocks, pages an entry does not name);
+  interior blocks are used as copied;
+* an item with several positions (chunked prefill, ragged prefill rows) may see a slot
+  another of its rows does not: every block's non-finite values are zeroed, and a second
+  product of the visibility with the non-finite flags makes exactly the rows and columns
+  that see one NaN (the attention contract).
+
+A block-table entry the item does not use, or one naming no page of the pool, is -1
+(:func:`forge_jax.pallas_kernels._attention_common.paged_ranges`): page 0 is copied in its
+place and its slots are hidden from every row, so it reads nothing (the index contract of
+:mod:`forge_jax.ops.paged`).
+
+Constraints (:func:`supports`, settled by the H100 lowering in
+``tests/test_pallas_mgpu_paged.py``): compute capability 9.0+; bfloat16 or float16 queries
+and pages of one dtype (WGMMA takes float32 only as TF32, which misses the float32
+contract); ``q_len * group <= 64``; ``head_dim`` a multiple of 64 up to 256 (the 128-byte
+swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each dimension);
+``page_size`` a multiple of 8 up to 256 that divides 64 or is a multiple of 64 (whole pages
+per key block, 8-row tiles); a ring of two key blocks within the 227 KiB of shared memory.
+Quantized (int8/fp8) pages are not served here.
+
+In the Mosaic GPU interpreter (``interpret=True``) ``Q K^T`` is a ``dot_general`` of the
+two shared-memory tiles: the interpreter's WGMMA takes no transposed operand. Everything
+else (copies, barriers, the ring, masks, the ``P V`` WGMMA) is the compiled kernel's code.
+
+Op: :func:`forge_jax.ops.paged.paged_attention`; reference: its XLA implementation
+:func:`forge_jax.ops.paged.paged_attention_xla`. Launch knobs: :class:`Config`,
+:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
+``"mosaic_gpu"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
+``"mosaic_gpu_interpret"``. Tests: ``tests/test_pallas_mgpu_paged.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from forge_jax import _compat
+from forge_jax.pallas_kernels import _attention_common, _cost, _registration
+from forge_jax.pallas_kernels.gpu import _common, _mosaic
+
+pl = _compat.pallas()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet (checked in
+# the Mosaic GPU interpreter and compiled for H100 without a device; no GPU has run it).
+VERIFIED: dict[str, str] = {}
+
+ROWS = 64  # query rows per program: one WGMMA tile (M = 64 per warpgroup)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_TMA = 256  # elements along each dimension of one TMA copy
+SWIZZLE = 128  # bytes: the WGMMA operands' shared-memory swizzle
+LOG2E = math.log2(math.e)
+# Shared memory per block on Hopper and Blackwell (227 KiB, what Mosaic GPU checks a kernel
+# against), less the alignment padding Mosaic adds between allocations (< 3 KiB here).
+SMEM_LIMIT = 227 * 1024 - 4096
+MIN_STAGES = 2  # a ring of one block would serialise the copies and the products
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The kernel's launch parameters: keys per block (whole pages, a multiple of 64),
+    blocks in flight (the shared-memory ring) and the most splits of one item's keys
+    (fewer when it has fewer blocks, or when the launch already fills the GPU)."""
+
+    block_kv: int
+    stages: int
+    max_splits: int
+
+
+# Defaults per device kind (:func:`_common.kind_row`), by head dim. Not measured (no GPU
+# has run the kernel): a ring of four 64-key blocks (32 KiB of K and V each at head_dim 128)
+# keeps ~96 KiB in flight per SM while one block is consumed, about what covers HBM latency
+# at the H100's ~25 GB/s per SM; the splits fill the 132 SMs (:data:`TARGET_PROGRAMS`).
+TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        64: dict(block_kv=128, stages=4, max_splits=16),
+        128: dict(block_kv=64, stages=4, max_splits=16),
+        256: dict(block_kv=64, stages=2, max_splits=16),
+    },
+}
+
+# The interpreter's: the smallest ring (its time goes into tracing every copy).
+INTERPRET = dict(block_kv=64, stages=2, max_splits=2)
+
+# Programs the split heuristic aims for: two per SM of an H100.
+TARGET_PROGRAMS = 264
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch parameters for ``args["q"]`` (anything with a shape) on ``device_kind``
+    (``"interpret"``: the interpreter's)."""
+    if device_kind == "interpret":
+        return Config(**INTERPRET)
+    return Config(**_common.tuned(TUNED, device_kind, args["q"].shape[-1]))
+
+
+def block_keys(config_block: int, page_size: int) -> int:
+    """Keys per block: whole pages, a multiple of 64 (the WGMMA N of ``Q K^T``, the K of
+    ``P V``), at least ``config_block``."""
+    return max(config_block, page_size, ROWS) // max(page_size, ROWS) * max(page_size, ROWS)
+
+
+def _smem_spec(shape, dtype):
+    """A WGMMA operand in shared memory: 8-row tiles of 128 bytes, 128-byte swizzle."""
+    plgpu = _compat.pallas_mosaic_gpu()
+    cols = SWIZZLE // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
+                                                plgpu.SwizzleTransform(SWIZZLE)))
+
+
+def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM)
+            o_ref, m_ref, l_ref,  # outputs (GMEM)
+            *, scale, sliding_window, logits_soft_cap, page_size, block_kv, stages,
+            blocks_per_split, num_pages, out_rows, interpret):
+    # q_ref [items, kv_heads, ROWS, head_dim]; pos_ref [items, ROWS] (-1: padding row);
+    # range_ref [items, 4]: key_lo, key_hi (the keys some row sees lie in [lo, hi)) and
+    # whether every row sits at one position; tables_ref [items, table_width], -1 where no
+    # page is named; k_ref, v_ref [kv_heads, num_pages, page_size, head_dim] (the pool).
+    plgpu = _compat.pallas_mosaic_gpu()
+    item, head, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
+    head_dim = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    pages_per_block = block_kv // page_size
+    key_lo, key_hi = range_ref[item, 0], range_ref[item, 1]
+    one_position = range_ref[item, 2] > 0
+    first = jnp.maximum(split * blocks_per_split, lax.div(key_lo, block_kv))
+    last = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(key_hi, block_kv))
+    steps = jnp.maximum(last - first, 0)
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def entry(block, p):
+        return tables_ref[item, block * pages_per_block + p]
+
+    def named_keys(key, entries, start):
+        # Whether each key lies on a page its entry names: an entry of -1 hides its page's
+        # keys. Comparisons of the keys with scalar bounds (no vector of scalar booleans).
+        named = None
+        for p, page in enumerate(entries):
+            lo = start + p * page_size
+            hidden_lo = jnp.where(page >= 0, start + block_kv, lo)
+            outside = (key < hidden_lo) | (key >= lo + page_size)
+            named = outside if named is None else named & outside
+        return named
+
+    def pipeline(q_smem, pos_smem, q_bar, k_smem, v_smem, p_smem, seen_smem, bad_smem,
+                 k_bar, v_bar):
+        def fetch(step, slot):
+            block = first + step
+            for p in range(pages_per_block):
+                page = jnp.maximum(entry(block, p), 0)  # -1 (no page): page 0, hidden
+                rows = pl.ds(p * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[head, page], k_smem.at[slot, rows],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[head, page], v_smem.at[slot, rows],
+                                        v_bar.at[slot])
+
+        for s in range(stages):
+            pl.when(s < steps)(functools.partial(fetch, s, s))
+
+        plgpu.barrier_wait(q_bar.at[0])
+        pos = _mosaic.layout_cast(pos_smem[...], row_layout, interpret=interpret)  # [ROWS]
+
+        def step_fn(step, carry):
+            acc, m_prev, l_prev = carry
+            slot = lax.rem(step, stages)
+            block = first + step
+            start = block * block_kv
+            entries = [entry(block, p) for p in range(pages_per_block)]  # scalars, read once
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, _mosaic.transposed(k_smem.at[slot]))
+                return acc_ref[...]
+
+            plgpu.barrier_wait(k_bar.at[slot])
+            if interpret:  # the interpreter's WGMMA takes no transposed operand
+                s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            s = s * scale
+            if logits_soft_cap is not None:
+                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+            key = start + _mosaic.iota(jnp.int32, (ROWS, block_kv), 1, wgmma_layout,
+                                       interpret=interpret)
+            row_pos = lax.broadcast_in_dim(pos, (ROWS, block_kv), [0])
+            visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
+            if sliding_window is not None:
+                visible &= key > row_pos - sliding_window
+            visible &= named_keys(key, entries, start)
+            s = jnp.where(visible, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that saw nothing
+            alpha = jnp.exp2((m_prev - m_safe) * LOG2E)
+            p_blk = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * LOG2E)
+            l_next = alpha * l_prev + p_blk.sum(axis=1)
+            p_smem[...] = p_blk.astype(dtype)
+
+            plgpu.barrier_wait(v_bar.at[slot])
+            v_slot = v_smem.at[slot]
+            vkey = start + _mosaic.iota(jnp.int32, (block_kv, head_dim), 0, wgmma_layout,
+                                        interpret=interpret)
+            named = named_keys(vkey, entries, start)
+            boundary = (start < key_lo) | (start + block_kv > key_hi)
+            for page in entries:
+                boundary |= page < 0
+
+            @pl.when(one_position & boundary)
+            def _():
+                v = v_slot[...]
+                in_range = named & (vkey >= key_lo) & (vkey < key_hi)
+                v_slot[...] = jnp.where(in_range, v, jnp.zeros((), dtype))
+
+            @pl.when(~one_position)
+            def _():
+                v = v_slot[...]
+                # x - x is NaN exactly for NaN and +-inf. (No `~` of a boolean vector: JAX
+                # 0.12's Mosaic GPU lowering cannot convert it.)
+                diff = (v - v).astype(jnp.float32)
+                in_range = named & (vkey >= key_lo) & (vkey < key_hi)
+                v_slot[...] = jnp.where(diff == 0.0, v, jnp.zeros((), dtype))
+                bad_smem[...] = jnp.where(in_range & (diff != 0.0), jnp.ones((), dtype),
+                                          jnp.zeros((), dtype))
+                seen_smem[...] = jnp.where(visible, jnp.ones((), dtype), jnp.zeros((), dtype))
+
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_slot)
+                return acc_ref[...]
+
+            pv_blk = pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            acc = lax.broadcast_in_dim(alpha, acc.shape, [0]) * acc + pv_blk
+
+            def hits(acc_ref):
+                plgpu.wgmma(acc_ref, seen_smem, bad_smem)
+                return acc_ref[...]
+
+            # Rows that see a non-finite value: NaN in exactly those columns.
+            acc = lax.cond(
+                one_position, lambda acc: acc,
+                lambda acc: jnp.where(pl.run_scoped(hits, plgpu.ACC((ROWS, head_dim),
+                                                                    jnp.float32)) > 0,
+                                      jnp.float32(jnp.nan), acc), acc)
+
+            @pl.when(step + stages < steps)
+            def _():
+                fetch(step + stages, slot)
+
+            return acc, m_next, l_next
+
+        cast = functools.partial(_mosaic.layout_cast, interpret=interpret)
+        init = (cast(jnp.zeros((ROWS, head_dim), jnp.float32), wgmma_layout),
+                cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
+        return lax.fori_loop(0, steps, step_fn, init)
+
+    def epilogue(acc, m, l_sum, o_smem, ml_smem):
+        o_smem[...] = acc
+        ml_smem[0] = m
+        ml_smem[1] = l_sum
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[item, head, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, out_rows)],
+                                m_ref.at[item, head, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, out_rows)],
+                                l_ref.at[item, head, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    def program(q_smem, pos_smem, q_bar):
+        plgpu.copy_gmem_to_smem(q_ref.at[item, head], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(pos_ref.at[item], pos_smem, q_bar.at[0])
+        pages_barrier = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)
+        # The ring and the output staging live one after the other in shared memory.
+        acc, m, l_sum = pl.run_scoped(
+            functools.partial(pipeline, q_smem, pos_smem, q_bar),
+            _smem_spec((stages, block_kv, head_dim), dtype),
+            _smem_spec((stages, block_kv, head_dim), dtype),
+            _smem_spec((ROWS, block_kv), dtype),
+            _smem_spec((ROWS, block_kv), dtype),
+            _smem_spec((block_kv, head_dim), dtype),
+            pages_barrier, pages_barrier)
+        pl.run_scoped(functools.partial(epilogue, acc, m, l_sum),
+                      plgpu.SMEM((ROWS, head_dim), jnp.float32),
+                      plgpu.SMEM((2, ROWS), jnp.float32))
+
+    pl.run_scoped(program, _smem_spec((ROWS, head_dim), dtype), plgpu.SMEM((ROWS,), jnp.int32),
+                  plgpu.Barrier(num_arrivals=2, num_barriers=1))
+
+
+def fitting_stages(stages: int, *, head_dim: int, block_kv: int) -> int:
+    """The most stages up to ``stages`` whose shared memory fits :data:`SMEM_LIMIT` (at
+    least :data:`MIN_STAGES`, which may not fit: :func:`supports` rejects those sizes)."""
+    while stages > MIN_STAGES and smem_bytes(head_dim=head_dim, block_kv=block_kv,
+                                             stages=stages) > SMEM_LIMIT:
+        stages -= 1
+    return stages
+
+
+def smem_bytes(*, head_dim: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
+    """The kernel's shared memory (scratch and barriers, before Mosaic's alignment): the
+    queries and positions, then the larger of the key/value ring with the probability
+    tiles, or the float32 output staging."""
+    ring = (2 * stages * block_kv * head_dim + 2 * ROWS * block_kv + block_kv * head_dim) \
+        * itemsize + 2 * stages * 8
+    staging = ROWS * head_dim * 4 + 2 * ROWS * 4
+    return ROWS * head_dim * itemsize + ROWS * 4 + 8 + max(ring, staging)
+
+
+def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
+           logits_soft_cap, out_rows, block_kv=None, stages=None, num_splits=None,
+           interpret=False):
+    """The kernel over ``items`` query blocks, splits merged: ``[items, kv_heads,
+    out_rows, head_dim]`` float32, normalised.
+
+    Args:
+      qg: ``[items, kv_heads, ROWS, head_dim]``, each item's GQA rows (query-major).
+      row_pos: int32 ``[items, ROWS]``, each row's position, -1 for padding rows.
+      ranges: int32 ``[items, 4]``: ``key_lo``, ``key_hi`` (the keys some row of the item
+        sees lie in ``[key_lo, key_hi)``), 1 if every row sits at one position, 0.
+      tables: int32 ``[items, pages]``: each item's pages, -1 for an entry it must not read.
+      k_pages, v_pages: the pools ``[kv_heads, num_pages, page_size, head_dim]``.
+      out_rows: rows written back per item (the used rows, rounded up to 8).
+    """
+    items, kv_heads, _, head_dim = qg.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    config = default_config({"q": qg}, "interpret" if interpret else _common.device_kind())
+    block_kv = block_keys(block_kv or config.block_kv, page_size)
+    stages = stages or fitting_stages(config.stages, head_dim=head_dim, block_kv=block_kv)
+    max_pages = tables.shape[1]
+    num_blocks = max(1, -(-max_pages * page_size // block_kv))
+    if num_splits is None:
+        num_splits = max(1, min(config.max_splits, TARGET_PROGRAMS // max(items * kv_heads, 1)))
+    num_splits = min(num_splits, num_blocks)
+    blocks_per_split = -(-num_blocks // num_splits)
+    width = num_splits * blocks_per_split * (block_kv // page_size)
+    tables = jnp.pad(tables, ((0, 0), (0, width - max_pages)), constant_values=-1)
+    kernel = functools.partial(
+        _kernel, scale=float(scale), sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
+        stages=stages, blocks_per_split=blocks_per_split, num_pages=num_pages,
+        out_rows=out_rows, interpret=interpret)
+    f32 = jnp.float32
+    out_shape = (jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows, head_dim), f32),
+                 jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32),
+                 jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32))
+    kv_bytes = 2 * items * kv_heads * max_pages * page_size * head_dim * k_pages.dtype.itemsize
+    call = _mosaic.costed_kernel(
+        kernel, out_shape=out_shape, grid=(items, kv_heads, num_splits),
+        grid_names=("item", "head", "split"), name="forge_jax_mosaic_paged_attention",
+        cost_estimate=_cost.attention(
+            queries=items * kv_heads * out_rows, keys=max_pages * page_size,
+            head_dim=head_dim, io=(qg, row_pos, ranges, tables, *out_shape),
+            kv_bytes=kv_bytes),
+        compiler_params=_compat.pallas_mosaic_gpu().CompilerParams(approx_math=True),
+        interpret=interpret)
+    o, m, l_sum = call(qg, row_pos, ranges, tables, k_pages, v_pages)
+    return _attention_common.merge_splits(o, m, l_sum)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "sliding_window", "logits_soft_cap", "block_kv", "stages", "num_splits",
+    "interpret"))
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
+                    q_positions=None, sliding_window=None, logits_soft_cap=None,
+                    block_kv=None, stages=None, num_splits=None, interpret=False):
+    """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
+
+    Args:
+      q: ``[batch, q_heads, head_dim]`` or ``[batch, q_len, q_heads, head_dim]``.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, ``q``'s dtype.
+      block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
+        anything.
+      lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
+      scale, q_positions, sliding_window, logits_soft_cap: as in the op.
+      block_kv: keys per block (whole pages, rounded up to a multiple of 64).
+      stages: key blocks in flight.
+      num_splits: programs over one sequence's keys (default: enough programs for the GPU).
+      interpret: run in the Mosaic GPU interpreter (any platform).
+
+    Returns:
+      The shape of ``q``, in ``q.dtype``.
+    """
+    decode = q.ndim == 3
+    if decode:
+        q = q[:, None]
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, _ = k_pages.shape
+    group = q_heads // kv_heads
+    rows = q_len * group
+    if rows > ROWS:
+        raise ValueError(f"q_len={q_len} * group={group} = {rows} query rows > {ROWS} (one "
+                         "WGMMA tile per program)")
+    if scale is None:
+        scale = head_dim ** -0.5
+    with jax.named_scope("paged_attention"):
+        window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
+            q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=ROWS,
+            page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
+            table_width=block_tables.shape[1])
+        one_position = jnp.full((batch,), 1 if q_len == 1 else 0, jnp.int32)
+        ranges = jnp.stack([key_lo, key_hi, one_position, jnp.zeros_like(key_lo)], axis=1)
+        qg = _attention_common.group_queries(q.astype(k_pages.dtype), kv_heads, rows_pad=ROWS)
+        out = attend(qg, row_pos, ranges, tables, k_pages, v_pages, scale=scale,
+                     sliding_window=window, logits_soft_cap=logits_soft_cap,
+                     out_rows=-(-rows // 8) * 8, block_kv=block_kv, stages=stages,
+                     num_splits=num_splits, interpret=interpret)
+        out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
+                                                head_dim=head_dim).astype(q.dtype)
+    return out[:, 0] if decode else out
+
+
+def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int) -> str | None:
+    """Why the kernel cannot take these dtypes and sizes (shared with the ragged kernel)."""
+    for name, dtype in (("q", q_dtype), ("k_pages", kv_dtype)):
+        if jnp.dtype(dtype) not in DTYPES:
+            return (f"{name}.dtype={jnp.dtype(dtype).name}: the Mosaic GPU paged kernel takes "
+                    "bfloat16/float16 (WGMMA runs float32 only as TF32, short of float32 "
+                    "accuracy; quantized pages are not served)")
+    if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
+        return (f"q.dtype={jnp.dtype(q_dtype).name} differs from "
+                f"k_pages.dtype={jnp.dtype(kv_dtype).name}: both WGMMA operands take one dtype")
+    if head_dim % 64 or head_dim > MAX_TMA:
+        return (f"head_dim={head_dim} is not a multiple of 64 up to {MAX_TMA} (the 128-byte "
+                "swizzle of WGMMA operands; <= 256 elements per TMA copy)")
+    if page_size % 8 or page_size > MAX_TMA or (64 % page_size and page_size % 64):
+        return (f"page_size={page_size} must be a multiple of 8 up to {MAX_TMA} that divides "
+                "64 or is a multiple of 64 (whole pages per 64-key block, 8-row tiles, <= 256 "
+                "rows per TMA copy)")
+    block_kv = block_keys(_common.tuned(TUNED, None, head_dim)["block_kv"], page_size)
+    if smem_bytes(head_dim=head_dim, block_kv=block_kv, stages=MIN_STAGES) > SMEM_LIMIT:
+        return (f"head_dim={head_dim} with page_size={page_size} (blocks of {block_kv} keys): "
+                f"{MIN_STAGES} key/value blocks in flight exceed the {SMEM_LIMIT // 1024} KiB "
+                "of shared memory")
+    return None
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel compiles for these arguments (compute capability 9.0+), else
+    why not."""
+    q, k_pages = args["q"], args["k_pages"]
+    q_len = 1 if q.ndim == 3 else q.shape[1]
+    group = q.shape[-2] // k_pages.shape[0]
+    reason = layout_reason(q_dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=q.shape[-1],
+                           page_size=k_pages.shape[2])
+    if reason is not None:
+        return reason
+    if q_len * group > ROWS:
+        return (f"q_len={q_len} * group={group} = {q_len * group} query rows > {ROWS}: one "
+                "program holds one WGMMA tile of a group's queries; longer chunks belong to "
+                "ragged or dense attention")
+    return None
+
+
+_registration.register(
+    "paged_attention", paged_attention, backend="mosaic_gpu", supports=supports,
+    verified=VERIFIED,
+    description="per-page TMA copies through the block tables into a WGMMA pipeline, "
+                "split over the keys")

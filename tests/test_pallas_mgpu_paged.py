@@ -1,0 +1,190 @@
+"""The Mosaic GPU paged-attention kernel (pallas_kernels/gpu/mosaic_paged_attention.py).
+
+:class:`TestPagedAttentionMosaicGpu` runs the kernel compiled on a Hopper-or-newer GPU
+(``"mosaic_gpu"``, skipped without one); :class:`TestPagedAttentionMosaicGpuInterpret` runs
+the same cases in the Mosaic GPU interpreter on any machine, with race detection (each test
+asserts none was found) and NaN-poisoned uninitialised memory (kernel outputs included: an
+output the kernel never writes fails the finiteness checks). The behaviours (float64
+reference and XLA, NaN / +-inf in every cache slot no query may see, huge integers in unused
+block-table entries, per-query NaN/inf) come from :class:`cases.paged_base.PagedAttentionCases`.
+
+Sizes for the interpreter on two cores (each program of the launch is interpreted in turn):
+one to three sequences per case, lengths ending inside pages, one long enough for two splits
+of three key blocks each (the interpreter's ring is two blocks deep, so the copies wrap
+around it). The H100 lowering runs here too (JAX's Mosaic
+GPU lowering, with its shared-memory and TMA checks; the PTX compile and ``ptxas`` run only
+when a GPU loads the kernel, so registers and spills need a GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases.base import MosaicGpu
+from cases.calls import case_id
+from cases.checks import assert_close
+from cases.inputs import rng
+from cases.paged import paged_attention_args, paged_attention_specs
+from cases.paged_base import PagedAttentionCases, PagedCase
+from cases.references import f64
+from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
+
+import forge_jax as fj
+from forge_jax import _compat
+from forge_jax.pallas_kernels.gpu import _mosaic
+from forge_jax.pallas_kernels.gpu import mosaic_paged_attention as kernel
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+S = jax.ShapeDtypeStruct
+
+
+class TestPagedAttentionMosaicGpu(MosaicGpu, PagedAttentionCases):
+    """The kernel compiled for a Hopper+ GPU (skipped without one)."""
+
+    IMPLEMENTATION = "mosaic_gpu"
+    INTERPRET = False
+    CASES = {
+        # Llama-3-8B heads, bfloat16 decode, 22 pages: two splits of three 64-key blocks
+        # (the interpreter's ring is two blocks deep: the copies wrap around it).
+        "llama3_8b-bf16-decode": PagedCase(*LLAMA3_8B_HEADS, 16, None, BF16, (330,)),
+        # SmolLM2 9/3 heads, float16 chunked prefill: window (leading blocks skipped), cap,
+        # explicit positions earlier than the end with a padded query (position -1), an
+        # empty sequence.
+        "smollm2-f16-prefill-window-cap-positions": PagedCase(
+            *SMOLLM2_135M_HEADS, 8, 4, F16, (13, 0, 150), window=6, cap=20.0,
+            explicit_positions=True),
+    }
+    NONFINITE_CASES = {
+        "causal-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21)),
+    }
+
+
+class TestPagedAttentionMosaicGpuInterpret(TestPagedAttentionMosaicGpu):
+    """The same kernel in the Mosaic GPU interpreter, on any machine."""
+
+    IMPLEMENTATION = "mosaic_gpu_interpret"
+    INTERPRET = True
+
+
+# --- supports() and the H100 lowering -------------------------------------------------------
+
+# (q_heads, kv_heads, head_dim, page_size, q_len, dtype); Llama-3's decode is compiled whole
+# below.
+ACCEPTED = [(*SMOLLM2_135M_HEADS, 8, 4, F16), (32, 8, 256, 16, 16, BF16)]
+
+
+def _lower(case, **knobs):
+    shapes = paged_attention_specs(*case)
+    return _compat.export_for_cuda(lambda *a: kernel.paged_attention(*a, **knobs), *shapes)
+
+
+@pytest.mark.parametrize("case", ACCEPTED, ids=lambda c: "-".join(map(case_id, c)))
+def test_accepted_cases_lower_for_h100_within_shared_memory(case):
+    shapes = paged_attention_specs(*case)
+    assert kernel.supports(paged_attention_args(shapes)) is None
+    text = _lower(case, sliding_window=7, logits_soft_cap=30.0).mlir_module()
+    assert "mosaic_gpu" in text
+    smem = _mosaic.shared_memory_bytes(kernel.paged_attention, *shapes)
+    config = kernel.default_config({"q": shapes[0]}, "NVIDIA H100 80GB HBM3")
+    block_kv = kernel.block_keys(config.block_kv, case[3])
+    stages = kernel.fitting_stages(config.stages, head_dim=case[2], block_kv=block_kv)
+    estimate = kernel.smem_bytes(head_dim=case[2], block_kv=block_kv, stages=stages)
+    assert smem is None or estimate <= smem <= min(estimate + 4096, 227 * 1024), smem
+
+
+def test_llama_decode_compiles_for_h100_with_its_cost():
+    """The issue's decode shape (batch 32, context 4096, 32/8 heads, head_dim 128, page 16)
+    through fj.aot: the kernel's row carries its cost estimate (the K/V bytes it reads)."""
+    pool = S((8, 32 * 256, 16, 128), BF16)
+    report = fj.aot.compile(fj.paged_attention, S((32, 32, 128), BF16), pool, pool,
+                            S((32, 256), jnp.int32), S((32,), jnp.int32), target="h100",
+                            implementation="mosaic_gpu")
+    assert report.compiled, report.error
+    (row,) = [k for k in report.kernels if k.name == "forge_jax_mosaic_paged_attention"]
+    kv_bytes = 2 * 32 * 4096 * 8 * 128 * 2
+    assert row.costed and kv_bytes <= row.bytes_accessed < 1.05 * kv_bytes, row
+    assert row.roofline_seconds == pytest.approx(
+        row.bytes_accessed / fj.targets.get("h100").memory_bandwidth)
+
+
+# Rejections that are compile limits, and how the lowering refuses each when forced.
+LIMITS = {
+    "page_size_12": ((8, 2, 64, 12, None, BF16), "page_size=12", {},
+                     (ValueError, "divisible by the tile size")),
+    # The lowering asserts (no message) on rows of 192 bytes under the 128-byte swizzle.
+    "head_dim_96": ((8, 2, 96, 16, None, BF16), "head_dim=96", {}, (AssertionError, None)),
+    "page_size_512": ((8, 2, 64, 512, None, BF16), "page_size=512", {},
+                      (ValueError, "exceeds available shared memory")),
+    "shared_memory": ((8, 2, 256, 128, None, BF16), "exceed the 223 KiB", dict(stages=2),
+                      (ValueError, "exceeds available shared memory")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIMITS))
+def test_compile_limits_are_rejected_and_fail_the_lowering(name):
+    case, reason, knobs, (error, failure) = LIMITS[name]
+    assert reason in (kernel.supports(paged_attention_args(paged_attention_specs(*case))) or "")
+    with pytest.raises(error, match=failure):
+        _lower(case, **knobs)
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (paged_attention_specs(8, 2, 64, 16, None, F32), "q.dtype=float32: the Mosaic"),
+    (paged_attention_specs(8, 2, 64, 16, None, BF16, F16), "q.dtype=float16 differs"),
+    (paged_attention_specs(8, 2, 64, 16, 17, BF16), "q_len=17 * group=4 = 68 query rows > 64"),
+], ids=["float32", "mixed_dtypes", "rows"])
+def test_other_rejections_name_the_reason(shapes, match):
+    """float32 (WGMMA's TF32 misses the float32 tolerance), mixed dtypes (one WGMMA operand
+    dtype), more query rows than one tile: refused by supports(), and by dispatch."""
+    assert match in (kernel.supports(paged_attention_args(shapes)) or "")
+    args = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+    with pytest.raises(fj.ImplementationError, match=match.split(" ")[0]):
+        fj.paged_attention(*args, implementation="mosaic_gpu_interpret")
+
+
+def test_rows_past_one_tile_are_refused_by_the_wrapper():
+    with pytest.raises(ValueError, match="68 query rows > 64"):
+        _lower((8, 2, 64, 16, 17, BF16))
+
+
+def test_registered_needs_hopper_and_is_not_auto_selected_until_verified():
+    assert kernel.VERIFIED == {}
+    assert "mosaic_gpu" in fj.dispatch.implementations("paged_attention", "gpu")
+    assert "mosaic_gpu_interpret" in fj.dispatch.implementations("paged_attention")
+    specs = paged_attention_specs(32, 8, 128, 16, None, BF16)
+    args = fj.dispatch.bind("paged_attention", *specs)
+    record = fj.dispatch.implementations("paged_attention", "gpu")["mosaic_gpu"]
+    with fj.targets.use("a100"):
+        assert "compute capability >= 9.0" in record.supports(args, "gpu")
+    with fj.targets.use("h100"):
+        assert record.supports(args, "gpu") is None
+        assert fj.explain("paged_attention", *paged_attention_specs(
+            32, 8, 128, 16, None, BF16)).implementation != "mosaic_gpu"
+
+
+def test_traced_out_of_range_entries_read_nothing_and_lengths_clamp():
+    """The index contract under jit: a used entry outside the pool (negative, num_pages,
+    2**30) reads nothing and a length past the table is clamped. The pool is NaN wherever no
+    valid entry points, so a read of any other page shows; against XLA's implementation of
+    the contract on the same arguments (its float64 truth is the same attention over the
+    named slots)."""
+    gen = rng(22)
+    num_pages, page, max_pages = 10, 16, 4
+    tables = np.array([[1, 99, 4, -7], [-1, 2, 2**30, -1], [5, num_pages, 3, 0],
+                       [0, 6, 7, 8]], np.int32)
+    lengths = np.array([40, 20, 48, 1000], np.int32)
+    k = np.full((2, num_pages, page, 64), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    for b, row in enumerate(tables):
+        for pos in range(min(lengths[b], max_pages * page)):
+            if 0 <= row[pos // page] < num_pages:
+                k[:, row[pos // page], pos % page], v[:, row[pos // page], pos % page] = \
+                    gen.standard_normal((2, 2, 64))
+    k, v = jnp.asarray(k, BF16), jnp.asarray(v, BF16)
+    q = jnp.asarray(gen.standard_normal((4, 8, 64)), BF16)
+    run = jax.jit(fj.paged_attention, static_argnames="implementation")
+    out = run(q, k, v, tables, lengths, implementation="mosaic_gpu_interpret")
+    xla = run(q, k, v, tables, lengths, implementation="xla")
+    assert_close(out, f64(xla), dtype=BF16, implementation="mosaic_gpu_interpret")
