@@ -177,8 +177,8 @@ def test_a_fold_wider_than_the_bound_is_rejected():
 
 
 def test_float16_is_rejected():
-    # Not a lowering failure: the Mosaic lowering takes float16, but TPUs have no float16
-    # vector unit; the rejection is a precaution until a TPU shows otherwise.
+    # Not a lowering failure: the Mosaic lowering takes float16, but libtpu's compiler does
+    # not ("Invalid vector type for load": tests/test_aot.py compiles it for v5e).
     assert "q.dtype=float16" in kernel.supports(_args(_shapes(8, 2, 16, 256, 128, F16)))
     assert "k.dtype=float16" in kernel.supports(_args(_shapes(8, 2, 16, 256, 128, F32, F16)))
 
@@ -212,6 +212,10 @@ def test_tuning_table():
     assert kernel.block_sizes(4096, 8192, BF16, device_kind="TPU v6 lite") == (512, 1024)
     assert kernel.block_sizes(1, 37, F32, device_kind="unknown") == (1, 37)  # clipped
     assert kernel.block_sizes(100, 300, BF16, block_q=32) == (32, 128)
+    # Wide folds (eight heads of 80: 640 lanes) take smaller blocks, whole tiles still.
+    assert kernel.block_sizes(4096, 8192, F32, device_kind="TPU v5 lite", lanes=640) == \
+        (128, 256)
+    assert kernel.block_sizes(4096, 8192, BF16, device_kind="TPU v4", lanes=640) == (128, 256)
 
 
 def test_every_tpu_kernel_has_a_table_serving_every_generation():

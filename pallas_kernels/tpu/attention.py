@@ -79,10 +79,11 @@ pltpu = _compat.pallas_tpu()
 # in the TPU interpreter and lowered through Mosaic on CPU only; no TPU has run it).
 VERIFIED: dict[str, str] = {}
 
-# The widest row of folded heads a program reads (:func:`heads_per_block`): a bound on the
-# unrolled per-head softmax and the blocks' VMEM, not a compiler limit (head_dim 64 at 3
-# and 8 kv heads, 80 at 8 and 96 compile for v5e and v6e).
-MAX_LANES = 1024
+# The widest row of folded heads a program reads (:func:`heads_per_block`), with the blocks
+# shrunk for it (:func:`block_sizes`): 640 lanes (eight heads of 80) compile for v4, v5e
+# and v6e in float32; 896 (eight float32 heads of 112) compile for v5e but not v4 ("Used
+# 18.39M of 16.00M vmem"; forge_jax.aot, JAX 0.10.2, libtpu 0.0.42.1, 2026-11-25).
+MAX_LANES = 640
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,15 +117,21 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
 
 
 def block_sizes(q_len: int, kv_len: int, dtype, *, block_q: int | None = None,
-                block_k: int | None = None, device_kind: str | None = None) -> tuple[int, int]:
+                block_k: int | None = None, device_kind: str | None = None,
+                lanes: int = _common.LANES) -> tuple[int, int]:
     """``(block_q, block_k)``: the knobs, else :data:`TUNED`, clipped to the sequences.
 
+    ``lanes``: the width of a block's rows (``heads_per_block * head_dim``); the table's
+    blocks are for one 128-lane head and shrink by ``lanes // 256`` for wider folds (Phi-2's
+    eight float32 heads of 80, 640 lanes, ran out of v5e's 16 MiB scoped VMEM at 256 x 512).
     Raises ``ValueError`` for a block Mosaic cannot tile.
     """
     config = default_config({}, device_kind)
-    block_q = min(block_q or config.block_q, q_len)
-    block_k = min(block_k or config.block_k, kv_len)
     tile = _common.sublane_tile(dtype)
+    shrink = max(1, lanes // (2 * _common.LANES))
+    block_q = min(block_q or max(tile, config.block_q // shrink // tile * tile), q_len)
+    block_k = min(block_k or max(_common.LANES, config.block_k // shrink // _common.LANES
+                                 * _common.LANES), kv_len)
     if block_q != q_len and block_q % tile:
         raise ValueError(f"{block_q=} must be a multiple of {tile} (the sublane tile of "
                          f"{jnp.dtype(dtype).name}) or q_len={q_len}")
@@ -360,8 +367,10 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     q_len, kv_len = q.shape[1], k.shape[1]
     if q.size == 0 or kv_len == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
+    kv_heads, head_dim = k.shape[2], q.shape[3]
     block_q, block_k = block_sizes(q_len, kv_len, q.dtype, block_q=block_q, block_k=block_k,
-                                   device_kind=_common.device_kind(interpret))
+                                   device_kind=_common.device_kind(interpret),
+                                   lanes=heads_per_block(kv_heads, head_dim) * head_dim)
     return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                       kv_lengths=kv_lengths, sliding_window=sliding_window,
                       logits_soft_cap=logits_soft_cap, block_q=block_q, block_k=block_k,
