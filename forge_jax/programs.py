@@ -14,6 +14,10 @@ without the model code.
                            JAX and jaxlib versions the manifest names. JAX's format for
                            them loads through pickle, and an executable is machine code
                            either way: load only programs you made or trust.
+    prefill.h100.executable, decode.h100.executable, ...
+                           optional: the steps compiled for a named target
+                           (:mod:`forge_jax.targets`) without its device; they run only on
+                           that device kind, with the JAX and jaxlib that compiled them.
 
 :func:`load` reads it back with JAX, NumPy and safetensors alone (``forge_jax.models`` and
 Flax are never imported) and :meth:`Program.generate` runs a generation loop over it::
@@ -248,7 +252,8 @@ def load(path: str | pathlib.Path, *, executable: bool | None = None) -> Program
     Args:
       path: the directory ``forge-jax export --out`` wrote.
       executable: True: run the serialized executables (ProgramError if there are none for
-        this platform, or if this JAX or jaxlib is not the version that compiled them);
+        this platform and device kind, or if this JAX or jaxlib is not the version that
+        compiled them);
         False: the ``jax.export`` steps, compiled here; None (default): the executables
         when they match this process, else the exported steps.
 
@@ -259,16 +264,19 @@ def load(path: str | pathlib.Path, *, executable: bool | None = None) -> Program
     path = pathlib.Path(path)
     manifest = read_manifest(path)
     platform = jax.default_backend()
-    if platform not in manifest["platforms"]:
+    device_kind = jax.devices()[0].device_kind
+    reason = executable_mismatch(manifest, platform, device_kind)
+    if platform not in manifest["platforms"] and (reason is not None or executable is False):
         raise ProgramError(f"{path} was exported for platforms {manifest['platforms']}; this "
                            f"process runs on {platform!r}: export again with --platforms "
-                           f"including {platform}")
+                           f"including {platform}"
+                           + (f" ({reason})" if manifest.get("executables") else ""))
     weights = _load_weights(path, manifest)
     steps = None
     if executable is not False:
-        reason = executable_mismatch(manifest, platform)
         if reason is None:
-            steps = tuple(_load_executable(path, manifest, s, platform) for s in STEPS)
+            entry = executable_entry(manifest, platform, device_kind)
+            steps = tuple(_load_executable(path, manifest, entry, s, platform) for s in STEPS)
         elif executable:
             raise ProgramError(f"{path}: {reason}")
     source = "executable" if steps else "stablehlo"
@@ -277,17 +285,39 @@ def load(path: str | pathlib.Path, *, executable: bool | None = None) -> Program
     return Program(path, manifest, weights, *steps, source=source)
 
 
-def executable_mismatch(manifest: dict, platform: str) -> str | None:
-    """None if the manifest's executables can run in this process on ``platform``, else
-    why not (none for the platform, or compiled by another JAX or jaxlib)."""
-    entry = manifest.get("executables", {}).get(platform)
+def executable_mismatch(manifest: dict, platform: str,
+                        device_kind: str | None = None) -> str | None:
+    """None if the manifest has executables this process can run on ``platform`` (a device
+    of ``device_kind``, for executables compiled for a named target), else why not (none
+    for the platform or device, or compiled by another JAX or jaxlib)."""
+    entry = executable_entry(manifest, platform, device_kind)
     if entry is None:
+        others = {name: e.get("device_kind", name)
+                  for name, e in manifest.get("executables", {}).items()
+                  if e.get("platform", name) == platform}
+        if others:
+            return (f"the {platform} executables were compiled for "
+                    f"{', '.join(f'{n} ({k})' for n, k in others.items())}, this device is "
+                    f"{device_kind!r}: load with executable=False (the exported StableHLO)")
         return f"no serialized executable for {platform!r} (export with --executable)"
     here = versions()
     if (entry["jax"], entry["jaxlib"]) != (here["jax"], here["jaxlib"]):
         return (f"the {platform} executables were compiled by jax {entry['jax']} / jaxlib "
                 f"{entry['jaxlib']}, this is jax {here['jax']} / jaxlib {here['jaxlib']}: "
                 f"load with executable=False (the exported StableHLO) or export again")
+    return None
+
+
+def executable_entry(manifest: dict, platform: str,
+                     device_kind: str | None = None) -> dict | None:
+    """The manifest's executables for ``platform`` and a device of ``device_kind``: those
+    compiled for this machine's CPU (named ``"cpu"``), or those of a named target whose
+    device kind is ``device_kind``; None if it has none."""
+    for name, entry in manifest.get("executables", {}).items():
+        if entry.get("platform", name) != platform:
+            continue
+        if "device_kind" not in entry or entry["device_kind"] == device_kind:
+            return entry
     return None
 
 
@@ -323,11 +353,11 @@ def _load_exported(path: pathlib.Path, manifest: dict, step: str) -> Callable[..
     return jax.jit(exported.call, donate_argnums=donate)
 
 
-def _load_executable(path: pathlib.Path, manifest: dict, step: str,
+def _load_executable(path: pathlib.Path, manifest: dict, entry: dict, step: str,
                      platform: str) -> Callable[..., Any]:
     from jax.experimental import serialize_executable
 
-    file = path / executable_file(step, platform)
+    file = path / entry["files"][step]
     try:
         data = file.read_bytes()
     except FileNotFoundError:

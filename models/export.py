@@ -14,6 +14,7 @@ import json
 import pathlib
 import shutil
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
-from forge_jax import _compat, programs
+from forge_jax import _compat, aot, programs
+from forge_jax import targets as targets_lib
 from forge_jax.kv_cache import ContiguousKVCache
 from forge_jax.models import generation, steps
 from forge_jax.models.llama_model import Llama
@@ -68,6 +70,7 @@ def _entry(name: str | None, x) -> dict:
 def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
            context: int | None = None, prompt_length: int | None = None,
            platforms: Sequence[str] = ("cpu",), cache_dtype=None, executable: bool = False,
+           targets: Sequence[str] = (),
            tokenizer: str | pathlib.Path | None = None) -> pathlib.Path:
     """Writes ``model``'s greedy prefill and decode steps to the directory ``out`` (see
     :mod:`forge_jax.programs` for its files).
@@ -85,6 +88,12 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
       cache_dtype: the KV cache's dtype; default the model's compute dtype.
       executable: also write the steps compiled for this machine's CPU
         (``jax.experimental.serialize_executable``); needs ``"cpu"`` in ``platforms``.
+      targets: names of :data:`forge_jax.targets.TARGETS` (e.g. ``"h100"``, ``"tpu-v5e"``):
+        also write the steps compiled for each of them on this machine, without the
+        device (:mod:`forge_jax.aot`'s deviceless compile, the ``aot`` extra), with the
+        kernels auto selection picks there. Such an executable runs only on that device
+        kind, with the JAX and jaxlib that compiled it (:func:`forge_jax.programs.load`
+        refuses it elsewhere).
       tokenizer: a ``tokenizer.json`` to copy beside the program (None: none; then the
         program takes token ids only).
 
@@ -100,6 +109,7 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
     if executable and "cpu" not in platforms:
         raise ValueError(f"executable=True compiles for CPU; platforms={platforms!r} has no "
                          f"'cpu'")
+    targets = check_targets(targets)
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -117,20 +127,6 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
     state_tree = jax.tree_util.tree_structure(state)
     cache_leaves, cache_tree = jax.tree_util.tree_flatten(cache)
 
-    def prefill(weights, kv, tokens, lengths, key_data, sampling, seen):
-        new, seen, kv = steps.prefill_step(
-            state_tree.unflatten(weights), cache_tree.unflatten(kv), tokens, lengths,
-            jax.random.wrap_key_data(key_data, impl=KEY_IMPL),
-            dict(zip(programs.SAMPLING, sampling, strict=True)), seen, **statics)
-        return new, seen, tuple(jax.tree_util.tree_leaves(kv))
-
-    def decode(weights, kv, tokens, active, key_data, step, sampling, seen):
-        new, seen, kv = steps.decode_step(
-            state_tree.unflatten(weights), cache_tree.unflatten(kv), tokens, active,
-            jax.random.wrap_key_data(key_data, impl=KEY_IMPL), step,
-            dict(zip(programs.SAMPLING, sampling, strict=True)), seen, **statics)
-        return new, seen, tuple(jax.tree_util.tree_leaves(kv))
-
     spec = jax.ShapeDtypeStruct
     weights = tuple(spec(w.shape, w.dtype) for _, w in named_weights)
     kv = tuple(spec(x.shape, x.dtype) for x in cache_leaves)
@@ -143,8 +139,8 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
                         sampling, seen),
             "decode": (weights, kv, rows_i32, rows_bool, key, spec((), jnp.int32), sampling,
                        seen)}
-    fns = {"prefill": prefill, "decode": decode}
-    manifest_steps, executables = {}, {}
+    fns = _step_fns(statics, state_tree, cache_tree)
+    manifest_steps, cpu_files, target_entries = {}, {}, {}
     with fj.use_implementation(None if here_only else "xla"):
         for name in programs.STEPS:
             exported = _compat.export_for(fns[name], platforms, *args[name])
@@ -154,8 +150,11 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
                 "in_shapes": [_entry(None, a) for a in exported.in_avals],
                 "out_shapes": [_entry(None, a) for a in exported.out_avals]}
             if executable:
-                executables[name] = _serialize_cpu(fns[name], args[name], out, name,
-                                                   len(weights), len(kv))
+                cpu_files[name] = _serialize_cpu(fns[name], args[name], out, name,
+                                                 len(weights), len(kv))
+    for target in targets:
+        target_entries[target.name] = _serialize_for_target(
+            target, graphdef, state_tree, cache_tree, args, out, len(weights), len(kv))
     _save_weights(out, named_weights)
     if tokenizer is not None:
         shutil.copyfile(tokenizer, out / programs.TOKENIZER)
@@ -178,9 +177,86 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
                     "tensors": [_entry(jax.tree_util.keystr(p), w) for p, w in named_weights]},
     }
     if executable:
-        manifest["executables"] = {"cpu": {**programs.versions(), "files": executables}}
+        target_entries["cpu"] = {"platform": "cpu", **programs.versions(), "files": cpu_files}
+    if target_entries:
+        manifest["executables"] = target_entries
     (out / programs.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return out
+
+
+def check_targets(names: Sequence[str]) -> tuple[targets_lib.Target, ...]:
+    """The named compile targets, each one this environment can compile for; ValueError
+    naming the target otherwise (an unknown name, a repeated one, a missing extra)."""
+    if isinstance(names, str):
+        raise ValueError(f"targets must be a sequence of names, got the string {names!r}")
+    found = tuple(targets_lib.get(n) for n in names)
+    if len({t.name for t in found}) != len(found):
+        raise ValueError(f"targets must be distinct, got {tuple(names)!r}")
+    for t in found:
+        reason = targets_lib.missing(t)
+        if reason is not None:
+            raise ValueError(f"cannot compile for target {t.name}: {reason}")
+    return found
+
+
+def _step_fns(statics, state_tree, cache_tree) -> dict[str, Any]:
+    """The prefill and decode steps over the program's flat arguments
+    (:func:`forge_jax.programs.step_trees`)."""
+
+    def prefill(weights, kv, tokens, lengths, key_data, sampling, seen):
+        new, seen, kv = steps.prefill_step(
+            state_tree.unflatten(weights), cache_tree.unflatten(kv), tokens, lengths,
+            jax.random.wrap_key_data(key_data, impl=KEY_IMPL),
+            dict(zip(programs.SAMPLING, sampling, strict=True)), seen, **statics)
+        return new, seen, tuple(jax.tree_util.tree_leaves(kv))
+
+    def decode(weights, kv, tokens, active, key_data, step, sampling, seen):
+        new, seen, kv = steps.decode_step(
+            state_tree.unflatten(weights), cache_tree.unflatten(kv), tokens, active,
+            jax.random.wrap_key_data(key_data, impl=KEY_IMPL), step,
+            dict(zip(programs.SAMPLING, sampling, strict=True)), seen, **statics)
+        return new, seen, tuple(jax.tree_util.tree_leaves(kv))
+
+    return {"prefill": prefill, "decode": decode}
+
+
+# The cache (argument 1) is updated in place; decode's `seen` (its last argument) too.
+_DONATE = {"prefill": (1,), "decode": (1, 7)}
+
+
+def _serialize(compiled, out: pathlib.Path, name: str, file: str, num_weights: int,
+               num_cache: int) -> str:
+    """Writes a compiled step's serialized executable to ``out / file``; returns ``file``."""
+    from jax.experimental import serialize_executable
+
+    data, in_tree, out_tree = serialize_executable.serialize(compiled)
+    # The loader rebuilds the trees from the manifest's counts: they must be these.
+    expected = programs.step_trees(name, num_weights, num_cache)
+    if (in_tree, out_tree) != expected:
+        raise AssertionError(f"{name}: compiled trees {in_tree}, {out_tree} are not the "
+                             f"program's {expected}")
+    (out / file).write_bytes(data)
+    return file
+
+
+def _serialize_for_target(target, graphdef, state_tree, cache_tree, args, out: pathlib.Path,
+                          num_weights: int, num_cache: int) -> dict[str, Any]:
+    """Compiles both steps for ``target`` without its device, as auto selection would pick
+    the kernels there, and writes their executables; returns the manifest's entry."""
+    device = target.device
+    files = {}
+    with targets_lib.use(target), jax.default_device(device), fj.use_implementation(None):
+        statics = steps.step_statics(graphdef, mode=True)
+        fns = _step_fns(statics, state_tree, cache_tree)
+        for name in programs.STEPS:
+            placed = aot.abstract(args[name], device)
+            compiled = jax.jit(fns[name], donate_argnums=_DONATE[name]).lower(
+                *placed).compile()
+            files[name] = _serialize(compiled, out, name,
+                                     programs.executable_file(name, target.name),
+                                     num_weights, num_cache)
+    return {"platform": target.platform, "device_kind": target.device_kind,
+            **programs.versions(), "files": files}
 
 
 def _save_weights(out: pathlib.Path, named_weights) -> None:
@@ -201,20 +277,7 @@ def _serialize_cpu(fn, args, out: pathlib.Path, name: str, num_weights: int,
                    num_cache: int) -> str:
     """Compiles ``fn`` for this machine's CPU and writes its serialized executable; returns
     the file's name."""
-    from jax.experimental import serialize_executable
-
-    cpu = jax.devices("cpu")[0]
-    sharding = jax.sharding.SingleDeviceSharding(cpu)
-    placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                          args)
-    donate = (1, 7) if name == "decode" else (1,)
-    compiled = jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
-    data, in_tree, out_tree = serialize_executable.serialize(compiled)
-    # The loader rebuilds the trees from the manifest's counts: they must be these.
-    expected = programs.step_trees(name, num_weights, num_cache)
-    if (in_tree, out_tree) != expected:
-        raise AssertionError(f"{name}: compiled trees {in_tree}, {out_tree} are not the "
-                             f"program's {expected}")
-    file = programs.executable_file(name, "cpu")
-    (out / file).write_bytes(data)
-    return file
+    placed = aot.abstract(args, jax.devices("cpu")[0])
+    compiled = jax.jit(fn, donate_argnums=_DONATE[name]).lower(*placed).compile()
+    return _serialize(compiled, out, name, programs.executable_file(name, "cpu"), num_weights,
+                      num_cache)

@@ -1,6 +1,7 @@
 """Deviceless compiles with the real compilers (forge_jax.aot, the ``aot`` extra): each
 kernel's supports()-accepted cases compile for ``h100`` (XLA GPU, Triton, ptxas) and
-``tpu-v5e`` (libtpu's Mosaic); rejections that are compile limits fail that compile; the tiny
+``tpu-v5e`` (libtpu's Mosaic), a sample of them for ``a100`` (the Triton lowering's Ampere
+path) and ``tpu-v6e``; rejections that are compile limits fail that compile; the tiny
 model's prefill and paged decode steps compile for both with the kernels selected, and the
 compiled decode step holds no copy of the page pool.
 
@@ -22,9 +23,12 @@ from cases.cli import run as cli_run
 import forge_jax as fj
 from forge_jax.models import aot_steps, llama
 from forge_jax.pallas_kernels.gpu import attention as gpu_attention
+from forge_jax.pallas_kernels.gpu import paged_attention as gpu_paged
+from forge_jax.pallas_kernels.tpu import attention as tpu_attention
+from forge_jax.pallas_kernels.tpu import paged_attention as tpu_paged
 
 S = jax.ShapeDtypeStruct
-BF16, F32 = jnp.bfloat16, jnp.float32
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 
 def _needs(target):
@@ -33,6 +37,7 @@ def _needs(target):
 
 
 GPU, TPU = _needs("h100"), _needs("tpu-v5e")
+NEEDS = {"h100": GPU, "a100": GPU, "tpu-v5e": TPU, "tpu-v6e": TPU}
 
 
 def _paged(dtype, batch, heads, head_dim, *, q_len=None, pages=64, page_size=16, per_seq=16):
@@ -75,12 +80,13 @@ KERNEL_CASES = {
                                           S((8, 128), jnp.int32)), dict(theta=shapes.SMOLLM_THETA)),
     "silu_mul smollm bf16": ("silu_mul", (S((64, shapes.SMOLLM_MLP), BF16),) * 2, {}),
     "attention llama bf16": ("attention", _attention(256, LLAMA, BF16), dict(causal=True)),
+    # TPU: three heads of 64 folded into one 192-lane row (once rejected: head_dim % 128).
+    "attention smollm bf16": ("attention", _attention(256, SMOL, BF16), dict(causal=True)),
     "paged decode llama bf16": ("paged_attention", _paged(BF16, 4, LLAMA[:2], LLAMA[2]), {}),
     "paged decode llama f32": ("paged_attention", _paged(F32, 4, LLAMA[:2], LLAMA[2]), {}),
 }
 GPU_CASES = {
     **KERNEL_CASES,
-    "attention smollm bf16": ("attention", _attention(256, SMOL, BF16), dict(causal=True)),
     "paged decode smollm bf16": ("paged_attention", _paged(BF16, 4, SMOL[:2], SMOL[2]), {}),
     # Before TUNED_FLOAT32: "Shared memory size limit exceeded: requested 262656".
     "attention phi2 f32": ("attention", _attention(256, (8, 8, shapes.PHI2_HEAD_DIM), F32),
@@ -101,12 +107,27 @@ TPU_CASES = {
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
                           {}),
+    # Llama-3.2-1B's decode (32/8 heads of 64): pairs of heads folded into 128 lanes.
+    "attention decode llama32 bf16": ("attention", (S((1, 1, 32, 64), BF16),
+                                                    S((1, 1000, 8, 64), BF16),
+                                                    S((1, 1000, 8, 64), BF16)),
+                                      dict(causal=True)),
 }
 
-# Register spills ptxas reports on H100, by case: bytes spilled, at most. Each is a finding
-# to fix (issue 23); a case not named here must not spill.
+# The other generations: a sample of the cases (each dtype, head_dim 64 and 128, prefill and
+# decode shapes), compiled again for a100 (the Triton lowering's Ampere path) and tpu-v6e.
+SWEEP = [("h100", n) for n in sorted(GPU_CASES)] + [("a100", n) for n in (
+    "rms_norm residual f32", "rope smollm prefill bf16", "silu_mul smollm bf16",
+    "attention smollm bf16", "attention llama bf16", "paged decode smollm bf16")]
+TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n in (
+    "rms_norm residual f32", "rope smollm bf16", "silu_mul smollm bf16", "attention llama bf16",
+    "attention smollm bf16", "paged decode smollm bf16", "paged decode llama f32",
+    "ragged smollm bf16", "paged chunk llama bf16")]
+
+# Register spills ptxas reports, by (target, case): bytes spilled, at most. Each is a
+# finding to fix (issue 23); a case not named here must not spill.
 KNOWN_SPILLS = {
-    "paged decode llama f32": 4096,
+    ("h100", "paged decode llama f32"): 4096,
 }
 
 
@@ -126,21 +147,55 @@ def _compile(case, target):
     return report
 
 
-@GPU
-@pytest.mark.parametrize("name", sorted(GPU_CASES))
-def test_gpu_kernels_compile_for_h100(name):
-    report = _compile(GPU_CASES[name], "h100")
+@pytest.mark.parametrize("target, name", [pytest.param(t, n, marks=NEEDS[t])
+                                          for t, n in SWEEP])
+def test_gpu_kernels_compile(target, name):
+    report = _compile(GPU_CASES[name], target)
+    limit = fj.targets.get(target).gpu["shared_memory_per_block_optin"]
     for k in report.kernels:
         assert k.registers is not None and k.grid is not None, k  # ptxas and thunks read
-        assert 0 < k.shared_memory <= 232448 or k.shared_memory == 0, k
-        assert k.spilled_bytes <= KNOWN_SPILLS.get(name, 0), (name, k)
+        assert 0 < k.shared_memory <= limit or k.shared_memory == 0, k
+        assert k.spilled_bytes <= KNOWN_SPILLS.get((target, name), 0), (name, k)
 
 
-@TPU
-@pytest.mark.parametrize("name", sorted(TPU_CASES))
-def test_tpu_kernels_compile_for_v5e(name):
-    report = _compile(TPU_CASES[name], "tpu-v5e")
+@pytest.mark.parametrize("target, name", [pytest.param(t, n, marks=NEEDS[t])
+                                          for t, n in TPU_SWEEP])
+def test_tpu_kernels_compile(target, name):
+    report = _compile(TPU_CASES[name], target)
     assert report.memory["generated_code"] > 0
+
+
+def _forced_paged(dtype, page_size):
+    return _paged(dtype, 4, SMOL[:2], 128, page_size=page_size)
+
+
+# Rejections that are compile limits: (target, op, the kernel called past supports(), its
+# arguments, supports()' reason, the compiler's).
+REJECTIONS = {
+    "tpu float16 attention": (
+        "tpu-v5e", "attention", tpu_attention.flash_attention, _attention(256, LLAMA, F16),
+        "q.dtype=float16", "Invalid vector type for load"),
+    "tpu float16 paged decode": (
+        "tpu-v6e", "paged_attention", tpu_paged.paged_attention, _forced_paged(F16, 16),
+        "q.dtype=float16", "Invalid vector type for load"),
+    "gpu paged page 12": (
+        "a100", "paged_attention", gpu_paged.paged_attention, _forced_paged(BF16, 12),
+        "page_size=12 is not a power of two", "whose size is a power of 2"),
+    "gpu attention mixed dtypes": (
+        "h100", "attention", gpu_attention.flash_attention,
+        (S((1, 64, 8, 64), BF16), S((1, 64, 8, 64), F32), S((1, 64, 8, 64), F32)),
+        "a Triton dot needs equal operand types", "must have the same element type"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS[REJECTIONS[n][0]])
+                                  for n in sorted(REJECTIONS)])
+def test_rejections_that_are_compile_limits_fail_that_compile(name):
+    target, op, kernel, args, reason, verdict = REJECTIONS[name]
+    with fj.targets.use(target), pytest.raises(fj.ImplementationError, match=reason):
+        fj.dispatch.select(op, fj.dispatch.bind(op, *args), "pallas")
+    report = fj.aot.compile(kernel, *args, target=target)
+    assert not report.compiled and verdict in report.error, report.error
 
 
 @GPU
@@ -183,17 +238,29 @@ def test_tiny_model_steps_compile_with_the_kernels(tiny_config, target):
         assert len(report.kernels) >= 2, report
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, target):
-    # The tiny model with head_dim 128, which the TPU paged kernel serves (the tiny model's
-    # 32 falls back to XLA there, whose gather copies a layer's pages per step).
-    config = dataclasses.replace(tiny_config, head_dim=128)
+# XLA's TPU layout for a pool whose head_dim is not whole 128-lane tiles puts the pages
+# dimension minor ({1,3,2,0}: no lane padding), while the kernel reads row-major pages, so
+# the compiled step relayouts every layer's pool before the kernel (found by this test,
+# issue 23). No wrapper can avoid it: the pool must be stored with whole-tile rows.
+_POOL_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
+    "TPU: the pool of 64-wide pages is laid out pages-minor ({1,3,2,0}); the paged kernel "
+    "reads it row-major, so each layer's pool is copied per step"))
+
+
+@pytest.mark.parametrize("target, head_dim", [
+    pytest.param("h100", 128, marks=GPU), pytest.param("tpu-v5e", 128, marks=TPU),
+    # (the GPU kernel reads any head_dim's pool in place; one compile for CI's time)
+    pytest.param("tpu-v5e", 64, marks=[TPU, _POOL_RELAYOUT])])
+def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, target, head_dim):
+    # The tiny model with head_dim 128 and SmolLM2's 64, which the paged kernels serve (the
+    # tiny model's 32 falls back to XLA on TPU, whose gather copies a layer's pages per step).
+    config = dataclasses.replace(tiny_config, head_dim=head_dim)
     with fj.targets.use(target), fj.use_implementation("pallas"):
         _, decode = aot_steps.abstract_steps(config, batch=4, context=2048, dtype=BF16)
     report, chosen = _compile_step(decode, target)
     assert chosen["paged_attention"] == "pallas"
     pool = aot_steps.pool_bytes(decode)
-    assert pool >= 32 * 2**20
+    assert pool >= 16 * 2**20
     # The cache is donated and updated in place: no temporary or copy near a pool's size.
     assert report.memory["temp"] < pool / 8, report
     assert all(c.bytes < pool / 8 for c in report.copies), report

@@ -6,7 +6,8 @@ runs the same cases in the TPU interpreter on any machine (race detection, NaN-p
 uninitialised memory: an output block the kernel never writes, or the garbage rows of a
 partial block reaching a query, fail the finiteness checks). The behaviours come from
 :class:`cases.attention_base.AttentionCases`, with the cases Mosaic's layouts accept (head
-dim 128, kv lengths that end in a partial block); K/V slots no query sees hold NaN/inf.
+dim 128, kv lengths that end in a partial block; head dim 64, folded into whole lanes); K/V
+slots no query sees hold NaN/inf.
 Lowering tests run the real Pallas -> Mosaic lowering for TPU here.
 """
 
@@ -56,6 +57,14 @@ CASES = {
     # MQA bfloat16 decode, an empty sequence among them.
     "mqa-bf16-decode": AttentionCase((3, 1, 260, 8, 1, 128), BF16, poison=True, seed=8,
                                      masking=dict(kv_lengths=np.array([0, 259, 1]))),
+    # SmolLM2's heads (9/3 of 64): the three kv heads folded into one 192-lane row.
+    "smollm-bf16-head_dim64": AttentionCase(
+        (2, 20, 300, 9, 3, 64), BF16, poison=True, seed=9,
+        masking=dict(kv_lengths=np.array([300, 150]), sliding_window=100)),
+    # MHA, head_dim 64: pairs of heads make one 128-lane tile (no transpose of Q).
+    "mha-f32-head_dim64-cap": AttentionCase(
+        (2, 24, 140, 4, 4, 64), F32, poison=True, seed=10,
+        masking=dict(kv_lengths=np.array([140, 33]), logits_soft_cap=5.0)),
 }
 
 NONFINITE_CASES = {
@@ -125,6 +134,9 @@ LOWERED = [  # (q_heads, kv_heads, q_len, kv_len, head_dim, dtype, kv_dtype)
     (4, 1, 16, 512, 256, F32, None),
     (8, 2, 20, 300, 128, F32, BF16),     # mixed dtypes
     (8, 2, 20, 300, 128, BF16, F32),
+    (9, 3, 300, 1000, 64, BF16, None),   # SmolLM2: three heads of 64 folded (192 lanes)
+    (32, 8, 1, 1000, 64, BF16, None),    # Llama-3.2-1B decode: pairs of heads of 64
+    (32, 32, 40, 37, 80, F32, None),     # Phi-2: eight heads of 80 folded (640 lanes)
 ]
 
 
@@ -151,19 +163,22 @@ def test_small_blocks_and_gradients_lower_for_tpu():
     _compat.export_for_tpu(jax.grad(loss, argnums=(0, 1, 2)), *_shapes(4, 2, 64, 256, 128, F32))
 
 
-@pytest.mark.parametrize("shapes,match", [
-    (_shapes(8, 2, 16, 256, 64, F32), "head_dim=64 is not a multiple of 128"),
-    (_shapes(8, 2, 16, 256, 192, BF16), "head_dim=192 is not a multiple of 128"),
-], ids=["head_dim64", "head_dim192"])
-def test_rejected_head_dims_fail_the_lowering(shapes, match):
-    assert match in (kernel.supports(_args(shapes)) or "")
-    with pytest.raises(ValueError, match="divisible by 8 and 128"):
-        _compat.export_for_tpu(lambda q, k, v: kernel.flash_attention(q, k, v), *shapes)
+@pytest.mark.parametrize("kv_heads, head_dim, heads", [
+    (8, 128, 1), (2, 256, 1), (3, 64, 3), (8, 64, 2), (2, 80, 2), (32, 80, 8), (4, 96, 4),
+    (8, 192, 2)])
+def test_heads_narrower_than_a_tile_are_folded_into_whole_lanes(kv_heads, head_dim, heads):
+    assert kernel.heads_per_block(kv_heads, head_dim) == heads
+
+
+def test_a_fold_wider_than_the_bound_is_rejected():
+    # 200-wide heads make whole tiles only 16 at a time: all 8 kv heads, 1600 lanes.
+    assert "head_dim=200 with kv_heads=8: a program would read 1600 lanes" in (
+        kernel.supports(_args(_shapes(8, 8, 16, 256, 200, F32))) or "")
 
 
 def test_float16_is_rejected():
-    # Not a lowering failure: the Mosaic lowering takes float16, but TPUs have no float16
-    # vector unit; the rejection is a precaution until a TPU shows otherwise.
+    # Not a lowering failure: the Mosaic lowering takes float16, but libtpu's compiler does
+    # not ("Invalid vector type for load": tests/test_aot.py compiles it for v5e).
     assert "q.dtype=float16" in kernel.supports(_args(_shapes(8, 2, 16, 256, 128, F16)))
     assert "k.dtype=float16" in kernel.supports(_args(_shapes(8, 2, 16, 256, 128, F32, F16)))
 
@@ -187,8 +202,8 @@ def test_blocks_mosaic_cannot_tile_are_rejected(knobs, match):
 
 
 def test_dispatch_names_the_rejection():
-    q = jnp.ones((1, 4, 2, 64), F32)
-    with pytest.raises(fj.ImplementationError, match="head_dim=64"):
+    q = jnp.ones((1, 4, 2, 64), F16)
+    with pytest.raises(fj.ImplementationError, match="q.dtype=float16"):
         fj.attention(q, q, q, implementation="pallas_tpu_interpret")
 
 
@@ -197,6 +212,10 @@ def test_tuning_table():
     assert kernel.block_sizes(4096, 8192, BF16, device_kind="TPU v6 lite") == (512, 1024)
     assert kernel.block_sizes(1, 37, F32, device_kind="unknown") == (1, 37)  # clipped
     assert kernel.block_sizes(100, 300, BF16, block_q=32) == (32, 128)
+    # Wide folds (eight heads of 80: 640 lanes) take smaller blocks, whole tiles still.
+    assert kernel.block_sizes(4096, 8192, F32, device_kind="TPU v5 lite", lanes=640) == \
+        (128, 256)
+    assert kernel.block_sizes(4096, 8192, BF16, device_kind="TPU v4", lanes=640) == (128, 256)
 
 
 def test_every_tpu_kernel_has_a_table_serving_every_generation():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from cases.cli import assert_one_line_error, run
 
+import forge_jax as fj
 from forge_jax import programs
 from forge_jax.models import export as export_lib
 from forge_jax.models import generation, llama, tasks, train_tiny
@@ -111,6 +112,35 @@ def test_an_executable_from_another_jax_is_refused(exported, tmp_path):
     assert programs.load(copy).source == "stablehlo"
 
 
+@pytest.mark.skipif(fj.targets.missing("h100") is not None,
+                    reason=fj.targets.missing("h100") or "")
+def test_an_executable_for_a_named_target_runs_only_there(model, tmp_path):
+    out = export_lib.export(model, tmp_path / "program", batch=1, context=16,
+                            targets=("h100",))
+    manifest = programs.read_manifest(out)
+    h100 = fj.targets.get("h100")
+    entry = manifest["executables"]["h100"]
+    assert entry == {"platform": "gpu", "device_kind": h100.device_kind,
+                     **programs.versions(),
+                     "files": {s: f"{s}.h100.executable" for s in programs.STEPS}}
+    # What the compiler wrote without the device: XLA GPU executables, serialized.
+    for file in entry["files"].values():
+        assert (out / file).stat().st_size > 1000
+    assert programs.executable_mismatch(manifest, "gpu", h100.device_kind) is None
+    a100 = fj.targets.get("a100").device_kind
+    assert programs.executable_mismatch(manifest, "gpu", a100) == (
+        f"the gpu executables were compiled for h100 ({h100.device_kind}), this device is "
+        f"{a100!r}: load with executable=False (the exported StableHLO)")
+    manifest["executables"]["h100"]["jax"] = "0.0.1"
+    assert programs.executable_mismatch(manifest, "gpu", h100.device_kind).startswith(
+        "the gpu executables were compiled by jax 0.0.1 / jaxlib ")
+    # On this CPU: none to run; the exported StableHLO runs.
+    with pytest.raises(programs.ProgramError, match="no serialized executable for 'cpu'"):
+        programs.load(out, executable=True)
+    assert programs.load(out).generate([[1, 5, 6]], 2) == \
+        programs.load(out, executable=False).generate([[1, 5, 6]], 2)
+
+
 @pytest.mark.parametrize("manifest, match", [
     (None, "not an exported program: no manifest.json"),
     ({"format": "other/1"}, "has format 'other/1'"),
@@ -141,6 +171,8 @@ def test_generate_refuses_prompts_the_program_was_not_exported_for(exported):
     (dict(context=16, prompt_length=16), r"prompt_length must be an int in \[1, context=16\)"),
     (dict(platforms=("gpu",)), "platforms must be distinct names"),
     (dict(platforms=("tpu",), executable=True), "executable=True compiles for CPU"),
+    (dict(targets=("h10",)), "unknown target 'h10'"),
+    (dict(targets=("h100", "h100")), "targets must be distinct"),
 ])
 def test_export_refuses_bad_arguments_before_any_work(model, tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -167,6 +199,7 @@ def test_the_cli_exports_for_several_platforms(capsys, tmp_path):
     (["--context", "65"], ["--context 65 exceeds", "max_position_embeddings=64"]),
     (["--context", "16", "--prompt-length", "16"], ["--prompt-length 16 must be below"]),
     (["--batch", "0"], ["--batch must be a positive int, got 0"]),
+    (["--targets", "h100,h200"], ["--targets: unknown target 'h200'", "known: h100"]),
 ])
 def test_the_cli_refuses_bad_flags_before_loading(capsys, tmp_path, no_model_load, argv,
                                                   fragments):

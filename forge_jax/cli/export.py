@@ -32,6 +32,11 @@ def add_parser(subparsers) -> None:
     export.add_argument("--executable", action="store_true",
                         help="also write the steps compiled for this machine's CPU "
                              "(serialize_executable; runs only with this JAX and jaxlib)")
+    export.add_argument("--targets", default="", metavar="A,B",
+                        help="also write the steps compiled for these named devices "
+                             "(forge-jax compile's targets, e.g. h100,tpu-v5e) without the "
+                             "device; each runs only on that device kind with this JAX and "
+                             "jaxlib (needs the aot extra)")
     _flags.add_dtype_flag(export)
     export.set_defaults(fn=run)
 
@@ -48,6 +53,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--{e}") from None
     if args.executable and "cpu" not in platforms:
         raise UsageError(f"--executable compiles for CPU; --platforms {args.platforms} has no cpu")
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    if targets:
+        # The targets' devices are abstract; JAX's own backends stay on the CPU (no effect
+        # once a backend has started).
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        export_lib.check_targets(targets)
+    except ValueError as e:
+        raise UsageError(f"--targets: {e}") from None
     config, _, tokenizer, path = _checkpoint.read_checkpoint(args)
     for flag in ("batch", "context", "prompt_length"):
         value = getattr(args, flag)
@@ -64,9 +80,10 @@ def run(args: argparse.Namespace) -> int:
     model = llama.from_pretrained(path, dtype=args.dtype)
     out = export_lib.export(
         model, args.out, batch=args.batch, context=context, prompt_length=args.prompt_length,
-        platforms=platforms, executable=args.executable,
+        platforms=platforms, executable=args.executable, targets=targets,
         tokenizer=path / "tokenizer.json" if tokenizer is not None else None)
     print(f"{_checkpoint.describe(model, path, args).replace('paged cache', 'contiguous cache')}"
           f"\nwrote {out}: prefill and decode for {', '.join(platforms)}, batch {args.batch}, "
-          f"context {context}" + (", with CPU executables" if args.executable else ""))
+          f"context {context}" + (", with CPU executables" if args.executable else "")
+          + (f", with executables for {', '.join(targets)}" if targets else ""))
     return 0

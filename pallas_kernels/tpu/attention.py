@@ -6,7 +6,8 @@ multiplies one ``[block_q, head_dim]`` query block of one head with one
 max ``m``, sum ``l`` and the float32 accumulator) in VMEM scratch across the kv blocks, as
 in JAX's own ``pallas/ops/tpu/flash_attention.py``. Q, K, V and the output are read and
 written in their ``[batch, seq, heads, head_dim]`` layout, viewed as ``[batch, seq,
-heads * head_dim]`` (a free reshape): a block is one head's ``head_dim`` lanes, and the K/V
+heads * head_dim]`` (a free reshape): a block is one head's ``head_dim`` lanes (heads
+narrower than 128 lanes are folded, see below), and the K/V
 index map sends query head ``h`` to kv head ``h // group`` (GQA/MQA with no copy or repeat
 of K/V). The price of that layout: each K/V block is copied into VMEM once per query head
 (``group`` times per kv head), and a decode program is a one-row dot; serving a whole
@@ -31,12 +32,21 @@ Backward: :func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`, the VJP of 
 ``[batch, heads, q_len, kv_len]`` probabilities) with the same explicit positions and
 lengths: no Pallas backward kernel has been written, so gradients cost what XLA's do.
 
-Mosaic constraints (checked by :func:`supports`): a block's last dimension is ``head_dim``
-lanes of a ``heads * head_dim`` row, which Mosaic tiles only when ``head_dim`` is a
-multiple of 128; ``block_q`` (sublanes of Q) is a multiple of the sublane tile (8 rows for
-float32, 16 for bfloat16) or all of ``q_len``, ``block_k`` a multiple of 128 (lanes of
-the logits) or all of ``kv_len``; sequences that are not a multiple of the block end in a
-partial block (its rows past the end are garbage, masked by the length, never written).
+Heads narrower than a 128-lane tile (head_dim 64, 80, 96, 192): Mosaic tiles a block's last
+dimension only in whole 128 lanes (or the whole row), so such heads are folded: a program
+reads ``heads`` kv heads side by side (:func:`heads_per_block`: two heads of 64 make one
+tile; three, as SmolLM2's, make the whole 192-lane row) and the query heads that attend to
+them, laid out alike by a transpose of Q (``[batch, group, q_len, kv_heads * head_dim]``;
+free without GQA); K and V are still read in place. Each head's logits are a dot of the
+block's queries with the other heads' lanes zeroed, and its online softmax state is its
+own (``m``, ``l`` per head; the accumulator's lanes by head), as tpu-inference's
+head-dim-64 ragged attention folds heads into lanes.
+
+Mosaic constraints (checked by :func:`supports`): ``block_q`` (sublanes of Q) is a
+multiple of the sublane tile (8 rows for float32, 16 for bfloat16) or all of ``q_len``,
+``block_k`` a multiple of 128 (lanes of the logits) or all of ``kv_len``; sequences that
+are not a multiple of the block end in a partial block (its rows past the end are garbage,
+masked by the length, never written).
 TPUs have no float16 vector unit.
 
 Op: :func:`forge_jax.ops.attention.attention`; reference: its XLA implementation
@@ -68,6 +78,12 @@ pltpu = _compat.pallas_tpu()
 # Where this kernel was compiled, checked and measured faster than XLA: none yet (checked
 # in the TPU interpreter and lowered through Mosaic on CPU only; no TPU has run it).
 VERIFIED: dict[str, str] = {}
+
+# The widest row of folded heads a program reads (:func:`heads_per_block`), with the blocks
+# shrunk for it (:func:`block_sizes`): 640 lanes (eight heads of 80) compile for v4, v5e
+# and v6e in float32; 896 (eight float32 heads of 112) compile for v5e but not v4 ("Used
+# 18.39M of 16.00M vmem"; forge_jax.aot, JAX 0.10.2, libtpu 0.0.42.1, 2026-11-25).
+MAX_LANES = 640
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +117,21 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
 
 
 def block_sizes(q_len: int, kv_len: int, dtype, *, block_q: int | None = None,
-                block_k: int | None = None, device_kind: str | None = None) -> tuple[int, int]:
+                block_k: int | None = None, device_kind: str | None = None,
+                lanes: int = _common.LANES) -> tuple[int, int]:
     """``(block_q, block_k)``: the knobs, else :data:`TUNED`, clipped to the sequences.
 
+    ``lanes``: the width of a block's rows (``heads_per_block * head_dim``); the table's
+    blocks are for one 128-lane head and shrink by ``lanes // 256`` for wider folds (Phi-2's
+    eight float32 heads of 80, 640 lanes, ran out of v5e's 16 MiB scoped VMEM at 256 x 512).
     Raises ``ValueError`` for a block Mosaic cannot tile.
     """
     config = default_config({}, device_kind)
-    block_q = min(block_q or config.block_q, q_len)
-    block_k = min(block_k or config.block_k, kv_len)
     tile = _common.sublane_tile(dtype)
+    shrink = max(1, lanes // (2 * _common.LANES))
+    block_q = min(block_q or max(tile, config.block_q // shrink // tile * tile), q_len)
+    block_k = min(block_k or max(_common.LANES, config.block_k // shrink // _common.LANES
+                                 * _common.LANES), kv_len)
     if block_q != q_len and block_q % tile:
         raise ValueError(f"{block_q=} must be a multiple of {tile} (the sublane tile of "
                          f"{jnp.dtype(dtype).name}) or q_len={q_len}")
@@ -125,18 +147,32 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
+def heads_per_block(kv_heads: int, head_dim: int) -> int:
+    """KV heads one program reads side by side: 1 when ``head_dim`` is whole 128-lane
+    tiles, else the fewest (dividing ``kv_heads``) whose ``heads * head_dim`` lanes are, else
+    all of them (a block as wide as the row, which Mosaic accepts whatever its width)."""
+    for heads in range(1, kv_heads + 1):
+        if kv_heads % heads == 0 and heads * head_dim % _common.LANES == 0:
+            return heads
+    return kv_heads
+
+
 def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             q_ref, k_ref, v_ref, pos_ref,  # inputs
             o_ref,  # output
             m_ref, l_ref, acc_ref,  # scratch
-            *, scale, causal, sliding_window, logits_soft_cap, num_q_blocks):
+            *, scale, causal, sliding_window, logits_soft_cap, num_q_blocks, heads, head_dim):
     # len_ref [batch]; lo_ref, hi_ref [batch * q_blocks]: the keys any query of the block may
-    # see lie in [lo, hi). q_ref, o_ref [block_q, head_dim]; k_ref, v_ref [block_k, head_dim];
-    # pos_ref [block_q, 1]; m_ref, l_ref [block_q, _common.LANES] (lane-replicated); acc_ref
-    # [block_q, head_dim] float32.
+    # see lie in [lo, hi). q_ref, o_ref [block_q, heads * head_dim]; k_ref, v_ref [block_k,
+    # heads * head_dim]: `heads` heads side by side in the lanes, query head c of the block
+    # attending to kv head c; pos_ref [block_q, 1]; m_ref, l_ref [heads, block_q,
+    # _common.LANES] (lane-replicated); acc_ref [block_q, heads * head_dim] float32.
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     block_k = k_ref.shape[0]
     lo, hi = lo_ref[b * num_q_blocks + i], hi_ref[b * num_q_blocks + i]
+    # Which head each lane belongs to: heads narrower than a tile are computed with the other
+    # heads' lanes zeroed (a whole-width dot) rather than sliced out of the tile.
+    lane_head = lax.div(lax.broadcasted_iota(jnp.int32, (1, heads * head_dim), 1), head_dim)
 
     @pl.when(j == 0)
     def _():
@@ -149,12 +185,7 @@ def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         q, k = q_ref[...], k_ref[...]
         if q.dtype != k.dtype:  # mixed float32/bfloat16: the dot runs in float32
             q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
-                            preferred_element_type=jnp.float32) * scale  # [block_q, block_k]
-        if logits_soft_cap is not None:
-            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-        s = jnp.where(s == jnp.inf, jnp.nan, s)  # a +inf logit is NaN data, not a winner
-        col = j * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        col = j * block_k + lax.broadcasted_iota(jnp.int32, (q.shape[0], block_k), 1)
         pos = pos_ref[...]  # [block_q, 1]
         # len_ref[b] <= kv_len, so the garbage rows of a partial last block are hidden too.
         visible = col < len_ref[b]
@@ -162,38 +193,52 @@ def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             visible &= col <= pos
         if sliding_window is not None:
             visible &= col > pos - sliding_window
-        s = jnp.where(visible, s, -jnp.inf)  # where, not a bias: hidden keys may be NaN
-        m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing
-        p = jnp.exp(s - m_safe)
-        correction = jnp.exp(m_prev - m_safe)
-        l_next = correction * l_prev + p.sum(axis=1, keepdims=True)
 
         v = v_ref[...]
         v32 = v.astype(jnp.float32)
         nonfinite = (jnp.abs(v32) == jnp.inf) | (v32 != v32)
         v = jnp.where(nonfinite, 0.0, v32).astype(v.dtype)
-        # Probabilities meet the values in the values' dtype (flash-attention practice).
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             precision=_precision(v.dtype), preferred_element_type=jnp.float32)
-        acc = correction * acc_ref[...] + pv
+        acc = acc_ref[...]
+        for c in range(heads):
+            mine = lane_head == c
+            qc = q if heads == 1 else jnp.where(mine, q, jnp.zeros((), q.dtype))
+            s = lax.dot_general(qc, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
+                                preferred_element_type=jnp.float32) * scale  # [block_q, block_k]
+            if logits_soft_cap is not None:
+                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+            s = jnp.where(s == jnp.inf, jnp.nan, s)  # a +inf logit is NaN data, not a winner
+            s = jnp.where(visible, s, -jnp.inf)  # where, not a bias: hidden keys may be NaN
+            m_prev, l_prev = m_ref[c][:, :1], l_ref[c][:, :1]
+            m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing
+            p = jnp.exp(s - m_safe)
+            correction = jnp.exp(m_prev - m_safe)
+            l_next = correction * l_prev + p.sum(axis=1, keepdims=True)
+            # Probabilities meet the values in the values' dtype (flash-attention practice).
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=_precision(v.dtype),
+                                 preferred_element_type=jnp.float32)
+            acc = correction * acc + pv if heads == 1 else jnp.where(
+                mine, correction * acc + pv, acc)
+            m_ref[c] = jnp.broadcast_to(m_next, m_ref.shape[1:])
+            l_ref[c] = jnp.broadcast_to(l_next, l_ref.shape[1:])
 
         def mark_nonfinite(acc):
+            # Which keys a query sees does not depend on the head: one product for all.
             hits = lax.dot_general(jnp.where(visible, 1.0, 0.0), jnp.where(nonfinite, 1.0, 0.0),
                                    (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)  # [block_q, head_dim]
+                                   preferred_element_type=jnp.float32)  # [block_q, lanes]
             return jnp.where(hits > 0, jnp.nan, acc)
 
         any_nonfinite = jnp.max(jnp.where(nonfinite, 1.0, 0.0)) > 0
         acc_ref[...] = lax.cond(any_nonfinite, mark_nonfinite, lambda acc: acc, acc)
-        m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
-        l_ref[...] = jnp.broadcast_to(l_next, l_ref.shape)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _():
         # A query that saw no key has l == 0 and acc == 0 (or NaN it must show).
-        l_sum = l_ref[...][:, :1]
+        l_sum = l_ref[0][:, :1]
+        for c in range(1, heads):
+            l_sum = jnp.where(lane_head == c, l_ref[c][:, :1], l_sum)
         o_ref[...] = (acc_ref[...] / jnp.where(l_sum == 0, 1.0, l_sum)).astype(o_ref.dtype)
 
 
@@ -203,6 +248,8 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     num_q_blocks, num_k_blocks = pl.cdiv(q_len, block_q), pl.cdiv(kv_len, block_k)
+    heads = heads_per_block(kv_heads, head_dim)
+    head_blocks = kv_heads // heads  # blocks of `heads` kv heads in a K/V row
 
     # [lo, hi): the keys any query of each (sequence, query block) may see.
     pad = num_q_blocks * block_q - q_len
@@ -226,33 +273,53 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
         last = lax.div(hi_ref[b * num_q_blocks + i] + block_k - 1, block_k) - 1
         block = jnp.maximum(jnp.minimum(j, last), jnp.minimum(first, last))
         # lax.div, not //: the floor of a signed quotient lowers through sign.
-        return b, jnp.maximum(block, 0), lax.div(h, group)
+        return b, jnp.maximum(block, 0), kv_block(h)
 
-    def q_index(b, h, i, j, *_):
-        return b, i, h
+    if heads == 1:
+        # Whole-tile heads: Q read in place, program h is query head h, its kv head h // group.
+        def kv_block(h):
+            return lax.div(h, group)
+
+        q_rows = q.reshape(batch, q_len, q_heads * head_dim)
+        q_spec = pl.BlockSpec((None, block_q, head_dim), lambda b, h, i, j, *_: (b, i, h))
+    else:
+        # Heads narrower than a tile, folded: the query heads that share a position in
+        # their groups are laid side by side as their kv heads are in K/V (a transpose of Q,
+        # a free reshape without GQA), so that a program reads `heads` query heads and their
+        # `heads` kv heads as tiles of whole lanes. Program h: group position h //
+        # head_blocks, kv head block h % head_blocks. K and V are read in place.
+        def kv_block(h):
+            return lax.rem(h, head_blocks)
+
+        q_rows = (q.reshape(batch, q_len, kv_heads, group, head_dim)
+                  .transpose(0, 3, 1, 2, 4).reshape(batch, group, q_len, kv_heads * head_dim))
+        q_spec = pl.BlockSpec((None, None, block_q, heads * head_dim),
+                              lambda b, h, i, j, *_: (b, lax.div(h, head_blocks), i,
+                                                      lax.rem(h, head_blocks)))
 
     kernel = functools.partial(
         _kernel, scale=scale, causal=causal, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, num_q_blocks=num_q_blocks)
-    q_spec = pl.BlockSpec((None, block_q, head_dim), q_index)
-    kv_spec = pl.BlockSpec((None, block_k, head_dim), kv_index)
+        logits_soft_cap=logits_soft_cap, num_q_blocks=num_q_blocks, heads=heads,
+        head_dim=head_dim)
+    kv_spec = pl.BlockSpec((None, block_k, heads * head_dim), kv_index)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(batch, q_heads, num_q_blocks, num_k_blocks),
+            grid=(batch, q_heads if heads == 1 else group * head_blocks, num_q_blocks,
+                  num_k_blocks),
             in_specs=[
                 q_spec, kv_spec, kv_spec,
                 pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, *_: (b, i, 0)),
             ],
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((block_q, _common.LANES), jnp.float32),
-                pltpu.VMEM((block_q, _common.LANES), jnp.float32),
-                pltpu.VMEM((block_q, head_dim), jnp.float32),
+                pltpu.VMEM((heads, block_q, _common.LANES), jnp.float32),
+                pltpu.VMEM((heads, block_q, _common.LANES), jnp.float32),
+                pltpu.VMEM((block_q, heads * head_dim), jnp.float32),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct((batch, q_len, q_heads * head_dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=_compat.tpu_interpret_params() if interpret else False,
@@ -260,11 +327,13 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
         cost_estimate=_cost.attention(queries=batch * q_len * q_heads, keys=k.shape[1],
                                       head_dim=head_dim, causal=causal and q_len == k.shape[1],
                                       io=(q, k, v, q)),
-    )(lengths, lo.reshape(-1), hi.reshape(-1),
-      q.reshape(batch, q_len, q_heads * head_dim),
+    )(lengths, lo.reshape(-1), hi.reshape(-1), q_rows,
       k.reshape(batch, kv_len, kv_heads * head_dim),
       v.reshape(batch, kv_len, kv_heads * head_dim),
       positions[:, :, None])
+    if heads > 1:
+        out = (out.reshape(batch, group, q_len, kv_heads, head_dim)
+               .transpose(0, 2, 3, 1, 4))
     return out.reshape(q.shape)
 
 
@@ -280,8 +349,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     """Flash attention on TPU (see :func:`forge_jax.attention` for the contract).
 
     Args:
-      q: ``[batch, q_len, q_heads, head_dim]``, float32/bfloat16, ``head_dim`` a multiple
-        of 128.
+      q: ``[batch, q_len, q_heads, head_dim]``, float32/bfloat16; heads narrower than 128
+        lanes are folded (:func:`heads_per_block`).
       k, v: ``[batch, kv_len, kv_heads, head_dim]``, float32/bfloat16 (mixed with ``q``:
         that dot runs in float32), ``q_heads % kv_heads == 0``.
       scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
@@ -298,8 +367,10 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     q_len, kv_len = q.shape[1], k.shape[1]
     if q.size == 0 or kv_len == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
+    kv_heads, head_dim = k.shape[2], q.shape[3]
     block_q, block_k = block_sizes(q_len, kv_len, q.dtype, block_q=block_q, block_k=block_k,
-                                   device_kind=_common.device_kind(interpret))
+                                   device_kind=_common.device_kind(interpret),
+                                   lanes=heads_per_block(kv_heads, head_dim) * head_dim)
     return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                       kv_lengths=kv_lengths, sliding_window=sliding_window,
                       logits_soft_cap=logits_soft_cap, block_q=block_q, block_k=block_k,
@@ -315,11 +386,12 @@ def supports(args: Mapping[str, Any]) -> str | None:
         if dtype not in _common.FLOAT_DTYPES:
             return (f"{name}.dtype={dtype.name}: the kernel reads float32/bfloat16 "
                     "(TPUs have no float16 vector unit)")
-    head_dim = q.shape[-1]
-    if head_dim % _common.LANES:
-        return (f"head_dim={head_dim} is not a multiple of {_common.LANES}: a block is one head's "
-                "lanes of a [seq, heads * head_dim] row, which Mosaic tiles only in whole "
-                "lanes")
+    kv_heads, head_dim = args["k"].shape[2], q.shape[-1]
+    lanes = heads_per_block(kv_heads, head_dim) * head_dim
+    if lanes > MAX_LANES:
+        return (f"head_dim={head_dim} with kv_heads={kv_heads}: a program would read "
+                f"{lanes} lanes of folded heads (more than {MAX_LANES}), one unrolled "
+                "softmax per head")
     return None
 
 
