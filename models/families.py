@@ -14,7 +14,8 @@ harmless value (``REFUSED``: a feature forge_jax does not implement is an error 
 key, never a silently different model). ``tests/test_families.py`` checks that every field
 of each family's transformers config is in one of them. Other keys are ignored, as
 transformers' model classes ignore them (a ``quantization_config`` is refused in every
-family: its tensors are not plain weights).
+family: its tensors are not plain weights; fine-grained FP8's is read before this, by
+:mod:`forge_jax.models.fp8_checkpoint`).
 """
 
 from __future__ import annotations
