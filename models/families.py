@@ -147,7 +147,8 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     for key in _REFUSED_EVERYWHERE:
         if config.get(key) is not None:
             raise ValueError(f"unsupported config setting {key}={config[key]!r}: forge_jax "
-                             f"reads unquantized float checkpoints")
+                             f"reads float checkpoints, and fine-grained fp8 ones "
+                             f"(quant_method 'fp8')")
     for key, allowed in fam.refused.items():
         if config.get(key) not in allowed:
             raise ValueError(f"unsupported config setting {key}={config[key]!r} for "

@@ -2,18 +2,18 @@
 2, Mistral, TinyLlama, ...) as a ``tokenizers.Tokenizer``.
 
 The file holds each token with a score and a type (llama.cpp's ``llama_token_type``), no
-merges. It encodes as SentencePiece's BPE does (and llama.cpp's ``llm_tokenizer_spm``):
-spaces become ``▁`` and one ``▁`` is put before the text and after each special token
+merges. It encodes as SentencePiece's BPE does (and llama.cpp's ``llm_tokenizer_spm``): spaces
+become ``▁`` and one ``▁`` is put before the text and after each special token
 (``tokenizer.ggml.add_space_prefix``, default on; transformers' GGUF conversion puts none
 before a text that starts with a space, nor after a special token); then, from single
-characters, the adjacent pair whose join is the highest-scoring token is merged until none
-is a token. That is BPE with a merge for every split of every normal token into two normal
-tokens, ranked by the joined token's score, which is what is built here. A character no token holds becomes its UTF-8 bytes, the
-``<0xNN>`` byte tokens (byte fallback). Control tokens (``<s>``, ``</s>``) are special tokens,
-user-defined ones plain added tokens, both matched whole in the text. Decoding maps ``▁``
-back to spaces, joins byte tokens into their characters and drops the prefix space.
-``tokenizer.ggml.add_bos_token`` (default on, as llama.cpp and transformers read such a
-file) and ``add_eos_token`` become the tokenizer's post-processor.
+characters, the adjacent pair whose join is the highest-scoring token is merged until none is a
+token. That is BPE with a merge for every split of every normal token into two normal tokens,
+ranked by the joined token's score, which is what is built here. A character no token holds
+becomes its UTF-8 bytes, the ``<0xNN>`` byte tokens (byte fallback). Control tokens (``<s>``,
+``</s>``) are special tokens, user-defined ones plain added tokens, both matched whole in the
+text. Decoding maps ``▁`` back to spaces, joins byte tokens into their characters and drops the
+prefix space. ``tokenizer.ggml.add_bos_token`` (default on, as llama.cpp and transformers read
+such a file) and ``add_eos_token`` become the tokenizer's post-processor.
 """
 
 from __future__ import annotations
