@@ -92,12 +92,15 @@ class RawTensors:
 
     def __init__(self):
         self._where: dict[str, tuple[pathlib.Path, dict, int]] = {}
+        self._headers: dict[pathlib.Path, tuple[dict, int]] = {}
 
     def add(self, file: pathlib.Path, name: str) -> None:
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        self._where[name] = (file, header[name], 8 + size)
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (json.loads(f.read(size)), 8 + size)
+        header, start = self._headers[file]
+        self._where[name] = (file, header[name], start)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
