@@ -3,23 +3,25 @@
 ``[N, K]`` in the ``[out, in]`` layout, scales (and minimums) per group of ``G`` values along
 ``K`` (one scale per output channel is ``G == K``).
 
-Grid ``(cdiv(M, block_m), N / block_n)``: each step reads an ``[block_m, K]`` tile of ``a``
-and ``block_n`` rows of the weight as stored (int8, or uint8 holding two int4 values a
-byte) with their ``[block_n, K / G]`` scales, dequantizes them in VMEM (float32 math, then
-the compute dtype) and multiplies on the MXU with float32 accumulation: the weight crosses
-HBM once, at its stored size. int4 is unpacked in VMEM: the low nibbles hold the even
-columns and the high ones the odd columns, so the wrapper hands the kernel ``a``'s even and
-odd columns (a copy of the activations, small for decode) and each half is one product,
-with no interleaving. ``K`` is not tiled (a whole row of the weight a step), which bounds
-``K`` (:data:`MAX_K`). ``alpha``, ``beta * c`` and the output cast are applied in XLA after
-the kernel. The activations stay in the compute dtype (weight-only quantization: no int8
+Grid ``(cdiv(M, block_m), N / block_n)``: each step reads an ``[block_m, K]`` tile of ``a`` and
+``block_n`` rows of the weight as stored (int8, or uint8 holding two int4 values a byte) with
+their ``[block_n, K / G]`` scales, dequantizes them in VMEM (float32 math, then the compute
+dtype) and multiplies on the MXU with float32 accumulation: the weight crosses HBM once, at its
+stored size. int4 is unpacked in VMEM: the low nibbles hold the even columns and the high ones
+the odd columns, so the wrapper hands the kernel ``a``'s even and odd columns (a copy of the
+activations, small for decode) and each half is one product, with no interleaving. Scales apply
+per group of whole vregs: per channel, or groups of 128 int8 / 256 int4 values (smaller groups
+are padded to whole vregs by Mosaic and run out of VMEM in libtpu's compile: :func:`supports`
+refuses them). ``K`` is not tiled (a whole row of the weight a step), which bounds ``K``
+(:data:`MAX_K`). ``alpha``, ``beta * c`` and the output cast are applied in XLA after the
+kernel. The activations stay in the compute dtype (weight-only quantization: no int8
 activations, so the MXU multiplies floats).
 
-Op: :func:`forge_jax.ops.quantized_matmul.quantized_matmul`; reference: its XLA
-implementation :func:`forge_jax.ops.quantized_matmul.quantized_matmul_xla`. Launch knobs:
-:class:`Config`, :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
-as ``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
-``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_quantized_matmul.py``.
+Op: :func:`forge_jax.ops.quantized_matmul.quantized_matmul`; reference: its XLA implementation
+:func:`forge_jax.ops.quantized_matmul.quantized_matmul_xla`. Launch knobs: :class:`Config`,
+:data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as ``"pallas"`` on
+TPU, by name until :data:`VERIFIED` names a TPU, and ``"pallas_tpu_interpret"``. Tests:
+``tests/test_pallas_tpu_quantized_matmul.py``.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ from forge_jax.quant import QuantizedArray
 
 pl = _compat.pallas()
 
-# Where this kernel was compiled, checked and measured faster than XLA: none (checked in
-# the TPU interpreter against float64, and lowered to Mosaic for TPU on a CPU machine; no
-# TPU has compiled or run it).
+# Where this kernel was compiled, checked and measured faster than XLA: none. Checked in the
+# TPU interpreter against float64, and compiled deviceless for TPU v5e by libtpu 0.0.42.1
+# (JAX 0.10.2, 2026-11-25, tests/test_pallas_tpu_quantized_matmul.py); no TPU has run it.
 VERIFIED: dict[str, str] = {}
 # K is not tiled: a step holds block_n whole weight rows and their float32 dequantized copy.
 MAX_K = 8192
@@ -90,8 +92,12 @@ def supports(args: Mapping[str, Any]) -> str | None:
                 f"N * K = {n * k} weights are too many for one block (> {MAX_WHOLE})")
     if k > MAX_K:
         return f"K={k} > {MAX_K}: K is not tiled (a whole weight row a step)"
-    if b.format == "int4" and group % 2:
-        return f"an int4 group of {group} values is not whole bytes"
+    lanes = group // 2 if b.format == "int4" else group  # a group's bytes along a row
+    if group != k and lanes % _common.LANES:
+        return (f"groups of {group} values along K: {lanes} bytes a group is not a multiple "
+                f"of {_common.LANES} lanes (Mosaic pads each group to whole vregs: int4 g32 "
+                f"on SmolLM2's q/k/v ran out of VMEM in libtpu's compile for TPU v5e); "
+                f"per-channel scales, or groups of 128 (int8) / 256 (int4) values, compile")
     return None
 
 
@@ -114,7 +120,11 @@ def _kernel(*refs, fmt, group, asymmetric):
     m_ref = rest[0] if asymmetric else None
     out_ref = rest[-1]
     dims = (((1,), (1,)), ((), ()))
-    dot = lambda x, w: jax.lax.dot_general(x, w, dims, precision=jax.lax.Precision.HIGHEST,
+    # float32 products in full precision; bfloat16 ones as they are (Mosaic refuses an fp32
+    # contract precision for bfloat16 operands).
+    dtype = (a_even if fmt == "int4" else a_ref).dtype
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    dot = lambda x, w: jax.lax.dot_general(x, w, dims, precision=precision,
                                            preferred_element_type=jnp.float32)
     if fmt == "int8":
         w = _dequantized(v_ref[...].astype(jnp.float32), s_ref, m_ref, group=group, offset=0.0,
@@ -150,6 +160,9 @@ def quantized_matmul_forward(a2, values, scales, minimums, *, fmt, group, block_
     else:
         inputs = [a2]
         a_specs = [pl.BlockSpec((tm, k), lambda i, j: (i, 0))]
+    # Scales in float32 (a small array): Mosaic does not load float16 (GGUF's scales).
+    scales = scales.astype(jnp.float32)
+    minimums = None if minimums is None else minimums.astype(jnp.float32)
     inputs += [values, scales] + ([minimums] if asymmetric else [])
     g = scales.shape[1]
     w_specs = [pl.BlockSpec((tn, kq), lambda i, j: (j, 0)),
