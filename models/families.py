@@ -14,7 +14,8 @@ harmless value (``REFUSED``: a feature forge_jax does not implement is an error 
 key, never a silently different model). ``tests/test_families.py`` checks that every field
 of each family's transformers config is in one of them. Other keys are ignored, as
 transformers' model classes ignore them (a ``quantization_config`` is refused in every
-family: its tensors are not plain weights).
+family: its tensors are not plain weights; fine-grained FP8's is read before this, by
+:mod:`forge_jax.models.fp8_checkpoint`).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     for key in _REFUSED_EVERYWHERE:
         if config.get(key) is not None:
             raise ValueError(f"unsupported config setting {key}={config[key]!r}: forge_jax "
-                             f"reads unquantized float checkpoints")
+                             f"reads float checkpoints, and fine-grained fp8 ones "
+                             f"(quant_method 'fp8')")
     for key, allowed in fam.refused.items():
         if config.get(key) not in allowed:
             raise ValueError(f"unsupported config setting {key}={config[key]!r} for "

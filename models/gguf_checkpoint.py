@@ -14,8 +14,8 @@
   ``param_dtype``). The token embedding (and the norms) are always dequantized: the
   embedding lookup reads a float table.
 * A fused projection (q/k/v, gate/up) whose parts have different types is dequantized.
-* The tokenizer (``gpt2`` BPE vocabularies) and the chat template come from the file's
-  metadata (:func:`load_tokenizer`).
+* The tokenizer (``gpt2`` byte-level BPE and SentencePiece-style ``llama`` vocabularies)
+  and the chat template come from the file's metadata (:func:`tokenizer_parts`).
 
 Anything else (another architecture, a tensor type not listed, a tensor name not
 mapped, a file that is not GGUF or is cut short) is one :class:`CheckpointError` naming it.
@@ -301,22 +301,35 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
 
 def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     """The pieces of a GGUF file's tokenizer, for :func:`forge_jax.models.text.load_tokenizer`:
-    ``backend`` (a ``tokenizers.Tokenizer``: byte-level BPE from ``tokenizer.ggml.tokens`` and
-    ``merges``, control tokens as special tokens), ``special_tokens``, ``chat_template`` and
+    ``backend`` (a ``tokenizers.Tokenizer``), ``special_tokens``, ``chat_template`` and
     ``generation_config``.
 
-    Only ``gpt2`` (byte-level BPE) vocabularies are read; SentencePiece-style ``llama``
-    vocabularies are refused by name."""
+    ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokenizer.ggml.tokens`` and
+    ``merges``, control tokens as special tokens. ``llama``: SentencePiece-style tokens with
+    scores and types (:mod:`forge_jax.models.gguf_sentencepiece`). Another model is a
+    CheckpointError naming it."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from forge_jax.models import gguf_sentencepiece
 
     reader = open_gguf(path)
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(f"{path}: its tokenizer model {kind!r} is not supported; forge_jax "
-                              f"builds 'gpt2' (byte-level BPE) vocabularies from GGUF files")
+    if kind not in ("gpt2", "llama"):
+        raise CheckpointError(f"{path}: its tokenizer model {kind!r} (tokenizer.ggml.model) is "
+                              f"not supported; forge_jax builds 'gpt2' (byte-level BPE) and "
+                              f"'llama' (SentencePiece) vocabularies from GGUF files")
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = _field(reader, "tokenizer.ggml.merges") or []
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "llama":
+        get = lambda name: _field(reader, f"tokenizer.ggml.{name}")
+        flag = lambda name, default: bool(default if get(name) is None else get(name))
+        backend = gguf_sentencepiece.tokenizer(
+            tokens, get("scores"), types, unk_id=get("unknown_token_id"),
+            bos_id=get("bos_token_id"), eos_id=get("eos_token_id"),
+            add_bos=flag("add_bos_token", True), add_eos=flag("add_eos_token", False),
+            add_space_prefix=flag("add_space_prefix", True))
+        return _parts(reader, tokens, backend)
+    merges = _field(reader, "tokenizer.ggml.merges") or []
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges],
                                    ignore_merges=False))
@@ -324,6 +337,10 @@ def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     backend.decoder = decoders.ByteLevel()
     control = [t for t, kind in zip(tokens, types, strict=False) if kind in (3, 4)]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    return _parts(reader, tokens, backend)
+
+
+def _parts(reader, tokens: list[str], backend) -> dict[str, Any]:
     special = {}
     for name in ("bos", "eos", "unknown", "padding"):
         i = _field(reader, f"tokenizer.ggml.{name}_token_id")

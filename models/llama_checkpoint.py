@@ -15,6 +15,7 @@ from flax import nnx
 
 from forge_jax import memory as fj_memory
 from forge_jax import targets as fj_targets
+from forge_jax.models import fp8_checkpoint
 from forge_jax.models.generation_config import (  # noqa: F401  (CheckpointError: API here too)
     CheckpointError,
     load_generation_config,
@@ -130,6 +131,8 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
         raw = json.loads(file.read_text())
     except ValueError as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if fp8_checkpoint.quantization(raw, file) is not None:  # read as stored: see the module
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
     eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
     if eos is not None and not (_is_int(eos) or (
             isinstance(eos, list) and all(_is_int(e) for e in eos))):
@@ -147,7 +150,10 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     """Loads a Hugging Face Llama-family checkpoint directory.
 
     A path ending in ``.gguf`` is a llama.cpp GGUF file, read by
-    :mod:`forge_jax.models.gguf_checkpoint` (quantized tensors stay quantized).
+    :mod:`forge_jax.models.gguf_checkpoint` (quantized tensors stay quantized). A
+    Hugging Face fine-grained FP8 checkpoint (``quantization_config.quant_method ==
+    "fp8"``) loads its fp8 weights as they are stored, into fp8 kernels
+    (:mod:`forge_jax.models.fp8_checkpoint`).
 
     Reads ``config.json`` and ``model.safetensors`` (or the shards named by
     ``model.safetensors.index.json``) with the safetensors library; pickle files are
@@ -208,6 +214,13 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         return gguf_checkpoint.from_gguf(path, dtype=dtype, param_dtype=param_dtype)
     path = resolve_checkpoint(path, revision=revision)
     config = load_config(path)
+    fp8 = fp8_checkpoint.quantization(json.loads((path / "config.json").read_text()),
+                                      path / "config.json")
+    if fp8 is not None and (quantize is not None or mesh is not None):
+        raise ValueError(f"{path} is an fp8 checkpoint, loaded as it is quantized onto one "
+                         f"device: quantize={quantize!r} and mesh= are not supported with it")
+    if fp8 is not None:
+        quantize = "fp8"  # for the memory estimate
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
@@ -221,6 +234,7 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
                                          param_dtype=param_dtype, layout=layout))
     expected = hf_parameters(model)
+    raw = fp8_checkpoint.RawTensors()  # an fp8 checkpoint's fp8 weights and their scales
     handles: dict[str, object] = {}  # tensor name -> the open file holding it
     files: dict[str, str] = {}  # tensor name -> that file's name, for errors
     with contextlib.ExitStack() as stack:
@@ -237,6 +251,10 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
                 if name.endswith(_IGNORED_SUFFIXES) or (
                         name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
+                if fp8 is not None and name.endswith(fp8_checkpoint.SCALE_SUFFIX):
+                    raw.add(file, name)
+                    files[name] = file.name
+                    continue
                 if name not in expected:
                     raise CheckpointError(
                         f"unexpected tensor {name!r} in {file.name}: not a parameter of a "
@@ -248,7 +266,9 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
                     raise CheckpointError(f"tensor {name!r} in {file.name} has shape {shape}, "
                                           f"expected {tuple(hf_shape)} from config.json")
                 kind = tensor.get_dtype()
-                if not kind.startswith(("F", "BF")):
+                if fp8 is not None and kind == fp8_checkpoint.FP8:
+                    raw.add(file, name)
+                elif kind not in ("F16", "BF16", "F32", "F64"):
                     raise CheckpointError(
                         f"tensor {name!r} in {file.name} has dtype {kind}, expected float")
                 handles[name] = f
@@ -263,11 +283,16 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
             _check_finite(name, block, files[name], np.dtype(expected[name][0].dtype))
             return block
 
+        skip = frozenset()
+        if fp8 is not None:
+            skip = frozenset(fp8_checkpoint.load_kernels(
+                model, expected, raw, files, fp8, quantize_load.linear_kernels(model)))
+            quantize = None
         convert = None if quantize is None else {
             id(k): quantize_load.quantizer(quantize, group_size)
             for k in quantize_load.linear_kernels(model)}
         fill_parameters(model, read, None if plan is None else plan.param_shardings(model),
-                        convert)
+                        convert, skip)
     if plan is not None:
         model.mesh = plan.mesh
     model.generation_config = load_generation_config(path)

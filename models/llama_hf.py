@@ -109,7 +109,8 @@ def _block(shape: tuple[int, ...], index: tuple, dtype, sources, read: Reader) -
     return out
 
 
-def fill_parameters(model: Llama, read: Reader, shardings=None, convert=None) -> None:
+def fill_parameters(model: Llama, read: Reader, shardings=None, convert=None,
+                    skip: frozenset[int] = frozenset()) -> None:
     """Sets every parameter of ``model`` (abstract or not) from HF tensors, each block
     read with ``read(name, index)`` (:data:`Reader`).
 
@@ -118,8 +119,11 @@ def fill_parameters(model: Llama, read: Reader, shardings=None, convert=None) ->
     devices of this process hold. None: whole arrays on the default device.
     ``convert``: id(parameter) -> a function of the parameter's whole array (e.g. one
     that quantizes it), applied as each parameter is read (models on one device).
+    ``skip``: ids of parameters the caller has set (e.g. fp8 kernels read as they are).
     """
     for key, (param, sources) in _sources(model).items():
+        if key in skip:
+            continue
         dtype = np.dtype(param.dtype)
         shape = tuple(param.shape)
         if convert is not None and key in convert:

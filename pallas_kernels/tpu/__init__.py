@@ -11,6 +11,7 @@ from forge_jax.pallas_kernels.tpu import (  # noqa: F401  (importing registers t
     attention,
     grouped_matmul,
     paged_attention,
+    quantized_matmul,
     ragged_paged_attention,
     rms_norm,
     rope,

@@ -92,11 +92,19 @@ def write(path: pathlib.Path, weights: dict[str, np.ndarray], types: dict[str, s
     writer.add_vocab_size(c["vocab_size"])
     writer.add_bos_token_id(c["bos_token_id"])
     writer.add_eos_token_id(c["eos_token_id"])
-    if tokenizer:
-        writer.add_tokenizer_model("gpt2")
+    if tokenizer:  # gpt2 (tokens, merges, types) or llama (tokens, scores, types), ...
+        writer.add_tokenizer_model(tokenizer.get("model", "gpt2"))
         writer.add_token_list(tokenizer["tokens"])
-        writer.add_token_merges(tokenizer["merges"])
+        if "merges" in tokenizer:
+            writer.add_token_merges(tokenizer["merges"])
+        if "scores" in tokenizer:
+            writer.add_token_scores(tokenizer["scores"])
         writer.add_token_types(tokenizer["types"])
+        if "unk_token_id" in tokenizer:
+            writer.add_unk_token_id(tokenizer["unk_token_id"])
+        for flag in ("add_bos_token", "add_eos_token", "add_space_prefix"):
+            if flag in tokenizer:
+                getattr(writer, f"add_{flag}")(tokenizer[flag])
         if tokenizer.get("chat_template"):
             writer.add_chat_template(tokenizer["chat_template"])
     reference = {}
