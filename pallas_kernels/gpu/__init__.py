@@ -7,6 +7,8 @@
   capability, device kinds and the table lookup).
 * ``jax_triton_elementwise.py``: ``"triton"``, plain Triton kernels (``_jax_triton_src.py``)
   launched through jax-triton (not Pallas).
+* ``mosaic_quantized_matmul.py``: ``"mosaic_gpu"`` (Hopper+), Mosaic GPU kernels (see
+  ``_mosaic.py``): int8/fp8 weights dequantized in registers feeding WGMMA.
 * ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``
   (a library call, not a kernel of ours).
 """
@@ -16,6 +18,7 @@ from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers t
     grouped_matmul,
     jax_nn_attention,
     jax_triton_elementwise,
+    mosaic_quantized_matmul,
     paged_attention,
     rms_norm,
     rope,

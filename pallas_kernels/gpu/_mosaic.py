@@ -76,3 +76,17 @@ def kernel(body: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """``plgpu.kernel`` under the installed JAX's argument names (``out_shape``,
     ``scratch_shapes`` here, renamed in JAX 0.12)."""
     return _compat.mosaic_gpu_kernel(body, **kwargs)
+
+
+def mesh_kernel(body: Callable[..., Any], *, out_shape: Any, grid: tuple[int, ...],
+                grid_names: tuple[str, ...], cost_estimate: Any, name: str,
+                interpret: bool = False, **mesh_kwargs: Any) -> Callable[..., Any]:
+    """A Mosaic GPU kernel over ``grid`` (``lax.axis_index(grid_names[i])``) that carries a
+    ``cost_estimate`` and ``name=`` into the jaxpr (``pl.kernel`` on a ``plgpu.Mesh``, an
+    ``mpmd_map`` equation that :mod:`forge_jax.aot` reports on), run in the Mosaic GPU
+    interpreter with :func:`interpret_params` if ``interpret``. ``body`` takes the
+    inputs' and outputs' refs (scratch: ``pl.run_scoped`` inside)."""
+    return _compat.mosaic_gpu_mesh_kernel(
+        body, out_shape=out_shape, grid=grid, grid_names=grid_names,
+        cost_estimate=cost_estimate, name=name,
+        interpret=interpret_params() if interpret else False, **mesh_kwargs)

@@ -1,0 +1,294 @@
+"""Mosaic GPU kernel (Hopper+): ``alpha * a @ dequantize(b).T + beta * c`` for an int8 or
+fp8 weight with one scale per output channel, dequantized in registers feeding WGMMA.
+
+The product is computed transposed, ``out.T [N, M] = W [N, K] @ a.T``: the weight is
+WGMMA's left operand, the only one that may come from registers, so each ``[64, tile_k]``
+tile of stored values goes shared memory -> registers -> bf16/f16 (exact: int8 and e4m3
+values are representable in both) -> WGMMA, and the activations are its right operand,
+read from shared memory through a transposed view. The activation rows are WGMMA's N
+dimension, which may be as small as 8: a decode step's few rows are padded to 8, not to
+64. One warpgroup computes a ``[64, tile_m]`` block of ``out.T`` over a pipelined loop of
+TMA copies along K; the per-channel scale is applied once, to the float32 accumulator, in
+the epilogue (so the product is exact up to float32 accumulation, where the XLA
+implementation rounds ``q * scale`` to the activations' dtype first). Decode's few blocks
+(``N / 64``) are spread over the SMs by splitting K (``split_k`` partial sums, added in
+XLA with ``alpha``, ``beta * c``, the transpose back and the cast).
+
+Served: ``trans_b=True`` (a weight in the ``[out, in]`` layout), int8 (symmetric) or fp8
+e4m3 with ``block=(1, K)``, bf16/f16 activations, ``N % 64 == 0``, ``K % 64 == 0``, the
+leading dimensions of ``a`` flattened into rows. Not served here (``supports`` says so and
+auto falls back to XLA): int4 and other group-wise scales, fp8 in 128 x 128 blocks,
+minimums, ``[K, N]`` weights.
+
+Interpreter: the Mosaic GPU interpreter of JAX 0.10 reads WGMMA's operands from untransformed
+shared memory only (no register operand, no transposed view) and has no rule for layout
+casts; under ``interpret=True`` the dequantized tile and the transposed activation tile are
+stored to shared-memory scratch and read from there, and layout hints are skipped. The
+pipeline, dequantization, scaling, split and epilogue are the same code.
+
+Op: :func:`forge_jax.ops.quantized_matmul.quantized_matmul`; reference: its XLA
+implementation :func:`forge_jax.ops.quantized_matmul.quantized_matmul_xla`. Launch knobs:
+:class:`Config`, :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
+as ``"mosaic_gpu"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
+``"mosaic_gpu_interpret"``. Tests: ``tests/test_pallas_mgpu_quantized_matmul.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import _compat
+from forge_jax.pallas_kernels import _registration
+from forge_jax.pallas_kernels.gpu import _common, _mosaic
+
+pl = _compat.pallas()
+
+# Where this kernel was compiled, checked and measured faster than XLA: none yet (compiled
+# deviceless for h100 only; no GPU has run it).
+VERIFIED: dict[str, str] = {}
+
+ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+WEIGHT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+TILE_N = 64  # one warpgroup's WGMMA rows
+MIN_ROWS = 8  # WGMMA's smallest N
+MAX_TILE_M = 256  # WGMMA's largest N (and TMA's largest box)
+# Rows (WGMMA N) beyond which a block of activations is cut in tiles of PREFILL_TILE_M.
+PREFILL_TILE_M = 128
+# Hopper's shared memory a block may use (227 KiB).
+SMEM_BYTES = 232448
+# An int32 element offset stays clear of 2**31.
+MAX_SIZE = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch knobs: K per pipeline step, pipeline depth, and how many SMs to fill by
+    splitting K (``split_k = 0``: chosen from ``sms``)."""
+
+    tile_k: int = 128
+    max_concurrent_steps: int = 3
+    split_k: int = 0
+    sms: int = 132
+
+
+# Not measured: the H100's 132 SMs, the B200's 148.
+TUNED: Mapping[str, Mapping[str, int]] = {
+    "H100": dict(tile_k=128, max_concurrent_steps=3, sms=132),
+    "default": dict(tile_k=128, max_concurrent_steps=3, sms=132),
+}
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch knobs on ``device_kind`` from :data:`TUNED`."""
+    del args
+    return Config(**_common.tuned(TUNED, device_kind))
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def tile_m_for(m: int) -> int:
+    """Activation rows per block: all of them (padded to a multiple of 8) up to
+    :data:`MAX_TILE_M` (decode: one block of rows), else :data:`PREFILL_TILE_M`."""
+    rows = round_up(max(m, 1), MIN_ROWS)
+    return rows if rows <= MAX_TILE_M else PREFILL_TILE_M
+
+
+def split_for(blocks: int, k_steps: int, sms: int) -> int:
+    """The number of K splits: the largest divisor of ``k_steps`` that keeps
+    ``blocks * split`` within ``sms`` and at least two steps a split (a pipeline)."""
+    best = 1
+    for d in range(1, k_steps + 1):
+        if k_steps % d == 0 and blocks * d <= sms and (k_steps // d >= 2 or d == 1):
+            best = d
+    return best
+
+
+def pipeline_steps(tile_m: int, tile_k: int, w_bytes: int, x_bytes: int, wanted: int) -> int:
+    """The pipeline depth: ``wanted`` stages of (weight, activation) tiles, fewer if the
+    stages and the epilogue's ``[64, tile_m]`` float32 tile would pass :data:`SMEM_BYTES`."""
+    stage = TILE_N * tile_k * w_bytes + tile_m * tile_k * x_bytes
+    free = SMEM_BYTES - TILE_N * tile_m * 4 - 4 * TILE_N - 1024  # epilogue, scales, barriers
+    return max(1, min(wanted, free // stage))
+
+
+def supports(args: Mapping[str, Any]) -> str | None:
+    """``None`` if the kernel serves these :func:`forge_jax.matmul` arguments (a quantized
+    ``b``), else why not."""
+    a, b = args["a"], args["b"]
+    if jnp.dtype(a.dtype) not in ACTIVATION_DTYPES:
+        return (f"a.dtype={jnp.dtype(a.dtype).name}; the kernel's WGMMA reads bfloat16/float16 "
+                f"activations")
+    if b.format not in WEIGHT_DTYPES:
+        return f"b.format={b.format!r}; the kernel serves int8 and fp8 (per channel)"
+    if not args["trans_b"]:
+        return "trans_b=False; the kernel reads a [N, K] weight (the [out, in] layout)"
+    n, k = b.shape
+    if tuple(b.full_block()) != (1, k):
+        return (f"b.block={b.block}; the kernel serves one scale per output channel "
+                f"(block (1, {k}))")
+    if b.minimums is not None:
+        return "b has minimums; the kernel serves symmetric weights"
+    if n % TILE_N:
+        return f"N={n} is not a multiple of {TILE_N} (a warpgroup's WGMMA rows)"
+    if k % 64:
+        return f"K={k} is not a multiple of 64 (the kernel's K step)"
+    if b.values.size > MAX_SIZE or a.size > MAX_SIZE:
+        return f"operands over {MAX_SIZE} elements: the kernel's offsets are int32"
+    return None
+
+
+def _swizzled(tile_minor: int, dtype, operand: str) -> tuple:
+    bits = jnp.dtype(dtype).itemsize * 8
+    plgpu = _compat.pallas_mosaic_gpu()
+    swizzle = plgpu.find_swizzle(tile_minor * bits, operand)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, s_smem, out_smem, s_barrier, *stage, tile_m,
+            tile_k, k_split, steps, interpret):
+    # x_gmem [Mp, K] bf16/f16, w_gmem [N, K] int8/fp8, s_gmem [N] f32,
+    # out_gmem [splits, N, Mp] f32 (partial sums of out.T, one per K split).
+    plgpu = _compat.pallas_mosaic_gpu()
+    ni, mi, si = (jax.lax.axis_index(a) for a in ("n", "m", "k"))
+    rows = pl.ds(ni * TILE_N, TILE_N)
+    cols = pl.ds(mi * tile_m, tile_m)
+    ks = pl.ds(si * k_split, k_split)
+    plgpu.copy_gmem_to_smem(s_gmem.at[rows], s_smem, s_barrier)
+    compute = x_gmem.dtype
+
+    def scope(acc_ref):
+        def step(_, w_smem, x_smem):
+            w = w_smem[...]  # [64, tile_k]
+            if w.dtype == jnp.float8_e4m3fn and compute != jnp.float16:
+                # Hopper converts e4m3 to f16 only; e4m3 -> f16 -> bf16 is exact.
+                w = w.astype(jnp.float16)
+            w = w.astype(compute)  # exact: int8 and e4m3 values are bf16 and f16 values
+            if interpret:  # operands staged as the interpreter's WGMMA reads them
+                a_stage, b_stage = stage
+                a_stage[...] = w
+                b_stage[...] = x_smem[...].T
+                plgpu.wgmma(acc_ref, a_stage, b_stage)
+            else:
+                plgpu.wgmma(acc_ref, w, plgpu.transpose_ref(x_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+
+        plgpu.emit_pipeline(
+            step, grid=(k_split // tile_k,), max_concurrent_steps=steps,
+            in_specs=[
+                plgpu.BlockSpec((TILE_N, tile_k), lambda k: (0, k),
+                                transforms=_swizzled(tile_k, w_gmem.dtype, "lhs")),
+                plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k),
+                                transforms=_swizzled(tile_k, compute, "rhs")),
+            ])(w_gmem.at[rows, ks], x_gmem.at[cols, ks])
+        acc = acc_ref[...]  # [64, tile_m] f32
+        plgpu.barrier_wait(s_barrier)
+        s = s_smem[...]
+        if not interpret:  # the scale as the accumulator's row vector (WGMMA layout)
+            s = plgpu.layout_cast(s, plgpu.Layout.WGMMA.reduce(1))
+        out_smem[...] = acc * jax.lax.broadcast_in_dim(s, (TILE_N, tile_m), (0,))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, rows, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, plgpu.ACC((TILE_N, tile_m), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("tile_k", "max_concurrent_steps", "split_k",
+                                             "interpret"))
+def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, split_k,
+                                interpret=False):
+    """The kernel alone: float32 ``out.T = (scales[:, None] * w) @ x.T``.
+
+    Args:
+      x: ``[M, K]`` bfloat16/float16 activations, ``M`` a multiple of the row tile
+        (:func:`tile_m_for`; the wrapper pads).
+      w: ``[N, K]`` int8 or float8_e4m3fn stored values.
+      scales: ``[N]`` float32, one per output channel.
+      tile_k: K per pipeline step (64 or 128, dividing ``K / split_k``).
+      max_concurrent_steps: pipeline depth (at most: :func:`pipeline_steps`).
+      split_k: the number of K splits (each a partial sum).
+      interpret: run in the Mosaic GPU interpreter (any platform).
+
+    Returns:
+      ``[split_k, N, M]`` float32 partial sums of ``out.T``.
+    """
+    plgpu = _compat.pallas_mosaic_gpu()
+    m, k = x.shape
+    n = w.shape[0]
+    tile_m = tile_m_for(m)
+    if m % tile_m or n % TILE_N or k % (tile_k * split_k):
+        raise ValueError(f"{x.shape=} and {w.shape=} do not tile by ({tile_m}, {TILE_N}, "
+                         f"{tile_k} x {split_k=})")
+    scratch = [plgpu.SMEM((TILE_N,), jnp.float32), plgpu.SMEM((TILE_N, tile_m), jnp.float32),
+               plgpu.Barrier()]
+    if interpret:
+        scratch += [plgpu.SMEM((TILE_N, tile_k), x.dtype), plgpu.SMEM((tile_k, tile_m), x.dtype)]
+    steps = pipeline_steps(tile_m, tile_k, w.dtype.itemsize, x.dtype.itemsize,
+                           max_concurrent_steps)
+    body = functools.partial(_kernel, tile_m=tile_m, tile_k=tile_k, k_split=k // split_k,
+                             steps=steps, interpret=interpret)
+    cost = pl.CostEstimate(
+        flops=2 * m * n * k, transcendentals=0,
+        bytes_accessed=(w.size * w.dtype.itemsize + 4 * n + x.size * x.dtype.itemsize
+                        + 4 * split_k * n * m))
+    call = _mosaic.mesh_kernel(
+        lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
+        out_shape=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
+        grid=(n // TILE_N, m // tile_m, split_k), grid_names=("n", "m", "k"),
+        cost_estimate=cost, name="forge_jax_mosaic_quantized_matmul", interpret=interpret)
+    return call(x, w, scales)  # x first: the roofline's peak is its dtype's
+
+
+def quantized_matmul(a, b, *, trans_b, alpha, beta, c, out_dtype, tile_k=None,
+                     max_concurrent_steps=None, split_k=None, interpret=False):
+    """:func:`forge_jax.matmul` with a quantized ``b`` through the kernel.
+
+    Args:
+      a, b, trans_b, alpha, beta, c, out_dtype: as the op binds them (``supports`` holds).
+      tile_k, max_concurrent_steps, split_k: override :func:`default_config`'s.
+      interpret: run in the Mosaic GPU interpreter (any platform).
+    """
+    del trans_b  # True: supports() holds
+    config = _common.with_knobs(default_config({}, _common.device_kind(interpret)),
+                                tile_k=tile_k, max_concurrent_steps=max_concurrent_steps,
+                                split_k=split_k)
+    lead, k = a.shape[:-1], a.shape[-1]
+    n = b.shape[0]
+    x = a.reshape(-1, k)  # [M, K]
+    m = x.shape[0]
+    tile_m = tile_m_for(m)
+    rows = round_up(max(m, 1), tile_m)
+    x = jnp.pad(x, ((0, rows - m), (0, 0)))
+    step = config.tile_k if k % config.tile_k == 0 else 64
+    splits = config.split_k or split_for((n // TILE_N) * (rows // tile_m), k // step,
+                                         config.sms)
+    part = quantized_matmul_transposed(
+        x, b.values, b.scales.reshape(n).astype(jnp.float32), tile_k=step,
+        max_concurrent_steps=config.max_concurrent_steps, split_k=splits,
+        interpret=interpret)  # [splits, N, rows]
+    out = jnp.sum(part, axis=0).T[:m] * jnp.asarray(alpha, jnp.float32)
+    if c is not None:
+        out = out.reshape(*lead, n) + jnp.asarray(beta, jnp.float32) * c.astype(jnp.float32)
+    return out.reshape(*lead, n).astype(out_dtype)
+
+
+def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
+    """What :func:`forge_jax.autotune` times besides the defaults."""
+    del args
+    return [dict(tile_k=tk, max_concurrent_steps=s) for tk in (64, 128) for s in (2, 3, 4)]
+
+
+_registration.register(
+    "quantized_matmul", quantized_matmul, backend="mosaic_gpu", supports=supports,
+    verified=VERIFIED, configs=configs,
+    description="int8/fp8 per-channel weights dequantized in registers feeding WGMMA "
+                "(out.T = W @ a.T, rows padded to 8, split K)",
+    interpret_configs=lambda args: [dict(tile_k=64)])
