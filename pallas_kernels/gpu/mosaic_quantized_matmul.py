@@ -213,7 +213,7 @@ def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, s
       w: ``[N, K]`` int8 or float8_e4m3fn stored values.
       scales: ``[N]`` float32, one per output channel.
       tile_k: K per pipeline step (64 or 128, dividing ``K / split_k``).
-      max_concurrent_steps: pipeline depth (at most: :func:`pipeline_steps`).
+      max_concurrent_steps: pipeline depth (the wrapper's is :func:`pipeline_steps`).
       split_k: the number of K splits (each a partial sum).
       interpret: run in the Mosaic GPU interpreter (any platform).
 
@@ -231,10 +231,8 @@ def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, s
                plgpu.Barrier()]
     if interpret:
         scratch += [plgpu.SMEM((TILE_N, tile_k), x.dtype), plgpu.SMEM((tile_k, tile_m), x.dtype)]
-    steps = pipeline_steps(tile_m, tile_k, w.dtype.itemsize, x.dtype.itemsize,
-                           max_concurrent_steps)
     body = functools.partial(_kernel, tile_m=tile_m, tile_k=tile_k, k_split=k // split_k,
-                             steps=steps, interpret=interpret)
+                             steps=max_concurrent_steps, interpret=interpret)
     cost = pl.CostEstimate(
         flops=2 * m * n * k, transcendentals=0,
         bytes_accessed=(w.size * w.dtype.itemsize + 4 * n + x.size * x.dtype.itemsize
@@ -270,9 +268,11 @@ def quantized_matmul(a, b, *, trans_b, alpha, beta, c, out_dtype, tile_k=None,
     step = config.tile_k if k % config.tile_k == 0 else 64
     splits = config.split_k or split_for((n // TILE_N) * (rows // tile_m), k // step,
                                          config.sms)
+    steps = pipeline_steps(tile_m, step, b.values.dtype.itemsize, x.dtype.itemsize,
+                           config.max_concurrent_steps)
     part = quantized_matmul_transposed(
         x, b.values, b.scales.reshape(n).astype(jnp.float32), tile_k=step,
-        max_concurrent_steps=config.max_concurrent_steps, split_k=splits,
+        max_concurrent_steps=steps, split_k=splits,
         interpret=interpret)  # [splits, N, rows]
     out = jnp.sum(part, axis=0).T[:m] * jnp.asarray(alpha, jnp.float32)
     if c is not None:
