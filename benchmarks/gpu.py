@@ -20,7 +20,11 @@ its benchmark shape, on fresh random data (the seed is printed):
   written / time), and the bfloat16 matmul rate of an 8192^3 product (2*M*N*K / time).
 
 Targets (H100): rms_norm, silu_mul, rope >= 80% of the copy bandwidth; paged decode
-attention >= 70%; flash attention forward >= 350 TFLOP/s. cuDNN attention
+attention >= 70%; flash attention forward >= 350 TFLOP/s. Mosaic GPU kernels
+(:data:`MOSAIC_KERNELS`, implementation ``"mosaic_gpu"``; ``"mosaic_gpu_interpret"`` in
+``--quick`` on CPU) run in their own section: the int8-weight decode matmul
+(``quantized_matmul``, Llama-3 8B's 4096 -> 14336 for one token) >= 80% of the copy
+bandwidth for its bytes (weight values and scales, x, output). cuDNN attention
 (``fj.attention``'s ``"cudnn"`` implementation, i.e. ``jax.nn.dot_product_attention``)
 and the jax-triton kernels (``"triton"``: rms_norm, silu_mul, rope) run where their
 ``supports()`` accept the case; otherwise their row says why they were skipped. The
@@ -183,6 +187,23 @@ def paged_attention_case(batch, context, q_heads, kv_heads, head_dim, page, dtyp
                 target=0.70)
 
 
+def quantized_matmul_case(rows, n, k, dtype):
+    """``fj.matmul(x, q, trans_b=True)`` with an int8 weight ``[n, k]`` (per channel): the
+    bytes are the weight's values and scales, x and the output."""
+    def make(key):
+        kx, kw = jax.random.split(key)
+        q = fj.quantize(_normal(kw, (n, k), jnp.float32), "int8")
+        return _normal(kx, (rows, k), dtype), q
+
+    def run(impl, x, q):
+        return fj.matmul(x, q, trans_b=True, implementation=impl)
+
+    itemsize = jnp.dtype(dtype).itemsize
+    work = n * k + 4 * n + rows * k * itemsize + rows * n * itemsize
+    return Case("quantized_matmul", f"int8 [{n}, {k}], {rows} rows {jnp.dtype(dtype).name}",
+                make, run, work, "GB/s", 0.8)
+
+
 def cases(quick: bool) -> dict[str, Case]:
     bf16 = jnp.bfloat16
     if quick:
@@ -196,6 +217,31 @@ def cases(quick: bool) -> dict[str, Case]:
                  attention_case(2, 4096, 32, 8, 128, bf16),
                  paged_attention_case(32, 4096, 32, 8, 128, 16, bf16))
     return {case.kernel: case for case in built}
+
+
+# Mosaic GPU kernels (Hopper+), timed as "mosaic_gpu" ("mosaic_gpu_interpret" in --quick on
+# CPU) beside XLA: the int8-weight decode matmul (target: 80% of the copy bandwidth for its
+# bytes), a Llama-3 8B gate/up projection for one token.
+MOSAIC_KERNELS = ("quantized_matmul",)
+
+
+def mosaic_cases(quick: bool) -> dict[str, Case]:
+    bf16 = jnp.bfloat16
+    built = (quantized_matmul_case(1, 128, 256, bf16) if quick
+             else quantized_matmul_case(1, 14336, 4096, bf16),)
+    return {case.kernel: case for case in built}
+
+
+def bench_mosaic(kernels, quick: bool, platform: str, peaks: dict[str, Any], *, iters: int,
+                 warmup: int, key) -> list[Row]:
+    """The Mosaic GPU kernels among ``kernels`` against XLA (:data:`MOSAIC_KERNELS`)."""
+    impl = "mosaic_gpu" if platform == "gpu" else "mosaic_gpu_interpret"
+    rows: list[Row] = []
+    for i, (kernel, case) in enumerate(mosaic_cases(quick).items()):
+        if kernel in kernels:
+            rows += bench_case(case, impl, platform, peaks, iters=iters, warmup=warmup,
+                               key=jax.random.fold_in(key, i))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------
@@ -464,11 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="gpu_bench.json", help="where to write the JSON")
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
     args = parser.parse_args(argv)
-    kernels = KERNELS if args.only is None else tuple(
+    known = KERNELS + MOSAIC_KERNELS
+    kernels = known if args.only is None else tuple(
         k.strip() for k in args.only.split(",") if k.strip())
-    unknown = sorted(set(kernels) - set(KERNELS))
+    unknown = sorted(set(kernels) - set(known))
     if unknown or not kernels:
-        parser.error(f"--only takes kernels among {', '.join(KERNELS)}; got {args.only!r}")
+        parser.error(f"--only takes kernels among {', '.join(known)}; got {args.only!r}")
     if args.iters is not None and args.iters < 1:
         parser.error(f"--iters must be >= 1, got {args.iters}")
     iters = args.iters or (3 if args.quick else 30)
@@ -508,9 +555,11 @@ def main(argv: list[str] | None = None) -> int:
 
     all_cases = cases(args.quick)
     rows: list[Row] = []
-    for i, kernel in enumerate(kernels):
+    for i, kernel in enumerate(k for k in kernels if k in all_cases):
         rows += bench_case(all_cases[kernel], kernel_impl, platform, peaks, iters=iters,
                            warmup=warmup, key=jax.random.fold_in(key, 1 + i))
+    rows += bench_mosaic(kernels, args.quick, platform, peaks, iters=iters, warmup=warmup,
+                         key=jax.random.fold_in(key, 1 + len(KERNELS)))
     print()
     print(table(rows))
     print()
@@ -521,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [r.kernel for r in rows if r.status == "not registered"]
     if missing:
         print(f"not registered as {kernel_impl!r}: {', '.join(missing)}")
-    ours = [r for r in rows if r.implementation == kernel_impl and r.status == "ok"]
+    ours = [r for r in rows if r.status == "ok" and r.implementation in (
+        kernel_impl, "mosaic_gpu", "mosaic_gpu_interpret")]
     if ours:
         print("targets met by our kernels: "
               + ", ".join(f"{r.kernel} {'yes' if r.met else 'no'}" for r in ours))

@@ -20,6 +20,7 @@ import pytest
 from cases import quant as qref
 from cases.checks import assert_close
 from cases.inputs import normal, rng
+from cases.references import round_to
 from cases.shapes import LLAMA3_8B_MLP, SMOLLM_HIDDEN, SMOLLM_MLP
 
 import forge_jax as fj
@@ -29,7 +30,7 @@ INTERPRET = "mosaic_gpu_interpret"
 SMOLLM_KV = 192  # SmolLM2-135M's k_proj / v_proj: 3 heads x 64
 LLAMA3_HIDDEN = 4096
 
-# name -> (leading shape of a, N, K, format, activation dtype, out_dtype).
+# name -> (leading shape of a, N, K, format (block), activation dtype, out_dtype).
 CASES = {
     "decode 1 row int8 bf16 (smollm2 k_proj)": ((1,), SMOLLM_KV, SMOLLM_HIDDEN, "int8",
                                                 jnp.bfloat16, None),
@@ -39,18 +40,27 @@ CASES = {
                                                      jnp.bfloat16, jnp.float32),
     "prefill 300 rows int8 f16 (smollm2 K)": ((300,), 64, SMOLLM_HIDDEN, "int8", jnp.float16,
                                               jnp.float32),
+    "decode 3 rows fp8 blocks bf16 (smollm2 K)": ((3,), 128, SMOLLM_MLP, "fp8-blocks",
+                                                  jnp.bfloat16, jnp.float32),
 }
+BLOCKS = {"fp8-blocks": ("fp8", {"block": (128, 128)})}
 
 
 def _inputs(lead, n, k, fmt, dtype, seed):
     w = normal(rng(seed, n, k), (n, k), jnp.float32)
-    q = fj.quantize(w, fmt)
+    fmt, kw = BLOCKS.get(fmt, (fmt, {}))
+    q = fj.quantize(w, fmt, **kw)
     a = normal(rng(seed + 1, k), (*lead, k), dtype)
     return a, q
 
 
 def _reference(a, q):
-    return np.asarray(a.astype(jnp.float32), np.float64) @ qref.dequantize(q).T
+    w = qref.dequantize(q)
+    if q.full_block() != (1, q.shape[1]):
+        # A block's scale varies along K: the kernel rounds scale * value (float32) to the
+        # activations' dtype before the product, as XLA's dequantize does.
+        w = round_to(w.astype(np.float32), a.dtype)
+    return np.asarray(a.astype(jnp.float32), np.float64) @ w.T
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -89,7 +99,8 @@ def _args(a, q, **kw):
 @pytest.mark.parametrize("a_dtype,fmt,kw,n,k,trans_b,reason", [
     (jnp.float32, "int8", {}, 64, 128, True, "a.dtype=float32"),
     (jnp.bfloat16, "int4", {"group_size": 32}, 64, 128, True, "b.format='int4'"),
-    (jnp.bfloat16, "fp8", {"block": (128, 128)}, 128, 128, True, "one scale per output"),
+    (jnp.bfloat16, "int8", {"group_size": 32}, 64, 128, True, "one scale per output"),
+    (jnp.bfloat16, "fp8", {"block": (128, 128)}, 128, 256, True, "512 <= K <= 32768"),
     (jnp.bfloat16, "int8", {}, 128, 64, False, "trans_b=False"),
     (jnp.bfloat16, "int8", {}, 96, 128, True, "N=96 is not a multiple of 64"),
     (jnp.bfloat16, "int8", {}, 64, 96, True, "K=96 is not a multiple of 64"),
@@ -142,6 +153,10 @@ COMPILE_CASES = {
                                                "bfloat16"),
     "llama3 4096->14336 prefill 2048 int8 f16": (2048, LLAMA3_8B_MLP, LLAMA3_HIDDEN, "int8",
                                                  "float16"),
+    "llama3 4096->14336 decode fp8 blocks bf16": (1, LLAMA3_8B_MLP, LLAMA3_HIDDEN, "fp8-blocks",
+                                                  "bfloat16"),
+    "llama3 4096->4096 prefill 256 fp8 blocks bf16": (256, LLAMA3_HIDDEN, LLAMA3_HIDDEN,
+                                                      "fp8-blocks", "bfloat16"),
 }
 # The Mosaic GPU plugin writes the PTX and ptxas report (registers, spills) only where
 # MOSAIC_GPU_DUMP_TO is set before the process's first Mosaic GPU compile: a child process.
@@ -153,7 +168,9 @@ _COMPILE = textwrap.dedent("""
     S = jax.ShapeDtypeStruct
     out = {}
     for name, (m, n, k, fmt, dtype) in json.loads(sys.argv[1]).items():
-        q = jax.eval_shape(lambda w: fj.quantize(w, fmt), S((n, k), jnp.float32))
+        kw = {"block": (128, 128)} if fmt == "fp8-blocks" else {}
+        fmt = fmt.split("-")[0]
+        q = jax.eval_shape(lambda w: fj.quantize(w, fmt, **kw), S((n, k), jnp.float32))
         a = S((m, k), jnp.dtype(dtype))
         with fj.targets.use("h100"):
             reason = mq.supports(fj.dispatch.bind("quantized_matmul", a, q, trans_b=True))

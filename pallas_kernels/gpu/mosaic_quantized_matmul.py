@@ -1,24 +1,29 @@
 """Mosaic GPU kernel (Hopper+): ``alpha * a @ dequantize(b).T + beta * c`` for an int8 or
-fp8 weight with one scale per output channel, dequantized in registers feeding WGMMA.
+fp8 weight, dequantized in registers feeding WGMMA.
 
 The product is computed transposed, ``out.T [N, M] = W [N, K] @ a.T``: the weight is
 WGMMA's left operand, the only one that may come from registers, so each ``[64, tile_k]``
-tile of stored values goes shared memory -> registers -> bf16/f16 (exact: int8 and e4m3
-values are representable in both) -> WGMMA, and the activations are its right operand,
-read from shared memory through a transposed view. The activation rows are WGMMA's N
-dimension, which may be as small as 8: a decode step's few rows are padded to 8, not to
-64. One warpgroup computes a ``[64, tile_m]`` block of ``out.T`` over a pipelined loop of
-TMA copies along K; the per-channel scale is applied once, to the float32 accumulator, in
-the epilogue (so the product is exact up to float32 accumulation, where the XLA
-implementation rounds ``q * scale`` to the activations' dtype first). Decode's few blocks
-(``N / 64``) are spread over the SMs by splitting K (``split_k`` partial sums, added in
-XLA with ``alpha``, ``beta * c``, the transpose back and the cast).
+tile of stored values goes shared memory -> registers -> bf16/f16 -> WGMMA, and the
+activations are its right operand, read from shared memory through a transposed view. The
+activation rows are WGMMA's N dimension, which may be as small as 8: a decode step's few
+rows are padded to 8, not to 64. One warpgroup computes a ``[64, tile_m]`` block of
+``out.T`` over a pipelined loop of TMA copies along K. Decode's few blocks (``N / 64``) are
+spread over the SMs by splitting K (``split_k`` partial sums, added in XLA with ``alpha``,
+``beta * c``, the transpose back and the cast: ``N * M`` floats, small beside the weight).
+
+Scales: one per output channel (int8, fp8) is applied once, to the float32 accumulator, in
+the epilogue; the values reach WGMMA exactly (int8 and e4m3 values are bf16 and f16
+values), so the product is exact up to float32 accumulation (the XLA implementation rounds
+``q * scale`` to the activations' dtype first). fp8 in 128 x 128 blocks (Hugging Face's
+fine-grained FP8: ``weight_scale_inv``) scales each tile in registers by its block's scale
+(one per K step, ``tile_k`` 128) and rounds it to the activations' dtype, as XLA does.
 
 Served: ``trans_b=True`` (a weight in the ``[out, in]`` layout), int8 (symmetric) or fp8
-e4m3 with ``block=(1, K)``, bf16/f16 activations, ``N % 64 == 0``, ``K % 64 == 0``, the
-leading dimensions of ``a`` flattened into rows. Not served here (``supports`` says so and
-auto falls back to XLA): int4 and other group-wise scales, fp8 in 128 x 128 blocks,
-minimums, ``[K, N]`` weights.
+e4m3 per channel (``block=(1, K)``), fp8 in 128 x 128 blocks (512 <= K <= 32768),
+bf16/f16 activations, ``N % 64 == 0``, ``K % 64 == 0``, the leading dimensions of ``a``
+flattened into rows. Not served (``supports`` says so and auto keeps XLA): int4, other
+group-wise scales (GGUF's Q8_0 groups of 32), minimums, ``[K, N]`` weights, float32
+activations (WGMMA takes no float32 operand from registers: a compile error).
 
 Interpreter: the Mosaic GPU interpreter of JAX 0.10 reads WGMMA's operands from untransformed
 shared memory only (no register operand, no transposed view) and has no rule for layout
@@ -60,6 +65,8 @@ MIN_ROWS = 8  # WGMMA's smallest N
 MAX_TILE_M = 256  # WGMMA's largest N (and TMA's largest box)
 # Rows (WGMMA N) beyond which a block of activations is cut in tiles of PREFILL_TILE_M.
 PREFILL_TILE_M = 128
+# Hugging Face's fine-grained FP8 layout: one scale per 128 x 128 block of the weight.
+FP8_BLOCK = 128
 # Hopper's shared memory a block may use (227 KiB).
 SMEM_BYTES = 232448
 # An int32 element offset stays clear of 2**31.
@@ -131,9 +138,14 @@ def supports(args: Mapping[str, Any]) -> str | None:
     if not args["trans_b"]:
         return "trans_b=False; the kernel reads a [N, K] weight (the [out, in] layout)"
     n, k = b.shape
-    if tuple(b.full_block()) != (1, k):
+    block = tuple(b.full_block())
+    if block == (FP8_BLOCK, FP8_BLOCK) and b.format == "fp8":
+        if not 4 * FP8_BLOCK <= k <= MAX_TILE_M * FP8_BLOCK:
+            return (f"K={k}: fp8 in {FP8_BLOCK} x {FP8_BLOCK} blocks needs 512 <= K <= 32768 "
+                    f"(a block row's scales are one TMA copy of 16 bytes to 256 values)")
+    elif block != (1, k):
         return (f"b.block={b.block}; the kernel serves one scale per output channel "
-                f"(block (1, {k}))")
+                f"(block (1, {k})), and fp8 in {FP8_BLOCK} x {FP8_BLOCK} blocks")
     if b.minimums is not None:
         return "b has minimums; the kernel serves symmetric weights"
     if n % TILE_N:
@@ -153,24 +165,32 @@ def _swizzled(tile_minor: int, dtype, operand: str) -> tuple:
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, s_smem, out_smem, s_barrier, *stage, tile_m,
-            tile_k, k_split, steps, interpret):
-    # x_gmem [Mp, K] bf16/f16, w_gmem [N, K] int8/fp8, s_gmem [N] f32,
-    # out_gmem [splits, N, Mp] f32 (partial sums of out.T, one per K split).
+            tile_k, k_split, steps, blocked, interpret):
+    # x_gmem [Mp, K] bf16/f16, w_gmem [N, K] int8/fp8, out_gmem [splits, N, Mp] f32 (partial
+    # sums of out.T, one per K split); s_gmem [N] f32 per channel, or, ``blocked``,
+    # [N / 128, K / 128] (a 64-row tile reads the row of its 128-row block: one scale a step).
     plgpu = _compat.pallas_mosaic_gpu()
     ni, mi, si = (jax.lax.axis_index(a) for a in ("n", "m", "k"))
     rows = pl.ds(ni * TILE_N, TILE_N)
     cols = pl.ds(mi * tile_m, tile_m)
     ks = pl.ds(si * k_split, k_split)
-    plgpu.copy_gmem_to_smem(s_gmem.at[rows], s_smem, s_barrier)
     compute = x_gmem.dtype
+    if blocked:
+        plgpu.copy_gmem_to_smem(s_gmem.at[ni * TILE_N // FP8_BLOCK], s_smem, s_barrier)
+        plgpu.barrier_wait(s_barrier)
+    else:
+        plgpu.copy_gmem_to_smem(s_gmem.at[rows], s_smem, s_barrier)
 
     def scope(acc_ref):
-        def step(_, w_smem, x_smem):
+        def step(idx, w_smem, x_smem):
             w = w_smem[...]  # [64, tile_k]
             if w.dtype == jnp.float8_e4m3fn and compute != jnp.float16:
                 # Hopper converts e4m3 to f16 only; e4m3 -> f16 -> bf16 is exact.
                 w = w.astype(jnp.float16)
-            w = w.astype(compute)  # exact: int8 and e4m3 values are bf16 and f16 values
+            if blocked:  # the block's scale, rounded into the tile as XLA's dequantize does
+                scale = s_smem[si * (k_split // tile_k) + idx[0]]
+                w = w.astype(jnp.float32) * scale
+            w = w.astype(compute)  # exact for int8 and e4m3 values: bf16 and f16 hold them
             if interpret:  # operands staged as the interpreter's WGMMA reads them
                 a_stage, b_stage = stage
                 a_stage[...] = w
@@ -189,11 +209,13 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, s_smem, out_smem, s_barrier, *stag
                                 transforms=_swizzled(tile_k, compute, "rhs")),
             ])(w_gmem.at[rows, ks], x_gmem.at[cols, ks])
         acc = acc_ref[...]  # [64, tile_m] f32
-        plgpu.barrier_wait(s_barrier)
-        s = s_smem[...]
-        if not interpret:  # the scale as the accumulator's row vector (WGMMA layout)
-            s = plgpu.layout_cast(s, plgpu.Layout.WGMMA.reduce(1))
-        out_smem[...] = acc * jax.lax.broadcast_in_dim(s, (TILE_N, tile_m), (0,))
+        if not blocked:
+            plgpu.barrier_wait(s_barrier)
+            s = s_smem[...]
+            if not interpret:  # the scale as the accumulator's row vector (WGMMA layout)
+                s = plgpu.layout_cast(s, plgpu.Layout.WGMMA.reduce(1))
+            acc = acc * jax.lax.broadcast_in_dim(s, (TILE_N, tile_m), (0,))
+        out_smem[...] = acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, rows, cols])
         plgpu.wait_smem_to_gmem(0)
@@ -205,13 +227,14 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, s_smem, out_smem, s_barrier, *stag
                                              "interpret"))
 def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, split_k,
                                 interpret=False):
-    """The kernel alone: float32 ``out.T = (scales[:, None] * w) @ x.T``.
+    """The kernel alone: float32 ``out.T = dequantize(w) @ x.T``.
 
     Args:
       x: ``[M, K]`` bfloat16/float16 activations, ``M`` a multiple of the row tile
         (:func:`tile_m_for`; the wrapper pads).
       w: ``[N, K]`` int8 or float8_e4m3fn stored values.
-      scales: ``[N]`` float32, one per output channel.
+      scales: ``[N]`` float32, one per output channel; or ``[N / 128, K / 128]`` float32
+        for fp8 in 128 x 128 blocks (``tile_k`` 128).
       tile_k: K per pipeline step (64 or 128, dividing ``K / split_k``).
       max_concurrent_steps: pipeline depth (the wrapper's is :func:`pipeline_steps`).
       split_k: the number of K splits (each a partial sum).
@@ -227,15 +250,19 @@ def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, s
     if m % tile_m or n % TILE_N or k % (tile_k * split_k):
         raise ValueError(f"{x.shape=} and {w.shape=} do not tile by ({tile_m}, {TILE_N}, "
                          f"{tile_k} x {split_k=})")
-    scratch = [plgpu.SMEM((TILE_N,), jnp.float32), plgpu.SMEM((TILE_N, tile_m), jnp.float32),
-               plgpu.Barrier()]
+    blocked = scales.ndim == 2
+    if blocked and (tile_k != FP8_BLOCK or scales.shape != (n // FP8_BLOCK, k // FP8_BLOCK)):
+        raise ValueError(f"{scales.shape=} and {tile_k=}: blocks of {FP8_BLOCK} x {FP8_BLOCK} "
+                         f"need tile_k={FP8_BLOCK} and {(n // FP8_BLOCK, k // FP8_BLOCK)} scales")
+    scratch = [plgpu.SMEM(scales.shape[-1:] if blocked else (TILE_N,), jnp.float32),
+               plgpu.SMEM((TILE_N, tile_m), jnp.float32), plgpu.Barrier()]
     if interpret:
         scratch += [plgpu.SMEM((TILE_N, tile_k), x.dtype), plgpu.SMEM((tile_k, tile_m), x.dtype)]
     body = functools.partial(_kernel, tile_m=tile_m, tile_k=tile_k, k_split=k // split_k,
-                             steps=max_concurrent_steps, interpret=interpret)
+                             steps=max_concurrent_steps, blocked=blocked, interpret=interpret)
     cost = pl.CostEstimate(
         flops=2 * m * n * k, transcendentals=0,
-        bytes_accessed=(w.size * w.dtype.itemsize + 4 * n + x.size * x.dtype.itemsize
+        bytes_accessed=(w.size * w.dtype.itemsize + 4 * scales.size + x.size * x.dtype.itemsize
                         + 4 * split_k * n * m))
     call = _mosaic.mesh_kernel(
         lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
@@ -265,13 +292,15 @@ def quantized_matmul(a, b, *, trans_b, alpha, beta, c, out_dtype, tile_k=None,
     tile_m = tile_m_for(m)
     rows = round_up(max(m, 1), tile_m)
     x = jnp.pad(x, ((0, rows - m), (0, 0)))
-    step = config.tile_k if k % config.tile_k == 0 else 64
+    blocked = tuple(b.full_block()) == (FP8_BLOCK, FP8_BLOCK)
+    step = FP8_BLOCK if blocked else config.tile_k if k % config.tile_k == 0 else 64
     splits = config.split_k or split_for((n // TILE_N) * (rows // tile_m), k // step,
                                          config.sms)
     steps = pipeline_steps(tile_m, step, b.values.dtype.itemsize, x.dtype.itemsize,
                            config.max_concurrent_steps)
     part = quantized_matmul_transposed(
-        x, b.values, b.scales.reshape(n).astype(jnp.float32), tile_k=step,
+        x, b.values, b.scales.astype(jnp.float32) if blocked else
+        b.scales.reshape(n).astype(jnp.float32), tile_k=step,
         max_concurrent_steps=steps, split_k=splits,
         interpret=interpret)  # [splits, N, rows]
     out = jnp.sum(part, axis=0).T[:m] * jnp.asarray(alpha, jnp.float32)
