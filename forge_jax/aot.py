@@ -373,7 +373,8 @@ def _with_gpu_figures(kernels: list[Kernel], dump: pathlib.Path,
 # dumps (``<name>_<i>.ptx``/``.ptxas`` and ``.mlir-passes.log``), written where
 # MOSAIC_GPU_DUMP_TO names (with MOSAIC_GPU_DUMP_PTXAS=1) if both are set before the
 # process's first Mosaic GPU compile (the plugin reads them once); else those columns stay
-# empty.
+# empty, as they do for a kernel identical to one compiled before in the process (the
+# plugin reuses it and dumps nothing).
 _LAUNCH = re.compile(
     r"gpu\.launch .*?blocks\([^)]*\) in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = "
     r"%c(\d+)\w*\) threads\([^)]*\) in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = "
