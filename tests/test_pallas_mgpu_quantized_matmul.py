@@ -20,7 +20,6 @@ import pytest
 from cases import quant as qref
 from cases.checks import assert_close
 from cases.inputs import normal, rng
-from cases.references import round_to
 from cases.shapes import LLAMA3_8B_MLP, SMOLLM_HIDDEN, SMOLLM_MLP
 
 import forge_jax as fj
@@ -42,8 +41,14 @@ CASES = {
                                               jnp.float32),
     "decode 3 rows fp8 blocks bf16 (smollm2 K)": ((3,), 128, SMOLLM_MLP, "fp8-blocks",
                                                   jnp.bfloat16, jnp.float32),
+    "decode 2 rows int4 g32 bf16 (smollm2 k_proj)": ((2,), SMOLLM_KV, 512, "int4-g32",
+                                                     jnp.bfloat16, jnp.float32),
+    "prefill 136 rows int4 g64 min f16 (smollm2 K)": ((136,), 64, SMOLLM_MLP, "int4-g64-min",
+                                                      jnp.float16, jnp.float32),
 }
-BLOCKS = {"fp8-blocks": ("fp8", {"block": (128, 128)})}
+BLOCKS = {"fp8-blocks": ("fp8", {"block": (128, 128)}),
+          "int4-g32": ("int4", {"group_size": 32}),
+          "int4-g64-min": ("int4", {"group_size": 64, "symmetric": False})}
 
 
 def _inputs(lead, n, k, fmt, dtype, seed):
@@ -55,11 +60,10 @@ def _inputs(lead, n, k, fmt, dtype, seed):
 
 
 def _reference(a, q):
-    w = qref.dequantize(q)
-    if q.full_block() != (1, q.shape[1]):
-        # A block's scale varies along K: the kernel rounds scale * value (float32) to the
-        # activations' dtype before the product, as XLA's dequantize does.
-        w = round_to(w.astype(np.float32), a.dtype)
+    if q.full_block() == (1, q.shape[1]):  # per channel: the scale applied after the sum
+        w = qref.dequantize(q)
+    else:  # a scale varying along K: the kernel rounds the dequantized tile, as XLA does
+        w = qref.dequantize_rounded(q, a.dtype)
     return np.asarray(a.astype(jnp.float32), np.float64) @ w.T
 
 
@@ -98,7 +102,8 @@ def _args(a, q, **kw):
 
 @pytest.mark.parametrize("a_dtype,fmt,kw,n,k,trans_b,reason", [
     (jnp.float32, "int8", {}, 64, 128, True, "a.dtype=float32"),
-    (jnp.bfloat16, "int4", {"group_size": 32}, 64, 128, True, "b.format='int4'"),
+    (jnp.bfloat16, "int4", {"group_size": 128}, 64, 512, True, "groups of 32 or 64"),
+    (jnp.bfloat16, "int4", {"group_size": 32}, 64, 192, True, "K=192 is not a multiple of 128"),
     (jnp.bfloat16, "int8", {"group_size": 32}, 64, 128, True, "one scale per output"),
     (jnp.bfloat16, "fp8", {"block": (128, 128)}, 128, 256, True, "512 <= K <= 32768"),
     (jnp.bfloat16, "int8", {}, 128, 64, False, "trans_b=False"),
@@ -115,7 +120,7 @@ def test_supports_rejects_with_the_reason(a_dtype, fmt, kw, n, k, trans_b, reaso
 def test_minimums_are_rejected():
     q = fj.quantize(jnp.ones((64, 128), jnp.float32), "int8")
     q = fj.quant.from_parts(q.values, q.scales, q.scales, format="int8", block=q.block)
-    assert "minimums" in mq.supports(_args(jnp.ones((1, 128), jnp.bfloat16), q))
+    assert "for int4 only" in mq.supports(_args(jnp.ones((1, 128), jnp.bfloat16), q))
 
 
 def test_runs_on_hopper_by_name_only_until_verified():
@@ -157,6 +162,12 @@ COMPILE_CASES = {
                                                   "bfloat16"),
     "llama3 4096->4096 prefill 256 fp8 blocks bf16": (256, LLAMA3_HIDDEN, LLAMA3_HIDDEN,
                                                       "fp8-blocks", "bfloat16"),
+    "llama3 4096->14336 decode int4 g32 bf16": (1, LLAMA3_8B_MLP, LLAMA3_HIDDEN, "int4-g32",
+                                                "bfloat16"),
+    "llama3 4096->4096 prefill 256 int4 g64 min bf16": (256, LLAMA3_HIDDEN, LLAMA3_HIDDEN,
+                                                        "int4-g64-min", "bfloat16"),
+    "smollm2 1536->576 decode 8 int4 g64 min f16": (8, SMOLLM_HIDDEN, SMOLLM_MLP,
+                                                    "int4-g64-min", "float16"),
 }
 # The Mosaic GPU plugin writes the PTX and ptxas report (registers, spills) only where
 # MOSAIC_GPU_DUMP_TO is set before the process's first Mosaic GPU compile: a child process.
@@ -168,7 +179,8 @@ _COMPILE = textwrap.dedent("""
     S = jax.ShapeDtypeStruct
     out = {}
     for name, (m, n, k, fmt, dtype) in json.loads(sys.argv[1]).items():
-        kw = {"block": (128, 128)} if fmt == "fp8-blocks" else {}
+        kw = {"fp8-blocks": {"block": (128, 128)}, "int4-g32": {"group_size": 32},
+              "int4-g64-min": {"group_size": 64, "symmetric": False}}.get(fmt, {})
         fmt = fmt.split("-")[0]
         q = jax.eval_shape(lambda w: fj.quantize(w, fmt, **kw), S((n, k), jnp.float32))
         a = S((m, k), jnp.dtype(dtype))
@@ -216,9 +228,11 @@ def test_accepted_cases_compile_for_h100_without_spills(compiled, name):
     assert r["reason"] is None and r["compiled"], r
     [k] = r["kernels"]
     assert k["name"] == "forge_jax_mosaic_quantized_matmul" and k["costed"], k
-    m, n, kk, _, _ = COMPILE_CASES[name]
-    rows = mq.round_up(m, mq.tile_m_for(m))  # the rows WGMMA multiplies: padded to 8
-    assert k["flops"] == 2 * rows * n * kk and k["bytes"] > n * kk, k
+    m, n, kk, fmt, _ = COMPILE_CASES[name]
+    largest = mq.INT4_MAX_TILE_M if fmt.startswith("int4") else mq.MAX_TILE_M
+    rows = mq.round_up(m, mq.tile_m_for(m, largest))  # WGMMA's rows: padded to 8 (a tile)
+    stored = n * kk // (2 if fmt.startswith("int4") else 1)  # the weight's values
+    assert k["flops"] == 2 * rows * n * kk and k["bytes"] > stored, k
     assert k["registers"] is not None and k["registers"] <= 255, k  # ptxas ran
     assert k["spilled"] == 0, k
     assert 0 < k["smem"] <= mq.SMEM_BYTES, k

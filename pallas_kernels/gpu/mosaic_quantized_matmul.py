@@ -59,7 +59,15 @@ pl = _compat.pallas()
 VERIFIED: dict[str, str] = {}
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-WEIGHT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+WEIGHT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn),
+                 "int4": jnp.dtype(jnp.uint8)}
+# int4: groups along K served, and groups a pipeline step (its scales: 4 float32 a row,
+# TMA's 16-byte minimum).
+INT4_GROUPS = (32, 64)
+INT4_GROUPS_PER_STEP = 4
+# int4 dequantizes two [64, 2 * group] float32 tiles (and their scales) a step beside the
+# accumulator: with 256 rows it spills (ptxas, groups of 64, asymmetric); 128 do not.
+INT4_MAX_TILE_M = 128
 TILE_N = 64  # one warpgroup's WGMMA rows
 MIN_ROWS = 8  # WGMMA's smallest N
 MAX_TILE_M = 256  # WGMMA's largest N (and TMA's largest box)
@@ -101,11 +109,12 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def tile_m_for(m: int) -> int:
-    """Activation rows per block: all of them (padded to a multiple of 8) up to
-    :data:`MAX_TILE_M` (decode: one block of rows), else :data:`PREFILL_TILE_M`."""
+def tile_m_for(m: int, largest: int = MAX_TILE_M) -> int:
+    """Activation rows per block: all of them (padded to a multiple of 8) up to ``largest``
+    (decode: one block of rows), else :data:`PREFILL_TILE_M`. int4's is
+    :data:`INT4_MAX_TILE_M`."""
     rows = round_up(max(m, 1), MIN_ROWS)
-    return rows if rows <= MAX_TILE_M else PREFILL_TILE_M
+    return rows if rows <= largest else PREFILL_TILE_M
 
 
 def split_for(blocks: int, k_steps: int, sms: int) -> int:
@@ -118,10 +127,12 @@ def split_for(blocks: int, k_steps: int, sms: int) -> int:
     return best
 
 
-def pipeline_steps(tile_m: int, tile_k: int, w_bytes: int, x_bytes: int, wanted: int) -> int:
-    """The pipeline depth: ``wanted`` stages of (weight, activation) tiles, fewer if the
-    stages and the epilogue's ``[64, tile_m]`` float32 tile would pass :data:`SMEM_BYTES`."""
-    stage = TILE_N * tile_k * w_bytes + tile_m * tile_k * x_bytes
+def pipeline_steps(tile_m: int, tile_k: int, w_bytes: int, x_bytes: int, wanted: int,
+                   extra: int = 0) -> int:
+    """The pipeline depth: ``wanted`` stages of (weight, activation) tiles (and ``extra``
+    bytes a stage), fewer if the stages and the epilogue's ``[64, tile_m]`` float32 tile
+    would pass :data:`SMEM_BYTES`."""
+    stage = TILE_N * tile_k * w_bytes + tile_m * tile_k * x_bytes + extra
     free = SMEM_BYTES - TILE_N * tile_m * 4 - 4 * TILE_N - 1024  # epilogue, scales, barriers
     return max(1, min(wanted, free // stage))
 
@@ -133,21 +144,27 @@ def supports(args: Mapping[str, Any]) -> str | None:
     if jnp.dtype(a.dtype) not in ACTIVATION_DTYPES:
         return (f"a.dtype={jnp.dtype(a.dtype).name}; the kernel's WGMMA reads bfloat16/float16 "
                 f"activations")
-    if b.format not in WEIGHT_DTYPES:
-        return f"b.format={b.format!r}; the kernel serves int8 and fp8 (per channel)"
     if not args["trans_b"]:
         return "trans_b=False; the kernel reads a [N, K] weight (the [out, in] layout)"
     n, k = b.shape
     block = tuple(b.full_block())
-    if block == (FP8_BLOCK, FP8_BLOCK) and b.format == "fp8":
+    if b.format == "int4":
+        group = block[1]
+        if block[0] != 1 or group not in INT4_GROUPS:
+            return (f"int4 b.block={b.block}; the kernel serves groups of "
+                    f"{' or '.join(map(str, INT4_GROUPS))} along K")
+        if k % (INT4_GROUPS_PER_STEP * group):
+            return (f"K={k} is not a multiple of {INT4_GROUPS_PER_STEP * group} "
+                    f"({INT4_GROUPS_PER_STEP} groups of {group} a step)")
+    elif block == (FP8_BLOCK, FP8_BLOCK) and b.format == "fp8":
         if not 4 * FP8_BLOCK <= k <= MAX_TILE_M * FP8_BLOCK:
             return (f"K={k}: fp8 in {FP8_BLOCK} x {FP8_BLOCK} blocks needs 512 <= K <= 32768 "
                     f"(a block row's scales are one TMA copy of 16 bytes to 256 values)")
     elif block != (1, k):
         return (f"b.block={b.block}; the kernel serves one scale per output channel "
                 f"(block (1, {k})), and fp8 in {FP8_BLOCK} x {FP8_BLOCK} blocks")
-    if b.minimums is not None:
-        return "b has minimums; the kernel serves symmetric weights"
+    if b.minimums is not None and b.format != "int4":
+        return f"b has minimums; the kernel serves them for int4 only, not {b.format}"
     if n % TILE_N:
         return f"N={n} is not a multiple of {TILE_N} (a warpgroup's WGMMA rows)"
     if k % 64:
@@ -223,6 +240,74 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, s_smem, out_smem, s_barrier, *stag
     pl.run_scoped(scope, plgpu.ACC((TILE_N, tile_m), jnp.float32))
 
 
+def _int4_kernel(xe_gmem, xo_gmem, w_gmem, s_gmem, *refs, tile_m, tile_kp, group_bytes,
+                 k_split, steps, asymmetric, interpret):
+    # xe_gmem, xo_gmem [Mp, K/2]: a's even and odd columns; w_gmem [N, K/2] uint8, byte j
+    # holding column 2j (low nibble) and 2j + 1 (high nibble): the low nibbles multiply the
+    # even columns and the high ones the odd columns, two WGMMAs a step, no interleaving.
+    # s_gmem (and m_gmem) [N, K/G] f32; out_gmem [splits, N, Mp] f32. k_split: bytes.
+    plgpu = _compat.pallas_mosaic_gpu()
+    m_gmem, (out_gmem, out_smem, *stage) = (refs[0], refs[1:]) if asymmetric else (None, refs)
+    ni, mi, si = (jax.lax.axis_index(a) for a in ("n", "m", "k"))
+    rows = pl.ds(ni * TILE_N, TILE_N)
+    cols = pl.ds(mi * tile_m, tile_m)
+    ks = pl.ds(si * k_split, k_split)
+    gs = pl.ds(si * (k_split // group_bytes), k_split // group_bytes)
+    compute = xe_gmem.dtype
+    shape = (TILE_N, tile_kp)
+
+    def spread(v_smem):  # [64, groups] per row and group -> [64, tile_kp] per byte
+        if interpret:
+            col = jax.lax.broadcasted_iota(jnp.int32, shape, 1) // group_bytes
+        else:
+            col = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                         layout=plgpu.Layout.WGMMA) // group_bytes
+        out = None
+        for g in range(tile_kp // group_bytes):
+            v = v_smem[:, g]
+            if not interpret:
+                v = plgpu.layout_cast(v, plgpu.Layout.WGMMA.reduce(1))
+            v = jax.lax.broadcast_in_dim(v, shape, (0,))
+            out = v if out is None else jnp.where(col == g, v, out)
+        return out
+
+    def scope(acc_ref):
+        def step(_, w_smem, xe_smem, xo_smem, s_smem, *m_smem):
+            w = w_smem[...].astype(jnp.int32)  # 8-bit registers take bitwise ops only
+            scale = spread(s_smem)
+            minimum = spread(m_smem[0]) if asymmetric else None
+            for half, x_smem in ((w & 0xF, xe_smem), (w >> 4, xo_smem)):
+                q = half.astype(jnp.float32)
+                # As XLA's dequantize: float32, rounded once to the activations' dtype.
+                v = (q * scale + minimum) if asymmetric else (q - 8.0) * scale
+                v = v.astype(compute)
+                if interpret:  # operands staged as the interpreter's WGMMA reads them
+                    a_stage, b_stage = stage
+                    a_stage[...] = v
+                    b_stage[...] = x_smem[...].T
+                    plgpu.wgmma(acc_ref, a_stage, b_stage)
+                else:
+                    plgpu.wgmma(acc_ref, v, plgpu.transpose_ref(x_smem, (1, 0)))
+            plgpu.wgmma_wait(0)
+
+        groups = plgpu.BlockSpec((TILE_N, tile_kp // group_bytes), lambda k: (0, k))
+        x_spec = plgpu.BlockSpec((tile_m, tile_kp), lambda k: (0, k),
+                                 transforms=_swizzled(tile_kp, compute, "rhs"))
+        plgpu.emit_pipeline(
+            step, grid=(k_split // tile_kp,), max_concurrent_steps=steps,
+            in_specs=[plgpu.BlockSpec((TILE_N, tile_kp), lambda k: (0, k),
+                                      transforms=_swizzled(tile_kp, jnp.uint8, "lhs")),
+                      x_spec, x_spec, groups] + [groups] * asymmetric,
+        )(w_gmem.at[rows, ks], xe_gmem.at[cols, ks], xo_gmem.at[cols, ks], s_gmem.at[rows, gs],
+          *([m_gmem.at[rows, gs]] if asymmetric else []))
+        out_smem[...] = acc_ref[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, rows, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, plgpu.ACC((TILE_N, tile_m), jnp.float32))
+
+
 @functools.partial(jax.jit, static_argnames=("tile_k", "max_concurrent_steps", "split_k",
                                              "interpret"))
 def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, split_k,
@@ -272,6 +357,55 @@ def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, s
     return call(x, w, scales)  # x first: the roofline's peak is its dtype's
 
 
+@functools.partial(jax.jit, static_argnames=("group", "max_concurrent_steps", "split_k",
+                                             "interpret"))
+def int4_matmul_transposed(x_even, x_odd, w, scales, minimums, *, group, max_concurrent_steps,
+                           split_k, interpret=False):
+    """The int4 kernel alone: float32 ``out.T = dequantize(w) @ x.T``.
+
+    Args:
+      x_even, x_odd: ``[M, K / 2]`` bfloat16/float16: the activations' even and odd
+        columns, ``M`` a multiple of the row tile (:func:`tile_m_for`).
+      w: ``[N, K / 2]`` uint8, two 4-bit values a byte (column ``2j`` in byte ``j``'s low
+        nibble).
+      scales: ``[N, K / group]`` float32; minimums: the same or None (symmetric: ``q -
+        8``).
+      group: values a scale along K (:data:`INT4_GROUPS`).
+      max_concurrent_steps, split_k, interpret: as :func:`quantized_matmul_transposed`.
+
+    Returns:
+      ``[split_k, N, M]`` float32 partial sums of ``out.T``.
+    """
+    plgpu = _compat.pallas_mosaic_gpu()
+    m, kp = x_even.shape
+    n = w.shape[0]
+    tile_m = tile_m_for(m, INT4_MAX_TILE_M)
+    group_bytes = group // 2
+    tile_kp = INT4_GROUPS_PER_STEP * group_bytes
+    if m % tile_m or n % TILE_N or kp % (tile_kp * split_k):
+        raise ValueError(f"{x_even.shape=} and {w.shape=} do not tile by ({tile_m}, {TILE_N}, "
+                         f"{tile_kp} bytes x {split_k=})")
+    asymmetric = minimums is not None
+    scratch = [plgpu.SMEM((TILE_N, tile_m), jnp.float32)]
+    if interpret:
+        scratch += [plgpu.SMEM((TILE_N, tile_kp), x_even.dtype),
+                    plgpu.SMEM((tile_kp, tile_m), x_even.dtype)]
+    body = functools.partial(_int4_kernel, tile_m=tile_m, tile_kp=tile_kp,
+                             group_bytes=group_bytes, k_split=kp // split_k,
+                             steps=max_concurrent_steps, asymmetric=asymmetric,
+                             interpret=interpret)
+    operands = (x_even, x_odd, w, scales) + ((minimums,) if asymmetric else ())
+    cost = pl.CostEstimate(
+        flops=4 * m * n * kp, transcendentals=0,
+        bytes_accessed=sum(x.size * x.dtype.itemsize for x in operands) + 4 * split_k * n * m)
+    call = _mosaic.mesh_kernel(
+        lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
+        out_shape=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
+        grid=(n // TILE_N, m // tile_m, split_k), grid_names=("n", "m", "k"),
+        cost_estimate=cost, name="forge_jax_mosaic_quantized_matmul", interpret=interpret)
+    return call(*operands)
+
+
 def quantized_matmul(a, b, *, trans_b, alpha, beta, c, out_dtype, tile_k=None,
                      max_concurrent_steps=None, split_k=None, interpret=False):
     """:func:`forge_jax.matmul` with a quantized ``b`` through the kernel.
@@ -289,24 +423,47 @@ def quantized_matmul(a, b, *, trans_b, alpha, beta, c, out_dtype, tile_k=None,
     n = b.shape[0]
     x = a.reshape(-1, k)  # [M, K]
     m = x.shape[0]
-    tile_m = tile_m_for(m)
+    tile_m = tile_m_for(m, INT4_MAX_TILE_M if b.format == "int4" else MAX_TILE_M)
     rows = round_up(max(m, 1), tile_m)
     x = jnp.pad(x, ((0, rows - m), (0, 0)))
-    blocked = tuple(b.full_block()) == (FP8_BLOCK, FP8_BLOCK)
-    step = FP8_BLOCK if blocked else config.tile_k if k % config.tile_k == 0 else 64
-    splits = config.split_k or split_for((n // TILE_N) * (rows // tile_m), k // step,
-                                         config.sms)
-    steps = pipeline_steps(tile_m, step, b.values.dtype.itemsize, x.dtype.itemsize,
-                           config.max_concurrent_steps)
-    part = quantized_matmul_transposed(
-        x, b.values, b.scales.astype(jnp.float32) if blocked else
-        b.scales.reshape(n).astype(jnp.float32), tile_k=step,
-        max_concurrent_steps=steps, split_k=splits,
-        interpret=interpret)  # [splits, N, rows]
+    if b.format == "int4":
+        part = _int4(x, b, rows // tile_m, config, interpret)
+    else:
+        part = _int8_fp8(x, b, rows // tile_m, config, interpret)
     out = jnp.sum(part, axis=0).T[:m] * jnp.asarray(alpha, jnp.float32)
     if c is not None:
         out = out.reshape(*lead, n) + jnp.asarray(beta, jnp.float32) * c.astype(jnp.float32)
     return out.reshape(*lead, n).astype(out_dtype)
+
+
+def _int4(x, b, m_tiles, config, interpret):
+    n, k = b.shape
+    group = b.full_block()[1]
+    tile_m = tile_m_for(x.shape[0], INT4_MAX_TILE_M)
+    tile_kp = INT4_GROUPS_PER_STEP * group // 2
+    splits = config.split_k or split_for((n // TILE_N) * m_tiles, k // 2 // tile_kp,
+                                         config.sms)
+    scales_bytes = TILE_N * INT4_GROUPS_PER_STEP * 4 * (1 + (b.minimums is not None))
+    steps = pipeline_steps(tile_m, tile_kp, 1, 2 * x.dtype.itemsize,
+                           config.max_concurrent_steps, extra=scales_bytes)
+    f32 = lambda v: None if v is None else v.astype(jnp.float32)
+    return int4_matmul_transposed(
+        x[:, 0::2], x[:, 1::2], b.values, f32(b.scales), f32(b.minimums), group=group,
+        max_concurrent_steps=steps, split_k=splits, interpret=interpret)
+
+
+def _int8_fp8(x, b, m_tiles, config, interpret):
+    n, k = b.shape
+    tile_m = tile_m_for(x.shape[0])
+    blocked = tuple(b.full_block()) == (FP8_BLOCK, FP8_BLOCK)
+    step = FP8_BLOCK if blocked else config.tile_k if k % config.tile_k == 0 else 64
+    splits = config.split_k or split_for((n // TILE_N) * m_tiles, k // step, config.sms)
+    steps = pipeline_steps(tile_m, step, b.values.dtype.itemsize, x.dtype.itemsize,
+                           config.max_concurrent_steps)
+    return quantized_matmul_transposed(
+        x, b.values, b.scales.astype(jnp.float32) if blocked else
+        b.scales.reshape(n).astype(jnp.float32), tile_k=step,
+        max_concurrent_steps=steps, split_k=splits, interpret=interpret)
 
 
 def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
