@@ -188,8 +188,7 @@ def paged_attention_case(batch, context, q_heads, kv_heads, head_dim, page, dtyp
 
 
 def quantized_matmul_case(rows, n, k, dtype):
-    """``fj.matmul(x, q, trans_b=True)`` with an int8 weight ``[n, k]`` (per channel): the
-    bytes are the weight's values and scales, x and the output."""
+    """``fj.matmul(x, q, trans_b=True)``, ``q`` int8 ``[n, k]`` per channel (bytes: q, x, out)."""
     def make(key):
         kx, kw = jax.random.split(key)
         q = fj.quantize(_normal(kw, (n, k), jnp.float32), "int8")
@@ -219,16 +218,13 @@ def cases(quick: bool) -> dict[str, Case]:
     return {case.kernel: case for case in built}
 
 
-# Mosaic GPU kernels (Hopper+), timed as "mosaic_gpu" ("mosaic_gpu_interpret" in --quick on
-# CPU) beside XLA: the int8-weight decode matmul (target: 80% of the copy bandwidth for its
-# bytes), a Llama-3 8B gate/up projection for one token.
+# Mosaic GPU kernels (Hopper+) as "mosaic_gpu" ("mosaic_gpu_interpret" in --quick on CPU)
+# beside XLA: the int8-weight decode matmul, Llama-3 8B's gate/up for one token.
 MOSAIC_KERNELS = ("quantized_matmul",)
 
 
 def mosaic_cases(quick: bool) -> dict[str, Case]:
-    bf16 = jnp.bfloat16
-    built = (quantized_matmul_case(1, 128, 256, bf16) if quick
-             else quantized_matmul_case(1, 14336, 4096, bf16),)
+    built = (quantized_matmul_case(1, *((128, 256) if quick else (14336, 4096)), jnp.bfloat16),)
     return {case.kernel: case for case in built}
 
 

@@ -8,7 +8,7 @@
 * ``jax_triton_elementwise.py``: ``"triton"``, plain Triton kernels (``_jax_triton_src.py``)
   launched through jax-triton (not Pallas).
 * ``mosaic_quantized_matmul.py``: ``"mosaic_gpu"`` (Hopper+), Mosaic GPU kernels (see
-  ``_mosaic.py``): int8/fp8 weights dequantized in registers feeding WGMMA.
+  ``_mosaic.py``): int8/fp8/int4 weights dequantized in registers feeding WGMMA.
 * ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``
   (a library call, not a kernel of ours).
 """

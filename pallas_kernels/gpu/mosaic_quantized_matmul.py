@@ -1,5 +1,5 @@
-"""Mosaic GPU kernel (Hopper+): ``alpha * a @ dequantize(b).T + beta * c`` for an int8 or
-fp8 weight, dequantized in registers feeding WGMMA.
+"""Mosaic GPU kernel (Hopper+): ``alpha * a @ dequantize(b).T + beta * c`` for an int8, fp8
+or int4 weight, dequantized in registers feeding WGMMA.
 
 The product is computed transposed, ``out.T [N, M] = W [N, K] @ a.T``: the weight is
 WGMMA's left operand, the only one that may come from registers, so each ``[64, tile_k]``
@@ -17,13 +17,20 @@ values), so the product is exact up to float32 accumulation (the XLA implementat
 ``q * scale`` to the activations' dtype first). fp8 in 128 x 128 blocks (Hugging Face's
 fine-grained FP8: ``weight_scale_inv``) scales each tile in registers by its block's scale
 (one per K step, ``tile_k`` 128) and rounds it to the activations' dtype, as XLA does.
+int4 (groups of 32 or 64 along K, symmetric ``q - 8`` or with a minimum): a step reads four
+groups of packed bytes; the low nibbles (even columns) and the high nibbles (odd columns)
+become two float32 tiles, scaled (plus the minimum) per group with the scales spread over
+the tile in registers, rounded to the activations' dtype (as XLA does) and multiplied with
+``a``'s even and odd columns (split by XLA before the kernel: a copy of ``a``, small for
+decode): two WGMMAs a step, no interleaving. Its row tiles stop at 128 (256 spilled).
 
 Served: ``trans_b=True`` (a weight in the ``[out, in]`` layout), int8 (symmetric) or fp8
-e4m3 per channel (``block=(1, K)``), fp8 in 128 x 128 blocks (512 <= K <= 32768),
-bf16/f16 activations, ``N % 64 == 0``, ``K % 64 == 0``, the leading dimensions of ``a``
-flattened into rows. Not served (``supports`` says so and auto keeps XLA): int4, other
-group-wise scales (GGUF's Q8_0 groups of 32), minimums, ``[K, N]`` weights, float32
-activations (WGMMA takes no float32 operand from registers: a compile error).
+e4m3 per channel (``block=(1, K)``), fp8 in 128 x 128 blocks (512 <= K <= 32768), int4 in
+groups of 32 or 64 (``K`` a multiple of four groups), bf16/f16 activations, ``N % 64 ==
+0``, ``K % 64 == 0``, the leading dimensions of ``a`` flattened into rows. Not served
+(``supports`` says so and auto keeps XLA): int4 groups of 128, int8 group-wise scales
+(GGUF's Q8_0 groups of 32) and minimums, ``[K, N]`` weights, float32 activations (WGMMA
+takes no float32 operand from registers: a compile error).
 
 Interpreter: the Mosaic GPU interpreter of JAX 0.10 reads WGMMA's operands from untransformed
 shared memory only (no register operand, no transposed view) and has no rule for layout
@@ -475,6 +482,6 @@ def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
 _registration.register(
     "quantized_matmul", quantized_matmul, backend="mosaic_gpu", supports=supports,
     verified=VERIFIED, configs=configs,
-    description="int8/fp8 per-channel weights dequantized in registers feeding WGMMA "
+    description="int8/fp8/int4 weights dequantized in registers feeding WGMMA "
                 "(out.T = W @ a.T, rows padded to 8, split K)",
     interpret_configs=lambda args: [dict(tile_k=64)])
