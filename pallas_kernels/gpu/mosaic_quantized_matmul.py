@@ -252,7 +252,8 @@ def _int4_kernel(xe_gmem, xo_gmem, w_gmem, s_gmem, *refs, tile_m, tile_kp, group
     # xe_gmem, xo_gmem [Mp, K/2]: a's even and odd columns; w_gmem [N, K/2] uint8, byte j
     # holding column 2j (low nibble) and 2j + 1 (high nibble): the low nibbles multiply the
     # even columns and the high ones the odd columns, two WGMMAs a step, no interleaving.
-    # s_gmem (and m_gmem) [N, K/G] f32; out_gmem [splits, N, Mp] f32. k_split: bytes.
+    # s_gmem (and m_gmem) [K/G, N] f32 (transposed: a group's scales are a contiguous row,
+    # the view JAX 0.12's lowering takes); out_gmem [splits, N, Mp] f32. k_split: bytes.
     plgpu = _compat.pallas_mosaic_gpu()
     m_gmem, (out_gmem, out_smem, *stage) = (refs[0], refs[1:]) if asymmetric else (None, refs)
     ni, mi, si = (jax.lax.axis_index(a) for a in ("n", "m", "k"))
@@ -263,7 +264,7 @@ def _int4_kernel(xe_gmem, xo_gmem, w_gmem, s_gmem, *refs, tile_m, tile_kp, group
     compute = xe_gmem.dtype
     shape = (TILE_N, tile_kp)
 
-    def spread(v_smem):  # [64, groups] per row and group -> [64, tile_kp] per byte
+    def spread(v_smem):  # [groups, 64] per group and row -> [64, tile_kp] per byte
         if interpret:
             col = jax.lax.broadcasted_iota(jnp.int32, shape, 1) // group_bytes
         else:
@@ -271,7 +272,7 @@ def _int4_kernel(xe_gmem, xo_gmem, w_gmem, s_gmem, *refs, tile_m, tile_kp, group
                                          layout=plgpu.Layout.WGMMA) // group_bytes
         out = None
         for g in range(tile_kp // group_bytes):
-            v = v_smem[:, g]
+            v = v_smem[g, :]
             if not interpret:
                 v = plgpu.layout_cast(v, plgpu.Layout.WGMMA.reduce(1))
             v = jax.lax.broadcast_in_dim(v, shape, (0,))
@@ -297,7 +298,7 @@ def _int4_kernel(xe_gmem, xo_gmem, w_gmem, s_gmem, *refs, tile_m, tile_kp, group
                     plgpu.wgmma(acc_ref, v, plgpu.transpose_ref(x_smem, (1, 0)))
             plgpu.wgmma_wait(0)
 
-        groups = plgpu.BlockSpec((TILE_N, tile_kp // group_bytes), lambda k: (0, k))
+        groups = plgpu.BlockSpec((tile_kp // group_bytes, TILE_N), lambda k: (k, 0))
         x_spec = plgpu.BlockSpec((tile_m, tile_kp), lambda k: (0, k),
                                  transforms=_swizzled(tile_kp, compute, "rhs"))
         plgpu.emit_pipeline(
@@ -305,8 +306,8 @@ def _int4_kernel(xe_gmem, xo_gmem, w_gmem, s_gmem, *refs, tile_m, tile_kp, group
             in_specs=[plgpu.BlockSpec((TILE_N, tile_kp), lambda k: (0, k),
                                       transforms=_swizzled(tile_kp, jnp.uint8, "lhs")),
                       x_spec, x_spec, groups] + [groups] * asymmetric,
-        )(w_gmem.at[rows, ks], xe_gmem.at[cols, ks], xo_gmem.at[cols, ks], s_gmem.at[rows, gs],
-          *([m_gmem.at[rows, gs]] if asymmetric else []))
+        )(w_gmem.at[rows, ks], xe_gmem.at[cols, ks], xo_gmem.at[cols, ks], s_gmem.at[gs, rows],
+          *([m_gmem.at[gs, rows]] if asymmetric else []))
         out_smem[...] = acc_ref[...]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, rows, cols])
@@ -375,8 +376,8 @@ def int4_matmul_transposed(x_even, x_odd, w, scales, minimums, *, group, max_con
         columns, ``M`` a multiple of the row tile (:func:`tile_m_for`).
       w: ``[N, K / 2]`` uint8, two 4-bit values a byte (column ``2j`` in byte ``j``'s low
         nibble).
-      scales: ``[N, K / group]`` float32; minimums: the same or None (symmetric: ``q -
-        8``).
+      scales: ``[K / group, N]`` float32 (transposed); minimums: the same or None
+        (symmetric: ``q - 8``).
       group: values a scale along K (:data:`INT4_GROUPS`).
       max_concurrent_steps, split_k, interpret: as :func:`quantized_matmul_transposed`.
 
@@ -453,7 +454,9 @@ def _int4(x, b, m_tiles, config, interpret):
     scales_bytes = TILE_N * INT4_GROUPS_PER_STEP * 4 * (1 + (b.minimums is not None))
     steps = pipeline_steps(tile_m, tile_kp, 1, 2 * x.dtype.itemsize,
                            config.max_concurrent_steps, extra=scales_bytes)
-    f32 = lambda v: None if v is None else v.astype(jnp.float32)
+    # Transposed by XLA at each call (a copy of the scales, 1/4 of the values' bytes at
+    # groups of 32 in float32): JAX 0.12 lowers no strided column of shared memory.
+    f32 = lambda v: None if v is None else v.astype(jnp.float32).T
     return int4_matmul_transposed(
         x[:, 0::2], x[:, 1::2], b.values, f32(b.scales), f32(b.minimums), group=group,
         max_concurrent_steps=steps, split_k=splits, interpret=interpret)
