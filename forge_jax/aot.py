@@ -13,9 +13,12 @@ Where the GPU figures come from: the compile is given ``xla_dump_to`` as a per-c
 option (``Lowered.compile(compiler_options=...)``), so nothing has to be in ``XLA_FLAGS``
 before the backend starts and no subprocess is needed. The dump's thunk sequence gives each
 kernel's grid, threads and dynamic shared memory; ``ptxas -v`` (the ``nvidia-cuda-nvcc``
-wheel's) on its PTX gives registers and spilled bytes. On a TPU the compiled program
-exposes no per-kernel register or VMEM figures through JAX; its rows carry the kernel's
-cost and roofline only.
+wheel's) on its PTX gives registers and spilled bytes. Mosaic GPU kernels (``pl.kernel``
+equations, ``mpmd_map``) are compiled by the CUDA plugin instead: their figures come from its
+dumps where ``MOSAIC_GPU_DUMP_TO`` and ``MOSAIC_GPU_DUMP_PTXAS=1`` were set before the
+process's first Mosaic GPU compile (see ``_with_mosaic_figures``), else stay empty. On a
+TPU the compiled program exposes no per-kernel register or VMEM figures through JAX; its
+rows carry the kernel's cost and roofline only.
 
 Roofline: from each ``pallas_call``'s ``CostEstimate`` (flops, bytes accessed), the time
 at the target's peak FLOP/s (for the dtype of its first operand) or peak HBM bandwidth,
