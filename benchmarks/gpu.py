@@ -20,8 +20,11 @@ its benchmark shape, on fresh random data (the seed is printed):
   written / time), and the bfloat16 matmul rate of an 8192^3 product (2*M*N*K / time).
 
 Targets (H100): rms_norm, silu_mul, rope >= 80% of the copy bandwidth; paged decode
-attention >= 70% (the Mosaic GPU kernel, ``"mosaic_gpu"``, timed beside it on Hopper+:
->= 85%); flash attention forward >= 350 TFLOP/s. cuDNN attention
+attention >= 70%; flash attention forward >= 350 TFLOP/s. Mosaic GPU kernels
+(implementation ``"mosaic_gpu"``, Hopper+; ``"mosaic_gpu_interpret"`` in ``--quick`` on
+CPU) are timed beside them: paged decode >= 85% of the copy bandwidth; the int8-weight
+decode matmul (``quantized_matmul``, Llama-3 8B's 4096 -> 14336 for one token) >= 80% of
+the copy bandwidth for its bytes (weight values and scales, x, output). cuDNN attention
 (``fj.attention``'s ``"cudnn"`` implementation, i.e. ``jax.nn.dot_product_attention``)
 and the jax-triton kernels (``"triton"``: rms_norm, silu_mul, rope) run where their
 ``supports()`` accept the case; otherwise their row says why they were skipped. The
@@ -65,7 +68,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import forge_jax as fj  # noqa: E402
 from forge_jax import dispatch, tolerances  # noqa: E402
 
-KERNELS = ("rms_norm", "silu_mul", "rope", "attention", "paged_attention")
+KERNELS = ("rms_norm", "silu_mul", "rope", "attention", "paged_attention", "quantized_matmul")
 CUDNN = "cudnn"
 # Library implementations timed beside the Pallas kernel where they exist: jax-triton
 # kernels, cuDNN attention. Each row says why it was skipped where it cannot run.
@@ -73,6 +76,8 @@ LIBRARY = {"rms_norm": ("triton",), "silu_mul": ("triton",), "rope": ("triton",)
            "attention": (CUDNN,)}
 # Targets of implementations other than the case's (a fraction of the copy bandwidth).
 TARGETS = {("paged_attention", "mosaic_gpu"): 0.85}
+# Mosaic GPU kernels checked in their interpreter by a run on CPU (see mosaic_contenders).
+MOSAIC_ON_CPU = ("quantized_matmul",)
 AUTO = "auto"  # implementation=None: what auto selection picks (the row's note names it)
 SAMPLE_S = 0.005  # a timed sample lasts about this long (back-to-back calls)
 MAX_CALLS = 200  # calls per sample at most
@@ -186,18 +191,36 @@ def paged_attention_case(batch, context, q_heads, kv_heads, head_dim, page, dtyp
                 target=0.70)
 
 
+def quantized_matmul_case(rows, n, k, dtype):
+    """``fj.matmul(x, q, trans_b=True)``, ``q`` int8 ``[n, k]`` per channel (bytes: q, x, out)."""
+    def make(key):
+        kx, kw = jax.random.split(key)
+        q = fj.quantize(_normal(kw, (n, k), jnp.float32), "int8")
+        return _normal(kx, (rows, k), dtype), q
+
+    def run(impl, x, q):
+        return fj.matmul(x, q, trans_b=True, implementation=impl)
+
+    itemsize = jnp.dtype(dtype).itemsize
+    work = n * k + 4 * n + rows * k * itemsize + rows * n * itemsize
+    return Case("quantized_matmul", f"int8 [{n}, {k}], {rows} rows {jnp.dtype(dtype).name}",
+                make, run, work, "GB/s", 0.8)
+
+
 def cases(quick: bool) -> dict[str, Case]:
     bf16 = jnp.bfloat16
     if quick:
         built = (rms_norm_case(64, 256, bf16), silu_mul_case(64, 256, bf16),
                  rope_case(1, 64, 4, 64, bf16),
                  attention_case(1, 128, 4, 2, 64, bf16),
-                 paged_attention_case(4, 64, 4, 2, 64, 16, bf16))
+                 paged_attention_case(4, 64, 4, 2, 64, 16, bf16),
+                 quantized_matmul_case(1, 128, 256, bf16))
     else:
         built = (rms_norm_case(4096, 4096, bf16), silu_mul_case(4096, 4096, bf16),
                  rope_case(1, 4096, 32, 128, bf16),
                  attention_case(2, 4096, 32, 8, 128, bf16),
-                 paged_attention_case(32, 4096, 32, 8, 128, 16, bf16))
+                 paged_attention_case(32, 4096, 32, 8, 128, 16, bf16),
+                 quantized_matmul_case(1, 14336, 4096, bf16))  # Llama-3 8B's gate/up
     return {case.kernel: case for case in built}
 
 
@@ -341,7 +364,7 @@ def bench_case(case: Case, kernel_impl: str, platform: str, peaks: dict[str, Any
         skip = library_skip(case, name, platform, inputs)
         contenders.append((name, None if skip else jax.jit(
             lambda *a, name=name: case.run(name, *a)), skip and f"skipped: {skip}"))
-    contenders += mosaic_paged_attention(case, platform, inputs)
+    contenders += mosaic_contenders(case, platform, inputs)
     contenders.append((AUTO, jax.jit(lambda *a: case.run(None, *a)), ""))
 
     rows, reference = [], None
@@ -389,16 +412,20 @@ def bench_case(case: Case, kernel_impl: str, platform: str, peaks: dict[str, Any
     return rows
 
 
-def mosaic_paged_attention(case: Case, platform: str, inputs) -> list[tuple]:
-    """The Mosaic GPU paged decode kernel (issue 26) beside the Triton-lowered one:
-    ``"mosaic_gpu"`` where a Hopper+ GPU runs it and its ``supports()`` accepts the case,
-    else a row saying why not (on CPU its interpreter's times would say nothing of a GPU).
-    Its target, :data:`TARGETS`: 85% of the copy bandwidth."""
-    if case.kernel != "paged_attention":
+def mosaic_contenders(case: Case, platform: str, inputs) -> list[tuple]:
+    """The Mosaic GPU kernel of ``case``'s op (issue 26), where one is registered, beside
+    the others: ``"mosaic_gpu"`` where a Hopper+ GPU runs it and its ``supports()`` accepts
+    the case, else a row saying why not. On CPU, the kernels of :data:`MOSAIC_ON_CPU` run in
+    the Mosaic GPU interpreter (a check of their results at the ``--quick`` shapes; its
+    times say nothing of a GPU); the others' interpreters are too slow for this script."""
+    if not any(i.name == "mosaic_gpu" for i in dispatch.registrations(case.kernel)):
         return []
-    skip = library_skip(case, "mosaic_gpu", platform, inputs)
-    return [("mosaic_gpu", None if skip else jax.jit(
-        lambda *a: case.run("mosaic_gpu", *a)), skip and f"skipped: {skip}")]
+    name = "mosaic_gpu"
+    if platform != "gpu" and case.kernel in MOSAIC_ON_CPU:
+        name = "mosaic_gpu_interpret"
+    skip = library_skip(case, name, platform, inputs)
+    return [(name, None if skip else jax.jit(
+        lambda *a: case.run(name, *a)), skip and f"skipped: {skip}")]
 
 
 def auto_vs_fastest(rows: list[Row]) -> dict[str, dict[str, Any]]:
@@ -481,11 +508,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="gpu_bench.json", help="where to write the JSON")
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
     args = parser.parse_args(argv)
-    kernels = KERNELS if args.only is None else tuple(
+    known = KERNELS
+    kernels = known if args.only is None else tuple(
         k.strip() for k in args.only.split(",") if k.strip())
-    unknown = sorted(set(kernels) - set(KERNELS))
+    unknown = sorted(set(kernels) - set(known))
     if unknown or not kernels:
-        parser.error(f"--only takes kernels among {', '.join(KERNELS)}; got {args.only!r}")
+        parser.error(f"--only takes kernels among {', '.join(known)}; got {args.only!r}")
     if args.iters is not None and args.iters < 1:
         parser.error(f"--iters must be >= 1, got {args.iters}")
     iters = args.iters or (3 if args.quick else 30)
@@ -525,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
 
     all_cases = cases(args.quick)
     rows: list[Row] = []
-    for i, kernel in enumerate(kernels):
+    for i, kernel in enumerate(k for k in kernels if k in all_cases):
         rows += bench_case(all_cases[kernel], kernel_impl, platform, peaks, iters=iters,
                            warmup=warmup, key=jax.random.fold_in(key, 1 + i))
     print()
@@ -538,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [r.kernel for r in rows if r.status == "not registered"]
     if missing:
         print(f"not registered as {kernel_impl!r}: {', '.join(missing)}")
-    ours = [r for r in rows if r.implementation == kernel_impl and r.status == "ok"]
+    ours = [r for r in rows if r.status == "ok" and r.implementation in (
+        kernel_impl, "mosaic_gpu", "mosaic_gpu_interpret")]
     if ours:
         print("targets met by our kernels: "
               + ", ".join(f"{r.kernel} {'yes' if r.met else 'no'}" for r in ours))

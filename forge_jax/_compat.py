@@ -306,3 +306,22 @@ def mosaic_gpu_kernel(body: Any, *, out_shape: Any, scratch_shapes: Any = (),
     if "out_type" in params:
         return plgpu.kernel(body, out_type=out_shape, scratch_types=scratch_shapes, **kwargs)
     return plgpu.kernel(body, out_shape=out_shape, scratch_shapes=scratch_shapes, **kwargs)
+
+
+def mosaic_gpu_mesh_kernel(body: Any, *, out_shape: Any, grid: tuple[int, ...],
+                           grid_names: tuple[str, ...], cost_estimate: Any, name: str,
+                           compiler_params: Any = None, interpret: Any = False,
+                           **mesh_kwargs: Any) -> Any:
+    """``pl.kernel(body, ...)`` over a ``plgpu.Mesh``: a Mosaic GPU kernel carrying its cost
+    estimate and name (``plgpu.kernel`` passes neither). Its output argument is
+    ``out_type`` from JAX 0.10 on (``out_shape`` before)."""
+    import inspect
+
+    from jax.experimental import pallas as pl
+
+    plgpu = pallas_mosaic_gpu()
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **mesh_kwargs)
+    out = "out_type" if "out_type" in inspect.signature(pl.kernel).parameters else "out_shape"
+    extra = {} if compiler_params is None else {"compiler_params": compiler_params}
+    return pl.kernel(body, mesh=mesh, cost_estimate=cost_estimate, name=name,
+                     interpret=interpret, **{out: out_shape}, **extra)

@@ -13,9 +13,12 @@ Where the GPU figures come from: the compile is given ``xla_dump_to`` as a per-c
 option (``Lowered.compile(compiler_options=...)``), so nothing has to be in ``XLA_FLAGS``
 before the backend starts and no subprocess is needed. The dump's thunk sequence gives each
 kernel's grid, threads and dynamic shared memory; ``ptxas -v`` (the ``nvidia-cuda-nvcc``
-wheel's) on its PTX gives registers and spilled bytes. On a TPU the compiled program
-exposes no per-kernel register or VMEM figures through JAX; its rows carry the kernel's
-cost and roofline only.
+wheel's) on its PTX gives registers and spilled bytes. Mosaic GPU kernels (``pl.kernel``
+equations, ``mpmd_map``) are compiled by the CUDA plugin instead: their figures come from its
+dumps where ``MOSAIC_GPU_DUMP_TO`` and ``MOSAIC_GPU_DUMP_PTXAS=1`` were set before the
+process's first Mosaic GPU compile (see ``_with_mosaic_figures``), else stay empty. On a
+TPU the compiled program exposes no per-kernel register or VMEM figures through JAX; its
+rows carry the kernel's cost and roofline only.
 
 Roofline: from each ``pallas_call``'s ``CostEstimate`` (flops, bytes accessed), the time
 at the target's peak FLOP/s (for the dtype of its first operand) or peak HBM bandwidth,
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 import re
 import shutil
@@ -210,6 +214,7 @@ def compile(fn: Callable[..., Any], *args: Any, target: str | targets.Target,
             # the emitters it names; 0.10's wrote it with xla_dump_to alone.
             options = ({"xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"}
                        if t.platform == "gpu" else {})
+            mosaic_before = _mosaic_dumps()
             compiled = lowered.compile(options)
         except Exception as e:  # the compiler's verdict, reported, not raised
             return Report(t, False, _message(e), time.perf_counter() - start, {}, (), ())
@@ -217,6 +222,7 @@ def compile(fn: Callable[..., Any], *args: Any, target: str | targets.Target,
         seconds = time.perf_counter() - start
         if t.platform == "gpu":
             kernels = _with_gpu_figures(kernels, dump, t)
+            kernels = _with_mosaic_figures(kernels, _mosaic_dumps() - mosaic_before, t)
         return Report(t, True, None, seconds, _memory(compiled), tuple(kernels),
                       tuple(copies(compiled.as_text())))
     finally:
@@ -248,13 +254,17 @@ def _subjaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
                 yield v
 
 
+# The equations of Pallas kernels: ``pallas_call``, and ``mpmd_map`` (``pl.kernel`` over a
+# Mosaic GPU mesh, which carries the cost estimate and name ``plgpu.kernel`` does not).
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
+
+
 def pallas_calls(jaxpr: Any) -> Iterator[Any]:
-    """Every ``pallas_call`` equation of a (closed) jaxpr, nested ones included (outside
-    the kernels' own bodies), and every ``mpmd_map`` (a ``pl.kernel`` on a Mosaic GPU mesh;
-    its params carry ``name`` and ``cost_estimate`` as a ``pallas_call``'s do)."""
+    """Every Pallas kernel equation (:data:`KERNEL_PRIMITIVES`) of a (closed) jaxpr, nested
+    ones included (outside the kernels' own bodies)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+        if eqn.primitive.name in KERNEL_PRIMITIVES:
             yield eqn
             continue
         for sub in _subjaxprs(eqn.params):
@@ -358,6 +368,59 @@ def _with_gpu_figures(kernels: list[Kernel], dump: pathlib.Path,
             shared_memory=max(s[2] for s in shapes),
             registers=max((f[0] for f in figures), default=None),
             spilled_bytes=max((f[1] for f in figures), default=None)))
+    return out
+
+
+# Mosaic GPU kernels are compiled by the CUDA plugin's Mosaic GPU pipeline, not XLA's, and
+# are in neither the thunk sequence nor XLA's PTX: their figures come from the plugin's own
+# dumps (``<name>_<i>.ptx``/``.ptxas`` and ``.mlir-passes.log``), written where
+# MOSAIC_GPU_DUMP_TO names (with MOSAIC_GPU_DUMP_PTXAS=1) if both are set before the
+# process's first Mosaic GPU compile (the plugin reads them once); else those columns stay
+# empty, as they do for a kernel identical to one compiled before in the process (the
+# plugin reuses it and dumps nothing).
+_LAUNCH = re.compile(
+    r"gpu\.launch .*?blocks\([^)]*\) in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = "
+    r"%c(\d+)\w*\) threads\([^)]*\) in \(%\w+ = %c(\d+)\w*, %\w+ = %c(\d+)\w*, %\w+ = "
+    r"%c(\d+)\w*\) dynamic_shared_memory_size %c(\d+)_i32")
+
+
+def _mosaic_dumps() -> set[tuple[pathlib.Path, int]]:
+    """The files of the Mosaic GPU dump directory with their modification times."""
+    root = os.environ.get("MOSAIC_GPU_DUMP_TO")
+    if not root or not os.path.isdir(root):
+        return set()
+    return {(f, f.stat().st_mtime_ns) for f in pathlib.Path(root).glob("*")}
+
+
+def _with_mosaic_figures(kernels: list[Kernel], written: set[tuple[pathlib.Path, int]],
+                         t: targets.Target) -> list[Kernel]:
+    files = {f for f, _ in written}
+    out = []
+    for k in kernels:
+        mine = {f for f in files if re.fullmatch(re.escape(k.name) + r"_\d+\..*", f.name)}
+        if k.registers is not None or not mine:
+            out.append(k)
+            continue
+        figures, launches = [], []
+        for f in sorted(mine):
+            if f.suffix == ".ptxas":
+                text = f.read_text()
+                regs, spill = _REGS.search(text), _SPILL.search(text)
+                if regs:
+                    figures.append((int(regs.group(1)), int(spill.group(1)) if spill else 0))
+            elif f.suffix == ".ptx" and f.with_suffix(".ptxas") not in mine:
+                figures += ptxas_figures(f, _arch(t)).values()
+            elif f.name.endswith(".mlir-passes.log"):
+                with f.open() as log:
+                    m = next((m for line in log if (m := _LAUNCH.search(line))), None)
+                if m:
+                    launches.append(tuple(int(v) for v in m.groups()))
+        out.append(dataclasses.replace(
+            k, registers=max((r for r, _ in figures), default=None),
+            spilled_bytes=max((s for _, s in figures), default=None),
+            grid=launches[0][:3] if launches else None,
+            threads=launches[0][3:6] if launches else None,
+            shared_memory=max((x[6] for x in launches), default=None)))
     return out
 
 

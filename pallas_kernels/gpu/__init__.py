@@ -10,6 +10,8 @@
 * Mosaic GPU kernels (Hopper+; ``"mosaic_gpu"`` on GPU once verified,
   ``"mosaic_gpu_interpret"`` by name everywhere), ``mosaic_*.py``; ``_mosaic.py``: what they
   share (compute capability, the Mosaic GPU interpreter).
+* ``mosaic_quantized_matmul.py``: ``"mosaic_gpu"`` (Hopper+), Mosaic GPU kernels (see
+  ``_mosaic.py``): int8/fp8/int4 weights dequantized in registers feeding WGMMA.
 * ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``
   (a library call, not a kernel of ours).
 """
@@ -21,6 +23,7 @@ from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers t
     jax_triton_elementwise,
     mosaic_paged_attention,
     mosaic_ragged_paged_attention,
+    mosaic_quantized_matmul,
     paged_attention,
     rms_norm,
     rope,

@@ -78,19 +78,19 @@ def kernel(body: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     return _compat.mosaic_gpu_kernel(body, **kwargs)
 
 
-def costed_kernel(body: Callable[..., Any], *, out_shape: Any, grid: tuple[int, ...],
-                  grid_names: tuple[str, ...], name: str, cost_estimate: Any,
-                  compiler_params: Any = None, interpret: bool = False) -> Callable[..., Any]:
-    """A Mosaic GPU kernel over ``grid`` (one warpgroup per program) that carries its
-    ``name`` and ``cost_estimate`` (``plgpu.kernel`` takes neither): ``pl.kernel`` on a
-    ``plgpu.Mesh``, in the Mosaic GPU interpreter (:func:`interpret_params`) if
-    ``interpret``. The body allocates its own scratch (``pl.run_scoped``)."""
-    plgpu = _compat.pallas_mosaic_gpu()
-    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names)
-    return _compat.pallas().kernel(body, out_type=out_shape, mesh=mesh, name=name,
-                                   cost_estimate=cost_estimate,
-                                   compiler_params=compiler_params,
-                                   interpret=interpret_params() if interpret else False)
+def mesh_kernel(body: Callable[..., Any], *, out_shape: Any, grid: tuple[int, ...],
+                grid_names: tuple[str, ...], cost_estimate: Any, name: str,
+                compiler_params: Any = None, interpret: bool = False,
+                **mesh_kwargs: Any) -> Callable[..., Any]:
+    """A Mosaic GPU kernel over ``grid`` (``lax.axis_index(grid_names[i])``) that carries a
+    ``cost_estimate`` and ``name=`` into the jaxpr (``pl.kernel`` on a ``plgpu.Mesh``, an
+    ``mpmd_map`` equation that :mod:`forge_jax.aot` reports on), run in the Mosaic GPU
+    interpreter with :func:`interpret_params` if ``interpret``. ``body`` takes the
+    inputs' and outputs' refs (scratch: ``pl.run_scoped`` inside)."""
+    return _compat.mosaic_gpu_mesh_kernel(
+        body, out_shape=out_shape, grid=grid, grid_names=grid_names,
+        cost_estimate=cost_estimate, name=name, compiler_params=compiler_params,
+        interpret=interpret_params() if interpret else False, **mesh_kwargs)
 
 
 def layout_cast(x: Any, layout: Any, *, interpret: bool) -> Any:

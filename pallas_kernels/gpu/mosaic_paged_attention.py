@@ -371,7 +371,7 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
                  jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32),
                  jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32))
     kv_bytes = 2 * items * kv_heads * max_pages * page_size * head_dim * k_pages.dtype.itemsize
-    call = _mosaic.costed_kernel(
+    call = _mosaic.mesh_kernel(
         kernel, out_shape=out_shape, grid=(items, kv_heads, num_splits),
         grid_names=("item", "head", "split"), name="forge_jax_mosaic_paged_attention",
         cost_estimate=_cost.attention(

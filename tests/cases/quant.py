@@ -34,3 +34,11 @@ def dequantize(q) -> np.ndarray:
     if q.minimums is not None:
         out = out + spread(q.minimums)
     return out
+
+
+
+def dequantize_rounded(q, dtype) -> np.ndarray:
+    """:func:`dequantize` rounded once to float32, then to ``dtype``, as float64: the
+    weights a kernel that dequantizes ``scale * value + minimum`` in float32 (one fused
+    multiply-add, as XLA on CPU and ptxas contract it) and rounds to ``dtype`` multiplies."""
+    return dequantize(q).astype(np.float32).astype(np.dtype(dtype)).astype(np.float64)
