@@ -154,3 +154,11 @@ def repack(k_like: Any, v_like: Any, out: tuple) -> tuple[Any, Any]:
         return out
     k, v, k_scales, v_scales = out
     return with_values(k_like, k, k_scales), with_values(v_like, v, v_scales)
+
+
+def bytes_per_value(format: str | None, dtype: Any, head_dim: int) -> float:
+    """Bytes a KV cache stores per key (or value) element: ``dtype``'s size for a float
+    cache (``format`` None), one byte plus a float32 scale per ``head_dim`` for int8/fp8."""
+    if kv_format("format", format) is None:
+        return float(jnp.dtype(dtype).itemsize)
+    return 1.0 + 4.0 / head_dim
