@@ -126,3 +126,10 @@ def test_generate_prints_the_weight_and_cache_bytes(capsys):
     line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("memory:"))
     assert line == ("memory:  weights 1.25 MB, KV cache 0.07 MB (paged, int8, scales "
                     "included; measured from the arrays)")
+
+
+def test_info_states_the_quantized_kv_bytes(capsys):
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0
+    line = next(s for s in out.splitlines() if "--kv-cache-dtype" in s)
+    assert "0.53x at head_dim 64" in line and "float32 scale per token and KV head" in line
