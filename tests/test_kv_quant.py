@@ -148,3 +148,26 @@ def test_mixed_pools_and_unknown_formats_raise():
         fj.paged_write(kq, jnp.zeros(vq.shape), k, v, slots)
     with pytest.raises(ValueError, match=r"format must be 'int8' or 'fp8'.*got format='int4'"):
         kv_quant.empty_pool((2, 2, 2, 2), "int4")
+
+
+def test_quantized_pools_split_by_kv_head_on_a_mesh():
+    from forge_jax import sharding
+
+    gen = rng(4)
+    k_pages, v_pages = _pools("int8", kv_heads=4, num_pages=4)
+    k, v = (jnp.asarray(gen.standard_normal((6, 4, 8)), F32) for _ in range(2))
+    q = jnp.asarray(gen.standard_normal((2, 8, 8)), F32)
+    tables, lengths = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([4, 2], jnp.int32)
+    slots = jnp.asarray([0, 1, 2, 3, 8, 9], jnp.int32)
+
+    def step(k_pages, v_pages):
+        k_pages, v_pages = fj.paged_write(k_pages, v_pages, k, v, slots)
+        k_pages, v_pages = fj.copy_pages(k_pages, v_pages, jnp.asarray([[0, 3]], jnp.int32))
+        return k_pages, fj.paged_attention(q, k_pages, v_pages, tables, lengths)
+
+    want_pool, want = jax.jit(step)(k_pages, v_pages)
+    with sharding.use_mesh(sharding.make_mesh("dp=2,tp=2")):
+        pool, out = jax.jit(step)(k_pages, v_pages)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    np.testing.assert_array_equal(dequantize(pool), dequantize(want_pool))
+    assert np.abs(np.asarray(out)).max() > 0
