@@ -133,3 +133,19 @@ def test_info_states_the_quantized_kv_bytes(capsys):
     assert rc == 0
     line = next(s for s in out.splitlines() if "--kv-cache-dtype" in s)
     assert "0.53x at head_dim 64" in line and "float32 scale per token and KV head" in line
+
+
+def test_chat_session_keeps_an_int8_cache(chat_model, chat_tokenizer):
+    from forge_jax.models import text
+    from forge_jax.models.chat_session import ChatSession
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'int8' or 'fp8'"):
+        ChatSession(chat_model, chat_tokenizer, kv_cache_dtype="int4")
+    session = ChatSession(chat_model, chat_tokenizer, max_new_tokens=4, kv_cache_dtype="int8")
+    reply = session.send("Hello there")
+    # The session's chunked prefill over its kept cache and generate's over a fresh one
+    # read the same quantized keys and values.
+    assert reply == text.chat(chat_model, chat_tokenizer, [{"role": "user", "content":
+                                                            "Hello there"}],
+                              max_new_tokens=4, kv_cache_dtype="int8")
+    assert session.kv_cache_dtype == "int8" and session.last_turn.new_tokens == 4
