@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from forge_jax.ops import kv_quant
 from forge_jax.quant import bits_per_value
 
 GIB = 1024 ** 3
@@ -75,7 +76,8 @@ def _itemsize(dtype) -> int:
 def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_len: int | None
                               = None, param_dtype=jnp.float32, dtype=jnp.float32,
                               cache_dtype=None, quantize: str | None = None,
-                              group_size: int | None = None) -> InferenceMemory:
+                              group_size: int | None = None,
+                              kv_cache_dtype: str | None = None) -> InferenceMemory:
     """Estimates the memory of running a Llama-family model.
 
     Args:
@@ -96,6 +98,8 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
         quantize=...)`` stores them.
       group_size: the quantization group along the in axis (int4 default 32; int8 and
         fp8: one scale per output channel).
+      kv_cache_dtype: ``"int8"`` or ``"fp8"``: a quantized KV cache, counted at a byte per
+        value plus a float32 scale per token and KV head (:mod:`forge_jax.ops.kv_quant`).
 
     Returns:
       An :class:`InferenceMemory` (bytes).
@@ -128,7 +132,8 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
         weights += linear * bits / 8
 
     cache_dtype = dtype if cache_dtype is None else cache_dtype
-    kv_cache = 2 * layers * batch * max_len * kv_dim * _itemsize(cache_dtype)
+    kv_cache = 2 * layers * batch * max_len * kv_dim * kv_quant.bytes_per_value(
+        kv_cache_dtype, cache_dtype, head_dim)
 
     t = max_len if prefill_len is None else prefill_len
     act = _itemsize(dtype)

@@ -50,6 +50,7 @@ from forge_jax.models import generation
 from forge_jax.models import steps as steps_lib
 from forge_jax.models import text as text_lib
 from forge_jax.models.llama_model import Llama
+from forge_jax.ops import kv_quant
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -130,6 +131,8 @@ class ChatSession:
       max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         eos_token_id, generation_config: as in :func:`~forge_jax.models.text.generate_text`
         (defaults from the checkpoint's generation_config.json).
+      kv_cache_dtype: ``"int8"`` or ``"fp8"`` for a quantized KV cache (None: the model's
+        compute dtype).
 
     Raises:
       forge_jax.models.text.ChatTemplateError: the tokenizer has no chat template.
@@ -142,7 +145,8 @@ class ChatSession:
                  top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int = 0,
                  eos_token_id: int | Sequence[int] | None = None,
-                 generation_config: text_lib.GenerationConfig | None = None):
+                 generation_config: text_lib.GenerationConfig | None = None,
+                 kv_cache_dtype: str | None = None):
         if not tokenizer.chat_template:
             raise text_lib.ChatTemplateError(
                 f"{tokenizer.name} has no chat template (no 'chat_template' in "
@@ -160,6 +164,7 @@ class ChatSession:
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
                 or prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk=!r}")
+        self.kv_cache_dtype = kv_quant.kv_format("kv_cache_dtype", kv_cache_dtype)
         if system is not None:
             text_lib.check_messages([{"role": "system", "content": system}])
         gen_config = tokenizer.generation_config if generation_config is None \
@@ -182,7 +187,8 @@ class ChatSession:
         self.page_size = page_size
         generation.check_generation_fits(
             config, batch=1, longest_prompt=max_context - 1, max_new_tokens=1, cache="paged",
-            page_size=page_size, param_dtype=model.param_dtype, dtype=model.dtype)
+            page_size=page_size, param_dtype=model.param_dtype, dtype=model.dtype,
+            kv_cache_dtype=self.kv_cache_dtype)
         self._cache = self._new_cache()
         self._graphdef, self._state = nnx.split(model)
         self._statics = steps_lib.step_statics(self._graphdef, self.sampling.mode)
@@ -201,7 +207,7 @@ class ChatSession:
         return PagedKVCache.create(
             num_layers=config.num_hidden_layers, num_pages=pages, page_size=self.page_size,
             kv_heads=self.model.kv_heads, head_dim=config.head_dim, dtype=self.model.dtype,
-            block_tables=np.arange(pages, dtype=np.int32)[None])
+            block_tables=np.arange(pages, dtype=np.int32)[None], quantize=self.kv_cache_dtype)
 
     def reset(self) -> None:
         """Forgets the conversation (the system message stays); the next turn prefills

@@ -23,62 +23,10 @@ from forge_jax import memory as fj_memory
 from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
 from forge_jax.models import llama_sharding
 from forge_jax.models import sampling as sampling_lib
+from forge_jax.models.generation_stats import GenerationStats
 from forge_jax.models.llama_model import Llama, LlamaConfig
 from forge_jax.models.steps import decode_step, prefill_step, seen_tokens, step_statics
-
-
-@dataclasses.dataclass
-class GenerationStats:
-    """Timings and sizes of one :func:`generate_with_stats` call.
-
-    Attributes:
-      batch: the number of prompts.
-      padded_batch, prompt_bucket, cache_len: the bucketed shapes the steps ran with
-        (batch padded to a power of two, prompts padded to a power of two >= 8, cache
-        length per sequence).
-      cache: "paged" or "contiguous".
-      max_new_tokens: the tokens asked for per prompt (0: nothing ran; 1: the prefill
-        gives the only token, so there are no decode steps).
-      prompt_tokens: prompt tokens summed over the batch (padding excluded).
-      new_tokens: tokens returned, summed over the batch.
-      decode_tokens: tokens returned that decode steps produced (the first new token of
-        each prompt comes from the prefill).
-      decode_steps: decode steps run. With eos ids, one more than needed when
-        every sequence stops early (eos is checked one step behind, so the host never
-        stalls the device).
-      compile_seconds: tracing and compiling both steps (about 0 when cached), and the
-        prefill's warm-up run with ``warm_up=True``.
-      prefill_seconds: the prefill step, compilation excluded.
-      decode_seconds: all decode steps, compilation excluded.
-    """
-
-    batch: int
-    padded_batch: int
-    prompt_bucket: int
-    cache_len: int
-    cache: str
-    max_new_tokens: int = 0
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    decode_tokens: int = 0
-    decode_steps: int = 0
-    compile_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """Prompt tokens processed per second by the prefill."""
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens generated per second by the decode steps (all sequences together)."""
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def decode_ms_per_step(self) -> float:
-        return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
+from forge_jax.ops import kv_quant
 
 
 def _next_pow2(n: int) -> int:
@@ -164,14 +112,15 @@ def cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
 def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
                           max_new_tokens: int, cache: str = "paged", page_size: int = 16,
                           param_dtype=jnp.float32, dtype=jnp.float32, cache_dtype=None,
-                          mesh=None) -> None:
+                          mesh=None, kv_cache_dtype: str | None = None) -> None:
     """Raises ``forge_jax.memory.InsufficientMemoryError`` if :func:`generate` with these
     sizes would not fit its KV cache and activations in the device's free memory.
 
     :func:`generate` runs this check itself; it is public so that a caller can run it
     before building a large batch of prompts (the CLI does, for ``--num-problems``).
     ``mesh`` (a :class:`forge_jax.sharding.MeshConfig`, as on a sharded model): count
-    one device's share of the cache.
+    one device's share of the cache. ``kv_cache_dtype``: ``"int8"``/``"fp8"`` for a
+    quantized cache (a byte per value and a float32 scale per token and KV head).
     """
     cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
     padded_batch, prompt_bucket, cache_len, max_pages = cache_plan(
@@ -188,10 +137,12 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
         cache_bytes = 2 * config.num_hidden_layers * padded_batch * max_pages * page_size * kv_dim
     else:
         cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
-    cache_bytes *= cache_dtype.itemsize
+    cache_bytes = int(cache_bytes * kv_quant.bytes_per_value(kv_cache_dtype, cache_dtype,
+                                                             config.head_dim))
     need = fj_memory.estimate_inference_memory(
         config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
-        param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype)
+        param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype,
+        kv_cache_dtype=kv_cache_dtype)
     fj_memory.check_fits(cache_bytes + need.activations,
                          what=f"a {cache} KV cache for {padded_batch} x {cache_len} tokens "
                               f"plus activations")
@@ -223,6 +174,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
                         min_p: float | None = None, repetition_penalty: float | None = None,
                         seed: int = 0, cache: str = "paged", page_size: int = 16,
                         eos_token_id: int | Sequence[int] | None = None, cache_dtype=None,
+                        kv_cache_dtype: str | None = None,
                         progress: Callable[[int, int], None] | None = None,
                         allow_beyond_max_positions: bool = False,
                         on_tokens: Callable[[int, np.ndarray], None] | None = None,
@@ -247,7 +199,12 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     a 30-layer 135M model), which then counts in ``compile_seconds``, not in
     ``prefill_seconds`` (the time to the first token). The CLI uses it; it costs one more
     prefill's time in total.
+
+    ``cache_dtype`` is the KV cache's float dtype (default the model's compute dtype);
+    ``kv_cache_dtype`` (``"int8"`` or ``"fp8"``, default None) quantizes it, as in
+    :func:`generate`.
     """
+    kv_cache_dtype = kv_quant.kv_format("kv_cache_dtype", kv_cache_dtype)
     plan = _plan(model, prompts, max_new_tokens, cache=cache, page_size=page_size, seed=seed,
                  allow_beyond_max_positions=allow_beyond_max_positions)
     sampling = sampling_lib.SamplingParams(temperature, top_k, top_p, min_p,
@@ -257,12 +214,14 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     stats = GenerationStats(
         batch=plan.batch, padded_batch=plan.padded_batch, prompt_bucket=plan.prompt_bucket,
         cache_len=plan.cache_len, cache=plan.cache, max_new_tokens=plan.max_new_tokens,
-        prompt_tokens=int(plan.lengths.sum()))
+        prompt_tokens=int(plan.lengths.sum()), kv_cache_dtype=kv_cache_dtype)
     if plan.max_new_tokens == 0:
         return [[] for _ in plan.prompts], stats
 
-    kv = _create_cache(model, plan, cache_dtype)
+    kv = _create_cache(model, plan, cache_dtype, kv_cache_dtype)
     graphdef, state = nnx.split(model)
+    stats.weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(state))
+    stats.cache_bytes = kv.nbytes
     inputs = _place_inputs(model, plan, sampling, seed)
     statics = step_statics(graphdef, sampling.mode)
 
@@ -335,7 +294,7 @@ def _plan(model: Llama, prompts, max_new_tokens, *, cache, page_size, seed,
     return _Plan(prompts, max_new_tokens, cache, page_size, *shapes)
 
 
-def _create_cache(model: Llama, plan: _Plan, cache_dtype):
+def _create_cache(model: Llama, plan: _Plan, cache_dtype, kv_cache_dtype):
     """The KV cache for the plan, after checking that it fits (on a mesh: created in its
     shards). A paged cache has each prompt's pages allocated up front for its prompt and
     ``max_new_tokens``; batch padding rows hold none."""
@@ -344,7 +303,8 @@ def _create_cache(model: Llama, plan: _Plan, cache_dtype):
     check_generation_fits(config, batch=plan.batch, longest_prompt=int(lengths.max()),
                           max_new_tokens=plan.max_new_tokens, cache=plan.cache,
                           page_size=plan.page_size, param_dtype=model.param_dtype,
-                          dtype=model.dtype, cache_dtype=cache_dtype, mesh=mesh)
+                          dtype=model.dtype, cache_dtype=cache_dtype, mesh=mesh,
+                          kv_cache_dtype=kv_cache_dtype)
     if plan.cache == "paged":
         num_pages = plan.padded_batch * plan.max_pages
         manager = BlockManager(num_pages, plan.page_size)
@@ -356,12 +316,12 @@ def _create_cache(model: Llama, plan: _Plan, cache_dtype):
         make_cache = functools.partial(
             PagedKVCache.create, num_layers=config.num_hidden_layers, num_pages=num_pages,
             page_size=plan.page_size, kv_heads=model.kv_heads, head_dim=config.head_dim,
-            dtype=cache_dtype, block_tables=block_tables)
+            dtype=cache_dtype, block_tables=block_tables, quantize=kv_cache_dtype)
     else:
         make_cache = functools.partial(
             ContiguousKVCache.create, num_layers=config.num_hidden_layers,
             batch=plan.padded_batch, max_len=plan.cache_len, kv_heads=model.kv_heads,
-            head_dim=config.head_dim, dtype=cache_dtype)
+            head_dim=config.head_dim, dtype=cache_dtype, quantize=kv_cache_dtype)
     return llama_sharding.create_cache(make_cache, mesh)
 
 
@@ -516,7 +476,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
              top_p: float | None = None, min_p: float | None = None,
              repetition_penalty: float | None = None, seed: int = 0, cache: str = "paged",
              page_size: int = 16, eos_token_id: int | Sequence[int] | None = None,
-             allow_beyond_max_positions: bool = False) -> list[list[int]]:
+             allow_beyond_max_positions: bool = False,
+             kv_cache_dtype: str | None = None) -> list[list[int]]:
     """Generates continuations of a batch of prompts of different lengths.
 
     Runs one jitted prefill over the right-padded prompts, then jitted decode steps of
@@ -557,6 +518,9 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
       allow_beyond_max_positions: run prompts whose length plus ``max_new_tokens``
         exceeds ``config.max_position_embeddings`` (for a model whose RoPE scaling
         extends the range); otherwise they raise ValueError before any work.
+      kv_cache_dtype: ``"int8"`` or ``"fp8"`` (e4m3) for a quantized KV cache, a scale per
+        token and KV head (:mod:`forge_jax.ops.kv_quant`): about half a bfloat16 cache's
+        bytes, a quarter of a float32 one's; None (the default): the model's compute dtype.
 
     Returns:
       For each prompt, the list of new token ids (the prompt not included).
@@ -575,4 +539,5 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
                                top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=repetition_penalty, seed=seed, cache=cache,
                                page_size=page_size, eos_token_id=eos_token_id,
-                               allow_beyond_max_positions=allow_beyond_max_positions)[0]
+                               allow_beyond_max_positions=allow_beyond_max_positions,
+                               kv_cache_dtype=kv_cache_dtype)[0]

@@ -467,8 +467,9 @@ class Llama(nnx.Module):
         def attend(i, q, k, v, cache, **kw):
             cache = cache.write(i, k, v, positions, valid)
             if empty_cache:
-                # The keys as the cache holds them (its dtype), as decode will read them.
-                k, v = k.astype(cache.dtype), v.astype(cache.dtype)
+                # The keys as the cache holds them (its dtype, quantized and dequantized
+                # for a quantized cache), as decode will read them.
+                k, v = cache.as_stored(k), cache.as_stored(v)
                 return fj.attention(q, k, v, causal=True, **kw), cache
             return cache.attend(i, q, q_positions=positions, kv_lengths=new_lengths,
                                 **kw), cache

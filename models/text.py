@@ -376,7 +376,7 @@ def generate_text(model: Llama, tokenizer: Tokenizer, prompts: str | Sequence[st
                   add_special_tokens: bool = True,
                   generation_config: GenerationConfig | None = None,
                   stream: Callable[[int, str], None] | None = None,
-                  cache: str = "paged") -> str | list[str]:
+                  cache: str = "paged", kv_cache_dtype: str | None = None) -> str | list[str]:
     """Continues text prompts: encode, :func:`~forge_jax.models.generation.generate`,
     decode.
 
@@ -400,6 +400,8 @@ def generate_text(model: Llama, tokenizer: Tokenizer, prompts: str | Sequence[st
       stream: called as ``stream(index, piece)`` with each piece of text of prompt
         ``index`` as it is decoded (the pieces of a prompt concatenate to its result).
       cache: ``"paged"`` or ``"contiguous"``.
+      kv_cache_dtype: ``"int8"`` or ``"fp8"`` for a quantized KV cache (None: the model's
+        compute dtype), as in :func:`~forge_jax.models.generation.generate`.
 
     Returns:
       The generated text (without the prompt and the eos token): a string for a string
@@ -422,7 +424,7 @@ def generate_text(model: Llama, tokenizer: Tokenizer, prompts: str | Sequence[st
                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          repetition_penalty=repetition_penalty, seed=seed,
                          eos_token_id=eos_token_id, generation_config=generation_config,
-                         stream=stream, cache=cache)[0]
+                         stream=stream, cache=cache, kv_cache_dtype=kv_cache_dtype)[0]
     return texts[0] if single else texts
 
 
@@ -441,7 +443,8 @@ def chat(model: Llama, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any
          repetition_penalty: float | None = None, seed: int = 0,
          eos_token_id: int | Sequence[int] | None = None,
          generation_config: GenerationConfig | None = None,
-         stream: Callable[[str], None] | None = None, cache: str = "paged") -> str:
+         stream: Callable[[str], None] | None = None, cache: str = "paged",
+         kv_cache_dtype: str | None = None) -> str:
     """The assistant's reply to a conversation, rendered with the checkpoint's chat
     template (``add_generation_prompt=True``).
 
@@ -463,4 +466,4 @@ def chat(model: Llama, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any
                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty, seed=seed,
                         eos_token_id=eos_token_id, generation_config=generation_config,
-                        stream=on_text, cache=cache)[0][0]
+                        stream=on_text, cache=cache, kv_cache_dtype=kv_cache_dtype)[0][0]

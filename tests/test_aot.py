@@ -55,6 +55,16 @@ def _ragged(dtype, tokens, seqs, heads, head_dim, *, pages=64, page_size=16, per
             S((seqs,), jnp.int32), S((seqs + 1,), jnp.int32), S((), jnp.int32))
 
 
+def _quantized(args, format):
+    """``args`` with the K and V pools (``args[1:3]``) as int8/fp8 pools of their shape: values
+    and a float32 scale per token and KV head (forge_jax/ops/kv_quant.py)."""
+    pool = args[1]
+    values = jnp.int8 if format == "int8" else jnp.float8_e4m3fn
+    quantized = fj.QuantizedArray(S(pool.shape, values), S(pool.shape[:3] + (1,), F32), None,
+                                  format, (pool.shape[3],), pool.dtype)
+    return (args[0], quantized, quantized, *args[3:])
+
+
 LLAMA = shapes.LLAMA3_8B_HEADS
 SMOL = shapes.SMOLLM2_135M_HEADS
 
@@ -103,6 +113,12 @@ TPU_CASES = {
     "paged decode smollm bf16": ("paged_attention", _paged(BF16, 4, SMOL[:2], SMOL[2]), {}),
     "ragged smollm bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, SMOL[:2], SMOL[2]),
                            {}),
+    # Quantized KV pools (pages of 32 tokens: int8's sublane tile); compiled for v5e with
+    # libtpu 0.0.42.1, JAX 0.10.2, 2026-11-25.
+    "paged decode smollm int8 kv": ("paged_attention", _quantized(
+        _paged(BF16, 4, SMOL[:2], SMOL[2], page_size=32), "int8"), {}),
+    "ragged llama fp8 kv": ("ragged_paged_attention", _quantized(
+        _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2], page_size=32), "fp8"), {}),
     "paged chunk llama bf16": ("paged_attention",
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),

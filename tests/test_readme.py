@@ -36,6 +36,13 @@ assert 0.24 < int8_bytes / float_bytes < 0.28, int8_bytes / float_bytes
 want = np.ones((2, 128)) @ np.asarray(fj.dequantize(q), np.float64).T
 assert y.shape == (2, 64) and np.allclose(np.asarray(y), want, atol=1e-4)
 """,
+    "kv_pool_bytes": """
+import numpy as np
+assert kv_pool_bytes / (2 * 16 * 16 * 64 * 2) == (64 + 4) / 128, kv_pool_bytes
+dense = np.asarray(fj.dequantize(k_pages), np.float64)[:, :2].reshape(2, 32, 64)[:, :20]
+assert np.abs(dense - np.swapaxes(np.asarray(k), 0, 1)).max() < 0.03
+assert quant_out.shape == (1, 8, 64) and np.isfinite(np.asarray(quant_out)).all()
+""",
     "answers": """
 assert answers == ["001", "1231"], answers
 """,

@@ -39,6 +39,17 @@ def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
                              "products are several times slower, bfloat16 on GPU and TPU)")
 
 
+KV_CACHE_DTYPES = ("int8", "fp8")
+
+
+def add_kv_cache_flag(parser: argparse.ArgumentParser) -> None:
+    # choices: a wrong value is a one-line usage error before anything is read or loaded.
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="quantize the KV cache: int8 or fp8 (e4m3) keys and values with "
+                             "a float32 scale per token and KV head, about half a bfloat16 "
+                             "cache's bytes (default: the compute dtype)")
+
+
 def resolve_dtype(args: argparse.Namespace) -> None:
     """Sets ``args.dtype`` to the platform's default when not given; ``--dtype bfloat16`` on
     CPU gets a one-line note on stderr that it will be slow."""

@@ -33,6 +33,7 @@ def add_parser(subparsers) -> None:
                            "max_position_embeddings, at most 4096)")
     _flags.add_sampling_flags(chat)
     _flags.add_dtype_flag(chat)
+    _flags.add_kv_cache_flag(chat)
     chat.add_argument("--seed", type=int, default=0, help="sampling seed")
     chat.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True,
                       help="after each reply, its time to first token and speed on stderr")
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, max_context=args.max_context, system=args.system,
             max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,
             top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty, seed=args.seed)
+            repetition_penalty=sampling.repetition_penalty, seed=args.seed,
+            kv_cache_dtype=args.kv_cache_dtype)
         decoding = _flags.describe_sampling(args, sampling, tokenizer.generation_config)
         print(f"{describe(model, path, args)}; context {session.max_context} tokens; "
               f"{decoding}. One message per line; /help lists the commands; Ctrl-C stops a "

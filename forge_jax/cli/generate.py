@@ -37,6 +37,7 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print a single --prompt's completion as it is decoded (default: on)")
     gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
+    _flags.add_kv_cache_flag(gen)
     gen.add_argument("--implementation", default=None,
                      help="preferred op implementation (forge_jax.use_implementation), e.g. xla")
     _flags.add_dtype_flag(gen)
@@ -129,6 +130,9 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--show must be >= 0, got {args.show}")
     _flags.check_seed(args.seed)
     _flags.check_implementation_env()
+    if args.mesh is not None and args.kv_cache_dtype is not None:
+        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} runs on one device; it does "
+                         f"not combine with --mesh yet")
     if args.mesh is not None:
         from forge_jax import sharding
 
@@ -282,7 +286,7 @@ class _ProgressLine:
             self.stream.flush()
 
 
-def _print_stats(stats, generated) -> None:
+def print_stats(stats, generated) -> None:
     """The prefill, decode and compile lines; ``generated``: the new ids of each sequence
     (eos included), to count the decode steps that ran past the last eos."""
     if stats.max_new_tokens == 0:
@@ -308,6 +312,9 @@ def _print_stats(stats, generated) -> None:
               "from the prefill)")
     steps = "the prefill step" if stats.max_new_tokens == 1 else "prefill and decode steps"
     print(f"compile: {stats.compile_seconds:.1f} s ({steps}; not in the rates)")
+    kv = f"{stats.kv_cache_dtype}, scales included" if stats.kv_cache_dtype else "float"
+    print(f"memory:  weights {stats.weight_bytes / 1e6:.2f} MB, KV cache "
+          f"{stats.cache_bytes / 1e6:.2f} MB ({stats.cache}, {kv}; measured from the arrays)")
 
 
 def _print_selections() -> None:
@@ -343,7 +350,7 @@ def _check_task(task, config, args, path, mesh=None) -> None:
     try:
         llama.check_generation_fits(config, batch=args.num_problems, longest_prompt=prompt_tokens,
                                     max_new_tokens=max_new, cache=args.cache, param_dtype=dtype,
-                                    dtype=dtype, mesh=mesh)
+                                    dtype=dtype, mesh=mesh, kv_cache_dtype=args.kv_cache_dtype)
     except InsufficientMemoryError as e:
         raise UsageError(f"--num-problems {args.num_problems} is too many: {e}") from None
 
@@ -362,14 +369,15 @@ def _run_task(model, task, args, progress) -> None:
         model, problems, cache=args.cache, temperature=sampling.temperature,
         top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
         repetition_penalty=sampling.repetition_penalty, seed=args.seed, progress=progress,
-        allow_beyond_max_positions=args.allow_long_context, **kw)
+        allow_beyond_max_positions=args.allow_long_context,
+        kv_cache_dtype=args.kv_cache_dtype, **kw)
     progress.close()
     print(f"task: {task.max_digits}-digit addition; the model writes the sum's digits "
           f"least significant first, then <eos>")
     if stats.max_new_tokens == 0:
         print(f"accuracy: not measured (--max-new-tokens 0: no answers generated for the "
               f"{n} problems)")
-        _print_stats(stats, generated)
+        print_stats(stats, generated)
         return
     for p, ids in list(zip(problems, generated, strict=True))[:args.show]:
         text, finished = tasks.decode(ids)
@@ -381,7 +389,7 @@ def _run_task(model, task, args, progress) -> None:
     correct = sum(tasks.is_correct(p, g) for p, g in zip(problems, generated, strict=True))
     print(f"accuracy: {correct}/{n} = {100 * correct / n:.1f}% exact match on fresh held-out "
           f"problems ({_flags.describe_sampling(args, sampling)}; one batch, stop at <eos>)")
-    _print_stats(stats, generated)
+    print_stats(stats, generated)
 
 
 def _prompt_new_tokens(args, config, prompts, generation_config=None) -> int:
@@ -423,7 +431,7 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
         top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
         repetition_penalty=sampling.repetition_penalty, seed=args.seed, cache=args.cache,
         eos_token_id=eos, progress=progress, on_tokens=streamer, warm_up=True,
-        allow_beyond_max_positions=args.allow_long_context)
+        allow_beyond_max_positions=args.allow_long_context, kv_cache_dtype=args.kv_cache_dtype)
     if streamer is not None:
         streamer.close()
         print()
@@ -435,4 +443,4 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
             print(f"prompt:     {tokenizer.decode(prompt, skip_special_tokens=True)!r}")
             print(f"completion: {tokenizer.decode(ids, skip_special_tokens=True)!r}")
     print(f"decoding: {_flags.describe_sampling(args, sampling, generation_config)}")
-    _print_stats(stats, generated)
+    print_stats(stats, generated)

@@ -9,6 +9,11 @@ Device side, two pytrees with the same interface, so a model is written once
   head_dim]`` shared by all sequences, plus ``block_tables`` naming each sequence's
   pages; the choice of a server with many sequences of different lengths.
 
+Both may be quantized (``create(..., quantize="int8")`` or ``"fp8"``): each layer's K and V
+are then int8/fp8 ``QuantizedArray`` buffers with a float32 scale per token and KV head
+(:mod:`forge_jax.ops.kv_quant`), quantized as they are written and dequantized as attention
+reads them; ``cache.nbytes`` counts their bytes, scales included.
+
 Both keep one array per layer in a tuple rather than one stacked ``[layers, ...]``
 array: indexing a stacked array inside ``jit`` made XLA copy the whole stack per step
 in a measurement on CPU (see the KV-cache design issue). Both are registered pytrees,

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _checks
+from forge_jax.ops import kv_quant
 
 
 def layer_index(layer: Any, num_layers: int) -> int:
@@ -70,8 +71,13 @@ def geometry(num_layers: Any, dims: Mapping[str, Any],
     return _checks.positive_int("num_layers", num_layers), shape, float_dtype(dtype)
 
 
-def zeros_per_layer(num_layers: int, shape: tuple[int, ...],
-                    dtype: jnp.dtype) -> tuple[jax.Array, ...]:
+def zeros_per_layer(num_layers: int, shape: tuple[int, ...], dtype: jnp.dtype,
+                    quantize: str | None = None) -> tuple[Any, ...]:
+    """``num_layers`` zero buffers of ``shape``: float ``dtype`` ones, or ``quantize``
+    (``"int8"``/``"fp8"``) pools standing for ``dtype`` (:mod:`forge_jax.ops.kv_quant`)."""
+    quantize = kv_quant.kv_format("quantize", quantize)
+    if quantize is not None:
+        return tuple(kv_quant.empty_pool(shape, quantize, dtype) for _ in range(num_layers))
     return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
 
 
@@ -106,7 +112,29 @@ class KVCacheBase:
 
     @property
     def dtype(self) -> jnp.dtype:
+        """The float dtype of the keys and values (a quantized cache's: what it stands for)."""
         return self._kv()[0][0].dtype
+
+    @property
+    def quantization(self) -> str | None:
+        """``"int8"`` or ``"fp8"`` for a quantized cache (:mod:`forge_jax.ops.kv_quant`),
+        else None."""
+        pool = self._kv()[0][0]
+        return pool.format if kv_quant.is_quantized(pool) else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values (scales included), measured from the arrays."""
+        return sum(int(x.nbytes) for pools in self._kv() for x in pools)
+
+    def as_stored(self, x: jax.Array) -> jax.Array:
+        """``x [..., head_dim]`` as the cache holds and returns it, in :attr:`dtype`:
+        rounded to the dtype, or quantized and dequantized (what attention over the cache
+        will read, e.g. for a prefill that attends its own new keys directly)."""
+        if self.quantization is None:
+            return x.astype(self.dtype)
+        return kv_quant.dequantize_vectors(
+            *kv_quant.quantize_vectors(x, self.quantization)).astype(self.dtype)
 
     def write(self, layer: int, k, v, positions, valid) -> Self:
         """Stores ``k[b, t]`` and ``v[b, t]`` at position ``positions[b, t]`` of layer ``layer``.

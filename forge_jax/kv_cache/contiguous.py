@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, sharding
 from forge_jax.kv_cache import _base
+from forge_jax.ops import kv_quant
 from forge_jax.ops.attention import attention
 
 
@@ -24,7 +25,9 @@ class ContiguousKVCache(_base.KVCacheBase):
     it, :meth:`with_lengths` does.
 
     Attributes:
-      k, v: tuples (one entry per layer) of ``[batch, max_len, kv_heads, head_dim]``.
+      k, v: tuples (one entry per layer) of ``[batch, max_len, kv_heads, head_dim]`` arrays,
+        or of int8/fp8 ``QuantizedArray`` buffers of that shape, a scale per token and KV
+        head (:mod:`forge_jax.ops.kv_quant`).
       lengths: int32 ``[batch]``.
     """
 
@@ -34,12 +37,14 @@ class ContiguousKVCache(_base.KVCacheBase):
 
     @classmethod
     def create(cls, *, num_layers: int, batch: int, max_len: int, kv_heads: int,
-               head_dim: int, dtype: Any = jnp.float32) -> ContiguousKVCache:
-        """An empty cache (zeros, ``lengths == 0``) of the given geometry and dtype."""
+               head_dim: int, dtype: Any = jnp.float32,
+               quantize: str | None = None) -> ContiguousKVCache:
+        """An empty cache (zeros, ``lengths == 0``) of the given geometry and dtype;
+        ``quantize="int8"`` or ``"fp8"`` for quantized buffers standing for ``dtype``."""
         num_layers, shape, dtype = _base.geometry(num_layers, dict(
             batch=batch, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim), dtype)
-        return cls(k=_base.zeros_per_layer(num_layers, shape, dtype),
-                   v=_base.zeros_per_layer(num_layers, shape, dtype),
+        return cls(k=_base.zeros_per_layer(num_layers, shape, dtype, quantize),
+                   v=_base.zeros_per_layer(num_layers, shape, dtype, quantize),
                    lengths=jnp.zeros((shape[0],), jnp.int32))
 
     @property
@@ -72,12 +77,19 @@ class ContiguousKVCache(_base.KVCacheBase):
                                     positions.shape)
             return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="drop")
 
+        def write(buffer, new):
+            return sharding.per_shard(_write_partition, scatter, dict(
+                buffer=jnp.asarray(buffer), new=new, positions=positions))()
+
+        def write_pool(pool, new):
+            if not kv_quant.is_quantized(pool):
+                return write(pool, new)
+            values, scales = kv_quant.quantize_vectors(new, pool.format)
+            return kv_quant.with_values(pool, write(pool.values, values),
+                                        write(pool.scales, scales))
+
         with jax.named_scope("kv_cache_write"):
-            new_k, new_v = (
-                sharding.per_shard(_write_partition, scatter, dict(
-                    buffer=jnp.asarray(buffer), new=new, positions=positions))()
-                for buffer, new in ((self.k[layer], k), (self.v[layer], v)))
-        return new_k, new_v
+            return write_pool(self.k[layer], k), write_pool(self.v[layer], v)
 
     def attend(self, layer: int, q, *, q_positions, kv_lengths, scale=None,
                sliding_window=None, logits_soft_cap=None, implementation=None):
@@ -87,7 +99,8 @@ class ContiguousKVCache(_base.KVCacheBase):
         ``q_positions[b, t]`` sees keys ``j <= q_positions[b, t]`` with
         ``j < kv_lengths[b]`` (and within ``sliding_window`` when given). A cache
         stored in another dtype than ``q`` is promoted for the math (e.g. bfloat16 cache,
-        float32 queries); the result is in ``q.dtype``.
+        float32 queries); the result is in ``q.dtype``. A quantized cache's layer is
+        dequantized (to float32) before :func:`forge_jax.attention` reads it.
 
         Args:
           layer: static layer index.
@@ -103,7 +116,8 @@ class ContiguousKVCache(_base.KVCacheBase):
         _checks.array("q", q, ndim=4)
         # fj.attention reads a cache of another dtype as is (float32 math, q.dtype out):
         # no cast of the whole cache per step.
-        return attention(q, self.k[layer], self.v[layer], scale=scale,
+        k, v = (kv_quant.dequantize_pool(x, jnp.float32) for x in (self.k[layer], self.v[layer]))
+        return attention(q, k, v, scale=scale,
                          q_positions=q_positions, kv_lengths=kv_lengths,
                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                          implementation=implementation)

@@ -25,7 +25,8 @@ class PagedKVCache(_base.KVCacheBase):
 
     Attributes:
       k_pages, v_pages: tuples (one entry per layer) of
-        ``[kv_heads, num_pages, page_size, head_dim]``.
+        ``[kv_heads, num_pages, page_size, head_dim]`` arrays, or of int8/fp8
+        ``QuantizedArray`` pools of that shape (:mod:`forge_jax.ops.kv_quant`).
       block_tables: int32 ``[batch, max_pages]``.
       lengths: int32 ``[batch]``, carried for the caller (see :meth:`with_lengths`).
       page_size: static.
@@ -40,10 +41,12 @@ class PagedKVCache(_base.KVCacheBase):
     @classmethod
     def create(cls, *, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
                head_dim: int, dtype: Any = jnp.float32, block_tables,
-               lengths=None) -> PagedKVCache:
+               lengths=None, quantize: str | None = None) -> PagedKVCache:
         """An empty pool (zeros) with the given block tables (int ``[batch, max_pages]``).
 
-        ``lengths`` (int ``[batch]``) defaults to zeros.
+        ``lengths`` (int ``[batch]``) defaults to zeros. ``quantize``: ``"int8"`` or
+        ``"fp8"`` for quantized pools with a scale per token and KV head, standing for
+        ``dtype`` (:mod:`forge_jax.ops.kv_quant`); None for float pools of ``dtype``.
         """
         num_layers, shape, dtype = _base.geometry(num_layers, dict(
             kv_heads=kv_heads, num_pages=num_pages, page_size=page_size, head_dim=head_dim),
@@ -52,8 +55,8 @@ class PagedKVCache(_base.KVCacheBase):
         batch = block_tables.shape[0]
         lengths = (jnp.zeros((batch,), jnp.int32) if lengths is None
                    else _base.lengths_array("lengths", lengths, batch))
-        return cls(k_pages=_base.zeros_per_layer(num_layers, shape, dtype),
-                   v_pages=_base.zeros_per_layer(num_layers, shape, dtype),
+        return cls(k_pages=_base.zeros_per_layer(num_layers, shape, dtype, quantize),
+                   v_pages=_base.zeros_per_layer(num_layers, shape, dtype, quantize),
                    block_tables=block_tables, lengths=lengths, page_size=shape[2])
 
     @property

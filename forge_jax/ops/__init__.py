@@ -24,6 +24,9 @@ into the op's float32 math, and the result keeps the compute dtype.
   ``paged_gather``), stored in the cache's own dtype (e.g. a bfloat16 cache with float32
   queries). The keys and values of one cache share one dtype (a mix raises TypeError);
   the queries may differ. ``paged_write`` stores new keys and values in the pools' dtype.
+  A pool may also be quantized: an int8 or fp8 ``QuantizedArray`` with a scale per token and
+  KV head (:mod:`forge_jax.ops.kv_quant`), K and V in one format; ``paged_write`` quantizes
+  into it and the attention ops dequantize what they read, with float32 math.
 """
 
 from forge_jax.ops.activation import gelu_tanh_mul, silu_mul, softmax

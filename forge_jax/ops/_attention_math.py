@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forge_jax import _checks
+from forge_jax.ops import kv_quant
 from forge_jax.ops.activation import safe_softmax_f32
 
 # ---------------------------------------------------------------------------------------
@@ -41,10 +42,13 @@ def check_dims(**dims):
             raise ValueError(f"{name} must be positive, got {name}={value}")
 
 
-def check_pages(k_pages, v_pages):
-    """Validates a K/V page pool pair ``[kv_heads, num_pages, page_size, head_dim]``."""
-    _checks.array("k_pages", k_pages, ndim=4)
-    _checks.array("v_pages", v_pages, ndim=4)
+def check_pages(k_pages, v_pages, *, quantized=False):
+    """Validates a K/V page pool pair ``[kv_heads, num_pages, page_size, head_dim]`` (the
+    ``values`` of quantized pools when ``quantized``: int8 or fp8, checked by
+    :func:`forge_jax.ops.kv_quant.pool_parts`)."""
+    kind = "any" if quantized else "float"
+    _checks.array("k_pages", k_pages, ndim=4, kind=kind)
+    _checks.array("v_pages", v_pages, ndim=4, kind=kind)
     if tuple(k_pages.shape) != tuple(v_pages.shape):
         raise ValueError(
             f"k_pages and v_pages must have the same shape [kv_heads, num_pages, page_size, "
@@ -52,6 +56,17 @@ def check_pages(k_pages, v_pages):
     _checks.same_dtype(("k_pages", k_pages), ("v_pages", v_pages))
     check_dims(**{f"{name} (k_pages.shape[{i}])": k_pages.shape[i]
                   for i, name in enumerate(("kv_heads", "num_pages", "page_size", "head_dim"))})
+
+
+def pool_args(k_pages, v_pages):
+    """``(k_values, v_values, scales)`` of a K/V pool pair, float or quantized (checked, with
+    :func:`check_pages`): ``scales`` is ``{}`` for float pools, ``{"k_scales": ...,
+    "v_scales": ...}`` for quantized ones (the representation of
+    :mod:`forge_jax.ops.kv_quant`), the implementations' extra arguments."""
+    k_values, v_values, k_scales, v_scales = kv_quant.pool_parts("k_pages", k_pages,
+                                                                 "v_pages", v_pages)
+    check_pages(k_values, v_values, quantized=k_scales is not None)
+    return k_values, v_values, kv_quant.scale_args(k_scales, v_scales)
 
 
 def check_tables(block_tables, lengths):

@@ -42,12 +42,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
+from forge_jax.ops import kv_quant
 from forge_jax.ops._attention_math import (
     all_finite,
     check_dims,
     check_heads,
     check_masking,
-    check_pages,
     check_table_values,
     check_tables,
     clamp_lengths,
@@ -56,6 +56,7 @@ from forge_jax.ops._attention_math import (
     hide_from_decode,
     masked_probs,
     named_pages,
+    pool_args,
     visible_mask,
     weighted_values,
 )
@@ -65,7 +66,7 @@ from forge_jax.ops._attention_math import (
 
 
 def _paged_write_args(k_pages, v_pages, k, v, slots):
-    check_pages(k_pages, v_pages)
+    k_pages, v_pages, scales = pool_args(k_pages, v_pages)
     _checks.array("k", k, ndim=3)
     _checks.array("v", v, ndim=3)
     _checks.array("slots", slots, ndim=1, kind="int")
@@ -82,7 +83,7 @@ def _paged_write_args(k_pages, v_pages, k, v, slots):
     if slots.shape[0] != k.shape[0]:
         raise ValueError(f"slots must be [tokens] = ({k.shape[0]},), got {slots.shape=}")
     _check_slot_values(slots, k_pages.shape[1] * k_pages.shape[2])
-    return dict(k_pages=k_pages, v_pages=v_pages, k=k, v=v, slots=slots)
+    return dict(k_pages=k_pages, v_pages=v_pages, k=k, v=v, slots=slots, **scales)
 
 
 def _check_slot_values(slots, capacity):
@@ -108,14 +109,17 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
     token" (padding). A slot at or beyond ``num_pages * page_size`` raises ValueError
     when ``slots`` is concrete and writes nothing when it is traced (the index contract
     in the docstring of :mod:`forge_jax.ops.paged`). If two tokens name the same slot,
-    which one lands is unspecified. ``k`` and ``v`` are cast to the pages' dtype.
+    which one lands is unspecified. ``k`` and ``v`` are cast to the pages' dtype; into
+    quantized pools (:mod:`forge_jax.ops.kv_quant`) each vector ``k[t, h]`` is quantized
+    on its own and its scale written beside it.
 
     The op is pure; under ``jax.jit`` with the pages donated
     (``donate_argnames=("k_pages", "v_pages")`` or a donated cache pytree) XLA performs
     the scatter in place, so a write costs O(tokens), not a copy of the pool.
 
     Args:
-      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype, or
+        both int8 or fp8 ``QuantizedArray`` pools (:mod:`forge_jax.ops.kv_quant`).
       k, v: ``[tokens, kv_heads, head_dim]``, one float dtype (any: they are stored in the
         pages' dtype, the cache's storage dtype; a k/v mix raises TypeError).
       slots: int ``[tokens]``, ``page * page_size + offset`` or negative to skip.
@@ -125,7 +129,7 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
       ``(k_pages, v_pages)``, updated, with the input shapes and dtypes.
     """
     args = _paged_write_args(k_pages, v_pages, k, v, slots)
-    return dispatch.call("paged_write", args, implementation)
+    return kv_quant.repack(k_pages, v_pages, dispatch.call("paged_write", args, implementation))
 
 
 def _paged_write_partition(args, config):
@@ -134,7 +138,15 @@ def _paged_write_partition(args, config):
     # stay identical: the tokens are gathered over the data axis, split by head.
     h = sharding.divisible(config, config.tp_name, args["k_pages"].shape[0])
     ps, ts = P(h, None, None, None), P(None, h, None)
-    return {"k_pages": ps, "v_pages": ps, "k": ts, "v": ts, "slots": P()}, (ps, ps)
+    specs = {"k_pages": ps, "v_pages": ps, "k": ts, "v": ts, "slots": P()}
+    return _with_scale_specs(specs, args, ps), (ps,) * (4 if "k_scales" in args else 2)
+
+
+def _with_scale_specs(specs, args, spec):
+    """``specs`` with the scales of quantized pools split as their pages are."""
+    if "k_scales" in args:
+        specs = dict(specs, k_scales=spec, v_scales=spec)
+    return specs
 
 
 dispatch.define("paged_write", _paged_write_args, partition=_paged_write_partition)
@@ -155,10 +167,15 @@ def _scatter_tokens(pages, x, slots):
 
 @dispatch.register("paged_write", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="scatter by (page, offset), mode='drop'")
-def paged_write_xla(k_pages, v_pages, k, v, slots):
+def paged_write_xla(k_pages, v_pages, k, v, slots, k_scales=None, v_scales=None):
     k_pages, v_pages, k, v, slots = map(jnp.asarray, (k_pages, v_pages, k, v, slots))
     with jax.named_scope("paged_write"):
-        return _scatter_tokens(k_pages, k, slots), _scatter_tokens(v_pages, v, slots)
+        if k_scales is None:
+            return _scatter_tokens(k_pages, k, slots), _scatter_tokens(v_pages, v, slots)
+        format = kv_quant.format_of(k_pages)
+        (kq, ks), (vq, vs) = (kv_quant.quantize_vectors(x, format) for x in (k, v))
+        return (_scatter_tokens(k_pages, kq, slots), _scatter_tokens(v_pages, vq, slots),
+                _scatter_tokens(k_scales, ks, slots), _scatter_tokens(v_scales, vs, slots))
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,11 +183,15 @@ def paged_write_xla(k_pages, v_pages, k, v, slots):
 
 
 def _paged_gather_args(pages, block_tables, lengths):
-    _checks.array("pages", pages, ndim=4)
+    scales = {}
+    if kv_quant.is_quantized(pages):
+        kv_quant.check_pool("pages", pages)
+        pages, scales = pages.values, dict(scales=pages.scales)
+    _checks.array("pages", pages, ndim=4, kind="any" if scales else "float")
     check_tables(block_tables, lengths)
     check_table_values(block_tables, lengths, num_pages=pages.shape[1],
                        page_size=pages.shape[2])
-    return dict(pages=pages, block_tables=block_tables, lengths=lengths)
+    return dict(pages=pages, block_tables=block_tables, lengths=lengths, **scales)
 
 
 def paged_gather(pages, block_tables, lengths, *, implementation=None):
@@ -186,7 +207,8 @@ def paged_gather(pages, block_tables, lengths, *, implementation=None):
     the lengths (the index contract in the docstring of :mod:`forge_jax.ops.paged`).
 
     Args:
-      pages: ``[kv_heads, num_pages, page_size, head_dim]``.
+      pages: ``[kv_heads, num_pages, page_size, head_dim]``, or an int8/fp8
+        ``QuantizedArray`` pool (:mod:`forge_jax.ops.kv_quant`), gathered dequantized.
       block_tables: int ``[batch, max_pages]``, page indices in sequence order.
       lengths: int ``[batch]``, tokens of each sequence.
       implementation: ``None`` (auto) or a registered implementation name.
@@ -195,26 +217,29 @@ def paged_gather(pages, block_tables, lengths, *, implementation=None):
       ``[batch, max_pages * page_size, kv_heads, head_dim]`` in ``pages.dtype``.
     """
     args = _paged_gather_args(pages, block_tables, lengths)
-    return dispatch.call("paged_gather", args, implementation)
+    return dispatch.call("paged_gather", args, implementation).astype(pages.dtype)
 
 
 dispatch.define("paged_gather", _paged_gather_args)
 
 
-def gather_pages(pages, block_tables, lengths):
-    """The XLA gather: ``[batch, max_pages * page_size, kv_heads, head_dim]``, zero past lengths."""
+def gather_pages(pages, block_tables, lengths, scales=None):
+    """The XLA gather: ``[batch, max_pages * page_size, kv_heads, head_dim]``, zero past lengths
+    (float32 dequantized values for a quantized pool's ``pages`` and ``scales``)."""
     pages = jnp.asarray(pages)
     lengths = clamp_lengths(lengths, block_tables.shape[1] * pages.shape[2])
     named, valid = named_pages(pages, block_tables, lengths)  # [h, b, s, d], [b, s]
+    if scales is not None:
+        named = kv_quant.dequantize_vectors(named, named_pages(scales, block_tables, lengths)[0])
     dense = jnp.transpose(named, (1, 2, 0, 3))  # [b, s, h, d]
-    return jnp.where(valid[:, :, None, None], dense, jnp.zeros((), pages.dtype))
+    return jnp.where(valid[:, :, None, None], dense, jnp.zeros((), dense.dtype))
 
 
 @dispatch.register("paged_gather", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="jnp.take of the named pages, zeroed past lengths")
-def paged_gather_xla(pages, block_tables, lengths):
+def paged_gather_xla(pages, block_tables, lengths, scales=None):
     with jax.named_scope("paged_gather"):
-        return gather_pages(pages, block_tables, lengths)
+        return gather_pages(pages, block_tables, lengths, scales)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,7 +249,7 @@ def paged_gather_xla(pages, block_tables, lengths):
 def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                           q_positions=None, sliding_window=None, logits_soft_cap=None):
     _checks.array("q", q, ndim=(3, 4))
-    check_pages(k_pages, v_pages)
+    k_pages, v_pages, scales = pool_args(k_pages, v_pages)
     check_tables(block_tables, lengths)
     batch = q.shape[0]
     q_len = 1 if q.ndim == 3 else q.shape[1]
@@ -250,7 +275,7 @@ def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=N
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return dict(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
                 lengths=lengths, scale=scale, q_positions=q_positions,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **scales)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q_positions=None,
@@ -284,7 +309,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
 
     The pages may be stored in another dtype than ``q`` (e.g. a bfloat16 cache with
     float32 queries: a KV cache is storage under the dtype rule of :mod:`forge_jax.ops`);
-    the math is float32 either way.
+    the math is float32 either way. They may be quantized, int8 or fp8 values with a scale
+    per token and KV head (:mod:`forge_jax.ops.kv_quant`): the slots are dequantized as they
+    are read, and a hidden slot's scale (NaN, say) is as invisible as its values.
 
     Implementations (``fj.explain("paged_attention", ...)`` says which runs): ``"xla"``,
     :func:`paged_attention_xla` below, the reference; the Pallas kernels
@@ -299,7 +326,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
       q: ``[batch, q_heads, head_dim]`` (decode: one new token per sequence) or
         ``[batch, q_len, q_heads, head_dim]``.
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``,
-        ``q_heads % kv_heads == 0``.
+        ``q_heads % kv_heads == 0``; or both int8/fp8 ``QuantizedArray`` pools.
       block_tables: int ``[batch, max_pages]``, each sequence's pages in order.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included;
         in ``[0, max_pages * page_size]`` (keys beyond the block table do not exist).
@@ -331,7 +358,7 @@ def _paged_attention_partition(args, config):
              "lengths": P(b)}
     if args["q_positions"] is not None:
         specs["q_positions"] = P(b, None)
-    return specs, qs
+    return _with_scale_specs(specs, args, ps), qs
 
 
 dispatch.define("paged_attention", _paged_attention_args, partition=_paged_attention_partition)
@@ -340,7 +367,7 @@ dispatch.define("paged_attention", _paged_attention_args, partition=_paged_atten
 @dispatch.register("paged_attention", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="gather the named pages, then dense masked attention")
 def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positions,
-                        sliding_window, logits_soft_cap):
+                        sliding_window, logits_soft_cap, k_scales=None, v_scales=None):
     q, lengths = jnp.asarray(q), jnp.asarray(lengths)
     decode = q.ndim == 3
     if decode:
@@ -351,15 +378,16 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_
         q_positions = lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
     q_positions = jnp.asarray(q_positions)
     with jax.named_scope("paged_attention"):
-        out = _attend_pages(q, k_pages, v_pages, block_tables, lengths, scale=scale,
-                            q_positions=q_positions, sliding_window=sliding_window,
-                            logits_soft_cap=logits_soft_cap)
+        out = _attend_pages(q, (k_pages, k_scales), (v_pages, v_scales), block_tables,
+                            lengths, scale=scale, q_positions=q_positions,
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return out[:, 0] if decode else out
 
 
-def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positions,
+def _attend_pages(q, k_pool, v_pool, block_tables, lengths, *, scale, q_positions,
                   sliding_window, logits_soft_cap):
     """:func:`attention_reference` over the pages the block tables name, kept head-major.
+    ``k_pool``, ``v_pool``: ``(pages, scales)``, the scales None for a float pool.
 
     The gathered pages stay in the pool's layout, ``[kv_heads, batch, seq, head_dim]``,
     which is also the layout the per-head products want: going through the dense
@@ -367,12 +395,15 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
     copies of every layer's keys and values per decode step on CPU.
     """
     batch, q_len, q_heads, head_dim = q.shape
-    kv_heads = k_pages.shape[0]
+    kv_heads = k_pool[0].shape[0]
     groups = q_heads // kv_heads
     if scale is None:
         scale = head_dim ** -0.5
-    k, named = named_pages(k_pages, block_tables, lengths)  # [k, b, s, h], [b, s]
-    v, _ = named_pages(v_pages, block_tables, lengths)
+    k, named = named_pages(k_pool[0], block_tables, lengths)  # [k, b, s, h], [b, s]
+    v, _ = named_pages(v_pool[0], block_tables, lengths)
+    if k_pool[1] is not None:  # quantized: dequantize the named slots only
+        k = kv_quant.dequantize_vectors(k, named_pages(k_pool[1], block_tables, lengths)[0])
+        v = kv_quant.dequantize_vectors(v, named_pages(v_pool[1], block_tables, lengths)[0])
     seq = k.shape[2]
     # Slots past the length or on an entry that names no page are invisible to every query.
     mask = visible_mask(q_positions, seq, causal=True, kv_lengths=None,
@@ -419,12 +450,12 @@ def _attend_pages(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positi
 
 
 def _copy_pages_args(k_pages, v_pages, copies):
-    check_pages(k_pages, v_pages)
+    k_pages, v_pages, scales = pool_args(k_pages, v_pages)
     _checks.array("copies", copies, ndim=2, kind="int")
     if copies.shape[1] != 2:
         raise ValueError(f"copies must be [n, 2] rows of (src, dst), got {copies.shape=}")
     _check_copy_values(copies, k_pages.shape[1])
-    return dict(k_pages=k_pages, v_pages=v_pages, copies=copies)
+    return dict(k_pages=k_pages, v_pages=v_pages, copies=copies, **scales)
 
 
 def _check_copy_values(copies, num_pages):
@@ -458,7 +489,8 @@ def copy_pages(k_pages, v_pages, copies, *, implementation=None):
     guarantees both). With the pages donated under ``jax.jit`` the copy is in place.
 
     Args:
-      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype; or both
+        int8/fp8 ``QuantizedArray`` pools, whose scales are copied with their values.
       copies: int ``[n, 2]``, rows ``(src, dst)`` of page indices.
       implementation: ``None`` (auto) or a registered implementation name.
 
@@ -466,14 +498,15 @@ def copy_pages(k_pages, v_pages, copies, *, implementation=None):
       ``(k_pages, v_pages)`` with the copies applied.
     """
     args = _copy_pages_args(k_pages, v_pages, copies)
-    return dispatch.call("copy_pages", args, implementation)
+    return kv_quant.repack(k_pages, v_pages, dispatch.call("copy_pages", args, implementation))
 
 
 def _copy_pages_partition(args, config):
     """How ``copy_pages`` splits over a mesh (:mod:`forge_jax.sharding`)."""
     h = sharding.divisible(config, config.tp_name, args["k_pages"].shape[0])
     ps = P(h, None, None, None)
-    return {"k_pages": ps, "v_pages": ps, "copies": P()}, (ps, ps)
+    return (_with_scale_specs({"k_pages": ps, "v_pages": ps, "copies": P()}, args, ps),
+            (ps,) * (4 if "k_scales" in args else 2))
 
 
 dispatch.define("copy_pages", _copy_pages_args, partition=_copy_pages_partition)
@@ -486,7 +519,7 @@ def _copy(pages, src, dst):
 
 @dispatch.register("copy_pages", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="gather the source pages, scatter to the destinations")
-def copy_pages_xla(k_pages, v_pages, copies):
+def copy_pages_xla(k_pages, v_pages, copies, k_scales=None, v_scales=None):
     k_pages, v_pages, copies = map(jnp.asarray, (k_pages, v_pages, copies))
     num_pages = k_pages.shape[1]
     copies = copies.astype(jnp.int32)
@@ -496,4 +529,5 @@ def copy_pages_xla(k_pages, v_pages, copies):
     dst = jnp.where(skip, num_pages, dst)
     src = jnp.where(skip, 0, src)
     with jax.named_scope("copy_pages"):
-        return _copy(k_pages, src, dst), _copy(v_pages, src, dst)
+        pools = (k_pages, v_pages) if k_scales is None else (k_pages, v_pages, k_scales, v_scales)
+        return tuple(_copy(jnp.asarray(pool), src, dst) for pool in pools)

@@ -18,14 +18,15 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
+from forge_jax.ops import kv_quant
 from forge_jax.ops._attention_math import (
     check_heads,
     check_masking,
-    check_pages,
     clamp_lengths,
     exact_logits,
     masked_probs,
     named_pages,
+    pool_args,
     visible_mask,
 )
 
@@ -149,7 +150,7 @@ def _debug_checks(block_tables, kv_lengths, cu_q_lens, num_seqs, *, total_tokens
 def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
                  scale=None, sliding_window=None, logits_soft_cap=None):
     _checks.array("q", q, ndim=3)
-    check_pages(k_pages, v_pages)
+    k_pages, v_pages, scales = pool_args(k_pages, v_pages)
     _checks.array("block_tables", block_tables, ndim=2, kind="int")
     _checks.array("kv_lengths", kv_lengths, ndim=1, kind="int")
     _checks.array("cu_q_lens", cu_q_lens, ndim=1, kind="int")
@@ -175,7 +176,7 @@ def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_s
                   num_pages=num_pages, page_size=page_size)
     return dict(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
                 kv_lengths=kv_lengths, cu_q_lens=cu_q_lens, num_seqs=num_seqs, scale=scale,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **scales)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
@@ -228,7 +229,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     Args:
       q: ``[total_tokens, q_heads, head_dim]``, the sequences' new tokens, concatenated.
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype (may differ
-        from ``q``'s; the math is float32 either way), ``q_heads % kv_heads == 0``.
+        from ``q``'s; the math is float32 either way), ``q_heads % kv_heads == 0``; or both
+        int8/fp8 ``QuantizedArray`` pools, a scale per token and KV head
+        (:mod:`forge_jax.ops.kv_quant`), dequantized slot by slot as they are read (a
+        hidden slot's scale, NaN say, is as invisible as its values).
       block_tables: int ``[max_seqs, pages_per_seq]``, each sequence's pages in order.
       kv_lengths: int ``[max_seqs]``, tokens in the cache per sequence, new ones included.
       cu_q_lens: int ``[max_seqs + 1]``, ``cu_q_lens[0] == 0``, non-decreasing: sequence
@@ -257,6 +261,8 @@ def _ragged_paged_attention_partition(args, config):
     ps = P(h, None, None, None)
     specs = {"q": P(None, h, None), "k_pages": ps, "v_pages": ps, "block_tables": P(),
              "kv_lengths": P(), "cu_q_lens": P()}
+    if "k_scales" in args:
+        specs.update(k_scales=ps, v_scales=ps)
     if isinstance(args["num_seqs"], jax.Array | np.ndarray):
         specs["num_seqs"] = P()
     return specs, P(None, h, None)
@@ -287,13 +293,16 @@ def _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens, cap
 
 
 def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, sliding_window,
-                 logits_soft_cap):
+                 logits_soft_cap, k_scales=None, v_scales=None):
     """Each row of ``q [rows, q_heads, head_dim]`` over the pages of its own block table."""
     rows, q_heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
     groups = q_heads // kv_heads
     k, named = named_pages(k_pages, tables, lengths)  # [kv_heads, rows, seq, head_dim]
     v, _ = named_pages(v_pages, tables, lengths)
+    if k_scales is not None:  # quantized: dequantize the named slots only
+        k = kv_quant.dequantize_vectors(k, named_pages(k_scales, tables, lengths)[0])
+        v = kv_quant.dequantize_vectors(v, named_pages(v_scales, tables, lengths)[0])
     seq = k.shape[2]
     # Slots past the length or on an entry that names no page are invisible.
     mask = visible_mask(positions[:, None], seq, causal=True, kv_lengths=None,
@@ -322,7 +331,8 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
                    description="each row gathers its sequence's pages (in row blocks), "
                                "masked float32 softmax")
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
-                               num_seqs, *, scale, sliding_window, logits_soft_cap):
+                               num_seqs, *, scale, sliding_window, logits_soft_cap,
+                               k_scales=None, v_scales=None):
     q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
     total_tokens, q_heads, head_dim = q.shape
     if scale is None:
@@ -336,7 +346,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu
             block_tables.shape[1] * k_pages.shape[2])
         attend = lambda q, tables, lengths, positions: _attend_rows(
             q, k_pages, v_pages, tables, lengths, positions, scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            k_scales=k_scales, v_scales=v_scales)
         if total_tokens <= _ROWS_PER_STEP:
             return attend(q, tables, lengths, positions)
         steps = -(-total_tokens // _ROWS_PER_STEP)

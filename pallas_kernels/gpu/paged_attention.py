@@ -105,14 +105,16 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
                                   _common.dot_size(args["q"].shape[-1])))
 
 
-def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
-            o_ref, m_ref, l_ref,  # outputs
-            *, head_dim, page_size, pages_per_compute_block, blocks_per_split, scale,
-            sliding_window, logits_soft_cap, pv_dtype, exact_range):
+def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref, *refs,
+            head_dim, page_size, pages_per_compute_block, blocks_per_split, scale,
+            sliding_window, logits_soft_cap, pv_dtype, exact_range, quantized):
     # q_ref [rows, head_dim_pad]; pos_ref [rows]; lo_ref, hi_ref [1]: the keys any row of
     # this sequence sees lie in [lo, hi) (exactly the keys every row sees when exact_range);
     # tables_ref [pages], -1 where no page is named; k_ref, v_ref [num_pages, page_size,
-    # head_dim_pad] (one kv head, the whole pool, read in place).
+    # head_dim_pad] (one kv head, the whole pool, read in place). Quantized pools: then
+    # ks_ref, vs_ref [num_pages, page_size], a float32 scale per slot, read beside the
+    # int8/fp8 values and applied in registers. Outputs: o_ref, m_ref, l_ref.
+    ks_ref, vs_ref, o_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     rows, head_dim_pad = q_ref.shape
     block_k = pages_per_compute_block * page_size
     split = pl.program_id(2)
@@ -126,11 +128,17 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
     offsets = jnp.arange(page_size, dtype=jnp.int32)[None, :, None]
     dims = jnp.arange(head_dim_pad, dtype=jnp.int32)[None, None, :]
 
-    def load(ref, pages):
+    def load(ref, scales_ref, pages):
         # All three indices as arrays: a gather of whole page rows, masked past head_dim.
+        # fp8 values: the fill value as a float (the Triton lowering casts no int to fp8).
+        fill = 0.0 if ref.dtype == jnp.float8_e4m3fn else 0
         x = _compat.triton_load(ref, (pages[:, None, None], offsets, dims), mask=kv_mask,
-                                other=0)
-        return x.reshape(block_k, head_dim_pad)
+                                other=fill)
+        x = x.reshape(block_k, head_dim_pad)
+        if scales_ref is None:
+            return x
+        scales = _compat.triton_load(scales_ref, (pages[:, None], offsets[:, :, 0]))
+        return x.astype(jnp.float32) * scales.reshape(block_k, 1)
 
     def body(block, carry):
         o, m, l_sum = carry
@@ -139,7 +147,7 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
         # [block_k]: whether each key's entry names a page (a -1 entry's slots are hidden).
         named = jnp.broadcast_to(jnp.where(entries >= 0, 1, 0)[:, None],
                                  (pages_per_compute_block, page_size)).reshape(block_k) > 0
-        k = load(k_ref, pages)
+        k = load(k_ref, ks_ref, pages)
         qk = q
         if q.dtype != k.dtype:
             qk, k = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -157,7 +165,7 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
         s = jnp.where(visible, s, -jnp.inf)
         p, correction, m_next, l_sum = _common.online_softmax_step(s, m, l_sum)
         # Zero probabilities do not hide NaN values (0 * NaN = NaN).
-        v = load(v_ref, pages)
+        v = load(v_ref, vs_ref, pages)
         in_range = ((j >= key_lo) & (j < key_hi) & named)[:, None]
         if exact_range:  # every row sees exactly [key_lo, key_hi): zero the rest
             v = jnp.where(in_range, v, jnp.zeros((), v.dtype))
@@ -197,12 +205,16 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref,  # inputs
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
                     pages_per_compute_block=None, num_splits=None, block_rows=None,
-                    num_warps=None, num_stages=None, interpret=False):
+                    num_warps=None, num_stages=None, interpret=False, k_scales=None,
+                    v_scales=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
       q: ``[batch, q_heads, head_dim]`` or ``[batch, q_len, q_heads, head_dim]``.
-      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``; int8 or fp8 values
+        of quantized pools (:mod:`forge_jax.ops.kv_quant`) with ``k_scales``/``v_scales``.
+      k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]`` for quantized
+        pools (dequantized in registers as the kernel loads a block), else None.
       block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
@@ -260,14 +272,20 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         # Probabilities meet the values in the values' dtype when the queries share it
         # (flash-attention practice); float32 queries over a narrow cache stay float32.
         pv_dtype = k_pages.dtype if q.dtype == k_pages.dtype else jnp.float32
+        quantized = k_scales is not None
 
         kernel = functools.partial(
             _kernel, head_dim=head_dim, page_size=page_size,
             pages_per_compute_block=pages_per_compute_block, blocks_per_split=blocks_per_split,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
-            pv_dtype=pv_dtype, exact_range=q_len == 1)
+            pv_dtype=pv_dtype, exact_range=q_len == 1, quantized=quantized)
         pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim_pad),
                                 lambda b, i, s: (i // row_blocks, 0, 0, 0))
+        scales_spec = pl.BlockSpec((None, num_pages, page_size),
+                                   lambda b, i, s: (i // row_blocks, 0, 0))
+        scales = () if not quantized else tuple(  # [kv_heads, num_pages, page_size]
+            x.reshape(kv_heads, num_pages, page_size).astype(jnp.float32)
+            for x in (k_scales, v_scales))
         o, m, l_sum = pl.pallas_call(
             kernel,
             grid=(batch, kv_heads * row_blocks, num_splits),
@@ -280,6 +298,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 pl.BlockSpec((None, tables.shape[1]), lambda b, i, s: (b, 0)),
                 pool_spec,
                 pool_spec,
+                *(scales_spec for _ in scales),
             ],
             out_specs=[
                 pl.BlockSpec((None, None, None, block_rows, head_dim_pad),
@@ -303,9 +322,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             cost_estimate=_cost.attention(
                 queries=batch * q_len * q_heads, keys=max_pages * page_size, head_dim=head_dim,
                 io=(qg, tables), kv_bytes=2 * batch * kv_heads * max_pages * page_size
-                * head_dim * k_pages.dtype.itemsize + 4 * batch * q_heads * q_len
-                * num_splits * (head_dim_pad + 2)),
-        )(qg, row_pos, key_lo, key_hi, tables, k_pages, v_pages)
+                * (head_dim * k_pages.dtype.itemsize + 4 * quantized)
+                + 4 * batch * q_heads * q_len * num_splits * (head_dim_pad + 2)),
+        )(qg, row_pos, key_lo, key_hi, tables, k_pages, v_pages, *scales)
 
         merged = _attention_common.merge_splits(o, m, l_sum)
         out = _attention_common.ungroup_queries(merged, q_len=q_len, q_heads=q_heads,
@@ -319,8 +338,12 @@ def supports(args: Mapping[str, Any]) -> str | None:
     q, k_pages = args["q"], args["k_pages"]
     q_len = 1 if q.ndim == 3 else q.shape[1]
     page_size, head_dim = k_pages.shape[2], k_pages.shape[3]
-    for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
-        if jnp.dtype(dtype) not in _common.FLOAT_DTYPES:
+    pages_ok = _common.FLOAT_DTYPES
+    if args.get("k_scales") is not None:  # quantized pools: int8 or fp8 values, loaded as is
+        pages_ok = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+    for name, dtype, ok in (("q", q.dtype, _common.FLOAT_DTYPES),
+                            ("k_pages", k_pages.dtype, pages_ok)):
+        if jnp.dtype(dtype) not in ok:
             return f"{name}.dtype={jnp.dtype(dtype).name}: Triton dots take float32/16 and bfloat16"
     if q_len > MAX_Q_LEN:
         return (f"q_len={q_len} > {MAX_Q_LEN}: the split-K decode kernel holds all of a group's "

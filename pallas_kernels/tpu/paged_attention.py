@@ -105,15 +105,23 @@ def default_pages_per_compute_block(page_size: int, max_pages: int,
 
 def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             q_ref, pos_ref, k_hbm, v_hbm,  # inputs
-            o_ref,  # output
-            k_buf, v_buf, sems,  # scratch
-            *, pages_per_compute_block, max_pages, scale, sliding_window, logits_soft_cap,
-            exact_range):
+            *refs,  # [ks_hbm, vs_hbm,] o_ref, k_buf, v_buf, [ks_buf, vs_buf,] sems
+            pages_per_compute_block, max_pages, scale, sliding_window, logits_soft_cap,
+            exact_range, quantized):
     # tables_ref [batch * max_pages], -1 where no page is named; lo_ref, hi_ref [batch]: the
     # keys any row of sequence b sees lie in [lo, hi) (exactly the keys every row sees when
     # exact_range).
     # q_ref [rows, head_dim]; pos_ref [rows, 1]; k_hbm, v_hbm [kv_heads, num_pages, page_size,
     # head_dim] in HBM; o_ref [rows, head_dim]; k_buf, v_buf [2, pages, page_size, head_dim].
+    # Quantized pools: k_hbm, v_hbm hold int8/fp8 values and ks_hbm, vs_hbm [kv_heads,
+    # num_pages, page_size, 1] their float32 scales, copied page by page beside them into
+    # ks_buf, vs_buf [2, pages, page_size, 1] and applied in VMEM (a scale per key row).
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
+        pools = ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1), (ks_hbm, ks_buf, 2), (vs_hbm, vs_buf, 3))
+    else:
+        o_ref, k_buf, v_buf, sems = refs
+        pools = ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1))
     b, h = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
     page_size = k_buf.shape[2]
@@ -133,7 +141,7 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
 
         @pl.when((entry * page_size < hi) & ((entry + 1) * page_size > lo) & (page >= 0))
         def _():
-            for pool, buf, sem in ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1)):
+            for pool, buf, sem in pools:
                 copy = pltpu.make_async_copy(pool.at[h, page], buf.at[slot, i],
                                              sems.at[sem, slot])
                 getattr(copy, method)()
@@ -171,6 +179,8 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
 
         each_copy(block, slot, "wait")
         k = k_buf[slot].reshape(block_k, head_dim)
+        if quantized:
+            k = k.astype(jnp.float32) * ks_buf[slot].reshape(block_k, 1)
         qk = q
         if q.dtype != k.dtype:
             qk, k = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -190,6 +200,8 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         correction = jnp.exp(m - m_safe)
         l_sum = correction * l_sum + p.sum(axis=1, keepdims=True)
         v = v_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        if quantized:
+            v = v * vs_buf[slot].reshape(block_k, 1)
         jv = block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
         named_v = named(block, (block_k, head_dim), 0)
         if exact_range:  # every row sees exactly [lo, hi) on named pages: zero the rest
@@ -220,13 +232,17 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     "scale", "sliding_window", "logits_soft_cap", "pages_per_compute_block", "interpret"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
-                    pages_per_compute_block=None, interpret=False):
+                    pages_per_compute_block=None, interpret=False, k_scales=None,
+                    v_scales=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
       q: ``[batch, q_heads, head_dim]`` or ``[batch, q_len, q_heads, head_dim]``,
         float32/bfloat16.
-      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, float32/bfloat16.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, float32/bfloat16;
+        or int8/fp8 values of quantized pools (:mod:`forge_jax.ops.kv_quant`).
+      k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]`` for quantized
+        pools (copied with their pages, applied in VMEM), else None.
       block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
@@ -269,8 +285,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         kernel = functools.partial(
             _kernel, pages_per_compute_block=pages_per_compute_block, max_pages=table_width,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
-            exact_range=q_len == 1)
+            exact_range=q_len == 1, quantized=k_scales is not None)
         buf = pltpu.VMEM((2, pages_per_compute_block, page_size, head_dim), k_pages.dtype)
+        scales = () if k_scales is None else (k_scales.astype(jnp.float32),
+                                              v_scales.astype(jnp.float32))
+        scales_buf = pltpu.VMEM((2, pages_per_compute_block, page_size, 1), jnp.float32)
         out = pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -282,10 +301,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     pl.BlockSpec((None, rows_pad, 1), lambda b, h, *_: (b, 0, 0)),
                     pl.BlockSpec(memory_space=pl.ANY),
                     pl.BlockSpec(memory_space=pl.ANY),
+                    *(pl.BlockSpec(memory_space=pl.ANY) for _ in scales),
                 ],
                 out_specs=pl.BlockSpec((None, None, rows_pad, head_dim),
                                        lambda b, h, *_: (b, h, 0, 0)),
-                scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+                scratch_shapes=[buf, buf, *(scales_buf for _ in scales),
+                                pltpu.SemaphoreType.DMA((2 + len(scales), 2))],
             ),
             out_shape=jax.ShapeDtypeStruct((batch, kv_heads, rows_pad, head_dim), q.dtype),
             compiler_params=pltpu.CompilerParams(
@@ -295,8 +316,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             cost_estimate=_cost.attention(
                 queries=batch * q_len * q_heads, keys=max_pages * page_size, head_dim=head_dim,
                 io=(qg, qg, tables), kv_bytes=2 * batch * kv_heads * max_pages * page_size
-                * head_dim * k_pages.dtype.itemsize),
-        )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages)
+                * (head_dim * k_pages.dtype.itemsize + 4 * len(scales) // 2)),
+        )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages, *scales)
 
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                                 head_dim=head_dim)
@@ -309,8 +330,12 @@ def supports(args: Mapping[str, Any]) -> str | None:
     q, k_pages = args["q"], args["k_pages"]
     q_len = 1 if q.ndim == 3 else q.shape[1]
     page_size = k_pages.shape[2]
-    for name, dtype in (("q", q.dtype), ("k_pages", k_pages.dtype)):
-        if jnp.dtype(dtype) not in _common.FLOAT_DTYPES:
+    pages_ok = _common.FLOAT_DTYPES
+    if args.get("k_scales") is not None:  # quantized pools: int8/fp8 values and their scales
+        pages_ok = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+    for name, dtype, ok in (("q", q.dtype, _common.FLOAT_DTYPES),
+                            ("k_pages", k_pages.dtype, pages_ok)):
+        if jnp.dtype(dtype) not in ok:
             return (f"{name}.dtype={jnp.dtype(dtype).name}: the kernel reads float32/bfloat16 "
                     "(TPUs have no float16 vector unit)")
     if q_len > MAX_Q_LEN:

@@ -94,23 +94,28 @@ def _kernel(
     q_ref,  # [g, block_q, head_dim] (VMEM block)
     k_hbm,  # [kv_heads, num_pages, page_size, head_dim] (HBM)
     v_hbm,
-    # Output.
-    o_ref,  # [g, block_q, head_dim]
-    # Scratch.
-    k_buf,  # [2, pages_per_block, page_size, head_dim]
-    v_buf,
-    sems,  # DMA [2, 2]: (k, v) x buffer slot
-    m_ref,  # [g * block_q, 128] f32, running max (lane-replicated)
-    l_ref,  # [g * block_q, 128] f32, running sum
-    acc_ref,  # [g * block_q, head_dim] f32
-    bad_ref,  # [g * block_q, head_dim] f32, non-finite values seen
-    *,
+    # Quantized pools only: ks_hbm, vs_hbm [kv_heads, num_pages, page_size, 1] f32 scales
+    # (HBM), beside int8/fp8 k_hbm, v_hbm. Then the output, o_ref [g, block_q, head_dim].
+    # Scratch: k_buf, v_buf [2, pages_per_block, page_size, head_dim]; quantized pools only:
+    # ks_buf, vs_buf [2, pages_per_block, page_size, 1]; sems, DMA [pools, 2]: (k, v[, ks,
+    # vs]) x buffer slot; m_ref, l_ref [g * block_q, 128] f32, the running max and sum
+    # (lane-replicated); acc_ref [g * block_q, head_dim] f32; bad_ref [g * block_q,
+    # head_dim] f32, non-finite values seen.
+    *refs,
     scale,
     sliding_window,
     logits_soft_cap,
     pages_per_seq,
     num_pages,
+    quantized,
 ):
+    if quantized:
+        (ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref,
+         bad_ref) = refs
+        pools = ((k_hbm, k_buf), (v_hbm, v_buf), (ks_hbm, ks_buf), (vs_hbm, vs_buf))
+    else:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref, bad_ref = refs
+        pools = ((k_hbm, k_buf), (v_hbm, v_buf))
     h, qb = pl.program_id(0), pl.program_id(1)
     groups, block_q, head_dim = q_ref.shape
     rows = groups * block_q
@@ -125,7 +130,8 @@ def _kernel(
     bad_ref[...] = jnp.zeros(bad_ref.shape, jnp.float32)
 
     q = q_ref[...].reshape(rows, head_dim)  # row = head_in_group * block_q + token
-    f32 = q.dtype == jnp.float32 or k_buf.dtype == jnp.float32
+    # Quantized pools are dequantized to float32 in VMEM: float32 products then.
+    f32 = q.dtype == jnp.float32 or k_buf.dtype == jnp.float32 or quantized
     if f32:
         q = q.astype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if f32 else None
@@ -155,10 +161,9 @@ def _kernel(
             # Entries past the table or the pool are clamped; their keys are masked (named).
             t = jnp.minimum(kb * pages_per_block + p, pages_per_seq - 1)
             page = jnp.clip(tables_ref[seq * pages_per_seq + t], 0, num_pages - 1)
-            out.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, p],
-                                             sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, p],
-                                             sems.at[1, slot]))
+            for i, (pool, buf) in enumerate(pools):
+                out.append(pltpu.make_async_copy(pool.at[h, page], buf.at[slot, p],
+                                                 sems.at[i, slot]))
         return out
 
     def attend_sequence(seq, _):
@@ -194,6 +199,9 @@ def _kernel(
 
             k = k_buf[slot].reshape(kv_block, head_dim)
             v = v_buf[slot].reshape(kv_block, head_dim)
+            if quantized:  # a scale per key row; a hidden slot's (NaN) is masked below
+                k = k.astype(jnp.float32) * ks_buf[slot].reshape(kv_block, 1)
+                v = v.astype(jnp.float32) * vs_buf[slot].reshape(kv_block, 1)
             if f32:
                 k = k.astype(jnp.float32)
             key = kb * kv_block + col
@@ -249,8 +257,11 @@ def _kernel(
 def supports(args):
     """``None`` if the kernel lowers for these arguments, else why not (Mosaic constraints)."""
     q, k_pages = args["q"], args["k_pages"]
-    for name, x in (("q", q), ("k_pages", k_pages)):
-        if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
+    pages_ok = _common.FLOAT_DTYPES
+    if args.get("k_scales") is not None:  # quantized pools: int8/fp8 values and their scales
+        pages_ok = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+    for name, x, ok in (("q", q, _common.FLOAT_DTYPES), ("k_pages", k_pages, pages_ok)):
+        if jnp.dtype(x.dtype) not in ok:
             return f"{name}.dtype={jnp.dtype(x.dtype).name}: the TPU kernel takes float32 or " \
                    f"bfloat16"
     page_size = k_pages.shape[2]
@@ -268,12 +279,14 @@ def supports(args):
     "scale", "sliding_window", "logits_soft_cap", "block_q", "kv_block", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs,
                            *, scale=None, sliding_window=None, logits_soft_cap=None,
-                           block_q=None, kv_block=None, interpret=False):
+                           block_q=None, kv_block=None, interpret=False, k_scales=None,
+                           v_scales=None):
     """Ragged paged attention (see :func:`forge_jax.ragged_paged_attention`) on TPU.
 
     Args:
       q: ``[total_tokens, q_heads, head_dim]``.
-      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``; int8/fp8 values of
+        quantized pools (:mod:`forge_jax.ops.kv_quant`) with ``k_scales``/``v_scales``.
       block_tables: int ``[max_seqs, pages_per_seq]``.
       kv_lengths: int ``[max_seqs]``.
       cu_q_lens: int ``[max_seqs + 1]``.
@@ -282,6 +295,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
       block_q: packed query rows per grid step (default: per TPU generation).
       kv_block: keys per kv step, rounded down to whole pages (default: per generation).
       interpret: run in the TPU interpreter (``True``: forge_jax's interpret params).
+      k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]`` for quantized
+        pools (copied with their pages, applied in VMEM), else None.
 
     Returns:
       ``[total_tokens, q_heads, head_dim]`` in ``q.dtype``.
@@ -322,18 +337,23 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     kernel = functools.partial(
         _kernel, scale=float(scale), sliding_window=sliding_window,
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        pages_per_seq=pages_per_seq, num_pages=num_pages)
+        pages_per_seq=pages_per_seq, num_pages=num_pages, quantized=k_scales is not None)
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    scales = () if k_scales is None else (k_scales.astype(jnp.float32),
+                                          v_scales.astype(jnp.float32))
+    scales_buf = pltpu.VMEM((2, pages_per_block, page_size, 1), jnp.float32)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(kv_heads, q_blocks),
             in_specs=[block, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+                      pl.BlockSpec(memory_space=pl.ANY),
+                      *(pl.BlockSpec(memory_space=pl.ANY) for _ in scales)],
             out_specs=block,
             scratch_shapes=[
-                buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
+                buf, buf, *(scales_buf for _ in scales),
+                pltpu.SemaphoreType.DMA((2 + len(scales), 2)),
                 pltpu.VMEM((rows, _common.LANES), jnp.float32),
                 pltpu.VMEM((rows, _common.LANES), jnp.float32),
                 pltpu.VMEM((rows, head_dim), jnp.float32),
@@ -346,9 +366,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         cost_estimate=_cost.attention(
             queries=total_tokens * q_heads, keys=pages_per_seq * page_size, head_dim=head_dim,
             io=(qt, qt, block_tables), kv_bytes=2 * max_seqs * kv_heads * pages_per_seq
-            * page_size * head_dim * k_pages.dtype.itemsize),
+            * page_size * (head_dim * k_pages.dtype.itemsize + 4 * bool(scales))),
     )(seq_range, cu, kv_lengths, block_tables.astype(jnp.int32).reshape(-1), qt, k_pages,
-      v_pages)
+      v_pages, *scales)
     return out.transpose(2, 0, 1, 3).reshape(padded, q_heads, head_dim)[:total_tokens]
 
 
