@@ -249,11 +249,12 @@ def _subjaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
 
 
 def pallas_calls(jaxpr: Any) -> Iterator[Any]:
-    """Every ``pallas_call`` equation of a (closed) jaxpr, nested ones included (outside
-    the kernels' own bodies)."""
+    """Every ``pallas_call`` equation of a (closed) jaxpr, and every ``mpmd_map`` (a Mosaic
+    GPU kernel launched with ``pl.kernel``: ``name`` and ``cost_estimate`` as a
+    ``pallas_call``'s), nested ones included (outside the kernels' own bodies)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
+        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
             yield eqn
             continue
         for sub in _subjaxprs(eqn.params):

@@ -7,6 +7,9 @@
   capability, device kinds and the table lookup).
 * ``jax_triton_elementwise.py``: ``"triton"``, plain Triton kernels (``_jax_triton_src.py``)
   launched through jax-triton (not Pallas).
+* Mosaic GPU kernels (Hopper+), ``"mosaic_gpu"`` on GPU once verified and
+  ``"mosaic_gpu_interpret"`` by name everywhere (``_mosaic.py``: what they share):
+  ``mosaic_attention.py`` (flash attention forward, FA3 design).
 * ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``
   (a library call, not a kernel of ours).
 """
@@ -16,6 +19,7 @@ from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers t
     grouped_matmul,
     jax_nn_attention,
     jax_triton_elementwise,
+    mosaic_attention,
     paged_attention,
     rms_norm,
     rope,

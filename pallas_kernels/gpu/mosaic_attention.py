@@ -28,7 +28,8 @@ one. So NaN/inf a row may not see never reaches it, NaN it sees propagates; inte
 K/V are read in place (``[batch, kv_len, kv_heads, head_dim]``, one strided TMA per tile);
 the last tile of a ``kv_len`` that is not a multiple of ``block_kv`` is read from
 ``kv_len - block_kv`` and its keys already seen are masked, so nothing is padded unless
-``kv_len < block_kv`` (then K/V are padded to one tile). Not done (yet): the FA3
+``kv_len < block_kv`` or ``kv_len`` is not a multiple of 8 (TMA's row tiling): then K/V
+are copied zero-padded. Not done (yet): the FA3
 ping-pong schedule barrier between the consumers and intra-warpgroup overlap of softmax
 and WGMMA; fp8 inputs; head_dim 256 (its tiles and the boundary copies exceed an H100's
 227 KiB of shared memory: :func:`supports` rejects it with the compiler's reason).
@@ -72,8 +73,11 @@ HEAD_DIMS = (64, 128)
 # Shared memory of an H100 (sm_90) block: 227 KiB.
 SHARED_MEMORY = 227 * 1024
 _LOG2E = math.log2(math.e)
+NAME = "forge_jax_mosaic_flash_attention"  # the kernel's name in profiles and compile reports
 _CONSUMERS = 2  # warpgroups computing; warpgroup _CONSUMERS is the producer
-_INFO = 8  # int32 words of per-warpgroup bookkeeping (see _ranges)
+# int32 words of per-warpgroup bookkeeping (see _ranges; 8 used): a copy moves a multiple of
+# 128 bytes (the warpgroup size) from global to shared memory.
+_INFO = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +117,7 @@ def shared_memory_bytes(head_dim: int, dtype: Any, config: Config) -> int:
 
 def _ranges(positions, lengths, *, rows_pad, group, block_q, block_kv, causal,
             sliding_window):
-    """Per warpgroup's rows, int32 ``[batch, rows_pad // (2 block_q), 2, 8]``:
+    """Per warpgroup's rows, int32 ``[batch, rows_pad // (2 block_q), 2, 32]``:
     ``(cta_lo, cta_hi, own_lo, own_hi, key_lo, key_hi, all_lo, all_hi)``: the tile steps
     of the CTA (the union of its two warpgroups'), those of this warpgroup, the keys some
     row of it sees and the keys every row of it sees (empty when ``lo >= hi``). Also the
@@ -146,6 +150,7 @@ def _ranges(positions, lengths, *, rows_pad, group, block_q, block_kv, causal,
     info = jnp.stack([jnp.broadcast_to(cta_lo, own_lo.shape),
                       jnp.broadcast_to(cta_hi, own_lo.shape), own_lo, own_hi,
                       pairs(key_lo), pairs(key_hi), pairs(all_lo), pairs(all_hi)], axis=-1)
+    info = jnp.pad(info, ((0, 0), (0, 0), (0, 0), (0, _INFO - info.shape[-1])))
     return info.astype(jnp.int32), row_pos.astype(jnp.int32)
 
 
@@ -168,22 +173,29 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
     def cast(x, layout):  # JAX 0.10's interpreter has no rule for layout casts: identity
         return x if interpret else plgpu.layout_cast(x, layout)
 
-    def product(a, b_ref, *, transpose_b=False):
-        """``a @ b_ref`` (``a @ b_ref^T``) in float32: a WGMMA, ``a`` from shared memory (a
-        ref) or registers. JAX 0.10's interpreter runs WGMMA only on untransposed
-        shared-memory operands: there, the same tiles meet in ``lax.dot_general``."""
+    def product(a, b_ref, *, transpose_b=False, acc=None):
+        """``acc + a @ b_ref`` (``b_ref^T``; ``acc`` zeros when None) in float32: a WGMMA
+        accumulating in ``acc``'s registers, ``a`` from shared memory (a ref) or registers.
+        JAX 0.10's interpreter runs WGMMA only on untransposed shared-memory operands and
+        has no rule for ``run_state``: there, the same tiles meet in ``lax.dot_general``."""
         if interpret:
             a = a if isinstance(a, jax.Array) else a[...]
             dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
-            return lax.dot_general(a, b_ref[...], dims, preferred_element_type=jnp.float32)
+            out = lax.dot_general(a, b_ref[...], dims, preferred_element_type=jnp.float32)
+            return out if acc is None else acc + out
         b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
-        rows, cols = a.shape[0], b.shape[1]
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
+
+        if acc is not None:
+            return pl.run_state(run)(plgpu.ACC.init(acc))
+
+        def scoped(acc_ref):
+            run(acc_ref)
             return acc_ref[...]
 
-        return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
+        return pl.run_scoped(scoped, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
 
     def tile(step):  # the K/V rows of a step: the last tile ends at kv_len
         return pl.ds(jnp.minimum(step * block_kv, kv_len - block_kv), block_kv)
@@ -192,7 +204,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
         plgpu.copy_gmem_to_smem(info_ref.at[batch, pair, source], info_smem.at[who],
                                 info_bar.at[who])
         plgpu.barrier_wait(info_bar.at[who])
-        return [info_smem[who, i] for i in range(_INFO)]
+        return [info_smem[who, i] for i in range(8)]
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
@@ -207,10 +219,9 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
         plgpu.barrier_wait(q_bar.at[wg])
         plgpu.barrier_wait(pos_bar.at[wg])
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        if interpret:  # nor for plgpu.load
-            pos = pos_smem[wg]  # [block_q]
-        else:
-            pos = plgpu.load(pos_smem.at[wg], (), layout=row_layout)
+        # The rows' positions, [block_q] (the interpreter has no rule for plgpu.load).
+        pos = (pos_smem[wg] if interpret
+               else plgpu.load(pos_smem.at[wg], (), layout=row_layout))
 
         def wait_only(step, carry):
             # A tile of the CTA this warpgroup does not need: keep the barriers' phases.
@@ -252,21 +263,21 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             p16 = p.astype(dtype)
             plgpu.barrier_wait(v_bar.at[slot])
 
-            # P V into a fresh accumulator, added to the rescaled one (the interpreter has
-            # no rule for run_state, which would accumulate into acc itself).
             def interior(acc):
-                return acc + product(p16, v_smem.at[slot])
+                return product(p16, v_smem.at[slot], acc=acc)
 
             def boundary(acc):
                 # Zero the tile's non-finite values for P V, then count, per row and
-                # column, the non-finite values the row sees.
-                values = cast(v_smem[slot], plgpu.Layout.WGMMA)
-                finite = (values - values) == 0  # False for NaN and +-inf
+                # column, the non-finite values the row sees. (The tile is read twice
+                # rather than keeping its mask live across the product: registers.)
                 clean = clean_smem.at[wg]
-                clean[...] = jnp.where(finite, values, jnp.zeros((), dtype))
+                values = cast(v_smem[slot], plgpu.Layout.WGMMA)
+                clean[...] = jnp.where(values - values == 0, values, jnp.zeros((), dtype))
                 plgpu.commit_smem()
-                acc = acc + product(p16, clean)
-                clean[...] = jnp.where(finite, jnp.zeros((), dtype), jnp.ones((), dtype))
+                acc = product(p16, clean, acc=acc)
+                values = cast(v_smem[slot], plgpu.Layout.WGMMA)
+                clean[...] = jnp.where(values - values == 0, jnp.zeros((), dtype),
+                                       jnp.ones((), dtype))  # x - x: NaN for NaN and inf
                 plgpu.commit_smem()
                 hits = product(visible.astype(dtype), clean)
                 return jnp.where(hits > 0, jnp.nan, acc)
@@ -320,8 +331,12 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     group = q_heads // kv_heads
     rows = q_len * group
     rows_pad = pl.cdiv(rows, _CONSUMERS * block_q) * _CONSUMERS * block_q
-    if kv_len < block_kv:  # one tile, zero-padded (a short cache; keys past kv_len hidden)
-        pad = ((0, 0), (0, block_kv - kv_len), (0, 0), (0, 0))
+    # TMA tiles rows by 8: K/V of fewer than block_kv keys or a length that is not a
+    # multiple of 8 are zero-padded (a copy; the padding keys are hidden like any past
+    # kv_lengths). Caches are allocated in multiples of 8 and read in place.
+    kv_pad = max(block_kv, -(-kv_len // 8) * 8)
+    if kv_pad != kv_len:
+        pad = ((0, 0), (0, kv_pad - kv_len), (0, 0), (0, 0))
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad)
     info, row_pos = _ranges(positions, lengths, rows_pad=rows_pad, group=group,
@@ -350,13 +365,13 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     cost = _cost.attention(queries=batch * q_len * q_heads, keys=kv_len, head_dim=head_dim,
                            causal=causal and q_len == kv_len, io=(qg, k, v, qg))
     with _mosaic.maybe_interpret(interpret):
-        out = _mosaic.kernel(
+        out = _mosaic.costed_kernel(
             body, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), scratch_shapes=scratch,
+            cost_estimate=cost, name=NAME,
+            compiler_params=plgpu.CompilerParams(approx_math=True),
             grid=(kv_heads, rows_pad // (_CONSUMERS * block_q), batch),
             grid_names=("heads", "rows", "batch"), num_threads=_CONSUMERS + 1,
-            thread_name="wg", kernel_name="forge_jax_mosaic_flash_attention",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
-        )(qg, k, v, row_pos, info)
+            thread_name="wg")(qg, k, v, row_pos, info)
     return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                              head_dim=head_dim)
 
@@ -374,7 +389,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     """Flash attention on Hopper+ (see :func:`forge_jax.attention` for the contract).
 
     Args:
-      q: ``[batch, q_len, q_heads, head_dim]``, bfloat16/float16, head_dim 64 or 128.
+      q: ``[batch, q_len, q_heads, head_dim]``, bfloat16/float16, head_dim 64 or 128
+        (:func:`supports`, checked by dispatch, not here: other cases fail to compile).
       k, v: ``[batch, kv_len, kv_heads, head_dim]`` in ``q.dtype``,
         ``q_heads % kv_heads == 0``.
       scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
@@ -386,9 +402,6 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; differentiable in q, k, v.
     """
-    reason = supports({"q": q, "k": k, "v": v})
-    if reason is not None:
-        raise ValueError(f"mosaic_gpu flash attention: {reason}")
     config = dataclasses.replace(
         default_config({"q": q}), **{n: x for n, x in dict(
             block_q=block_q, block_kv=block_kv, stages=stages).items() if x is not None})
@@ -426,4 +439,5 @@ def supports(args: Mapping[str, Any]) -> str | None:
 _registration.register(
     "attention", flash_attention, backend="mosaic_gpu", supports=supports, verified=VERIFIED,
     description="flash attention (FA3: TMA producer, two WGMMA consumers), GQA rows per CTA, "
-                "XLA-VJP backward")
+                "XLA-VJP backward",
+    interpret_configs=lambda args: [])
