@@ -295,3 +295,14 @@ def mosaic_gpu_kernel(body: Any, *, out_shape: Any, scratch_shapes: Any = (),
     if "out_type" in params:
         return plgpu.kernel(body, out_type=out_shape, scratch_types=scratch_shapes, **kwargs)
     return plgpu.kernel(body, out_shape=out_shape, scratch_shapes=scratch_shapes, **kwargs)
+
+
+def mosaic_gpu_load(ref: Any, *, layout: Any) -> Any:
+    """``plgpu.load`` of a whole ref into registers with ``layout``: JAX 0.10 and 0.11 take
+    an index (``load(ref, (), layout=...)``), 0.12 only the ref (index it with ``.at``)."""
+    plgpu = pallas_mosaic_gpu()
+    import inspect
+
+    if "idx" in inspect.signature(plgpu.load).parameters:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)

@@ -183,7 +183,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
             out = lax.dot_general(a, b_ref[...], dims, preferred_element_type=jnp.float32)
             return out if acc is None else acc + out
-        b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+        b = b_ref.transpose((1, 0)) if transpose_b else b_ref  # a TransformedRef
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
@@ -221,7 +221,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         # The rows' positions, [block_q] (the interpreter has no rule for plgpu.load).
         pos = (pos_smem[wg] if interpret
-               else plgpu.load(pos_smem.at[wg], (), layout=row_layout))
+               else _compat.mosaic_gpu_load(pos_smem.at[wg], layout=row_layout))
 
         def wait_only(step, carry):
             # A tile of the CTA this warpgroup does not need: keep the barriers' phases.
