@@ -306,3 +306,15 @@ def mosaic_gpu_load(ref: Any, *, layout: Any) -> Any:
     if "idx" in inspect.signature(plgpu.load).parameters:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
+
+
+def mosaic_gpu_interpret_races_found() -> bool | None:
+    """Whether the Mosaic GPU interpreter found a race in the kernel it ran last (None if it
+    has run none in this process). The interpreter records races without raising; its state
+    is under ``jax._src`` in JAX 0.10-0.12."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    try:
+        return bool(gpu_callbacks.get_races().races_found)
+    except AssertionError:  # no kernel has run in the interpreter yet
+        return None

@@ -24,12 +24,15 @@ import numpy as np
 import pytest
 from cases.attention_base import AttentionCase, AttentionCases
 from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
+from jax import lax
 
 import forge_jax as fj
+from forge_jax import _compat
 from forge_jax.pallas_kernels.gpu import _mosaic
 from forge_jax.pallas_kernels.gpu import mosaic_attention as mosaic
 
 S = jax.ShapeDtypeStruct
+pl = _compat.pallas()
 BF16, F16 = jnp.bfloat16, jnp.float16
 
 # (batch, q_len, kv_len, q_heads, kv_heads, head_dim). The interpreter takes 10-20 s per CTA
@@ -87,10 +90,38 @@ class TestAttentionMosaicGpuInterpret(TestAttentionMosaicGpu):
     IMPLEMENTATION = "mosaic_gpu_interpret"
     INTERPRET = True
 
+    def after_test(self) -> None:
+        # The interpreter records a race (two warpgroups touching shared memory with no
+        # barrier between them) without raising; the kernel of every test must have none.
+        assert _mosaic.races_found() is False
 
-def test_interpreter_detects_races_and_poisons_memory():
-    params = _mosaic.interpret_params()
-    assert params.detect_races is True and params.uninitialized_memory == "nan"
+
+def _racy(x_ref, o_ref, smem):
+    # Both warpgroups write the same shared memory with no barrier: a race.
+    smem[...] = jnp.full(smem.shape, lax.axis_index("wg").astype(jnp.float32))
+    plgpu = _compat.pallas_mosaic_gpu()
+
+    @pl.when(lax.axis_index("wg") == 0)
+    def _():
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, o_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+
+@pytest.mark.parametrize("detect", [True, False], ids=["races_on", "races_off"])
+def test_interpreter_finds_a_race_when_asked(detect):
+    # The check after_test relies on: with race detection on, the interpreter flags an
+    # unsynchronised write; off, it does not look. Outputs and shared memory start as NaN.
+    params = _mosaic.interpret_params(detect_races=detect)
+    assert params.uninitialized_memory == "nan" and _mosaic.interpret_params().detect_races
+    plgpu = _compat.pallas_mosaic_gpu()
+    x = jnp.zeros((128,), jnp.float32)
+    with _compat.force_mosaic_gpu_interpret(params):
+        y = _mosaic.kernel(_racy, out_shape=S(x.shape, x.dtype),
+                           scratch_shapes=[plgpu.SMEM(x.shape, x.dtype)], num_threads=2,
+                           thread_name="wg")(x)
+    assert np.isin(np.asarray(y), [0.0, 1.0]).all()
+    assert _mosaic.races_found() is detect
 
 
 # --- supports() and the H100 compile --------------------------------------------------

@@ -72,6 +72,12 @@ def maybe_interpret(interpret: bool) -> Iterator[None]:
         yield
 
 
+def races_found() -> bool | None:
+    """Whether the last kernel run in the Mosaic GPU interpreter raced (the interpreter
+    records races and does not raise: tests ask here after each run); None if none ran."""
+    return _compat.mosaic_gpu_interpret_races_found()
+
+
 def kernel(body: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """``plgpu.kernel`` under the installed JAX's argument names (``out_shape``,
     ``scratch_shapes`` here, renamed in JAX 0.12)."""
