@@ -131,12 +131,19 @@ def test_interpreter_finds_a_race_when_asked(detect):
     (jnp.float32, jnp.float32, 64, "bfloat16 or float16"),
     (BF16, F16, 64, "all three equal"),
     (BF16, BF16, 80, "multiple of 64 columns"),
+    (BF16, BF16, 192, "not compiled and checked"),
     (BF16, BF16, 256, "more than 232448"),
-], ids=["float32", "mixed", "head_dim_80", "head_dim_256"])
+], ids=["float32", "mixed", "head_dim_80", "head_dim_192", "head_dim_256"])
 def test_supports_rejects(q_dtype, kv_dtype, head_dim, reason):
     args = dict(q=S((1, 4, 2, head_dim), q_dtype), k=S((1, 8, 2, head_dim), kv_dtype),
                 v=S((1, 8, 2, head_dim), kv_dtype))
     assert reason in mosaic.supports(args)
+
+
+def test_rejected_case_is_refused_by_name():
+    q = jnp.ones((1, 4, 2, 64), jnp.float32)
+    with pytest.raises(fj.ImplementationError, match="bfloat16 or float16"):
+        fj.attention(q, q, q, implementation="mosaic_gpu_interpret")
 
 
 def test_registered_by_name_only():

@@ -427,11 +427,13 @@ def supports(args: Mapping[str, Any]) -> str | None:
                 "all three equal (16-bit WGMMA operands)")
     head_dim = q.shape[-1]
     if head_dim not in HEAD_DIMS:
-        config = Config()
-        need = shared_memory_bytes(head_dim, q.dtype, config)
-        why = (f"its tiles need {need} bytes of shared memory, more than {SHARED_MEMORY}"
-               if need > SHARED_MEMORY else
-               "WGMMA tiles take a multiple of 64 columns of 16-bit values")
+        need = shared_memory_bytes(head_dim, q.dtype, Config())
+        if head_dim % 64:
+            why = "WGMMA tiles with the 128-byte swizzle take a multiple of 64 columns"
+        elif need > SHARED_MEMORY:
+            why = f"its tiles need {need} bytes of shared memory, more than {SHARED_MEMORY}"
+        else:
+            why = "not compiled and checked for this kernel yet"
         return f"head_dim={head_dim} not in {HEAD_DIMS}: {why}"
     return None
 
