@@ -15,8 +15,9 @@ The contract is that of :func:`forge_jax.attention`, with the explicit positions
 lengths of :func:`~forge_jax.pallas_kernels._attention_common.explicit_positions`. The
 XLA wrapper computes, per warpgroup's rows, the key range ``[key_lo, key_hi)`` some row
 sees (causal bound, ``kv_lengths``, sliding window) and the range every row sees; the CTA
-walks only the K/V tiles of the union of its two warpgroups' ranges (fully masked tiles are
-neither loaded nor computed), and each consumer computes only its own. Inside a tile a key
+loads only the K/V tiles from the first to the last tile of its two warpgroups' ranges
+(tiles no row of the CTA sees are neither loaded nor computed), and each consumer computes
+only the tiles of its own range (it waits on and releases the others). Inside a tile a key
 hidden from a row is hidden by ``where`` on the logits (which takes NaN in hidden K out).
 A tile that holds a key some row does not see (the edges of the ranges) is a *boundary*
 tile: a consumer copies its V tile with non-finite values zeroed (``0 * NaN`` is NaN: a
@@ -29,10 +30,16 @@ K/V are read in place (``[batch, kv_len, kv_heads, head_dim]``, one strided TMA 
 the last tile of a ``kv_len`` that is not a multiple of ``block_kv`` is read from
 ``kv_len - block_kv`` and its keys already seen are masked, so nothing is padded unless
 ``kv_len < block_kv`` or ``kv_len`` is not a multiple of 8 (TMA's row tiling): then K/V
-are copied zero-padded. Not done (yet): the FA3
-ping-pong schedule barrier between the consumers and intra-warpgroup overlap of softmax
-and WGMMA; fp8 inputs; head_dim 256 (its tiles and the boundary copies exceed an H100's
-227 KiB of shared memory: :func:`supports` rejects it with the compiler's reason).
+are copied zero-padded. Not done (yet): the FA3 ping-pong schedule barrier between the
+consumers and intra-warpgroup overlap of softmax and WGMMA; fp8 inputs; head_dim 256 (its
+tiles and the boundary copies exceed an H100's 227 KiB of shared memory: :func:`supports`
+rejects it with the compiler's reason).
+
+In the Mosaic GPU interpreter (``interpret=True``) the kernel is the same program (warp
+specialisation, TMA copies, barriers, shared memory, masks, boundary copies) except where
+JAX 0.10's interpreter has no rule: the three products are ``lax.dot_general`` on the same
+shared-memory tiles instead of WGMMA (it runs WGMMA only on untransposed shared-memory
+operands), and layout casts and ``plgpu.load`` are plain reads.
 
 Backward: :func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`, the VJP of the XLA
 reference (:func:`forge_jax.ops.attention.attention_reference`, which materialises the
@@ -91,9 +98,8 @@ class Config:
     stages: int = 2
 
 
-# Not measured (no GPU has run the kernel): the sizes of JAX's own Mosaic GPU attention at
-# these head dims, checked to compile for an H100 without spills (tests/
-# test_pallas_mgpu_attention.py).
+# Not measured (no GPU has run the kernel): sizes checked only to compile for an H100 without
+# spills (tests/test_pallas_mgpu_attention.py, BENCHMARKS.md).
 TUNED: Mapping[int, Config] = {
     64: Config(block_q=64, block_kv=128, stages=2),
     128: Config(block_q=64, block_kv=64, stages=2),
@@ -161,7 +167,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             *, scale, causal, sliding_window, logits_soft_cap, block_q, block_kv, stages,
             interpret):
     # q_ref, o_ref [batch, kv_heads, rows_pad, head_dim]; k_ref, v_ref [batch, kv_len,
-    # kv_heads, head_dim]; pos_ref [batch, rows_pad]; info_ref [batch, pairs, 2, 8].
+    # kv_heads, head_dim]; pos_ref [batch, rows_pad]; info_ref [batch, pairs, 2, _INFO]
+    # (see _ranges). Warpgroups 0 and 1 compute, warpgroup 2 loads K/V.
     plgpu = _compat.pallas_mosaic_gpu()
     head = lax.axis_index("heads")
     pair = lax.axis_index("rows")
