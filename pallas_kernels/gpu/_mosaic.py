@@ -73,8 +73,9 @@ def maybe_interpret(interpret: bool) -> Iterator[None]:
 
 
 def races_found() -> bool | None:
-    """Whether the last kernel run in the Mosaic GPU interpreter raced (the interpreter
-    records races and does not raise: tests ask here after each run); None if none ran."""
+    """Whether the last kernel run in the Mosaic GPU interpreter raced (JAX 0.10's
+    interpreter records races without raising, 0.12's raises "RACE DETECTED": tests ask
+    here after each run); None if none ran."""
     return _compat.mosaic_gpu_interpret_races_found()
 
 
