@@ -167,20 +167,31 @@ def test_registered_by_name_only():
         assert "compute capability >= 9.0" in rejected["mosaic_gpu"]
 
 
+# id -> (q shape, k/v shape, dtype, masking): what supports() accepts compiles without
+# spills, the rejected head_dim 256 is refused by the compiler for its shared memory.
+COMPILE_CASES = {
+    "llama3-prefill-window-cap-bf16": ((1, 100, 32, 128), (1, 296, 8, 128), BF16,
+                                       dict(sliding_window=50, logits_soft_cap=30.0)),
+    "llama3-decode-f16": ((3, 1, 32, 128), (3, 4096, 8, 128), F16, {}),
+    "smollm2-non_causal-window-short_cache-f16": ((1, 7, 9, 64), (1, 21, 3, 64), F16,
+                                                  dict(causal=False, sliding_window=5)),
+    "head_dim_256-rejected": ((1, 100, 32, 256), (1, 296, 8, 256), BF16, {}),
+}
+
+
 @pytest.mark.skipif(fj.targets.missing("h100") is not None,
                     reason=str(fj.targets.missing("h100")))
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_h100_compile(head_dim):
-    # A Llama-3-shaped prefill chunk over a cache of 296 keys with every masking option.
-    q, kv = S((1, 100, 32, head_dim), BF16), S((1, 296, 8, head_dim), BF16)
+@pytest.mark.parametrize("case", COMPILE_CASES.values(), ids=COMPILE_CASES)
+def test_h100_compile(case):
+    q_shape, kv_shape, dtype, masking = case
+    q, kv = S(q_shape, dtype), S(kv_shape, dtype)
     reason = mosaic.supports(dict(q=q, k=kv, v=kv))
 
     def fn(q, k, v, lengths):
-        return mosaic.flash_attention(q, k, v, kv_lengths=lengths, sliding_window=50,
-                                      logits_soft_cap=30.0)
+        return mosaic.flash_attention(q, k, v, kv_lengths=lengths, **masking)
 
     with _mosaic.ptxas_report() as lines:
-        report = fj.aot.compile(fn, q, kv, kv, S((1,), jnp.int32), target="h100")
+        report = fj.aot.compile(fn, q, kv, kv, S((q_shape[0],), jnp.int32), target="h100")
     if reason is None:
         assert report.compiled, report.error
         (kernel,) = report.kernels
@@ -189,6 +200,7 @@ def test_h100_compile(head_dim):
         registers = [int(n) for ln in lines for n in re.findall(r"Used (\d+) registers", ln)]
         assert len(spills) == len(registers) == 1 and spills == [0], lines
     else:  # a rejection that is a compile limit fails the compile
+        assert "shared memory" in reason
         assert not report.compiled and "exceeds available shared memory" in report.error
         need = int(re.search(r"smem_bytes=(\d+)", report.error).group(1))
         assert need > mosaic.SHARED_MEMORY
