@@ -325,3 +325,14 @@ def mosaic_gpu_mesh_kernel(body: Any, *, out_shape: Any, grid: tuple[int, ...],
     extra = {} if compiler_params is None else {"compiler_params": compiler_params}
     return pl.kernel(body, mesh=mesh, cost_estimate=cost_estimate, name=name,
                      interpret=interpret, **{out: out_shape}, **extra)
+def mosaic_gpu_load(ref: Any, *, layout: Any) -> Any:
+    """``plgpu.load`` of a whole ref into registers with ``layout``: JAX 0.10 and 0.11 take
+    an index (``load(ref, (), layout=...)``), 0.12 only the ref (index it with ``.at``)."""
+    plgpu = pallas_mosaic_gpu()
+    import inspect
+
+    if "idx" in inspect.signature(plgpu.load).parameters:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+

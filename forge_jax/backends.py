@@ -56,6 +56,7 @@ class Summary:
     platforms: tuple[PlatformInfo, ...]
     toolchains: tuple[ToolchainInfo, ...]
     implementations: tuple[ImplementationInfo, ...]
+    gpu_paths: tuple[str, ...] = ()
 
     def devices(self) -> tuple[DeviceInfo, ...]:
         return tuple(d for p in self.platforms for d in p.devices)
@@ -82,6 +83,8 @@ class Summary:
         out += ["", "Toolchains:"]
         for t in self.toolchains:
             out.append(f"  {t.name}: {'yes' if t.available else 'no, ' + str(t.reason)}")
+        if self.gpu_paths:
+            out += ["", "GPU kernel paths:"] + [f"  {line}" for line in self.gpu_paths]
         out += ["", "Implementations (op: name -> status):"]
         for i in self.implementations:
             status = "available" if i.available else f"unavailable: {i.reason}"
@@ -160,6 +163,29 @@ def toolchains() -> tuple[ToolchainInfo, ...]:
     return tuple(rows)
 
 
+def gpu_paths() -> tuple[str, ...]:
+    """Which kernels serve which GPUs, one line each (``forge-jax info``): Mosaic GPU kernels
+    (``"mosaic_gpu"``, TMA and WGMMA) on Hopper and newer, the Triton-lowered ones
+    (``"pallas"``) on Ampere/Ada and for the ops without a Mosaic GPU kernel; and, with a
+    GPU (or inside ``fj.targets.use``), the path of this one. Auto selection ranks a kernel
+    only where its ``verified`` record names the platform; others run by name."""
+    def ops_of(name: str) -> str:
+        ops = sorted({i.op for op in registry.ops() for i in registry.registrations(op)
+                      if i.name == name and "gpu" in (i.platforms or ())})
+        return ", ".join(ops) or "none"
+
+    lines = [f"Hopper and newer (compute capability >= 9.0): Mosaic GPU kernels "
+             f"('mosaic_gpu': {ops_of('mosaic_gpu')}); Triton-lowered kernels ('pallas') "
+             "for the other ops",
+             f"Ampere and Ada (compute capability 8.x): Triton-lowered kernels ('pallas': "
+             f"{ops_of('pallas')}); Mosaic GPU needs TMA and WGMMA (9.0)"]
+    cc = gpu_compute_capability()
+    if cc:
+        path = "Mosaic GPU and Triton" if float(cc) >= 9.0 else "Triton"
+        lines.append(f"this GPU (compute capability {cc}): the {path} path")
+    return tuple(lines)
+
+
 def summary() -> Summary:
     """A structured report of versions, devices, toolchains and implementations.
 
@@ -186,6 +212,7 @@ def summary() -> Summary:
         platforms=tuple(_platform_info(p) for p in PLATFORMS),
         toolchains=toolchains(),
         implementations=tuple(impls),
+        gpu_paths=gpu_paths(),
     )
 
 

@@ -182,3 +182,16 @@ def test_cli_without_command_prints_help(capsys):
 def test_console_script_is_installed():
     scripts = importlib.metadata.entry_points(group="console_scripts")
     assert scripts["forge-jax"].value == "forge_jax.cli:main"
+
+
+def test_info_says_which_kernel_path_serves_which_gpu():
+    text = str(backends.summary())
+    assert "GPU kernel paths:" in text
+    hopper, ampere = backends.gpu_paths()[:2]
+    assert "Mosaic GPU" in hopper and "attention" in hopper
+    assert "Triton" in ampere and "rms_norm" in ampere
+    with fj.targets.use("h100"):
+        assert backends.gpu_paths()[-1].endswith("the Mosaic GPU and Triton path")
+    with fj.targets.use("a100"):
+        assert backends.gpu_paths()[-1] == "this GPU (compute capability 8.0): the Triton path"
+

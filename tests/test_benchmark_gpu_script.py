@@ -82,6 +82,8 @@ def test_quick_run_checks_every_kernel_against_xla(tmp_path):
             assert ours["target"] and ours["met"] in (True, False), ours
     assert rows[("attention", "cudnn")]["status"] == "skipped", rows[("attention", "cudnn")]
     assert "GPU" in rows[("attention", "cudnn")]["note"]
+    mosaic = rows[("attention", "mosaic_gpu")]
+    assert mosaic["status"] == "skipped" and "runs on gpu" in mosaic["note"], mosaic
     for kernel in ("rms_norm", "silu_mul", "rope"):
         triton = rows[(kernel, "triton")]
         assert triton["status"] == "skipped" and "jax-triton" in triton["note"], triton

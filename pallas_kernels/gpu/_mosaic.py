@@ -72,6 +72,13 @@ def maybe_interpret(interpret: bool) -> Iterator[None]:
         yield
 
 
+def races_found() -> bool | None:
+    """Whether the last kernel run in the Mosaic GPU interpreter raced (JAX 0.10's
+    interpreter records races without raising, 0.12's raises "RACE DETECTED": tests ask
+    here after each run); None if none ran."""
+    return _compat.mosaic_gpu_races_found()
+
+
 def kernel(body: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """``plgpu.kernel`` under the installed JAX's argument names (``out_shape``,
     ``scratch_shapes`` here, renamed in JAX 0.12)."""
@@ -140,3 +147,73 @@ def transposed(ref: Any) -> Any:
     if hasattr(ref, "T"):
         return ref.T
     return _compat.pallas_mosaic_gpu().transpose_ref(ref, (1, 0))
+
+def costed_kernel(body: Callable[..., Any], *, out_shape: Any, scratch_shapes: Any = (),
+                  cost_estimate: Any, name: str, compiler_params: Any = None,
+                  **mesh: Any) -> Callable[..., Any]:
+    """:func:`kernel` that carries a ``cost_estimate`` and a ``name`` (``plgpu.kernel``
+    takes neither in JAX 0.10): ``pl.kernel`` over a ``plgpu.Mesh(**mesh)`` (``grid``,
+    ``grid_names``, ``num_threads``, ``thread_name``), the scratch allocated as
+    ``plgpu.kernel`` allocates it (``run_scoped``, collective over the warpgroups). The
+    cost reaches XLA and :func:`forge_jax.aot.compile`'s roofline; unlike ``plgpu.kernel``
+    the call has no batching rule (call it unbatched)."""
+    pl = _compat.pallas()
+    plgpu = _compat.pallas_mosaic_gpu()
+    unwrap = not isinstance(out_shape, (tuple, list))
+    out_type = (out_shape,) if unwrap else tuple(out_shape)
+
+    def scoped_body(*refs):
+        pl.run_scoped(lambda *scratch: body(*refs, *scratch), *scratch_shapes,
+                      collective_axes=mesh.get("thread_name"))
+
+    call = pl.kernel(scoped_body, out_type=out_type, mesh=plgpu.Mesh(kernel_name=name, **mesh),
+                     compiler_params=compiler_params, cost_estimate=cost_estimate, name=name)
+
+    def run(*args):
+        outs = call(*args)
+        return outs[0] if unwrap else outs
+
+    return run
+
+
+_PTXAS_LINE = ("Compiling entry function '", "Used ", " bytes spill stores")
+
+
+@contextlib.contextmanager
+def ptxas_report() -> Iterator[list[str]]:
+    """Within it, the Mosaic GPU kernels compiled (a deviceless ``fj.aot.compile`` for an
+    ``h100`` target included) have ptxas report their registers and spills; the lines
+    (``Compiling entry function '...'``, ``... bytes spill stores ...``, ``Used N
+    registers ...``) are in the list yielded, filled when the block ends. Mosaic GPU
+    prints them (``MOSAIC_GPU_DUMP_PTXAS``, which needs ``MOSAIC_GPU_DUMP_PTX``) on the
+    process's file descriptors 1 and 2, captured here for the block."""
+    import os
+    import sys
+    import tempfile
+
+    lines: list[str] = []
+    names = ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
+    old_env = {n: os.environ.get(n) for n in names}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile(mode="w+") as sink:
+        try:
+            os.environ.update({n: "1" for n in names})
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield lines
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            for n, value in old_env.items():
+                if value is None:
+                    os.environ.pop(n, None)
+                else:
+                    os.environ[n] = value
+            sink.seek(0)
+            lines.extend(ln.strip() for ln in sink if any(s in ln for s in _PTXAS_LINE))

@@ -111,7 +111,7 @@ class AttentionCases(ImplementationCases):
             def loss(q, k, v):
                 out = fj.attention(q, k, v, implementation=implementation,
                                    **as_jnp(case.masking))
-                return jnp.sum(out * g)
+                return jnp.sum(out.astype(jnp.float32) * g)
             return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
         got = grads(self.IMPLEMENTATION)

@@ -1,0 +1,206 @@
+"""The Mosaic GPU flash-attention kernel (pallas_kernels/gpu/mosaic_attention.py).
+
+:class:`TestAttentionMosaicGpu` runs the kernel compiled (``"mosaic_gpu"``) and is skipped
+without a Hopper+ GPU; :class:`TestAttentionMosaicGpuInterpret` runs the same cases in the
+Mosaic GPU interpreter (race detection on, shared memory and outputs poisoned with NaN:
+``_mosaic.interpret_params``) on any machine. The interpreter runs every CTA's three
+warpgroups, TMA copies and barriers on the CPU: about 10-30 s a case on two cores, so the
+case tables are few and small, on real models' head layouts with lengths ending inside
+tiles. The behaviours come from :class:`cases.attention_base.AttentionCases`.
+
+The deviceless H100 compile (``fj.aot``: JAX's CUDA pipeline, Mosaic GPU's compile and
+ptxas) of the head dims :func:`supports` accepts, with no spills in ptxas' report
+(``_mosaic.ptxas_report``), and of the rejected 256, which the compiler refuses for its
+shared memory.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases.attention_base import AttentionCase, AttentionCases
+from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
+from jax import lax
+
+import forge_jax as fj
+from forge_jax import _compat
+from forge_jax.pallas_kernels.gpu import _mosaic
+from forge_jax.pallas_kernels.gpu import mosaic_attention as mosaic
+
+S = jax.ShapeDtypeStruct
+pl = _compat.pallas()
+BF16, F16 = jnp.bfloat16, jnp.float16
+
+# (batch, q_len, kv_len, q_heads, kv_heads, head_dim). The interpreter takes 10-20 s per CTA
+# (one kv head of one sequence) on two cores, so the real models' GQA groups and head dims
+# run on one kv head each (CTAs of different kv heads share nothing but the grid): SmolLM2's
+# groups of 3 at head_dim 64 (tiles of 128 keys: 150 keys end inside the second, which is
+# read from key 22) and Llama 3's groups of 4 at head_dim 128 (tiles of 64: 70 keys, padded
+# to 72 for TMA's rows of 8).
+SMOL_GROUP = (SMOLLM2_135M_HEADS[0] // SMOLLM2_135M_HEADS[1], 1, SMOLLM2_135M_HEADS[2])
+LLAMA_GROUP = (LLAMA3_8B_HEADS[0] // LLAMA3_8B_HEADS[1], 1, LLAMA3_8B_HEADS[2])
+
+CASES = {
+    # Every option, NaN / +inf in every slot no query sees.
+    "smollm2-everything-nan_unseen": AttentionCase(
+        (1, 5, 150, *SMOL_GROUP), BF16,
+        dict(kv_lengths=np.array([141]), sliding_window=40, logits_soft_cap=5.0,
+             q_positions=np.array([[60, 61, 100, 139, 140]])), poison=True, seed=1),
+    # Query 0 sees no key (exact zeros), query 2 sees all 66 valid keys.
+    "llama3-kv_lengths-positions-nan_unseen": AttentionCase(
+        (1, 3, 70, *LLAMA_GROUP), F16,
+        dict(kv_lengths=np.array([66]), q_positions=np.array([[-1, 20, 65]])), poison=True,
+        seed=2),
+}
+
+NONFINITE_CASES = {
+    # Chunked prefill: NaN / inf in slots some queries of the sequence see, others not (two
+    # kv heads: each poisoned slot is poisoned in one, and the other's outputs stay clean).
+    "window": AttentionCase((1, 5, 24, 6, 2, 64), BF16,
+                            dict(kv_lengths=np.array([21]), sliding_window=4), seed=6),
+}
+
+GRADIENT_CASES = {
+    "non_causal": AttentionCase((1, 3, 20, 2, 1, 64), BF16,
+                                dict(causal=False, kv_lengths=np.array([17])),
+                                poison=True, seed=11),
+}
+
+
+class TestAttentionMosaicGpu(AttentionCases):
+    IMPLEMENTATION = "mosaic_gpu"
+    CASES = CASES
+    NONFINITE_CASES = NONFINITE_CASES
+    GRADIENT_CASES = GRADIENT_CASES
+
+    @classmethod
+    def skip_reason(cls) -> str | None:
+        if cls.INTERPRET:
+            return None
+        reason = _mosaic.available()
+        return None if reason is None else (
+            f"compiled Mosaic GPU kernel: {reason} (the interpret subclass runs here)")
+
+
+class TestAttentionMosaicGpuInterpret(TestAttentionMosaicGpu):
+    IMPLEMENTATION = "mosaic_gpu_interpret"
+    INTERPRET = True
+
+    def after_test(self) -> None:
+        # JAX 0.10's interpreter records a race (two warpgroups touching shared memory with
+        # no barrier between them) without raising (0.12's raises); every test's kernel must
+        # have none.
+        assert _mosaic.races_found() is False
+
+
+def _racy(x_ref, o_ref, smem):
+    # Both warpgroups write the same shared memory with no barrier: a race.
+    smem[...] = jnp.full(smem.shape, lax.axis_index("wg").astype(jnp.float32))
+    plgpu = _compat.pallas_mosaic_gpu()
+
+    @pl.when(lax.axis_index("wg") == 0)
+    def _():
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, o_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+
+@pytest.mark.parametrize("detect", [True, False], ids=["races_on", "races_off"])
+def test_interpreter_finds_a_race_when_asked(detect):
+    # The check after_test relies on: with race detection on, the interpreter flags an
+    # unsynchronised write; off, it does not look. Outputs and shared memory start as NaN.
+    params = _mosaic.interpret_params(detect_races=detect)
+    assert params.uninitialized_memory == "nan" and _mosaic.interpret_params().detect_races
+    plgpu = _compat.pallas_mosaic_gpu()
+    x = jnp.zeros((128,), jnp.float32)
+    try:
+        with _compat.force_mosaic_gpu_interpret(params):
+            y = _mosaic.kernel(_racy, out_shape=S(x.shape, x.dtype),
+                               scratch_shapes=[plgpu.SMEM(x.shape, x.dtype)], num_threads=2,
+                               thread_name="wg")(x)
+        assert np.isin(np.asarray(y), [0.0, 1.0]).all()
+        found = _mosaic.races_found()
+    except Exception as e:  # JAX 0.12's interpreter raises where 0.10's records the race
+        assert "RACE DETECTED" in str(e)
+        found = True
+    assert found is detect
+
+
+# --- supports() and the H100 compile --------------------------------------------------
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,head_dim,reason", [
+    (jnp.float32, jnp.float32, 64, "bfloat16 or float16"),
+    (BF16, F16, 64, "all three equal"),
+    (BF16, BF16, 80, "multiple of 64 columns"),
+    (BF16, BF16, 192, "not compiled and checked"),
+    (BF16, BF16, 256, "more than 232448"),
+], ids=["float32", "mixed", "head_dim_80", "head_dim_192", "head_dim_256"])
+def test_supports_rejects(q_dtype, kv_dtype, head_dim, reason):
+    args = dict(q=S((1, 4, 2, head_dim), q_dtype), k=S((1, 8, 2, head_dim), kv_dtype),
+                v=S((1, 8, 2, head_dim), kv_dtype))
+    assert reason in mosaic.supports(args)
+
+
+def test_rejected_case_is_refused_by_name():
+    q = jnp.ones((1, 4, 2, 64), jnp.float32)
+    with pytest.raises(fj.ImplementationError, match="bfloat16 or float16"):
+        fj.attention(q, q, q, implementation="mosaic_gpu_interpret")
+
+
+def test_registered_by_name_only():
+    assert "mosaic_gpu_interpret" in fj.dispatch.implementations("attention")
+    assert mosaic.VERIFIED == {}
+    q = S((1, 4, 8, 128), BF16)
+    with fj.targets.use("h100"):
+        assert "mosaic_gpu" in fj.registry.implementations("attention")
+        selection = fj.explain("attention", q, q, q)
+        assert selection.implementation != "mosaic_gpu"  # not verified: by name only
+        assert fj.explain("attention", q, q, q, implementation="mosaic_gpu"
+                          ).implementation == "mosaic_gpu"
+    with fj.targets.use("a100"):
+        rejected = fj.explain("attention", q, q, q).rejected
+        assert "compute capability >= 9.0" in rejected["mosaic_gpu"]
+
+
+# id -> (q shape, k/v shape, dtype, masking): what supports() accepts compiles without
+# spills, the rejected head_dim 256 is refused by the compiler for its shared memory.
+COMPILE_CASES = {
+    "llama3-prefill-window-cap-bf16": ((1, 100, 32, 128), (1, 296, 8, 128), BF16,
+                                       dict(sliding_window=50, logits_soft_cap=30.0)),
+    "llama3-decode-f16": ((3, 1, 32, 128), (3, 4096, 8, 128), F16, {}),
+    "smollm2-non_causal-window-short_cache-f16": ((1, 7, 9, 64), (1, 21, 3, 64), F16,
+                                                  dict(causal=False, sliding_window=5)),
+    "head_dim_256-rejected": ((1, 100, 32, 256), (1, 296, 8, 256), BF16, {}),
+}
+
+
+@pytest.mark.skipif(fj.targets.missing("h100") is not None,
+                    reason=str(fj.targets.missing("h100")))
+@pytest.mark.parametrize("case", COMPILE_CASES.values(), ids=COMPILE_CASES)
+def test_h100_compile(case):
+    q_shape, kv_shape, dtype, masking = case
+    q, kv = S(q_shape, dtype), S(kv_shape, dtype)
+    reason = mosaic.supports(dict(q=q, k=kv, v=kv))
+
+    def fn(q, k, v, lengths):
+        return mosaic.flash_attention(q, k, v, kv_lengths=lengths, **masking)
+
+    with _mosaic.ptxas_report() as lines:
+        report = fj.aot.compile(fn, q, kv, kv, S((q_shape[0],), jnp.int32), target="h100")
+    if reason is None:
+        assert report.compiled, report.error
+        (kernel,) = report.kernels
+        assert kernel.name == mosaic.NAME and kernel.costed and kernel.roofline_seconds > 0
+        spills = [int(n) for ln in lines for n in re.findall(r"(\d+) bytes spill stores", ln)]
+        registers = [int(n) for ln in lines for n in re.findall(r"Used (\d+) registers", ln)]
+        assert len(spills) == len(registers) == 1 and spills == [0], lines
+    else:  # a rejection that is a compile limit fails the compile
+        assert "shared memory" in reason
+        assert not report.compiled and "exceeds available shared memory" in report.error
+        need = int(re.search(r"smem_bytes=(\d+)", report.error).group(1))
+        assert need > mosaic.SHARED_MEMORY
