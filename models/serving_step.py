@@ -92,7 +92,7 @@ class StepBatch:
         ``top_p``, ``min_p``, ``repetition_penalty``, ``seed`` (uint32) and ``step`` (the
         index of the token being drawn, folded into the seed's key).
       seen: bool ``[max_seqs, vocab]`` (each sequence's tokens, for the repetition
-        penalty), or None when no sequence has a penalty.
+        penalty), or None when no sequence has a penalty (nothing that size is uploaded).
       greedy: whether every sequence is greedy without a penalty (the cheaper compiled mode).
     """
 
@@ -110,19 +110,22 @@ class StepBatch:
 
     @property
     def shape_key(self) -> tuple:
-        """What selects a compiled variant of :func:`ragged_step`."""
-        return (self.tokens.shape[0], self.block_tables.shape, self.greedy)
+        """What selects a compiled variant of :func:`ragged_step`: the token rows, the block
+        tables' shape, greedy or not, with a repetition penalty or not."""
+        return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
+                self.seen is not None)
 
 
 def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
     """One token per row of ``logits`` ``[rows, vocab]``, each row with its own parameters
     (``sampling``'s ``[rows]`` arrays, as :class:`StepBatch` describes); greedy rows
     (temperature below :data:`~forge_jax.models.sampling.GREEDY_BELOW`) take the argmax
-    after their repetition penalty. Returns int32 ``[rows]``."""
+    after their repetition penalty (``seen`` None: no row has one). Returns int32 ``[rows]``."""
     if greedy:
         return sampling_lib.sample(logits, None, temperature=0.0)
-    logits = sampling_lib.apply_repetition_penalty(
-        logits, seen, sampling["repetition_penalty"][:, None])
+    if seen is not None:
+        logits = sampling_lib.apply_repetition_penalty(
+            logits, seen, sampling["repetition_penalty"][:, None])
     argmax = sampling_lib.sample(logits, None, temperature=0.0)
     is_greedy = sampling["temperature"] < sampling_lib.GREEDY_BELOW
     temperature = jnp.where(is_greedy, 1.0, sampling["temperature"])
@@ -150,7 +153,8 @@ def ragged_step(state: nnx.State, k_pages, v_pages, batch: dict, sampling: dict,
       k_pages, v_pages: per layer ``[kv_heads, num_pages, page_size, head_dim]``.
       batch: :class:`StepBatch`'s arrays ``tokens``, ``positions``, ``slots``,
         ``block_tables``, ``kv_lengths``, ``cu_q_lens``, ``num_seqs`` and ``last_rows``.
-      sampling, seen: as :class:`StepBatch` describes (``seen`` None when ``greedy``).
+      sampling, seen: as :class:`StepBatch` describes (``seen`` None when ``greedy`` or
+        when no sequence has a repetition penalty).
       graphdef: static, ``nnx.split(model)[0]``.
       greedy: static, :attr:`StepBatch.greedy`.
       implementation_key: static, the active implementation preference

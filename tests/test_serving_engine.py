@@ -153,8 +153,8 @@ def test_a_sharded_model_serves_the_same_tokens():
     prompts = [tokenizer.encode(p) for p in ["99+1=", "505+816=", "123+459="]]
     want = llama.generate(llama.from_pretrained(TINY_DIR), prompts, 6, eos_token_id=())
     model = llama.from_pretrained(TINY_DIR, mesh=sharding.make_mesh("tp=2"))
-    engine = serving.Engine(model, tokenizer, max_batch_tokens=32, num_pages=32, page_size=8,
-                            eos_token_ids=())
+    engine = serving.Engine(model, tokenizer, max_batch_tokens=32, min_batch_tokens=8,
+                            num_pages=32, page_size=8, eos_token_ids=())
     assert engine.k_pages[0].sharding.spec[0] == "tp"  # the pool split by KV head
     results = _run(engine, prompts, [serving.RequestParams(max_tokens=6)] * 3)
     assert [ids for ids, _, _ in results] == want
