@@ -124,6 +124,26 @@ def test_32_concurrent_streams_some_cancelled(live, chat_model, chat_tokenizer):
     assert hit_rate > 0  # the prompts share prefixes (and the earlier test's)
 
 
+def test_a_client_that_leaves_before_its_whole_answer_cancels_it(live, chat_tokenizer):
+    server, engine = live
+    before = dict(engine.stats.finished)
+    generated = engine.stats.generated_tokens
+    body = json.dumps({"prompt": chat_tokenizer.encode(TEXTS[1]), "max_tokens": 100,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while engine.stats.generated_tokens == generated:  # it runs: now leave
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.005)
+    gauges = cases.wait_idle(engine)
+    assert engine.stats.finished["cancelled"] == before["cancelled"] + 1
+    assert engine.stats.finished["length"] == before["length"]  # it did not run to the end
+    assert gauges["pages_used"] == gauges["pages_cached"]  # its own pages went back
+
+
 @pytest.mark.parametrize("body, status, fragment", [
     (b"{not json", 400, "not valid JSON"),
     (b'{"model": "gpt-4", "prompt": "Hi"}', 400, "does not exist"),
