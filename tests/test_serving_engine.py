@@ -189,6 +189,30 @@ def test_a_sharded_model_serves_the_same_tokens():
     assert engine.k_pages[0].sharding.spec[0] == "tp"
 
 
+def test_an_int8_model_serves_its_own_greedy_tokens(chat_checkpoint, chat_tokenizer, prompts):
+    from forge_jax.models import llama
+
+    model = llama.from_pretrained(chat_checkpoint, quantize="int8")
+    want = cases.greedy(model, chat_tokenizer, prompts[:3], 12)
+    engine = cases.engine(model, chat_tokenizer)
+    results = _run(engine, prompts[:3], [serving.RequestParams(max_tokens=12)] * 3)
+    assert [ids for ids, _, _ in results] == want
+
+
+def test_shutdown_counts_the_requests_it_finished_and_cancelled(chat_model, chat_tokenizer,
+                                                                prompts):
+    params = serving.RequestParams(max_tokens=40, ignore_eos=True)
+    engine = cases.engine(chat_model, chat_tokenizer, prefix_caching=False).start()
+    streams = [engine.submit(p, params) for p in prompts[:2]]
+    assert engine.shutdown(wait=120) == {"finished": 2, "cancelled": 0}
+    assert [s.result()[2] for s in streams] == ["length"] * 2
+    engine = cases.engine(chat_model, chat_tokenizer, prefix_caching=False).start()
+    streams = [engine.submit(p, params) for p in prompts[:3]]
+    assert engine.shutdown() == {"finished": 0, "cancelled": 3}
+    assert [s.result()[2] for s in streams] == ["cancelled"] * 3
+    assert engine.manager.usage().used_pages == 0
+
+
 def test_a_failed_step_ends_its_requests_with_error(monkeypatch, chat_model, chat_tokenizer,
                                                     prompts, reference):
     engine = cases.engine(chat_model, chat_tokenizer).start()
