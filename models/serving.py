@@ -82,10 +82,18 @@ class _Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     preemptions: int = 0
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # full pages' prefix keys
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
+
+    def page_keys(self, page_size: int, count: int) -> list[bytes]:
+        """The prefix-cache keys of the first ``count`` full pages of the tokens (hashed
+        once each: the tokens only grow)."""
+        if count > len(self.keys):
+            self.keys = page_keys(self.tokens, page_size, count, self.keys)
+        return self.keys[:count]
 
 
 def _pow2_at_least(n: int, low: int) -> int:
@@ -361,14 +369,13 @@ class Engine:
         if not self.prefix_cache.enabled:
             return []
         full = len(r.tokens) // self.page_size
-        return page_keys(r.tokens, self.page_size, full)[r.computed // self.page_size:]
+        return r.page_keys(self.page_size, full)[r.computed // self.page_size:]
 
     def _next_prefix_key(self, r: _Request) -> bytes | None:
         """The key of the first full page of ``r``'s prefix that is not cached (None: none)."""
         count = (len(r.tokens) - 1) // self.page_size  # as PrefixCache.lookup
         cached = self.prefix_cache.pages
-        return next((k for k in page_keys(r.tokens, self.page_size, count)
-                     if k not in cached), None)
+        return next((k for k in r.page_keys(self.page_size, count) if k not in cached), None)
 
     def _make_room(self, r: _Request, n: int) -> bool:
         """Appends ``n`` tokens' room to running request ``r``, evicting cached pages and then
@@ -488,8 +495,10 @@ class Engine:
         for i, (r, n) in enumerate(scheduled):
             self.stats.prompt_tokens += max(0, min(n, len(r.prompt) - r.computed))
             r.computed += n
-            r.cached_pages = self.prefix_cache.insert(
-                r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages)
+            if self.prefix_cache.enabled:
+                r.cached_pages = self.prefix_cache.insert(
+                    r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages,
+                    keys=r.page_keys(self.page_size, r.computed // self.page_size))
             if r.computed == len(r.tokens):  # its known tokens are in: a new one was drawn
                 drawn.append((i, r))
         self.stats.steps += 1

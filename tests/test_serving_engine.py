@@ -111,6 +111,16 @@ def test_a_lone_request_decodes_in_one_row_steps(chat_model, chat_tokenizer, pro
     assert {k[0] for k in engine.stats.compiled} == {1, 8}  # the prompt, then its decodes
 
 
+def test_page_keys_extend_the_keys_they_are_given():
+    from forge_jax.models.prefix_cache import page_keys
+
+    tokens = list(range(100, 140))
+    whole = page_keys(tokens, 8, 5)
+    assert page_keys(tokens, 8, 5, whole[:2]) == whole and len(set(whole)) == 5
+    changed = page_keys(tokens[:8] + [7] + tokens[9:], 8, 5)  # page 1 differs, so all after
+    assert changed[0] == whole[0] and not set(changed[1:]) & set(whole)
+
+
 def test_per_request_sampling_is_seeded_and_mixes_with_greedy(chat_model, chat_tokenizer,
                                                               prompts, reference):
     # 8 tokens per step: one row bucket, so the sampling step compiles once.
