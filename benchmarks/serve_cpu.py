@@ -96,8 +96,13 @@ def main() -> None:
                         help="also print the engine's seconds per step phase, per row")
     parser.add_argument("--no-prefix-cache-off", dest="cache_off", action="store_false",
                         help="only the rows with the prefix cache on")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="fewer layers than the shape's (a faster run on a loaded machine)")
     args = parser.parse_args()
-    model = build_model(QUICK if args.quick else SMOL)
+    shape = dict(QUICK if args.quick else SMOL)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    model = build_model(shape)
     vocab = model.config.vocab_size
     seq_prompts = prompts_for(args.sequential_requests, args, vocab, 0)
     llama.generate(model, seq_prompts[:1], args.new_tokens, eos_token_id=())  # compile
@@ -120,16 +125,17 @@ def main() -> None:
         for caching, c in rows:
             engine = engines[caching, c]
             engine.prefix_cache.clear()  # each burst meets only its own prefix
-            before = dict(engine.stats.phase_seconds)
+            before = dict(getattr(engine.stats, "phase_seconds", {}))  # older engines: none
             rate, ttft = burst(engine, prompts_for(c, args, vocab, 2 + round_),
                                args.new_tokens)
-            phases = {k: v - before[k] for k, v in engine.stats.phase_seconds.items()}
+            phases = {k: v - before[k] for k, v in before and engine.stats.phase_seconds.items()}
             if rate > best.get((caching, c), (0.0,))[0]:
                 best[caching, c] = (rate, ttft, phases)
     for engine in engines.values():
         engine.shutdown()
     print(f"# JAX {jax.__version__}, {jax.devices()[0].device_kind}, "
-          f"{'quick' if args.quick else 'SmolLM2-135M shape'}; prompts of "
+          f"{'quick' if args.quick else 'SmolLM2-135M shape'}, "
+          f"{shape['num_hidden_layers']} layers; prompts of "
           f"{args.prompt_tokens} tokens ({args.shared_tokens} shared), {args.new_tokens} new "
           f"tokens each, greedy; max {args.max_batch_tokens} tokens per step; best of "
           f"{args.repeats} interleaved rounds; load average {load[0]:.1f} at the start, "
