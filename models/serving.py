@@ -151,6 +151,8 @@ class Engine:
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = config.vocab_size
         self.graphdef, self.state = nnx.split(model)
+        # The weights as a flat list: a step's dispatch then flattens a list, not the state.
+        self.weights, self.weights_def = jax.tree.flatten(self.state)
         dtype = cache_dtype or model.dtype
         shape = (model.kv_heads, int(num_pages), self.page_size, config.head_dim)
         # On a mesh the pools are split by KV head over the tensor axis, as the model's.
@@ -486,8 +488,9 @@ class Engine:
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
         next_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(
-            self.state, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
-            batch.sampling, batch.seen, graphdef=self.graphdef, greedy=batch.greedy,
+            self.weights, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
+            batch.sampling, batch.seen, graphdef=self.graphdef, weights_def=self.weights_def,
+            greedy=batch.greedy,
             implementation_key=fj.dispatch.current_preference())
         clock.lap("dispatch")
         # While the device runs the step (dispatch is asynchronous), the host books it.

@@ -141,21 +141,24 @@ def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
     return jnp.where(is_greedy, argmax, drawn)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "implementation_key"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "greedy",
+                                             "implementation_key"),
                    donate_argnames=("k_pages", "v_pages"))
-def ragged_step(state: nnx.State, k_pages, v_pages, batch: dict, sampling: dict, seen, *,
-                graphdef: nnx.GraphDef, greedy: bool, implementation_key=None):
+def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, seen, *,
+                graphdef: nnx.GraphDef, weights_def, greedy: bool, implementation_key=None):
     """Writes and attends one packed batch, samples one token per sequence (jitted; the
     pages are donated: use the returned ones).
 
     Args:
-      state: the model's weights, ``nnx.split(model)[1]``.
+      weights: the model's weights as a flat list, ``jax.tree.flatten(nnx.split(model)[1])``
+        (a list flattens faster at each dispatch than the state).
       k_pages, v_pages: per layer ``[kv_heads, num_pages, page_size, head_dim]``.
       batch: :class:`StepBatch`'s arrays ``tokens``, ``positions``, ``slots``,
         ``block_tables``, ``kv_lengths``, ``cu_q_lens``, ``num_seqs`` and ``last_rows``.
       sampling, seen: as :class:`StepBatch` describes (``seen`` None when ``greedy`` or
         when no sequence has a repetition penalty).
       graphdef: static, ``nnx.split(model)[0]``.
+      weights_def: static, the tree structure of the state (``jax.tree.flatten``'s second).
       greedy: static, :attr:`StepBatch.greedy`.
       implementation_key: static, the active implementation preference
         (``fj.dispatch.current_preference()``), so that a preference change recompiles.
@@ -165,7 +168,7 @@ def ragged_step(state: nnx.State, k_pages, v_pages, batch: dict, sampling: dict,
       sequence's last row (meaningful for the rows that end their sequence's known tokens).
     """
     del implementation_key
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     cache = RaggedBatchCache(
         k_pages=tuple(k_pages), v_pages=tuple(v_pages), block_tables=batch["block_tables"],
         kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
