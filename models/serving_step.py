@@ -4,8 +4,9 @@ over the page pool, and one token sampled per sequence with its own parameters.
 
 :class:`forge_jax.models.serving.Engine` builds the :class:`StepBatch` on the host and runs
 :func:`ragged_step`; the pages are donated (updated in place). Shapes are static per
-``(tokens, max_seqs, pages_per_seq)``; the engine buckets ``tokens`` to powers of two so that
-new traffic reuses the compiled variants.
+``(tokens, sequences, table width)``; the engine buckets the tokens and the block tables' width
+to powers of two (the sequences follow the tokens) so that new traffic reuses the compiled
+variants.
 """
 
 from __future__ import annotations
