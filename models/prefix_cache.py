@@ -15,12 +15,16 @@ import numpy as np
 from forge_jax.kv_cache import BlockManager
 
 
-def page_keys(tokens: Sequence[int], page_size: int, count: int) -> list[bytes]:
+def page_keys(tokens: Sequence[int], page_size: int, count: int,
+              known: Sequence[bytes] = ()) -> list[bytes]:
     """The keys of the first ``count`` full pages of ``tokens``: page ``i``'s key is a hash
-    of page ``i - 1``'s key and page ``i``'s tokens (so it names the whole prefix)."""
-    keys, previous = [], b""
-    ids = np.asarray(tokens[:count * page_size], np.int64)
-    for i in range(count):
+    of page ``i - 1``'s key and page ``i``'s tokens (so it names the whole prefix).
+    ``known``: keys of the first pages computed before (only the pages after them are
+    hashed: a growing sequence pays for its new pages only)."""
+    keys = list(known[:count])
+    previous = keys[-1] if keys else b""
+    ids = np.asarray(tokens[len(keys) * page_size:count * page_size], np.int64)
+    for i in range(count - len(keys)):
         previous = hashlib.blake2b(previous + ids[i * page_size:(i + 1) * page_size].tobytes(),
                                    digest_size=16).digest()
         keys.append(previous)
@@ -87,14 +91,17 @@ class PrefixCache:
         self.stats.reused_pages += len(found)
         return found
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], start: int) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], start: int,
+               keys: Sequence[bytes] | None = None) -> int:
         """Keeps the full pages ``start ..`` of a sequence whose cached tokens are
-        ``tokens`` (its pages ``pages``); returns the number of full pages now covered."""
+        ``tokens`` (its pages ``pages``; ``keys``: their :func:`page_keys`, if known);
+        returns the number of full pages now covered."""
         page_size = self.manager.page_size
         full = len(tokens) // page_size
         if not self.enabled or full <= start:
             return max(start, full)
-        for i, key in enumerate(page_keys(tokens, page_size, full)[start:], start):
+        keys = page_keys(tokens, page_size, full, keys or ())
+        for i, key in enumerate(keys[start:full], start):
             if key in self.pages:
                 self.pages.move_to_end(key)
                 continue

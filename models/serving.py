@@ -41,9 +41,10 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax.kv_cache import BlockManager, CacheFullError
 from forge_jax.models import serving_step
-from forge_jax.models.prefix_cache import PrefixCache
+from forge_jax.models.prefix_cache import PrefixCache, page_keys
 from forge_jax.models.serving_requests import (  # noqa: F401  (the engine's API)
     FINISH_REASONS,
+    PHASES,
     EngineStats,
     Output,
     QueueFull,
@@ -51,6 +52,18 @@ from forge_jax.models.serving_requests import (  # noqa: F401  (the engine's API
     RequestRefused,
     RequestStream,
 )
+
+
+class _PhaseClock:
+    """Adds the seconds since the previous lap to ``totals[phase]`` (perf_counter)."""
+
+    def __init__(self, totals: dict):
+        self.totals, self.last = totals, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self.last
+        self.last = now
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,14 +82,28 @@ class _Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     preemptions: int = 0
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # full pages' prefix keys
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
+    def page_keys(self, page_size: int, count: int) -> list[bytes]:
+        """The prefix-cache keys of the first ``count`` full pages of the tokens (hashed
+        once each: the tokens only grow)."""
+        if count > len(self.keys):
+            self.keys = page_keys(self.tokens, page_size, count, self.keys)
+        return self.keys[:count]
+
 
 def _pow2_at_least(n: int, low: int) -> int:
     return max(low, 1 << max(0, n - 1).bit_length())
+
+
+# Block tables are as wide as the step's longest sequence needs, rounded up to a power of two
+# pages at least this (and at most the context's): every row reads its table's width of
+# slots, so a short step over a long context does not read the whole context per row.
+MIN_TABLE_PAGES = 16
 
 
 class Engine:
@@ -87,6 +114,8 @@ class Engine:
       tokenizer: a :class:`forge_jax.models.text.Tokenizer` for the text of the outputs
         and stop strings (None: token ids only).
       max_batch_tokens: tokens per step (decode tokens plus prefill chunks).
+      min_batch_tokens: the smallest row bucket: a step's rows are padded to a power of two
+        at least this (a step of a few decodes then computes a few rows, not a prefill's).
       max_seqs: sequences per step (and running at once).
       num_pages, page_size: the page pool.
       max_model_len: prompt plus new tokens per request at most (default: the model's
@@ -98,14 +127,18 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 256,
-                 max_seqs: int = 64, num_pages: int = 512, page_size: int = 16,
-                 max_model_len: int | None = None, max_waiting: int = 1024,
+                 min_batch_tokens: int = 1, max_seqs: int = 64, num_pages: int = 512,
+                 page_size: int = 16, max_model_len: int | None = None, max_waiting: int = 1024,
                  prefix_caching: bool = True, eos_token_ids: Sequence[int] | None = None,
                  cache_dtype=None):
         self.model, self.tokenizer = model, tokenizer
         config = model.config
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        if not 1 <= min_batch_tokens <= max_batch_tokens:
+            raise ValueError(f"need 1 <= min_batch_tokens <= max_batch_tokens, got "
+                             f"{min_batch_tokens=} and {max_batch_tokens=}")
         self.max_batch_tokens = _pow2_at_least(int(max_batch_tokens), 8)
+        self.min_batch_tokens = _pow2_at_least(int(min_batch_tokens), 1)
         self.max_seqs, self.max_waiting = int(max_seqs), int(max_waiting)
         self.page_size = int(page_size)
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
@@ -118,6 +151,8 @@ class Engine:
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = config.vocab_size
         self.graphdef, self.state = nnx.split(model)
+        # The weights as a flat list: a step's dispatch then flattens a list, not the state.
+        self.weights, self.weights_def = jax.tree.flatten(self.state)
         dtype = cache_dtype or model.dtype
         shape = (model.kv_heads, int(num_pages), self.page_size, config.head_dim)
         # On a mesh the pools are split by KV head over the tensor axis, as the model's.
@@ -272,15 +307,18 @@ class Engine:
     def step(self) -> int:
         """One scheduling step: takes new requests and cancellations, runs one batch and
         streams its tokens. Returns the sequences it ran (0 when idle)."""
+        clock = _PhaseClock(self.stats.phase_seconds)
         with self._lock:
             self._waiting += self._inbox
             self._inbox, cancels, self._cancels = [], self._cancels, set()
         for r in [r for r in self._waiting + self._running if r.id in cancels]:
             self._finish(r, "cancelled")
+        clock.lap("intake")
         try:
             scheduled = self._schedule()
+            clock.lap("schedule")
             if scheduled:
-                self._run(scheduled)
+                self._run(scheduled, clock)
         except Exception as e:  # a failed step ends its requests, not the engine
             for r in list(self._running):
                 self._finish(r, "error", error=f"{type(e).__name__}: {e}")
@@ -302,19 +340,44 @@ class Engine:
             if self._make_room(r, n):
                 batch.append((r, n))
                 budget -= n
+        # Full pages that running requests have yet to compute: a waiting request whose
+        # prefix continues into one of them waits until it is cached, rather than computing
+        # it again (a burst sharing a system prompt prefills it once).
+        in_flight = set()
+        for r in self._running:
+            if r.computed < len(r.prompt):
+                in_flight.update(self._uncomputed_keys(r))
         # After a preemption the pool is short: admit nothing new (nor the preempted) now.
-        while (self._waiting and budget and len(batch) < self.max_seqs
+        at = 0
+        while (at < len(self._waiting) and budget and len(batch) < self.max_seqs
                and self.stats.preemptions == preemptions):
-            r = self._waiting[0]
+            r = self._waiting[at]
+            if in_flight and self._next_prefix_key(r) in in_flight:
+                at += 1
+                continue
             if not self._admit(r, budget):
                 break
-            self._waiting.pop(0)
+            self._waiting.pop(at)
+            in_flight.update(self._uncomputed_keys(r))
             self._running.append(r)
             self._running.sort(key=lambda x: x.arrival)
             n = min(len(r.tokens) - r.computed, budget)
             batch.append((r, n))
             budget -= n
         return batch
+
+    def _uncomputed_keys(self, r: _Request) -> list[bytes]:
+        """The prefix-cache keys of ``r``'s full pages not computed yet."""
+        if not self.prefix_cache.enabled:
+            return []
+        full = len(r.tokens) // self.page_size
+        return r.page_keys(self.page_size, full)[r.computed // self.page_size:]
+
+    def _next_prefix_key(self, r: _Request) -> bytes | None:
+        """The key of the first full page of ``r``'s prefix that is not cached (None: none)."""
+        count = (len(r.tokens) - 1) // self.page_size  # as PrefixCache.lookup
+        cached = self.prefix_cache.pages
+        return next((k for k in r.page_keys(self.page_size, count) if k not in cached), None)
 
     def _make_room(self, r: _Request, n: int) -> bool:
         """Appends ``n`` tokens' room to running request ``r``, evicting cached pages and then
@@ -370,7 +433,7 @@ class Engine:
 
     def _build(self, scheduled: list[tuple[_Request, int]]) -> serving_step.StepBatch:
         total = sum(n for _, n in scheduled)
-        rows = _pow2_at_least(total, 8)
+        rows = _pow2_at_least(total, self.min_batch_tokens)
         tokens = np.zeros((rows,), np.int32)
         positions = np.zeros((rows,), np.int32)
         slots = np.full((rows,), -1, np.int32)
@@ -382,14 +445,17 @@ class Engine:
         kv = np.zeros((s,), np.int32)
         last = np.zeros((s,), np.int32)
         ids = [r.id for r, _ in scheduled]
-        tables = np.zeros((s, self.pages_per_seq), np.int32)
-        tables[:len(ids)] = self.manager.block_tables(ids, self.pages_per_seq)
+        used = self.manager.block_tables(ids)  # [len(ids), the longest table]
+        width = min(self.pages_per_seq, _pow2_at_least(used.shape[1], MIN_TABLE_PAGES))
+        tables = np.zeros((s, width), np.int32)
+        tables[:len(ids), :used.shape[1]] = used
         sampling = dict(temperature=np.zeros((s,), np.float32), top_k=np.zeros((s,), np.int32),
                         top_p=np.ones((s,), np.float32), min_p=np.zeros((s,), np.float32),
                         repetition_penalty=np.ones((s,), np.float32),
                         seed=np.zeros((s,), np.uint32), step=np.zeros((s,), np.int32))
         greedy = all(r.params.greedy for r, _ in scheduled)
-        seen = None if greedy else np.zeros((s, self.vocab_size), bool)
+        penalty = any(r.params.repetition_penalty not in (None, 1.0) for r, _ in scheduled)
+        seen = np.zeros((s, self.vocab_size), bool) if penalty else None
         at = 0
         for i, (r, n) in enumerate(scheduled):
             start = r.computed
@@ -411,7 +477,7 @@ class Engine:
         return serving_step.StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled),
                                       last, sampling, seen, greedy)
 
-    def _run(self, scheduled: list[tuple[_Request, int]]) -> None:
+    def _run(self, scheduled: list[tuple[_Request, int]], clock: _PhaseClock) -> None:
         copies = self.manager.take_pending_copies()
         if copies.size:  # only a shared, partly filled page is copied (never here today)
             pairs = [fj.copy_pages(k, v, copies) for k, v in
@@ -420,27 +486,35 @@ class Engine:
             self.v_pages = tuple(v for _, v in pairs)
         batch = self._build(scheduled)
         self.stats.compiled.add(batch.shape_key)
+        clock.lap("build")
         next_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(
-            self.state, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
-            batch.sampling, batch.seen, graphdef=self.graphdef, greedy=batch.greedy,
+            self.weights, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
+            batch.sampling, batch.seen, graphdef=self.graphdef, weights_def=self.weights_def,
+            greedy=batch.greedy,
             implementation_key=fj.dispatch.current_preference())
+        clock.lap("dispatch")
         # While the device runs the step (dispatch is asynchronous), the host books it.
         drawn = []
         for i, (r, n) in enumerate(scheduled):
             self.stats.prompt_tokens += max(0, min(n, len(r.prompt) - r.computed))
             r.computed += n
-            r.cached_pages = self.prefix_cache.insert(
-                r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages)
+            if self.prefix_cache.enabled:
+                r.cached_pages = self.prefix_cache.insert(
+                    r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages,
+                    keys=r.page_keys(self.page_size, r.computed // self.page_size))
             if r.computed == len(r.tokens):  # its known tokens are in: a new one was drawn
                 drawn.append((i, r))
         self.stats.steps += 1
+        clock.lap("book")
         next_tokens = np.asarray(jax.device_get(next_tokens))
+        clock.lap("device")
         now = time.monotonic()
         self.stats.recent.append((now, len(drawn)))
         while self.stats.recent and self.stats.recent[0][0] < now - 60:
             self.stats.recent.popleft()
         for i, r in drawn:
             self._accept(r, int(next_tokens[i]), now)
+        clock.lap("output")
 
     # -- outputs --------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent 
 text format). Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``: 400 for malformed JSON, an unknown model, bad parameter values or a prompt over
 the context; 429 when the queue is full; 503 while shutting down. A client that
-disconnects mid-stream cancels its request (its pages are freed).
+disconnects, mid-stream or while it waits for a whole answer, cancels its request (its pages
+are freed).
 
 Besides OpenAI's parameters a request may carry ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos`` (the ``openai`` client's
@@ -19,6 +20,7 @@ to be overridden), and Starlette is the part of FastAPI this needs, with fewer d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -279,12 +281,16 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         pieces, token_ids, last = [], [], None
+        # Nothing is sent until the end, so only the connection says the client left:
+        # Starlette does not end this handler then; the watcher cancels the request.
+        watcher = asyncio.ensure_future(cancel_on_disconnect(request, stream))
         try:
             async for out in stream:
                 pieces.append(out.text)
                 token_ids += out.token_ids
                 last = out
         finally:
+            watcher.cancel()
             if stream.finish_reason is None:
                 stream.cancel()
         done(last, last.finish_reason)
@@ -298,6 +304,13 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
         choice["token_ids"] = token_ids
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
                              "choices": [choice], "usage": usage(last)})
+
+    async def cancel_on_disconnect(request: Request, stream: serving.RequestStream):
+        """Cancels ``stream`` when the client disconnects (the body has been read, so the
+        next ASGI message is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        stream.cancel()
 
     async def chat_completions(request: Request):
         return await completions(request, chat=True)

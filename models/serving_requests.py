@@ -15,6 +15,11 @@ import time
 from forge_jax.models import sampling as sampling_lib
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# The phases of one engine step, in order: taking new requests and cancellations, choosing the
+# batch (pages included), building its arrays, dispatching the jitted step, booking it on the
+# host while the device runs, waiting for the device, and handing out the tokens (text, stop
+# checks, streams).
+PHASES = ("intake", "schedule", "build", "dispatch", "book", "device", "output")
 
 
 class RequestRefused(ValueError):
@@ -176,6 +181,9 @@ class EngineStats:
     ttft: Histogram = dataclasses.field(default_factory=Histogram)  # seconds
     inter_token: Histogram = dataclasses.field(default_factory=Histogram)
     compiled: set = dataclasses.field(default_factory=set)  # StepBatch.shape_key seen
+    # Host seconds per phase of the step loop (PHASES), for profiling; "device" is the time
+    # spent waiting for a step's tokens after the host's own work on that step was done.
+    phase_seconds: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     created: float = dataclasses.field(default_factory=time.time)
     recent: collections.deque = dataclasses.field(default_factory=collections.deque)
 

@@ -4,8 +4,9 @@ over the page pool, and one token sampled per sequence with its own parameters.
 
 :class:`forge_jax.models.serving.Engine` builds the :class:`StepBatch` on the host and runs
 :func:`ragged_step`; the pages are donated (updated in place). Shapes are static per
-``(tokens, max_seqs, pages_per_seq)``; the engine buckets ``tokens`` to powers of two so that
-new traffic reuses the compiled variants.
+``(tokens, sequences, table width)``; the engine buckets the tokens and the block tables' width
+to powers of two (the sequences follow the tokens) so that new traffic reuses the compiled
+variants.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class StepBatch:
         ``top_p``, ``min_p``, ``repetition_penalty``, ``seed`` (uint32) and ``step`` (the
         index of the token being drawn, folded into the seed's key).
       seen: bool ``[max_seqs, vocab]`` (each sequence's tokens, for the repetition
-        penalty), or None when no sequence has a penalty.
+        penalty), or None when no sequence has a penalty (nothing that size is uploaded).
       greedy: whether every sequence is greedy without a penalty (the cheaper compiled mode).
     """
 
@@ -110,19 +111,22 @@ class StepBatch:
 
     @property
     def shape_key(self) -> tuple:
-        """What selects a compiled variant of :func:`ragged_step`."""
-        return (self.tokens.shape[0], self.block_tables.shape, self.greedy)
+        """What selects a compiled variant of :func:`ragged_step`: the token rows, the block
+        tables' shape, greedy or not, with a repetition penalty or not."""
+        return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
+                self.seen is not None)
 
 
 def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
     """One token per row of ``logits`` ``[rows, vocab]``, each row with its own parameters
     (``sampling``'s ``[rows]`` arrays, as :class:`StepBatch` describes); greedy rows
     (temperature below :data:`~forge_jax.models.sampling.GREEDY_BELOW`) take the argmax
-    after their repetition penalty. Returns int32 ``[rows]``."""
+    after their repetition penalty (``seen`` None: no row has one). Returns int32 ``[rows]``."""
     if greedy:
         return sampling_lib.sample(logits, None, temperature=0.0)
-    logits = sampling_lib.apply_repetition_penalty(
-        logits, seen, sampling["repetition_penalty"][:, None])
+    if seen is not None:
+        logits = sampling_lib.apply_repetition_penalty(
+            logits, seen, sampling["repetition_penalty"][:, None])
     argmax = sampling_lib.sample(logits, None, temperature=0.0)
     is_greedy = sampling["temperature"] < sampling_lib.GREEDY_BELOW
     temperature = jnp.where(is_greedy, 1.0, sampling["temperature"])
@@ -138,20 +142,24 @@ def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
     return jnp.where(is_greedy, argmax, drawn)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "implementation_key"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "greedy",
+                                             "implementation_key"),
                    donate_argnames=("k_pages", "v_pages"))
-def ragged_step(state: nnx.State, k_pages, v_pages, batch: dict, sampling: dict, seen, *,
-                graphdef: nnx.GraphDef, greedy: bool, implementation_key=None):
+def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, seen, *,
+                graphdef: nnx.GraphDef, weights_def, greedy: bool, implementation_key=None):
     """Writes and attends one packed batch, samples one token per sequence (jitted; the
     pages are donated: use the returned ones).
 
     Args:
-      state: the model's weights, ``nnx.split(model)[1]``.
+      weights: the model's weights as a flat list, ``jax.tree.flatten(nnx.split(model)[1])``
+        (a list flattens faster at each dispatch than the state).
       k_pages, v_pages: per layer ``[kv_heads, num_pages, page_size, head_dim]``.
       batch: :class:`StepBatch`'s arrays ``tokens``, ``positions``, ``slots``,
         ``block_tables``, ``kv_lengths``, ``cu_q_lens``, ``num_seqs`` and ``last_rows``.
-      sampling, seen: as :class:`StepBatch` describes (``seen`` None when ``greedy``).
+      sampling, seen: as :class:`StepBatch` describes (``seen`` None when ``greedy`` or
+        when no sequence has a repetition penalty).
       graphdef: static, ``nnx.split(model)[0]``.
+      weights_def: static, the tree structure of the state (``jax.tree.flatten``'s second).
       greedy: static, :attr:`StepBatch.greedy`.
       implementation_key: static, the active implementation preference
         (``fj.dispatch.current_preference()``), so that a preference change recompiles.
@@ -161,7 +169,7 @@ def ragged_step(state: nnx.State, k_pages, v_pages, batch: dict, sampling: dict,
       sequence's last row (meaningful for the rows that end their sequence's known tokens).
     """
     del implementation_key
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     cache = RaggedBatchCache(
         k_pages=tuple(k_pages), v_pages=tuple(v_pages), block_tables=batch["block_tables"],
         kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],

@@ -124,6 +124,26 @@ def test_32_concurrent_streams_some_cancelled(live, chat_model, chat_tokenizer):
     assert hit_rate > 0  # the prompts share prefixes (and the earlier test's)
 
 
+def test_a_client_that_leaves_before_its_whole_answer_cancels_it(live, chat_tokenizer):
+    server, engine = live
+    before = dict(engine.stats.finished)
+    generated = engine.stats.generated_tokens
+    body = json.dumps({"prompt": chat_tokenizer.encode(TEXTS[1]), "max_tokens": 100,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while engine.stats.generated_tokens == generated:  # it runs: now leave
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.005)
+    gauges = cases.wait_idle(engine)
+    assert engine.stats.finished["cancelled"] == before["cancelled"] + 1
+    assert engine.stats.finished["length"] == before["length"]  # it did not run to the end
+    assert gauges["pages_used"] == gauges["pages_cached"]  # its own pages went back
+
+
 @pytest.mark.parametrize("body, status, fragment", [
     (b"{not json", 400, "not valid JSON"),
     (b'{"model": "gpt-4", "prompt": "Hi"}', 400, "does not exist"),
@@ -170,12 +190,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_command_serves_and_shuts_down(chat_checkpoint, chat_tokenizer):
+def test_the_command_serves_a_sharded_model_and_shuts_down(chat_checkpoint, chat_tokenizer,
+                                                          chat_model):
     port = _free_port()
     command = [sys.executable, "-m", "forge_jax.cli", "serve", "--checkpoint",
                str(chat_checkpoint), "--port", str(port), "--model-name", "m",
                "--max-pages", "64", "--page-size", "8", "--max-model-len", "128",
-               "--max-batch-tokens", "32", "--max-seqs", "32"]
+               "--max-batch-tokens", "32", "--max-seqs", "32", "--mesh", "tp=2"]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:
@@ -190,13 +211,27 @@ def test_the_command_serves_and_shuts_down(chat_checkpoint, chat_tokenizer):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0)
         r = client.completions.create(model="m", prompt=TEXTS[0], max_tokens=4, temperature=0)
-        assert r.usage.completion_tokens >= 1
+        [want] = cases.greedy(chat_model, chat_tokenizer, [chat_tokenizer.encode(TEXTS[0])], 4)
+        assert r.choices[0].token_ids == want  # as unsharded generate's
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    assert "sharded over tp=2 (2 CPU devices)" in err
     assert "POST /v1/completions 200 prompt=" in err  # one line per request
     assert "shut down: 0 requests in flight finished, 0 cancelled" in err
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--mesh", "tp=3"], "num_attention_heads=4 does not split over a tensor axis of 3"),
+    (["--mesh", "tp:2"], "a mesh is written like 'tp=4'"),
+    (["--mesh", "tp=2", "--quantize", "int8"], "does not combine with --mesh"),
+])
+def test_bad_serve_flags_are_one_line(capsys, chat_checkpoint, no_model_load, flags, fragment):
+    from cases.cli import assert_one_line_error, run
+
+    assert_one_line_error(run(capsys, "serve", "--checkpoint", str(chat_checkpoint), *flags),
+                          fragment, prog="forge-jax serve")
 
 
 def test_without_uvicorn_the_command_says_how_to_install_it(monkeypatch, capsys,

@@ -35,9 +35,11 @@ def reference(chat_model, chat_tokenizer, prompts):
 
 def test_greedy_equals_generate_with_chunked_prefill(chat_model, chat_tokenizer, prompts,
                                                      reference):
-    # 16 tokens per step: the longer prompts are prefilled in chunks beside decodes.
-    engine = cases.engine(chat_model, chat_tokenizer, max_batch_tokens=16)
-    assert max(len(p) for p in prompts) > 16
+    # 16 tokens per step: the longer prompts are prefilled in chunks beside decodes. A
+    # 512-token context is 64 pages of 8, but these requests need fewer than 16 each: the
+    # block tables are 16 pages wide (the same variants as a 128-token context).
+    engine = cases.engine(chat_model, chat_tokenizer, max_batch_tokens=16, max_model_len=512)
+    assert max(len(p) for p in prompts) > 16 and engine.pages_per_seq == 64
     before = serving_step.ragged_step._cache_size()
     results = _run(engine, prompts, [serving.RequestParams(max_tokens=24)] * len(prompts))
     for (ids, text, reason), want in zip(results, reference, strict=True):
@@ -46,6 +48,7 @@ def test_greedy_equals_generate_with_chunked_prefill(chat_model, chat_tokenizer,
         assert text == cases.reply_text(chat_tokenizer, want, engine.eos)
     # Row buckets 8 and 16, greedy: at most two compiled variants for all of that traffic.
     assert {k[0] for k in engine.stats.compiled} <= {8, 16}
+    assert {k[1][1] for k in engine.stats.compiled} == {serving.MIN_TABLE_PAGES}
     assert serving_step.ragged_step._cache_size() - before <= len(engine.stats.compiled) <= 2
     usage = engine.manager.usage()
     assert usage.num_sequences == 0 and usage.used_pages == len(engine.prefix_cache)
@@ -81,6 +84,41 @@ def test_prefix_cache_prefills_a_shared_prefix_once(chat_model, chat_tokenizer, 
     assert engine.manager.usage().used_pages == cached
     assert engine.prefix_cache.evict(engine.manager.num_pages) == cached
     assert engine.manager.usage().free_pages == engine.manager.num_pages
+
+
+def test_a_burst_sharing_a_prefix_prefills_it_once(chat_model, chat_tokenizer):
+    # Submitted together: the second and third wait for the first to compute the shared
+    # pages (32 tokens per step, so that takes two steps) and then reuse all of them.
+    system = chat_tokenizer.encode(TEXTS[3] + " " + TEXTS[1])
+    prompts = [system + chat_tokenizer.encode(t, add_special_tokens=False) for t in TEXTS[:3]]
+    want = cases.greedy(chat_model, chat_tokenizer, prompts, 8)
+    engine = cases.engine(chat_model, chat_tokenizer)
+    shared = len(system) // engine.page_size
+    assert shared * engine.page_size > engine.max_batch_tokens
+    results = _run(engine, prompts, [serving.RequestParams(max_tokens=8)] * 3)
+    assert [ids for ids, _, _ in results] == want
+    assert engine.prefix_cache.stats.reused_pages == 2 * shared
+    assert engine.stats.prompt_tokens == sum(map(len, prompts)) - 2 * shared * engine.page_size
+    phases = engine.stats.phase_seconds
+    assert set(phases) == set(serving.PHASES) and phases["device"] > 0
+
+
+def test_a_lone_request_decodes_in_one_row_steps(chat_model, chat_tokenizer, prompts,
+                                                 reference):
+    engine = cases.engine(chat_model, chat_tokenizer, min_batch_tokens=1)
+    [(ids, _, _)] = _run(engine, prompts[:1], [serving.RequestParams(max_tokens=24)])
+    assert ids == reference[0]
+    assert {k[0] for k in engine.stats.compiled} == {1, 8}  # the prompt, then its decodes
+
+
+def test_page_keys_extend_the_keys_they_are_given():
+    from forge_jax.models.prefix_cache import page_keys
+
+    tokens = list(range(100, 140))
+    whole = page_keys(tokens, 8, 5)
+    assert page_keys(tokens, 8, 5, whole[:2]) == whole and len(set(whole)) == 5
+    changed = page_keys(tokens[:8] + [7] + tokens[9:], 8, 5)  # page 1 differs, so all after
+    assert changed[0] == whole[0] and not set(changed[1:]) & set(whole)
 
 
 def test_per_request_sampling_is_seeded_and_mixes_with_greedy(chat_model, chat_tokenizer,
@@ -153,12 +191,36 @@ def test_a_sharded_model_serves_the_same_tokens():
     prompts = [tokenizer.encode(p) for p in ["99+1=", "505+816=", "123+459="]]
     want = llama.generate(llama.from_pretrained(TINY_DIR), prompts, 6, eos_token_id=())
     model = llama.from_pretrained(TINY_DIR, mesh=sharding.make_mesh("tp=2"))
-    engine = serving.Engine(model, tokenizer, max_batch_tokens=32, num_pages=32, page_size=8,
-                            eos_token_ids=())
+    engine = serving.Engine(model, tokenizer, max_batch_tokens=32, min_batch_tokens=8,
+                            num_pages=32, page_size=8, eos_token_ids=())
     assert engine.k_pages[0].sharding.spec[0] == "tp"  # the pool split by KV head
     results = _run(engine, prompts, [serving.RequestParams(max_tokens=6)] * 3)
     assert [ids for ids, _, _ in results] == want
     assert engine.k_pages[0].sharding.spec[0] == "tp"
+
+
+def test_an_int8_model_serves_its_own_greedy_tokens(chat_checkpoint, chat_tokenizer, prompts):
+    from forge_jax.models import llama
+
+    model = llama.from_pretrained(chat_checkpoint, quantize="int8")
+    want = cases.greedy(model, chat_tokenizer, prompts[:3], 12)
+    engine = cases.engine(model, chat_tokenizer)
+    results = _run(engine, prompts[:3], [serving.RequestParams(max_tokens=12)] * 3)
+    assert [ids for ids, _, _ in results] == want
+
+
+def test_shutdown_counts_the_requests_it_finished_and_cancelled(chat_model, chat_tokenizer,
+                                                                prompts):
+    params = serving.RequestParams(max_tokens=40, ignore_eos=True)
+    engine = cases.engine(chat_model, chat_tokenizer, prefix_caching=False).start()
+    streams = [engine.submit(p, params) for p in prompts[:2]]
+    assert engine.shutdown(wait=120) == {"finished": 2, "cancelled": 0}
+    assert [s.result()[2] for s in streams] == ["length"] * 2
+    engine = cases.engine(chat_model, chat_tokenizer, prefix_caching=False).start()
+    streams = [engine.submit(p, params) for p in prompts[:3]]
+    assert engine.shutdown() == {"finished": 0, "cancelled": 3}
+    assert [s.result()[2] for s in streams] == ["cancelled"] * 3
+    assert engine.manager.usage().used_pages == 0
 
 
 def test_a_failed_step_ends_its_requests_with_error(monkeypatch, chat_model, chat_tokenizer,

@@ -147,3 +147,42 @@ def describe_sampling(args: argparse.Namespace, params, generation_config=None) 
     if not params.greedy:
         words.append(f"seed {args.seed}")
     return ", ".join(words)
+
+
+def add_mesh_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mesh", metavar="tp=4", default=None,
+                        help="shard the model over a device mesh: tensor-parallel axis tp, "
+                             "data-parallel axis dp, e.g. tp=4 or dp=2,tp=4")
+
+
+def check_mesh_flag(args: argparse.Namespace) -> None:
+    """``--mesh``'s spelling (before anything is read)."""
+    if args.mesh is not None:
+        from forge_jax import sharding
+
+        try:
+            sharding.parse_mesh(args.mesh)
+        except ValueError as e:
+            raise UsageError(f"--mesh: {e}") from None
+
+
+def mesh_from_flag(args: argparse.Namespace, config):
+    """The MeshConfig ``--mesh`` asks for (None without it), checked against the devices
+    and the model's head counts before the weights are loaded."""
+    if args.mesh is None:
+        return None
+    import jax
+
+    from forge_jax import sharding
+    from forge_jax.models import llama_sharding
+
+    try:
+        mesh = sharding.MeshConfig(sharding.make_mesh(args.mesh))
+        llama_sharding.layout_for(config, mesh.tp)
+    except ValueError as e:
+        hint = ""
+        if "available" in str(e) and jax.default_backend() == "cpu":
+            hint = ("; on CPU, give JAX several devices with "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+        raise UsageError(f"--mesh {args.mesh}: {e}{hint}") from None
+    return mesh

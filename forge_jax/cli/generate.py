@@ -50,9 +50,7 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="progress bar on stderr (default: when stderr is a terminal; never "
                           "on the terminal a completion streams to)")
-    gen.add_argument("--mesh", metavar="tp=4", default=None,
-                     help="shard the model over a device mesh: tensor-parallel axis tp, "
-                          "data-parallel axis dp, e.g. tp=4 or dp=2,tp=4")
+    _flags.add_mesh_flag(gen)
     gen.add_argument("--allow-long-context", action="store_true",
                      help="run prompt + new tokens beyond the model's max_position_embeddings "
                           "(for a RoPE scaling that extends its range)")
@@ -75,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     _flags.resolve_dtype(args)
     config, raw, tokenizer, path = read_checkpoint(args)
     task = tasks.task_from_config(raw)
-    mesh = _mesh(args, config)
+    mesh = _flags.mesh_from_flag(args, config)
     prompts = None
     if args.prompt or args.prompt_ids is not None:
         prompts = _prompts(args, config, tokenizer, path)
@@ -133,13 +131,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.mesh is not None and args.kv_cache_dtype is not None:
         raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} runs on one device; it does "
                          f"not combine with --mesh yet")
-    if args.mesh is not None:
-        from forge_jax import sharding
-
-        try:
-            sharding.parse_mesh(args.mesh)
-        except ValueError as e:
-            raise UsageError(f"--mesh: {e}") from None
+    _flags.check_mesh_flag(args)
     if args.implementation is not None:
         from forge_jax import dispatch
 
@@ -226,28 +218,6 @@ def _check_length(args, config, path, prompt_tokens: int, max_new: int, what: st
             f"{what} has {prompt_tokens} tokens; with --max-new-tokens {max_new} that is "
             f"{prompt_tokens + max_new} positions, beyond max_position_embeddings={limit} of "
             f"{path}; pass --allow-long-context if the model's RoPE scaling extends its range")
-
-
-def _mesh(args, config):
-    """The MeshConfig ``--mesh`` asks for (None without it), checked against the devices
-    and the model's head counts before the weights are loaded."""
-    if args.mesh is None:
-        return None
-    import jax
-
-    from forge_jax import sharding
-    from forge_jax.models import llama_sharding
-
-    try:
-        mesh = sharding.MeshConfig(sharding.make_mesh(args.mesh))
-        llama_sharding.layout_for(config, mesh.tp)
-    except ValueError as e:
-        hint = ""
-        if "available" in str(e) and jax.default_backend() == "cpu":
-            hint = ("; on CPU, give JAX several devices with "
-                    "XLA_FLAGS=--xla_force_host_platform_device_count=N")
-        raise UsageError(f"--mesh {args.mesh}: {e}{hint}") from None
-    return mesh
 
 
 def _same_terminal(a, b) -> bool:

@@ -44,6 +44,7 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="keep full pages for requests with the same prefix")
     _flags.add_dtype_flag(serve)
+    _flags.add_mesh_flag(serve)
     _compilation_cache.add_flags(serve)
     serve.set_defaults(fn=run)
 
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65536), got {args.port}")
     _flags.check_implementation_env()
+    _flags.check_mesh_flag(args)
     _flags.resolve_dtype(args)
 
     import jax.numpy as jnp
@@ -79,12 +81,16 @@ def run(args: argparse.Namespace) -> int:
     if not 2 <= max_len <= config.max_position_embeddings:
         raise UsageError(f"--max-model-len must be in [2, max_position_embeddings="
                          f"{config.max_position_embeddings}], got {max_len}")
+    mesh = _flags.mesh_from_flag(args, config)
+    quantize = _checkpoint.quantize_kwargs(args, config)
+    if quantize and mesh is not None:
+        raise UsageError("--quantize loads onto one device; it does not combine with --mesh yet")
     tokenizer = text.load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     _compilation_cache.check(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
     with _compilation_cache.compilation_cache(args):
-        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype))
+        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh, **quantize)
         eos = text.eos_ids(model, tokenizer, tokenizer.generation_config) if tokenizer else None
         engine = serving.Engine(
             model, tokenizer, max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,

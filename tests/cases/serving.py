@@ -10,8 +10,9 @@ from forge_jax.models import llama, serving, serving_http, text
 
 MODEL = "tiny-chat"
 # One geometry for every serving test, so that they share the step's compiled variants
-# (row buckets 8, 16 and 32; greedy or sampling).
-GEOMETRY = dict(max_batch_tokens=32, max_seqs=32, num_pages=64, page_size=8, max_model_len=128)
+# (row buckets 8, 16 and 32, one table width; greedy or sampling).
+GEOMETRY = dict(max_batch_tokens=32, min_batch_tokens=8, max_seqs=32, num_pages=64, page_size=8,
+                max_model_len=128)
 
 
 class LiveServer:
