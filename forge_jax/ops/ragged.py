@@ -29,6 +29,7 @@ from forge_jax.ops._attention_math import (
     pool_args,
     visible_mask,
 )
+from forge_jax.ops.attention import attention_reference
 
 # Query rows attended per step of the XLA implementation. Every row gathers its own
 # sequence's pages, so scratch grows as rows x pages_per_seq x page_size x kv_heads x
@@ -36,6 +37,10 @@ from forge_jax.ops._attention_math import (
 # that for all of its tokens at once, while a decode batch of up to this many rows runs
 # as one block.
 _ROWS_PER_STEP = 256
+# Rows per block of a batch with prefill chunks: a block whose rows all belong to one
+# sequence (a chunk of its prompt) gathers that sequence's pages once for all its rows
+# (:func:`_attend_shared`) instead of once per row.
+_SHARED_ROWS = 32
 
 
 def _check_num_seqs(num_seqs, max_seqs):
@@ -327,9 +332,43 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
     return jnp.swapaxes(out, 0, 1).reshape(rows, q_heads, head_dim).astype(q.dtype)
 
 
+def _attend_shared(q, k_pages, v_pages, table, length, positions, *, scale, sliding_window,
+                   logits_soft_cap, k_scales=None, v_scales=None):
+    """Rows ``q [rows, q_heads, head_dim]`` of one sequence (block table ``table``, kv
+    length ``length``; rows at ``positions``, -1 for rows that see nothing) over that
+    sequence's pages, gathered once: the dense attention of several queries with explicit
+    positions (:func:`forge_jax.ops.attention.attention_reference`, the same contract). The
+    caller makes sure every page the length uses is named by ``table``."""
+    k, _ = named_pages(k_pages, table[None], length[None])  # [kv_heads, 1, seq, head_dim]
+    v, _ = named_pages(v_pages, table[None], length[None])
+    if k_scales is not None:  # quantized: dequantize the sequence's slots
+        k = kv_quant.dequantize_vectors(k, named_pages(k_scales, table[None], length[None])[0])
+        v = kv_quant.dequantize_vectors(v, named_pages(v_scales, table[None], length[None])[0])
+    k, v = (jnp.transpose(x, (1, 2, 0, 3)) for x in (k, v))  # [1, seq, kv_heads, head_dim]
+    out = attention_reference(q[None], k, v, scale=scale, causal=True,
+                              q_positions=positions[None], kv_lengths=length[None],
+                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return out[0]
+
+
+def _attend_block(q, tables, lengths, positions, *, k_pages, per_row, shared):
+    """A block of rows: :func:`_attend_shared` when its active rows all read one sequence
+    (the same table and length, every used entry naming a page of the pool), else each row
+    over its own pages (``per_row``)."""
+    active = lengths > 0
+    ref = jnp.argmax(active)
+    table, length = tables[ref], lengths[ref]
+    one = jnp.all(((tables == table[None]).all(-1) & (lengths == length)) | ~active)
+    used = jnp.arange(tables.shape[1], dtype=jnp.int32) * k_pages.shape[2] < length
+    named = (table >= 0) & (table < k_pages.shape[1])
+    one &= jnp.any(active) & jnp.all(named | ~used)
+    return jax.lax.cond(one, lambda: shared(q, table, length, positions),
+                        lambda: per_row(q, tables, lengths, positions))
+
+
 @dispatch.register("ragged_paged_attention", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
-                   description="each row gathers its sequence's pages (in row blocks), "
-                               "masked float32 softmax")
+                   description="rows of one sequence gather its pages once, other rows "
+                               "their own (in row blocks), masked float32 softmax")
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
                                num_seqs, *, scale, sliding_window, logits_soft_cap,
                                k_scales=None, v_scales=None):
@@ -344,16 +383,24 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu
             jnp.asarray(block_tables).astype(jnp.int32), jnp.asarray(kv_lengths),
             jnp.asarray(cu_q_lens), num_seqs, total_tokens,
             block_tables.shape[1] * k_pages.shape[2])
-        attend = lambda q, tables, lengths, positions: _attend_rows(
-            q, k_pages, v_pages, tables, lengths, positions, scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            k_scales=k_scales, v_scales=v_scales)
-        if total_tokens <= _ROWS_PER_STEP:
+        kw = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                  k_scales=k_scales, v_scales=v_scales)
+        per_row = lambda q, tables, lengths, positions: _attend_rows(  # noqa: E731
+            q, k_pages, v_pages, tables, lengths, positions, **kw)
+        shared = lambda q, table, length, positions: _attend_shared(  # noqa: E731
+            q, k_pages, v_pages, table, length, positions, **kw)
+        attend = lambda *xs: _attend_block(  # noqa: E731
+            *xs, k_pages=k_pages, per_row=per_row, shared=shared)
+        # One sequence's rows share its pages: a batch with more rows than sequences (a
+        # prefill chunk) goes by blocks of _SHARED_ROWS; a decode batch (a row per
+        # sequence) by blocks of up to _ROWS_PER_STEP rows, each row over its own pages.
+        block = _SHARED_ROWS if total_tokens > block_tables.shape[0] else _ROWS_PER_STEP
+        if total_tokens <= block:
             return attend(q, tables, lengths, positions)
-        steps = -(-total_tokens // _ROWS_PER_STEP)
-        pad = steps * _ROWS_PER_STEP - total_tokens
+        steps = -(-total_tokens // block)
+        pad = steps * block - total_tokens
         # Pad rows have length 0: they see nothing and are dropped below.
         blocks = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
-            steps, _ROWS_PER_STEP, *x.shape[1:]) for x in (q, tables, lengths, positions)]
+            steps, block, *x.shape[1:]) for x in (q, tables, lengths, positions)]
         out = jax.lax.map(lambda xs: attend(*xs), tuple(blocks))
         return out.reshape(-1, q_heads, head_dim)[:total_tokens]
