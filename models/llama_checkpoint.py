@@ -208,6 +208,10 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         return gguf_checkpoint.from_gguf(path, dtype=dtype, param_dtype=param_dtype)
     path = resolve_checkpoint(path, revision=revision)
     config = load_config(path)
+    if quantize is not None and config.num_experts:
+        raise ValueError(f"quantize={quantize!r} is not supported for a mixture of experts "
+                         f"(num_experts={config.num_experts}) yet: its experts would stay "
+                         f"float")
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
