@@ -41,6 +41,7 @@ Usage::
     python benchmarks/decode_cpu.py --quick    # tiny shape, seconds: a smoke test
     python benchmarks/decode_cpu.py --prefill --quick
     python benchmarks/decode_cpu.py --family qwen2   # the same shape as a Qwen2 (q/k/v bias)
+    python benchmarks/decode_cpu.py --family qwen3_moe  # 8 experts of 512, top-2, per layer
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": None}),
+    # A mixture of experts: every layer 8 experts of width 512, 2 per token (renormalised),
+    # instead of the dense MLP (whose intermediate_size then goes unused).
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512,
+                   "norm_topk_prob": True}),
 }
 # The prefill's model: SmolLM2-135M's shape (head_dim 64), tied output head.
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -131,7 +137,8 @@ def measure_bandwidth(x: jax.Array, repeats: int) -> float:
 
 def weight_bytes_per_token(model: llama.Llama) -> int:
     """Bytes of weights one decode token reads: all of them, the embedding table aside
-    (one row), the output head in full (the table itself when tied)."""
+    (one row), the output head in full (the table itself when tied); of a mixture of
+    experts' stacked experts, the ``num_experts_per_tok`` a token is routed to."""
     total, seen = 0, set()
     for name, (param, *_) in llama_hf.hf_parameters(model).items():
         if id(param) in seen:  # a fused projection holds several HF tensors
@@ -141,6 +148,9 @@ def weight_bytes_per_token(model: llama.Llama) -> int:
         if name == "model.embed_tokens.weight":
             rows = array.shape[0] if model.config.tie_word_embeddings else 1
             total += rows * array.shape[1] * array.dtype.itemsize
+        elif ".experts." in name:  # [experts, ...]: the routed ones
+            c = model.config
+            total += array.size * array.dtype.itemsize * c.num_experts_per_tok // c.num_experts
         else:
             total += array.size * array.dtype.itemsize
     return total

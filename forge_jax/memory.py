@@ -111,14 +111,19 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
     head_dim = _get(config, "head_dim", hidden // heads)
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     per_layer = (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden  # attention projections
-                 + 3 * hidden * inter + 2 * hidden)  # MLP, two norms
+                 + 2 * hidden)  # two norms
+    if _get(config, "qk_norm", False):  # Qwen3, Gemma 3: a norm over each head of q and k
+        per_layer += 2 * head_dim
+    if _get(config, "sandwich_norms", False):  # Gemma: two more norms per layer
+        per_layer += 2 * hidden
+    mlp_params = _mlp_params(config, hidden, inter, layers)  # all layers' MLPs
     if _get(config, "attention_bias", False):
         per_layer += 2 * q_dim + 2 * kv_dim - q_dim + hidden
     elif _get(config, "qkv_bias", False):  # Qwen2: q, k and v only
         per_layer += q_dim + 2 * kv_dim
     if _get(config, "mlp_bias", False):
         per_layer += 2 * inter + hidden
-    params = vocab * hidden + layers * per_layer + hidden
+    params = vocab * hidden + layers * per_layer + mlp_params + hidden
     if not _get(config, "tie_word_embeddings", False):
         params += hidden * vocab
     weights = params * _itemsize(param_dtype)
@@ -147,6 +152,23 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
     activations = max(mlp, attn) + logits
     return InferenceMemory(weights=int(weights), kv_cache=int(kv_cache),
                            activations=int(activations))
+
+
+def _mlp_params(config: Any, hidden: int, inter: int, layers: int) -> int:
+    """The parameters of every layer's MLP: dense (``3 * hidden * intermediate_size``)
+    or, in a mixture of experts' sparse layers, the experts, the router and a shared
+    expert (the layers LlamaConfig.is_moe names; for a dict, by the same rule)."""
+    experts = _get(config, "num_experts", 0) or _get(config, "num_local_experts", 0)
+    if not experts:
+        return layers * 3 * hidden * inter
+    moe_inter = _get(config, "moe_intermediate_size", inter)
+    step = _get(config, "decoder_sparse_step", 1)
+    dense = set(_get(config, "mlp_only_layers", ()))
+    sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    shared = _get(config, "shared_expert_intermediate_size", 0)
+    per_moe = experts * (3 * hidden * moe_inter + hidden) + (
+        3 * hidden * shared + hidden if shared else 0)
+    return (layers - sparse) * 3 * hidden * inter + sparse * per_moe
 
 
 def _read_int(path: str) -> int | None:

@@ -5,7 +5,9 @@
 Every family runs through the same layers (:mod:`forge_jax.models.llama_model`); what
 differs is a handful of config fields (bias on q/k/v, QK-norm, sliding windows per layer,
 soft caps, sandwich norms, GeGLU, scaled embeddings, partial rotary, the checkpoint's
-fused tensors). :func:`config_kwargs` reads a ``config.json`` dict into those fields.
+fused tensors, and for the mixtures of experts the expert count, top-k, routing
+normalisation and which layers are sparse). :func:`config_kwargs` reads a ``config.json``
+dict into those fields.
 
 Each family lists its ``config.json`` keys in three groups: the keys it reads
 (``HANDLED``), the keys that do not change inference (``IRRELEVANT``: dropout in
@@ -83,6 +85,15 @@ IRRELEVANT = frozenset({
     "cache_implementation",
 })
 
+# Keys of the mixture-of-experts families that the model reads (the expert count is
+# "num_experts" in Qwen's files, "num_local_experts" in Mixtral's and in transformers 5's).
+_MOE = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok"})
+_QWEN_MOE = _MOE | {"moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                    "mlp_only_layers"}
+# Training only: the router's auxiliary loss, and Mixtral's router noise (applied only in
+# training mode).
+IRRELEVANT = IRRELEVANT | {"output_router_logits", "router_aux_loss_coef", "router_jitter_noise"}
+
 # Keys refused in every family unless absent or None.
 _REFUSED_EVERYWHERE = ("quantization_config",)
 
@@ -116,6 +127,22 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            {"use_bidirectional_attention": (None, False)}, "every_6"),
     Family("phi3", "Phi3ForCausalLM", {"fused_checkpoint": True},
            _COMMON | {"sliding_window", "partial_rotary_factor"}, {}),
+    # Mixtral: Mistral's attention; experts as wide as intermediate_size; the top-k weights
+    # always renormalised.
+    Family("mixtral", "MixtralForCausalLM", {"norm_topk_prob": True},
+           _COMMON | _MOE | {"sliding_window"}, {"layer_types": (None,)}),
+    # Qwen2-MoE: Qwen2's attention (q/k/v bias), a shared expert beside the routed ones.
+    # Its sliding-window layer pattern (every other layer below max_window_layers) is not
+    # implemented: use_sliding_window is refused.
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", {"qkv_bias": True},
+           _COMMON | _QWEN_MOE | {"qkv_bias", "shared_expert_intermediate_size",
+                                  "sliding_window", "use_sliding_window", "max_window_layers",
+                                  "layer_types"},
+           {"use_sliding_window": (None, False)}),
+    # Qwen3-MoE: Qwen3's attention (QK-norm); with use_sliding_window every layer slides.
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", {"qk_norm": True},
+           _COMMON | _QWEN_MOE | {"attention_bias", "sliding_window", "use_sliding_window"},
+           {"layer_types": (None,)}),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -158,9 +185,13 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
                 "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                 "tie_word_embeddings", "max_position_embeddings", "bos_token_id",
                 "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias",
-                "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
+                "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+                "qkv_bias", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "decoder_sparse_step", "shared_expert_intermediate_size"):
         if key in fam.handled and config.get(key) is not None:
             out[key] = config[key]
+    if fam.handled >= _MOE:
+        out.update(_experts(config, fam))
     if fam.model_type.startswith("gemma"):
         # Gemma names its activation hidden_activation (hidden_act is an older alias).
         act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
@@ -175,6 +206,33 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json lacks required keys {missing}")
     out.update(_rope(config, fam))
     out.update(_windows(config, fam, out["num_hidden_layers"]))
+    return out
+
+
+def _experts(config: dict, fam: Family) -> dict[str, Any]:
+    """num_experts (under either name), mlp_only_layers as a tuple, and Mixtral's expert
+    width (its ``intermediate_size``)."""
+    names = [k for k in ("num_experts", "num_local_experts") if config.get(k) is not None]
+    if len({config[k] for k in names}) > 1:
+        raise ValueError(f"config.json gives two expert counts: num_experts="
+                         f"{config['num_experts']!r}, num_local_experts="
+                         f"{config['num_local_experts']!r}")
+    missing = [k for k in ("num_experts_per_tok",) if config.get(k) is None]
+    if not names or missing:
+        raise ValueError(f"config.json of model_type {fam.model_type!r} lacks "
+                         f"{'num_experts' if not names else missing[0]}")
+    out: dict[str, Any] = {"num_experts": config[names[0]]}
+    if "mlp_only_layers" in fam.handled:
+        out["mlp_only_layers"] = tuple(config.get("mlp_only_layers") or ())
+        if "moe_intermediate_size" not in config:
+            raise ValueError(f"config.json of model_type {fam.model_type!r} lacks "
+                             f"moe_intermediate_size")
+    else:
+        out["moe_intermediate_size"] = config.get("intermediate_size")
+    if ("shared_expert_intermediate_size" in fam.handled
+            and config.get("shared_expert_intermediate_size") is None):
+        raise ValueError(f"config.json of model_type {fam.model_type!r} lacks "
+                         f"shared_expert_intermediate_size")
     return out
 
 
@@ -252,7 +310,7 @@ def _windows(config: dict, fam: Family, layers: int) -> dict[str, Any]:
     """sliding_window and layer_types (a tuple of ``"sliding_attention"`` /
     ``"full_attention"``, one per layer), as transformers resolves them."""
     window = config.get("sliding_window")
-    if fam.model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if fam.model_type.startswith("qwen") and not config.get("use_sliding_window", False):
         window = None  # transformers drops the window unless use_sliding_window
     if "sliding_window" not in fam.handled or window is None:
         types = config.get("layer_types")

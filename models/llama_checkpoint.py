@@ -214,6 +214,10 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         return gguf_checkpoint.from_gguf(path, dtype=dtype, param_dtype=param_dtype)
     path = resolve_checkpoint(path, revision=revision)
     config = load_config(path)
+    if quantize is not None and config.num_experts:
+        raise ValueError(f"quantize={quantize!r} is not supported for a mixture of experts "
+                         f"(num_experts={config.num_experts}) yet: its experts would stay "
+                         f"float")
     fp8 = fp8_checkpoint.quantization(json.loads((path / "config.json").read_text()),
                                       path / "config.json")
     if fp8 is not None and (quantize is not None or mesh is not None):

@@ -1,7 +1,7 @@
 """The decoder's config: :class:`LlamaConfig`, read from a Hugging Face ``config.json``
 (:meth:`LlamaConfig.from_hf`) of any family :mod:`forge_jax.models.families` lists (Llama,
-Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3): one model, the families' differences as
-fields of this config."""
+Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, and the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE): one model, the families' differences as fields of this config."""
 
 from __future__ import annotations
 
@@ -50,6 +50,15 @@ class LlamaConfig:
       head (Phi-3).
     * ``fused_checkpoint``: the checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused
       (Phi-3) rather than q/k/v and gate/up apart.
+    * ``num_experts`` > 0: a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE). Each MoE
+      layer routes every token to ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts
+      of width ``moe_intermediate_size`` (softmax over the router's logits, then top-k;
+      ``norm_topk_prob``: the k weights divided by their sum, as Mixtral always does).
+      A layer is an MoE layer unless it is in ``mlp_only_layers`` or ``(layer + 1)`` is
+      not a multiple of ``decoder_sparse_step``; the others have the dense MLP of width
+      ``intermediate_size`` (:meth:`is_moe`).
+    * ``shared_expert_intermediate_size``: a dense SwiGLU expert every token goes through
+      as well, scaled by ``sigmoid(x @ shared_expert_gate)`` (Qwen2-MoE); None: none.
 
     All of them are static: one compiled step serves every layer kind, the per-layer
     window and RoPE base being Python values of the unrolled layer loop.
@@ -87,6 +96,13 @@ class LlamaConfig:
     rope_local_theta: float | None = None
     partial_rotary_factor: float = 1.0
     fused_checkpoint: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -150,10 +166,41 @@ class LlamaConfig:
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
                              f"partial_rotary_factor={self.partial_rotary_factor!r}")
+        self._check_experts(set_)
         if not (isinstance(self.rms_norm_eps, int | float) and self.rms_norm_eps > 0):
             raise ValueError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+
+    def _check_experts(self, set_):
+        set_("mlp_only_layers", tuple(self.mlp_only_layers))
+        if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or (
+                self.num_experts < 0):
+            raise ValueError(f"num_experts must be an int >= 0, got num_experts="
+                             f"{self.num_experts!r}")
+        if self.num_experts == 0:
+            return
+        _positive_int("num_experts_per_tok", self.num_experts_per_tok)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"num_experts={self.num_experts}")
+        _positive_int("moe_intermediate_size", self.moe_intermediate_size)
+        _positive_int("decoder_sparse_step", self.decoder_sparse_step)
+        if self.shared_expert_intermediate_size is not None:
+            _positive_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size)
+        bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or isinstance(i, bool)
+               or not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers={list(self.mlp_only_layers)!r} must list layers "
+                             f"in [0, num_hidden_layers={self.num_hidden_layers}), got {bad}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture of experts (else the dense MLP), as
+        transformers' Qwen-MoE decoder layers decide it."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

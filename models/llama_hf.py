@@ -8,6 +8,7 @@ loaded model (:mod:`forge_jax.models.llama_sharding`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -16,10 +17,25 @@ import numpy as np
 from flax import nnx
 
 from forge_jax.models.llama_model import Linear, Llama
+from forge_jax.models.llama_moe import SparseMoe
 
-# How one HF tensor fills a parameter: None (the whole parameter, as is) or, for a part
-# of a fused projection, (stored rows, the HF rows they hold) along axis 0.
-Rows = tuple[np.ndarray, np.ndarray] | None
+
+@dataclasses.dataclass(frozen=True)
+class Expert:
+    """An HF expert tensor ``[out, in]`` filling entry ``index`` of a stacked
+    ``[experts, in, out]`` parameter, transposed."""
+
+    index: int
+
+
+# How one HF tensor fills a parameter: None (the whole parameter, as is), for a part of a
+# fused projection (stored rows, the HF rows they hold) along axis 0, or an Expert.
+Rows = tuple[np.ndarray, np.ndarray] | Expert | None
+
+# The names of a mixture of experts' tensors under a layer: the block, and each expert's
+# gate, up and down projections.
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+_QWEN_EXPERT_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
 def hf_parameters(
@@ -69,11 +85,31 @@ def hf_parameters(
             out[f"{p}.{norm}.weight"] = (module.weight, module.weight.shape, same, None)
         for proj in ("qkv_proj", "o_proj"):
             linear(f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj), fused)
+        if isinstance(layer.mlp, SparseMoe):
+            _experts(out, p, layer.mlp, model.config.model_type, linear)
+            continue
         for proj in ("gate_up_proj", "down_proj"):
             linear(f"{p}.mlp.{proj}", getattr(layer.mlp, proj), fused)
     if model.lm_head is not None:
         linear("lm_head", model.lm_head)
     return out
+
+
+def _experts(out: dict, p: str, moe: SparseMoe, model_type: str, linear: Callable) -> None:
+    """The HF tensors of layer ``p``'s mixture of experts into ``out``."""
+    block, names = _EXPERT_NAMES.get(model_type, _QWEN_EXPERT_NAMES)
+    same = lambda w: w
+    out[f"{p}.{block}.gate.weight"] = (moe.router, moe.router.shape, same, None)
+    for param, name in zip((moe.w_gate, moe.w_up, moe.w_down), names, strict=True):
+        hf_shape = (param.shape[2], param.shape[1])
+        for e in range(param.shape[0]):
+            out[f"{p}.{block}.experts.{e}.{name}.weight"] = (param, hf_shape, np.transpose,
+                                                              Expert(e))
+    if moe.shared_expert is not None:
+        for proj in ("gate_up_proj", "down_proj"):
+            linear(f"{p}.{block}.shared_expert.{proj}", getattr(moe.shared_expert, proj))
+        gate = moe.shared_expert_gate
+        out[f"{p}.{block}.shared_expert_gate.weight"] = (gate, gate.shape, same, None)
 
 
 # reader(name, index) -> the HF tensor's block at index (a tuple of slices or int arrays).
@@ -98,6 +134,10 @@ def _block(shape: tuple[int, ...], index: tuple, dtype, sources, read: Reader) -
     for name, convert, rows in sources:
         if rows is None:
             out[...] = convert(read(name, (slice(*bounds[0]),) + rest))  # cast as written
+            continue
+        if isinstance(rows, Expert):  # HF [out, in] -> entry index of [experts, in, out]
+            if bounds[0][0] <= rows.index < bounds[0][1]:
+                out[rows.index - bounds[0][0]] = convert(read(name, rest[::-1]))
             continue
         stored, source = rows
         mine = (stored >= bounds[0][0]) & (stored < bounds[0][1])
@@ -141,8 +181,14 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
     """The model's weights under Hugging Face names and in HF's layout, as float32 NumPy
     arrays (the inverse of :func:`from_pretrained`, e.g. to ``save_file`` them)."""
     out = {}
+    host: dict[int, np.ndarray] = {}  # id(parameter) -> it on the host, read once
     for name, (param, hf_shape, convert, rows) in hf_parameters(model).items():
-        stored = np.asarray(param[...], np.float32)
+        if id(param) not in host:
+            host[id(param)] = np.asarray(param[...], np.float32)
+        stored = host[id(param)]
+        if isinstance(rows, Expert):  # one expert of a stacked [experts, in, out] parameter
+            out[name] = np.ascontiguousarray(stored[rows.index].T)
+            continue
         if rows is not None:  # a fused part: its HF rows (a copied row is read once)
             hf = np.empty((hf_shape[0],) + stored.shape[1:], np.float32)
             hf[rows[1]] = stored[rows[0]]

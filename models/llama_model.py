@@ -22,6 +22,7 @@ from forge_jax.models.llama_config import (  # noqa: F401  (LlamaConfig: API her
     SUPPORTED_ARCHITECTURES,
     LlamaConfig,
 )
+from forge_jax.models.llama_moe import SparseMoe
 
 # --------------------------------------------------------------------------------------
 # Modules hold their weights; head_dim, RoPE and eps come with each call (the config).
@@ -264,17 +265,18 @@ def _rope(x, positions, rotary_dim, theta, scaling):
 
 
 class LlamaMLP(nnx.Module):
-    """``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+    """``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or tanh-GELU (GeGLU), of
+    width ``intermediate_size`` (default: the config's; a shared expert's its own)."""
 
     def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype,
-                 layout: TensorLayout = TensorLayout()):
+                 layout: TensorLayout = TensorLayout(), intermediate_size: int | None = None):
         c = config
+        inter = c.intermediate_size if intermediate_size is None else intermediate_size
         kw = dict(use_bias=c.mlp_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.gate_up_proj = Linear(  # gate and up fused, like q/k/v
-            c.hidden_size, 2 * c.intermediate_size,
-            parts=(("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
+            c.hidden_size, 2 * inter, parts=(("gate_proj", inter), ("up_proj", inter)),
             groups=layout.groups, **kw)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, **kw)
+        self.down_proj = Linear(inter, c.hidden_size, **kw)
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -294,10 +296,13 @@ class LlamaDecoderLayer(nnx.Module):
     and normalises in one op), so a layer returns its MLP output unadded, with the
     residual stream beside it; the next layer's input norm (or the model's final norm)
     adds them.
+
+    Layer ``layer`` of a mixture of experts (``config.is_moe(layer)``) has a
+    :class:`~forge_jax.models.llama_moe.SparseMoe` as its ``mlp``.
     """
 
     def __init__(self, config: LlamaConfig, *, rngs, dtype, param_dtype,
-                 layout: TensorLayout = TensorLayout()):
+                 layout: TensorLayout = TensorLayout(), layer: int = 0):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout)
         # Named as in HF: without sandwich norms, post_attention_layernorm is the MLP's input
         # norm; with them, it norms the attention's output and pre_feedforward_layernorm is
@@ -309,7 +314,13 @@ class LlamaDecoderLayer(nnx.Module):
         sandwich = config.sandwich_norms
         self.pre_feedforward_layernorm = norm() if sandwich else None
         self.post_feedforward_layernorm = norm() if sandwich else None
-        self.mlp = LlamaMLP(config, **kw)
+        if config.is_moe(layer):
+            shared = config.shared_expert_intermediate_size
+            self.mlp = SparseMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                 shared_expert=None if shared is None else LlamaMLP(
+                                     config, intermediate_size=shared, **kw))
+        else:
+            self.mlp = LlamaMLP(config, **kw)
 
     def norms(self) -> dict[str, RMSNorm]:
         """HF name (under the layer) -> each RMSNorm of the layer, q and k norms included."""
@@ -385,8 +396,9 @@ class Llama(nnx.Module):
         c = config
         self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), param_dtype))
         self.layers = nnx.List([
-            LlamaDecoderLayer(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout)
-            for _ in range(c.num_hidden_layers)])
+            LlamaDecoderLayer(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout,
+                              layer=i)
+            for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, param_dtype=param_dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(
             c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs, dtype=dtype,

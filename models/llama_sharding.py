@@ -19,7 +19,13 @@ axis when ``num_key_value_heads`` divides by ``T``; when there are fewer KV head
 devices and ``T`` divides by ``num_key_value_heads``, each KV head is stored
 ``T // num_key_value_heads`` times (one copy per device that reads it: the KV cache holds
 ``T`` heads, one per device); other combinations are refused with the numbers.
-``intermediate_size`` must divide by ``T``.
+``intermediate_size`` must divide by ``T`` (where a layer has the dense MLP).
+
+A mixture of experts' layers split by expert over the tensor axis (expert parallelism:
+each device holds ``num_experts / T`` whole experts, multiplies the tokens routed to
+them, and the partial products are summed over the axis, ``fj.grouped_matmul``'s
+partition rule); ``num_experts`` must divide by ``T``. The router is replicated; a shared
+expert splits like the dense MLP (its width must divide by ``T``).
 
 Data parallelism over the data axis ``dp``: weights are replicated across it; the batch
 (tokens, lengths, the contiguous cache's rows) splits across it when the batch divides.
@@ -44,6 +50,7 @@ from forge_jax import sharding as fj_sharding
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
 from forge_jax.models import llama_hf
 from forge_jax.models.llama_model import Llama, LlamaConfig, TensorLayout
+from forge_jax.models.llama_moe import SparseMoe
 
 __all__ = ["ShardingPlan", "layout_for", "plan", "shard", "cache_shardings"]
 
@@ -59,8 +66,17 @@ def layout_for(config: LlamaConfig, tp: int) -> TensorLayout:
     if heads % tp:
         raise ValueError(f"num_attention_heads={heads} does not split over a tensor axis of "
                          f"{tp} devices (it must be a multiple of {tp})")
-    if config.intermediate_size % tp:
+    dense = any(not config.is_moe(i) for i in range(config.num_hidden_layers))
+    if dense and config.intermediate_size % tp:
         raise ValueError(f"intermediate_size={config.intermediate_size} does not split over a "
+                         f"tensor axis of {tp} devices")
+    if config.num_experts and config.num_experts % tp:
+        raise ValueError(f"num_experts={config.num_experts} does not split over a tensor axis "
+                         f"of {tp} devices (each device holds whole experts: it must be a "
+                         f"multiple of {tp})")
+    shared = config.shared_expert_intermediate_size
+    if config.num_experts and shared is not None and shared % tp:
+        raise ValueError(f"shared_expert_intermediate_size={shared} does not split over a "
                          f"tensor axis of {tp} devices")
     if kv_heads % tp == 0:
         return TensorLayout(groups=tp, kv_repeat=1)
@@ -99,8 +115,17 @@ class ShardingPlan:
                 out[id(norm.weight)] = m.replicated()
             linear(layer.self_attn.qkv_proj, rows=True)
             linear(layer.self_attn.o_proj, rows=False)
-            linear(layer.mlp.gate_up_proj, rows=True)
-            linear(layer.mlp.down_proj, rows=False)
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoe):  # whole experts per device; the router everywhere
+                out[id(mlp.router)] = m.replicated()
+                for w in (mlp.w_gate, mlp.w_up, mlp.w_down):
+                    out[id(w)] = m.sharding(tp, None, None)
+                if mlp.shared_expert is None:
+                    continue
+                out[id(mlp.shared_expert_gate)] = m.replicated()
+                mlp = mlp.shared_expert
+            linear(mlp.gate_up_proj, rows=True)
+            linear(mlp.down_proj, rows=False)
         if model.lm_head is not None:
             out[id(model.lm_head.kernel)] = vocab
         return out

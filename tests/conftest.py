@@ -76,3 +76,22 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(llama, "from_pretrained", refuse)
     monkeypatch.setattr(tasks.AdditionTask, "sample", refuse)
     monkeypatch.setattr(demo, "run", refuse)
+
+
+@pytest.fixture(scope="session")
+def hf():
+    """(torch, transformers), or the test skips: the parity tests against transformers."""
+    torch = pytest.importorskip("torch", reason="parity tests need torch (pip install .[parity])")
+    transformers = pytest.importorskip(
+        "transformers", reason="parity tests need transformers (pip install .[parity])")
+    return torch, transformers
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory):
+    """(directory, vocab size) of a byte-level BPE tokenizer with a chat template, which the
+    family checkpoints (tests/cases/hf_families.py) share: their vocab is its size."""
+    from cases.hf_families import write_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    return directory, write_tokenizer(directory)

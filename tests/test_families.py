@@ -18,18 +18,15 @@ import functools
 import json
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases.chat_checkpoint import TEMPLATE, build_tokenizer
 from cases.cli import run
+from cases.hf_families import LOGITS_TOL, forge_logits, hf_greedy, hf_logits, save_checkpoint
 from flax import nnx
 
-import forge_jax as fj
 from forge_jax.models import families, llama, text
 
-LOGITS_TOL = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
 SEQ = 24  # longer than every window below
 
 # family -> (transformers config class, causal LM class, config kwargs, fields whose removal
@@ -72,48 +69,17 @@ CASES = {
 BASE = dict(num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5)
 
 
-@pytest.fixture(scope="module")
-def hf():
-    torch = pytest.importorskip("torch", reason="parity tests need torch (pip install .[parity])")
-    transformers = pytest.importorskip(
-        "transformers", reason="parity tests need transformers (pip install .[parity])")
-    return torch, transformers
-
-
-@pytest.fixture(scope="session")
-def tokenizer_files(tmp_path_factory):
-    """A byte-level BPE tokenizer the family checkpoints share (their vocab is its size)."""
-    directory = tmp_path_factory.mktemp("tokenizer")
-    tok = build_tokenizer()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-         "eos_token": "</s>", "model_max_length": 128, "chat_template": TEMPLATE}))
-    return directory, tok.get_vocab_size()
-
-
 @functools.cache
-def _checkpoint(name: str, root: pathlib.Path, vocab: int, dtype: str = "float32"):
+def _checkpoint(name: str, root: pathlib.Path, tokenizer: pathlib.Path, vocab: int,
+                dtype: str = "float32"):
     """The family's tiny random checkpoint, saved by transformers in ``root/name``, and
     transformers' model loaded back from it (so the reference reads the same files)."""
-    import torch
-    import transformers
-
     config_cls, model_cls, kwargs, _ = CASES[name]
-    config = getattr(transformers, config_cls)(vocab_size=vocab, **BASE, **kwargs)
-    torch.manual_seed(sorted(CASES).index(name))
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # weights large enough that the logits are far from uniform
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):  # Gemma stores weight - 1
-                p.uniform_(-0.5, 0.5) if name.startswith("gemma") else p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.25 if p.ndim > 1 else 0.1)
     directory = root / f"{name}-{dtype}"
-    model.to(getattr(torch, dtype)).save_pretrained(directory)
-    ref = getattr(transformers, model_cls).from_pretrained(directory, dtype=torch.float32).eval()
-    ref.generation_config.eos_token_id = None
-    ref.generation_config.pad_token_id = 0
+    ref = save_checkpoint(directory, config_cls, model_cls,
+                          dict(vocab_size=vocab, **BASE, **kwargs),
+                          seed=sorted(CASES).index(name), dtype=dtype, tokenizer=tokenizer,
+                          gemma_norms=name.startswith("gemma"))
     return directory, ref
 
 
@@ -123,37 +89,9 @@ def checkpoints(tmp_path_factory, tokenizer_files):
     tok_dir, vocab = tokenizer_files
 
     def get(name, dtype="float32"):
-        directory, ref = _checkpoint(name, root, vocab, dtype)
-        for file in ("tokenizer.json", "tokenizer_config.json"):
-            (directory / file).write_bytes((tok_dir / file).read_bytes())
+        directory, ref = _checkpoint(name, root, tok_dir, vocab, dtype)
         return directory, ref, vocab
     return get
-
-
-def _hf_logits(ref, tokens):
-    import torch
-
-    with torch.no_grad():
-        return ref(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
-def _hf_greedy(ref, prompt, max_new_tokens):
-    import torch
-
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-@functools.partial(jax.jit, static_argnames="graphdef")
-def _jit_forward(state, tokens, *, graphdef):
-    return nnx.merge(graphdef, state)(tokens)
-
-
-def _logits(model, tokens) -> np.ndarray:
-    graphdef, state = nnx.split(model)
-    return np.asarray(_jit_forward(state, jnp.asarray(tokens, jnp.int32), graphdef=graphdef))
 
 
 def _tokens(vocab, seed=0):
@@ -166,15 +104,15 @@ def test_family_matches_transformers(hf, checkpoints, name):
     model = llama.from_pretrained(directory)
     assert model.config.model_type == name
     tokens = _tokens(vocab)
-    expected = _hf_logits(ref, tokens)
-    logits = _logits(model, tokens)
+    expected = hf_logits(ref, tokens)
+    logits = forge_logits(model, tokens)
     assert logits.shape == expected.shape
     np.testing.assert_allclose(logits, expected, **LOGITS_TOL.as_kwargs())
     assert np.abs(expected).max() > 1.0  # not near-uniform logits
 
     # Prompts longer than every window, so that the cached decode steps slide too.
     prompts = [tokens[0, :11].tolist(), tokens[1, :7].tolist()]
-    want = [_hf_greedy(ref, p, 6) for p in prompts]
+    want = [hf_greedy(ref, p, 6) for p in prompts]
     for cache in ("paged", "contiguous"):
         got = llama.generate(model, prompts, 6, eos_token_id=(), cache=cache, page_size=4)
         assert got == want, cache
@@ -187,12 +125,12 @@ def test_each_family_feature_changes_the_logits(hf, checkpoints, name):
     directory, ref, vocab = checkpoints(name)
     model = llama.from_pretrained(directory)
     tokens = _tokens(vocab, seed=1)
-    expected = _hf_logits(ref, tokens)
+    expected = hf_logits(ref, tokens)
     for field, value in CASES[name][3].items():
         change = {field: value} if field != "sliding_window" else {field: value,
                                                                    "layer_types": None}
         wrong = _with_config(model, dataclasses.replace(model.config, **change))
-        miss = np.abs(_logits(wrong, tokens) - expected).max()
+        miss = np.abs(forge_logits(wrong, tokens) - expected).max()
         assert miss > 50 * LOGITS_TOL.atol, (field, miss)
 
 
@@ -213,8 +151,8 @@ def test_gemma2_bfloat16(hf, checkpoints):
     model = llama.from_pretrained(directory, dtype=jnp.bfloat16)
     assert model.embed_tokens[...].dtype == jnp.bfloat16
     tokens = _tokens(vocab, seed=2)
-    expected = _hf_logits(ref, tokens)
-    logits = _logits(model, tokens)
+    expected = hf_logits(ref, tokens)
+    logits = forge_logits(model, tokens)
     assert np.abs(logits - expected).max() < 0.05 * np.abs(expected).max()
     assert all(len(r) == 4 for r in llama.generate(model, [tokens[0, :9].tolist()], 4))
 
@@ -244,7 +182,7 @@ def test_phi3_on_a_mesh_matches_transformers(hf, checkpoints):
     assert model.layout.kv_repeat == 2
     prompts = [_tokens(vocab, seed=3)[0, :10].tolist()]
     assert llama.generate(model, prompts, 5, eos_token_id=()) == [
-        _hf_greedy(ref, prompts[0], 5)]
+        hf_greedy(ref, prompts[0], 5)]
 
 
 def test_chat_matches_transformers(hf, checkpoints):
@@ -256,7 +194,7 @@ def test_chat_matches_transformers(hf, checkpoints):
     hf_tok = transformers.AutoTokenizer.from_pretrained(directory)
     ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    want = hf_tok.decode(_hf_greedy(ref, ids, 6), skip_special_tokens=True)
+    want = hf_tok.decode(hf_greedy(ref, ids, 6), skip_special_tokens=True)
     model = llama.from_pretrained(directory)
     got = text.chat(model, text.load_tokenizer(directory), messages, max_new_tokens=6,
                     eos_token_id=())

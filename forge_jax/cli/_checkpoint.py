@@ -107,7 +107,9 @@ def describe(model, path, args: argparse.Namespace) -> str:
     params = sum(math.prod(v.get_value().shape) for v in variables)  # quantized: logical
     quantized = getattr(args, "quantize", None)
     return (f"{path}: {c.model_type}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-            f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, vocab "
+            f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, "
+            + (f"{c.num_experts} experts (top {c.num_experts_per_tok}), " if c.num_experts
+               else "") + "vocab "
             f"{c.vocab_size}, {params / 1e6:.2f} M parameters "
             f"({quantize_load.parameter_bytes(model) / 1e6:.1f} MB"
             + (f", {quantized} linear layers" if quantized else "") + f"), {args.dtype}, "

@@ -13,4 +13,6 @@ import each other).
   ``ragged_base``, ``elementwise_base``): the behaviours every implementation of an op
   family must show, which each implementation's test file subclasses.
 * :mod:`cases.chat_checkpoint`: the small Llama chat checkpoint the text and chat tests use.
+* :mod:`cases.hf_families`: tiny random checkpoints of the decoder families saved by
+  transformers, and transformers' logits and greedy tokens to compare with.
 """
