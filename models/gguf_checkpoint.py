@@ -18,11 +18,14 @@
   ``fj.matmul`` reads them through the ``quantized_matmul`` op. F32, F16 and BF16 tensors
   load as they are (cast to ``param_dtype``). The token embedding (and the norms) are
   always dequantized: the embedding lookup reads a float table.
-* A fused projection (q/k/v, gate/up) whose parts share a layout (format, group, minimums
-  or not) stays quantized, float16 scales widened to float32 (exactly) where the parts mix
-  them (Q4_1 with Q4_K, Q5_1 with Q5_K); parts of different layouts (llama.cpp's Q4_K_M
-  files give some layers' ``attn_v`` Q6_K beside Q4_K ``attn_q`` and ``attn_k``) are
-  dequantized to ``param_dtype``.
+* A fused projection (q/k/v, gate/up) stays quantized: parts of one layout (format,
+  group, minimums or not) as they are, float16 scales widened to float32 (exactly) where
+  the parts mix them (Q4_1 with Q4_K); parts of different int layouts (llama.cpp's Q4_K_M
+  files give some layers' ``attn_v`` Q6_K beside Q4_K ``attn_q`` and ``attn_k``) in one
+  they all fit exactly: int8 values, the smallest group, minimums if any part has them
+  (zero for the others, so a -0.0 there reads +0.0; Q4_K with Q6_K is int8 groups of 16
+  with minimums, 12 bits a weight). A part stored as floats makes the projection floats
+  (``param_dtype``).
 * The tokenizer (``gpt2`` byte-level BPE and SentencePiece-style ``llama`` vocabularies)
   and the chat template come from the file's metadata (:func:`tokenizer_parts`).
 
@@ -327,10 +330,36 @@ def _rows(x, fn):
     return jnp.asarray(fn(np.asarray(x)))
 
 
+def _one_layout(parts: list[fj.QuantizedArray]) -> list[fj.QuantizedArray] | None:
+    """Quantized parts of different int layouts in one they all fit exactly: int8 values
+    (int4's widened), the smallest group (a larger one's scales repeated), minimums if any
+    part has them (zero for those without), scales in the widest dtype; None where there is
+    none (fp8, or groups that do not nest)."""
+    if any(p.format not in ("int8", "int4") or len(p.block) != 1 for p in parts):
+        return None
+    group = min(p.block[0] for p in parts)
+    if any(p.block[0] % group for p in parts):
+        return None
+    scale_dtype = np.result_type(*(np.dtype(p.scales.dtype) for p in parts))
+    asymmetric = any(p.minimums is not None for p in parts)
+    out = []
+    for p in parts:
+        widen = lambda x, r=p.block[0] // group: jnp.repeat(x.astype(scale_dtype), r, axis=-1)
+        minimums = None if not asymmetric else (
+            jnp.zeros(p.scales.shape, scale_dtype) if p.minimums is None else p.minimums)
+        out.append(fj.quant.from_parts(
+            fj.quant.int_values(p), widen(p.scales),
+            None if minimums is None else widen(minimums), format="int8", block=(group,)))
+    return out
+
+
 def _fuse(parts: list, param_dtype):
-    """Row-stacks the parts of a fused projection (quantized if they all share a layout)."""
+    """Row-stacks the parts of a fused projection: quantized if they share a layout or fit
+    one exactly (:func:`_one_layout`), else dequantized to ``param_dtype``."""
     q = [p for p in parts if isinstance(p, fj.QuantizedArray)]
-    if len(q) == len(parts) and len({(p.format, p.block, p.minimums is None) for p in q}) == 1:
+    if len(q) == len(parts) and len({(p.format, p.block, p.minimums is None) for p in q}) > 1:
+        q = _one_layout(q) or []
+    if len(q) == len(parts):
         # float16 and float32 scales (Q4_1 beside Q4_K) meet in float32, exactly
         scale_dtype = np.result_type(*(np.dtype(p.scales.dtype) for p in q))
         cat = lambda xs: jnp.concatenate([x.astype(scale_dtype) for x in xs], axis=0)

@@ -95,26 +95,25 @@ def test_k_quant_model_generates_the_dequantized_models_tokens(k_model, tmp_path
         assert [int(t) for t in new] == logits[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
-def test_parts_of_one_layout_fuse_quantized_and_others_as_floats(tmp_path):
+def test_fused_parts_of_different_layouts_stay_quantized_exactly(tmp_path):
     # gate Q4_1 (float16 scales) with up Q4_K (float32): int4 with minimums, float32 scales.
-    # q/k Q4_K (int4) with v Q6_K (int8), as llama.cpp's Q4_K_M files mix them: floats.
+    # q/k Q4_K (int4, groups of 32) with v Q6_K (int8, groups of 16), as llama.cpp's Q4_K_M
+    # files mix them: int8 in groups of 16 with minimums (zero for v's rows).
     types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "ffn_gate": "Q4_1",
              "ffn_up": "Q4_K"}
     file = tmp_path / "mixed.gguf"
     reference = gguf_files.write(file, gguf_files.random_llama(2, CONFIG), types, config=CONFIG)
     model = llama.from_pretrained(file, dtype=jnp.float32)
     layer = model.layers[1]
-    gate_up = layer.mlp.gate_up_proj.kernel.get_value()
-    assert isinstance(gate_up, fj.QuantizedArray) and gate_up.format == "int4"
-    assert gate_up.scales.dtype == gate_up.minimums.dtype == jnp.float32
-    want = np.concatenate([reference[f"model.layers.1.mlp.{p}_proj.weight"]
-                           for p in ("gate", "up")])
-    np.testing.assert_array_equal(np.asarray(fj.dequantize(gate_up)), want)
-    qkv = layer.self_attn.qkv_proj.kernel.get_value()
-    assert not isinstance(qkv, fj.QuantizedArray)
-    want = np.concatenate([reference[f"model.layers.1.self_attn.{p}_proj.weight"]
-                           for p in "qkv"])
-    np.testing.assert_array_equal(np.asarray(qkv), want)
+    for linear, parts, layout in [
+            (layer.mlp.gate_up_proj, ["mlp.gate_proj", "mlp.up_proj"], ("int4", (32,))),
+            (layer.self_attn.qkv_proj, PARTS["qkv"], ("int8", (16,)))]:
+        k = linear.kernel.get_value()
+        assert isinstance(k, fj.QuantizedArray), parts
+        assert (k.format, k.block) == layout and k.minimums is not None, parts
+        assert k.scales.dtype == k.minimums.dtype == jnp.float32, parts
+        want = np.concatenate([reference[f"model.layers.1.{p}.weight"] for p in parts])
+        np.testing.assert_array_equal(np.asarray(fj.dequantize(k)), want, err_msg=str(parts))
 
 
 def test_a_k_quant_tensor_cut_short_is_named(tmp_path):
