@@ -82,17 +82,18 @@ def test_k_quant_model_generates_the_dequantized_models_tokens(k_model, tmp_path
     model, reference = k_model
     floats = llama.from_pretrained(gguf_files.write_hf(tmp_path / "hf", reference, CONFIG),
                                    dtype=jnp.float32)
-    tokens = jnp.asarray([[1, 5, 9, 33, 70, 2, 4, 95], [3, 3, 60, 61, 62, 7, 8, 9]], jnp.int32)
+    prompts = [[1, 5, 9, 33, 70], [3, 60, 61, 62]]
+    new = llama.generate(model, prompts, max_new_tokens=6, eos_token_id=())
+    # The float model's greedy tokens, teacher-forced: each new token is its argmax after
+    # the tokens before it (one forward pass of both sequences, right-padded, which a
+    # causal model's earlier positions do not see).
+    tokens = jnp.asarray([prompts[0] + new[0], prompts[1] + new[1] + [0]], jnp.int32)
     got, want = np.asarray(model(tokens)), np.asarray(floats(tokens))
     tol = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
     np.testing.assert_allclose(got, want, **tol.as_kwargs())
-    # The float model's greedy tokens, teacher-forced: each new token is its argmax after
-    # the tokens before it (one forward pass, not a second generation loop to compile).
-    prompts = [[1, 5, 9, 33], [3, 60, 61, 62, 7]]
-    for prompt, new in zip(prompts, llama.generate(model, prompts, max_new_tokens=6,
-                                                   eos_token_id=()), strict=True):
-        logits = np.asarray(floats(jnp.asarray([prompt + list(new)], jnp.int32)))[0]
-        assert [int(t) for t in new] == logits[len(prompt) - 1:-1].argmax(-1).tolist()
+    for row, (prompt, tokens_new) in enumerate(zip(prompts, new, strict=True)):
+        start = len(prompt) - 1
+        assert [int(t) for t in tokens_new] == want[row, start:start + 6].argmax(-1).tolist()
 
 
 def test_fused_parts_of_different_layouts_stay_quantized_exactly(tmp_path):
