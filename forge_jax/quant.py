@@ -9,8 +9,8 @@ Formats (``format``; the static metadata beside the arrays):
 
 * ``"int8"``: ``values`` int8, ``q`` as stored. Symmetric per output channel from
   :func:`quantize` (``scale = absmax / 127``); GGUF's Q8_0 (blocks of 32, float16 scales),
-  Q5_0 and Q6_K (the 5- and 6-bit values held in a byte each) and Q5_1 and Q5_K (with
-  minimums) load onto it losslessly.
+  Q5_0 and Q6_K (the 5- and 6-bit values held in a byte each; Q6_K in groups of 16) and
+  Q5_1 and Q5_K (with minimums) load onto it losslessly.
 * ``"int4"``: ``values`` uint8, two 4-bit values a byte along the last axis (element
   ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the high one). Symmetric: ``q =
   nibble - 8`` (``scale = absmax / 7``); asymmetric (``minimums`` given): ``q = nibble``
@@ -62,7 +62,8 @@ class QuantizedArray:
       values: the stored values (int8; uint8 holding two int4 values a byte along the last
         axis; float8_e4m3fn).
       scales: ``shape[i] // block[i]`` along each axis, a float dtype (float32 from
-        :func:`quantize`; GGUF's float16 as they are).
+        :func:`quantize`; GGUF's float16 as they are; float32 for its K-quants, whose
+        sub-block scales ``d * sc`` are exact there).
       minimums: like ``scales``, or None (symmetric).
       format: ``"int8"``, ``"int4"`` or ``"fp8"`` (static).
       block: the block's extent along the trailing axes (static).

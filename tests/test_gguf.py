@@ -74,15 +74,6 @@ def test_float_types(tmp_path):
                for k in quantize_load.linear_kernels(model))
 
 
-def test_k_quants_are_dequantized_and_mixed_parts_fuse_as_floats(tmp_path):
-    types = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_output": "Q4_K",
-             "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "output": "Q8_0"}
-    model, _ = _compare(tmp_path, types, CONFIG_K)
-    assert isinstance(model.lm_head.kernel.get_value(), fj.QuantizedArray)
-    assert not isinstance(model.layers[0].self_attn.qkv_proj.kernel.get_value(),
-                          fj.QuantizedArray)
-
-
 def _one_line(excinfo, *fragments):
     message = str(excinfo.value)
     assert "\n" not in message

@@ -24,10 +24,13 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-# K-quant block layouts (bytes): the float16 super-block scales' offsets, for random blocks.
+# K-quant block layouts for random blocks (any bytes are a valid block once its float16
+# scales are finite): bytes a block, the offsets of its float16 ``d`` and ``dmin`` (None:
+# symmetric), and the mean of its unsigned values, so that ``dmin = mean * d`` centres the
+# weights on average (sub-block scales and minimums are random bytes of the same range).
 # Q2_K is one forge_jax does not read (the unknown-type test).
-K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)),
-            "Q2_K": (84, (80, 82))}
+K_QUANTS = {"Q4_K": (144, 0, 2, 7.5), "Q5_K": (176, 0, 2, 15.5), "Q6_K": (210, 208, None, 0),
+            "Q2_K": (84, 80, 82, 1.5)}
 
 
 def random_llama(seed: int, config: dict = CONFIG) -> dict[str, np.ndarray]:
@@ -66,6 +69,12 @@ def gguf_name(name: str) -> str:
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter: HF's q/k rows -> its RoPE layout."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of :func:`permute`: llama.cpp's RoPE layout -> HF's q/k rows."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
         w.shape)
 
 
@@ -116,14 +125,16 @@ def write(path: pathlib.Path, weights: dict[str, np.ndarray], types: dict[str, s
             role)
         stored = permute(w, heads) if heads else w
         if kind in K_QUANTS:  # gguf cannot quantize these: random blocks with finite scales
-            size, offsets = K_QUANTS[kind]
+            size, d_at, dmin_at, mean = K_QUANTS[kind]
             data = gen.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
-            for o in offsets:
-                data[..., o:o + 2] = gen.uniform(0.001, 0.01, data.shape[:2] + (1,)).astype(
-                    np.float16).view(np.uint8)
+            d = gen.uniform(1e-4, 1e-3, data.shape[:2] + (1,))
+            data[..., d_at:d_at + 2] = d.astype(np.float16).view(np.uint8)
+            if dmin_at is not None:
+                data[..., dmin_at:dmin_at + 2] = (mean * d).astype(np.float16).view(np.uint8)
             data = data.reshape(w.shape[0], -1)
-            assert heads is None, "K-quant test tensors are not permuted"
-            ref = gguf.quants.dequantize(data, T[kind])
+            ref = gguf.quants.dequantize(data, T[kind])  # the rows as stored
+            if heads:
+                ref = unpermute(ref, heads)
         elif kind in ("F32", "F16", "BF16"):
             data = gguf.quants.quantize(stored, T[kind]) if kind != "BF16" else (
                 gguf.quants.BF16.quantize(stored))
