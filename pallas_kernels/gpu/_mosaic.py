@@ -42,7 +42,7 @@ def mosaic_reason(platform: str) -> str | None:
     if _common.capability(cc)[0] != WGMMA_MAJOR:
         return (f"forge_jax's Mosaic GPU kernels use Hopper's WGMMA (compute capability "
                 f"{WGMMA_MAJOR}.x, sm_90a); this GPU has {cc} (Blackwell's sm_100a compile "
-                "refuses it: \"'nvvm.wgmma.fence.aligned' op is not supported\")")
+                "refuses WGMMA)")
     return None
 
 
