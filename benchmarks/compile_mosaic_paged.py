@@ -109,7 +109,8 @@ def main() -> int:
             report = fj.aot.compile(getattr(fj, op), *args, target="h100",
                                     implementation="mosaic_gpu")
         failed |= not report.compiled
-        smem = _mosaic.shared_memory_bytes(*_kernel_call(kernel, args))
+        fn, call_args = _kernel_call(kernel, args)
+        smem = _mosaic.shared_memory_bytes(fn, *call_args)
         print(f"### {title}\n{report}")
         print("  ptxas: " + " | ".join(ln for ln in lines if "spill stores" in ln
                                          or "registers" in ln))
@@ -118,7 +119,8 @@ def main() -> int:
         print()
     # Blackwell: the kernels themselves (dispatch refuses them for compute capability 10.x).
     for title, _, args, kernel in (CASES[0], CASES[5]):
-        report = fj.aot.compile(*_kernel_call(kernel, args), target="b200")
+        fn, call_args = _kernel_call(kernel, args)
+        report = fj.aot.compile(fn, *call_args, target="b200")
         print(f"### b200: {title}: compiled={report.compiled} ({report.error}; Mosaic GPU's "
               "diagnostic is on stderr)")
     return 1 if failed else 0
