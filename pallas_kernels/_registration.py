@@ -13,7 +13,7 @@ A Pallas kernel registers its wrapper ``kernel(**op_args, interpret=...)`` twice
 * ``"pallas_<backend>_interpret"`` on every platform, by name only: the same kernel code in
   the interpreter (Pallas' for GPU kernels; the TPU interpreter, with race detection and
   NaN-poisoned uninitialised memory, for TPU ones), which is how CI checks them on CPU.
-* Mosaic GPU kernels (``backend="mosaic_gpu"``, Hopper and newer) register as
+* Mosaic GPU kernels (``backend="mosaic_gpu"``, Hopper: compute capability 9.x) register as
   ``"mosaic_gpu"`` on GPU, above the Triton-lowered ``"pallas"`` where both are verified,
   and ``"mosaic_gpu_interpret"`` (the Mosaic GPU interpreter) by name everywhere; see
   :mod:`forge_jax.pallas_kernels.gpu._mosaic`.
@@ -32,7 +32,7 @@ from forge_jax import registry
 
 # Above XLA (0) wherever a kernel is verified; below cuDNN's 20 on a GPU.
 PRIORITY = 10
-# Mosaic GPU kernels outrank the Triton-lowered ones where both are verified (Hopper+).
+# Mosaic GPU kernels outrank the Triton-lowered ones where both are verified (Hopper).
 MOSAIC_GPU_PRIORITY = 12
 
 
@@ -65,7 +65,7 @@ def _backend(name: str) -> _Backend:
         from forge_jax.pallas_kernels.gpu import _mosaic
 
         return _Backend("gpu", _mosaic.mosaic_reason, _mosaic.available,
-                        "Pallas, Mosaic GPU, Hopper+",
+                        "Pallas, Mosaic GPU, Hopper",
                         "Mosaic GPU kernel in the Mosaic GPU interpreter",
                         name="mosaic_gpu", interpret_name="mosaic_gpu_interpret",
                         priority=MOSAIC_GPU_PRIORITY)
@@ -96,7 +96,7 @@ def register(
       op: the public op, e.g. ``"paged_attention"``.
       kernel: ``kernel(**op_args, interpret=False | True, **config)``: the jitted wrapper,
         its launch knobs keyword-only.
-      backend: ``"gpu"`` (Triton lowering), ``"mosaic_gpu"`` (Mosaic GPU, Hopper+) or
+      backend: ``"gpu"`` (Triton lowering), ``"mosaic_gpu"`` (Mosaic GPU, Hopper) or
         ``"tpu"`` (Mosaic TPU).
       supports: ``supports(args) -> None | reason``: the contract with the real lowering
         (every case it accepts must compile there; each rejection made for a lowering

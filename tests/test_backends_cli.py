@@ -194,4 +194,6 @@ def test_info_says_which_kernel_path_serves_which_gpu():
         assert backends.gpu_paths()[-1].endswith("the Mosaic GPU and Triton path")
     with fj.targets.use("a100"):
         assert backends.gpu_paths()[-1] == "this GPU (compute capability 8.0): the Triton path"
+    with fj.targets.use("b200"):  # Hopper's WGMMA does not compile for sm_100a
+        assert backends.gpu_paths()[-1] == "this GPU (compute capability 10.0): the Triton path"
 

@@ -1,5 +1,5 @@
 """The Mosaic GPU kernels' shared pieces (``pallas_kernels/gpu/_mosaic.py``): where they can
-run (compute capability 9.0+, the named targets answering as their devices) and the
+run (compute capability 9.x, the named targets answering as their devices) and the
 interpreter they are checked in on CPU."""
 
 import jax
@@ -16,8 +16,9 @@ def test_reason_follows_the_compute_capability():
     assert _mosaic.mosaic_reason("tpu") == "a GPU kernel, not for tpu"
     with fj.targets.use("h100"):
         assert _mosaic.mosaic_reason("gpu") is None
-    with fj.targets.use("b200"):
-        assert _mosaic.mosaic_reason("gpu") is None
+    with fj.targets.use("b200"):  # WGMMA: sm_90a only (the b200 compile below)
+        assert "Hopper's WGMMA (compute capability 9.x" in _mosaic.mosaic_reason("gpu")
+        assert "10.0" in _mosaic.mosaic_reason("gpu")
     with fj.targets.use("a100"):
         assert "compute capability >= 9.0" in _mosaic.mosaic_reason("gpu")
         assert "8.0" in _mosaic.mosaic_reason("gpu")
@@ -44,3 +45,27 @@ def test_interpreter_runs_a_kernel_on_this_machine():
     np.testing.assert_allclose(np.asarray(y), np.asarray(x) * 2.0 + 1.0, rtol=0, atol=0)
     params = _mosaic.interpret_params()
     assert getattr(params, "detect_races", True) is True
+
+
+@pytest.mark.skipif(fj.targets.missing("b200") is not None,
+                    reason=str(fj.targets.missing("b200")))
+def test_blackwell_refuses_hopper_wgmma_and_dispatch_says_so(capfd):
+    """The Mosaic GPU kernels' WGMMA does not lower for sm_100a (the paged kernel here; the
+    flash attention and quantized matmul kernels fail the same way, BENCHMARKS.md), so on a
+    compute capability 10.x device every "mosaic_gpu" record refuses with that reason."""
+    from forge_jax.pallas_kernels.gpu import mosaic_paged_attention as paged
+
+    S = jax.ShapeDtypeStruct
+    pool = S((2, 8, 16, 64), jnp.bfloat16)
+    args = (S((2, 8, 64), jnp.bfloat16), pool, pool, S((2, 4), jnp.int32), S((2,), jnp.int32))
+    report = fj.aot.compile(paged.paged_attention, *args, target="b200")
+    assert not report.compiled
+    # JAX 0.10: "'nvvm.wgmma.fence.aligned' op is not supported on sm_100a"; JAX 0.12, from
+    # ptxas: "Instruction 'wgmma.wait_group' not supported on .target 'sm_100a'".
+    err = capfd.readouterr().err
+    assert "wgmma" in err and "not supported on" in err and "sm_100a" in err, err
+    q = S((1, 16, 8, 64), jnp.bfloat16)
+    with fj.targets.use("b200"):
+        for op, op_args in (("paged_attention", args), ("attention", (q, q, q))):
+            rejected = fj.explain(op, *op_args).rejected
+            assert "Hopper's WGMMA" in rejected["mosaic_gpu"], (op, rejected)

@@ -316,7 +316,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     Implementations (``fj.explain("paged_attention", ...)`` says which runs): ``"xla"``,
     :func:`paged_attention_xla` below, the reference; the Pallas kernels
     ``pallas_kernels/gpu/paged_attention.py`` (Triton lowering),
-    ``pallas_kernels/gpu/mosaic_paged_attention.py`` (Mosaic GPU, Hopper+) and
+    ``pallas_kernels/gpu/mosaic_paged_attention.py`` (Mosaic GPU, Hopper) and
     ``pallas_kernels/tpu/paged_attention.py`` (Mosaic), each with its ``Config``, tuned
     table and ``default_config``. Partition rule: :func:`_paged_attention_partition` below.
     Tests: ``tests/test_paged.py`` (this op), ``tests/cases/paged_base.py`` (the cases every

@@ -227,7 +227,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     Implementations (``fj.explain("ragged_paged_attention", ...)`` says which runs):
     ``"xla"``, :func:`ragged_paged_attention_xla` below, the reference; the Pallas kernels
     ``pallas_kernels/tpu/ragged_paged_attention.py`` (Mosaic TPU) and
-    ``pallas_kernels/gpu/mosaic_ragged_paged_attention.py`` (Mosaic GPU, Hopper+). Partition
+    ``pallas_kernels/gpu/mosaic_ragged_paged_attention.py`` (Mosaic GPU, Hopper). Partition
     rule: :func:`_ragged_paged_attention_partition` below. Tests: ``tests/test_ragged.py``,
     ``tests/cases/ragged_base.py``, ``tests/test_pallas_{tpu,mgpu}_ragged.py``.
 

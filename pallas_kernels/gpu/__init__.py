@@ -7,10 +7,10 @@
   capability, device kinds and the table lookup).
 * ``jax_triton_elementwise.py``: ``"triton"``, plain Triton kernels (``_jax_triton_src.py``)
   launched through jax-triton (not Pallas).
-* Mosaic GPU kernels (Hopper+; ``"mosaic_gpu"`` on GPU once verified,
+* Mosaic GPU kernels (Hopper; ``"mosaic_gpu"`` on GPU once verified,
   ``"mosaic_gpu_interpret"`` by name everywhere), ``mosaic_*.py``; ``_mosaic.py``: what they
   share (compute capability, the Mosaic GPU interpreter).
-* ``mosaic_quantized_matmul.py``: ``"mosaic_gpu"`` (Hopper+), Mosaic GPU kernels (see
+* ``mosaic_quantized_matmul.py``: ``"mosaic_gpu"`` (Hopper), Mosaic GPU kernels (see
   ``_mosaic.py``): int8/fp8/int4 weights dequantized in registers feeding WGMMA.
 * ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``
   (a library call, not a kernel of ours).

@@ -2,12 +2,15 @@
 it runs in the Mosaic GPU interpreter.
 
 Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``: TMA, WGMMA, warpgroups, barriers) is
-the GPU backend JAX maintains; it needs compute capability 9.0 (Hopper: H100/H200) or
-newer (Blackwell, 10.x). forge_jax's Mosaic GPU kernels register as ``"mosaic_gpu"`` on GPU
+the GPU backend JAX maintains. forge_jax's Mosaic GPU kernels multiply with Hopper's WGMMA,
+so they need compute capability 9.x (sm_90a: H100/H200): Blackwell (10.x) has tcgen05
+instead, and Mosaic GPU's compile for ``b200`` refuses them ("'nvvm.wgmma.fence.aligned' op
+is not supported on sm_100a", BENCHMARKS.md). They register as ``"mosaic_gpu"`` on GPU
 (ranked by auto only where a ``verified`` record names the device) and
 ``"mosaic_gpu_interpret"`` by name everywhere: the same kernel code in the Mosaic GPU
 interpreter (race detection, poisoned uninitialised shared memory), which is how CI checks
-them on CPU. The Triton-lowered kernels beside them (``"pallas"``) stay the Ampere/Ada path.
+them on CPU. The Triton-lowered kernels beside them (``"pallas"``) stay the path of Ampere,
+Ada and Blackwell.
 Registration: :mod:`forge_jax.pallas_kernels._registration` (``backend="mosaic_gpu"``).
 """
 
@@ -20,7 +23,9 @@ from typing import Any
 from forge_jax import _compat, backends
 from forge_jax.pallas_kernels.gpu import _common
 
-MIN_CAPABILITY = (9, 0)  # TMA and WGMMA: Hopper (sm_90a) and newer
+MIN_CAPABILITY = (9, 0)  # TMA and WGMMA: Hopper (sm_90a)
+# WGMMA lowers for sm_90a only: Blackwell (10.x, sm_100a) refuses it at compile time.
+WGMMA_MAJOR = 9
 
 
 def mosaic_reason(platform: str) -> str | None:
@@ -34,6 +39,10 @@ def mosaic_reason(platform: str) -> str | None:
     if _common.capability(cc) < MIN_CAPABILITY:
         return (f"Mosaic GPU needs compute capability >= {MIN_CAPABILITY[0]}."
                 f"{MIN_CAPABILITY[1]} (Hopper or newer); this GPU has {cc}")
+    if _common.capability(cc)[0] != WGMMA_MAJOR:
+        return (f"forge_jax's Mosaic GPU kernels use Hopper's WGMMA (compute capability "
+                f"{WGMMA_MAJOR}.x, sm_90a); this GPU has {cc} (Blackwell's sm_100a compile "
+                "refuses WGMMA)")
     return None
 
 

@@ -30,13 +30,23 @@ place and its slots are hidden from every row, so it reads nothing (the index co
 :mod:`forge_jax.ops.paged`).
 
 Constraints (:func:`supports`, settled by the H100 lowering in
-``tests/test_pallas_mgpu_paged.py``): compute capability 9.0+; bfloat16 or float16 queries
+``tests/test_pallas_mgpu_paged.py``): compute capability 9.x (Hopper); bfloat16 or float16 queries
 and pages of one dtype (WGMMA takes float32 only as TF32, which misses the float32
 contract); ``q_len * group <= 64``; ``head_dim`` a multiple of 64 up to 256 (the 128-byte
 swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each dimension);
 ``page_size`` a multiple of 8 up to 256 that divides 64 or is a multiple of 64 (whole pages
 per key block, 8-row tiles); a ring of two key blocks within the 227 KiB of shared memory.
-Quantized (int8/fp8) pages are not served here.
+
+Quantized pools (int8 or fp8 e4m3 values, a float32 scale per slot,
+:mod:`forge_jax.ops.kv_quant`): the values' pages go through the ring as they are stored
+(one byte each) and their scales beside them, into a ring of their own on the same barriers:
+a page's scales by their own TMA copy where they fill whole 128-byte copies (pages of 32
+tokens or more), else each item's scales gathered through its table by XLA before the launch
+and copied a block at a time. Each block is dequantized in registers (float32
+``scale * value``, rounded to the queries' dtype, bfloat16 or float16) into one shared tile
+the WGMMAs read: the keys first, then, once ``Q K^T`` has read them, the values, which then
+take the masking above. A slot no row sees holds a NaN scale or any bytes: a NaN key is a
+hidden logit, a NaN value is zeroed or marked as above.
 
 In the Mosaic GPU interpreter (``interpret=True``) ``Q K^T`` is a ``dot_general`` of the
 two shared-memory tiles: the interpreter's WGMMA takes no transposed operand. Everything
@@ -73,6 +83,7 @@ VERIFIED: dict[str, str] = {}
 
 ROWS = 64  # query rows per program: one WGMMA tile (M = 64 per warpgroup)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # with scales
 MAX_TMA = 256  # elements along each dimension of one TMA copy
 SWIZZLE = 128  # bytes: the WGMMA operands' shared-memory swizzle
 LOG2E = math.log2(math.e)
@@ -80,6 +91,9 @@ LOG2E = math.log2(math.e)
 # against), less the alignment padding Mosaic adds between allocations (< 3 KiB here).
 SMEM_LIMIT = 227 * 1024 - 4096
 MIN_STAGES = 2  # a ring of one block would serialise the copies and the products
+# Bytes of one TMA copy into shared memory: a multiple of the warpgroup's 128 threads (Mosaic
+# GPU's lowering splits the barrier's expected bytes among them).
+SCALE_COPY_BYTES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,21 +141,26 @@ def block_keys(config_block: int, page_size: int) -> int:
 
 
 def _smem_spec(shape, dtype):
-    """A WGMMA operand in shared memory: 8-row tiles of 128 bytes, 128-byte swizzle."""
+    """A WGMMA operand (or a page tile) in shared memory: 8-row tiles of 128 bytes, 128-byte
+    swizzle (64 bytes for rows of 64 one-byte values)."""
     plgpu = _compat.pallas_mosaic_gpu()
-    cols = SWIZZLE // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
-                                                plgpu.SwizzleTransform(SWIZZLE)))
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(SWIZZLE, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM)
-            o_ref, m_ref, l_ref,  # outputs (GMEM)
-            *, scale, sliding_window, logits_soft_cap, page_size, block_kv, stages,
-            blocks_per_split, num_pages, out_rows, interpret):
+            *refs, scale, sliding_window, logits_soft_cap, page_size, block_kv, stages,
+            blocks_per_split, num_pages, out_rows, quantized, gathered_scales, interpret):
     # q_ref [items, kv_heads, ROWS, head_dim]; pos_ref [items, ROWS] (-1: padding row);
     # range_ref [items, 4]: key_lo, key_hi (the keys some row sees lie in [lo, hi)) and
     # whether every row sits at one position; tables_ref [items, table_width], -1 where no
     # page is named; k_ref, v_ref [kv_heads, num_pages, page_size, head_dim] (the pool).
+    # Quantized pools: then ks_ref, vs_ref, float32, a scale per slot: the pools' [kv_heads,
+    # num_pages, page_size], or (gathered_scales) each item's table's [kv_heads, items,
+    # table_width * page_size]. Outputs (GMEM): o_ref, m_ref, l_ref.
+    ks_ref, vs_ref, o_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     plgpu = _compat.pallas_mosaic_gpu()
     item, head, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
     head_dim = q_ref.shape[-1]
@@ -169,8 +188,22 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             named = outside if named is None else named & outside
         return named
 
+    def dequantized(ref, scales_ref):
+        # [block_kv, head_dim] stored values -> scale * values in the compute dtype, float32
+        # in between (a NaN scale makes its row NaN: the masks below treat it as NaN data).
+        x = ref[...]
+        if x.dtype == jnp.float8_e4m3fn:  # Hopper converts e4m3 to f16 only (exactly)
+            x = x.astype(jnp.float16)
+        x = x.astype(jnp.float32)
+        row_scale = _mosaic.layout_cast(scales_ref[...], row_layout, interpret=interpret)
+        return (x * lax.broadcast_in_dim(row_scale, x.shape, [0])).astype(dtype)
+
     def pipeline(q_smem, pos_smem, q_bar, k_smem, v_smem, p_smem, seen_smem, bad_smem,
-                 k_bar, v_bar):
+                 k_bar, v_bar, *quant_smem):
+        # Quantized pools: the scales' ring beside the values' and one tile of dequantized
+        # keys, then values (the Q K^T product has read the keys before the values land).
+        ks_smem, vs_smem, deq_smem = quant_smem if quantized else (None, None, None)
+
         def fetch(step, slot):
             block = first + step
             for p in range(pages_per_block):
@@ -179,6 +212,17 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                 plgpu.copy_gmem_to_smem(k_ref.at[head, page], k_smem.at[slot, rows],
                                         k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[head, page], v_smem.at[slot, rows],
+                                        v_bar.at[slot])
+                if quantized and not gathered_scales:
+                    plgpu.copy_gmem_to_smem(ks_ref.at[head, page], ks_smem.at[slot, rows],
+                                            k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(vs_ref.at[head, page], vs_smem.at[slot, rows],
+                                            v_bar.at[slot])
+            if gathered_scales:
+                keys = pl.ds(block * block_kv, block_kv)
+                plgpu.copy_gmem_to_smem(ks_ref.at[head, item, keys], ks_smem.at[slot],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(vs_ref.at[head, item, keys], vs_smem.at[slot],
                                         v_bar.at[slot])
 
         for s in range(stages):
@@ -194,13 +238,19 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             start = block * block_kv
             entries = [entry(block, p) for p in range(pages_per_block)]  # scalars, read once
 
+            plgpu.barrier_wait(k_bar.at[slot])
+            k_tile = k_smem.at[slot]
+            if quantized:
+                deq_smem[...] = dequantized(k_tile, ks_smem.at[slot])
+                plgpu.commit_smem()
+                k_tile = deq_smem
+
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, _mosaic.transposed(k_smem.at[slot]))
+                plgpu.wgmma(acc_ref, q_smem, _mosaic.transposed(k_tile))
                 return acc_ref[...]
 
-            plgpu.barrier_wait(k_bar.at[slot])
             if interpret:  # the interpreter's WGMMA takes no transposed operand
-                s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                s = lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
@@ -223,7 +273,14 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             p_smem[...] = p_blk.astype(dtype)
 
             plgpu.barrier_wait(v_bar.at[slot])
-            v_slot = v_smem.at[slot]
+            # The values the product reads: the ring slot, or (quantized) the dequantized tile.
+            v_slot = deq_smem if quantized else v_smem.at[slot]
+
+            def v_block():
+                if quantized:
+                    return dequantized(v_smem.at[slot], vs_smem.at[slot])
+                return v_slot[...]
+
             vkey = start + _mosaic.iota(jnp.int32, (block_kv, head_dim), 0, wgmma_layout,
                                         interpret=interpret)
             named = named_keys(vkey, entries, start)
@@ -233,13 +290,18 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
 
             @pl.when(one_position & boundary)
             def _():
-                v = v_slot[...]
+                v = v_block()
                 in_range = named & (vkey >= key_lo) & (vkey < key_hi)
                 v_slot[...] = jnp.where(in_range, v, jnp.zeros((), dtype))
 
+            if quantized:
+                @pl.when(one_position & ~boundary)
+                def _():
+                    v_slot[...] = v_block()
+
             @pl.when(~one_position)
             def _():
-                v = v_slot[...]
+                v = v_block()
                 # x - x is NaN exactly for NaN and +-inf. (No `~` of a boolean vector: JAX
                 # 0.12's Mosaic GPU lowering cannot convert it.)
                 diff = (v - v).astype(jnp.float32)
@@ -296,16 +358,22 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     def program(q_smem, pos_smem, q_bar):
         plgpu.copy_gmem_to_smem(q_ref.at[item, head], q_smem, q_bar.at[0])
         plgpu.copy_gmem_to_smem(pos_ref.at[item], pos_smem, q_bar.at[0])
-        pages_barrier = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)
+        copies = pages_per_block + (0 if not quantized else 1 if gathered_scales
+                                    else pages_per_block)
+        pages_barrier = plgpu.Barrier(num_arrivals=copies, num_barriers=stages)
+        quant_scratch = () if not quantized else (
+            plgpu.SMEM((stages, block_kv), jnp.float32),
+            plgpu.SMEM((stages, block_kv), jnp.float32),
+            _smem_spec((block_kv, head_dim), dtype))
         # The ring and the output staging live one after the other in shared memory.
         acc, m, l_sum = pl.run_scoped(
             functools.partial(pipeline, q_smem, pos_smem, q_bar),
-            _smem_spec((stages, block_kv, head_dim), dtype),
-            _smem_spec((stages, block_kv, head_dim), dtype),
+            _smem_spec((stages, block_kv, head_dim), k_ref.dtype),
+            _smem_spec((stages, block_kv, head_dim), k_ref.dtype),
             _smem_spec((ROWS, block_kv), dtype),
             _smem_spec((ROWS, block_kv), dtype),
             _smem_spec((block_kv, head_dim), dtype),
-            pages_barrier, pages_barrier)
+            pages_barrier, pages_barrier, *quant_scratch)
         pl.run_scoped(functools.partial(epilogue, acc, m, l_sum),
                       plgpu.SMEM((ROWS, head_dim), jnp.float32),
                       plgpu.SMEM((2, ROWS), jnp.float32))
@@ -314,28 +382,34 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                   plgpu.Barrier(num_arrivals=2, num_barriers=1))
 
 
-def fitting_stages(stages: int, *, head_dim: int, block_kv: int) -> int:
+def fitting_stages(stages: int, *, head_dim: int, block_kv: int,
+                   quantized: bool = False) -> int:
     """The most stages up to ``stages`` whose shared memory fits :data:`SMEM_LIMIT` (at
     least :data:`MIN_STAGES`, which may not fit: :func:`supports` rejects those sizes)."""
     while stages > MIN_STAGES and smem_bytes(head_dim=head_dim, block_kv=block_kv,
-                                             stages=stages) > SMEM_LIMIT:
+                                             stages=stages, quantized=quantized) > SMEM_LIMIT:
         stages -= 1
     return stages
 
 
-def smem_bytes(*, head_dim: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
+def smem_bytes(*, head_dim: int, block_kv: int, stages: int, itemsize: int = 2,
+               quantized: bool = False) -> int:
     """The kernel's shared memory (scratch and barriers, before Mosaic's alignment): the
     queries and positions, then the larger of the key/value ring with the probability
-    tiles, or the float32 output staging."""
-    ring = (2 * stages * block_kv * head_dim + 2 * ROWS * block_kv + block_kv * head_dim) \
-        * itemsize + 2 * stages * 8
+    tiles, or the float32 output staging. ``itemsize``: the compute dtype's; quantized
+    pools: one-byte pages, their float32 scales and a dequantized tile."""
+    page_bytes = 1 if quantized else itemsize
+    ring = 2 * stages * block_kv * head_dim * page_bytes \
+        + (2 * ROWS * block_kv + block_kv * head_dim) * itemsize + 2 * stages * 8
+    if quantized:
+        ring += 2 * stages * block_kv * 4 + block_kv * head_dim * itemsize
     staging = ROWS * head_dim * 4 + 2 * ROWS * 4
     return ROWS * head_dim * itemsize + ROWS * 4 + 8 + max(ring, staging)
 
 
 def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
            logits_soft_cap, out_rows, block_kv=None, stages=None, num_splits=None,
-           interpret=False):
+           interpret=False, k_scales=None, v_scales=None):
     """The kernel over ``items`` query blocks, splits merged: ``[items, kv_heads,
     out_rows, head_dim]`` float32, normalised.
 
@@ -345,14 +419,20 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
       ranges: int32 ``[items, 4]``: ``key_lo``, ``key_hi`` (the keys some row of the item
         sees lie in ``[key_lo, key_hi)``), 1 if every row sits at one position, 0.
       tables: int32 ``[items, pages]``: each item's pages, -1 for an entry it must not read.
-      k_pages, v_pages: the pools ``[kv_heads, num_pages, page_size, head_dim]``.
+      k_pages, v_pages: the pools ``[kv_heads, num_pages, page_size, head_dim]``, ``qg``'s
+        dtype, or int8/fp8 values with
+      k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]``, a scale per slot.
       out_rows: rows written back per item (the used rows, rounded up to 8).
     """
     items, kv_heads, _, head_dim = qg.shape
     _, num_pages, page_size, _ = k_pages.shape
     config = default_config({"q": qg}, "interpret" if interpret else _common.device_kind())
     block_kv = block_keys(block_kv or config.block_kv, page_size)
-    stages = stages or fitting_stages(config.stages, head_dim=head_dim, block_kv=block_kv)
+    quantized = k_scales is not None
+    # One-byte pages: twice the blocks in flight for the bytes of a 16-bit ring (not in the
+    # interpreter, whose small ring makes short tests wrap around it).
+    stages = stages or fitting_stages(config.stages * (2 if quantized and not interpret else 1),
+                                      head_dim=head_dim, block_kv=block_kv, quantized=quantized)
     max_pages = tables.shape[1]
     num_blocks = max(1, -(-max_pages * page_size // block_kv))
     if num_splits is None:
@@ -361,16 +441,28 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
     blocks_per_split = -(-num_blocks // num_splits)
     width = num_splits * blocks_per_split * (block_kv // page_size)
     tables = jnp.pad(tables, ((0, 0), (0, width - max_pages)), constant_values=-1)
-    kernel = functools.partial(
-        _kernel, scale=float(scale), sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
-        stages=stages, blocks_per_split=blocks_per_split, num_pages=num_pages,
-        out_rows=out_rows, interpret=interpret)
     f32 = jnp.float32
     out_shape = (jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows, head_dim), f32),
                  jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32),
                  jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32))
-    kv_bytes = 2 * items * kv_heads * max_pages * page_size * head_dim * k_pages.dtype.itemsize
+    kv_bytes = 2 * items * kv_heads * max_pages * page_size * (
+        head_dim * k_pages.dtype.itemsize + (4 if quantized else 0))
+    scales = () if not quantized else tuple(  # [kv_heads, num_pages, page_size]
+        x.reshape(x.shape[:3]).astype(f32) for x in (k_scales, v_scales))
+    # A TMA copy moves a multiple of 128 bytes: one page's scales do from 32 tokens a page.
+    # Smaller pages: each item's scales gathered through its table before the launch,
+    # [kv_heads, items, width * page_size] (4 bytes a slot read, written and read again),
+    # copied a block at a time.
+    gathered_scales = quantized and (page_size * 4) % SCALE_COPY_BYTES != 0
+    if gathered_scales:
+        scales = tuple(jnp.take(x, jnp.maximum(tables, 0), axis=1).reshape(
+            kv_heads, items, width * page_size) for x in scales)
+    kernel = functools.partial(
+        _kernel, scale=float(scale), sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
+        stages=stages, blocks_per_split=blocks_per_split, num_pages=num_pages,
+        out_rows=out_rows, quantized=quantized, gathered_scales=gathered_scales,
+        interpret=interpret)
     call = _mosaic.mesh_kernel(
         kernel, out_shape=out_shape, grid=(items, kv_heads, num_splits),
         grid_names=("item", "head", "split"), name="forge_jax_mosaic_paged_attention",
@@ -380,7 +472,7 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
             kv_bytes=kv_bytes),
         compiler_params=_compat.pallas_mosaic_gpu().CompilerParams(approx_math=True),
         interpret=interpret)
-    o, m, l_sum = call(qg, row_pos, ranges, tables, k_pages, v_pages)
+    o, m, l_sum = call(qg, row_pos, ranges, tables, k_pages, v_pages, *scales)
     return _attention_common.merge_splits(o, m, l_sum)
 
 
@@ -389,12 +481,15 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
     "interpret"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
-                    block_kv=None, stages=None, num_splits=None, interpret=False):
+                    block_kv=None, stages=None, num_splits=None, interpret=False,
+                    k_scales=None, v_scales=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
       q: ``[batch, q_heads, head_dim]`` or ``[batch, q_len, q_heads, head_dim]``.
-      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, ``q``'s dtype.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, ``q``'s dtype; or
+        the int8/fp8 values of quantized pools (:mod:`forge_jax.ops.kv_quant`) with
+      k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]``, a scale per slot.
       block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
@@ -426,24 +521,31 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             table_width=block_tables.shape[1])
         one_position = jnp.full((batch,), 1 if q_len == 1 else 0, jnp.int32)
         ranges = jnp.stack([key_lo, key_hi, one_position, jnp.zeros_like(key_lo)], axis=1)
-        qg = _attention_common.group_queries(q.astype(k_pages.dtype), kv_heads, rows_pad=ROWS)
+        compute = q.dtype if k_scales is not None else k_pages.dtype
+        qg = _attention_common.group_queries(q.astype(compute), kv_heads, rows_pad=ROWS)
         out = attend(qg, row_pos, ranges, tables, k_pages, v_pages, scale=scale,
                      sliding_window=window, logits_soft_cap=logits_soft_cap,
                      out_rows=-(-rows // 8) * 8, block_kv=block_kv, stages=stages,
-                     num_splits=num_splits, interpret=interpret)
+                     num_splits=num_splits, interpret=interpret, k_scales=k_scales,
+                     v_scales=v_scales)
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                                 head_dim=head_dim).astype(q.dtype)
     return out[:, 0] if decode else out
 
 
-def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int) -> str | None:
-    """Why the kernel cannot take these dtypes and sizes (shared with the ragged kernel)."""
-    for name, dtype in (("q", q_dtype), ("k_pages", kv_dtype)):
-        if jnp.dtype(dtype) not in DTYPES:
+def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int,
+                  quantized: bool = False) -> str | None:
+    """Why the kernel cannot take these dtypes and sizes (shared with the ragged kernel);
+    ``quantized``: the pools are int8/fp8 values with scales."""
+    pages_ok = QUANTIZED_DTYPES if quantized else DTYPES
+    for name, dtype, ok in (("q", q_dtype, DTYPES), ("k_pages", kv_dtype, pages_ok)):
+        if jnp.dtype(dtype) not in ok:
+            what = ("int8/fp8 (e4m3) values with their scales" if quantized else
+                    "bfloat16/float16 (or int8/fp8 pages with scales)")
             return (f"{name}.dtype={jnp.dtype(dtype).name}: the Mosaic GPU paged kernel takes "
-                    "bfloat16/float16 (WGMMA runs float32 only as TF32, short of float32 "
-                    "accuracy; quantized pages are not served)")
-    if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
+                    f"{'bfloat16/float16 queries' if name == 'q' else what} (WGMMA runs "
+                    "float32 only as TF32, short of float32 accuracy)")
+    if not quantized and jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
         return (f"q.dtype={jnp.dtype(q_dtype).name} differs from "
                 f"k_pages.dtype={jnp.dtype(kv_dtype).name}: both WGMMA operands take one dtype")
     if head_dim % 64 or head_dim > MAX_TMA:
@@ -454,7 +556,8 @@ def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int) -> str | 
                 "64 or is a multiple of 64 (whole pages per 64-key block, 8-row tiles, <= 256 "
                 "rows per TMA copy)")
     block_kv = block_keys(_common.tuned(TUNED, None, head_dim)["block_kv"], page_size)
-    if smem_bytes(head_dim=head_dim, block_kv=block_kv, stages=MIN_STAGES) > SMEM_LIMIT:
+    if smem_bytes(head_dim=head_dim, block_kv=block_kv, stages=MIN_STAGES,
+                  quantized=quantized) > SMEM_LIMIT:
         return (f"head_dim={head_dim} with page_size={page_size} (blocks of {block_kv} keys): "
                 f"{MIN_STAGES} key/value blocks in flight exceed the {SMEM_LIMIT // 1024} KiB "
                 "of shared memory")
@@ -468,7 +571,8 @@ def supports(args: Mapping[str, Any]) -> str | None:
     q_len = 1 if q.ndim == 3 else q.shape[1]
     group = q.shape[-2] // k_pages.shape[0]
     reason = layout_reason(q_dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=q.shape[-1],
-                           page_size=k_pages.shape[2])
+                           page_size=k_pages.shape[2],
+                           quantized=args.get("k_scales") is not None)
     if reason is not None:
         return reason
     if q_len * group > ROWS:

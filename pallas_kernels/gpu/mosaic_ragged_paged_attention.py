@@ -19,9 +19,10 @@ kernel's docstring). Lengths are clamped to the block table, positions follow th
 entry a sequence uses that names no page of the pool reads nothing (the index contract of
 :mod:`forge_jax.ops.paged`).
 
-Constraints: those of the paged kernel (:func:`supports`: compute capability 9.0+, bfloat16
+Constraints: those of the paged kernel (:func:`supports`: compute capability 9.x, bfloat16
 or float16 queries and pages of one dtype, ``head_dim`` a multiple of 64 up to 256, page
-sizes of whole 8-row tiles that tile 64-key blocks). Quantized pages are not served here.
+sizes of whole 8-row tiles that tile 64-key blocks), and its int8/fp8 pages with their
+scales.
 
 Op: :func:`forge_jax.ops.ragged.ragged_paged_attention`; reference: its XLA implementation
 :func:`forge_jax.ops.ragged.ragged_paged_attention_xla`. Registered (bottom of this module)
@@ -80,12 +81,15 @@ def items_of(cu_q_lens, kv_lengths, num_seqs, *, total_tokens: int, block_q: int
     "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs,
                            *, scale=None, sliding_window=None, logits_soft_cap=None,
-                           block_kv=None, stages=None, num_splits=None, interpret=False):
+                           block_kv=None, stages=None, num_splits=None, interpret=False,
+                           k_scales=None, v_scales=None):
     """Ragged paged attention (see :func:`forge_jax.ragged_paged_attention` for the contract).
 
     Args:
       q: ``[total_tokens, q_heads, head_dim]``, the sequences' new tokens, packed.
-      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, ``q``'s dtype.
+      k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, ``q``'s dtype; or
+        the int8/fp8 values of quantized pools (:mod:`forge_jax.ops.kv_quant`) with
+      k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]``, a scale per slot.
       block_tables: int ``[max_seqs, pages_per_seq]``.
       kv_lengths: int ``[max_seqs]``; cu_q_lens: int ``[max_seqs + 1]``; num_seqs: int
         scalar (may be traced).
@@ -126,14 +130,16 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         row_pos = jnp.where(row_valid, row_pos, -1)
         one_position = (rows == 1).astype(jnp.int32)
         ranges = jnp.stack([key_lo, key_hi, one_position, jnp.zeros_like(key_lo)], axis=1)
-        q_items = jnp.take(q.astype(k_pages.dtype), token, axis=0, mode="fill",
+        compute = q.dtype if k_scales is not None else k_pages.dtype
+        q_items = jnp.take(q.astype(compute), token, axis=0, mode="fill",
                            fill_value=0)  # [items, block_q, q_heads, head_dim]
         qg = _attention_common.group_queries(q_items, kv_heads, rows_pad=paged.ROWS)
         out_rows = -(-block_q * group // 8) * 8
         out = paged.attend(qg, row_pos, ranges, tables, k_pages, v_pages, scale=scale,
                            sliding_window=window, logits_soft_cap=logits_soft_cap,
                            out_rows=out_rows, block_kv=block_kv, stages=stages,
-                           num_splits=num_splits, interpret=interpret)
+                           num_splits=num_splits, interpret=interpret, k_scales=k_scales,
+                           v_scales=v_scales)
         out = _attention_common.ungroup_queries(out, q_len=block_q, q_heads=q_heads,
                                                 head_dim=head_dim)
         # Each packed row belongs to one item at most; rows of none stay zero.
@@ -152,7 +158,8 @@ def supports(args: Mapping[str, Any]) -> str | None:
         return (f"q_heads // kv_heads = {group} > {paged.ROWS}: one program holds one WGMMA "
                 "tile of a group's rows")
     return paged.layout_reason(q_dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=q.shape[-1],
-                               page_size=k_pages.shape[2])
+                               page_size=k_pages.shape[2],
+                               quantized=args.get("k_scales") is not None)
 
 
 _registration.register(
