@@ -21,7 +21,7 @@ its benchmark shape, on fresh random data (the seed is printed):
 
 Targets (H100): rms_norm, silu_mul, rope >= 80% of the copy bandwidth; paged decode
 attention >= 70%; flash attention forward >= 350 TFLOP/s. Mosaic GPU kernels
-(implementation ``"mosaic_gpu"``, Hopper+; ``"mosaic_gpu_interpret"`` in ``--quick`` on
+(implementation ``"mosaic_gpu"``, Hopper; ``"mosaic_gpu_interpret"`` in ``--quick`` on
 CPU where :data:`MOSAIC_ON_CPU` lists them) are timed beside them: flash attention forward
 >= 650 TFLOP/s; paged decode >= 85% of the copy bandwidth; the int8-weight decode matmul
 (``quantized_matmul``, Llama-3 8B's 4096 -> 14336 for one token) >= 80% of the copy
@@ -415,7 +415,7 @@ def bench_case(case: Case, kernel_impl: str, platform: str, peaks: dict[str, Any
 
 def mosaic_contenders(case: Case, platform: str, inputs) -> list[tuple]:
     """The Mosaic GPU kernel of ``case``'s op (issue 26), where one is registered, beside
-    the others: ``"mosaic_gpu"`` where a Hopper+ GPU runs it and its ``supports()`` accepts
+    the others: ``"mosaic_gpu"`` where a Hopper GPU runs it and its ``supports()`` accepts
     the case, else a row saying why not. On CPU, the kernels of :data:`MOSAIC_ON_CPU` run in
     the Mosaic GPU interpreter (a check of their results at the ``--quick`` shapes; its
     times say nothing of a GPU); the others' interpreters are too slow for this script."""
