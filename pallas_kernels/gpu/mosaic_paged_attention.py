@@ -154,7 +154,8 @@ def _smem_spec(shape, dtype):
 
 def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM)
             *refs, scale, sliding_window, logits_soft_cap, page_size, block_kv, stages,
-            blocks_per_split, num_pages, out_rows, quantized, gathered_scales, interpret):
+            blocks_per_split, num_pages, out_rows, quantized, gathered_scales, interpret,
+            single_position=False):
     # q_ref [items, kv_heads, ROWS, head_dim]; pos_ref [items, ROWS] (-1: padding row);
     # range_ref [items, 4]: key_lo, key_hi (the keys some row sees lie in [lo, hi)) and
     # whether every row sits at one position; tables_ref [items, table_width], -1 where no
@@ -169,7 +170,9 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     dtype = q_ref.dtype
     pages_per_block = block_kv // page_size
     key_lo, key_hi = range_ref[item, 0], range_ref[item, 1]
-    one_position = range_ref[item, 2] > 0
+    # single_position (static: a decode launch, every item one position) compiles out the
+    # per-value NaN bookkeeping of several positions and its accumulator's registers.
+    one_position = True if single_position else range_ref[item, 2] > 0
     first = jnp.maximum(split * blocks_per_split, lax.div(key_lo, block_kv))
     last = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(key_hi, block_kv))
     steps = jnp.maximum(last - first, 0)
@@ -290,18 +293,18 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             for page in entries:
                 boundary |= page < 0
 
-            @pl.when(one_position & boundary)
+            @pl.when(boundary if single_position else one_position & boundary)
             def _():
                 v = v_block()
                 in_range = named & (vkey >= key_lo) & (vkey < key_hi)
                 v_slot[...] = jnp.where(in_range, v, jnp.zeros((), dtype))
 
             if quantized:
-                @pl.when(one_position & ~boundary)
+                @pl.when(~boundary if single_position else one_position & ~boundary)
                 def _():
                     v_slot[...] = v_block()
 
-            @pl.when(~one_position)
+            @pl.when(False if single_position else ~one_position)
             def _():
                 v = v_block()
                 # x - x is NaN exactly for NaN and +-inf. (No `~` of a boolean vector: JAX
@@ -315,19 +318,23 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
 
             plgpu.commit_smem()
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_slot)
-                return acc_ref[...]
+            acc = lax.broadcast_in_dim(alpha, acc.shape, [0]) * acc
+            if interpret:  # the interpreter has no pl.run_state: a scoped accumulator
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_slot)
+                    return acc_ref[...]
 
-            pv_blk = pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
-            acc = lax.broadcast_in_dim(alpha, acc.shape, [0]) * acc + pv_blk
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            else:  # accumulated in place: no second [ROWS, head_dim] accumulator's registers
+                acc = pl.run_state(
+                    lambda acc_ref: plgpu.wgmma(acc_ref, p_smem, v_slot))(plgpu.ACC.init(acc))
 
             def hits(acc_ref):
                 plgpu.wgmma(acc_ref, seen_smem, bad_smem)
                 return acc_ref[...]
 
             # Rows that see a non-finite value: NaN in exactly those columns.
-            acc = lax.cond(
+            acc = acc if single_position else lax.cond(
                 one_position, lambda acc: acc,
                 lambda acc: jnp.where(pl.run_scoped(hits, plgpu.ACC((ROWS, head_dim),
                                                                     jnp.float32)) > 0,
@@ -411,7 +418,7 @@ def smem_bytes(*, head_dim: int, block_kv: int, stages: int, itemsize: int = 2,
 
 def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
            logits_soft_cap, out_rows, block_kv=None, stages=None, num_splits=None,
-           interpret=False, k_scales=None, v_scales=None):
+           interpret=False, k_scales=None, v_scales=None, single_position=False):
     """The kernel over ``items`` query blocks, splits merged: ``[items, kv_heads,
     out_rows, head_dim]`` float32, normalised.
 
@@ -464,7 +471,7 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
         logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
         stages=stages, blocks_per_split=blocks_per_split, num_pages=num_pages,
         out_rows=out_rows, quantized=quantized, gathered_scales=gathered_scales,
-        interpret=interpret)
+        interpret=interpret, single_position=single_position)
     call = _mosaic.mesh_kernel(
         kernel, out_shape=out_shape, grid=(items, kv_heads, num_splits),
         grid_names=("item", "head", "split"), name="forge_jax_mosaic_paged_attention",
@@ -529,7 +536,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                      sliding_window=window, logits_soft_cap=logits_soft_cap,
                      out_rows=-(-rows // 8) * 8, block_kv=block_kv, stages=stages,
                      num_splits=num_splits, interpret=interpret, k_scales=k_scales,
-                     v_scales=v_scales)
+                     v_scales=v_scales, single_position=q_len == 1)
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                                 head_dim=head_dim).astype(q.dtype)
     return out[:, 0] if decode else out
