@@ -18,6 +18,8 @@ when a GPU loads the kernel, so registers and spills need a GPU).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,10 +100,16 @@ def test_llama_decode_compiles_for_h100_with_its_cost():
     """The issue's decode shape (batch 32, context 4096, 32/8 heads, head_dim 128, page 16)
     through fj.aot: the kernel's row carries its cost estimate (the K/V bytes it reads)."""
     pool = S((8, 32 * 256, 16, 128), BF16)
-    report = fj.aot.compile(fj.paged_attention, S((32, 32, 128), BF16), pool, pool,
-                            S((32, 256), jnp.int32), S((32,), jnp.int32), target="h100",
-                            implementation="mosaic_gpu")
+    with _mosaic.ptxas_report() as lines:
+        report = fj.aot.compile(fj.paged_attention, S((32, 32, 128), BF16), pool, pool,
+                                S((32, 256), jnp.int32), S((32,), jnp.int32), target="h100",
+                                implementation="mosaic_gpu")
     assert report.compiled, report.error
+    # ptxas ran on the kernel: its registers, and no spill (255 registers and 48 bytes of
+    # spills before a decode launch compiled out the several-positions bookkeeping).
+    spills = [int(n) for ln in lines for n in re.findall(r"(\d+) bytes spill stores", ln)]
+    registers = [int(n) for ln in lines for n in re.findall(r"Used (\d+) registers", ln)]
+    assert len(spills) == len(registers) == 1 and spills == [0] and registers[0] < 255, lines
     (row,) = [k for k in report.kernels if k.name == "forge_jax_mosaic_paged_attention"]
     kv_bytes = 2 * 32 * 4096 * 8 * 128 * 2
     assert row.costed and kv_bytes <= row.bytes_accessed < 1.05 * kv_bytes, row
