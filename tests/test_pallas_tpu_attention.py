@@ -222,7 +222,7 @@ def test_every_tpu_kernel_has_a_table_serving_every_generation():
     ops = {impl.op for op in fj.dispatch.ops() for impl in fj.dispatch.registrations(op)
            if impl.name == "pallas_tpu_interpret"}
     assert ops == {"rms_norm", "silu_mul", "rope", "attention", "paged_attention",
-                   "ragged_paged_attention", "grouped_matmul"}
+                   "ragged_paged_attention", "grouped_matmul", "quantized_matmul"}
     for kind in (*tpu_common.GENERATIONS, "default"):
         for op in ops:
             module = importlib.import_module(f"forge_jax.pallas_kernels.tpu.{op}")
