@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch
 from forge_jax.quant import QuantizedArray, dequantize
@@ -49,7 +50,14 @@ def _quantized_matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, bet
     return dict(a=a, b=b, trans_b=trans_b, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype)
 
 
-dispatch.define("quantized_matmul", _quantized_matmul_args)
+def _quantized_matmul_partition(args, config):
+    """Nothing splits: the product runs whole on every shard of a mesh. Quantized weights
+    are not sharded (``from_pretrained`` refuses ``quantize=`` with ``mesh=``), so a
+    quantized product under a mesh is one a user built by hand on replicated arrays."""
+    return {"a": P(), "b": P(), "c": P()}, P()
+
+
+dispatch.define("quantized_matmul", _quantized_matmul_args, partition=_quantized_matmul_partition)
 
 
 def quantized_matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
