@@ -88,7 +88,9 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
         256: dict(block_q=64, block_k=32, num_warps=8, num_stages=2),
     },
     "A100": {
-        64: dict(block_q=128, block_k=64, num_warps=4, num_stages=2),
+        # 8 warps at head_dim 64 too: with 4, JAX 0.12's ptxas spills 4 bytes in bfloat16
+        # (255 registers; JAX 0.10.2's did not).
+        64: dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
         # 8 warps: with 4, ptxas spills 280 bytes at head_dim 128 in bfloat16 (255
         # registers; forge_jax.aot, JAX 0.10.2, 2026-11-25); with 8, 254 and no spill.
         128: dict(block_q=64, block_k=64, num_warps=8, num_stages=2),
