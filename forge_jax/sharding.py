@@ -16,7 +16,11 @@ its own slice with no communication. A Pallas kernel, which has no partitioning 
 of its own in XLA, therefore sees only its shard's shapes, and the XLA attention's
 finiteness check stays local to the shard instead of becoming a cross-device reduction.
 Ops without a rule (``matmul``, ``embedding``, ``softmax``, ``paged_gather``) are left to
-XLA's sharding propagation.
+XLA's sharding propagation; a product with a quantized weight (``quantized_matmul``) has
+one, read from where the weight was placed (:func:`forge_jax.quant.place`), since XLA
+cannot split its dequantize-in-blocks loop by itself. A rule may give a pytree argument
+(a :class:`~forge_jax.quant.QuantizedArray`) one spec per array; inside the shard it is
+given its shard's block (``shard_local``).
 
 The model-level rules (which weight is split along which axis) live with the model:
 :mod:`forge_jax.models.llama_sharding`.

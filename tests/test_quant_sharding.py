@@ -124,3 +124,12 @@ def test_int4_groups_that_would_straddle_devices_are_refused(checkpoint):
     with pytest.raises(ValueError, match=r"block 8 does not divide the 4 values per device"):
         quant.partition_specs(q, ("tp", None), {"tp": 4})
     assert quantize_load.FORMATS["int4"] == 32
+
+
+def test_shard_refuses_a_quantized_model(checkpoint):
+    from forge_jax.models import llama_sharding
+
+    one = llama.from_pretrained(checkpoint, dtype=jnp.float32, quantize="int8")
+    with pytest.raises(ValueError, match=r"quantized weights.*from_pretrained\(path, "
+                                         r"quantize=\.\.\., mesh=\.\.\.\)"):
+        llama_sharding.shard(one, sharding.make_mesh("tp=2"))

@@ -10,6 +10,10 @@ float32 copy), and XLA's int8 x int8 product needs int8 activations (another com
 and is slow for one row. Against float32 on CPU, the int8 and int4 products measured on
 par for one row of activations (two runs on a noisy host disagree for 16 rows), fp8 far
 slower (XLA converts float8 slowly there): BENCHMARKS.md (``benchmarks/quant_cpu.py``).
+
+On a mesh (:func:`forge_jax.sharding.use_mesh`) the product runs per shard as the weight
+was placed (:func:`forge_jax.quant.place`, which ``from_pretrained(quantize=, mesh=)``
+uses): see :func:`_quantized_matmul_partition`.
 """
 
 from __future__ import annotations
