@@ -2,8 +2,8 @@
 quantize=..., mesh=...)`` splits each quantized kernel as its float form would be, the
 scales with their values, and computes what the same quantized model computes on one
 device (logits within float32 rounding, greedy tokens identical); the product runs per
-shard (no all-gather of a weight); an int4 split that would cut a group is refused with
-the numbers.
+shard (no all-gather of a weight in the compiled program); an int4 split that would cut a
+group is refused with the numbers.
 """
 
 from __future__ import annotations
@@ -80,21 +80,31 @@ def test_quantized_model_on_a_mesh_matches_one_device(checkpoint, fmt):
     assert llama.generate(split, PROMPTS, 4) == llama.generate(one, PROMPTS, 4)
 
 
-def test_row_parallel_product_needs_no_all_gather_of_the_weight(checkpoint):
-    mesh = sharding.make_mesh("tp=2")
-    split = llama.from_pretrained(checkpoint, dtype=jnp.float32, quantize="int8", mesh=mesh)
-    graphdef, state = nnx.split(split)
-    tokens = jnp.zeros((2, 8), jnp.int32)
-    hlo = _logits.lower(state, tokens, graphdef=graphdef).compile().as_text()
-    ops = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all)(?:-start)?\(", hlo)
-    # One all-reduce after each row-parallel product (o_proj, down_proj) per layer; the
-    # weights stay where they are (no all-gather of anything).
-    assert "all-gather" not in ops and ops.count("all-reduce") >= 2
+def test_the_product_runs_per_shard_without_gathering_the_weight():
+    # [512, 1024]: large enough that the XLA product dequantizes it in two blocks of rows
+    # (a loop XLA's own propagation splits by all-gathering the weight's values and scales).
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((2, 1024)), jnp.float32)
+    # int4: packed values, and scales split with them both ways.
+    q = fj.quantize(jnp.asarray(rng.standard_normal((512, 1024)), jnp.float32), "int4")
+    mesh = sharding.make_mesh("tp=4")
+
+    def product(a, b):
+        with sharding.use_mesh(mesh):
+            return fj.matmul(a, b, trans_b=True)
+
+    for spec, reduces in ((("tp", None), 0), ((None, "tp"), 1)):
+        placed = quant.place(q, NamedSharding(mesh, P(*spec)))
+        hlo = jax.jit(product).lower(a, placed).compile().as_text()
+        ops = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all)(?:-start)?\(", hlo)
+        # Column-parallel: nothing to communicate; row-parallel: one all-reduce of the
+        # [2, 512] partial products.
+        assert ops == ["all-reduce"] * reduces, (spec, ops)
 
 
 @pytest.mark.parametrize("fmt,spec", [("int8", ("tp", None)), ("int8", (None, "tp")),
                                       ("int4", ("tp", None)), ("int4", (None, "tp")),
-                                      ("fp8", (None, "tp"))])
+                                      ("fp8", ("tp", None)), ("fp8", (None, "tp"))])
 def test_placed_product_matches_one_device(fmt, spec):
     rng = np.random.default_rng(2)
     a = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
