@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
-from forge_jax.ops import kv_quant
+from forge_jax.ops import kv_fold, kv_quant
 from forge_jax.ops._attention_math import (
     check_heads,
     check_masking,
@@ -179,8 +179,8 @@ def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_s
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     _check_values(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens=q.shape[0],
                   num_pages=num_pages, page_size=page_size)
-    return dict(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
-                kv_lengths=kv_lengths, cu_q_lens=cu_q_lens, num_seqs=num_seqs, scale=scale,
+    return dict(q=q, k_pages=kv_fold.stored(k_pages), v_pages=kv_fold.stored(v_pages),
+                block_tables=block_tables, kv_lengths=kv_lengths, cu_q_lens=cu_q_lens, num_seqs=num_seqs, scale=scale,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **scales)
 
 
@@ -371,8 +371,10 @@ def _attend_block(q, tables, lengths, positions, *, k_pages, per_row, shared):
                                "their own (in row blocks), masked float32 softmax")
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
                                num_seqs, *, scale, sliding_window, logits_soft_cap,
-                               k_scales=None, v_scales=None):
+                               k_scales=None, v_scales=None, fold=1):
     q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
+    if fold > 1:  # folded pools (forge_jax.ops.kv_fold): read the logical view
+        k_pages, v_pages = kv_fold.unfold(k_pages, fold), kv_fold.unfold(v_pages, fold)
     total_tokens, q_heads, head_dim = q.shape
     if scale is None:
         scale = head_dim ** -0.5
