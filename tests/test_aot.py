@@ -255,18 +255,14 @@ def test_tiny_model_steps_compile_with_the_kernels(tiny_config, target):
 
 
 # XLA's TPU layout for a pool whose head_dim is not whole 128-lane tiles puts the pages
-# dimension minor ({1,3,2,0}: no lane padding), while the kernel reads row-major pages, so
-# the compiled step relayouts every layer's pool before the kernel (found by this test,
-# issue 23). No wrapper can avoid it: the pool must be stored with whole-tile rows.
-_POOL_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
-    "TPU: the pool of 64-wide pages is laid out pages-minor ({1,3,2,0}); the paged kernel "
-    "reads it row-major, so each layer's pool is copied per step"))
-
-
+# dimension minor ({1,3,2,0}: no lane padding), while the kernel reads row-major pages: with
+# 64-wide pages the compiled step relayouted every layer's pool per step (found by this
+# test, issue 23). On TPU the cache now stores such pools folded, two tokens per 128-lane
+# row (forge_jax.ops.kv_fold), which the kernel reads in place.
 @pytest.mark.parametrize("target, head_dim", [
     pytest.param("h100", 128, marks=GPU), pytest.param("tpu-v5e", 128, marks=TPU),
     # (the GPU kernel reads any head_dim's pool in place; one compile for CI's time)
-    pytest.param("tpu-v5e", 64, marks=[TPU, _POOL_RELAYOUT])])
+    pytest.param("tpu-v5e", 64, marks=TPU)])
 def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, target, head_dim):
     # The tiny model with head_dim 128 and SmolLM2's 64, which the paged kernels serve (the
     # tiny model's 32 falls back to XLA on TPU, whose gather copies a layer's pages per step).
@@ -275,6 +271,7 @@ def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, targe
         _, decode = aot_steps.abstract_steps(config, batch=4, context=2048, dtype=BF16)
     report, chosen = _compile_step(decode, target)
     assert chosen["paged_attention"] == "pallas"
+    assert decode.args[1].folded == (target.startswith("tpu") and head_dim < 128)
     pool = aot_steps.pool_bytes(decode)
     assert pool >= 16 * 2**20
     # The cache is donated and updated in place: no temporary or copy near a pool's size.

@@ -144,19 +144,23 @@ def repack(k_like: Any, v_like: Any, out: tuple) -> tuple:
 
 def write_rows(data: jax.Array, x: jax.Array, slots: jax.Array, fold: int) -> jax.Array:
     """``x [tokens, kv_heads, head_dim]`` written into folded ``data`` at logical ``slots``
-    (negative or past the pool: dropped): a scatter of ``head_dim``-wide windows at row
-    ``offset // fold``, lane ``(offset % fold) * head_dim`` of the page; never a copy of the
-    pool."""
-    h, num_pages, rows, _ = data.shape
-    head_dim = x.shape[2]
+    (negative or past the pool: dropped): a scatter of ``head_dim``-wide windows, one per
+    token and head, at row ``offset // fold``, lane ``(offset % fold) * head_dim`` of the
+    page; never a copy of the pool. (A window spanning the heads too made XLA's TPU scatter
+    relayout the pool, a copy per write: found by :func:`forge_jax.aot.compile`.)"""
+    kv_heads, num_pages, rows, _ = data.shape
+    tokens, _, head_dim = x.shape
     page_size = rows * fold
     slots = slots.astype(jnp.int32)
     page = jnp.where(slots < 0, num_pages, slots // page_size)  # out of bounds: dropped
     offset = slots % page_size
-    index = jnp.stack([page, offset // fold, (offset % fold) * head_dim], axis=1)  # [t, 3]
+    per_head = lambda v: jnp.broadcast_to(v[:, None], (tokens, kv_heads))  # noqa: E731
+    heads = jnp.broadcast_to(jnp.arange(kv_heads, dtype=jnp.int32)[None, :], (tokens, kv_heads))
+    index = jnp.stack([heads, per_head(page), per_head(offset // fold),
+                       per_head((offset % fold) * head_dim)], axis=2)  # [tokens, kv_heads, 4]
     numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(1, 2), inserted_window_dims=(1, 2),
-        scatter_dims_to_operand_dims=(1, 2, 3))
+        update_window_dims=(2,), inserted_window_dims=(0, 1, 2),
+        scatter_dims_to_operand_dims=(0, 1, 2, 3))
     return jax.lax.scatter(data, index, x.astype(data.dtype), numbers,
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,6 +102,10 @@ def default_pages_per_compute_block(page_size: int, max_pages: int,
     """Pages per compute block for pages of ``page_size`` and tables ``max_pages`` wide."""
     config = default_config({}, device_kind)
     return max(1, min(max_pages, config.block_k // page_size))
+
+
+def _sum(xs):
+    return functools.reduce(operator.add, xs)
 
 
 def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
@@ -176,8 +181,9 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     q = q_ref[...]
     pos = pos_ref[...]  # [rows, 1]
     # The token (of `fold`) each lane of a stored row holds: lane // head_dim, as compares.
-    lane_token = sum(lax.broadcasted_iota(jnp.int32, (block_rows, lanes), 1) >= r * head_dim
-                     for r in range(1, fold)) if fold > 1 else None
+    lane = lax.broadcasted_iota(jnp.int32, (block_rows, lanes), 1)
+    lane_token = _sum([jnp.where(lane >= r * head_dim, 1, 0) for r in range(1, fold)]
+                      ) if fold > 1 else None
 
     def body(block, carry):
         o, m, l_sum = carry
@@ -216,7 +222,7 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
         probs = [jnp.exp(s - m_safe) for s in logits]
         correction = jnp.exp(m - m_safe)
-        l_sum = correction * l_sum + sum(p.sum(axis=1, keepdims=True) for p in probs)
+        l_sum = correction * l_sum + _sum([p.sum(axis=1, keepdims=True) for p in probs])
         v = v_buf[slot].reshape(block_rows, lanes).astype(jnp.float32)
         if quantized:
             v = v * vs_buf[slot].reshape(block_k, 1)
@@ -235,16 +241,16 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         out_lane = lax.broadcasted_iota(jnp.int32, (rows, lanes), 1)
         in_group = lambda r, x: x if fold == 1 else jnp.where(  # noqa: E731
             (out_lane >= r * head_dim) & (out_lane < (r + 1) * head_dim), x, 0.0)
-        pv = sum(in_group(r, lax.dot_general(p.astype(pv_dtype), v.astype(pv_dtype),
-                                             (((1,), (0,)), ((), ())),
-                                             preferred_element_type=jnp.float32))
-                 for r, p in enumerate(probs))  # [rows, lanes]
+        pv = _sum([in_group(r, lax.dot_general(p.astype(pv_dtype), v.astype(pv_dtype),
+                                               (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32))
+                   for r, p in enumerate(probs)])  # [rows, lanes]
         o = correction * o + pv
         if not exact_range:
-            hits = sum(in_group(r, lax.dot_general(jnp.where(visible, 1.0, 0.0), flags,
-                                                   (((1,), (0,)), ((), ())),
-                                                   preferred_element_type=jnp.float32))
-                       for r, visible in enumerate(visibles))
+            hits = _sum([in_group(r, lax.dot_general(jnp.where(visible, 1.0, 0.0), flags,
+                                                     (((1,), (0,)), ((), ())),
+                                                     preferred_element_type=jnp.float32))
+                         for r, visible in enumerate(visibles)])
             o = jnp.where(hits > 0, jnp.nan, o)
         return o, m_next, l_sum
 
@@ -384,10 +390,15 @@ def supports(args: Mapping[str, Any]) -> str | None:
     # 0.10.2, 2026-11-25; a head_dim % 128 rejection once kept SmolLM2, Llama-3.2-1B/3B and
     # Qwen2.5-0.5B off this kernel) and agree with XLA in the interpreter.
     tile = _common.sublane_tile(k_pages.dtype)
-    if page_size % tile and fold > 1:
-        return (f"page_size={page_size * fold} folded is {page_size} rows of {fold} tokens, not "
-                f"a multiple of {tile} (the sublane tile of {jnp.dtype(k_pages.dtype).name}): "
-                "the pages of a block are merged into one [rows, 128] operand in VMEM")
+    if fold > 1:
+        # Folded pages of 8 rows compile for v5e and v6e in bfloat16 and float32 alike
+        # (SmolLM2's heads, pages of 16 tokens; forge_jax.aot, libtpu 0.0.42.1, JAX 0.10.2,
+        # 2026-11-25); fewer rows are untried.
+        if page_size % 8:
+            return (f"page_size={page_size * fold} folded is {page_size} rows of {fold} "
+                    "tokens, not a multiple of 8: the pages of a block are merged into one "
+                    "[rows, 128] operand in VMEM")
+        return None
     if page_size % tile:
         return (f"page_size={page_size} is not a multiple of {tile} (the sublane tile of "
                 f"{jnp.dtype(k_pages.dtype).name}): the pages of a block are merged into one "
