@@ -22,6 +22,7 @@ from cases.cli import run as cli_run
 
 import forge_jax as fj
 from forge_jax.models import aot_steps, llama
+from forge_jax.ops import kv_fold
 from forge_jax.pallas_kernels.gpu import attention as gpu_attention
 from forge_jax.pallas_kernels.gpu import paged_attention as gpu_paged
 from forge_jax.pallas_kernels.tpu import attention as tpu_attention
@@ -63,6 +64,15 @@ def _quantized(args, format):
     quantized = fj.QuantizedArray(S(pool.shape, values), S(pool.shape[:3] + (1,), F32), None,
                                   format, (pool.shape[3],), pool.dtype)
     return (args[0], quantized, quantized, *args[3:])
+
+
+def _folded(args):
+    """``args`` with the K and V pools (``args[1:3]``) folded: 128-lane rows of 128 //
+    head_dim tokens (forge_jax/ops/kv_fold.py)."""
+    h, n, page_size, head_dim = args[1].shape
+    fold = 128 // head_dim
+    pool = kv_fold.FoldedPages(S((h, n, page_size // fold, 128), args[1].dtype), head_dim)
+    return (args[0], pool, pool, *args[3:])
 
 
 LLAMA = shapes.LLAMA3_8B_HEADS
@@ -119,6 +129,12 @@ TPU_CASES = {
         _paged(BF16, 4, SMOL[:2], SMOL[2], page_size=32), "int8"), {}),
     "ragged llama fp8 kv": ("ragged_paged_attention", _quantized(
         _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2], page_size=32), "fp8"), {}),
+    # Folded pools (forge_jax.ops.kv_fold): SmolLM2's pages of 16 tokens of 64 as 8 rows of
+    # 128 lanes, read in place.
+    "paged decode smollm bf16 folded": ("paged_attention", _folded(
+        _paged(BF16, 4, SMOL[:2], SMOL[2])), {}),
+    "paged chunk smollm f32 folded": ("paged_attention", _folded(
+        _paged(F32, 2, SMOL[:2], SMOL[2], q_len=4)), dict(sliding_window=9)),
     "paged chunk llama bf16": ("paged_attention",
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
@@ -138,7 +154,8 @@ SWEEP = [("h100", n) for n in sorted(GPU_CASES)] + [("a100", n) for n in (
 TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n in (
     "rms_norm residual f32", "rope smollm bf16", "silu_mul smollm bf16", "attention llama bf16",
     "attention smollm bf16", "paged decode smollm bf16", "paged decode llama f32",
-    "ragged smollm bf16", "paged chunk llama bf16")]
+    "ragged smollm bf16", "paged chunk llama bf16", "paged decode smollm bf16 folded",
+    "paged chunk smollm f32 folded")]
 
 # Register spills ptxas reports, by (target, case): bytes spilled, at most. Each is a
 # finding to fix (issue 23); a case not named here must not spill.

@@ -184,6 +184,12 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     lane = lax.broadcasted_iota(jnp.int32, (block_rows, lanes), 1)
     lane_token = _sum([jnp.where(lane >= r * head_dim, 1, 0) for r in range(1, fold)]
                       ) if fold > 1 else None
+    if fold > 1:  # [fold * rows, lanes]: row block r is 1 in lane group r (like q_ref)
+        i = lax.broadcasted_iota(jnp.int32, (fold * rows, lanes), 0)
+        l_ = lax.broadcasted_iota(jnp.int32, (fold * rows, lanes), 1)
+        lane_groups = _sum([jnp.where((i >= r * rows) & (i < (r + 1) * rows)
+                                      & (l_ >= r * head_dim) & (l_ < (r + 1) * head_dim),
+                                      1.0, 0.0) for r in range(fold)])
 
     def body(block, carry):
         o, m, l_sum = carry
@@ -197,11 +203,24 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         k = k_buf[slot].reshape(block_rows, lanes)
         if quantized:
             k = k.astype(jnp.float32) * ks_buf[slot].reshape(block_k, 1)
+        if fold > 1:
+            # A row's zero query lanes times a neighbour token's NaN or inf would spoil the
+            # logits of a finite token: non-finite keys are zeroed for the product, and
+            # their tokens' logits made NaN by a second product (as q . k would be).
+            # (In float32: a bfloat16 select on this mask does not lower for v6e.)
+            k32 = k.astype(jnp.float32)
+            bad_k = (jnp.abs(k32) == jnp.inf) | (k32 != k32)
+            k = jnp.where(bad_k, 0.0, k32).astype(k.dtype)
         qk = q
         if q.dtype != k.dtype:
             qk, k = q.astype(jnp.float32), k.astype(jnp.float32)
         s_all = lax.dot_general(qk, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale
+        if fold > 1:
+            bad_s = lax.dot_general(lane_groups, jnp.where(bad_k, 1.0, 0.0),
+                                    (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+            s_all = jnp.where(bad_s > 0, jnp.nan, s_all)
         if logits_soft_cap is not None:
             s_all = logits_soft_cap * jnp.tanh(s_all / logits_soft_cap)
         # Per token r of a stored row: logits [rows, block_rows] of the keys fold * t + r.
