@@ -181,7 +181,8 @@ def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_s
                   num_pages=num_pages, page_size=page_size)
     return dict(q=q, k_pages=kv_fold.stored(k_pages), v_pages=kv_fold.stored(v_pages),
                 block_tables=block_tables, kv_lengths=kv_lengths, cu_q_lens=cu_q_lens,
-                num_seqs=num_seqs, scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **scales)
+                num_seqs=num_seqs, scale=scale, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap, **scales)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
