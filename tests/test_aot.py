@@ -135,6 +135,10 @@ TPU_CASES = {
         _paged(BF16, 4, SMOL[:2], SMOL[2])), {}),
     "paged chunk smollm f32 folded": ("paged_attention", _folded(
         _paged(F32, 2, SMOL[:2], SMOL[2], q_len=4)), dict(sliding_window=9)),
+    "ragged smollm bf16 folded": ("ragged_paged_attention", _folded(
+        _ragged(BF16, 32, 4, SMOL[:2], SMOL[2])), {}),
+    "ragged smollm f32 folded": ("ragged_paged_attention", _folded(
+        _ragged(F32, 32, 4, SMOL[:2], SMOL[2])), dict(sliding_window=9)),
     "paged chunk llama bf16": ("paged_attention",
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
@@ -155,7 +159,7 @@ TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n 
     "rms_norm residual f32", "rope smollm bf16", "silu_mul smollm bf16", "attention llama bf16",
     "attention smollm bf16", "paged decode smollm bf16", "paged decode llama f32",
     "ragged smollm bf16", "paged chunk llama bf16", "paged decode smollm bf16 folded",
-    "paged chunk smollm f32 folded")]
+    "paged chunk smollm f32 folded", "ragged smollm bf16 folded", "ragged smollm f32 folded")]
 
 # Register spills ptxas reports, by (target, case): bytes spilled, at most. Each is a
 # finding to fix (issue 23); a case not named here must not spill.
