@@ -39,6 +39,8 @@ def test_fold_puts_consecutive_tokens_side_by_side():
     assert kv_fold.fold_factor(80, 16) == 1 and kv_fold.fold_factor(64, 16) == 2
     with pytest.raises(ValueError, match="cannot fold"):
         kv_fold.fold(jnp.zeros((1, 2, 16, 128)))
+    with pytest.raises(ValueError, match="only float pools fold, got a QuantizedArray"):
+        kv_fold.fold(fj.ops.kv_quant.empty_pool((1, 2, 16, 64), "int8"))
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])

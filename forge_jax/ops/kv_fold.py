@@ -102,6 +102,9 @@ def fold_factor(head_dim: int, page_size: int) -> int:
 def fold(pages: jax.Array) -> FoldedPages:
     """Logical ``pages [kv_heads, num_pages, page_size, head_dim]`` as a folded pool; a
     ValueError naming the shape where it cannot fold (:func:`fold_factor`)."""
+    if not hasattr(pages, "reshape"):
+        raise ValueError(f"only float pools fold, got a {type(pages).__name__} (quantized "
+                         "pools keep the logical layout)")
     h, n, page_size, head_dim = pages.shape
     f = fold_factor(head_dim, page_size)
     if f == 1:

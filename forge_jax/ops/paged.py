@@ -120,7 +120,8 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
 
     Args:
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype, or
-        both int8 or fp8 ``QuantizedArray`` pools (:mod:`forge_jax.ops.kv_quant`).
+        both int8 or fp8 ``QuantizedArray`` pools (:mod:`forge_jax.ops.kv_quant`), or both
+        ``FoldedPages`` (:mod:`forge_jax.ops.kv_fold`), written in their folded rows.
       k, v: ``[tokens, kv_heads, head_dim]``, one float dtype (any: they are stored in the
         pages' dtype, the cache's storage dtype; a k/v mix raises TypeError).
       slots: int ``[tokens]``, ``page * page_size + offset`` or negative to skip.
@@ -220,7 +221,8 @@ def paged_gather(pages, block_tables, lengths, *, implementation=None):
 
     Args:
       pages: ``[kv_heads, num_pages, page_size, head_dim]``, or an int8/fp8
-        ``QuantizedArray`` pool (:mod:`forge_jax.ops.kv_quant`), gathered dequantized.
+        ``QuantizedArray`` pool (:mod:`forge_jax.ops.kv_quant`), gathered dequantized; or
+        a ``FoldedPages`` pool (:mod:`forge_jax.ops.kv_fold`).
       block_tables: int ``[batch, max_pages]``, page indices in sequence order.
       lengths: int ``[batch]``, tokens of each sequence.
       implementation: ``None`` (auto) or a registered implementation name.
@@ -340,7 +342,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
       q: ``[batch, q_heads, head_dim]`` (decode: one new token per sequence) or
         ``[batch, q_len, q_heads, head_dim]``.
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``,
-        ``q_heads % kv_heads == 0``; or both int8/fp8 ``QuantizedArray`` pools.
+        ``q_heads % kv_heads == 0``; or both int8/fp8 ``QuantizedArray`` pools, or both
+        ``FoldedPages`` of that logical shape (:mod:`forge_jax.ops.kv_fold`).
       block_tables: int ``[batch, max_pages]``, each sequence's pages in order.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included;
         in ``[0, max_pages * page_size]`` (keys beyond the block table do not exist).
@@ -507,7 +510,8 @@ def copy_pages(k_pages, v_pages, copies, *, implementation=None):
 
     Args:
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype; or both
-        int8/fp8 ``QuantizedArray`` pools, whose scales are copied with their values.
+        int8/fp8 ``QuantizedArray`` pools, whose scales are copied with their values; or
+        both ``FoldedPages`` (:mod:`forge_jax.ops.kv_fold`).
       copies: int ``[n, 2]``, rows ``(src, dst)`` of page indices.
       implementation: ``None`` (auto) or a registered implementation name.
 

@@ -238,7 +238,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         from ``q``'s; the math is float32 either way), ``q_heads % kv_heads == 0``; or both
         int8/fp8 ``QuantizedArray`` pools, a scale per token and KV head
         (:mod:`forge_jax.ops.kv_quant`), dequantized slot by slot as they are read (a
-        hidden slot's scale, NaN say, is as invisible as its values).
+        hidden slot's scale, NaN say, is as invisible as its values); or both ``FoldedPages``
+        (:mod:`forge_jax.ops.kv_fold`).
       block_tables: int ``[max_seqs, pages_per_seq]``, each sequence's pages in order.
       kv_lengths: int ``[max_seqs]``, tokens in the cache per sequence, new ones included.
       cu_q_lens: int ``[max_seqs + 1]``, ``cu_q_lens[0] == 0``, non-decreasing: sequence

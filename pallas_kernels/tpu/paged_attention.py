@@ -27,6 +27,16 @@ the head_dim % 128 rule this kernel once had was not libtpu's (64, 80 and 192 co
 v5e and v6e through :func:`forge_jax.aot.compile`), and the pools are read in place, never
 padded.
 
+Folded pools (``fold > 1``, :mod:`forge_jax.ops.kv_fold`: what the cache stores on TPU for
+head_dim 64, where XLA lays a 64-wide pool out pages-minor and a row-major read copied it
+per step): a page is ``[page_size // fold, 128]``, ``fold`` consecutive tokens side by
+side, and is read as stored, without lane slices. The queries come in ``fold`` row blocks,
+block ``r`` holding them in lane group ``r``, so one product gives every token's logit;
+the values' product is masked to each token's lane group and the wrapper sums the groups
+(a ``[rows, 128]`` output per head). Non-finite keys are zeroed for the product (a zero
+query lane times a neighbour's NaN would spoil a finite token) and their own logits set to
+NaN by a second product.
+
 A table entry of -1 (:func:`~forge_jax.pallas_kernels._attention_common.paged_ranges`
 writes it for an entry past the sequence's pages or one that names no page of the pool)
 copies nothing, and its slots are hidden from every row like the slots outside ``[lo,

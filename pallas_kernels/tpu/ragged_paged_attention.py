@@ -19,6 +19,11 @@ launch. Should a block hold a non-finite value some row
 sees (rare: real caches hold finite data), a masked count of them makes exactly the rows and
 columns that read it NaN, as the attention contract asks.
 
+Folded pools (``fold > 1``, :mod:`forge_jax.ops.kv_fold`, what the cache stores on TPU for
+head_dim 64) are read as stored, ``[page_size // fold, 128]`` rows of ``fold`` tokens, the
+way :mod:`forge_jax.pallas_kernels.tpu.paged_attention` reads them (queries in ``fold`` row
+blocks, one per lane group; outputs summed over the groups by the wrapper).
+
 Op: :func:`forge_jax.ops.ragged.ragged_paged_attention`; reference: its XLA implementation
 :func:`forge_jax.ops.ragged.ragged_paged_attention_xla`. Launch knobs: :class:`Config`, the
 per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
