@@ -159,3 +159,25 @@ def test_a_folded_cache_writes_and_attends_as_an_unfolded_one():
                         kv_lengths=np.asarray(lengths))
     for out in outs:
         assert_close(out, ref, implementation="xla")
+
+
+def test_folded_pools_split_by_head_on_a_mesh():
+    gen = rng(6)
+    pool = gen.standard_normal((2, 6, 16, 64)).astype(np.float32)
+    x = gen.standard_normal((3, 2, 64)).astype(np.float32)
+    slots = np.array([5, 17, 33])
+    q = jnp.asarray(gen.standard_normal((2, 4, 64)), F32)
+    tables, lengths = np.array([[0, 1], [2, 3]]), np.array([20, 9])
+    with fj.sharding.use_mesh(fj.sharding.make_mesh({"dp": 2, "tp": 2})):
+        k, v = jax.jit(fj.paged_write)(*_folded(jnp.asarray(pool), jnp.asarray(-pool)),
+                                       jnp.asarray(x), jnp.asarray(x), jnp.asarray(slots))
+        out = jax.jit(fj.paged_attention)(q, k, v, jnp.asarray(tables, jnp.int32),
+                                          jnp.asarray(lengths, jnp.int32))
+    expect_k, expect_v = pool.astype(np.float64), -pool.astype(np.float64)
+    for t, s in enumerate(slots):
+        expect_k[:, s // 16, s % 16] = expect_v[:, s // 16, s % 16] = x[t]
+    np.testing.assert_array_equal(f64(kv_fold.logical(k)), expect_k)
+    dense = lambda p: np.transpose(p[:, tables].reshape(2, 2, 32, 64), (1, 2, 0, 3))  # noqa: E731
+    ref = attention_ref(f64(q)[:, None], dense(expect_k), dense(expect_v),
+                        q_positions=lengths[:, None] - 1, kv_lengths=lengths)
+    assert_close(out[:, None], ref, implementation="xla")
