@@ -88,6 +88,7 @@ def register(
     verified: Mapping[str, str],
     configs: registry.ConfigsFn | None = None,
     interpret_configs: registry.ConfigsFn | None = None,
+    reads_folded: bool = False,
 ) -> tuple[registry.Implementation, registry.Implementation]:
     """Adds ``kernel`` as ``"pallas"`` on ``backend`` and ``"pallas_<backend>_interpret"``
     (any platform, by name); returns the two records.
@@ -108,8 +109,12 @@ def register(
       configs: ``configs(args)``: the launch configurations :func:`forge_jax.autotune`
         times on the backend's hardware besides the defaults.
       interpret_configs: a few for the interpreter.
+      reads_folded: the kernel reads folded page pools (:mod:`forge_jax.ops.kv_fold`,
+        passed as ``fold=``); without it, calls with a folded pool are refused.
     """
     spec = _backend(backend)
+    if not reads_folded:
+        supports = _refusing_folded(supports)
     compiled = registry.Implementation(
         op=op, name=spec.name, fn=lambda **args: kernel(**args, interpret=False),
         supports=lambda args, platform: spec.platform_reason(platform) or supports(args),
@@ -122,6 +127,15 @@ def register(
         supports=lambda args, platform: supports(args),
         description=f"{description} ({spec.interpreted})", configs=interpret_configs)
     return add(compiled), add(interpreted)
+
+
+def _refusing_folded(supports):
+    def refusing(args):
+        if args.get("fold", 1) > 1:
+            return (f"k_pages is folded ({args['fold']} tokens per 128-lane row, "
+                    "forge_jax.ops.kv_fold): this kernel reads unfolded pages")
+        return supports(args)
+    return refusing
 
 
 def add(record: registry.Implementation) -> registry.Implementation:

@@ -22,6 +22,7 @@ from cases.cli import run as cli_run
 
 import forge_jax as fj
 from forge_jax.models import aot_steps, llama
+from forge_jax.ops import kv_fold
 from forge_jax.pallas_kernels.gpu import attention as gpu_attention
 from forge_jax.pallas_kernels.gpu import paged_attention as gpu_paged
 from forge_jax.pallas_kernels.tpu import attention as tpu_attention
@@ -63,6 +64,15 @@ def _quantized(args, format):
     quantized = fj.QuantizedArray(S(pool.shape, values), S(pool.shape[:3] + (1,), F32), None,
                                   format, (pool.shape[3],), pool.dtype)
     return (args[0], quantized, quantized, *args[3:])
+
+
+def _folded(args):
+    """``args`` with the K and V pools (``args[1:3]``) folded: 128-lane rows of 128 //
+    head_dim tokens (forge_jax/ops/kv_fold.py)."""
+    h, n, page_size, head_dim = args[1].shape
+    fold = 128 // head_dim
+    pool = kv_fold.FoldedPages(S((h, n, page_size // fold, 128), args[1].dtype), head_dim)
+    return (args[0], pool, pool, *args[3:])
 
 
 LLAMA = shapes.LLAMA3_8B_HEADS
@@ -119,6 +129,16 @@ TPU_CASES = {
         _paged(BF16, 4, SMOL[:2], SMOL[2], page_size=32), "int8"), {}),
     "ragged llama fp8 kv": ("ragged_paged_attention", _quantized(
         _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2], page_size=32), "fp8"), {}),
+    # Folded pools (forge_jax.ops.kv_fold): SmolLM2's pages of 16 tokens of 64 as 8 rows of
+    # 128 lanes, read in place.
+    "paged decode smollm bf16 folded": ("paged_attention", _folded(
+        _paged(BF16, 4, SMOL[:2], SMOL[2])), {}),
+    "paged chunk smollm f32 folded": ("paged_attention", _folded(
+        _paged(F32, 2, SMOL[:2], SMOL[2], q_len=4)), dict(sliding_window=9)),
+    "ragged smollm bf16 folded": ("ragged_paged_attention", _folded(
+        _ragged(BF16, 32, 4, SMOL[:2], SMOL[2])), {}),
+    "ragged smollm f32 folded": ("ragged_paged_attention", _folded(
+        _ragged(F32, 32, 4, SMOL[:2], SMOL[2])), dict(sliding_window=9)),
     "paged chunk llama bf16": ("paged_attention",
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
@@ -138,7 +158,8 @@ SWEEP = [("h100", n) for n in sorted(GPU_CASES)] + [("a100", n) for n in (
 TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n in (
     "rms_norm residual f32", "rope smollm bf16", "silu_mul smollm bf16", "attention llama bf16",
     "attention smollm bf16", "paged decode smollm bf16", "paged decode llama f32",
-    "ragged smollm bf16", "paged chunk llama bf16")]
+    "ragged smollm bf16", "paged chunk llama bf16", "paged decode smollm bf16 folded",
+    "paged chunk smollm f32 folded", "ragged smollm bf16 folded", "ragged smollm f32 folded")]
 
 # Register spills ptxas reports, by (target, case): bytes spilled, at most. Each is a
 # finding to fix (issue 23); a case not named here must not spill.
@@ -255,18 +276,14 @@ def test_tiny_model_steps_compile_with_the_kernels(tiny_config, target):
 
 
 # XLA's TPU layout for a pool whose head_dim is not whole 128-lane tiles puts the pages
-# dimension minor ({1,3,2,0}: no lane padding), while the kernel reads row-major pages, so
-# the compiled step relayouts every layer's pool before the kernel (found by this test,
-# issue 23). No wrapper can avoid it: the pool must be stored with whole-tile rows.
-_POOL_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
-    "TPU: the pool of 64-wide pages is laid out pages-minor ({1,3,2,0}); the paged kernel "
-    "reads it row-major, so each layer's pool is copied per step"))
-
-
+# dimension minor ({1,3,2,0}: no lane padding), while the kernel reads row-major pages: with
+# 64-wide pages the compiled step relayouted every layer's pool per step (found by this
+# test, issue 23). On TPU the cache now stores such pools folded, two tokens per 128-lane
+# row (forge_jax.ops.kv_fold), which the kernel reads in place.
 @pytest.mark.parametrize("target, head_dim", [
     pytest.param("h100", 128, marks=GPU), pytest.param("tpu-v5e", 128, marks=TPU),
     # (the GPU kernel reads any head_dim's pool in place; one compile for CI's time)
-    pytest.param("tpu-v5e", 64, marks=[TPU, _POOL_RELAYOUT])])
+    pytest.param("tpu-v5e", 64, marks=TPU)])
 def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, target, head_dim):
     # The tiny model with head_dim 128 and SmolLM2's 64, which the paged kernels serve (the
     # tiny model's 32 falls back to XLA on TPU, whose gather copies a layer's pages per step).
@@ -275,6 +292,7 @@ def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, targe
         _, decode = aot_steps.abstract_steps(config, batch=4, context=2048, dtype=BF16)
     report, chosen = _compile_step(decode, target)
     assert chosen["paged_attention"] == "pallas"
+    assert decode.args[1].folded == (target.startswith("tpu") and head_dim < 128)
     pool = aot_steps.pool_bytes(decode)
     assert pool >= 16 * 2**20
     # The cache is donated and updated in place: no temporary or copy near a pool's size.

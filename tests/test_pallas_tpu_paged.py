@@ -31,6 +31,7 @@ from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 
 import forge_jax as fj
 from forge_jax import _compat
+from forge_jax.ops import kv_fold
 from forge_jax.pallas_kernels.tpu import paged_attention as kernel
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -143,3 +144,55 @@ def test_tuning_table():
     assert kernel.default_pages_per_compute_block(16, 64, "TPU v6 lite") == 32
     assert kernel.default_pages_per_compute_block(16, 4, None) == 4  # at most the table width
     assert kernel.default_pages_per_compute_block(1024, 4, "unknown") == 1
+
+
+# --- folded pools (forge_jax/ops/kv_fold.py): 128-lane rows of 128 // head_dim tokens ------
+
+FOLDED = [  # (q_heads, kv_heads, head_dim, page_size, q_len, dtype, window, pages per block)
+    (9, 3, 64, 16, None, BF16, None, None),  # SmolLM2's decode
+    (8, 2, 64, 16, None, F32, 20, 1),  # double-buffered blocks of one page, a window
+    (8, 2, 64, 16, 3, F32, 9, None),  # three new tokens: hidden slots inside the copied range
+    (4, 1, 32, 32, 2, F32, None, 2),  # four tokens per row
+]
+
+
+@pytest.mark.parametrize("case", FOLDED, ids=lambda c: "-".join(map(case_id, c)))
+def test_folded_pools_are_read_in_place(case):
+    """The kernel on folded pools (``fold=``) against float64, NaN and inf in every slot no
+    query sees (before a window, past a length, the tail of a page, unowned pages)."""
+    q_heads, kv_heads, head_dim, page_size, q_len, dtype, window, per_block = case
+    gen = rng(11)
+    lengths = np.array([37, 3, 64])
+    positions = default_positions(lengths, q_len or 1)
+    cache = paged_cache(gen, lengths, positions=positions, window=window, page_size=page_size,
+                        kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    q = jnp.asarray(gen.standard_normal((3, q_len or 1, q_heads, head_dim)), dtype)
+    k, v = kv_fold.fold(cache.k_pages), kv_fold.fold(cache.v_pages)
+    assert kernel.supports(dict(q=q, k_pages=k.data, fold=k.fold)) is None
+    ref = attention_ref(f64(q), cache.dense_k, cache.dense_v, q_positions=positions,
+                        kv_lengths=lengths, sliding_window=window)
+    tables, n = cache.block_tables, jnp.asarray(lengths, jnp.int32)
+    q = q if q_len else q[:, 0]
+    if per_block is None:  # through the op: dispatch hands the kernel the folded pools
+        out = fj.paged_attention(q, k, v, tables, n, sliding_window=window,
+                                 implementation="pallas_tpu_interpret")
+    else:
+        out = jax.jit(lambda q, k, v, t, n: kernel.paged_attention(
+            q, k, v, t, n, fold=k.shape[3] // head_dim, sliding_window=window,
+            pages_per_compute_block=per_block, interpret=True))(q, k.data, v.data, tables, n)
+    assert_close(out if q_len else out[:, None], ref, implementation="pallas_tpu_interpret")
+
+
+def test_folded_pages_of_fewer_than_8_rows_are_rejected():
+    q = S((2, 8, 64), BF16)
+    assert "folded is 4 rows of 2 tokens" in kernel.supports(
+        dict(q=q, k_pages=S((2, 8, 4, 128), BF16), fold=2))
+    assert kernel.supports(dict(q=q, k_pages=S((2, 8, 8, 128), BF16), fold=2)) is None
+
+
+def test_folded_pools_lower_for_tpu():
+    q, pool = S((3, 2, 8, 64), BF16), S((2, 16, 8, 128), BF16)
+    exported = _compat.export_for_tpu(
+        lambda q, k, v, t, n: kernel.paged_attention(q, k, v, t, n, fold=2, sliding_window=7),
+        q, pool, pool, S((3, 4), jnp.int32), S((3,), jnp.int32))
+    assert "forge_jax_tpu_paged_attention" in exported.mlir_module()

@@ -30,6 +30,7 @@ from cases.references import f64, ragged_paged_attention_ref
 
 import forge_jax as fj
 from forge_jax import _compat, dispatch
+from forge_jax.ops import kv_fold
 from forge_jax.pallas_kernels.tpu import ragged_paged_attention as kernel_module
 
 OP = "ragged_paged_attention"
@@ -165,3 +166,33 @@ def test_registered_as_pallas_on_tpu_and_interpret_by_name():
     assert ("pallas_tpu_interpret", None) in names
     assert "pallas_tpu_interpret" not in [
         name for name, impl in dispatch.implementations(OP, "cpu").items() if impl.priority]
+
+
+# --- folded pools (forge_jax/ops/kv_fold.py): 128-lane rows of 128 // head_dim tokens ------
+
+@pytest.mark.parametrize("heads, head_dim, page_size, dtype, window", [
+    ("smollm2", 64, 16, jnp.float32, None),  # SmolLM2's heads, two tokens per row
+    ("gqa", 64, 16, jnp.bfloat16, 5),  # a window: hidden slots inside the copied pages
+    ("mqa", 32, 32, jnp.float32, None),  # four tokens per row
+], ids=["smollm2-f32", "gqa-bf16-window", "mqa-d32-f32"])
+def test_folded_pools_are_read_in_place(heads, head_dim, page_size, dtype, window):
+    """The kernel on folded pools against float64, NaN in every slot no query may see and
+    in the padding rows of q (a decode row, a prefill chunk, a row seeing one key)."""
+    step = make_step(rng(21), [1, 7, 1, 3], [30, 7, 1, 40], max_seqs=5, total_tokens=16,
+                     page_size=page_size, heads=heads, head_dim=head_dim, dtype=dtype,
+                     window=window)
+    q, k, v, tables, kv_lengths, cu, num_seqs = step.args()
+    k, v = kv_fold.fold(k), kv_fold.fold(v)
+    assert kernel_module.supports(dict(q=q, k_pages=k.data, fold=k.fold)) is None
+    out = fj.ragged_paged_attention(q, k, v, tables, kv_lengths, cu, num_seqs,
+                                    sliding_window=window,
+                                    implementation="pallas_tpu_interpret")
+    rows = int(step.cu_q_lens[step.num_seqs])
+    assert_close(out[:rows], ragged_paged_attention_ref(step, sliding_window=window)[:rows],
+                 implementation="pallas_tpu_interpret")
+
+
+def test_folded_pages_of_fewer_than_8_rows_are_rejected():
+    q = jax.ShapeDtypeStruct((8, 4, 64), jnp.bfloat16)
+    assert "folded is 4 rows of 2 tokens" in kernel_module.supports(
+        dict(q=q, k_pages=jax.ShapeDtypeStruct((2, 8, 4, 128), jnp.bfloat16), fold=2))

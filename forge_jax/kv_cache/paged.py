@@ -8,8 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from forge_jax import _checks
+from forge_jax import _checks, dispatch, targets
 from forge_jax.kv_cache import _base
+from forge_jax.ops import kv_fold
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_write
 
 
@@ -26,7 +27,9 @@ class PagedKVCache(_base.KVCacheBase):
     Attributes:
       k_pages, v_pages: tuples (one entry per layer) of
         ``[kv_heads, num_pages, page_size, head_dim]`` arrays, or of int8/fp8
-        ``QuantizedArray`` pools of that shape (:mod:`forge_jax.ops.kv_quant`).
+        ``QuantizedArray`` pools of that shape (:mod:`forge_jax.ops.kv_quant`), or of
+        ``FoldedPages`` pools of that logical shape (:mod:`forge_jax.ops.kv_fold`: TPU,
+        head_dim below 128).
       block_tables: int32 ``[batch, max_pages]``.
       lengths: int32 ``[batch]``, carried for the caller (see :meth:`with_lengths`).
       page_size: static.
@@ -41,12 +44,17 @@ class PagedKVCache(_base.KVCacheBase):
     @classmethod
     def create(cls, *, num_layers: int, num_pages: int, page_size: int, kv_heads: int,
                head_dim: int, dtype: Any = jnp.float32, block_tables,
-               lengths=None, quantize: str | None = None) -> PagedKVCache:
+               lengths=None, quantize: str | None = None,
+               fold: bool | None = None) -> PagedKVCache:
         """An empty pool (zeros) with the given block tables (int ``[batch, max_pages]``).
 
         ``lengths`` (int ``[batch]``) defaults to zeros. ``quantize``: ``"int8"`` or
         ``"fp8"`` for quantized pools with a scale per token and KV head, standing for
         ``dtype`` (:mod:`forge_jax.ops.kv_quant`); None for float pools of ``dtype``.
+        ``fold``: store the pools folded, whole 128-lane rows of ``128 // head_dim`` tokens
+        (:mod:`forge_jax.ops.kv_fold`); None (the default) folds only where the
+        implementation of ``paged_attention`` dispatch would choose here reads folded pools
+        in place (the TPU kernel, for head_dim 64 say): never on CPU or GPU.
         """
         num_layers, shape, dtype = _base.geometry(num_layers, dict(
             kv_heads=kv_heads, num_pages=num_pages, page_size=page_size, head_dim=head_dim),
@@ -55,9 +63,23 @@ class PagedKVCache(_base.KVCacheBase):
         batch = block_tables.shape[0]
         lengths = (jnp.zeros((batch,), jnp.int32) if lengths is None
                    else _base.lengths_array("lengths", lengths, batch))
-        return cls(k_pages=_base.zeros_per_layer(num_layers, shape, dtype, quantize),
-                   v_pages=_base.zeros_per_layer(num_layers, shape, dtype, quantize),
-                   block_tables=block_tables, lengths=lengths, page_size=shape[2])
+        if fold is None:
+            fold = _folds_here(shape, dtype, quantize)
+        elif fold:
+            _check_fold(shape, quantize)
+        if fold:
+            pools = (tuple(kv_fold.fold(jnp.zeros(shape, dtype)) for _ in range(num_layers))
+                     for _ in "kv")
+        else:
+            pools = (_base.zeros_per_layer(num_layers, shape, dtype, quantize) for _ in "kv")
+        k_pages, v_pages = pools
+        return cls(k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
+                   lengths=lengths, page_size=shape[2])
+
+    @property
+    def folded(self) -> bool:
+        """Whether the pools are stored folded (:mod:`forge_jax.ops.kv_fold`)."""
+        return kv_fold.is_folded(self.k_pages[0])
 
     @property
     def batch(self) -> int:
@@ -153,6 +175,37 @@ class PagedKVCache(_base.KVCacheBase):
                                                           strict=True)]
         return dataclasses.replace(self, k_pages=tuple(k for k, _ in pairs),
                                    v_pages=tuple(v for _, v in pairs))
+
+
+def _check_fold(shape, quantize) -> None:
+    _, _, page_size, head_dim = shape
+    if quantize is not None:
+        raise ValueError(f"fold=True with quantize={quantize!r}: quantized pools are not folded")
+    if kv_fold.fold_factor(head_dim, page_size) == 1:
+        raise ValueError(f"fold=True needs head_dim < 128 dividing 128 and page_size a multiple "
+                         f"of 128 // head_dim, got {head_dim=}, {page_size=}")
+
+
+def _folds_here(shape, dtype, quantize) -> bool:
+    """Whether a pool of ``shape`` is stored folded by default: on TPU (the platform or
+    target), float, foldable, and only where the ``paged_attention`` implementation dispatch
+    would choose for it reads folded pools (anything but XLA, which reads them through a
+    reshape)."""
+    kv_heads, num_pages, page_size, head_dim = shape
+    fold = kv_fold.fold_factor(head_dim, page_size)
+    if quantize is not None or fold == 1 or targets.platform() != "tpu":
+        return False
+    s = jax.ShapeDtypeStruct
+    pool = kv_fold.FoldedPages(s((kv_heads, num_pages, page_size // fold, fold * head_dim),
+                                 dtype), head_dim)
+    args = (s((1, kv_heads, head_dim), dtype), pool, pool, s((1, 1), jnp.int32),
+            s((1,), jnp.int32))
+    try:
+        chosen = dispatch.select("paged_attention", dispatch.bind("paged_attention", *args),
+                                 platform="tpu")
+    except dispatch.ImplementationError:
+        return False
+    return chosen.implementation != "xla"
 
 
 def _block_tables(block_tables) -> jax.Array:

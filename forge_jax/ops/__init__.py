@@ -26,7 +26,10 @@ into the op's float32 math, and the result keeps the compute dtype.
   the queries may differ. ``paged_write`` stores new keys and values in the pools' dtype.
   A pool may also be quantized: an int8 or fp8 ``QuantizedArray`` with a scale per token and
   KV head (:mod:`forge_jax.ops.kv_quant`), K and V in one format; ``paged_write`` quantizes
-  into it and the attention ops dequantize what they read, with float32 math.
+  into it and the attention ops dequantize what they read, with float32 math. On TPU a
+  float pool of head_dim 64 may be stored folded, two tokens per 128-lane row
+  (``FoldedPages``, :mod:`forge_jax.ops.kv_fold`); the ops read and write it by its
+  logical shape.
 """
 
 from forge_jax.ops.activation import gelu_tanh_mul, silu_mul, softmax

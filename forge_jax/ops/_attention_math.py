@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forge_jax import _checks
-from forge_jax.ops import kv_quant
+from forge_jax.ops import kv_fold, kv_quant
 from forge_jax.ops.activation import safe_softmax_f32
 
 # ---------------------------------------------------------------------------------------
@@ -62,7 +62,14 @@ def pool_args(k_pages, v_pages):
     """``(k_values, v_values, scales)`` of a K/V pool pair, float or quantized (checked, with
     :func:`check_pages`): ``scales`` is ``{}`` for float pools, ``{"k_scales": ...,
     "v_scales": ...}`` for quantized ones (the representation of
-    :mod:`forge_jax.ops.kv_quant`), the implementations' extra arguments."""
+    :mod:`forge_jax.ops.kv_quant`), the implementations' extra arguments. Folded pools
+    (:mod:`forge_jax.ops.kv_fold`) come back as they are, with ``{"fold": fold}``."""
+    if kv_fold.is_folded(k_pages) or kv_fold.is_folded(v_pages):
+        # Folded pools (never quantized) are checked by their logical shape; the args
+        # functions hand implementations their stored arrays (kv_fold.stored).
+        _, _, fold = kv_fold.pool_parts(k_pages, v_pages)
+        check_pages(k_pages, v_pages)
+        return k_pages, v_pages, fold
     k_values, v_values, k_scales, v_scales = kv_quant.pool_parts("k_pages", k_pages,
                                                                  "v_pages", v_pages)
     check_pages(k_values, v_values, quantized=k_scales is not None)

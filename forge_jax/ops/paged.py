@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
-from forge_jax.ops import kv_quant
+from forge_jax.ops import kv_fold, kv_quant
 from forge_jax.ops._attention_math import (
     all_finite,
     check_dims,
@@ -83,7 +83,8 @@ def _paged_write_args(k_pages, v_pages, k, v, slots):
     if slots.shape[0] != k.shape[0]:
         raise ValueError(f"slots must be [tokens] = ({k.shape[0]},), got {slots.shape=}")
     _check_slot_values(slots, k_pages.shape[1] * k_pages.shape[2])
-    return dict(k_pages=k_pages, v_pages=v_pages, k=k, v=v, slots=slots, **scales)
+    return dict(k_pages=kv_fold.stored(k_pages), v_pages=kv_fold.stored(v_pages), k=k, v=v,
+                slots=slots, **scales)
 
 
 def _check_slot_values(slots, capacity):
@@ -119,7 +120,8 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
 
     Args:
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype, or
-        both int8 or fp8 ``QuantizedArray`` pools (:mod:`forge_jax.ops.kv_quant`).
+        both int8 or fp8 ``QuantizedArray`` pools (:mod:`forge_jax.ops.kv_quant`), or both
+        ``FoldedPages`` (:mod:`forge_jax.ops.kv_fold`), written in their folded rows.
       k, v: ``[tokens, kv_heads, head_dim]``, one float dtype (any: they are stored in the
         pages' dtype, the cache's storage dtype; a k/v mix raises TypeError).
       slots: int ``[tokens]``, ``page * page_size + offset`` or negative to skip.
@@ -129,7 +131,8 @@ def paged_write(k_pages, v_pages, k, v, slots, *, implementation=None):
       ``(k_pages, v_pages)``, updated, with the input shapes and dtypes.
     """
     args = _paged_write_args(k_pages, v_pages, k, v, slots)
-    return kv_quant.repack(k_pages, v_pages, dispatch.call("paged_write", args, implementation))
+    out = dispatch.call("paged_write", args, implementation)
+    return kv_fold.repack(k_pages, v_pages, kv_quant.repack(k_pages, v_pages, out))
 
 
 def _paged_write_partition(args, config):
@@ -167,9 +170,12 @@ def _scatter_tokens(pages, x, slots):
 
 @dispatch.register("paged_write", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="scatter by (page, offset), mode='drop'")
-def paged_write_xla(k_pages, v_pages, k, v, slots, k_scales=None, v_scales=None):
+def paged_write_xla(k_pages, v_pages, k, v, slots, k_scales=None, v_scales=None, fold=1):
     k_pages, v_pages, k, v, slots = map(jnp.asarray, (k_pages, v_pages, k, v, slots))
     with jax.named_scope("paged_write"):
+        if fold > 1:  # folded pools (kv_fold): head_dim-wide windows of 128-lane rows
+            return (kv_fold.write_rows(k_pages, k, slots, fold),
+                    kv_fold.write_rows(v_pages, v, slots, fold))
         if k_scales is None:
             return _scatter_tokens(k_pages, k, slots), _scatter_tokens(v_pages, v, slots)
         format = kv_quant.format_of(k_pages)
@@ -184,6 +190,13 @@ def paged_write_xla(k_pages, v_pages, k, v, slots, k_scales=None, v_scales=None)
 
 def _paged_gather_args(pages, block_tables, lengths):
     scales = {}
+    if kv_fold.is_folded(pages):
+        _checks.array("pages", pages, ndim=4)
+        check_tables(block_tables, lengths)
+        check_table_values(block_tables, lengths, num_pages=pages.shape[1],
+                           page_size=pages.shape[2])
+        return dict(pages=pages.data, block_tables=block_tables, lengths=lengths,
+                    fold=pages.fold)
     if kv_quant.is_quantized(pages):
         kv_quant.check_pool("pages", pages)
         pages, scales = pages.values, dict(scales=pages.scales)
@@ -208,7 +221,8 @@ def paged_gather(pages, block_tables, lengths, *, implementation=None):
 
     Args:
       pages: ``[kv_heads, num_pages, page_size, head_dim]``, or an int8/fp8
-        ``QuantizedArray`` pool (:mod:`forge_jax.ops.kv_quant`), gathered dequantized.
+        ``QuantizedArray`` pool (:mod:`forge_jax.ops.kv_quant`), gathered dequantized; or
+        a ``FoldedPages`` pool (:mod:`forge_jax.ops.kv_fold`).
       block_tables: int ``[batch, max_pages]``, page indices in sequence order.
       lengths: int ``[batch]``, tokens of each sequence.
       implementation: ``None`` (auto) or a registered implementation name.
@@ -237,8 +251,10 @@ def gather_pages(pages, block_tables, lengths, scales=None):
 
 @dispatch.register("paged_gather", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="jnp.take of the named pages, zeroed past lengths")
-def paged_gather_xla(pages, block_tables, lengths, scales=None):
+def paged_gather_xla(pages, block_tables, lengths, scales=None, fold=1):
     with jax.named_scope("paged_gather"):
+        if fold > 1:
+            pages = kv_fold.unfold(jnp.asarray(pages), fold)
         return gather_pages(pages, block_tables, lengths, scales)
 
 
@@ -273,8 +289,8 @@ def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=N
                 f"q_positions must be [batch, q_len] = {(batch, q_len)}, got {q_positions.shape=}")
     scale, sliding_window, logits_soft_cap = check_masking(
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    return dict(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
-                lengths=lengths, scale=scale, q_positions=q_positions,
+    return dict(q=q, k_pages=kv_fold.stored(k_pages), v_pages=kv_fold.stored(v_pages),
+                block_tables=block_tables, lengths=lengths, scale=scale, q_positions=q_positions,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **scales)
 
 
@@ -326,7 +342,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
       q: ``[batch, q_heads, head_dim]`` (decode: one new token per sequence) or
         ``[batch, q_len, q_heads, head_dim]``.
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``,
-        ``q_heads % kv_heads == 0``; or both int8/fp8 ``QuantizedArray`` pools.
+        ``q_heads % kv_heads == 0``; or both int8/fp8 ``QuantizedArray`` pools, or both
+        ``FoldedPages`` of that logical shape (:mod:`forge_jax.ops.kv_fold`).
       block_tables: int ``[batch, max_pages]``, each sequence's pages in order.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included;
         in ``[0, max_pages * page_size]`` (keys beyond the block table do not exist).
@@ -367,8 +384,10 @@ dispatch.define("paged_attention", _paged_attention_args, partition=_paged_atten
 @dispatch.register("paged_attention", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="gather the named pages, then dense masked attention")
 def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positions,
-                        sliding_window, logits_soft_cap, k_scales=None, v_scales=None):
+                        sliding_window, logits_soft_cap, k_scales=None, v_scales=None, fold=1):
     q, lengths = jnp.asarray(q), jnp.asarray(lengths)
+    if fold > 1:  # folded pools (kv_fold): read the logical view
+        k_pages, v_pages = (kv_fold.unfold(jnp.asarray(x), fold) for x in (k_pages, v_pages))
     decode = q.ndim == 3
     if decode:
         q = q[:, None]
@@ -455,7 +474,8 @@ def _copy_pages_args(k_pages, v_pages, copies):
     if copies.shape[1] != 2:
         raise ValueError(f"copies must be [n, 2] rows of (src, dst), got {copies.shape=}")
     _check_copy_values(copies, k_pages.shape[1])
-    return dict(k_pages=k_pages, v_pages=v_pages, copies=copies, **scales)
+    return dict(k_pages=kv_fold.stored(k_pages), v_pages=kv_fold.stored(v_pages),
+                copies=copies, **scales)
 
 
 def _check_copy_values(copies, num_pages):
@@ -490,7 +510,8 @@ def copy_pages(k_pages, v_pages, copies, *, implementation=None):
 
     Args:
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, same dtype; or both
-        int8/fp8 ``QuantizedArray`` pools, whose scales are copied with their values.
+        int8/fp8 ``QuantizedArray`` pools, whose scales are copied with their values; or
+        both ``FoldedPages`` (:mod:`forge_jax.ops.kv_fold`).
       copies: int ``[n, 2]``, rows ``(src, dst)`` of page indices.
       implementation: ``None`` (auto) or a registered implementation name.
 
@@ -498,7 +519,8 @@ def copy_pages(k_pages, v_pages, copies, *, implementation=None):
       ``(k_pages, v_pages)`` with the copies applied.
     """
     args = _copy_pages_args(k_pages, v_pages, copies)
-    return kv_quant.repack(k_pages, v_pages, dispatch.call("copy_pages", args, implementation))
+    out = dispatch.call("copy_pages", args, implementation)
+    return kv_fold.repack(k_pages, v_pages, kv_quant.repack(k_pages, v_pages, out))
 
 
 def _copy_pages_partition(args, config):
@@ -519,7 +541,8 @@ def _copy(pages, src, dst):
 
 @dispatch.register("copy_pages", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="gather the source pages, scatter to the destinations")
-def copy_pages_xla(k_pages, v_pages, copies, k_scales=None, v_scales=None):
+def copy_pages_xla(k_pages, v_pages, copies, k_scales=None, v_scales=None, fold=1):
+    del fold  # a folded pool's pages are whole along axis 1 too: copied as stored
     k_pages, v_pages, copies = map(jnp.asarray, (k_pages, v_pages, copies))
     num_pages = k_pages.shape[1]
     copies = copies.astype(jnp.int32)

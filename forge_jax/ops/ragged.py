@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
-from forge_jax.ops import kv_quant
+from forge_jax.ops import kv_fold, kv_quant
 from forge_jax.ops._attention_math import (
     check_heads,
     check_masking,
@@ -179,9 +179,10 @@ def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_s
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     _check_values(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens=q.shape[0],
                   num_pages=num_pages, page_size=page_size)
-    return dict(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
-                kv_lengths=kv_lengths, cu_q_lens=cu_q_lens, num_seqs=num_seqs, scale=scale,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **scales)
+    return dict(q=q, k_pages=kv_fold.stored(k_pages), v_pages=kv_fold.stored(v_pages),
+                block_tables=block_tables, kv_lengths=kv_lengths, cu_q_lens=cu_q_lens,
+                num_seqs=num_seqs, scale=scale, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap, **scales)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
@@ -237,7 +238,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         from ``q``'s; the math is float32 either way), ``q_heads % kv_heads == 0``; or both
         int8/fp8 ``QuantizedArray`` pools, a scale per token and KV head
         (:mod:`forge_jax.ops.kv_quant`), dequantized slot by slot as they are read (a
-        hidden slot's scale, NaN say, is as invisible as its values).
+        hidden slot's scale, NaN say, is as invisible as its values); or both ``FoldedPages``
+        (:mod:`forge_jax.ops.kv_fold`).
       block_tables: int ``[max_seqs, pages_per_seq]``, each sequence's pages in order.
       kv_lengths: int ``[max_seqs]``, tokens in the cache per sequence, new ones included.
       cu_q_lens: int ``[max_seqs + 1]``, ``cu_q_lens[0] == 0``, non-decreasing: sequence
@@ -371,8 +373,10 @@ def _attend_block(q, tables, lengths, positions, *, k_pages, per_row, shared):
                                "their own (in row blocks), masked float32 softmax")
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
                                num_seqs, *, scale, sliding_window, logits_soft_cap,
-                               k_scales=None, v_scales=None):
+                               k_scales=None, v_scales=None, fold=1):
     q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
+    if fold > 1:  # folded pools (forge_jax.ops.kv_fold): read the logical view
+        k_pages, v_pages = kv_fold.unfold(k_pages, fold), kv_fold.unfold(v_pages, fold)
     total_tokens, q_heads, head_dim = q.shape
     if scale is None:
         scale = head_dim ** -0.5

@@ -27,6 +27,16 @@ the head_dim % 128 rule this kernel once had was not libtpu's (64, 80 and 192 co
 v5e and v6e through :func:`forge_jax.aot.compile`), and the pools are read in place, never
 padded.
 
+Folded pools (``fold > 1``, :mod:`forge_jax.ops.kv_fold`: what the cache stores on TPU for
+head_dim 64, where XLA lays a 64-wide pool out pages-minor and a row-major read copied it
+per step): a page is ``[page_size // fold, 128]``, ``fold`` consecutive tokens side by
+side, and is read as stored, without lane slices. The queries come in ``fold`` row blocks,
+block ``r`` holding them in lane group ``r``, so one product gives every token's logit;
+the values' product is masked to each token's lane group and the wrapper sums the groups
+(a ``[rows, 128]`` output per head). Non-finite keys are zeroed for the product (a zero
+query lane times a neighbour's NaN would spoil a finite token) and their own logits set to
+NaN by a second product.
+
 A table entry of -1 (:func:`~forge_jax.pallas_kernels._attention_common.paged_ranges`
 writes it for an entry past the sequence's pages or one that names no page of the pool)
 copies nothing, and its slots are hidden from every row like the slots outside ``[lo,
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -103,11 +114,15 @@ def default_pages_per_compute_block(page_size: int, max_pages: int,
     return max(1, min(max_pages, config.block_k // page_size))
 
 
+def _sum(xs):
+    return functools.reduce(operator.add, xs)
+
+
 def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             q_ref, pos_ref, k_hbm, v_hbm,  # inputs
             *refs,  # [ks_hbm, vs_hbm,] o_ref, k_buf, v_buf, [ks_buf, vs_buf,] sems
             pages_per_compute_block, max_pages, scale, sliding_window, logits_soft_cap,
-            exact_range, quantized):
+            exact_range, quantized, fold):
     # tables_ref [batch * max_pages], -1 where no page is named; lo_ref, hi_ref [batch]: the
     # keys any row of sequence b sees lie in [lo, hi) (exactly the keys every row sees when
     # exact_range).
@@ -116,6 +131,12 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     # Quantized pools: k_hbm, v_hbm hold int8/fp8 values and ks_hbm, vs_hbm [kv_heads,
     # num_pages, page_size, 1] their float32 scales, copied page by page beside them into
     # ks_buf, vs_buf [2, pages, page_size, 1] and applied in VMEM (a scale per key row).
+    # Folded pools (fold > 1, forge_jax.ops.kv_fold): the pages are [page_size // fold, 128]
+    # rows holding `fold` consecutive tokens side by side, read as stored (no lane slice):
+    # q_ref is [fold * rows, 128], row block r holding the queries in lanes [r * head_dim,
+    # (r + 1) * head_dim) and zeros elsewhere, so its product with a folded row is the logit
+    # of the row's token r; o_ref [rows, 128] collects in lane group r the values of the
+    # tokens r of the rows (the wrapper sums the groups).
     if quantized:
         ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
         pools = ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1), (ks_hbm, ks_buf, 2), (vs_hbm, vs_buf, 3))
@@ -123,9 +144,11 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         o_ref, k_buf, v_buf, sems = refs
         pools = ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1))
     b, h = pl.program_id(0), pl.program_id(1)
-    rows, head_dim = q_ref.shape
-    page_size = k_buf.shape[2]
+    rows, lanes = o_ref.shape
+    head_dim = lanes // fold
+    page_size = k_buf.shape[2] * fold
     block_k = pages_per_compute_block * page_size
+    block_rows = block_k // fold  # stored rows per block
     lo, hi = lo_ref[b], hi_ref[b]
     # lax.div/rem, not // and %: both operands are non-negative, and the floor of a
     # possibly negative quotient lowers through sign, which Mosaic cannot lower everywhere.
@@ -150,12 +173,11 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         for i in range(pages_per_compute_block):
             page_copy(block, slot, i, method)
 
-    def named(block, shape, axis):
-        # Whether each key of the block (along `axis` of `shape`) lies on a page its entry
-        # names: a -1 entry's slots are hidden, their buffer holds stale data. Comparisons
-        # against scalar bounds, not a vector division by page_size.
-        key = lax.broadcasted_iota(jnp.int32, shape, axis)
-        mask = jnp.zeros(shape, jnp.bool_)
+    def named(block, key):
+        # Whether each key of the block (its index in the block: `key`) lies on a page its
+        # entry names: a -1 entry's slots are hidden, their buffer holds stale data.
+        # Comparisons against scalar bounds, not a vector division by page_size.
+        mask = jnp.zeros(key.shape, jnp.bool_)
         for i in range(pages_per_compute_block):
             page = tables_ref[b * max_pages + block * pages_per_compute_block + i]
             start = jnp.where(page >= 0, i * page_size, block_k)  # block_k: no key
@@ -168,6 +190,16 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
 
     q = q_ref[...]
     pos = pos_ref[...]  # [rows, 1]
+    # The token (of `fold`) each lane of a stored row holds: lane // head_dim, as compares.
+    lane = lax.broadcasted_iota(jnp.int32, (block_rows, lanes), 1)
+    lane_token = _sum([jnp.where(lane >= r * head_dim, 1, 0) for r in range(1, fold)]
+                      ) if fold > 1 else None
+    if fold > 1:  # [fold * rows, lanes]: row block r is 1 in lane group r (like q_ref)
+        i = lax.broadcasted_iota(jnp.int32, (fold * rows, lanes), 0)
+        l_ = lax.broadcasted_iota(jnp.int32, (fold * rows, lanes), 1)
+        lane_groups = _sum([jnp.where((i >= r * rows) & (i < (r + 1) * rows)
+                                      & (l_ >= r * head_dim) & (l_ < (r + 1) * head_dim),
+                                      1.0, 0.0) for r in range(fold)])
 
     def body(block, carry):
         o, m, l_sum = carry
@@ -178,62 +210,92 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             each_copy(block + 1, 1 - slot, "start")
 
         each_copy(block, slot, "wait")
-        k = k_buf[slot].reshape(block_k, head_dim)
+        k = k_buf[slot].reshape(block_rows, lanes)
         if quantized:
             k = k.astype(jnp.float32) * ks_buf[slot].reshape(block_k, 1)
+        if fold > 1:
+            # A row's zero query lanes times a neighbour token's NaN or inf would spoil the
+            # logits of a finite token: non-finite keys are zeroed for the product, and
+            # their tokens' logits made NaN by a second product (as q . k would be).
+            # (In float32: a bfloat16 select on this mask does not lower for v6e.)
+            k32 = k.astype(jnp.float32)
+            bad_k = (jnp.abs(k32) == jnp.inf) | (k32 != k32)
+            k = jnp.where(bad_k, 0.0, k32).astype(k.dtype)
         qk = q
         if q.dtype != k.dtype:
             qk, k = q.astype(jnp.float32), k.astype(jnp.float32)
-        s = lax.dot_general(qk, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale  # [rows, block_k]
+        s_all = lax.dot_general(qk, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale
+        if fold > 1:
+            bad_s = lax.dot_general(lane_groups, jnp.where(bad_k, 1.0, 0.0),
+                                    (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+            s_all = jnp.where(bad_s > 0, jnp.nan, s_all)
         if logits_soft_cap is not None:
-            s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-        j = block * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-        visible = (j <= pos) & (j < hi) & named(block, (rows, block_k), 1)
-        if sliding_window is not None:
-            visible &= j > pos - sliding_window
-        # where, not a bias: keys no row may see can hold NaN or inf.
-        s = jnp.where(visible, s, -jnp.inf)
-        m_next = jnp.maximum(m, s.max(axis=1, keepdims=True))
+            s_all = logits_soft_cap * jnp.tanh(s_all / logits_soft_cap)
+        # Per token r of a stored row: logits [rows, block_rows] of the keys fold * t + r.
+        row = lax.broadcasted_iota(jnp.int32, (rows, block_rows), 1)
+        logits, visibles = [], []
+        for r in range(fold):
+            s = s_all[r * rows:(r + 1) * rows] if fold > 1 else s_all
+            key = row * fold + r if fold > 1 else row
+            j = block * block_k + key
+            visible = (j <= pos) & (j < hi) & named(block, key)
+            if sliding_window is not None:
+                visible &= j > pos - sliding_window
+            # where, not a bias: keys no row may see can hold NaN or inf.
+            logits.append(jnp.where(visible, s, -jnp.inf))
+            visibles.append(visible)
+        m_next = functools.reduce(jnp.maximum, [s.max(axis=1, keepdims=True) for s in logits],
+                                  m)
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
-        p = jnp.exp(s - m_safe)
+        probs = [jnp.exp(s - m_safe) for s in logits]
         correction = jnp.exp(m - m_safe)
-        l_sum = correction * l_sum + p.sum(axis=1, keepdims=True)
-        v = v_buf[slot].reshape(block_k, head_dim).astype(jnp.float32)
+        l_sum = correction * l_sum + _sum([p.sum(axis=1, keepdims=True) for p in probs])
+        v = v_buf[slot].reshape(block_rows, lanes).astype(jnp.float32)
         if quantized:
             v = v * vs_buf[slot].reshape(block_k, 1)
-        jv = block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        named_v = named(block, (block_k, head_dim), 0)
+        v_key = lax.broadcasted_iota(jnp.int32, (block_rows, lanes), 0) * fold
+        if fold > 1:
+            v_key = v_key + lane_token
+        jv = block * block_k + v_key
+        named_v = named(block, v_key)
         if exact_range:  # every row sees exactly [lo, hi) on named pages: zero the rest
             v = jnp.where((jv >= lo) & (jv < hi) & named_v, v, 0.0)
         else:  # a slot in range may be hidden from some rows: non-finite values leave p @ v
             nonfinite = (jnp.abs(v) == jnp.inf) | (v != v)
             v = jnp.where(nonfinite, 0.0, v)
+            flags = jnp.where(nonfinite & (jv >= lo) & (jv < hi) & named_v, 1.0, 0.0)
         pv_dtype = q_ref.dtype if q_ref.dtype == k_buf.dtype else jnp.float32
-        pv = lax.dot_general(p.astype(pv_dtype), v.astype(pv_dtype), (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [rows, head_dim]
+        out_lane = lax.broadcasted_iota(jnp.int32, (rows, lanes), 1)
+        in_group = lambda r, x: x if fold == 1 else jnp.where(  # noqa: E731
+            (out_lane >= r * head_dim) & (out_lane < (r + 1) * head_dim), x, 0.0)
+        pv = _sum([in_group(r, lax.dot_general(p.astype(pv_dtype), v.astype(pv_dtype),
+                                               (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32))
+                   for r, p in enumerate(probs)])  # [rows, lanes]
         o = correction * o + pv
         if not exact_range:
-            in_range = (jv >= lo) & (jv < hi) & named_v
-            hits = lax.dot_general(jnp.where(visible, 1.0, 0.0),
-                                   jnp.where(nonfinite & in_range, 1.0, 0.0),
-                                   (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+            hits = _sum([in_group(r, lax.dot_general(jnp.where(visible, 1.0, 0.0), flags,
+                                                     (((1,), (0,)), ((), ())),
+                                                     preferred_element_type=jnp.float32))
+                         for r, visible in enumerate(visibles)])
             o = jnp.where(hits > 0, jnp.nan, o)
         return o, m_next, l_sum
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
+    init = (jnp.zeros((rows, lanes), jnp.float32),
             jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
     o, _, l_sum = lax.fori_loop(first, last, body, init)
     o_ref[...] = jnp.where(l_sum == 0, 0.0, o / l_sum).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "sliding_window", "logits_soft_cap", "pages_per_compute_block", "interpret"))
+    "scale", "sliding_window", "logits_soft_cap", "pages_per_compute_block", "interpret",
+    "fold"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
                     pages_per_compute_block=None, interpret=False, k_scales=None,
-                    v_scales=None):
+                    v_scales=None, fold=1):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
@@ -241,6 +303,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         float32/bfloat16.
       k_pages, v_pages: ``[kv_heads, num_pages, page_size, head_dim]``, float32/bfloat16;
         or int8/fp8 values of quantized pools (:mod:`forge_jax.ops.kv_quant`).
+      fold: 1, or the tokens per stored row of folded pools (:mod:`forge_jax.ops.kv_fold`):
+        then ``k_pages``, ``v_pages`` are ``[kv_heads, num_pages, page_size // fold, fold *
+        head_dim]`` and are read folded, in place.
       k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]`` for quantized
         pools (copied with their pages, applied in VMEM), else None.
       block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
@@ -257,7 +322,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
     if decode:
         q = q[:, None]
     batch, q_len, q_heads, head_dim = q.shape
-    kv_heads, num_pages, page_size, _ = k_pages.shape
+    kv_heads, num_pages, page_size, lanes = k_pages.shape
+    page_size *= fold  # the logical page
     max_pages = block_tables.shape[1]
     group = q_heads // kv_heads
     if pages_per_compute_block is None:
@@ -281,12 +347,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         row_pos = row_pos[..., None]  # [batch, rows_pad, 1]
         tables = tables.reshape(-1)
         qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad)
+        if fold > 1:  # row block r: the queries in lane group r (see _kernel)
+            qg = jnp.concatenate([jnp.pad(qg, ((0, 0),) * 3 + ((r * head_dim, lanes - (r + 1)
+                                                                * head_dim),))
+                                  for r in range(fold)], axis=2)
 
         kernel = functools.partial(
             _kernel, pages_per_compute_block=pages_per_compute_block, max_pages=table_width,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
-            exact_range=q_len == 1, quantized=k_scales is not None)
-        buf = pltpu.VMEM((2, pages_per_compute_block, page_size, head_dim), k_pages.dtype)
+            exact_range=q_len == 1, quantized=k_scales is not None, fold=fold)
+        buf = pltpu.VMEM((2, pages_per_compute_block) + k_pages.shape[2:], k_pages.dtype)
         scales = () if k_scales is None else (k_scales.astype(jnp.float32),
                                               v_scales.astype(jnp.float32))
         scales_buf = pltpu.VMEM((2, pages_per_compute_block, page_size, 1), jnp.float32)
@@ -296,19 +366,20 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 num_scalar_prefetch=3,
                 grid=(batch, kv_heads),
                 in_specs=[
-                    pl.BlockSpec((None, None, rows_pad, head_dim),
+                    pl.BlockSpec((None, None, fold * rows_pad, lanes),
                                  lambda b, h, *_: (b, h, 0, 0)),
                     pl.BlockSpec((None, rows_pad, 1), lambda b, h, *_: (b, 0, 0)),
                     pl.BlockSpec(memory_space=pl.ANY),
                     pl.BlockSpec(memory_space=pl.ANY),
                     *(pl.BlockSpec(memory_space=pl.ANY) for _ in scales),
                 ],
-                out_specs=pl.BlockSpec((None, None, rows_pad, head_dim),
+                out_specs=pl.BlockSpec((None, None, rows_pad, lanes),
                                        lambda b, h, *_: (b, h, 0, 0)),
                 scratch_shapes=[buf, buf, *(scales_buf for _ in scales),
                                 pltpu.SemaphoreType.DMA((2 + len(scales), 2))],
             ),
-            out_shape=jax.ShapeDtypeStruct((batch, kv_heads, rows_pad, head_dim), q.dtype),
+            out_shape=jax.ShapeDtypeStruct((batch, kv_heads, rows_pad, lanes),
+                                           q.dtype if fold == 1 else jnp.float32),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel")),
             interpret=_compat.tpu_interpret_params() if interpret else False,
@@ -318,6 +389,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 io=(qg, qg, tables), kv_bytes=2 * batch * kv_heads * max_pages * page_size
                 * (head_dim * k_pages.dtype.itemsize + 4 * len(scales) // 2)),
         )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages, *scales)
+        if fold > 1:  # lane group r holds the tokens r of the rows: sum them (tiny)
+            out = out.reshape(batch, kv_heads, rows_pad, fold, head_dim).sum(3).astype(q.dtype)
 
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                                 head_dim=head_dim)
@@ -329,7 +402,8 @@ def supports(args: Mapping[str, Any]) -> str | None:
     else why not."""
     q, k_pages = args["q"], args["k_pages"]
     q_len = 1 if q.ndim == 3 else q.shape[1]
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[2]  # a folded pool's stored rows per page (fold tokens each)
+    fold = args.get("fold", 1)
     pages_ok = _common.FLOAT_DTYPES
     if args.get("k_scales") is not None:  # quantized pools: int8/fp8 values and their scales
         pages_ok = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
@@ -345,6 +419,15 @@ def supports(args: Mapping[str, Any]) -> str | None:
     # 0.10.2, 2026-11-25; a head_dim % 128 rejection once kept SmolLM2, Llama-3.2-1B/3B and
     # Qwen2.5-0.5B off this kernel) and agree with XLA in the interpreter.
     tile = _common.sublane_tile(k_pages.dtype)
+    if fold > 1:
+        # Folded pages of 8 rows compile for v5e and v6e in bfloat16 and float32 alike
+        # (SmolLM2's heads, pages of 16 tokens; forge_jax.aot, libtpu 0.0.42.1, JAX 0.10.2,
+        # 2026-11-25); fewer rows are untried.
+        if page_size % 8:
+            return (f"page_size={page_size * fold} folded is {page_size} rows of {fold} "
+                    "tokens, not a multiple of 8: the pages of a block are merged into one "
+                    "[rows, 128] operand in VMEM")
+        return None
     if page_size % tile:
         return (f"page_size={page_size} is not a multiple of {tile} (the sublane tile of "
                 f"{jnp.dtype(k_pages.dtype).name}): the pages of a block are merged into one "
@@ -354,4 +437,5 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "paged_attention", paged_attention, backend="tpu", supports=supports, verified=VERIFIED,
+    reads_folded=True,
     description="decode over the block tables, double-buffered page copies, online softmax")

@@ -19,6 +19,11 @@ launch. Should a block hold a non-finite value some row
 sees (rare: real caches hold finite data), a masked count of them makes exactly the rows and
 columns that read it NaN, as the attention contract asks.
 
+Folded pools (``fold > 1``, :mod:`forge_jax.ops.kv_fold`, what the cache stores on TPU for
+head_dim 64) are read as stored, ``[page_size // fold, 128]`` rows of ``fold`` tokens, the
+way :mod:`forge_jax.pallas_kernels.tpu.paged_attention` reads them (queries in ``fold`` row
+blocks, one per lane group; outputs summed over the groups by the wrapper).
+
 Op: :func:`forge_jax.ops.ragged.ragged_paged_attention`; reference: its XLA implementation
 :func:`forge_jax.ops.ragged.ragged_paged_attention_xla`. Launch knobs: :class:`Config`, the
 per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -108,7 +114,13 @@ def _kernel(
     pages_per_seq,
     num_pages,
     quantized,
+    fold,
 ):
+    # Folded pools (fold > 1, forge_jax.ops.kv_fold): pages of [page_size // fold, 128] rows
+    # of `fold` consecutive tokens, read as stored; q_ref is [fold * g, block_q, 128], its
+    # row block r holding the queries in lane group r (zeros elsewhere), so that a product
+    # with a folded row gives the logit of its token r; acc_ref, bad_ref and o_ref are
+    # [.., 128]: lane group r collects the tokens r (the wrapper sums the groups).
     if quantized:
         (ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref,
          bad_ref) = refs
@@ -117,10 +129,12 @@ def _kernel(
         o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref, bad_ref = refs
         pools = ((k_hbm, k_buf), (v_hbm, v_buf))
     h, qb = pl.program_id(0), pl.program_id(1)
-    groups, block_q, head_dim = q_ref.shape
+    groups, block_q, lanes = o_ref.shape
+    head_dim = lanes // fold
     rows = groups * block_q
-    pages_per_block, page_size = k_buf.shape[1], k_buf.shape[2]
+    pages_per_block, page_size = k_buf.shape[1], k_buf.shape[2] * fold
     kv_block = pages_per_block * page_size
+    kv_rows = kv_block // fold  # stored rows per kv block
     capacity = pages_per_seq * page_size
     r0 = qb * block_q
 
@@ -129,7 +143,7 @@ def _kernel(
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     bad_ref[...] = jnp.zeros(bad_ref.shape, jnp.float32)
 
-    q = q_ref[...].reshape(rows, head_dim)  # row = head_in_group * block_q + token
+    q = q_ref[...].reshape(fold * rows, lanes)  # row = head_in_group * block_q + token
     # Quantized pools are dequantized to float32 in VMEM: float32 products then.
     f32 = q.dtype == jnp.float32 or k_buf.dtype == jnp.float32 or quantized
     if f32:
@@ -137,17 +151,32 @@ def _kernel(
     precision = jax.lax.Precision.HIGHEST if f32 else None
     # Absolute packed row of each matmul row (a mask, not a vector remainder, for the
     # power-of-two blocks the wrapper picks).
-    row = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 0)
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_rows), 0)
     row = r0 + (row & (block_q - 1) if block_q & (block_q - 1) == 0 else
                 jax.lax.rem(row, block_q))
-    col = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)
-    key_col = jax.lax.broadcasted_iota(jnp.int32, (kv_block, head_dim), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_rows), 1) * fold
+    # The key (in the block) of each stored element: row * fold + lane // head_dim.
+    lane = jax.lax.broadcasted_iota(jnp.int32, (kv_rows, lanes), 1)
+    key_col = jax.lax.broadcasted_iota(jnp.int32, (kv_rows, lanes), 0) * fold
+    for r in range(1, fold):
+        key_col = key_col + jnp.where(lane >= r * head_dim, 1, 0)
+    if fold > 1:  # [fold * rows, lanes]: row block r is 1 in lane group r (like q)
+        i = jax.lax.broadcasted_iota(jnp.int32, (fold * rows, lanes), 0)
+        j = jax.lax.broadcasted_iota(jnp.int32, (fold * rows, lanes), 1)
+        lane_groups = functools.reduce(operator.add, [
+            jnp.where((i >= r * rows) & (i < (r + 1) * rows) & (j >= r * head_dim)
+                      & (j < (r + 1) * head_dim), 1.0, 0.0) for r in range(fold)])
+        out_lane = jax.lax.broadcasted_iota(jnp.int32, (rows, lanes), 1)
 
-    def named(seq, kb, shape, axis):
-        # Whether each key of kv block kb (along `axis` of `shape`) lies on a page of the
-        # pool: a page id outside it reads nothing. Comparisons against scalar bounds.
-        key = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-        mask = jnp.zeros(shape, jnp.bool_)
+    def in_group(r, x):  # x [rows, lanes] with the lanes of other tokens zeroed
+        if fold == 1:
+            return x
+        return jnp.where((out_lane >= r * head_dim) & (out_lane < (r + 1) * head_dim), x, 0.0)
+
+    def named(seq, kb, key):
+        # Whether each key of kv block kb (its index in the block: `key`) lies on a page of
+        # the pool: a page id outside it reads nothing. Comparisons against scalar bounds.
+        mask = jnp.zeros(key.shape, jnp.bool_)
         for p in range(pages_per_block):
             t = jnp.minimum(kb * pages_per_block + p, pages_per_seq - 1)
             page = tables_ref[seq * pages_per_seq + t]
@@ -197,50 +226,72 @@ def _kernel(
                 for c in copies(seq, kb + 1, 1 - slot):
                     c.start()
 
-            k = k_buf[slot].reshape(kv_block, head_dim)
-            v = v_buf[slot].reshape(kv_block, head_dim)
+            k = k_buf[slot].reshape(kv_rows, lanes)
+            v = v_buf[slot].reshape(kv_rows, lanes)
             if quantized:  # a scale per key row; a hidden slot's (NaN) is masked below
                 k = k.astype(jnp.float32) * ks_buf[slot].reshape(kv_block, 1)
                 v = v.astype(jnp.float32) * vs_buf[slot].reshape(kv_block, 1)
+            if fold > 1:
+                # A row's zero query lanes times a neighbour token's NaN or inf would spoil
+                # a finite token's logit: non-finite keys are zeroed for the product and
+                # their tokens' logits made NaN by a second product (in float32: a bfloat16
+                # select on this mask does not lower for v6e).
+                k32 = k.astype(jnp.float32)
+                bad_k = (jnp.abs(k32) == jnp.inf) | (k32 != k32)
+                k = jnp.where(bad_k, 0.0, k32).astype(k.dtype)
             if f32:
                 k = k.astype(jnp.float32)
-            key = kb * kv_block + col
-            visible = in_seq & (key <= pos) & (key < kv_end) & named(seq, kb, key.shape, 1)
-            if sliding_window is not None:
-                visible &= key > pos - sliding_window
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32)  # [rows, kv_block]
-            s = s * jnp.float32(scale)
+            s_all = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                        preferred_element_type=jnp.float32)
+            if fold > 1:
+                s_all = jnp.where(jax.lax.dot_general(
+                    lane_groups, jnp.where(bad_k, 1.0, 0.0), (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32) > 0, jnp.float32(jnp.nan), s_all)
+            s_all = s_all * jnp.float32(scale)  # [fold * rows, kv_rows]
             if logits_soft_cap is not None:
-                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+                s_all = logits_soft_cap * jnp.tanh(s_all / logits_soft_cap)
             # A +inf logit is NaN data (the contract), not a winner.
-            s = jnp.where(s == jnp.inf, jnp.float32(jnp.nan), s)
-            s = jnp.where(visible, s, -jnp.inf)
+            s_all = jnp.where(s_all == jnp.inf, jnp.float32(jnp.nan), s_all)
+            logits, visibles = [], []
+            for r in range(fold):  # the keys fold * t + r of the block's stored rows t
+                s = s_all[r * rows:(r + 1) * rows] if fold > 1 else s_all
+                key = kb * kv_block + col + r
+                visible = (in_seq & (key <= pos) & (key < kv_end)
+                           & named(seq, kb, col + r))
+                if sliding_window is not None:
+                    visible &= key > pos - sliding_window
+                logits.append(jnp.where(visible, s, -jnp.inf))
+                visibles.append(visible)
             m_prev = m_ref[...]
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 128]
+            m_next = functools.reduce(jnp.maximum, [jnp.max(s, axis=1, keepdims=True)
+                                                    for s in logits], m_prev)  # [rows, 128]
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
             alpha = jnp.exp(m_prev - m_safe)
-            p = jnp.where(visible, jnp.exp(s - m_safe[:, :1]), 0.0)
-            l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+            probs = [jnp.where(visible, jnp.exp(s - m_safe[:, :1]), 0.0)
+                     for s, visible in zip(logits, visibles, strict=True)]
+            l_ref[...] = alpha * l_ref[...] + functools.reduce(
+                operator.add, [jnp.sum(p, axis=1, keepdims=True) for p in probs])
             m_ref[...] = m_next
             finite = jnp.isfinite(v.astype(jnp.float32))  # Mosaic tests finiteness in float32
             v = jnp.where(finite, v, jnp.zeros((), v.dtype))
-            pv = jax.lax.dot_general(p.astype(v.dtype) if not f32 else p,
-                                     v.astype(jnp.float32) if f32 else v,
-                                     (((1,), (0,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32)
+            pv = functools.reduce(operator.add, [in_group(r, jax.lax.dot_general(
+                p.astype(v.dtype) if not f32 else p, v.astype(jnp.float32) if f32 else v,
+                (((1,), (0,)), ((), ())), precision=precision,
+                preferred_element_type=jnp.float32)) for r, p in enumerate(probs)])
             acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
             # Slots no row of this sequence sees may hold anything; a non-finite value among
             # the others is real data that the rows seeing it must turn into NaN.
             seen_bad = jnp.where((key_col >= lo - kb * kv_block)
                                  & (key_col < hi - kb * kv_block) & ~finite
-                                 & named(seq, kb, key_col.shape, 0), 1.0, 0.0)
+                                 & named(seq, kb, key_col), 1.0, 0.0)
 
             @pl.when(jnp.max(seen_bad) > 0)
             def _():
-                bad_ref[...] += jax.lax.dot_general(
-                    visible.astype(jnp.float32), seen_bad, (((1,), (0,)), ((), ())),
-                    preferred_element_type=jnp.float32)
+                bad_ref[...] += functools.reduce(operator.add, [in_group(
+                    r, jax.lax.dot_general(visible.astype(jnp.float32), seen_bad,
+                                           (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32))
+                    for r, visible in enumerate(visibles)])
 
             return ()
 
@@ -264,7 +315,16 @@ def supports(args):
         if jnp.dtype(x.dtype) not in ok:
             return f"{name}.dtype={jnp.dtype(x.dtype).name}: the TPU kernel takes float32 or " \
                    f"bfloat16"
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[2]  # a folded pool's stored rows per page (fold tokens each)
+    fold = args.get("fold", 1)
+    if fold > 1:
+        # Folded pages of 8 rows compile for v5e and v6e in bfloat16 and float32 (SmolLM2's
+        # heads, pages of 16 tokens; forge_jax.aot, libtpu 0.0.42.1, JAX 0.10.2, 2026-11-25).
+        if page_size % 8:
+            return (f"page_size={page_size * fold} folded is {page_size} rows of {fold} "
+                    "tokens, not a multiple of 8: the pages of a kv block are joined along "
+                    "8-row sublane tiles")
+        return None
     # Any head_dim: 64, 80 and 192 (and 128) compile for v5e and v6e (forge_jax.aot, JAX
     # 0.10.2, 2026-11-25) and agree with XLA in the interpreter.
     sublanes = max(_common.sublane_tile(x.dtype) for x in (q, k_pages))
@@ -276,11 +336,11 @@ def supports(args):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "sliding_window", "logits_soft_cap", "block_q", "kv_block", "interpret"))
+    "scale", "sliding_window", "logits_soft_cap", "block_q", "kv_block", "interpret", "fold"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs,
                            *, scale=None, sliding_window=None, logits_soft_cap=None,
                            block_q=None, kv_block=None, interpret=False, k_scales=None,
-                           v_scales=None):
+                           v_scales=None, fold=1):
     """Ragged paged attention (see :func:`forge_jax.ragged_paged_attention`) on TPU.
 
     Args:
@@ -297,12 +357,16 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
       interpret: run in the TPU interpreter (``True``: forge_jax's interpret params).
       k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]`` for quantized
         pools (copied with their pages, applied in VMEM), else None.
+      fold: 1, or the tokens per stored row of folded pools (:mod:`forge_jax.ops.kv_fold`):
+        then ``k_pages``, ``v_pages`` are ``[kv_heads, num_pages, page_size // fold, fold *
+        head_dim]`` and are read folded, in place.
 
     Returns:
       ``[total_tokens, q_heads, head_dim]`` in ``q.dtype``.
     """
     total_tokens, q_heads, head_dim = q.shape
-    kv_heads, num_pages, page_size, _ = k_pages.shape
+    kv_heads, num_pages, page_size, lanes = k_pages.shape
+    page_size *= fold  # the logical page
     max_seqs, pages_per_seq = block_tables.shape
     if total_tokens == 0 or max_seqs == 0 or num_pages == 0:
         return jnp.zeros(q.shape, q.dtype)  # no row can see a key
@@ -333,12 +397,23 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     qt = jnp.pad(q, ((0, padded - total_tokens), (0, 0), (0, 0)))
     qt = qt.reshape(padded, kv_heads, groups, head_dim).transpose(1, 2, 0, 3)
     rows = groups * block_q
+    out_shape = jax.ShapeDtypeStruct(qt.shape, q.dtype)
     block = pl.BlockSpec((None, groups, block_q, head_dim), lambda h, b, *_: (h, 0, b, 0))
+    q_block = block
+    if fold > 1:  # row block r: the queries in lane group r (see _kernel)
+        qt = jnp.concatenate([jnp.pad(qt, ((0, 0),) * 3 + ((r * head_dim, lanes - (r + 1)
+                                                            * head_dim),))
+                              for r in range(fold)], axis=1)  # [kv_heads, fold * g, .., 128]
+        q_block = pl.BlockSpec((None, fold * groups, block_q, lanes),
+                               lambda h, b, *_: (h, 0, b, 0))
+        block = pl.BlockSpec((None, groups, block_q, lanes), lambda h, b, *_: (h, 0, b, 0))
+        out_shape = jax.ShapeDtypeStruct((kv_heads, groups, padded, lanes), jnp.float32)
     kernel = functools.partial(
         _kernel, scale=float(scale), sliding_window=sliding_window,
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        pages_per_seq=pages_per_seq, num_pages=num_pages, quantized=k_scales is not None)
-    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+        pages_per_seq=pages_per_seq, num_pages=num_pages, quantized=k_scales is not None,
+        fold=fold)
+    buf = pltpu.VMEM((2, pages_per_block) + k_pages.shape[2:], k_pages.dtype)
     scales = () if k_scales is None else (k_scales.astype(jnp.float32),
                                           v_scales.astype(jnp.float32))
     scales_buf = pltpu.VMEM((2, pages_per_block, page_size, 1), jnp.float32)
@@ -347,7 +422,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(kv_heads, q_blocks),
-            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY),
+            in_specs=[q_block, pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY),
                       *(pl.BlockSpec(memory_space=pl.ANY) for _ in scales)],
             out_specs=block,
@@ -356,10 +431,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
                 pltpu.SemaphoreType.DMA((2 + len(scales), 2)),
                 pltpu.VMEM((rows, _common.LANES), jnp.float32),
                 pltpu.VMEM((rows, _common.LANES), jnp.float32),
-                pltpu.VMEM((rows, head_dim), jnp.float32),
-                pltpu.VMEM((rows, head_dim), jnp.float32),
+                pltpu.VMEM((rows, lanes), jnp.float32),
+                pltpu.VMEM((rows, lanes), jnp.float32),
             ]),
-        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_compat.tpu_interpret_params() if interpret else False,
         name="forge_jax_tpu_ragged_paged_attention",
@@ -369,11 +444,13 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
             * page_size * (head_dim * k_pages.dtype.itemsize + 4 * bool(scales))),
     )(seq_range, cu, kv_lengths, block_tables.astype(jnp.int32).reshape(-1), qt, k_pages,
       v_pages, *scales)
+    if fold > 1:  # lane group r holds the tokens r of the rows: sum them (small)
+        out = out.reshape(kv_heads, groups, padded, fold, head_dim).sum(3).astype(q.dtype)
     return out.transpose(2, 0, 1, 3).reshape(padded, q_heads, head_dim)[:total_tokens]
 
 
 _registration.register(
     "ragged_paged_attention", ragged_paged_attention, backend="tpu", supports=supports,
-    verified=VERIFIED,
+    verified=VERIFIED, reads_folded=True,
     description="grid over (kv head, query block), sequences of a block from scalar-prefetched "
                 "cu_q_lens, double-buffered page copies, online float32 softmax")
