@@ -92,7 +92,12 @@ def register_reason(*, head_dim: int, quantized: bool, several_positions: bool) 
     figures, ``tests/test_pallas_mgpu_paged.py`` shows them."""
     if head_dim <= MAX_SPILL_FREE_HEAD_DIM or not (several_positions or quantized):
         return None
-    what = "several query positions" if several_positions else "int8/fp8 pages"
-    return (f"head_dim={head_dim} with {what}: the H100 compile spills registers past "
-            f"{MAX_SPILL_FREE_HEAD_DIM} (the NaN bookkeeping's second [64, head_dim] float32 "
-            "accumulator, or the dequantized tiles, beside the output's)")
+    if several_positions:
+        return (f"head_dim={head_dim} with several query positions: the H100 compile spills "
+                f"registers past {MAX_SPILL_FREE_HEAD_DIM} (the NaN bookkeeping's second "
+                "[64, head_dim] float32 accumulator beside the output's)")
+    if head_dim % 128:
+        return (f"head_dim={head_dim} with int8/fp8 pages: rows of {head_dim} bytes do not "
+                "tile the 128-byte swizzle (the H100 lowering fails)")
+    return (f"head_dim={head_dim} with int8/fp8 pages: the H100 compile spills registers past "
+            f"{MAX_SPILL_FREE_HEAD_DIM} (the dequantized tiles beside the accumulator)")
