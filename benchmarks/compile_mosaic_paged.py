@@ -80,6 +80,10 @@ CASES = [
     ("fp8 ragged, 512 rows over 32 seqs ctx4096 32/8 d128 page16", "ragged_paged_attention",
      ragged_args(512, 32, 4096, 32, 8, 128, 16, kv_format="fp8"),
      ragged.ragged_paged_attention),
+    ("paged chunk, b8 q_len7 ctx4096 9/3 d64 page16 (SmolLM2)", "paged_attention",
+     paged_args(8, 4096, 9, 3, 64, 16, q_len=7), paged.paged_attention),
+    ("ragged, 512 rows over 32 seqs ctx4096 9/3 d64 page16 (SmolLM2)", "ragged_paged_attention",
+     ragged_args(512, 32, 4096, 9, 3, 64, 16), ragged.ragged_paged_attention),
 ]
 
 

@@ -134,6 +134,19 @@ def test_shared_memory_limit_is_rejected_and_fails_the_lowering():
         _compat.export_for_cuda(_with_scales(stages=2), *shapes, scales, scales)
 
 
+def test_one_byte_pages_past_head_dim_128_are_rejected():
+    """Rows of 192 one-byte values do not tile the 128-byte swizzle (the lowering asserts,
+    with no message); at 256 ptxas spills registers (48 bytes at Llama-3's decode, JAX
+    0.10.2, BENCHMARKS.md)."""
+    for head_dim in (192, 256):
+        shapes, scales = _quantized(32, 8, head_dim, 16, None, I8)
+        args = paged_attention_args(shapes) | dict(k_scales=scales, v_scales=scales)
+        assert f"head_dim={head_dim} with int8/fp8 pages" in kernel.supports(args)
+    shapes, scales = _quantized(32, 8, 192, 16, None, I8)
+    with pytest.raises(AssertionError):
+        _compat.export_for_cuda(_with_scales(), *shapes, scales, scales)
+
+
 def test_ragged_quantized_step_lowers_for_h100():
     pages = S((8, 64, 16, 128), I8)
     scales = S((8, 64, 16, 1), F32)

@@ -30,6 +30,7 @@ from cases.checks import assert_close
 from cases.inputs import rng
 from cases.paged import paged_attention_args, paged_attention_specs
 from cases.paged_base import PagedAttentionCases, PagedCase
+from cases.ptxas import NEEDS_H100, compile_h100
 from cases.references import f64
 from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 
@@ -74,7 +75,7 @@ class TestPagedAttentionMosaicGpuInterpret(TestPagedAttentionMosaicGpu):
 
 # (q_heads, kv_heads, head_dim, page_size, q_len, dtype); Llama-3's decode is compiled whole
 # below.
-ACCEPTED = [(*SMOLLM2_135M_HEADS, 8, 4, F16), (32, 8, 256, 16, 16, BF16)]
+ACCEPTED = [(*SMOLLM2_135M_HEADS, 8, 4, F16), (32, 8, 256, 16, None, BF16)]
 
 
 def _lower(case, **knobs):
@@ -115,6 +116,40 @@ def test_llama_decode_compiles_for_h100_with_its_cost():
     assert row.costed and kv_bytes <= row.bytes_accessed < 1.05 * kv_bytes, row
     assert row.roofline_seconds == pytest.approx(
         row.bytes_accessed / fj.targets.get("h100").memory_bandwidth)
+
+
+# Several query positions (a chunk of q_len tokens): the path that keeps a non-finite value
+# out of the rows that do not see it, which once spilled 48 bytes at head_dim 128.
+SEVERAL_POSITIONS = [(*heads, 16, q_len, dtype) for heads, q_len in (
+    (SMOLLM2_135M_HEADS, 7), (LLAMA3_8B_HEADS, 16)) for dtype in (BF16, F16)]
+
+
+@NEEDS_H100
+@pytest.mark.parametrize("case", SEVERAL_POSITIONS, ids=lambda c: "-".join(map(case_id, c)))
+def test_several_positions_compile_for_h100_without_spills(case):
+    shapes = paged_attention_specs(*case)
+    assert kernel.supports(paged_attention_args(shapes)) is None
+    report, spills, registers = compile_h100(
+        fj.paged_attention, *shapes, implementation="mosaic_gpu", sliding_window=9,
+        logits_soft_cap=30.0)
+    assert report.compiled, report.error
+    assert spills == [0] and len(registers) == 1, (spills, registers)
+
+
+@NEEDS_H100
+def test_wide_head_dims_with_several_positions_are_refused_and_spill():
+    """Past head_dim 128 the several-positions path holds two ``[64, head_dim]`` float32
+    accumulators: supports() refuses it (XLA or Triton serve it), and forced, ptxas spills
+    (56 bytes at head_dim 192, JAX 0.10.2). A decode launch of the same head_dim is
+    accepted."""
+    shapes = paged_attention_specs(32, 8, 192, 16, 8, BF16)
+    assert "head_dim=192 with several query positions" in kernel.supports(
+        paged_attention_args(shapes))
+    assert kernel.supports(paged_attention_args(
+        paged_attention_specs(32, 8, 192, 16, None, BF16))) is None
+    report, spills, _ = compile_h100(kernel.paged_attention, *shapes)
+    assert report.compiled, report.error
+    assert len(spills) == 1 and spills[0] > 0, spills
 
 
 # Rejections that are compile limits, and how the lowering refuses each when forced.

@@ -24,6 +24,7 @@ from cases.base import MosaicGpu
 from cases.checks import assert_close
 from cases.inputs import rng
 from cases.paged import make_step
+from cases.ptxas import NEEDS_H100, compile_h100
 from cases.ragged_base import RaggedPagedAttentionCases
 from cases.references import f64, ragged_paged_attention_ref
 
@@ -73,13 +74,19 @@ def _specs(*, tokens=32, heads=(9, 3), head_dim=64, page_size=16, dtype=BF16, q_
                 num_seqs=S((), jnp.int32))
 
 
-def test_llama3_step_lowers_for_h100():
-    specs = _specs(heads=(32, 8), head_dim=128)
+# The launch compiles the several-positions path (it once spilled 48 bytes at head_dim 128);
+# the paged kernel's tests compile the other dtype of each head config.
+@NEEDS_H100
+@pytest.mark.parametrize("heads,head_dim,dtype", [((32, 8), 128, BF16), ((9, 3), 64, F16)],
+                         ids=["llama3-bf16", "smollm2-f16"])
+def test_step_compiles_for_h100_without_spills(heads, head_dim, dtype):
+    specs = _specs(heads=heads, head_dim=head_dim, dtype=dtype)
     assert kernel.supports(specs) is None
-    exported = _compat.export_for_cuda(
-        lambda *a: kernel.ragged_paged_attention(*a, sliding_window=9, logits_soft_cap=30.0),
-        *specs.values())
-    assert "mosaic_gpu" in exported.mlir_module()
+    report, spills, registers = compile_h100(
+        fj.ragged_paged_attention, *specs.values(), implementation="mosaic_gpu",
+        sliding_window=9, logits_soft_cap=30.0)
+    assert report.compiled, report.error
+    assert spills == [0] and len(registers) == 1, (spills, registers)
 
 
 @pytest.mark.parametrize("specs,match", [
@@ -88,7 +95,9 @@ def test_llama3_step_lowers_for_h100():
     (_specs(page_size=12), "page_size=12"),
     (_specs(head_dim=96), "head_dim=96"),
     (_specs(heads=(130, 2)), "q_heads // kv_heads = 65 > 64"),
-], ids=["float32", "mixed_dtypes", "page_size", "head_dim", "group"])
+    # The several-positions path spills registers past 128 (the paged kernel's tests show it).
+    (_specs(heads=(16, 8), head_dim=256, tokens=8), "head_dim=256 with several query"),
+], ids=["float32", "mixed_dtypes", "page_size", "head_dim", "group", "head_dim_256"])
 def test_rejections_name_the_reason_and_dispatch_refuses(specs, match):
     """The paged kernel's limits (its tests show the lowering fail on the compile limits), and
     a GQA group wider than one tile."""

@@ -9,7 +9,8 @@
   launched through jax-triton (not Pallas).
 * Mosaic GPU kernels (Hopper; ``"mosaic_gpu"`` on GPU once verified,
   ``"mosaic_gpu_interpret"`` by name everywhere), ``mosaic_*.py``; ``_mosaic.py``: what they
-  share (compute capability, the Mosaic GPU interpreter).
+  share (compute capability, the Mosaic GPU interpreter); ``mosaic_paged_limits.py``: what
+  the paged and ragged paged kernels fit in (shared memory, spill-free head dims).
 * ``mosaic_quantized_matmul.py``: ``"mosaic_gpu"`` (Hopper), Mosaic GPU kernels (see
   ``_mosaic.py``): int8/fp8/int4 weights dequantized in registers feeding WGMMA.
 * ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``

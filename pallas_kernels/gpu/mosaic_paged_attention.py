@@ -33,7 +33,8 @@ Constraints (:func:`supports`, settled by the H100 lowering in
 ``tests/test_pallas_mgpu_paged.py``): compute capability 9.x (Hopper); bfloat16 or float16 queries
 and pages of one dtype (WGMMA takes float32 only as TF32, which misses the float32
 contract); ``q_len * group <= 64``; ``head_dim`` a multiple of 64 up to 256 (the 128-byte
-swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each dimension);
+swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each dimension), up
+to 128 with several query positions or one-byte pages (past it ptxas spills registers);
 ``page_size`` a multiple of 8 up to 256 that divides 64 or is a multiple of 64 (whole pages
 per key block, 8-row tiles); a ring of two key blocks within the 227 KiB of shared memory.
 
@@ -73,7 +74,17 @@ from jax import lax
 
 from forge_jax import _compat
 from forge_jax.pallas_kernels import _attention_common, _cost, _registration
-from forge_jax.pallas_kernels.gpu import _common, _mosaic
+from forge_jax.pallas_kernels.gpu import _common, _mosaic, mosaic_paged_limits
+from forge_jax.pallas_kernels.gpu.mosaic_paged_limits import (  # noqa: F401 (callers' names)
+    MAX_TMA,
+    MIN_STAGES,
+    ROWS,
+    SMEM_LIMIT,
+    block_keys,
+    fitting_stages,
+    register_reason,
+    smem_bytes,
+)
 
 pl = _compat.pallas()
 
@@ -81,16 +92,8 @@ pl = _compat.pallas()
 # the Mosaic GPU interpreter and compiled for H100 without a device; no GPU has run it).
 VERIFIED: dict[str, str] = {}
 
-ROWS = 64  # query rows per program: one WGMMA tile (M = 64 per warpgroup)
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # with scales
-MAX_TMA = 256  # elements along each dimension of one TMA copy
 SWIZZLE = 128  # bytes: the WGMMA operands' shared-memory swizzle
 LOG2E = math.log2(math.e)
-# Shared memory per block on Hopper and Blackwell (227 KiB, what Mosaic GPU checks a kernel
-# against), less the alignment padding Mosaic adds between allocations (< 3 KiB here).
-SMEM_LIMIT = 227 * 1024 - 4096
-MIN_STAGES = 2  # a ring of one block would serialise the copies and the products
 # Bytes of one TMA copy into shared memory: a multiple of the warpgroup's 128 threads (Mosaic
 # GPU's lowering splits the barrier's expected bytes among them).
 SCALE_COPY_BYTES = 128
@@ -114,7 +117,7 @@ class Config:
 TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
     "default": {
         # 128-key blocks at head_dim 64 took 255 registers and spilled 108 bytes (ptxas,
-        # SmolLM2's decode, JAX 0.10.2); 64-key blocks: 220 registers, no spill.
+        # SmolLM2's decode, JAX 0.10.2); 64-key blocks: 220 then, 163 now, no spill.
         64: dict(block_kv=64, stages=4, max_splits=16),
         128: dict(block_kv=64, stages=4, max_splits=16),
         256: dict(block_kv=64, stages=2, max_splits=16),
@@ -134,12 +137,6 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
     if device_kind == "interpret":
         return Config(**INTERPRET)
     return Config(**_common.tuned(TUNED, device_kind, args["q"].shape[-1]))
-
-
-def block_keys(config_block: int, page_size: int) -> int:
-    """Keys per block: whole pages, a multiple of 64 (the WGMMA N of ``Q K^T``, the K of
-    ``P V``), at least ``config_block``."""
-    return max(config_block, page_size, ROWS) // max(page_size, ROWS) * max(page_size, ROWS)
 
 
 def _smem_spec(shape, dtype):
@@ -270,6 +267,11 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                 visible &= key > row_pos - sliding_window
             visible &= named_keys(key, entries, start)
             s = jnp.where(visible, s, -jnp.inf)
+
+            @pl.when(False if single_position else ~one_position)
+            def _():  # stored now: the mask would otherwise hold registers until P V
+                seen_smem[...] = jnp.where(visible, jnp.ones((), dtype), jnp.zeros((), dtype))
+
             m_next = jnp.maximum(m_prev, s.max(axis=1))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that saw nothing
             alpha = jnp.exp2((m_prev - m_safe) * LOG2E)
@@ -286,9 +288,14 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                     return dequantized(v_smem.at[slot], vs_smem.at[slot])
                 return v_slot[...]
 
-            vkey = start + _mosaic.iota(jnp.int32, (block_kv, head_dim), 0, wgmma_layout,
+            # Per key, broadcast where applied: a [block_kv, head_dim] iota costs registers.
+            vkey = start + _mosaic.iota(jnp.int32, (block_kv,), 0, row_layout,
                                         interpret=interpret)
-            named = named_keys(vkey, entries, start)
+            in_range = named_keys(vkey, entries, start) & (vkey >= key_lo) & (vkey < key_hi)
+
+            def rows_in_range(shape):
+                return lax.broadcast_in_dim(jnp.where(in_range, 1.0, 0.0), shape, [0]) > 0.0
+
             boundary = (start < key_lo) | (start + block_kv > key_hi)
             for page in entries:
                 boundary |= page < 0
@@ -296,8 +303,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             @pl.when(boundary if single_position else one_position & boundary)
             def _():
                 v = v_block()
-                in_range = named & (vkey >= key_lo) & (vkey < key_hi)
-                v_slot[...] = jnp.where(in_range, v, jnp.zeros((), dtype))
+                v_slot[...] = jnp.where(rows_in_range(v.shape), v, jnp.zeros((), dtype))
 
             if quantized:
                 @pl.when(~boundary if single_position else one_position & ~boundary)
@@ -310,11 +316,9 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                 # x - x is NaN exactly for NaN and +-inf. (No `~` of a boolean vector: JAX
                 # 0.12's Mosaic GPU lowering cannot convert it.)
                 diff = (v - v).astype(jnp.float32)
-                in_range = named & (vkey >= key_lo) & (vkey < key_hi)
                 v_slot[...] = jnp.where(diff == 0.0, v, jnp.zeros((), dtype))
-                bad_smem[...] = jnp.where(in_range & (diff != 0.0), jnp.ones((), dtype),
-                                          jnp.zeros((), dtype))
-                seen_smem[...] = jnp.where(visible, jnp.ones((), dtype), jnp.zeros((), dtype))
+                bad_smem[...] = jnp.where(rows_in_range(v.shape) & (diff != 0.0),
+                                          jnp.ones((), dtype), jnp.zeros((), dtype))
 
             plgpu.commit_smem()
 
@@ -389,31 +393,6 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
 
     pl.run_scoped(program, _smem_spec((ROWS, head_dim), dtype), plgpu.SMEM((ROWS,), jnp.int32),
                   plgpu.Barrier(num_arrivals=2, num_barriers=1))
-
-
-def fitting_stages(stages: int, *, head_dim: int, block_kv: int,
-                   quantized: bool = False) -> int:
-    """The most stages up to ``stages`` whose shared memory fits :data:`SMEM_LIMIT` (at
-    least :data:`MIN_STAGES`, which may not fit: :func:`supports` rejects those sizes)."""
-    while stages > MIN_STAGES and smem_bytes(head_dim=head_dim, block_kv=block_kv,
-                                             stages=stages, quantized=quantized) > SMEM_LIMIT:
-        stages -= 1
-    return stages
-
-
-def smem_bytes(*, head_dim: int, block_kv: int, stages: int, itemsize: int = 2,
-               quantized: bool = False) -> int:
-    """The kernel's shared memory (scratch and barriers, before Mosaic's alignment): the
-    queries and positions, then the larger of the key/value ring with the probability
-    tiles, or the float32 output staging. ``itemsize``: the compute dtype's; quantized
-    pools: one-byte pages, their float32 scales and a dequantized tile."""
-    page_bytes = 1 if quantized else itemsize
-    ring = 2 * stages * block_kv * head_dim * page_bytes \
-        + (2 * ROWS * block_kv + block_kv * head_dim) * itemsize + 2 * stages * 8
-    if quantized:
-        ring += 2 * stages * block_kv * 4 + block_kv * head_dim * itemsize
-    staging = ROWS * head_dim * 4 + 2 * ROWS * 4
-    return ROWS * head_dim * itemsize + ROWS * 4 + 8 + max(ring, staging)
 
 
 def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
@@ -544,51 +523,31 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
 
 def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int,
                   quantized: bool = False) -> str | None:
-    """Why the kernel cannot take these dtypes and sizes (shared with the ragged kernel);
-    ``quantized``: the pools are int8/fp8 values with scales."""
-    pages_ok = QUANTIZED_DTYPES if quantized else DTYPES
-    for name, dtype, ok in (("q", q_dtype, DTYPES), ("k_pages", kv_dtype, pages_ok)):
-        if jnp.dtype(dtype) not in ok:
-            what = ("int8/fp8 (e4m3) values with their scales" if quantized else
-                    "bfloat16/float16 (or int8/fp8 pages with scales)")
-            return (f"{name}.dtype={jnp.dtype(dtype).name}: the Mosaic GPU paged kernel takes "
-                    f"{'bfloat16/float16 queries' if name == 'q' else what} (WGMMA runs "
-                    "float32 only as TF32, short of float32 accuracy)")
-    if not quantized and jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
-        return (f"q.dtype={jnp.dtype(q_dtype).name} differs from "
-                f"k_pages.dtype={jnp.dtype(kv_dtype).name}: both WGMMA operands take one dtype")
-    if head_dim % 64 or head_dim > MAX_TMA:
-        return (f"head_dim={head_dim} is not a multiple of 64 up to {MAX_TMA} (the 128-byte "
-                "swizzle of WGMMA operands; <= 256 elements per TMA copy)")
-    if page_size % 8 or page_size > MAX_TMA or (64 % page_size and page_size % 64):
-        return (f"page_size={page_size} must be a multiple of 8 up to {MAX_TMA} that divides "
-                "64 or is a multiple of 64 (whole pages per 64-key block, 8-row tiles, <= 256 "
-                "rows per TMA copy)")
+    """Why the kernel cannot take these dtypes and sizes at its tuned key blocks
+    (:func:`mosaic_paged_limits.layout_reason`; shared with the ragged kernel)."""
     block_kv = block_keys(_common.tuned(TUNED, None, head_dim)["block_kv"], page_size)
-    if smem_bytes(head_dim=head_dim, block_kv=block_kv, stages=MIN_STAGES,
-                  quantized=quantized) > SMEM_LIMIT:
-        return (f"head_dim={head_dim} with page_size={page_size} (blocks of {block_kv} keys): "
-                f"{MIN_STAGES} key/value blocks in flight exceed the {SMEM_LIMIT // 1024} KiB "
-                "of shared memory")
-    return None
+    return mosaic_paged_limits.layout_reason(q_dtype=q_dtype, kv_dtype=kv_dtype,
+                                             head_dim=head_dim, page_size=page_size,
+                                             block_kv=block_kv, quantized=quantized)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
-    """``None`` if the kernel compiles for these arguments (compute capability 9.0+), else
-    why not."""
+    """``None`` if the kernel compiles for these arguments (compute capability 9.0+) without
+    register spills, else why not."""
     q, k_pages = args["q"], args["k_pages"]
     q_len = 1 if q.ndim == 3 else q.shape[1]
     group = q.shape[-2] // k_pages.shape[0]
+    quantized = args.get("k_scales") is not None
     reason = layout_reason(q_dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=q.shape[-1],
-                           page_size=k_pages.shape[2],
-                           quantized=args.get("k_scales") is not None)
+                           page_size=k_pages.shape[2], quantized=quantized)
     if reason is not None:
         return reason
     if q_len * group > ROWS:
         return (f"q_len={q_len} * group={group} = {q_len * group} query rows > {ROWS}: one "
                 "program holds one WGMMA tile of a group's queries; longer chunks belong to "
                 "ragged or dense attention")
-    return None
+    return register_reason(head_dim=q.shape[-1], quantized=quantized,
+                           several_positions=q_len > 1)
 
 
 _registration.register(

@@ -20,9 +20,9 @@ entry a sequence uses that names no page of the pool reads nothing (the index co
 :mod:`forge_jax.ops.paged`).
 
 Constraints: those of the paged kernel (:func:`supports`: compute capability 9.x, bfloat16
-or float16 queries and pages of one dtype, ``head_dim`` a multiple of 64 up to 256, page
-sizes of whole 8-row tiles that tile 64-key blocks), and its int8/fp8 pages with their
-scales.
+or float16 queries and pages of one dtype, ``head_dim`` 64 or 128 (its several-positions
+limit: past 128 ptxas spills registers), page sizes of whole 8-row tiles that tile 64-key
+blocks), and its int8/fp8 pages with their scales.
 
 Op: :func:`forge_jax.ops.ragged.ragged_paged_attention`; reference: its XLA implementation
 :func:`forge_jax.ops.ragged.ragged_paged_attention_xla`. Registered (bottom of this module)
@@ -150,16 +150,19 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
-    """``None`` if the kernel compiles for these arguments (compute capability 9.0+), else
-    why not."""
+    """``None`` if the kernel compiles for these arguments (compute capability 9.0+) without
+    register spills, else why not (the launch compiles the several-positions path whatever
+    the step holds)."""
     q, k_pages = args["q"], args["k_pages"]
     group = q.shape[1] // k_pages.shape[0]
     if group > paged.ROWS:
         return (f"q_heads // kv_heads = {group} > {paged.ROWS}: one program holds one WGMMA "
                 "tile of a group's rows")
+    quantized = args.get("k_scales") is not None
     return paged.layout_reason(q_dtype=q.dtype, kv_dtype=k_pages.dtype, head_dim=q.shape[-1],
-                               page_size=k_pages.shape[2],
-                               quantized=args.get("k_scales") is not None)
+                               page_size=k_pages.shape[2], quantized=quantized) or \
+        paged.register_reason(head_dim=q.shape[-1], quantized=quantized,
+                              several_positions=True)
 
 
 _registration.register(

@@ -1,0 +1,27 @@
+"""ptxas' figures for a Mosaic GPU kernel compiled for an H100 target without a device
+(``fj.aot.compile``; Mosaic GPU runs ``ptxas`` for sm_90a and prints its report, which
+:func:`forge_jax.pallas_kernels.gpu._mosaic.ptxas_report` collects)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import forge_jax as fj
+from forge_jax.pallas_kernels.gpu import _mosaic
+
+# The deviceless H100 compile needs the CUDA 12 wheels (the ``aot`` extra).
+NEEDS_H100 = pytest.mark.skipif(fj.targets.missing("h100") is not None,
+                                reason=str(fj.targets.missing("h100")))
+
+
+def compile_h100(fn, *args, **kwargs):
+    """``fj.aot.compile(fn, *args, target="h100", **kwargs)``, and ptxas' spill stores
+    (bytes) and registers, one entry per kernel ptxas compiled."""
+    with _mosaic.ptxas_report() as lines:
+        report = fj.aot.compile(fn, *args, target="h100", **kwargs)
+    spills = [int(n) for ln in lines if "stack frame" in ln
+              for n in re.findall(r"(\d+) bytes spill stores", ln)]
+    registers = [int(n) for ln in lines for n in re.findall(r"Used (\d+) registers", ln)]
+    return report, spills, registers
