@@ -22,6 +22,7 @@ from cases.cli import run as cli_run
 
 import forge_jax as fj
 from forge_jax.models import aot_steps, llama
+from forge_jax.ops.quantized_matmul import quantized_matmul
 from forge_jax.pallas_kernels.gpu import attention as gpu_attention
 from forge_jax.pallas_kernels.gpu import paged_attention as gpu_paged
 from forge_jax.pallas_kernels.tpu import attention as tpu_attention
@@ -53,6 +54,14 @@ def _ragged(dtype, tokens, seqs, heads, head_dim, *, pages=64, page_size=16, per
     pool = S((kv_heads, pages, page_size, head_dim), dtype)
     return (S((tokens, q_heads, head_dim), dtype), pool, pool, S((seqs, per_seq), jnp.int32),
             S((seqs,), jnp.int32), S((seqs + 1,), jnp.int32), S((), jnp.int32))
+
+
+def _w8a8(m, n, k, dtype=BF16):
+    """A decode or prefill product with an int8 weight ``[n, k]`` (per-channel scales) asking
+    for int8 activations (W8A8: the TPU's int8 MXU)."""
+    w = fj.QuantizedArray(S((n, k), jnp.int8), S((n, 1), F32), None, "int8", (k,),
+                          activations="int8")
+    return (S((m, k), dtype), w)
 
 
 def _quantized(args, format):
@@ -119,6 +128,12 @@ TPU_CASES = {
         _paged(BF16, 4, SMOL[:2], SMOL[2], page_size=32), "int8"), {}),
     "ragged llama fp8 kv": ("ragged_paged_attention", _quantized(
         _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2], page_size=32), "fp8"), {}),
+    # W8A8 on the int8 MXU: SmolLM2's down projection at decode, its up projection at
+    # prefill (the Mosaic module's matmul is int8 x int8 -> int32:
+    # tests/test_pallas_tpu_quantized_matmul.py). Compiled for v5e and v6e with libtpu
+    # 0.0.42.1, JAX 0.10.2, 2026-11-25.
+    "w8a8 decode smollm down": ("quantized_matmul", _w8a8(1, 576, 1536), dict(trans_b=True)),
+    "w8a8 prefill smollm up": ("quantized_matmul", _w8a8(128, 1536, 576), dict(trans_b=True)),
     "paged chunk llama bf16": ("paged_attention",
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
@@ -138,7 +153,7 @@ SWEEP = [("h100", n) for n in sorted(GPU_CASES)] + [("a100", n) for n in (
 TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n in (
     "rms_norm residual f32", "rope smollm bf16", "silu_mul smollm bf16", "attention llama bf16",
     "attention smollm bf16", "paged decode smollm bf16", "paged decode llama f32",
-    "ragged smollm bf16", "paged chunk llama bf16")]
+    "ragged smollm bf16", "paged chunk llama bf16", "w8a8 decode smollm down")]
 
 # Register spills ptxas reports, by (target, case): bytes spilled, at most. Each is a
 # finding to fix (issue 23); a case not named here must not spill.
@@ -153,8 +168,8 @@ def _compile(case, target):
         # supports() accepts the case on the target (strict: else ImplementationError).
         assert fj.dispatch.select(op, fj.dispatch.bind(op, *args, **kwargs),
                                   "pallas").implementation == "pallas"
-    report = fj.aot.compile(getattr(fj, op), *args, target=target, implementation="pallas",
-                            **kwargs)
+    fn = quantized_matmul if op == "quantized_matmul" else getattr(fj, op)
+    report = fj.aot.compile(fn, *args, target=target, implementation="pallas", **kwargs)
     assert report.compiled, report.error
     assert report.kernels, f"no pallas_call compiled for {op}"
     # Every pallas_call carries a cost estimate (the roofline's flops and bytes).

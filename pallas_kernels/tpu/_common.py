@@ -24,6 +24,14 @@ SCOPED_VMEM_MIB: Mapping[str, int] = {
     "TPU v4": 16, "TPU v5 lite": 16, "TPU v5": 32, "TPU v5p": 32, "TPU v6 lite": 32,
 }
 GENERATIONS = tuple(SCOPED_VMEM_MIB)
+# Whether the generation's MXU multiplies int8 (int32 accumulation), by device kind: v4 at its
+# bfloat16 rate (Google Cloud's v4 page: 275 TOPS int8), v5e, v5p and v6e at twice it (JAX's
+# ``pallas/mosaic/tpu_info.py`` lists their int8 ops/s; it lists none for v4 or TPU7x).
+# TPU7x (Ironwood) multiplies fp8, not int8.
+INT8_MXU: Mapping[str, bool] = {
+    "TPU v4": True, "TPU v5 lite": True, "TPU v5": True, "TPU v5p": True, "TPU v6 lite": True,
+    "TPU7x": False,
+}
 
 
 def tuned(table: Mapping[str, Mapping[str, int]], device_kind: str | None) -> dict[str, int]:
