@@ -27,6 +27,7 @@ from forge_jax.pallas_kernels.gpu import attention as gpu_attention
 from forge_jax.pallas_kernels.gpu import paged_attention as gpu_paged
 from forge_jax.pallas_kernels.tpu import attention as tpu_attention
 from forge_jax.pallas_kernels.tpu import paged_attention as tpu_paged
+from forge_jax.pallas_kernels.tpu import quantized_matmul as tpu_quantized_matmul
 
 S = jax.ShapeDtypeStruct
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -38,7 +39,7 @@ def _needs(target):
 
 
 GPU, TPU = _needs("h100"), _needs("tpu-v5e")
-NEEDS = {"h100": GPU, "a100": GPU, "tpu-v5e": TPU, "tpu-v6e": TPU}
+NEEDS = {"h100": GPU, "a100": GPU, "tpu-v5e": TPU, "tpu-v6e": TPU, "tpu-v4": TPU}
 
 
 def _paged(dtype, batch, heads, head_dim, *, q_len=None, pages=64, page_size=16, per_seq=16):
@@ -201,7 +202,7 @@ def _forced_paged(dtype, page_size):
 
 
 # Rejections that are compile limits: (target, op, the kernel called past supports(), its
-# arguments, supports()' reason, the compiler's).
+# arguments, supports()' reason, the compiler's[, the op's keyword arguments]).
 REJECTIONS = {
     "tpu float16 attention": (
         "tpu-v5e", "attention", tpu_attention.flash_attention, _attention(256, LLAMA, F16),
@@ -209,6 +210,13 @@ REJECTIONS = {
     "tpu float16 paged decode": (
         "tpu-v6e", "paged_attention", tpu_paged.paged_attention, _forced_paged(F16, 16),
         "q.dtype=float16", "Invalid vector type for load"),
+    # W8A8: v4's Mosaic has no int8 matmul (supports() refuses it there; XLA serves it).
+    "tpu v4 w8a8": (
+        "tpu-v4", "quantized_matmul",
+        lambda a, q: tpu_quantized_matmul.quantized_matmul(
+            a, q, trans_b=True, alpha=1.0, beta=0.0, c=None, out_dtype=a.dtype),
+        _w8a8(16, 1536, 576), "TPU v4 has no int8 MXU product in Mosaic",
+        "Unsupported matmul RHS type on target: vector<128x128xi8>", dict(trans_b=True)),
     "gpu paged page 12": (
         "a100", "paged_attention", gpu_paged.paged_attention, _forced_paged(BF16, 12),
         "page_size=12 is not a power of two", "whose size is a power of 2"),
@@ -222,9 +230,9 @@ REJECTIONS = {
 @pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS[REJECTIONS[n][0]])
                                   for n in sorted(REJECTIONS)])
 def test_rejections_that_are_compile_limits_fail_that_compile(name):
-    target, op, kernel, args, reason, verdict = REJECTIONS[name]
+    target, op, kernel, args, reason, verdict, *kwargs = REJECTIONS[name]
     with fj.targets.use(target), pytest.raises(fj.ImplementationError, match=reason):
-        fj.dispatch.select(op, fj.dispatch.bind(op, *args), "pallas")
+        fj.dispatch.select(op, fj.dispatch.bind(op, *args, **(kwargs or [{}])[0]), "pallas")
     report = fj.aot.compile(kernel, *args, target=target)
     assert not report.compiled and verdict in report.error, report.error
 

@@ -136,7 +136,7 @@ def test_supports_names_what_it_refuses():
     # TPU7x (Ironwood) multiplies fp8, not int8: no W8A8 kernel there (XLA serves it).
     v7x = dataclasses.replace(fj.targets.get("tpu-v6e"), name="tpu7x", device_kind="TPU7x")
     with fj.targets.use(v7x):
-        assert "TPU7x has no int8 MXU" in refuse(w8a8((256,)))
+        assert "TPU7x has no int8 MXU product in Mosaic" in refuse(w8a8((256,)))
         assert refuse(_stored("int8", 256, 256, (256,))) is None  # W8A16 still served
         args = fj.dispatch.bind("quantized_matmul", a, w8a8((256,)), trans_b=True)
         assert fj.dispatch.select("quantized_matmul", args).implementation == "xla"

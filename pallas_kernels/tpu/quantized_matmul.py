@@ -22,10 +22,11 @@ rows are quantized to int8 in a small XLA prologue (:func:`forge_jax.quant.quant
 the same function the XLA implementation calls), the kernel multiplies int8 x int8 on the MXU
 with int32 accumulation (:func:`quantized_matmul_w8a8_forward`) and scales the float32 result
 by the weight's column scales and the activations' row scales, the XLA implementation's
-numerics. Only generations with an int8 MXU take it (:data:`_common.INT8_MXU`: v4, v5e, v5p,
-v6e; TPU7x has none: :func:`supports` refuses it there). The weight's bytes are those of
-W8A16; the activations cross HBM as int8 (a quarter of float32), and the MXU's int8 rate is
-twice its bfloat16 rate on v5e, v5p and v6e.
+numerics. Only generations whose int8 MXU product Mosaic compiles take it
+(:data:`_common.INT8_MXU`: v5e, v5p, v6e; libtpu refuses an int8 ``tpu.matmul`` for v4, and
+TPU7x has no int8 MXU: :func:`supports` refuses both, and XLA serves W8A8 there). The
+weight's bytes are those of W8A16; the activations cross HBM as int8 (a quarter of float32),
+and the MXU's int8 rate is twice its bfloat16 rate on v5e, v5p and v6e.
 
 Op: :func:`forge_jax.ops.quantized_matmul.quantized_matmul`; reference: its XLA implementation
 :func:`forge_jax.ops.quantized_matmul.quantized_matmul_xla`. Launch knobs: :class:`Config`,
@@ -86,8 +87,8 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
 def _w8a8_supports(a, b) -> str | None:
     kind = _common.device_kind()
     if kind is not None and not _common.INT8_MXU.get(kind, False):
-        known = "has no int8 MXU" if kind in _common.INT8_MXU else "is not known to have an " \
-            "int8 MXU"
+        known = ("has no int8 MXU product in Mosaic" if kind in _common.INT8_MXU
+                 else "is not known to have an int8 MXU")
         return (f"activations='int8' (W8A8): {kind} {known} (int8 MXU: "
                 f"{', '.join(k for k, v in _common.INT8_MXU.items() if v)}); XLA serves it")
     rows, group = b.full_block()
