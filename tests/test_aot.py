@@ -65,6 +65,15 @@ def _w8a8(m, n, k, dtype=BF16):
     return (S((m, k), dtype), w)
 
 
+def _qweight(fmt, n, k, group=None, asymmetric=False):
+    """An abstract int8 ``[n, k]`` or packed int4 weight with float32 scales per ``group``
+    (default: per output channel) and, ``asymmetric``, minimums."""
+    group = group or k
+    values = S((n, k // 2), jnp.uint8) if fmt == "int4" else S((n, k), jnp.int8)
+    scales = S((n, k // group), F32)
+    return fj.QuantizedArray(values, scales, scales if asymmetric else None, fmt, (group,))
+
+
 def _quantized(args, format):
     """``args`` with the K and V pools (``args[1:3]``) as int8/fp8 pools of their shape: values
     and a float32 scale per token and KV head (forge_jax/ops/kv_quant.py)."""
@@ -146,11 +155,29 @@ TPU_CASES = {
                                       dict(causal=True)),
 }
 
+# Compiled for a100 only (the Triton path of quantized_matmul is Ampere's; Hopper has the
+# Mosaic GPU kernel): SmolLM2's projections at decode and prefill, each dtype table's tiles.
+A100_CASES = {
+    "qmm int8 decode smollm bf16": ("quantized_matmul", (S((1, 1536), BF16),
+                                                         _qweight("int8", 576, 1536)),
+                                    dict(trans_b=True)),
+    "qmm int4 g32 decode smollm bf16": ("quantized_matmul", (S((1, 576), BF16),
+                                                             _qweight("int4", 1536, 576, 32)),
+                                        dict(trans_b=True)),
+    "qmm int4 g32 asym prefill smollm bf16": (
+        "quantized_matmul", (S((128, 576), BF16), _qweight("int4", 1536, 576, 32, True)),
+        dict(trans_b=True)),
+    "qmm int4 g128 asym prefill smollm f32": (
+        "quantized_matmul", (S((128, 1536), F32), _qweight("int4", 576, 1536, 128, True)),
+        dict(trans_b=True)),
+}
+GPU_CASES_A100 = {**GPU_CASES, **A100_CASES}
+
 # The other generations: a sample of the cases (each dtype, head_dim 64 and 128, prefill and
 # decode shapes), compiled again for a100 (the Triton lowering's Ampere path) and tpu-v6e.
 SWEEP = [("h100", n) for n in sorted(GPU_CASES)] + [("a100", n) for n in (
     "rms_norm residual f32", "rope smollm prefill bf16", "silu_mul smollm bf16",
-    "attention smollm bf16", "attention llama bf16", "paged decode smollm bf16")]
+    "attention smollm bf16", "attention llama bf16", "paged decode smollm bf16", *A100_CASES)]
 TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n in (
     "rms_norm residual f32", "rope smollm bf16", "silu_mul smollm bf16", "attention llama bf16",
     "attention smollm bf16", "paged decode smollm bf16", "paged decode llama f32",
@@ -182,7 +209,7 @@ def _compile(case, target):
 @pytest.mark.parametrize("target, name", [pytest.param(t, n, marks=NEEDS[t])
                                           for t, n in SWEEP])
 def test_gpu_kernels_compile(target, name):
-    report = _compile(GPU_CASES[name], target)
+    report = _compile(GPU_CASES_A100[name], target)
     limit = fj.targets.get(target).gpu["shared_memory_per_block_optin"]
     for k in report.kernels:
         assert k.registers is not None and k.grid is not None, k  # ptxas and thunks read
