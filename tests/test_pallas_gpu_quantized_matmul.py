@@ -1,4 +1,5 @@
-"""The Pallas GPU (Triton lowering) quantized_matmul kernel (pallas_kernels/gpu/quantized_matmul.py).
+"""The Pallas GPU (Triton lowering) quantized_matmul kernel
+(pallas_kernels/gpu/quantized_matmul.py).
 
 :class:`TestQuantizedMatmulPallasGpu` runs the compiled kernel (``"pallas"``, skipped without a
 GPU of compute capability >= 8.0); :class:`TestQuantizedMatmulPallasGpuInterpret` the same
