@@ -217,7 +217,7 @@ def test_tpu_compile_settles_supports():
         (S((64, 2048), jnp.bfloat16), stored("int8", 2048, 2048, 128, jnp.float16)),
     ]
     w8a8 = [(S((m, k), jnp.bfloat16), stored("int8", n, k, k, activations="int8"))
-            for m, n, k in ((1, 576, 1536), (128, 1536, 576))]
+            for m, n, k in ((1, 576, 1536), (128, 1536, 576), (2048, 4096, 8192))]
     for a, q in accepted + w8a8:
         with fj.targets.use("tpu-v5e"):
             assert kernel.supports(dict(a=a, b=q, trans_b=True)) is None, q

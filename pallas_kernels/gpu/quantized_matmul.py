@@ -214,6 +214,8 @@ def quantized_matmul_forward(a2, values, scales, minimums, *, fmt, group, block_
         inputs.append(minimums.astype(jnp.float32))
     grid = (pl.cdiv(m, block_m), pl.cdiv(n, block_n))
     side = scales.size * 4 * (2 if asymmetric else 1)
+    # What the programs load: the weight once per block of rows, ``a`` once per block of
+    # columns (from L2 where it stays there: HBM's traffic is at most this).
     cost = pl.CostEstimate(
         flops=2 * m * n * k, transcendentals=0,
         bytes_accessed=(values.size * values.dtype.itemsize + side) * grid[0]
