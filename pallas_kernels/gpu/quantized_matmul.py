@@ -53,8 +53,9 @@ from forge_jax.quant import QuantizedArray
 pl = _compat.pallas()
 
 # Where this kernel was compiled, checked and measured faster than XLA: none. Checked in
-# Pallas' interpreter against float64, compiled deviceless for a100 and h100 (JAX 0.10.2,
-# ptxas of the CUDA 12 wheel, 2026-11-25, tests/test_aot.py); no GPU has run it.
+# Pallas' interpreter against float64, compiled deviceless for a100 without spills (JAX
+# 0.10.2, ptxas 12.9 of the CUDA 12 wheel, 2026-11-25, tests/test_aot.py; three cases for
+# h100 by hand, no spills either); no GPU has run it.
 VERIFIED: dict[str, str] = {}
 
 FORMATS = ("int8", "int4")
