@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -78,6 +79,10 @@ class QuantizedArray:
       block: the block's extent along the trailing axes (static).
       dtype: the dtype :func:`dequantize` gives by default, that of the array quantized
         (static).
+      spec: how the logical array is split over a device mesh: one mesh axis name (or
+        None) per axis, as a ``PartitionSpec`` would say (static; ``()``: not split).
+        Set by :func:`place`; ``fj.matmul``'s partition rule reads it to run the product
+        per shard (see :func:`partition_specs` for how each array of it splits).
       activations: None (a product multiplies dequantized weights in the activations'
         dtype) or ``"int8"`` (W8A8: the product quantizes each row of the activations to
         int8 and multiplies integers; int8 weights only) (static).
@@ -89,16 +94,19 @@ class QuantizedArray:
     format: str
     block: tuple[int, ...]
     dtype: Any = jnp.float32
+    spec: tuple[str | None, ...] = ()
     activations: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        object.__setattr__(self, "spec", tuple(self.spec))
         _check_activations(self.activations, self.format)
 
     def tree_flatten(self):
         return (self.values, self.scales, self.minimums), (self.format, self.block,
-                                                           self.dtype, self.activations)
+                                                           self.dtype, self.spec,
+                                                           self.activations)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -124,11 +132,22 @@ class QuantizedArray:
         """``block`` extended with 1 over the leading axes it does not cover."""
         return (1,) * (self.ndim - len(self.block)) + tuple(self.block)
 
+    def shard_local(self) -> QuantizedArray:
+        """This array as one device's shard sees it inside ``shard_map`` (its arrays are
+        that device's slices): the block along an axis whose scales were not split (one
+        block spanning a split axis) shrinks to the local extent; ``spec`` is cleared."""
+        lead = self.ndim - len(self.block)
+        block = tuple(n // s for n, s in zip(self.shape[lead:], self.scales.shape[lead:],
+                                             strict=True))
+        return QuantizedArray(self.values, self.scales, self.minimums, self.format, block,
+                              self.dtype, activations=self.activations)
+
     def __repr__(self) -> str:
         sym = "asymmetric" if self.minimums is not None else "symmetric"
+        split = f", spec={self.spec}" if self.spec else ""
         act = "" if self.activations is None else f", activations={self.activations!r}"
         return (f"QuantizedArray({self.format}, shape={self.shape}, block={self.block}, "
-                f"{sym}, dtype={jnp.dtype(self.dtype).name}{act})")
+                f"{sym}, dtype={jnp.dtype(self.dtype).name}{split}{act})")
 
 
 def _check_activations(activations, format: str) -> None:
@@ -204,7 +223,7 @@ def from_parts(values, scales, minimums=None, *, format: str, block, dtype=jnp.f
         raise ValueError(f"{activations=} (W8A8) needs symmetric weights; these have minimums")
     return QuantizedArray(jnp.asarray(values), jnp.asarray(scales),
                           None if minimums is None else jnp.asarray(minimums), format, block,
-                          jnp.dtype(dtype), activations)
+                          jnp.dtype(dtype), activations=activations)
 
 
 def quantize(w, format: str, *, group_size: int | None = None,
@@ -319,6 +338,91 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / _QMAX["int8"]
     inv = jnp.where(scale == 0, 0.0, 1.0 / jnp.where(scale == 0, 1.0, scale))
     return jnp.clip(jnp.round(x * inv), -127, 127).astype(jnp.int8), scale
+
+
+def partition_specs(q: QuantizedArray, spec, mesh_shape: Mapping[str, int]) -> QuantizedArray:
+    """The ``PartitionSpec`` of each array of ``q`` when its logical array splits by ``spec``.
+
+    Along an axis split over ``n`` devices, ``values`` split as the logical array does
+    (int4's packed last axis by half as many bytes); ``scales`` and ``minimums`` split
+    with them when each device's part is whole blocks, and are replicated along an axis
+    one block spans whole (a per-output-channel scale of a weight split over its input
+    channels). Any other split would cut a block between devices and is refused.
+
+    Args:
+      q: a :class:`QuantizedArray` (or one of shapes only).
+      spec: one mesh axis name or None per logical axis (a ``PartitionSpec``; missing
+        trailing axes are not split).
+      mesh_shape: the mesh's axis sizes (``mesh.shape``).
+
+    Returns:
+      A :class:`QuantizedArray` with the same static data whose arrays are
+      ``PartitionSpec`` s (``shard_map``'s ``in_specs`` for ``q``; ``minimums`` None when
+      ``q`` has none).
+
+    Raises:
+      ValueError: an axis that does not divide over its mesh axis, or blocks cut by the
+        split (naming the block size and each device's share).
+    """
+    from jax.sharding import PartitionSpec as P
+
+    spec = tuple(spec) + (None,) * (q.ndim - len(tuple(spec)))
+    if len(spec) != q.ndim:
+        raise ValueError(f"{spec=} has more axes than the quantized array's shape {q.shape}")
+    full = q.full_block()
+    scale_spec = []
+    for d, (axis, size, b) in enumerate(zip(spec, q.shape, full, strict=True)):
+        if axis is None:
+            scale_spec.append(None)
+            continue
+        if not isinstance(axis, str) or axis not in mesh_shape:
+            raise ValueError(f"{spec=}: {axis!r} is not an axis of the mesh "
+                             f"({dict(mesh_shape)})")
+        n = mesh_shape[axis]
+        if size % n:
+            raise ValueError(f"axis {d} of a quantized array of shape {q.shape} ({size}) does "
+                             f"not split over mesh axis {axis!r} of {n} devices")
+        local = size // n
+        if local % b == 0:
+            scale_spec.append(axis)
+        elif b == size:
+            scale_spec.append(None)  # one block spans the axis: its scales on every device
+        else:
+            what = "group size" if d == q.ndim - 1 else "block"
+            raise ValueError(
+                f"a {q.format} array of shape {q.shape} in blocks of {q.block} cannot split "
+                f"axis {d} over mesh axis {axis!r} of {n} devices: {what} {b} does not divide "
+                f"the {local} values per device (choose a {what} dividing {local})")
+        if q.format == "int4" and d == q.ndim - 1 and local % 2:
+            raise ValueError(f"int4 packs two values a byte: {local} values per device along "
+                             f"the last axis (of {size} over {axis!r}={n}) is odd")
+    children, aux = q.tree_flatten()
+    specs = (P(*spec), P(*scale_spec), None if children[2] is None else P(*scale_spec))
+    return QuantizedArray.tree_unflatten(aux, specs)
+
+
+def place(q: QuantizedArray, sharding) -> QuantizedArray:
+    """``q`` with its arrays placed on a mesh, the logical array split as
+    ``sharding`` (a ``jax.sharding.NamedSharding``) says, its scales (and minimums) with
+    the values they scale (:func:`partition_specs`); the result records the split in
+    ``spec``. Each device receives only its slices (from a host copy of ``q``)."""
+    from jax.sharding import NamedSharding
+
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(f"sharding must be a NamedSharding, got {type(sharding).__name__}")
+    spec = tuple(sharding.spec) + (None,) * (q.ndim - len(tuple(sharding.spec)))
+    specs = partition_specs(q, spec, sharding.mesh.shape)
+
+    def put(x, s):
+        if x is None:
+            return None
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, NamedSharding(sharding.mesh, s),
+                                            lambda index: host[index])
+
+    return QuantizedArray(put(q.values, specs.values), put(q.scales, specs.scales),
+                          put(q.minimums, specs.minimums), q.format, q.block, q.dtype, spec,
+                          q.activations)
 
 
 def pack_int4(nibbles: jax.Array) -> jax.Array:

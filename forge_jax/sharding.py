@@ -16,7 +16,11 @@ its own slice with no communication. A Pallas kernel, which has no partitioning 
 of its own in XLA, therefore sees only its shard's shapes, and the XLA attention's
 finiteness check stays local to the shard instead of becoming a cross-device reduction.
 Ops without a rule (``matmul``, ``embedding``, ``softmax``, ``paged_gather``) are left to
-XLA's sharding propagation.
+XLA's sharding propagation; a product with a quantized weight (``quantized_matmul``) has
+one, read from where the weight was placed (:func:`forge_jax.quant.place`), since XLA
+cannot split its dequantize-in-blocks loop by itself. A rule may give a pytree argument
+(a :class:`~forge_jax.quant.QuantizedArray`) one spec per array; inside the shard it is
+given its shard's block (``shard_local``).
 
 The model-level rules (which weight is split along which axis) live with the model:
 :mod:`forge_jax.models.llama_sharding`.
@@ -263,7 +267,7 @@ def per_shard(rule: Rule | None, fn: Callable[..., Any], args: Mapping[str, Any]
     if config is None or rule is None:
         return lambda: fn(**args)
     specs, out_specs = rule(args, config)
-    if all(s == P() or all(a is None for a in s) for s in specs.values()):
+    if all(all(a is None for a in s) for s in _spec_leaves(specs)):
         return lambda: fn(**args)  # nothing splits: run it as is
     names = [n for n in specs if args.get(n) is not None]
     static = {n: v for n, v in args.items() if n not in names}
@@ -273,6 +277,8 @@ def per_shard(rule: Rule | None, fn: Callable[..., Any], args: Mapping[str, Any]
         out_specs = out_specs.spec
 
     def body(*arrays):
+        # A quantized array's static block is its global one: make it the shard's.
+        arrays = [a.shard_local() if hasattr(a, "shard_local") else a for a in arrays]
         _LOCAL.inside = True
         try:
             out = fn(**static, **dict(zip(names, arrays, strict=True)))
@@ -293,14 +299,29 @@ def local_args(rule: Rule | None, args: Mapping[str, Any]) -> Mapping[str, Any]:
     if config is None or rule is None:
         return args
     specs, _ = rule(args, config)
-    out = dict(args)
-    for name, spec in specs.items():
-        value = args.get(name)
-        if value is None or not hasattr(value, "shape"):
-            continue
+
+    def local(value, spec):
+        if value is None or not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            return value
         shape = list(value.shape)
         for dim, axis in enumerate(spec):
             if axis is not None:
                 shape[dim] //= config.mesh.shape[axis]
-        out[name] = jax.ShapeDtypeStruct(tuple(shape), value.dtype)
+        return jax.ShapeDtypeStruct(tuple(shape), value.dtype)
+
+    out = dict(args)
+    for name, spec in specs.items():
+        value = args.get(name)
+        if value is None:
+            continue
+        if isinstance(spec, P):  # one spec for the argument (every array of a pytree)
+            out[name] = jax.tree.map(lambda v, spec=spec: local(v, spec), value)
+        else:  # a spec per array of a pytree argument (a QuantizedArray's values, scales)
+            out[name] = jax.tree.map(lambda s, v: local(v, s), spec, value,
+                                     is_leaf=lambda x: isinstance(x, P))
     return out
+
+
+def _spec_leaves(specs: Mapping[str, Any]) -> list[P]:
+    """The PartitionSpecs of a rule's in_specs (an argument's may be a pytree of them)."""
+    return jax.tree.leaves(list(specs.values()), is_leaf=lambda x: isinstance(x, P))

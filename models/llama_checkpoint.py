@@ -180,7 +180,9 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
       tp_axis, dp_axis: the mesh axes' roles (ignored for a ``MeshConfig``).
       quantize: ``"int8"``, ``"int4"`` or ``"fp8"``: quantize the linear layers' kernels
         as they load (:mod:`forge_jax.models.quantize_load`); the embedding and norms
-        keep ``param_dtype``. None: as stored. One device only (no ``mesh``).
+        keep ``param_dtype``. None: as stored. With ``mesh``, each kernel is quantized
+        whole, then split as its float form would be, the scales with their values
+        (int4 groups must not straddle devices: refused with the numbers).
       group_size: int4's values per scale along the in axis (default 32); int8 and fp8
         default to one scale per output channel.
 
@@ -200,9 +202,6 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     from forge_jax.models import llama_sharding, quantize_load
 
     quantize_load.check_quantize(quantize, group_size)
-    if quantize is not None and mesh is not None:
-        raise ValueError(f"quantize={quantize!r} loads onto one device; mesh= is not supported "
-                         f"with it yet")
     dtype = default_dtype() if dtype is None else _float_dtype("dtype", dtype)
     param_dtype = dtype if param_dtype is None else _float_dtype("param_dtype", param_dtype)
     from forge_jax.models import gguf_checkpoint
@@ -237,6 +236,9 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     layout = TensorLayout() if plan is None else plan.layout
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
                                          param_dtype=param_dtype, layout=layout))
+    shardings = None if plan is None else plan.param_shardings(model)
+    if quantize is not None and shardings is not None and fp8 is None:
+        quantize_load.check_mesh(model, shardings, quantize, group_size)
     expected = hf_parameters(model)
     raw = fp8_checkpoint.RawTensors()  # an fp8 checkpoint's fp8 weights and their scales
     handles: dict[str, object] = {}  # tensor name -> the open file holding it
@@ -293,10 +295,10 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
                 model, expected, raw, files, fp8, quantize_load.linear_kernels(model)))
             quantize = None
         convert = None if quantize is None else {
-            id(k): quantize_load.quantizer(quantize, group_size)
+            id(k): quantize_load.quantizer(quantize, group_size,
+                                           None if shardings is None else shardings[id(k)])
             for k in quantize_load.linear_kernels(model)}
-        fill_parameters(model, read, None if plan is None else plan.param_shardings(model),
-                        convert, skip)
+        fill_parameters(model, read, shardings, convert, skip)
     if plan is not None:
         model.mesh = plan.mesh
     model.generation_config = load_generation_config(path)

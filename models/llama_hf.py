@@ -158,7 +158,8 @@ def fill_parameters(model: Llama, read: Reader, shardings=None, convert=None,
     its block through ``jax.make_array_from_callback`` and nothing reads more than the
     devices of this process hold. None: whole arrays on the default device.
     ``convert``: id(parameter) -> a function of the parameter's whole array (e.g. one
-    that quantizes it), applied as each parameter is read (models on one device).
+    that quantizes it and, on a mesh, places it in its shards), applied as each
+    parameter is read; it takes the place of ``shardings`` for that parameter.
     ``skip``: ids of parameters the caller has set (e.g. fp8 kernels read as they are).
     """
     for key, (param, sources) in _sources(model).items():

@@ -32,6 +32,12 @@ Data parallelism over the data axis ``dp``: weights are replicated across it; th
 The paged pool is shared by every sequence, so it splits by KV head over the tensor axis
 only; its block tables are replicated.
 
+Quantized kernels (``from_pretrained(quantize=..., mesh=...)``) split the same way, each
+quantized whole and then placed with its scales beside its values
+(:func:`forge_jax.quant.place`): over output channels with their scales, or over input
+channels with a per-output-channel scale on every device and int4's groups split with
+their values (a split that would cut a group is refused).
+
 The ops themselves run per shard (:mod:`forge_jax.sharding`); nothing here is needed by
 model code beyond the layout of the weights.
 """
@@ -46,6 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from forge_jax import quant as fj_quant
 from forge_jax import sharding as fj_sharding
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
 from forge_jax.models import llama_hf
@@ -152,6 +159,10 @@ def shard(model: Llama, mesh: Mesh | fj_sharding.MeshConfig, *, tp_axis: str = "
     if model.mesh is not None or model.layout != TensorLayout():
         raise ValueError(f"model is already laid out for a mesh ({model.layout}); shard the "
                          f"single-device model")
+    if any(isinstance(p.get_value(), fj_quant.QuantizedArray)
+           for _, p in nnx.iter_graph(model) if isinstance(p, nnx.Param)):
+        raise ValueError("model has quantized weights, which shard() does not re-lay out: load "
+                         "it with llama.from_pretrained(path, quantize=..., mesh=...)")
     p = plan(model.config, mesh, tp_axis=tp_axis, dp_axis=dp_axis)
     hf = llama_hf.hf_state_dict(model)  # the weights in HF's layout, on the host
     sharded = nnx.eval_shape(lambda: Llama(model.config, rngs=nnx.Rngs(0), dtype=model.dtype,

@@ -5,7 +5,12 @@ The projections (q/k/v, o, gate/up, down, and an untied ``lm_head``) become
 :class:`forge_jax.QuantizedArray` kernels, which :class:`~forge_jax.models.llama_model.Linear`
 multiplies with ``fj.matmul`` (dequantized inside the product); the embedding and the
 norms keep ``param_dtype``. Each kernel is quantized as soon as it is read, so the host
-holds one float copy of one tensor beyond the quantized model.
+holds one float copy of one tensor beyond the quantized model. On a mesh each kernel is
+quantized whole (the same numbers as on one device), then its values and scales are
+placed split as the float kernel would be (:mod:`forge_jax.models.llama_sharding`):
+column-parallel kernels over their output channels with their scales, row-parallel
+ones over their input channels, a per-output-channel scale then on every device and
+int4's groups split with the values (refused where a group would straddle two devices).
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 import forge_jax as fj
+from forge_jax import quant as fj_quant
 from forge_jax.models.llama_model import Linear, Llama
 
 # --quantize's choices: format and its default group size along the in axis.
@@ -37,8 +44,11 @@ def check_quantize(quantize: str | None, group_size: int | None) -> None:
         raise ValueError(f"group_size must be a positive even int, got {group_size=!r}")
 
 
-def quantizer(quantize: str, group_size: int | None) -> Callable[[jax.Array], fj.QuantizedArray]:
-    """The function that quantizes one ``[out, in]`` kernel."""
+def quantizer(quantize: str, group_size: int | None, sharding: NamedSharding | None = None
+              ) -> Callable[[jax.Array], fj.QuantizedArray]:
+    """The function that quantizes one ``[out, in]`` kernel (whole, as on one device),
+    then, with ``sharding``, places it on its mesh, the scales with their values
+    (:func:`forge_jax.quant.place`)."""
     group = FORMATS[quantize] if group_size is None else group_size
 
     def convert(kernel: jax.Array) -> fj.QuantizedArray:
@@ -46,9 +56,30 @@ def quantizer(quantize: str, group_size: int | None) -> Callable[[jax.Array], fj
         if group is not None and size is None:
             raise ValueError(f"group_size={group} does not divide a kernel's in features "
                              f"({kernel.shape[-1]}); choose another group_size")
-        return fj.quantize(kernel, quantize, group_size=size)
+        q = fj.quantize(kernel, quantize, group_size=size)
+        return q if sharding is None else fj_quant.place(q, sharding)
 
     return convert
+
+
+def check_mesh(model: Llama, shardings: dict[int, NamedSharding], quantize: str,
+               group_size: int | None) -> None:
+    """Raises ValueError, before anything is read, if a quantized kernel of ``model``
+    (abstract) cannot split as ``shardings`` says: int4 groups cut by the split of a
+    row-parallel kernel's in features (naming the kernel, the group size and each
+    device's share)."""
+    for path, module in nnx.iter_graph(model):
+        if not isinstance(module, Linear):
+            continue
+        kernel = module.kernel
+        q = jax.eval_shape(quantizer(quantize, group_size),
+                           jax.ShapeDtypeStruct(kernel.shape, kernel.dtype))
+        sharding = shardings[id(kernel)]
+        try:
+            fj_quant.partition_specs(q, sharding.spec, sharding.mesh.shape)
+        except ValueError as e:
+            name = ".".join(str(p) for p in path)
+            raise ValueError(f"quantize={quantize!r} on this mesh: {name}: {e}") from None
 
 
 def linear_kernels(model: Llama) -> list[nnx.Param]:

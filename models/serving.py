@@ -52,6 +52,7 @@ from forge_jax.models.serving_requests import (  # noqa: F401  (the engine's API
     RequestRefused,
     RequestStream,
 )
+from forge_jax.ops import kv_quant
 
 
 class _PhaseClock:
@@ -124,15 +125,20 @@ class Engine:
       prefix_caching: keep full pages for later requests with the same prefix.
       eos_token_ids: ids that end every request (default: the model's).
       cache_dtype: the pages' dtype (default: the model's compute dtype).
+      kv_cache_dtype: ``"int8"`` or ``"fp8"`` (e4m3) for quantized pages, a float32 scale
+        per token and KV head beside them (:mod:`forge_jax.ops.kv_quant`), as
+        :func:`~forge_jax.models.generation.generate`'s; they are written, shared by the
+        prefix cache, copied and freed with their pages. None: ``cache_dtype`` pages.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 256,
                  min_batch_tokens: int = 1, max_seqs: int = 64, num_pages: int = 512,
                  page_size: int = 16, max_model_len: int | None = None, max_waiting: int = 1024,
                  prefix_caching: bool = True, eos_token_ids: Sequence[int] | None = None,
-                 cache_dtype=None):
+                 cache_dtype=None, kv_cache_dtype: str | None = None):
         self.model, self.tokenizer = model, tokenizer
         config = model.config
+        self.kv_cache_dtype = kv_quant.kv_format("kv_cache_dtype", kv_cache_dtype)
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         if not 1 <= min_batch_tokens <= max_batch_tokens:
             raise ValueError(f"need 1 <= min_batch_tokens <= max_batch_tokens, got "
@@ -158,10 +164,12 @@ class Engine:
         # On a mesh the pools are split by KV head over the tensor axis, as the model's.
         place = (lambda x: x) if model.mesh is None else (
             lambda x: jax.device_put(x, serving_step.pool_sharding(model.mesh, shape[0])))
-        self.k_pages = tuple(place(jnp.zeros(shape, dtype))
-                             for _ in range(config.num_hidden_layers))
-        self.v_pages = tuple(place(jnp.zeros(shape, dtype))
-                             for _ in range(config.num_hidden_layers))
+        # A quantized pool is a QuantizedArray (values and [..., 1] scales), placed and
+        # passed through the step like a float one.
+        empty = (lambda: jnp.zeros(shape, dtype)) if self.kv_cache_dtype is None else (
+            lambda: kv_quant.empty_pool(shape, self.kv_cache_dtype, dtype))
+        self.k_pages = tuple(place(empty()) for _ in range(config.num_hidden_layers))
+        self.v_pages = tuple(place(empty()) for _ in range(config.num_hidden_layers))
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

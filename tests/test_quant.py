@@ -215,3 +215,28 @@ def test_bad_inputs_are_one_clear_error(call, message):
     with pytest.raises((ValueError, TypeError), match=message) as info:
         call(_weight(19))
     assert "\n" not in str(info.value)
+
+
+def test_w8a8_on_a_mesh_splits_output_channels_only():
+    """A W8A8 weight placed column-parallel computes the one-device W8A8 product per shard;
+    split over its input channels it is refused (a row's activation scale spans all of K)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from forge_jax import sharding
+
+    x = normal(rng(24), (4, 128), jnp.float32)
+    q = fj.quantize(_weight(25, (64, 128)), "int8", activations="int8")
+    mesh = sharding.make_mesh("dp=2,tp=4")
+
+    def product(b):
+        with sharding.use_mesh(mesh):
+            return fj.matmul(x, b, trans_b=True)
+
+    columns = fj.quant.place(q, NamedSharding(mesh, P("tp", None)))
+    assert columns.activations == "int8" and columns.spec == ("tp", None)
+    np.testing.assert_allclose(np.asarray(jax.jit(product)(columns), np.float64),
+                               qref.w8a8_product(x, q), rtol=1e-5, atol=1e-5)
+    rows = fj.quant.place(q, NamedSharding(mesh, P(None, "tp")))
+    with pytest.raises(ValueError, match=r"W8A8\) with a weight split over its input channels"):
+        jax.jit(product)(rows)

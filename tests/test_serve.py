@@ -225,7 +225,7 @@ def test_the_command_serves_a_sharded_model_and_shuts_down(chat_checkpoint, chat
 @pytest.mark.parametrize("flags, fragment", [
     (["--mesh", "tp=3"], "num_attention_heads=4 does not split over a tensor axis of 3"),
     (["--mesh", "tp:2"], "a mesh is written like 'tp=4'"),
-    (["--mesh", "tp=2", "--quantize", "int8"], "does not combine with --mesh"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype: invalid choice: 'int4'"),
 ])
 def test_bad_serve_flags_are_one_line(capsys, chat_checkpoint, no_model_load, flags, fragment):
     from cases.cli import assert_one_line_error, run

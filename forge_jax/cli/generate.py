@@ -90,8 +90,6 @@ def run(args: argparse.Namespace) -> int:
         args.show = SHOW if args.show is None else args.show
         _check_task(task, config, args, path, mesh)
     quantize = quantize_kwargs(args, config)
-    if quantize and mesh is not None:
-        raise UsageError("--quantize loads onto one device; it does not combine with --mesh yet")
     model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh, **quantize)
     print(describe(model, path, args))
     show = args.progress if args.progress is not None else sys.stderr.isatty()

@@ -44,6 +44,7 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="keep full pages for requests with the same prefix")
     _flags.add_dtype_flag(serve)
+    _flags.add_kv_cache_flag(serve)
     _flags.add_mesh_flag(serve)
     _compilation_cache.add_flags(serve)
     serve.set_defaults(fn=run)
@@ -83,8 +84,6 @@ def run(args: argparse.Namespace) -> int:
                          f"{config.max_position_embeddings}], got {max_len}")
     mesh = _flags.mesh_from_flag(args, config)
     quantize = _checkpoint.quantize_kwargs(args, config)
-    if quantize and mesh is not None:
-        raise UsageError("--quantize loads onto one device; it does not combine with --mesh yet")
     tokenizer = text.load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     _compilation_cache.check(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
@@ -96,13 +95,14 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
             num_pages=args.max_pages, page_size=args.page_size, max_model_len=max_len,
             max_waiting=args.max_waiting, prefix_caching=args.prefix_caching,
-            eos_token_ids=eos)
+            eos_token_ids=eos, kv_cache_dtype=args.kv_cache_dtype)
         name = args.model_name or args.checkpoint
         app = serving_http.create_app(engine, model_name=name, tokenizer=tokenizer,
                                       default_max_tokens=args.max_tokens)
         print(f"{describe(model, path, args)}; serving {name!r} on http://{args.host}:"
               f"{args.port}/v1 (max {engine.max_batch_tokens} tokens and {args.max_seqs} "
-              f"requests per step, {args.max_pages} pages of {args.page_size})",
+              f"requests per step, {args.max_pages} pages of {args.page_size}"
+              + (f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype else "") + ")",
               file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                     timeout_graceful_shutdown=5)

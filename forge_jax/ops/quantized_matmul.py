@@ -20,6 +20,10 @@ activations="int8")``): every implementation computes
 with the inner sums int8 x int8 products accumulated in int32 (exact), one per group of
 ``b``'s scales along K (one for per-channel scales), then float32. On CPU, XLA's integer
 product is slower than float32 (BENCHMARKS.md): W8A8 is for TPUs with an int8 MXU.
+
+On a mesh (:func:`forge_jax.sharding.use_mesh`) the product runs per shard as the weight
+was placed (:func:`forge_jax.quant.place`, which ``from_pretrained(quantize=, mesh=)``
+uses): see :func:`_quantized_matmul_partition`.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from forge_jax import _checks, dispatch
-from forge_jax.quant import QuantizedArray, dequantize, quantize_rows
+from forge_jax import _checks, dispatch, sharding
+from forge_jax.quant import QuantizedArray, dequantize, partition_specs, quantize_rows
 
 _FULL = jax.lax.Precision.HIGHEST
 # Values dequantized at a time: a block of rows of about 1 MiB in float32, which stays in
@@ -70,11 +74,46 @@ def _quantized_matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, bet
     return dict(a=a, b=b, trans_b=trans_b, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype)
 
 
+def _split_axes(b: QuantizedArray, trans_b: bool) -> tuple[str | None, str | None]:
+    """The mesh axes ``b``'s output (N) and contracted (K) axes are split over (its
+    ``spec``, set when :func:`forge_jax.quant.place` put it on a mesh)."""
+    spec = tuple(b.spec) + (None,) * (2 - len(b.spec))
+    return (spec[0], spec[1]) if trans_b else (spec[1], spec[0])
+
+
 def _quantized_matmul_partition(args, config):
-    """Nothing splits: the product runs whole on every shard of a mesh. Quantized weights
-    are not sharded (``from_pretrained`` refuses ``quantize=`` with ``mesh=``), so a
-    quantized product under a mesh is one a user built by hand on replicated arrays."""
-    return {"a": P(), "b": P(), "c": P()}, P()
+    """As the weight is placed (its ``spec``): a weight split over its output channels
+    (column-parallel) gives each device its columns of the result; one split over its
+    input channels (row-parallel) multiplies each device's columns of ``a`` and sums the
+    partial products over that axis (one all-reduce). The weight's scales go with their
+    values (:func:`forge_jax.quant.partition_specs`); ``a``'s leading axis splits over the
+    data axis when it divides. Nothing splits for a weight that is not placed on this
+    mesh (a product built by hand on replicated arrays). W8A8 splits only over output
+    channels (its activation scales are per whole row)."""
+    a, b, c = args["a"], args["b"], args["c"]
+    n_axis, k_axis = _split_axes(b, args["trans_b"])
+    axes = config.mesh.axis_names
+    if (n_axis is None and k_axis is None) or any(
+            x is not None and x not in axes for x in (n_axis, k_axis)):
+        return {"a": P(), "b": P(), "c": P()}, P()
+    if b.activations is not None and k_axis is not None:
+        raise ValueError(f"b.activations={b.activations!r} (W8A8) with a weight split over its "
+                         f"input channels (mesh axis {k_axis!r}): each row's activation scale "
+                         f"spans all of K, which no shard holds; split the output channels")
+    rows = config.batch_axis(a.shape[0])
+    if rows in (n_axis, k_axis):
+        rows = None
+    lead = (rows,) + (None,) * (a.ndim - 2)
+    out = P(*lead, n_axis)
+    if c is None:
+        c_spec = P()
+    elif c.ndim == len(a.shape) and c.shape[0] == a.shape[0]:
+        c_spec = out
+    else:  # broadcast against the result's trailing axes
+        c_spec = P(*((None,) * (c.ndim - 1)), n_axis if c.shape[-1] > 1 else None)
+    specs = {"a": P(*lead, k_axis),
+             "b": partition_specs(b, b.spec, config.mesh.shape), "c": c_spec}
+    return specs, out if k_axis is None else sharding.Summed(out, k_axis)
 
 
 dispatch.define("quantized_matmul", _quantized_matmul_args, partition=_quantized_matmul_partition)
@@ -99,6 +138,14 @@ def quantized_matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0,
     """
     args = _quantized_matmul_args(a, b, trans_a=trans_a, trans_b=trans_b, alpha=alpha,
                                   beta=beta, c=c, out_dtype=out_dtype)
+    if c is not None and _split_axes(b, args["trans_b"])[1] is not None:
+        # Split over K, the product is a sum over devices: add beta * c once, after it
+        # (in float32, as the implementations do), not once per device.
+        out = dispatch.call("quantized_matmul", {**args, "beta": 0.0, "c": None,
+                                                 "out_dtype": jnp.dtype(jnp.float32)},
+                            implementation)
+        return (out + jnp.asarray(args["beta"], jnp.float32) * c.astype(jnp.float32)
+                ).astype(args["out_dtype"])
     return dispatch.call("quantized_matmul", args, implementation)
 
 
