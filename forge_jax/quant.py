@@ -21,6 +21,14 @@ Formats (``format``; the static metadata beside the arrays):
   (``weight`` and ``weight_scale_inv`` with ``weight_block_size``: ``values`` and
   ``scales`` as they are).
 
+Activations (``activations``, static): ``None`` (the default) is weight-only quantization:
+a product dequantizes the weight and multiplies in the activations' float dtype (W8A16).
+``"int8"`` (int8 weights only, symmetric) asks for int8 activations too (W8A8): each row of
+the activations is quantized when the product runs (:func:`quantize_rows`: per token,
+symmetric, ``scale = max|x| / 127``), the product is int8 x int8 with int32 accumulation, and
+both scales are applied to it. A numerics choice, so only ever asked for:
+``quantize(w, "int8", activations="int8")``.
+
 ``block`` gives the block's extent along the trailing axes (an axis it does not cover
 has blocks of 1): ``(1, 32)`` is groups of 32 along a weight's ``in`` axis, ``(1, K)``
 one scale per output channel, ``(128, 128)`` square blocks. ``scales`` (and ``minimums``)
@@ -49,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMATS = ("int8", "int4", "fp8")
+ACTIVATIONS = (None, "int8")  # the activations a product quantizes: none (W8A16), or int8
 _VALUE_DTYPES = {"int8": jnp.dtype(jnp.int8), "int4": jnp.dtype(jnp.uint8),
                  "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 _QMAX = {"int8": 127.0, "int4": 7.0, "fp8": float(jnp.finfo(jnp.float8_e4m3fn).max)}
@@ -74,6 +83,9 @@ class QuantizedArray:
         None) per axis, as a ``PartitionSpec`` would say (static; ``()``: not split).
         Set by :func:`place`; ``fj.matmul``'s partition rule reads it to run the product
         per shard (see :func:`partition_specs` for how each array of it splits).
+      activations: None (a product multiplies dequantized weights in the activations'
+        dtype) or ``"int8"`` (W8A8: the product quantizes each row of the activations to
+        int8 and multiplies integers; int8 weights only) (static).
     """
 
     values: jax.Array
@@ -83,15 +95,18 @@ class QuantizedArray:
     block: tuple[int, ...]
     dtype: Any = jnp.float32
     spec: tuple[str | None, ...] = ()
+    activations: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "spec", tuple(self.spec))
+        _check_activations(self.activations, self.format)
 
     def tree_flatten(self):
         return (self.values, self.scales, self.minimums), (self.format, self.block,
-                                                           self.dtype, self.spec)
+                                                           self.dtype, self.spec,
+                                                           self.activations)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -125,13 +140,21 @@ class QuantizedArray:
         block = tuple(n // s for n, s in zip(self.shape[lead:], self.scales.shape[lead:],
                                              strict=True))
         return QuantizedArray(self.values, self.scales, self.minimums, self.format, block,
-                              self.dtype)
+                              self.dtype, activations=self.activations)
 
     def __repr__(self) -> str:
         sym = "asymmetric" if self.minimums is not None else "symmetric"
         split = f", spec={self.spec}" if self.spec else ""
+        act = "" if self.activations is None else f", activations={self.activations!r}"
         return (f"QuantizedArray({self.format}, shape={self.shape}, block={self.block}, "
-                f"{sym}, dtype={jnp.dtype(self.dtype).name}{split})")
+                f"{sym}, dtype={jnp.dtype(self.dtype).name}{split}{act})")
+
+
+def _check_activations(activations, format: str) -> None:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations={activations!r} must be one of {ACTIVATIONS}")
+    if activations == "int8" and format != "int8":
+        raise ValueError(f"activations='int8' (W8A8) is for int8 weights, not {format=}")
 
 
 def _float_array(name: str, w) -> jax.Array:
@@ -190,19 +213,22 @@ def check_parts(values, scales, minimums, format: str, block) -> tuple[int, ...]
     return block
 
 
-def from_parts(values, scales, minimums=None, *, format: str, block, dtype=jnp.float32
-               ) -> QuantizedArray:
+def from_parts(values, scales, minimums=None, *, format: str, block, dtype=jnp.float32,
+               activations: str | None = None) -> QuantizedArray:
     """A :class:`QuantizedArray` from its arrays, checked (e.g. a Hugging Face FP8
     ``weight`` and its ``weight_scale_inv`` with ``block=(128, 128)``)."""
     block = check_parts(values, scales, minimums, format, block)
+    _check_activations(activations, format)
+    if activations is not None and minimums is not None:
+        raise ValueError(f"{activations=} (W8A8) needs symmetric weights; these have minimums")
     return QuantizedArray(jnp.asarray(values), jnp.asarray(scales),
                           None if minimums is None else jnp.asarray(minimums), format, block,
-                          jnp.dtype(dtype))
+                          jnp.dtype(dtype), activations=activations)
 
 
 def quantize(w, format: str, *, group_size: int | None = None,
              block: tuple[int, ...] | None = None, symmetric: bool = True,
-             scale_dtype=jnp.float32) -> QuantizedArray:
+             scale_dtype=jnp.float32, activations: str | None = None) -> QuantizedArray:
     """Quantizes ``w`` (round to nearest) into ``format``.
 
     Args:
@@ -216,6 +242,10 @@ def quantize(w, format: str, *, group_size: int | None = None,
       symmetric: False for int4 with a minimum per group (``x = s * q + m``, ``q`` in
         0..15); int8 and fp8 are symmetric only.
       scale_dtype: the dtype of the scales (and minimums).
+      activations: None (weight-only: products multiply dequantized weights in the
+        activations' dtype), or ``"int8"`` for int8 weights (W8A8: products quantize each
+        row of the activations to int8, :func:`quantize_rows`, and multiply integers with
+        int32 accumulation; the MXU's int8 path on TPUs that have one).
 
     Returns:
       A :class:`QuantizedArray` whose :func:`dequantize` approximates ``w``: each value
@@ -229,6 +259,7 @@ def quantize(w, format: str, *, group_size: int | None = None,
     w = _float_array("w", w)
     if format not in FORMATS:
         raise ValueError(f"unknown quantization format {format!r}; known: {', '.join(FORMATS)}")
+    _check_activations(activations, format)
     if w.ndim < 1:
         raise ValueError(f"w must have rank >= 1, got w.shape={tuple(w.shape)}")
     if not symmetric and format != "int4":
@@ -256,8 +287,8 @@ def quantize(w, format: str, *, group_size: int | None = None,
         raise ValueError(f"{block=} does not divide w.shape={tuple(w.shape)}")
     if format == "int4" and full[-1] % 2:
         raise ValueError(f"int4 groups must hold an even number of values, got {block=}")
-    return _quantize(jnp.asarray(w), format, full, symmetric, jnp.dtype(scale_dtype),
-                     block=block)
+    q = _quantize(jnp.asarray(w), format, full, symmetric, jnp.dtype(scale_dtype), block=block)
+    return q if activations is None else dataclasses.replace(q, activations=activations)
 
 
 def _quantize(w, format, full, symmetric, scale_dtype, *, block):
@@ -289,6 +320,24 @@ def _quantize(w, format, full, symmetric, scale_dtype, *, block):
     squeeze = lambda s: None if s is None else s.reshape(
         [n // b for n, b in zip(w.shape, full, strict=True)]).astype(scale_dtype)
     return QuantizedArray(q, squeeze(scale), squeeze(minimums), format, block, dtype)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dynamic int8 quantization of activations, per row (per token), symmetric: what a W8A8
+    product (``activations="int8"``) does to its left-hand side, in every implementation.
+
+    Args:
+      x: float ``[..., K]``.
+
+    Returns:
+      ``(q, scale)``: int8 ``[..., K]`` and float32 ``[..., 1]``, with ``scale = max|x| / 127``
+      over the row (float32 math), ``q = clip(round(x * (1 / scale)), -127, 127)`` (0 for a
+      row of zeros), so ``x ~ scale * q`` within half a step.
+    """
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / _QMAX["int8"]
+    inv = jnp.where(scale == 0, 0.0, 1.0 / jnp.where(scale == 0, 1.0, scale))
+    return jnp.clip(jnp.round(x * inv), -127, 127).astype(jnp.int8), scale
 
 
 def partition_specs(q: QuantizedArray, spec, mesh_shape: Mapping[str, int]) -> QuantizedArray:
@@ -372,7 +421,8 @@ def place(q: QuantizedArray, sharding) -> QuantizedArray:
                                             lambda index: host[index])
 
     return QuantizedArray(put(q.values, specs.values), put(q.scales, specs.scales),
-                          put(q.minimums, specs.minimums), q.format, q.block, q.dtype, spec)
+                          put(q.minimums, specs.minimums), q.format, q.block, q.dtype, spec,
+                          q.activations)
 
 
 def pack_int4(nibbles: jax.Array) -> jax.Array:

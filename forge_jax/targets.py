@@ -43,7 +43,7 @@ class Target:
       compute_capability: ``"9.0"`` for a GPU, None for a TPU.
       memory_bandwidth: peak HBM bandwidth, bytes/s (the roofline's memory roof).
       peak_flops: dtype name -> peak dense FLOP/s (the roofline's compute roof; matmul
-        units for 16-bit types, vector units for float32 on GPUs).
+        units for 16-bit types and int8 (ops/s), vector units for float32 on GPUs).
       memory_bytes: HBM per device.
       gpu: the GPU's figures for XLA's ``GpuTargetConfigProto`` (:func:`gpu_target_config`),
         None for a TPU.
@@ -83,7 +83,7 @@ class Target:
 
 
 def _gpu(name, kind, cc, *, sms, smem_per_sm, smem_optin, l2, clock_ghz, memory, bandwidth,
-         threads_per_sm, fpus_per_sm, bf16_tflops, f32_tflops) -> Target:
+         threads_per_sm, fpus_per_sm, bf16_tflops, f32_tflops, int8_tops) -> Target:
     figures = dict(core_count=sms, shared_memory_per_core=smem_per_sm,
                    shared_memory_per_block_optin=smem_optin, l2_cache_size=l2,
                    clock_rate_ghz=clock_ghz, device_memory_size=memory,
@@ -91,44 +91,49 @@ def _gpu(name, kind, cc, *, sms, smem_per_sm, smem_optin, l2, clock_ghz, memory,
                    fpus_per_core=fpus_per_sm)
     return Target(name, "gpu", kind, cc, bandwidth,
                   {"bfloat16": bf16_tflops * 1e12, "float16": bf16_tflops * 1e12,
-                   "float32": f32_tflops * 1e12}, memory, gpu=figures)
+                   "float32": f32_tflops * 1e12, "int8": int8_tops * 1e12}, memory,
+                  gpu=figures)
 
 
-def _tpu(name, kind, topology, chip_config, bounds, *, memory, bandwidth, bf16_tflops
-         ) -> Target:
+def _tpu(name, kind, topology, chip_config, bounds, *, memory, bandwidth, bf16_tflops,
+         int8_tops) -> Target:
     return Target(name, "tpu", kind, None, bandwidth,
                   # TPUs multiply float32 on the MXU in bfloat16 passes; 1/3 of the peak
                   # is what XLA's default (highest-precision, 3-pass) float32 dot reaches.
-                  {"bfloat16": bf16_tflops * 1e12, "float32": bf16_tflops * 1e12 / 3},
+                  {"bfloat16": bf16_tflops * 1e12, "float32": bf16_tflops * 1e12 / 3,
+                   "int8": int8_tops * 1e12},
                   memory, tpu_topology=dict(topology_name=topology, chip_config_name=chip_config,
                                             chips_per_host_bounds=bounds))
 
 
-# The devices' published figures (NVIDIA's data sheets, dense tensor-core FLOP/s; Google
-# Cloud's TPU pages), SMs and shared memory as CUDA's device query reports them.
+# The devices' published figures (NVIDIA's data sheets, dense tensor-core FLOP/s and int8
+# ops/s; Google Cloud's TPU pages: v4 multiplies int8 at its bfloat16 rate), SMs and shared
+# memory as CUDA's device query reports them.
 TARGETS: Mapping[str, Target] = {t.name: t for t in (
     _gpu("h100", "NVIDIA H100 80GB HBM3", "9.0", sms=132, smem_per_sm=233472,
          smem_optin=232448, l2=52428800, clock_ghz=1.98, memory=84942979072,
          bandwidth=3.35e12, threads_per_sm=2048, fpus_per_sm=128, bf16_tflops=989,
-         f32_tflops=67),
+         f32_tflops=67, int8_tops=1979),
     _gpu("a100", "NVIDIA A100-SXM4-80GB", "8.0", sms=108, smem_per_sm=167936,
          smem_optin=166912, l2=41943040, clock_ghz=1.41, memory=85100068864,
          bandwidth=2.039e12, threads_per_sm=2048, fpus_per_sm=64, bf16_tflops=312,
-         f32_tflops=19.5),
+         f32_tflops=19.5, int8_tops=624),
     _gpu("l4", "NVIDIA L4", "8.9", sms=58, smem_per_sm=102400, smem_optin=101376,
          l2=50331648, clock_ghz=2.04, memory=23580639232, bandwidth=300e9,
-         threads_per_sm=1536, fpus_per_sm=128, bf16_tflops=121, f32_tflops=30.3),
+         threads_per_sm=1536, fpus_per_sm=128, bf16_tflops=121, f32_tflops=30.3,
+         int8_tops=242),
     _gpu("b200", "NVIDIA B200", "10.0", sms=148, smem_per_sm=233472, smem_optin=232448,
          l2=132644864, clock_ghz=1.965, memory=191514411008, bandwidth=8e12,
-         threads_per_sm=2048, fpus_per_sm=128, bf16_tflops=2250, f32_tflops=80),
+         threads_per_sm=2048, fpus_per_sm=128, bf16_tflops=2250, f32_tflops=80,
+         int8_tops=4500),
     _tpu("tpu-v4", "TPU v4", "v4:2x2x1", "megacore", (2, 2, 1), memory=32 * 2**30,
-         bandwidth=1.2e12, bf16_tflops=275),
+         bandwidth=1.2e12, bf16_tflops=275, int8_tops=275),
     _tpu("tpu-v5e", "TPU v5 lite", "v5e:1x1", "default", (1, 1, 1), memory=16 * 2**30,
-         bandwidth=819e9, bf16_tflops=197),
+         bandwidth=819e9, bf16_tflops=197, int8_tops=394),
     _tpu("tpu-v5p", "TPU v5", "v5:2x2x1", "megacore", (2, 2, 1), memory=95 * 2**30,
-         bandwidth=2.765e12, bf16_tflops=459),
+         bandwidth=2.765e12, bf16_tflops=459, int8_tops=918),
     _tpu("tpu-v6e", "TPU v6 lite", "v6e:1x1", "default", (1, 1, 1), memory=32 * 2**30,
-         bandwidth=1.64e12, bf16_tflops=918),
+         bandwidth=1.64e12, bf16_tflops=918, int8_tops=1836),
 )}
 
 

@@ -23,10 +23,12 @@ from cases.cli import run as cli_run
 import forge_jax as fj
 from forge_jax.models import aot_steps, llama
 from forge_jax.ops import kv_fold
+from forge_jax.ops.quantized_matmul import quantized_matmul
 from forge_jax.pallas_kernels.gpu import attention as gpu_attention
 from forge_jax.pallas_kernels.gpu import paged_attention as gpu_paged
 from forge_jax.pallas_kernels.tpu import attention as tpu_attention
 from forge_jax.pallas_kernels.tpu import paged_attention as tpu_paged
+from forge_jax.pallas_kernels.tpu import quantized_matmul as tpu_quantized_matmul
 
 S = jax.ShapeDtypeStruct
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -38,7 +40,7 @@ def _needs(target):
 
 
 GPU, TPU = _needs("h100"), _needs("tpu-v5e")
-NEEDS = {"h100": GPU, "a100": GPU, "tpu-v5e": TPU, "tpu-v6e": TPU}
+NEEDS = {"h100": GPU, "a100": GPU, "tpu-v5e": TPU, "tpu-v6e": TPU, "tpu-v4": TPU}
 
 
 def _paged(dtype, batch, heads, head_dim, *, q_len=None, pages=64, page_size=16, per_seq=16):
@@ -54,6 +56,23 @@ def _ragged(dtype, tokens, seqs, heads, head_dim, *, pages=64, page_size=16, per
     pool = S((kv_heads, pages, page_size, head_dim), dtype)
     return (S((tokens, q_heads, head_dim), dtype), pool, pool, S((seqs, per_seq), jnp.int32),
             S((seqs,), jnp.int32), S((seqs + 1,), jnp.int32), S((), jnp.int32))
+
+
+def _w8a8(m, n, k, dtype=BF16):
+    """A decode or prefill product with an int8 weight ``[n, k]`` (per-channel scales) asking
+    for int8 activations (W8A8: the TPU's int8 MXU)."""
+    w = fj.QuantizedArray(S((n, k), jnp.int8), S((n, 1), F32), None, "int8", (k,),
+                          activations="int8")
+    return (S((m, k), dtype), w)
+
+
+def _qweight(fmt, n, k, group=None, asymmetric=False):
+    """An abstract int8 ``[n, k]`` or packed int4 weight with float32 scales per ``group``
+    (default: per output channel) and, ``asymmetric``, minimums."""
+    group = group or k
+    values = S((n, k // 2), jnp.uint8) if fmt == "int4" else S((n, k), jnp.int8)
+    scales = S((n, k // group), F32)
+    return fj.QuantizedArray(values, scales, scales if asymmetric else None, fmt, (group,))
 
 
 def _quantized(args, format):
@@ -139,6 +158,12 @@ TPU_CASES = {
         _ragged(BF16, 32, 4, SMOL[:2], SMOL[2])), {}),
     "ragged smollm f32 folded": ("ragged_paged_attention", _folded(
         _ragged(F32, 32, 4, SMOL[:2], SMOL[2])), dict(sliding_window=9)),
+    # W8A8 on the int8 MXU: SmolLM2's down projection at decode, its up projection at
+    # prefill (the Mosaic module's matmul is int8 x int8 -> int32:
+    # tests/test_pallas_tpu_quantized_matmul.py). Compiled for v5e and v6e with libtpu
+    # 0.0.42.1, JAX 0.10.2, 2026-11-25.
+    "w8a8 decode smollm down": ("quantized_matmul", _w8a8(1, 576, 1536), dict(trans_b=True)),
+    "w8a8 prefill smollm up": ("quantized_matmul", _w8a8(128, 1536, 576), dict(trans_b=True)),
     "paged chunk llama bf16": ("paged_attention",
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
@@ -150,16 +175,35 @@ TPU_CASES = {
                                       dict(causal=True)),
 }
 
+# Compiled for a100 only (the Triton path of quantized_matmul is Ampere's; Hopper has the
+# Mosaic GPU kernel): SmolLM2's projections at decode and prefill, each dtype table's tiles.
+A100_CASES = {
+    "qmm int8 decode smollm bf16": ("quantized_matmul", (S((1, 1536), BF16),
+                                                         _qweight("int8", 576, 1536)),
+                                    dict(trans_b=True)),
+    "qmm int4 g32 decode smollm bf16": ("quantized_matmul", (S((1, 576), BF16),
+                                                             _qweight("int4", 1536, 576, 32)),
+                                        dict(trans_b=True)),
+    "qmm int4 g32 asym prefill smollm bf16": (
+        "quantized_matmul", (S((128, 576), BF16), _qweight("int4", 1536, 576, 32, True)),
+        dict(trans_b=True)),
+    "qmm int4 g128 asym prefill smollm f32": (
+        "quantized_matmul", (S((128, 1536), F32), _qweight("int4", 576, 1536, 128, True)),
+        dict(trans_b=True)),
+}
+GPU_CASES_A100 = {**GPU_CASES, **A100_CASES}
+
 # The other generations: a sample of the cases (each dtype, head_dim 64 and 128, prefill and
 # decode shapes), compiled again for a100 (the Triton lowering's Ampere path) and tpu-v6e.
 SWEEP = [("h100", n) for n in sorted(GPU_CASES)] + [("a100", n) for n in (
     "rms_norm residual f32", "rope smollm prefill bf16", "silu_mul smollm bf16",
-    "attention smollm bf16", "attention llama bf16", "paged decode smollm bf16")]
+    "attention smollm bf16", "attention llama bf16", "paged decode smollm bf16", *A100_CASES)]
 TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n in (
     "rms_norm residual f32", "rope smollm bf16", "silu_mul smollm bf16", "attention llama bf16",
     "attention smollm bf16", "paged decode smollm bf16", "paged decode llama f32",
     "ragged smollm bf16", "paged chunk llama bf16", "paged decode smollm bf16 folded",
-    "paged chunk smollm f32 folded", "ragged smollm bf16 folded", "ragged smollm f32 folded")]
+    "paged chunk smollm f32 folded", "ragged smollm bf16 folded", "ragged smollm f32 folded",
+    "w8a8 decode smollm down")]
 
 # Register spills ptxas reports, by (target, case): bytes spilled, at most. Each is a
 # finding to fix (issue 23); a case not named here must not spill.
@@ -174,8 +218,8 @@ def _compile(case, target):
         # supports() accepts the case on the target (strict: else ImplementationError).
         assert fj.dispatch.select(op, fj.dispatch.bind(op, *args, **kwargs),
                                   "pallas").implementation == "pallas"
-    report = fj.aot.compile(getattr(fj, op), *args, target=target, implementation="pallas",
-                            **kwargs)
+    fn = quantized_matmul if op == "quantized_matmul" else getattr(fj, op)
+    report = fj.aot.compile(fn, *args, target=target, implementation="pallas", **kwargs)
     assert report.compiled, report.error
     assert report.kernels, f"no pallas_call compiled for {op}"
     # Every pallas_call carries a cost estimate (the roofline's flops and bytes).
@@ -187,7 +231,7 @@ def _compile(case, target):
 @pytest.mark.parametrize("target, name", [pytest.param(t, n, marks=NEEDS[t])
                                           for t, n in SWEEP])
 def test_gpu_kernels_compile(target, name):
-    report = _compile(GPU_CASES[name], target)
+    report = _compile(GPU_CASES_A100[name], target)
     limit = fj.targets.get(target).gpu["shared_memory_per_block_optin"]
     for k in report.kernels:
         assert k.registers is not None and k.grid is not None, k  # ptxas and thunks read
@@ -207,7 +251,7 @@ def _forced_paged(dtype, page_size):
 
 
 # Rejections that are compile limits: (target, op, the kernel called past supports(), its
-# arguments, supports()' reason, the compiler's).
+# arguments, supports()' reason, the compiler's[, the op's keyword arguments]).
 REJECTIONS = {
     "tpu float16 attention": (
         "tpu-v5e", "attention", tpu_attention.flash_attention, _attention(256, LLAMA, F16),
@@ -215,6 +259,13 @@ REJECTIONS = {
     "tpu float16 paged decode": (
         "tpu-v6e", "paged_attention", tpu_paged.paged_attention, _forced_paged(F16, 16),
         "q.dtype=float16", "Invalid vector type for load"),
+    # W8A8: v4's Mosaic has no int8 matmul (supports() refuses it there; XLA serves it).
+    "tpu v4 w8a8": (
+        "tpu-v4", "quantized_matmul",
+        lambda a, q: tpu_quantized_matmul.quantized_matmul(
+            a, q, trans_b=True, alpha=1.0, beta=0.0, c=None, out_dtype=a.dtype),
+        _w8a8(16, 1536, 576), "TPU v4 has no int8 MXU product in Mosaic",
+        "Unsupported matmul RHS type on target: vector<128x128xi8>", dict(trans_b=True)),
     "gpu paged page 12": (
         "a100", "paged_attention", gpu_paged.paged_attention, _forced_paged(BF16, 12),
         "page_size=12 is not a power of two", "whose size is a power of 2"),
@@ -228,9 +279,9 @@ REJECTIONS = {
 @pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS[REJECTIONS[n][0]])
                                   for n in sorted(REJECTIONS)])
 def test_rejections_that_are_compile_limits_fail_that_compile(name):
-    target, op, kernel, args, reason, verdict = REJECTIONS[name]
+    target, op, kernel, args, reason, verdict, *kwargs = REJECTIONS[name]
     with fj.targets.use(target), pytest.raises(fj.ImplementationError, match=reason):
-        fj.dispatch.select(op, fj.dispatch.bind(op, *args), "pallas")
+        fj.dispatch.select(op, fj.dispatch.bind(op, *args, **(kwargs or [{}])[0]), "pallas")
     report = fj.aot.compile(kernel, *args, target=target)
     assert not report.compiled and verdict in report.error, report.error
 

@@ -85,6 +85,40 @@ def test_matmul_matches_float64(fmt, kw, m):
     assert fj.dispatch.last_selection("quantized_matmul").implementation == "xla"
 
 
+@pytest.mark.parametrize("shape, kw", [
+    ((256, 256), {}), ((256, 256), {"group_size": 64}), ((256, 256), {"block": (2, 64)}),
+    ((2048, 256), {}),  # two blocks of rows (the lax.map)
+], ids=["channel", "g64", "block2x64", "row-blocks"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_w8a8_matmul_matches_float64(shape, kw, m):
+    q = fj.quantize(_weight(20, shape), "int8", activations="int8", **kw)
+    assert q.activations == "int8" and "activations='int8'" in repr(q)
+    x = normal(rng(21, m), (m, shape[1]), jnp.float32)
+    got = jax.jit(lambda x, q: fj.matmul(x, q, trans_b=True))(x, q)
+    assert fj.dispatch.last_selection("quantized_matmul").implementation == "xla"
+    np.testing.assert_allclose(np.asarray(got, np.float64), qref.w8a8_product(x, q),
+                               rtol=1e-5, atol=1e-5)
+    # Not the weight-only product: the activations were rounded to int8 steps, within bound.
+    float_product = np.asarray(x, np.float64) @ qref.dequantize(q).T
+    diff = np.abs(np.asarray(got, np.float64) - float_product)
+    assert diff.max() > 1e-4
+    assert (diff <= qref.w8a8_error_bound(x, q) + 1e-5).all()
+
+
+def test_w8a8_quantizes_rows_per_token():
+    x = normal(rng(22), (3, 2, 64), jnp.float32).at[1, 0].set(0.0)  # one row of zeros
+    q, scale = fj.quant.quantize_rows(x)
+    want_q, want_scale = qref.quantize_rows(x)
+    assert q.dtype == jnp.int8 and scale.shape == (3, 2, 1)
+    np.testing.assert_array_equal(np.asarray(q, np.float64), want_q)
+    np.testing.assert_allclose(np.asarray(scale, np.float64), want_scale, rtol=1e-7)
+    w = fj.quantize(_weight(23, (32, 64)), "int8", activations="int8")
+    out = fj.matmul(x, w, trans_b=True)
+    assert out.shape == (3, 2, 32) and not np.asarray(out[1, 0]).any()
+    np.testing.assert_allclose(np.asarray(out, np.float64), qref.w8a8_product(x, w),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_matmul_bias_batch_and_bfloat16():
     w = _weight(6, (64, 96))
     q = fj.quantize(w, "int4", group_size=32, symmetric=False)
@@ -167,8 +201,42 @@ def test_bytes_match_the_formats_ideal():
      r"contracting dimensions disagree"),
     (lambda w: fj.matmul(jnp.ones((256, 2)), fj.quantize(w, "int8"), trans_a=True,
                          trans_b=True), r"trans_a=True is not supported"),
+    (lambda w: fj.quantize(w, "int4", activations="int8"),
+     r"activations='int8' \(W8A8\) is for int8 weights, not format='int4'"),
+    (lambda w: fj.quantize(w, "int8", activations="fp8"),
+     r"activations='fp8' must be one of \(None, 'int8'\)"),
+    (lambda w: fj.matmul(jnp.ones((2, 256)), fj.quantize(w, "int8", activations="int8")),
+     r"W8A8\) needs the \[out, in\] layout: trans_b=True"),
+    (lambda w: fj.quant.from_parts(jnp.zeros((4, 8), jnp.int8), jnp.ones((4, 1)),
+                                   jnp.ones((4, 1)), format="int8", block=(8,),
+                                   activations="int8"), r"needs symmetric weights"),
 ])
 def test_bad_inputs_are_one_clear_error(call, message):
     with pytest.raises((ValueError, TypeError), match=message) as info:
         call(_weight(19))
     assert "\n" not in str(info.value)
+
+
+def test_w8a8_on_a_mesh_splits_output_channels_only():
+    """A W8A8 weight placed column-parallel computes the one-device W8A8 product per shard;
+    split over its input channels it is refused (a row's activation scale spans all of K)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from forge_jax import sharding
+
+    x = normal(rng(24), (4, 128), jnp.float32)
+    q = fj.quantize(_weight(25, (64, 128)), "int8", activations="int8")
+    mesh = sharding.make_mesh("dp=2,tp=4")
+
+    def product(b):
+        with sharding.use_mesh(mesh):
+            return fj.matmul(x, b, trans_b=True)
+
+    columns = fj.quant.place(q, NamedSharding(mesh, P("tp", None)))
+    assert columns.activations == "int8" and columns.spec == ("tp", None)
+    np.testing.assert_allclose(np.asarray(jax.jit(product)(columns), np.float64),
+                               qref.w8a8_product(x, q), rtol=1e-5, atol=1e-5)
+    rows = fj.quant.place(q, NamedSharding(mesh, P(None, "tp")))
+    with pytest.raises(ValueError, match=r"W8A8\) with a weight split over its input channels"):
+        jax.jit(product)(rows)

@@ -11,6 +11,16 @@ and is slow for one row. Against float32 on CPU, the int8 and int4 products meas
 par for one row of activations (two runs on a noisy host disagree for 16 rows), fp8 far
 slower (XLA converts float8 slowly there): BENCHMARKS.md (``benchmarks/quant_cpu.py``).
 
+W8A8 (``b.activations == "int8"``, asked for by ``fj.quantize(w, "int8",
+activations="int8")``): every implementation computes
+
+    qa, sa = quantize_rows(a)                     # int8 [M, K], float32 [M, 1]
+    out[m, n] = sa[m] * sum_g sb[n, g] * float32(sum_{k in g} qa[m, k] * qb[n, k])
+
+with the inner sums int8 x int8 products accumulated in int32 (exact), one per group of
+``b``'s scales along K (one for per-channel scales), then float32. On CPU, XLA's integer
+product is slower than float32 (BENCHMARKS.md): W8A8 is for TPUs with an int8 MXU.
+
 On a mesh (:func:`forge_jax.sharding.use_mesh`) the product runs per shard as the weight
 was placed (:func:`forge_jax.quant.place`, which ``from_pretrained(quantize=, mesh=)``
 uses): see :func:`_quantized_matmul_partition`.
@@ -23,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
-from forge_jax.quant import QuantizedArray, dequantize, partition_specs
+from forge_jax.quant import QuantizedArray, dequantize, partition_specs, quantize_rows
 
 _FULL = jax.lax.Precision.HIGHEST
 # Values dequantized at a time: a block of rows of about 1 MiB in float32, which stays in
@@ -42,6 +52,16 @@ def _quantized_matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, bet
         raise ValueError("trans_a=True is not supported with a quantized b; transpose a")
     if not isinstance(trans_b, bool):
         raise TypeError(f"trans_b must be a bool, got {trans_b=!r}")
+    if b.activations == "int8":
+        if not trans_b:
+            raise ValueError("b.activations='int8' (W8A8) needs the [out, in] layout: "
+                             "trans_b=True")
+        if b.minimums is not None:
+            raise ValueError("b.activations='int8' (W8A8) needs symmetric weights; b has "
+                             "minimums")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"a must be float for W8A8 (it is quantized per row), got "
+                            f"a.dtype={jnp.dtype(a.dtype).name}")
     alpha = _checks.number("alpha", alpha)
     beta = _checks.number("beta", beta)
     k_b = b.shape[1] if trans_b else b.shape[0]
@@ -68,13 +88,18 @@ def _quantized_matmul_partition(args, config):
     partial products over that axis (one all-reduce). The weight's scales go with their
     values (:func:`forge_jax.quant.partition_specs`); ``a``'s leading axis splits over the
     data axis when it divides. Nothing splits for a weight that is not placed on this
-    mesh (a product built by hand on replicated arrays)."""
+    mesh (a product built by hand on replicated arrays). W8A8 splits only over output
+    channels (its activation scales are per whole row)."""
     a, b, c = args["a"], args["b"], args["c"]
     n_axis, k_axis = _split_axes(b, args["trans_b"])
     axes = config.mesh.axis_names
     if (n_axis is None and k_axis is None) or any(
             x is not None and x not in axes for x in (n_axis, k_axis)):
         return {"a": P(), "b": P(), "c": P()}, P()
+    if b.activations is not None and k_axis is not None:
+        raise ValueError(f"b.activations={b.activations!r} (W8A8) with a weight split over its "
+                         f"input channels (mesh axis {k_axis!r}): each row's activation scale "
+                         f"spans all of K, which no shard holds; split the output channels")
     rows = config.batch_axis(a.shape[0])
     if rows in (n_axis, k_axis):
         rows = None
@@ -101,7 +126,10 @@ def quantized_matmul(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0,
     Args:
       a: ``[..., M, K]`` float (the compute dtype: ``b`` is dequantized to it).
       b: a 2-D :class:`~forge_jax.quant.QuantizedArray`: ``[N, K]`` with ``trans_b``
-        (a weight in the ``[out, in]`` layout, the fast path), else ``[K, N]``.
+        (a weight in the ``[out, in]`` layout, the fast path), else ``[K, N]``. With
+        ``b.activations == "int8"`` (W8A8), ``a`` is quantized per row and the product is
+        int8 x int8 with int32 accumulation (the module docstring has the formula); that
+        needs ``trans_b`` and symmetric int8 weights.
       trans_a: must be False.
       alpha, beta, c, out_dtype, implementation: as :func:`forge_jax.matmul`.
 
@@ -163,6 +191,23 @@ def _block_product(a2, values, scales, minimums, *, fmt, group, rows_per_scale, 
                                preferred_element_type=jnp.float32, precision=_FULL)
 
 
+def _w8a8_block_product(qa, sa, values, scales, *, group, rows_per_scale):
+    """The W8A8 product of ``qa`` int8 ``[M, K]`` (row scales ``sa`` ``[M, 1]``) with one
+    block of weight rows, int8 ``values`` ``[bn, K]`` and ``scales``
+    ``[bn / rows_per_scale, K / group]``: float32 ``[M, bn]``."""
+    bn, k = values.shape
+    g = k // group
+    # [g, M, bn] int32: one exact integer product per group of scales.
+    acc = jax.lax.dot_general(qa.reshape(-1, g, group), values.reshape(bn, g, group),
+                              (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.int32)
+    s = scales.astype(jnp.float32)
+    s = jnp.repeat(s, rows_per_scale, axis=0) if rows_per_scale > 1 else s  # [bn, g]
+    out = acc[0].astype(jnp.float32) * s[:, 0]
+    for i in range(1, g):
+        out = out + acc[i].astype(jnp.float32) * s[:, i]
+    return out * sa
+
+
 @dispatch.register("quantized_matmul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="dequantizes a block of rows at a time inside the product (CPU: "
                                "not faster than float32, fp8 much slower; BENCHMARKS.md)")
@@ -171,7 +216,21 @@ def quantized_matmul_xla(a, b, *, trans_b, alpha, beta, c, out_dtype):
     a2 = a.reshape(-1, k)  # [M, K]
     acc = jnp.float32
     with jax.named_scope("quantized_matmul"):
-        if trans_b:
+        if b.activations == "int8":  # W8A8
+            qa, sa = quantize_rows(a2)
+            rows_per_scale, group = b.full_block()
+            n = b.shape[0]
+            bn = _row_block(n, k, rows_per_scale)
+            nb = n // bn
+            split = lambda x: x.reshape(nb, -1, x.shape[-1])
+            product = lambda blk: _w8a8_block_product(qa, sa, *blk, group=group,
+                                                      rows_per_scale=rows_per_scale)
+            if nb == 1:
+                out = product((b.values, b.scales))
+            else:
+                out = jax.lax.map(product, (split(b.values), split(b.scales)))  # [nb, M, bn]
+                out = jnp.moveaxis(out, 0, 1).reshape(a2.shape[0], n)
+        elif trans_b:
             rows_per_scale, group = b.full_block()
             n = b.shape[0]
             bn = _row_block(n, k, rows_per_scale)

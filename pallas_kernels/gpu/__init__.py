@@ -11,6 +11,8 @@
   ``"mosaic_gpu_interpret"`` by name everywhere), ``mosaic_*.py``; ``_mosaic.py``: what they
   share (compute capability, the Mosaic GPU interpreter); ``mosaic_paged_limits.py``: what
   the paged and ragged paged kernels fit in (shared memory, spill-free head dims).
+* ``quantized_matmul.py``: ``"pallas"`` (Triton lowering, Ampere and up): int8/int4 weights
+  dequantized in registers, for decode's skinny products and prefill tiles.
 * ``mosaic_quantized_matmul.py``: ``"mosaic_gpu"`` (Hopper), Mosaic GPU kernels (see
   ``_mosaic.py``): int8/fp8/int4 weights dequantized in registers feeding WGMMA.
 * ``jax_nn_attention.py``: ``"cudnn"``, attention through ``jax.nn.dot_product_attention``
@@ -27,6 +29,7 @@ from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers t
     mosaic_quantized_matmul,
     mosaic_ragged_paged_attention,
     paged_attention,
+    quantized_matmul,
     rms_norm,
     rope,
     silu_mul,

@@ -148,6 +148,9 @@ def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.matmul` arguments (a quantized
     ``b``), else why not."""
     a, b = args["a"], args["b"]
+    if b.activations is not None:
+        return (f"b.activations={b.activations!r} (W8A8): the kernel multiplies dequantized "
+                f"weights in the activations' dtype; XLA serves W8A8")
     if jnp.dtype(a.dtype) not in ACTIVATION_DTYPES:
         return (f"a.dtype={jnp.dtype(a.dtype).name}; the kernel's WGMMA reads bfloat16/float16 "
                 f"activations")

@@ -24,6 +24,17 @@ SCOPED_VMEM_MIB: Mapping[str, int] = {
     "TPU v4": 16, "TPU v5 lite": 16, "TPU v5": 32, "TPU v5p": 32, "TPU v6 lite": 32,
 }
 GENERATIONS = tuple(SCOPED_VMEM_MIB)
+# Whether the generation's MXU multiplies int8 in a Mosaic kernel (int32 accumulation), by
+# device kind, as libtpu's compiler settles it (libtpu 0.0.42.1, deviceless, 2026-11-25):
+# v5e, v5p and v6e compile an int8 x int8 -> int32 ``tpu.matmul`` (JAX's
+# ``pallas/mosaic/tpu_info.py`` gives them twice their bfloat16 rate); v4 refuses it
+# ("CompileTimeMosaicUnsupportedRhsType: Unsupported matmul RHS type on target:
+# vector<128x128xi8>", though Google Cloud's v4 page lists int8 at the bfloat16 rate);
+# TPU7x (Ironwood) multiplies fp8, not int8 (tpu_info lists no int8 rate for it).
+INT8_MXU: Mapping[str, bool] = {
+    "TPU v4": False, "TPU v5 lite": True, "TPU v5": True, "TPU v5p": True, "TPU v6 lite": True,
+    "TPU7x": False,
+}
 
 
 def tuned(table: Mapping[str, Mapping[str, int]], device_kind: str | None) -> dict[str, int]:

@@ -14,8 +14,19 @@ per group of whole vregs: per channel, or groups of 128 int8 / 256 int4 values (
 are padded to whole vregs by Mosaic and run out of VMEM in libtpu's compile: :func:`supports`
 refuses them). ``K`` is not tiled (a whole row of the weight a step), which bounds ``K``
 (:data:`MAX_K`). ``alpha``, ``beta * c`` and the output cast are applied in XLA after the
-kernel. The activations stay in the compute dtype (weight-only quantization: no int8
-activations, so the MXU multiplies floats).
+kernel. Weight-only quantization (W8A16) keeps the activations in the compute dtype, so the
+MXU multiplies floats.
+
+W8A8 (``b.activations == "int8"``, int8 weights with per-channel scales): the activations'
+rows are quantized to int8 in a small XLA prologue (:func:`forge_jax.quant.quantize_rows`,
+the same function the XLA implementation calls), the kernel multiplies int8 x int8 on the MXU
+with int32 accumulation (:func:`quantized_matmul_w8a8_forward`) and scales the float32 result
+by the weight's column scales and the activations' row scales, the XLA implementation's
+numerics. Only generations whose int8 MXU product Mosaic compiles take it
+(:data:`_common.INT8_MXU`: v5e, v5p, v6e; libtpu refuses an int8 ``tpu.matmul`` for v4, and
+TPU7x has no int8 MXU: :func:`supports` refuses both, and XLA serves W8A8 there). The
+weight's bytes are those of W8A16; the activations cross HBM as int8 (a quarter of float32),
+and the MXU's int8 rate is twice its bfloat16 rate on v5e, v5p and v6e.
 
 Op: :func:`forge_jax.ops.quantized_matmul.quantized_matmul`; reference: its XLA implementation
 :func:`forge_jax.ops.quantized_matmul.quantized_matmul_xla`. Launch knobs: :class:`Config`,
@@ -37,7 +48,7 @@ import jax.numpy as jnp
 from forge_jax import _compat
 from forge_jax.pallas_kernels import _registration
 from forge_jax.pallas_kernels.tpu import _common
-from forge_jax.quant import QuantizedArray
+from forge_jax.quant import QuantizedArray, quantize_rows
 
 pl = _compat.pallas()
 
@@ -68,9 +79,44 @@ TUNED: Mapping[str, Mapping[str, int]] = {
 }
 
 
+# W8A8: 512 rows a step. The weight is read once per block of rows, so a block of 128 rows
+# does 256 int8 ops per weight byte, under the ~480 v5e's int8 MXU needs to outrun its HBM:
+# 2048 x [14336, 4096] predicted 1.30 ms at 128 rows (HBM-bound, as W8A16's 1.31 ms) and
+# 0.61 ms at 512 (int8-bound; W8A16 at 512 rows: 1.22 ms, bfloat16-bound). At K = 8192 a
+# step holds 4 MiB of int8 activations (8 double-buffered) in v5e's 16 MiB scoped VMEM.
+TUNED_W8A8: Mapping[str, Mapping[str, int]] = {
+    "interpret": dict(block_m=128, block_n=512),  # fewer, larger steps: the tests' time
+    "default": dict(block_m=512, block_n=128),
+}
+
+
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
-    del args
-    return Config(**_common.tuned(TUNED, device_kind))
+    """The launch knobs from :data:`TUNED` (:data:`TUNED_W8A8` for a W8A8 ``b``)."""
+    b = args.get("b")
+    w8a8 = b is not None and b.activations == "int8"
+    return Config(**_common.tuned(TUNED_W8A8 if w8a8 else TUNED, device_kind))
+
+
+def _w8a8_supports(a, b) -> str | None:
+    kind = _common.device_kind()
+    if kind is not None and not _common.INT8_MXU.get(kind, False):
+        known = ("has no int8 MXU product in Mosaic" if kind in _common.INT8_MXU
+                 else "is not known to have an int8 MXU")
+        return (f"activations='int8' (W8A8): {kind} {known} (int8 MXU: "
+                f"{', '.join(k for k, v in _common.INT8_MXU.items() if v)}); XLA serves it")
+    rows, group = b.full_block()
+    n, k = b.shape
+    if rows != 1 or group != k:
+        return (f"activations='int8' (W8A8) with b.block={b.block}: the kernel takes one "
+                f"scale per output channel")
+    if jnp.dtype(a.dtype) not in _common.FLOAT_DTYPES:
+        return f"a.dtype={jnp.dtype(a.dtype).name}; the kernel is for float32/bfloat16"
+    if n % _common.LANES and n * k > MAX_WHOLE:
+        return (f"N={n} is not a multiple of {_common.LANES} (lane-dense output blocks), and "
+                f"N * K = {n * k} weights are too many for one block (> {MAX_WHOLE})")
+    if k > MAX_K:
+        return f"K={k} > {MAX_K}: K is not tiled (a whole weight row a step)"
+    return None
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -79,6 +125,8 @@ def supports(args: Mapping[str, Any]) -> str | None:
     a, b = args["a"], args["b"]
     if not args["trans_b"]:
         return "trans_b=False: the kernel reads the weight in the [out, in] layout"
+    if b.activations == "int8":
+        return _w8a8_supports(a, b)
     if b.format not in ("int8", "int4"):
         return f"b.format={b.format!r}: the kernel dequantizes int8 and int4"
     rows, group = b.full_block()
@@ -172,10 +220,12 @@ def quantized_matmul_forward(a2, values, scales, minimums, *, fmt, group, block_
     pltpu = _compat.pallas_tpu()
     grid = (pl.cdiv(m, tm), n // tn)
     side = scales.size * scales.dtype.itemsize * (2 if asymmetric else 1)
+    # The weight is read once per block of rows; a block of ``a`` once (its block index
+    # stays the same along the grid's inner axis, so the pipeline does not fetch it again).
     cost = pl.CostEstimate(
         flops=2 * m * n * k, transcendentals=0,
         bytes_accessed=(values.size * values.dtype.itemsize + side) * grid[0]
-        + a2.size * a2.dtype.itemsize * grid[1] + 4 * m * n)
+        + a2.size * a2.dtype.itemsize + 4 * m * n)
     return pl.pallas_call(
         functools.partial(_kernel, fmt=fmt, group=group, asymmetric=asymmetric),
         grid=grid,
@@ -189,18 +239,65 @@ def quantized_matmul_forward(a2, values, scales, minimums, *, fmt, group, block_
     )(*inputs)
 
 
+def _w8a8_kernel(qa_ref, sa_ref, v_ref, s_ref, out_ref):
+    # qa [tm, K] int8, sa [tm, 1] float32, v [tn, K] int8, s [1, tn] float32, out [tm, tn].
+    acc = jax.lax.dot_general(qa_ref[...], v_ref[...], (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32)
+    out_ref[...] = acc.astype(jnp.float32) * s_ref[...] * sa_ref[...]
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "interpret"))
+def quantized_matmul_w8a8_forward(qa, sa, values, scales, *, block_m, block_n,
+                                  interpret=False):
+    """The W8A8 kernel alone: ``(qa @ values.T) * scales.T * sa`` in float32 for int8 ``qa``
+    ``[M, K]`` with row scales ``sa`` ``[M, 1]`` and int8 ``values`` ``[N, K]`` with one scale
+    per row, ``scales`` ``[N, 1]``; the integer product on the MXU, accumulated in int32."""
+    m, k = qa.shape
+    n = values.shape[0]
+    tm = m if m <= block_m else block_m
+    tn = next((b for b in range(block_n // 128 * 128, 0, -128) if n % b == 0), n)
+    # The column scales as one lane-dense row (N floats, a copy of no consequence).
+    scales = scales.astype(jnp.float32).reshape(1, n)
+    grid = (pl.cdiv(m, tm), n // tn)
+    # As the W8A16 kernel's: the weight once per block of rows, ``qa`` once.
+    cost = pl.CostEstimate(
+        flops=2 * m * n * k, transcendentals=0,
+        bytes_accessed=(values.size + 4 * n) * grid[0] + qa.size + 4 * m + 4 * m * n)
+    pltpu = _compat.pallas_tpu()
+    return pl.pallas_call(
+        _w8a8_kernel,
+        grid=grid,
+        in_specs=[pl.BlockSpec((tm, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((tm, 1), lambda i, j: (i, 0)),
+                  pl.BlockSpec((tn, k), lambda i, j: (j, 0)),
+                  pl.BlockSpec((1, tn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=cost,
+        interpret=_compat.tpu_interpret_params() if interpret else False,
+        name="forge_jax_tpu_quantized_matmul_w8a8",
+    )(qa, sa, values, scales)
+
+
 def quantized_matmul(a, b: QuantizedArray, *, trans_b, alpha, beta, c, out_dtype,
                      block_m=None, block_n=None, interpret=False):
     """:func:`forge_jax.ops.quantized_matmul.quantized_matmul` through the kernel (the
     arguments as the op binds them; ``trans_b`` must be True: :func:`supports`)."""
     del trans_b
-    config = default_config({}, _common.device_kind(interpret))
+    config = default_config({"b": b}, _common.device_kind(interpret))
     config = dataclasses.replace(config, **{name: v for name, v in (
         ("block_m", block_m), ("block_n", block_n)) if v is not None})
     lead, k = a.shape[:-1], a.shape[-1]
-    out = quantized_matmul_forward(
-        a.reshape(-1, k), b.values, b.scales, b.minimums, fmt=b.format, group=b.full_block()[1],
-        block_m=config.block_m, block_n=config.block_n, interpret=interpret)
+    if b.activations == "int8":
+        qa, sa = quantize_rows(a.reshape(-1, k))
+        out = quantized_matmul_w8a8_forward(qa, sa, b.values, b.scales, block_m=config.block_m,
+                                            block_n=config.block_n, interpret=interpret)
+    else:
+        out = quantized_matmul_forward(
+            a.reshape(-1, k), b.values, b.scales, b.minimums, fmt=b.format,
+            group=b.full_block()[1], block_m=config.block_m, block_n=config.block_n,
+            interpret=interpret)
     out = out.reshape(*lead, -1)
     if not (isinstance(alpha, float) and alpha == 1.0):
         out = out * jnp.asarray(alpha, jnp.float32)
@@ -211,4 +308,5 @@ def quantized_matmul(a, b: QuantizedArray, *, trans_b, alpha, beta, c, out_dtype
 
 _registration.register(
     "quantized_matmul", quantized_matmul, backend="tpu", supports=supports, verified=VERIFIED,
-    description="int8/int4 weight rows dequantized in VMEM, one MXU product per step")
+    description="int8/int4 weight rows dequantized in VMEM, one MXU product per step; W8A8: "
+                "int8 x int8 on the MXU, int32 accumulation")

@@ -42,3 +42,38 @@ def dequantize_rounded(q, dtype) -> np.ndarray:
     weights a kernel that dequantizes ``scale * value + minimum`` in float32 (one fused
     multiply-add, as XLA on CPU and ptxas contract it) and rounds to ``dtype`` multiplies."""
     return dequantize(q).astype(np.float32).astype(np.dtype(dtype)).astype(np.float64)
+
+
+def quantize_rows(a):
+    """Per-row symmetric int8 quantization of activations, written out in NumPy float32 (the
+    rule of :func:`forge_jax.quant.quantize_rows`): ``(q, scale)`` as float64, ``q`` integers
+    in -127..127 and ``scale = max|a| / 127`` ``[..., 1]``."""
+    a = np.asarray(a, np.float32)
+    scale = np.abs(a).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = np.where(scale == 0, np.float32(0), np.float32(1) / np.where(scale == 0, 1, scale))
+    q = np.clip(np.round(a * inv.astype(np.float32)), -127, 127)
+    return q.astype(np.float64), scale.astype(np.float64)
+
+
+def w8a8_product(a, q) -> np.ndarray:
+    """float64 ``a @ W.T`` with W8A8 numerics for ``q`` an int8 ``[N, K]`` weight with scales
+    per row and group along K: ``sa[m] * sum_g sw[n, g] * (qa[m, g] . qw[n, g])``, each
+    integer dot exact."""
+    qa, sa = quantize_rows(a)
+    values = np.asarray(q.values, np.float64)
+    scales = np.repeat(np.asarray(q.scales, np.float64), values.shape[0] // q.scales.shape[0],
+                       axis=0)
+    group = values.shape[1] // scales.shape[1]
+    out = 0.0
+    for g in range(scales.shape[1]):
+        cols = slice(g * group, (g + 1) * group)
+        out = out + (qa[..., cols] @ values[:, cols].T) * scales[:, g]
+    return out * sa
+
+
+def w8a8_error_bound(a, q) -> np.ndarray:
+    """How far a W8A8 product may be from the float64 product with the dequantized weight:
+    each activation moves by at most half a step (``sa / 2``), so ``|out - a @ W.T|`` is at
+    most ``sa / 2 * sum_k |W[n, k]|`` (``[..., N]``)."""
+    _, sa = quantize_rows(a)
+    return sa / 2 * np.abs(dequantize(q)).sum(axis=-1)
