@@ -1,11 +1,19 @@
 """Quantizing a Llama's linear layers as its checkpoint loads (``from_pretrained(path,
 quantize="int8" | "int4" | "fp8")``), tensor by tensor, and counting a model's bytes.
 
-The projections (q/k/v, o, gate/up, down, and an untied ``lm_head``) become
-:class:`forge_jax.QuantizedArray` kernels, which :class:`~forge_jax.models.llama_model.Linear`
-multiplies with ``fj.matmul`` (dequantized inside the product); the embedding and the
-norms keep ``param_dtype``. Each kernel is quantized as soon as it is read, so the host
-holds one float copy of one tensor beyond the quantized model.
+The projections (q/k/v, o, gate/up, down, a shared expert's, and an untied ``lm_head``)
+become :class:`forge_jax.QuantizedArray` kernels, which
+:class:`~forge_jax.models.llama_model.Linear` multiplies with ``fj.matmul`` (dequantized
+inside the product); the embedding and the norms keep ``param_dtype``. Each kernel is
+quantized as soon as it is read, so the host holds one float copy of one tensor beyond
+the quantized model.
+
+A mixture of experts' stacked expert weights (:class:`~forge_jax.models.llama_moe.SparseMoe`'s
+``w_gate``, ``w_up``, ``w_down``) are quantized per expert in HF's ``[experts, out, in]``
+layout (each expert its own per-output-channel scales or groups along its in axis), which
+``fj.grouped_matmul`` dequantizes one expert at a time; a stacked parameter is read whole,
+so the host briefly holds one projection's experts of one layer in float (twice: the read
+and its transpose). The router and Qwen2-MoE's shared-expert gate stay in ``param_dtype``.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax.models.llama_model import Linear, Llama
+from forge_jax.models.llama_moe import SparseMoe
 
 # --quantize's choices: format and its default group size along the in axis.
 FORMATS = {"int8": None, "int4": 32, "fp8": None}
@@ -49,6 +58,29 @@ def quantizer(quantize: str, group_size: int | None) -> Callable[[jax.Array], fj
         return fj.quantize(kernel, quantize, group_size=size)
 
     return convert
+
+
+def expert_quantizer(quantize: str, group_size: int | None
+                     ) -> Callable[[jax.Array], fj.QuantizedArray]:
+    """The function that quantizes one stacked expert weight, given in the model's
+    ``[experts, in, out]`` layout, into ``[experts, out, in]`` with scales per expert."""
+    convert = quantizer(quantize, group_size)
+    return lambda stacked: convert(jax.numpy.swapaxes(stacked, 1, 2))
+
+
+def expert_kernels(model: Llama) -> list[nnx.Param]:
+    """The stacked expert weights of the model's mixture-of-experts layers (not the
+    routers)."""
+    return [w for _, module in nnx.iter_graph(model) if isinstance(module, SparseMoe)
+            for w in (module.w_gate, module.w_up, module.w_down)]
+
+
+def converters(model: Llama, quantize: str, group_size: int | None) -> dict[int, Callable]:
+    """id(parameter) -> the function quantizing it, for every kernel ``quantize=`` covers:
+    the linear layers' and the experts'."""
+    out = {id(k): quantizer(quantize, group_size) for k in linear_kernels(model)}
+    out.update({id(k): expert_quantizer(quantize, group_size) for k in expert_kernels(model)})
+    return out
 
 
 def linear_kernels(model: Llama) -> list[nnx.Param]:

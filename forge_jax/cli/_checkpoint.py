@@ -47,6 +47,9 @@ def quantize_kwargs(args: argparse.Namespace, config) -> dict:
     if group is not None:
         ins = {config.hidden_size, config.intermediate_size,
                config.num_attention_heads * config.head_dim}
+        if config.num_experts:  # the experts' (and a shared expert's) in features too
+            ins |= {n for n in (config.moe_intermediate_size,
+                                config.shared_expert_intermediate_size) if n}
         if group <= 0 or group % 2 or any(n % group for n in ins):
             raise UsageError(f"--group-size {group} must be a positive even number dividing "
                              f"the layers' in features {sorted(ins)}")
