@@ -318,7 +318,8 @@ def grouped_matmul_xla(x, w, *, group_starts, group_ends, trans_w=False):
         return _grouped(x, w, group_starts, group_ends, min(ROW_TILE, m), trans_w)
 
 
-def _ragged_dot_supports(args) -> str | None:
+def _ragged_dot_supports(args, platform) -> str | None:
+    del platform
     if isinstance(args["w"], QuantizedArray):
         return ("a quantized w: jax.lax.ragged_dot multiplies float operands (the XLA "
                 "implementation dequantizes one group at a time)")
