@@ -25,8 +25,9 @@ def add_flags(parser: argparse.ArgumentParser, *, required: bool = False, help: 
                         help="the Hub revision of --checkpoint ORG/NAME (branch, tag or commit; "
                              "default main)")
     parser.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
-                        help="quantize the linear layers' weights as they load (the embedding "
-                             "and norms stay as they are); on CPU the quantized products are "
+                        help="quantize the linear layers' weights (and a mixture of experts' "
+                             "experts) as they load (the embedding, norms and routers stay as "
+                             "they are); on CPU the quantized products are "
                              "slower than float32's (BENCHMARKS.md), so it is never a default")
     parser.add_argument("--group-size", type=int, default=None, metavar="N",
                         help="values per scale along a weight's in axis with --quantize "
