@@ -105,7 +105,8 @@ def grouped_matmul(x, w, group_sizes, *, trans_w=False, implementation=None):
     the contracted last axis) is the layout ``fj.quantize`` gives int4 groups and
     per-output-channel scales in. Quantized weights are for inference: there is no
     gradient through a quantized ``w`` (NotImplementedError when one is asked for), and
-    the Pallas kernels refuse it (the XLA implementation runs), as they refuse
+    the Pallas GPU kernel dequantizes int8/int4 in registers (by name), the TPU
+    kernel refuses it (the XLA implementation runs), as both refuse a float ``w`` with
     ``trans_w``; nothing splits over a mesh.
 
     Args:
@@ -285,22 +286,23 @@ def _gmm_loop_quantized(x, w, starts, ends, *, tm, trans_w):
     return jax.lax.fori_loop(0, num_visits, body, init)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _grouped_quantized(x, w, starts, ends, tm, trans_w):
-    return _gmm_loop_quantized(x, w, starts, ends, tm=tm, trans_w=trans_w).astype(x.dtype)
+_NO_GRADIENT = ("fj.grouped_matmul has no gradient with a quantized w (quantized weights are "
+                "for inference); differentiate with a float w (fj.dequantize(w))")
 
 
-def _grouped_quantized_fwd(x, w, starts, ends, tm, trans_w):
-    return _grouped_quantized(x, w, starts, ends, tm, trans_w), None
+def no_gradient(forward, x, w, starts, ends, **options):
+    """``forward(x, w, starts, ends, **options)`` for a quantized ``w``, with a VJP that
+    raises NotImplementedError (the XLA implementation and the kernels alike)."""
 
+    @jax.custom_vjp
+    def fn(x, w, starts, ends):
+        return forward(x, w, starts, ends, **options)
 
-def _grouped_quantized_bwd(tm, trans_w, saved, dy):
-    raise NotImplementedError(
-        "fj.grouped_matmul has no gradient with a quantized w (quantized weights are for "
-        "inference); differentiate with a float w (fj.dequantize(w))")
+    def bwd(saved, dy):
+        raise NotImplementedError(_NO_GRADIENT)
 
-
-_grouped_quantized.defvjp(_grouped_quantized_fwd, _grouped_quantized_bwd)
+    fn.defvjp(lambda *args: (fn(*args), None), bwd)
+    return fn(x, w, starts, ends)
 
 
 @dispatch.register("grouped_matmul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
@@ -313,8 +315,9 @@ def grouped_matmul_xla(x, w, *, group_starts, group_ends, trans_w=False):
         if m == 0:
             return jnp.zeros((0, n), x.dtype)
         if isinstance(w, QuantizedArray):
-            return _grouped_quantized(x, w, group_starts, group_ends, min(ROW_TILE, m),
-                                      trans_w)
+            loop = lambda x, w, s, e: _gmm_loop_quantized(
+                x, w, s, e, tm=min(ROW_TILE, m), trans_w=trans_w).astype(x.dtype)
+            return no_gradient(loop, x, w, group_starts, group_ends)
         return _grouped(x, w, group_starts, group_ends, min(ROW_TILE, m), trans_w)
 
 
