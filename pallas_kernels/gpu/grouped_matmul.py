@@ -12,6 +12,14 @@ Rows of other groups are masked loads (zeros), so NaN padding rows are never rea
 programs of one tile write disjoint rows, so they never race. Programs past the real
 visit count compute and store nothing; rows of no group are set to zero in XLA afterwards.
 
+A quantized ``w`` (int8, or int4 symmetric or with minimums; ``[groups, n, k]``,
+``trans_w=True``, scales per group in any block) runs the same schedule in
+:func:`_quantized_kernel`: each ``[block_n, block_k]`` block of values is gathered (int4:
+the byte of each value, its nibble selected by the column's parity) with its scales,
+dequantized in registers to ``x``'s dtype and contracted over ``k``. fp8 is refused
+(Triton's e4m3 conversion needs compute capability 8.9, and no GPU has compiled it). There
+is no gradient through a quantized ``w``.
+
 The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
