@@ -42,6 +42,12 @@ Usage::
     python benchmarks/decode_cpu.py --prefill --quick
     python benchmarks/decode_cpu.py --family qwen2   # the same shape as a Qwen2 (q/k/v bias)
     python benchmarks/decode_cpu.py --family qwen3_moe  # 8 experts of 512, top-2, per layer
+    python benchmarks/decode_cpu.py --family qwen3_moe --quantize int8  # + int8 weights
+
+With ``--quantize FORMAT``, the float32 checkpoint is also loaded with
+``from_pretrained(quantize=FORMAT)`` (linear layers and, in a mixture of experts, the
+stacked experts) and its paged decode measured in the same rounds, with its parameter
+bytes against the float32 model's.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from flax import nnx  # noqa: E402
 
-from forge_jax.models import llama, llama_hf  # noqa: E402
+from forge_jax.models import llama, llama_hf, quantize_load  # noqa: E402
 
 FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=12, num_key_value_heads=4)
@@ -308,6 +314,8 @@ def main(argv=None):
                         help="the model family of the random checkpoint (default llama)")
     parser.add_argument("--prefill", action="store_true",
                         help="measure the prefill instead (SmolLM2-135M's shape)")
+    parser.add_argument("--quantize", choices=sorted(quantize_load.FORMATS), default=None,
+                        help="also measure the model quantized at load in this format")
     parser.add_argument("--lengths", default=None,
                         help="with --prefill: comma-separated prompt lengths (128,512,2048)")
     args = parser.parse_args(argv)
@@ -336,6 +344,9 @@ def main(argv=None):
         save_checkpoints(shape, tmp, family=args.family)
         model = llama.from_pretrained(tmp / "f32")
         model_bf16 = llama.from_pretrained(tmp / "bf16")  # default: float32 weights
+        model_q = None if args.quantize is None else llama.from_pretrained(
+            tmp / "f32", quantize=args.quantize,
+            group_size=8 if quick and args.quantize == "int4" else None)
         hf_model = getattr(transformers, FAMILIES[args.family][1]).from_pretrained(
             tmp / "f32", dtype=torch.float32).eval()
     hf_model.generation_config.pad_token_id = None
@@ -346,26 +357,30 @@ def main(argv=None):
     assert weight_bytes_per_token(model_bf16) == weight_bytes  # float32 weights
 
     # Warm-up: compile every step and run each path once (first executions allocate).
-    for m, cache in ((model, "paged"), (model, "contiguous"), (model_bf16, "paged")):
-        ours_ms(m, prompt, new_tokens, cache)
+    for m, cache in ((model, "paged"), (model, "contiguous"), (model_bf16, "paged"),
+                     (model_q, "paged")):
+        if m is not None:
+            ours_ms(m, prompt, new_tokens, cache)
     hf_ms(hf_model, prompt, min(new_tokens, 8), torch.get_num_threads())
 
     bw_array = jnp.asarray(np.random.default_rng(0).standard_normal(bw_bytes // 4, np.float32))
     samples: dict[str, list[float]] = {k: [] for k in (
-        "bandwidth", "paged", "contiguous", "bf16", "hf")}
+        "bandwidth", "paged", "contiguous", "bf16", "hf", "quantized")}
     hf_threads = sorted({torch.get_num_threads(), 1}, reverse=True)
     for _ in range(rounds):
         samples["bandwidth"].append(measure_bandwidth(bw_array, repeats=3 if quick else 5))
         samples["paged"].append(ours_ms(model, prompt, new_tokens, "paged"))
         samples["contiguous"].append(ours_ms(model, prompt, new_tokens, "contiguous"))
         samples["bf16"].append(ours_ms(model_bf16, prompt, new_tokens, "paged"))
+        if model_q is not None:
+            samples["quantized"].append(ours_ms(model_q, prompt, new_tokens, "paged"))
         samples["hf"].append(min(hf_ms(hf_model, prompt, new_tokens, t) for t in hf_threads))
     samples["bandwidth"].append(measure_bandwidth(bw_array, repeats=3 if quick else 5))
 
     bandwidth = max(samples["bandwidth"])
     limit_ms = 1e3 * weight_bytes / bandwidth
     median_limit_ms = 1e3 * weight_bytes / statistics.median(samples["bandwidth"])
-    best = {k: min(v) for k, v in samples.items() if k != "bandwidth"}
+    best = {k: min(v) for k, v in samples.items() if k != "bandwidth" and v}
     ours = min(best["paged"], best["contiguous"])
     rows = [
         ("memory bandwidth (jnp.sum, f32)", f"{bandwidth / 1e9:.1f} GB/s",
@@ -377,7 +392,10 @@ def main(argv=None):
     for key, label in (("paged", "forge_jax, paged cache"),
                        ("contiguous", "forge_jax, contiguous cache"),
                        ("bf16", "forge_jax, bf16 checkpoint (paged)"),
-                       ("hf", "HF transformers eager")):
+                       ("hf", "HF transformers eager"),
+                       ("quantized", f"forge_jax, {args.quantize} weights (paged)")):
+        if key not in best:
+            continue
         rows.append((label, f"{best[key]:.2f} ms/token",
                      f"median {statistics.median(samples[key]):.2f}; "
                      f"{1e3 / best[key]:.1f} tokens/s"))
@@ -391,6 +409,11 @@ def main(argv=None):
         print(f"{key:>10}: {100 * limit_ms / best[key]:5.1f}% of limit, "
               f"{best['hf'] / best[key]:.2f}x HF")
     print(f"      bf16: {best['bf16'] / best['paged']:.2f}x the float32 paged time")
+    if model_q is not None:
+        q_bytes, f_bytes = (quantize_load.parameter_bytes(m) for m in (model_q, model))
+        print(f"{args.quantize:>10}: {best['quantized'] / best['paged']:.2f}x the float32 paged "
+              f"time; parameters {q_bytes / 1e6:.1f} MB, {q_bytes / f_bytes:.3f} of float32's "
+              f"{f_bytes / 1e6:.1f} MB")
     print(f"best ours: {100 * limit_ms / ours:.1f}% of limit (target >= 80%), "
           f"{best['hf'] / ours:.2f}x HF (target >= 1.8x); "
           f"{100 * median_limit_ms / ours:.1f}% of the limit at the median bandwidth")

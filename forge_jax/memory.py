@@ -116,7 +116,7 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
         per_layer += 2 * head_dim
     if _get(config, "sandwich_norms", False):  # Gemma: two more norms per layer
         per_layer += 2 * hidden
-    mlp_params = _mlp_params(config, hidden, inter, layers)  # all layers' MLPs
+    mlp_params, mlp_linear = _mlp_params(config, hidden, inter, layers)  # all layers' MLPs
     if _get(config, "attention_bias", False):
         per_layer += 2 * q_dim + 2 * kv_dim - q_dim + hidden
     elif _get(config, "qkv_bias", False):  # Qwen2: q, k and v only
@@ -128,7 +128,7 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
         params += hidden * vocab
     weights = params * _itemsize(param_dtype)
     if quantize is not None:
-        linear = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter)
+        linear = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden) + mlp_linear
         if not _get(config, "tie_word_embeddings", False):
             linear += hidden * vocab
         group = group_size or (32 if quantize == "int4" else None)
@@ -154,13 +154,14 @@ def estimate_inference_memory(config: Any, *, batch: int, max_len: int, prefill_
                            activations=int(activations))
 
 
-def _mlp_params(config: Any, hidden: int, inter: int, layers: int) -> int:
+def _mlp_params(config: Any, hidden: int, inter: int, layers: int) -> tuple[int, int]:
     """The parameters of every layer's MLP: dense (``3 * hidden * intermediate_size``)
     or, in a mixture of experts' sparse layers, the experts, the router and a shared
-    expert (the layers LlamaConfig.is_moe names; for a dict, by the same rule)."""
+    expert (the layers LlamaConfig.is_moe names; for a dict, by the same rule); and how
+    many of them ``quantize=`` quantizes (all but the routers and the shared-expert gate)."""
     experts = _get(config, "num_experts", 0) or _get(config, "num_local_experts", 0)
     if not experts:
-        return layers * 3 * hidden * inter
+        return layers * 3 * hidden * inter, layers * 3 * hidden * inter
     moe_inter = _get(config, "moe_intermediate_size", inter)
     step = _get(config, "decoder_sparse_step", 1)
     dense = set(_get(config, "mlp_only_layers", ()))
@@ -168,7 +169,9 @@ def _mlp_params(config: Any, hidden: int, inter: int, layers: int) -> int:
     shared = _get(config, "shared_expert_intermediate_size", 0)
     per_moe = experts * (3 * hidden * moe_inter + hidden) + (
         3 * hidden * shared + hidden if shared else 0)
-    return (layers - sparse) * 3 * hidden * inter + sparse * per_moe
+    gates = experts * hidden + (hidden if shared else 0)  # routers, shared-expert gate
+    dense = (layers - sparse) * 3 * hidden * inter
+    return dense + sparse * per_moe, dense + sparse * (per_moe - gates)
 
 
 def _read_int(path: str) -> int | None:

@@ -233,7 +233,9 @@ def quantize(w, format: str, *, group_size: int | None = None,
 
     Args:
       w: a float array ``[..., N, K]`` (a weight in the ``[out, in]`` layout: blocks run
-        along the last axis, the one a product contracts).
+        along the last axis, the one a product contracts). Leading axes have blocks of
+        1, so a stacked ``[experts, N, K]`` weight gets each expert its own scales (what
+        :func:`forge_jax.grouped_matmul` with ``trans_w=True`` multiplies).
       format: ``"int8"``, ``"int4"`` or ``"fp8"``.
       group_size: values per scale along the last axis (``int4``: 32, 64 or 128 are
         usual; default 32); None for int8 and fp8: one scale per output channel.

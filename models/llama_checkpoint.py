@@ -179,10 +179,12 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         device.
       tp_axis, dp_axis: the mesh axes' roles (ignored for a ``MeshConfig``).
       quantize: ``"int8"``, ``"int4"`` or ``"fp8"``: quantize the linear layers' kernels
-        as they load (:mod:`forge_jax.models.quantize_load`); the embedding and norms
-        keep ``param_dtype``. None: as stored. With ``mesh``, each kernel is quantized
+        and a mixture of experts' stacked expert weights (scales per expert) as they load
+        (:mod:`forge_jax.models.quantize_load`); the embedding, norms and routers keep
+        ``param_dtype``. None: as stored. With ``mesh``, each kernel is quantized
         whole, then split as its float form would be, the scales with their values
-        (int4 groups must not straddle devices: refused with the numbers).
+        (int4 groups must not straddle devices: refused with the numbers); quantized
+        experts are not split over a mesh (refused).
       group_size: int4's values per scale along the in axis (default 32); int8 and fp8
         default to one scale per output channel.
 
@@ -213,10 +215,6 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         return gguf_checkpoint.from_gguf(path, dtype=dtype, param_dtype=param_dtype)
     path = resolve_checkpoint(path, revision=revision)
     config = load_config(path)
-    if quantize is not None and config.num_experts:
-        raise ValueError(f"quantize={quantize!r} is not supported for a mixture of experts "
-                         f"(num_experts={config.num_experts}) yet: its experts would stay "
-                         f"float")
     fp8 = fp8_checkpoint.quantization(json.loads((path / "config.json").read_text()),
                                       path / "config.json")
     if fp8 is not None and (quantize is not None or mesh is not None):
@@ -294,10 +292,8 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
             skip = frozenset(fp8_checkpoint.load_kernels(
                 model, expected, raw, files, fp8, quantize_load.linear_kernels(model)))
             quantize = None
-        convert = None if quantize is None else {
-            id(k): quantize_load.quantizer(quantize, group_size,
-                                           None if shardings is None else shardings[id(k)])
-            for k in quantize_load.linear_kernels(model)}
+        convert = None if quantize is None else quantize_load.converters(
+            model, quantize, group_size, shardings)
         fill_parameters(model, read, shardings, convert, skip)
     if plan is not None:
         model.mesh = plan.mesh

@@ -32,7 +32,10 @@ class SparseMoe(nnx.Module):
     * ``w_gate``, ``w_up`` ``[E, d, f]`` and ``w_down`` ``[E, f, d]``: each expert's
       ``gate_proj`` / ``up_proj`` / ``down_proj`` (Mixtral's ``w1`` / ``w3`` / ``w2``),
       stacked and transposed from HF's ``[out, in]`` when the checkpoint loads, the layout
-      ``fj.grouped_matmul`` multiplies;
+      ``fj.grouped_matmul`` multiplies; quantized at load (``from_pretrained(quantize=)``)
+      they are :class:`forge_jax.QuantizedArray` s in HF's ``[E, out, in]`` layout with
+      scales per expert (``fj.moe``'s ``trans_w``), dequantized one expert at a time
+      inside the grouped products;
     * ``shared_expert`` (a dense MLP module, or None) and ``shared_expert_gate`` ``[1, d]``:
       Qwen2-MoE's shared expert, scaled by ``sigmoid(x @ shared_expert_gate.T)``.
 
@@ -61,9 +64,12 @@ class SparseMoe(nnx.Module):
             lead, d = x.shape[:-1], x.shape[-1]
             x2 = x.reshape(-1, d).astype(self.dtype)  # [tokens, d]
             logits = fj.matmul(x2, self.router[...].astype(self.dtype), trans_b=True)
-            out = fj.moe(x2, logits, self.w_gate[...].astype(self.dtype),
-                         self.w_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),
-                         self.top_k, routing="softmax_topk", renormalize=self.renormalize)
+            experts = [w.get_value() for w in (self.w_gate, self.w_up, self.w_down)]
+            quantized = isinstance(experts[0], fj.QuantizedArray)
+            if not quantized:
+                experts = [w.astype(self.dtype) for w in experts]
+            out = fj.moe(x2, logits, *experts, self.top_k, routing="softmax_topk",
+                         renormalize=self.renormalize, trans_w=quantized)
             if self.shared_expert is not None:
                 gate = fj.matmul(x2, self.shared_expert_gate[...].astype(self.dtype),
                                  trans_b=True, out_dtype=jnp.float32)  # [tokens, 1]

@@ -1,16 +1,27 @@
 """Quantizing a Llama's linear layers as its checkpoint loads (``from_pretrained(path,
 quantize="int8" | "int4" | "fp8")``), tensor by tensor, and counting a model's bytes.
 
-The projections (q/k/v, o, gate/up, down, and an untied ``lm_head``) become
-:class:`forge_jax.QuantizedArray` kernels, which :class:`~forge_jax.models.llama_model.Linear`
-multiplies with ``fj.matmul`` (dequantized inside the product); the embedding and the
-norms keep ``param_dtype``. Each kernel is quantized as soon as it is read, so the host
-holds one float copy of one tensor beyond the quantized model. On a mesh each kernel is
-quantized whole (the same numbers as on one device), then its values and scales are
-placed split as the float kernel would be (:mod:`forge_jax.models.llama_sharding`):
-column-parallel kernels over their output channels with their scales, row-parallel
-ones over their input channels, a per-output-channel scale then on every device and
-int4's groups split with the values (refused where a group would straddle two devices).
+The projections (q/k/v, o, gate/up, down, a shared expert's, and an untied ``lm_head``)
+become :class:`forge_jax.QuantizedArray` kernels, which
+:class:`~forge_jax.models.llama_model.Linear` multiplies with ``fj.matmul`` (dequantized
+inside the product); the embedding and the norms keep ``param_dtype``. Each kernel is
+quantized as soon as it is read, so the host holds one float copy of one tensor beyond
+the quantized model.
+
+A mixture of experts' stacked expert weights (:class:`~forge_jax.models.llama_moe.SparseMoe`'s
+``w_gate``, ``w_up``, ``w_down``) are quantized per expert in HF's ``[experts, out, in]``
+layout (each expert its own per-output-channel scales or groups along its in axis), which
+``fj.grouped_matmul`` dequantizes one expert at a time; a stacked parameter is read whole,
+so the host briefly holds one projection's experts of one layer in float (twice: the read
+and its transpose). The router and Qwen2-MoE's shared-expert gate stay in ``param_dtype``.
+
+On a mesh each kernel is quantized whole (the same numbers as on one device), then its
+values and scales are placed split as the float kernel would be
+(:mod:`forge_jax.models.llama_sharding`): column-parallel kernels over their output
+channels with their scales, row-parallel ones over their input channels, a
+per-output-channel scale then on every device and int4's groups split with the values
+(refused where a group would straddle two devices). Quantized experts are not split over
+a mesh: a mixture of experts with ``quantize=`` and a mesh is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from jax.sharding import NamedSharding
 import forge_jax as fj
 from forge_jax import quant as fj_quant
 from forge_jax.models.llama_model import Linear, Llama
+from forge_jax.models.llama_moe import SparseMoe
 
 # --quantize's choices: format and its default group size along the in axis.
 FORMATS = {"int8": None, "int4": 32, "fp8": None}
@@ -67,7 +79,12 @@ def check_mesh(model: Llama, shardings: dict[int, NamedSharding], quantize: str,
     """Raises ValueError, before anything is read, if a quantized kernel of ``model``
     (abstract) cannot split as ``shardings`` says: int4 groups cut by the split of a
     row-parallel kernel's in features (naming the kernel, the group size and each
-    device's share)."""
+    device's share), or if the model has quantized experts, which are not split over a
+    mesh."""
+    if expert_kernels(model):
+        raise ValueError(f"quantize={quantize!r} on a mesh: a mixture of experts' quantized "
+                         f"expert weights are not split over a mesh; load it on one device "
+                         f"or without quantize=")
     for path, module in nnx.iter_graph(model):
         if not isinstance(module, Linear):
             continue
@@ -80,6 +97,33 @@ def check_mesh(model: Llama, shardings: dict[int, NamedSharding], quantize: str,
         except ValueError as e:
             name = ".".join(str(p) for p in path)
             raise ValueError(f"quantize={quantize!r} on this mesh: {name}: {e}") from None
+
+
+def expert_quantizer(quantize: str, group_size: int | None
+                     ) -> Callable[[jax.Array], fj.QuantizedArray]:
+    """The function that quantizes one stacked expert weight, given in the model's
+    ``[experts, in, out]`` layout, into ``[experts, out, in]`` with scales per expert."""
+    convert = quantizer(quantize, group_size)
+    return lambda stacked: convert(jax.numpy.swapaxes(stacked, 1, 2))
+
+
+def expert_kernels(model: Llama) -> list[nnx.Param]:
+    """The stacked expert weights of the model's mixture-of-experts layers (not the
+    routers)."""
+    return [w for _, module in nnx.iter_graph(model) if isinstance(module, SparseMoe)
+            for w in (module.w_gate, module.w_up, module.w_down)]
+
+
+def converters(model: Llama, quantize: str, group_size: int | None,
+               shardings: dict[int, NamedSharding] | None = None) -> dict[int, Callable]:
+    """id(parameter) -> the function quantizing it, for every kernel ``quantize=`` covers:
+    the linear layers' (placed as ``shardings`` says, on a mesh) and the experts' (one
+    device only: :func:`check_mesh` refuses them on a mesh)."""
+    out = {id(k): quantizer(quantize, group_size,
+                            None if shardings is None else shardings[id(k)])
+           for k in linear_kernels(model)}
+    out.update({id(k): expert_quantizer(quantize, group_size) for k in expert_kernels(model)})
+    return out
 
 
 def linear_kernels(model: Llama) -> list[nnx.Param]:

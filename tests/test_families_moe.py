@@ -222,11 +222,79 @@ def test_expert_count_under_either_name(hf):
         llama.LlamaConfig.from_hf(raw)
 
 
-def test_quantize_is_refused_for_experts(checkpoints):
-    directory, _, _ = checkpoints("qwen3_moe")
-    with pytest.raises(ValueError, match=r"quantize='int8' is not supported for a mixture of "
-                                         r"experts \(num_experts=8\)"):
-        llama.from_pretrained(directory, quantize="int8")
+def _dequantized(directory, quantized):
+    """The float32 model of ``directory`` holding ``quantized``'s weights dequantized (the
+    numbers the quantized model should compute with; a float reference, not itself), and
+    the largest change quantization made to an expert weight."""
+    model = llama.from_pretrained(directory, dtype=jnp.float32)
+    for mine, q in zip(quantize_load.linear_kernels(model),
+                       quantize_load.linear_kernels(quantized), strict=True):
+        mine.set_value(fj.dequantize(q.get_value()))
+    change = 0.0
+    for mine, q in zip(quantize_load.expert_kernels(model),
+                       quantize_load.expert_kernels(quantized), strict=True):
+        w = jnp.swapaxes(fj.dequantize(q.get_value()), 1, 2)  # [E, in, out]
+        change = max(change, float(jnp.abs(w - mine.get_value()).max()))
+        mine.set_value(w)
+    return model, change
+
+
+# family -> (format, group size): int8 for Mixtral and Qwen3-MoE (logits and greedy
+# tokens), int4 in groups of 8 for Qwen2-MoE (logits; with its shared expert).
+QUANTIZED = {"mixtral": ("int8", None), "qwen3_moe": ("int8", None), "qwen2_moe": ("int4", 8)}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantize_at_load_quantizes_the_experts(checkpoints, name):
+    """Experts stacked and quantized per expert, the router in float; logits within float32
+    tolerance of the float model holding the dequantized weights and greedy tokens
+    identical to its (teacher-forced) argmax; the experts' bytes within 5% of the format's
+    ideal, and the memory estimate within 2% of the model's bytes."""
+    directory, _, vocab = checkpoints(name)
+    fmt, group = QUANTIZED[name]
+    model = llama.from_pretrained(directory, dtype=jnp.float32, quantize=fmt, group_size=group)
+    c = model.config
+    mlp = model.layers[CASES[name][4][0]].mlp
+    experts = [w.get_value() for w in quantize_load.expert_kernels(model)]
+    e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    assert [q.shape for q in experts[:3]] == [(e, f, d), (e, f, d), (e, d, f)]
+    for q in experts:
+        assert isinstance(q, fj.QuantizedArray) and q.format == fmt
+        # Per expert and output channel (int8), or groups along the in axis (int4).
+        assert q.scales.shape == q.shape[:2] + (q.shape[2] // (group or q.shape[2]),)
+        ideal = q.shape[0] * q.shape[1] * q.shape[2] * fj.quant.bits_per_value(
+            fmt, group_size=group, columns=q.shape[2]) / 8
+        assert abs(q.nbytes - ideal) / ideal < 0.05, (q.nbytes, ideal)
+    assert mlp.router.get_value().dtype == jnp.float32
+    if mlp.shared_expert is not None:  # Qwen2-MoE: quantized like a dense MLP, gate float
+        assert isinstance(mlp.shared_expert.down_proj.kernel.get_value(), fj.QuantizedArray)
+        assert mlp.shared_expert_gate.get_value().dtype == jnp.float32
+    # The memory estimate counts the quantized experts.
+    measured = quantize_load.parameter_bytes(model)
+    estimate = fj.memory.estimate_inference_memory(c, batch=1, max_len=1, quantize=fmt,
+                                                   group_size=group).weights
+    assert abs(estimate - measured) / measured < 0.02, (estimate, measured)
+
+    reference, change = _dequantized(directory, model)
+    assert change > 1e-4  # quantizing changed the experts: the reference is not the float model
+    tokens = _tokens(vocab, seed=4)
+    np.testing.assert_allclose(forge_logits(model, tokens), forge_logits(reference, tokens),
+                               **LOGITS_TOL.as_kwargs())
+    if fmt != "int8":
+        return  # greedy decoding: Mixtral and Qwen3-MoE (each compiles the decode step)
+    prompts = tokens[:, :SEQ - 4].tolist()
+    got = np.asarray(llama.generate(model, prompts, 4, eos_token_id=(), cache="paged"))
+    full = np.concatenate([np.asarray(prompts), got], axis=1)  # [2, SEQ]
+    want = forge_logits(reference, full).argmax(-1)[:, SEQ - 5:SEQ - 1]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_cli_group_size_must_divide_the_experts_in_features(checkpoints, capsys):
+    directory, _, _ = checkpoints("qwen3_moe")  # hidden 48, dense width 40, expert width 24
+    rc, out, err = run(capsys, "generate", "--checkpoint", str(directory), "--quantize", "int4",
+                       "--group-size", "16", "--prompt", "Hi", "--max-new-tokens", "1")
+    assert rc != 0 and "--group-size 16 must be a positive even number dividing the layers' " \
+        "in features [24, 40, 48]" in err, (out, err)
 
 
 # --------------------------------------------------------------------------------------
@@ -242,3 +310,11 @@ def test_cli_generates_text_with_every_moe_family(checkpoints, capsys):
         assert out.strip(), (name, out, err)
         assert f": {name}, {layers} layer" in out + err, (name, out, err)
         assert " experts (top " in out + err, (name, out, err)
+
+
+def test_cli_generates_with_quantized_experts(checkpoints, capsys):
+    directory, _, _ = checkpoints("qwen3_moe")
+    rc, out, err = run(capsys, "generate", "--checkpoint", str(directory), "--quantize", "int8",
+                       "--prompt", "Hello there", "--max-new-tokens", "2", "--no-stream")
+    assert rc == 0, err
+    assert out.strip() and "int8 linear layers" in out + err, (out, err)

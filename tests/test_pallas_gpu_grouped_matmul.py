@@ -22,6 +22,7 @@ from cases.checks import assert_close
 from cases.grouped_matmul_base import ONE_GROUP, SINGLES, UNEVEN, GroupedMatmulCases, gmm_inputs
 from cases.grouped_references import grouped_matmul_ref
 
+import forge_jax as fj
 from forge_jax import _compat, dispatch
 from forge_jax.pallas_kernels.gpu import grouped_matmul as kernel
 
@@ -99,3 +100,60 @@ def test_rejects_float64_and_huge_arrays():
         assert "float64" in kernel.supports(dict(x=x, w=S((2, 16, 16), jnp.float64)))
     huge = S((2**16, 2**15), jnp.bfloat16)
     assert "int32" in kernel.supports(dict(x=huge, w=S((1, 2**15, 16), jnp.bfloat16)))
+
+
+# --- a quantized w, dequantized in the kernel ---------------------------------------------
+
+QUANTIZED = {
+    "int8": dict(format="int8"),
+    "int4-g16": dict(format="int4", group_size=16),
+    "int4-g16-asym": dict(format="int4", group_size=16, symmetric=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantized_w_in_the_interpreter(name):
+    """Groups straddling 16-row tiles, partial n blocks, three k blocks (int4: a scale
+    group each), NaN padding rows: against the float64 product with the dequantized w."""
+    sizes = SINGLES + (0, 7, 2)
+    x, w, group_sizes = gmm_inputs(sizes, 48, 40, jnp.float32, pad=3)
+    q = fj.quantize(jnp.swapaxes(w, 1, 2), **QUANTIZED[name])  # [groups, n, k]
+
+    def fn(x, q, group_sizes):
+        starts, ends = ops_gmm.group_bounds(group_sizes, x.shape[0])
+        return kernel.grouped_matmul(x, q, group_starts=starts, group_ends=ends, trans_w=True,
+                                     block_m=16, block_k=16, block_n=16, interpret=True)
+
+    out = jax.jit(fn)(x, q, group_sizes)
+    np.testing.assert_array_equal(np.asarray(out[sum(sizes):]), 0.0)
+    wd = np.asarray(fj.dequantize(q), np.float64).transpose(0, 2, 1)  # [groups, k, n]
+    assert_close(out, grouped_matmul_ref(np.nan_to_num(np.asarray(x, np.float64)), wd, sizes),
+                 implementation="pallas_gpu_interpret")
+    with pytest.raises(NotImplementedError, match="no gradient with a quantized w"):
+        jax.grad(lambda x: fn(x, q, group_sizes).sum())(x)
+
+
+def test_quantized_supports_and_refusals():
+    x, q8 = S((37, 256), jnp.bfloat16), fj.quantize(jnp.ones((4, 128, 256)), "int8")
+    assert kernel.supports(dict(x=x, w=q8, trans_w=True)) is None
+    assert "[groups, n, k]" in kernel.supports(dict(x=x, w=q8, trans_w=False))
+    fp8 = fj.quantize(jnp.ones((4, 128, 256)), "fp8")
+    assert "compute capability >= 8.9" in kernel.supports(dict(x=x, w=fp8, trans_w=True))
+    assert "trans_w=True with a float w" in kernel.supports(
+        dict(x=x, w=S((4, 128, 256), jnp.bfloat16), trans_w=True))
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", None), ("int4", 32)])
+def test_quantized_cases_lower_for_cuda(fmt, group):
+    """Qwen3-MoE's decode shape (8 rows over 8 experts of 768 x 2048) through the CUDA
+    lowering (the PTX compile needs a GPU: not run here)."""
+    q = jax.eval_shape(lambda w: fj.quantize(w, fmt, group_size=group),
+                       S((8, 768, 2048), jnp.float32))
+
+    def fn(x, q, group_sizes):
+        starts, ends = ops_gmm.group_bounds(group_sizes, x.shape[0])
+        return kernel.grouped_matmul(x, q, group_starts=starts, group_ends=ends, trans_w=True)
+
+    text = _compat.export_for_cuda(fn, S((8, 2048), jnp.bfloat16), q,
+                                   S((8,), jnp.int32)).mlir_module()
+    assert "forge_jax_grouped_matmul_quantized" in text

@@ -25,8 +25,9 @@ def add_flags(parser: argparse.ArgumentParser, *, required: bool = False, help: 
                         help="the Hub revision of --checkpoint ORG/NAME (branch, tag or commit; "
                              "default main)")
     parser.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
-                        help="quantize the linear layers' weights as they load (the embedding "
-                             "and norms stay as they are); on CPU the quantized products are "
+                        help="quantize the linear layers' weights (and a mixture of experts' "
+                             "experts) as they load (the embedding, norms and routers stay as "
+                             "they are); on CPU the quantized products are "
                              "slower than float32's (BENCHMARKS.md), so it is never a default")
     parser.add_argument("--group-size", type=int, default=None, metavar="N",
                         help="values per scale along a weight's in axis with --quantize "
@@ -47,6 +48,9 @@ def quantize_kwargs(args: argparse.Namespace, config) -> dict:
     if group is not None:
         ins = {config.hidden_size, config.intermediate_size,
                config.num_attention_heads * config.head_dim}
+        if config.num_experts:  # the experts' (and a shared expert's) in features too
+            ins |= {n for n in (config.moe_intermediate_size,
+                                config.shared_expert_intermediate_size) if n}
         if group <= 0 or group % 2 or any(n % group for n in ins):
             raise UsageError(f"--group-size {group} must be a positive even number dividing "
                              f"the layers' in features {sorted(ins)}")

@@ -141,7 +141,7 @@ def moe_unpermute(y_sorted, order, weights):
 
 
 def moe(x, router_logits, w_gate, w_up, w_down, top_k, *, routing="softmax_topk",
-        renormalize=False, implementation=None):
+        renormalize=False, trans_w=False, implementation=None):
     """A mixture-of-experts SwiGLU layer: each token through its ``top_k`` experts.
 
     ``out[t] = sum_j weight[t, j] * (silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])) @ w_down[e]``
@@ -153,8 +153,14 @@ def moe(x, router_logits, w_gate, w_up, w_down, top_k, *, routing="softmax_topk"
     Args:
       x: ``[tokens, d]`` float.
       router_logits: ``[tokens, experts]`` (any float dtype; routing is float32).
-      w_gate, w_up: ``[experts, d, f]``, ``x``'s dtype; w_down: ``[experts, f, d]``.
+      w_gate, w_up: ``[experts, d, f]``, ``x``'s dtype; w_down: ``[experts, f, d]``;
+        or :class:`forge_jax.QuantizedArray` s of those shapes, stacked with scales per
+        expert (dequantized one expert at a time inside the grouped products).
       top_k, routing, renormalize: as :func:`moe_route`.
+      trans_w: the weights in the ``[experts, out, in]`` layout (``w_gate``, ``w_up``
+        ``[experts, f, d]``, ``w_down`` ``[experts, d, f]``): Hugging Face's per-expert
+        tensors stacked, the layout quantized experts are stored in
+        (:func:`forge_jax.grouped_matmul`'s ``trans_w``).
       implementation: the grouped products' implementation (``None``: auto).
 
     Returns:
@@ -166,12 +172,15 @@ def moe(x, router_logits, w_gate, w_up, w_down, top_k, *, routing="softmax_topk"
         _checks.array(name, w, ndim=3)
     experts = router_logits.shape[1]
     tokens, d = x.shape
-    f = w_gate.shape[2]
+    f = w_gate.shape[1 if trans_w else 2]
     want = {"w_gate": (experts, d, f), "w_up": (experts, d, f), "w_down": (experts, f, d)}
+    if trans_w:
+        want = {name: (e, b, a) for name, (e, a, b) in want.items()}
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if tuple(w.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]} for {x.shape=}, "
-                             f"{router_logits.shape=}, {w_gate.shape=}; got {name}.shape="
+                             f"{router_logits.shape=}, w_gate.shape={tuple(w_gate.shape)} "
+                             f"({trans_w=}); got {name}.shape="
                              f"{tuple(w.shape)}")
     if router_logits.shape[0] != tokens:
         raise ValueError(f"router_logits must be [tokens, experts] with tokens = x.shape[0]:"
@@ -180,8 +189,8 @@ def moe(x, router_logits, w_gate, w_up, w_down, top_k, *, routing="softmax_topk"
         weights, ids = moe_route(router_logits, top_k, routing=routing,
                                  renormalize=renormalize)
         xs, group_sizes, order = moe_permute(x, ids, experts)
-        gate = grouped_matmul(xs, w_gate, group_sizes, implementation=implementation)
-        up = grouped_matmul(xs, w_up, group_sizes, implementation=implementation)
-        hidden = silu_mul(gate, up)
-        ys = grouped_matmul(hidden, w_down, group_sizes, implementation=implementation)
+        gmm = lambda a, w: grouped_matmul(a, w, group_sizes, trans_w=trans_w,
+                                          implementation=implementation)
+        hidden = silu_mul(gmm(xs, w_gate), gmm(xs, w_up))
+        ys = gmm(hidden, w_down)
         return moe_unpermute(ys, order, weights)

@@ -41,6 +41,7 @@ from forge_jax.ops.grouped_matmul import cdiv, grouped_matmul_xla, tile_schedule
 from forge_jax.pallas_kernels import _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
+from forge_jax.quant import QuantizedArray
 
 pl = _compat.pallas()
 
@@ -95,6 +96,13 @@ def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.grouped_matmul` arguments, else
     why not."""
     x, w = args["x"], args["w"]
+    if isinstance(w, QuantizedArray):
+        return (f"a quantized w ({w.format}): the kernel reads float w; in-kernel "
+                "dequantization is not written yet (the XLA implementation dequantizes one "
+                "group at a time)")
+    if args.get("trans_w", False):
+        return ("trans_w=True: the kernel reads w as [groups, k, n] blocks (the XLA "
+                "implementation serves [groups, n, k])")
     if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
         return (f"x.dtype={jnp.dtype(x.dtype).name}; the kernel is built and tested for "
                 "float32/bfloat16, the TPU inference dtypes")
@@ -198,16 +206,20 @@ def _reference(x, w, group_starts, group_ends):
 _grouped_matmul = with_reference_vjp(grouped_matmul_forward, _reference)
 
 
-def grouped_matmul(x, w, *, group_starts, group_ends, block_m=None, block_k=None,
+def grouped_matmul(x, w, *, group_starts, group_ends, trans_w=False, block_m=None, block_k=None,
                    block_n=None, interpret=False):
     """:func:`forge_jax.grouped_matmul` through the kernel; differentiable (the XLA
     implementation's VJP).
 
     Args:
-      x, w, group_starts, group_ends: as the op binds them.
+      x, w, group_starts, group_ends, trans_w: as the op binds them (float ``w``,
+        ``trans_w=False``: :func:`supports` refuses the others).
       block_m, block_k, block_n: override :data:`TUNED`'s entry.
       interpret: run in the TPU interpreter (any platform).
     """
+    reason = supports(dict(x=x, w=w, trans_w=trans_w))
+    if reason is not None and (trans_w or isinstance(w, QuantizedArray)):
+        raise ValueError(f"the TPU grouped_matmul kernel cannot serve this: {reason}")
     config = default_config({}, _common.device_kind(interpret))
     config = dataclasses.replace(config, **{name: v for name, v in (
         ("block_m", block_m), ("block_k", block_k), ("block_n", block_n)) if v is not None})
