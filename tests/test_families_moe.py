@@ -162,6 +162,13 @@ def test_experts_split_over_the_tensor_axis(checkpoints):
         assert llama.generate(model, prompts, 4, eos_token_id=(), cache=cache) == want, cache
 
 
+def test_quantized_experts_on_a_mesh_are_refused_before_loading(checkpoints):
+    directory, _, _ = checkpoints("mixtral")
+    with pytest.raises(ValueError, match=r"quantize='int8' on a mesh: a mixture of experts' "
+                                         r"quantized expert weights are not split"):
+        llama.from_pretrained(directory, quantize="int8", mesh=fj.sharding.make_mesh("tp=2"))
+
+
 def test_experts_that_do_not_split_are_refused_with_the_numbers():
     config = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40,
                                num_hidden_layers=2, num_attention_heads=4, num_experts=6,
