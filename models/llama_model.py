@@ -221,7 +221,8 @@ class LlamaAttention(nnx.Module):
         self.k_norm = RMSNorm(c.head_dim, param_dtype=param_dtype) if c.qk_norm else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any = None,
-                 *, config: LlamaConfig, layer: int = 0) -> tuple[jax.Array, Any]:
+                 *, config: LlamaConfig, layer: int = 0, rows: jax.Array | None = None
+                 ) -> tuple[jax.Array, Any]:
         """Self-attention of ``x``.
 
         Args:
@@ -232,9 +233,13 @@ class LlamaAttention(nnx.Module):
           cache: passed to ``attend`` and returned as it returns it.
           config: the model's config (head_dim, RoPE).
           layer: this layer's index (its RoPE base: :meth:`LlamaConfig.layer_rope`).
+          rows: optional int32 ``[batch, n]``: only these tokens' outputs are wanted.
+            Keys and values are still made (and cached) for all ``t`` tokens, but only
+            these rows query (``attend`` is then called with ``rows=rows``).
 
         Returns:
-          ``(out, cache)``: ``out`` ``[batch, t, hidden_size]``.
+          ``(out, cache)``: ``out`` ``[batch, t, hidden_size]`` (``[batch, n, ...]``
+          with ``rows``).
         """
         batch, t, _ = x.shape
         c = config
@@ -249,10 +254,21 @@ class LlamaAttention(nnx.Module):
                 q = self.q_norm(q, eps=c.rms_norm_eps, offset=c.norm_offset)
                 k = self.k_norm(k, eps=c.rms_norm_eps, offset=c.norm_offset)
             theta, scaling = c.layer_rope(layer)
-            q = _rope(q, positions, c.rotary_dim, theta, scaling)
             k = _rope(k, positions, c.rotary_dim, theta, scaling)
-            o, cache = attend(q, k, v, cache)  # [batch, t, heads, head_dim]
-            return self.o_proj(o.reshape(batch, t, c.num_attention_heads * c.head_dim)), cache
+            if rows is None:
+                q = _rope(q, positions, c.rotary_dim, theta, scaling)
+                o, cache = attend(q, k, v, cache)  # [batch, t, heads, head_dim]
+            else:
+                q = _rope(_take_rows(q, rows), _take_rows(positions, rows), c.rotary_dim,
+                          theta, scaling)
+                o, cache = attend(q, k, v, cache, rows=rows)  # [batch, n, heads, head_dim]
+            return self.o_proj(o.reshape(batch, -1, c.num_attention_heads * c.head_dim)), cache
+
+
+def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """``x`` ``[batch, t, ...]`` at the tokens ``rows`` ``[batch, n]``: ``[batch, n, ...]``."""
+    index = rows.astype(jnp.int32).reshape(rows.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1)
 
 
 def _rope(x, positions, rotary_dim, theta, scaling):
@@ -333,27 +349,31 @@ class LlamaDecoderLayer(nnx.Module):
         return out
 
     def __call__(self, x: jax.Array, residual: jax.Array | None, positions: jax.Array,
-                 attend: Attend, cache: Any = None, *, config: LlamaConfig, layer: int = 0
-                 ) -> tuple[jax.Array, jax.Array, Any]:
+                 attend: Attend, cache: Any = None, *, config: LlamaConfig, layer: int = 0,
+                 rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
         """One block.
 
         Args:
           x: ``[batch, t, hidden_size]``: the previous layer's MLP output, not yet added
             to ``residual``; for the first layer, the embeddings (``residual`` None).
           residual: ``[batch, t, hidden_size]``, the residual stream, or None.
-          positions, attend, cache, config, layer: as :meth:`LlamaAttention.__call__`
-            takes them.
+          positions, attend, cache, config, layer, rows: as
+            :meth:`LlamaAttention.__call__` takes them.
 
         Returns:
           ``(mlp_out, residual, cache)``: the MLP output (to add to ``residual``) and the
-          residual stream, both ``[batch, t, hidden_size]``; the cache ``attend`` returned.
+          residual stream, both ``[batch, t, hidden_size]`` (``[batch, n, ...]``, the
+          tokens ``rows``, with ``rows``); the cache ``attend`` returned.
         """
         kw = dict(eps=config.rms_norm_eps, offset=config.norm_offset)
         if residual is None:
             y, residual = self.input_layernorm(x, **kw), x
         else:
             y, residual = self.input_layernorm(x, residual, **kw)
-        x, cache = self.self_attn(y, positions, attend, cache, config=config, layer=layer)
+        x, cache = self.self_attn(y, positions, attend, cache, config=config, layer=layer,
+                                  rows=rows)
+        if rows is not None:
+            residual = _take_rows(residual, rows)
         if self.pre_feedforward_layernorm is None:
             y, residual = self.post_attention_layernorm(x, residual, **kw)
             return self.mlp(y), residual, cache
@@ -476,17 +496,29 @@ class Llama(nnx.Module):
             cache.lengths.astype(jnp.int32),
             jnp.max(jnp.where(valid, positions.astype(jnp.int32) + 1, 0), axis=1))
 
-        def attend(i, q, k, v, cache, **kw):
+        def attend(i, q, k, v, cache, rows=None, **kw):
             cache = cache.write(i, k, v, positions, valid)
+            q_positions = positions if rows is None else _take_rows(positions, rows)
             if empty_cache:
                 # The keys as the cache holds them (its dtype, quantized and dequantized
                 # for a quantized cache), as decode will read them.
                 k, v = cache.as_stored(k), cache.as_stored(v)
-                return fj.attention(q, k, v, causal=True, **kw), cache
-            return cache.attend(i, q, q_positions=positions, kv_lengths=new_lengths,
+                if rows is None:
+                    return fj.attention(q, k, v, causal=True, **kw), cache
+                # (key j sits at position j: the cache was empty)
+                return fj.attention(q, k, v, causal=True, q_positions=q_positions,
+                                    **kw), cache
+            return cache.attend(i, q, q_positions=q_positions, kv_lengths=new_lengths,
                                 **kw), cache
 
-        hidden, cache = self._decoder(tokens, positions, attend, cache)
+        # Only the tokens whose logits are asked for go past the last layer's keys and
+        # values: its queries, attention output and MLP serve no other token.
+        last_rows = None
+        if logits_at is not None and logits_at.ndim == 1 and tokens.shape[1] > 1:
+            last_rows = logits_at.astype(jnp.int32)[:, None]
+        hidden, cache = self._decoder(tokens, positions, attend, cache, last_rows)
+        if last_rows is not None:
+            return self._logits(hidden[:, 0]), cache.with_lengths(new_lengths)
         cache = cache.with_lengths(new_lengths)
         # logits_at may also be [batch, n], n indices per row (the serving step's one packed
         # row: each sequence's last token): the logits are then [batch, n, vocab].
@@ -498,13 +530,16 @@ class Llama(nnx.Module):
                                          axis=1)[:, 0]  # [batch, hidden]
         return self._logits(hidden), cache
 
-    def _decoder(self, tokens, positions, attend: Callable, cache):
-        """The layer stack; returns the final-normed hidden states ``[batch, t, hidden]``."""
+    def _decoder(self, tokens, positions, attend: Callable, cache, last_rows=None):
+        """The layer stack; returns the final-normed hidden states ``[batch, t, hidden]``
+        (``[batch, n, hidden]``, the tokens ``last_rows`` ``[batch, n]``, with those:
+        the last layer computes its keys and values for every token and the rest for
+        these alone)."""
         # On a mesh, the ops run per shard there (forge_jax.sharding); the model is the same.
         with fj.sharding.use_mesh(self.mesh):
-            return self._layers(tokens, positions, attend, cache)
+            return self._layers(tokens, positions, attend, cache, last_rows)
 
-    def _layers(self, tokens, positions, attend: Callable, cache):
+    def _layers(self, tokens, positions, attend: Callable, cache, last_rows=None):
         batch = tokens.shape[0]
         x = fj.embedding(self.embed_tokens[...], tokens).astype(self.dtype)  # [b, t, d]
         if self.config.scale_embeddings:  # Gemma: sqrt(hidden) rounded to the dtype, as HF
@@ -519,10 +554,12 @@ class Llama(nnx.Module):
             # one program, so sliding and global layers compile once, together.
             kw = dict(scale=c.attention_scale, sliding_window=c.layer_window(i),
                       logits_soft_cap=c.attn_logit_softcapping)
+            last = i == len(self.layers) - 1
             with jax.named_scope(f"layer_{i}"):
                 x, residual, cache = layer(x, residual, positions,
                                            functools.partial(attend, i, **kw), cache,
-                                           config=c, layer=i)
+                                           config=c, layer=i,
+                                           rows=last_rows if last else None)
         hidden = self.norm(x, residual, eps=c.rms_norm_eps, offset=c.norm_offset)[0]
         return hidden, cache
 

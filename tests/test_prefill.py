@@ -86,3 +86,34 @@ def test_generate_prefills_an_empty_cache():
             jnp.asarray(step, jnp.int32), params, seen, graphdef=graphdef, mode=mode)
         out.append(np.asarray(first))
     np.testing.assert_array_equal(np.stack(out, 1), np.asarray(tokens))
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+@pytest.mark.parametrize("empty", [True, False])
+def test_prefill_logits_are_the_full_forwards_at_each_last_token(kind, empty):
+    # The prefill runs the last layer's queries, attention and MLP for each row's last
+    # token alone; its logits must be the full forward's (every token through every layer)
+    # at that token, and its cache hold every token's keys and values.
+    model = _model(5)
+    gen = np.random.default_rng(11)
+    lengths = np.array([16, 9, 1], np.int32)
+    tokens = np.where(np.arange(BUCKET) < lengths[:, None],
+                      gen.integers(1, CONFIG.vocab_size, (BATCH, BUCKET)), 0).astype(np.int32)
+    offsets = np.broadcast_to(np.arange(BUCKET, dtype=np.int32), (BATCH, BUCKET))
+    logits, cache = model.forward_cached(
+        jnp.asarray(tokens), jnp.asarray(offsets), jnp.asarray(offsets < lengths[:, None]),
+        _cache(kind), logits_at=jnp.asarray(lengths - 1), empty_cache=empty)
+    assert logits.shape == (BATCH, CONFIG.vocab_size)
+    full = np.asarray(model(jnp.asarray(tokens)))  # [batch, t, vocab]
+    np.testing.assert_allclose(np.asarray(logits), full[np.arange(BATCH), lengths - 1],
+                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    # The next token, decoded from that cache, sees every prompt token of the last layer.
+    nxt = gen.integers(1, CONFIG.vocab_size, BATCH).astype(np.int32)
+    step, _ = model.forward_cached(jnp.asarray(nxt[:, None]), jnp.asarray(lengths[:, None]),
+                                   jnp.ones((BATCH, 1), bool), cache,
+                                   logits_at=jnp.zeros(BATCH, jnp.int32))
+    for b, n in enumerate(lengths):
+        row = np.concatenate([tokens[b, :n], nxt[b:b + 1]])[None]
+        np.testing.assert_allclose(np.asarray(step[b]), np.asarray(model(jnp.asarray(row)))[0, -1],
+                                   rtol=2e-5, atol=2e-5)
