@@ -34,9 +34,15 @@ def _next_pow2(n: int) -> int:
 
 
 def prompt_bucket(n: int) -> int:
-    """The length ``n`` new tokens are padded to for a prefill: a power of two, at least
-    8, so that nearby lengths share one compiled :func:`prefill_step`."""
-    return max(8, _next_pow2(n))
+    """The length ``n`` new tokens are padded to for a prefill, so that nearby lengths
+    share one compiled :func:`prefill_step`: a power of two up to 64 (at least 8), then a
+    multiple of an eighth of the next power of two (four buckets per octave: 80, 96, 112,
+    128, 160, ..., 1280, 1536, 1792, 2048, 2560, ...), so that padding adds at most a
+    quarter of the work (a 1100-token prompt runs as 1280, not 2048)."""
+    if n <= 64:
+        return max(8, _next_pow2(n))
+    step = _next_pow2(n) // 8
+    return -(-n // step) * step
 
 
 def _check_prompt_array(prompts, vocab_size) -> list[list[int]]:

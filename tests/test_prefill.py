@@ -117,3 +117,13 @@ def test_prefill_logits_are_the_full_forwards_at_each_last_token(kind, empty):
         row = np.concatenate([tokens[b, :n], nxt[b:b + 1]])[None]
         np.testing.assert_allclose(np.asarray(step[b]), np.asarray(model(jnp.asarray(row)))[0, -1],
                                    rtol=2e-5, atol=2e-5)
+
+
+def test_prompt_buckets_pad_by_at_most_a_quarter():
+    from forge_jax.models import generation
+    buckets = [generation.prompt_bucket(n) for n in range(1, 5000)]
+    assert all(b >= n for n, b in enumerate(buckets, 1))
+    assert all(b <= max(8, 2 * n if n <= 64 else 1.25 * n) for n, b in enumerate(buckets, 1))
+    assert {generation.prompt_bucket(n) for n in (1000, 1024)} == {1024}
+    assert generation.prompt_bucket(1100) == 1280 and generation.prompt_bucket(2049) == 2560
+    assert len({b for b in buckets if 1024 < b <= 2048}) == 4  # four per octave
