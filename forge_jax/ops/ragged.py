@@ -390,7 +390,14 @@ def _by_sequences(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_leng
             **pools, **masking)  # [g, q_heads, head_dim]
         return out.at[rows].set(got, mode="drop")
 
-    out = jax.lax.fori_loop(0, -(-count // g), decode_group, out)
+    # A loop carries the page pools in its state, which XLA:CPU copies on entry: a step
+    # whose rows fit one group (every decode step up to _DECODE_ROWS) runs it without one,
+    # and a loop runs only when it has work.
+    if g == total_tokens:
+        out = decode_group(0, out)
+    else:
+        out = jax.lax.cond(count > 0, lambda out: jax.lax.fori_loop(
+            0, -(-count // g), decode_group, out), lambda out: out, out)
 
     # Prefill chunks: blocks of b rows of one sequence, its pages gathered once per block.
     b = min(total_tokens, _SEQ_BLOCK)
@@ -414,7 +421,8 @@ def _by_sequences(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_leng
         kept = jnp.where(mine[:, None, None], got, take(out))
         return jax.lax.dynamic_update_slice_in_dim(out, kept, start, 0)
 
-    out = jax.lax.fori_loop(0, block_ends[-1], chunk_block, out)
+    out = jax.lax.cond(block_ends[-1] > 0, lambda out: jax.lax.fori_loop(
+        0, block_ends[-1], chunk_block, out), lambda out: out, out)
     return out[:total_tokens]
 
 
