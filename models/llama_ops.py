@@ -74,27 +74,41 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
         kv = normal(b * t, kv_heads, hd)
         q = normal(b, t, heads, hd)
         ids = jnp.asarray(rng.integers(0, c.vocab_size, (b, t)), jnp.int32)
+        rope = dict(theta=c.rope_theta, scaling=c.rope_scaling)
         calls += [
             ("embedding", (normal(c.vocab_size, c.hidden_size), ids), {}),
             ("rms_norm", (x, normal(c.hidden_size)), dict(eps=c.rms_norm_eps)),
             linear(b * t, q_dim + 2 * kv_dim, c.hidden_size, c.attention_bias or c.qkv_bias),
-            ("rope", (q[..., :rot], positions), dict(theta=c.rope_theta, scaling=c.rope_scaling)),
-            ("rope", (normal(b, t, kv_heads, rot), positions),
-             dict(theta=c.rope_theta, scaling=c.rope_scaling)),
+            ("rope", (normal(b, t, kv_heads, rot), positions), rope),
             ("paged_write", (pages, pages, kv, kv, slots.reshape(-1)), {}),
-            # The prefill's prompts attend to themselves (a new cache: see
-            # prefill_step's empty_cache), decode to the pool.
-            ("attention", (q, normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd)),
-             dict(causal=True)) if start == 0 else
-            ("paged_attention", (q, pages, pages, block_tables, lengths),
-             dict(q_positions=positions)),
-            linear(b * t, c.hidden_size, q_dim, c.attention_bias),
-            ("rms_norm", (x, normal(c.hidden_size)), dict(eps=c.rms_norm_eps, residual=x)),
-            linear(b * t, 2 * c.intermediate_size, c.hidden_size, c.mlp_bias),
-            (act, (normal(b, t, c.intermediate_size),) * 2, {}),
-            linear(b * t, c.hidden_size, c.intermediate_size, c.mlp_bias),
-            linear(b, c.vocab_size, c.hidden_size, False, out_dtype=jnp.dtype(jnp.float32)),
         ]
+        # The prefill's last layer queries with each prompt's last token alone (see
+        # Llama.forward_cached): its queries, attention and MLP have one row per prompt.
+        rows = [t] if start else [t, 1] if c.num_hidden_layers > 1 else [1]
+        for n in rows:
+            xn = normal(b, n, c.hidden_size)
+            qn = q[:, -n:]
+            if start:  # decode: the query over the pool
+                attention = ("paged_attention", (qn, pages, pages, block_tables, lengths),
+                             dict(q_positions=positions))
+            elif n == t:  # the prompts attend to themselves (a new cache: empty_cache)
+                attention = ("attention", (qn, normal(b, t, kv_heads, hd),
+                                           normal(b, t, kv_heads, hd)), dict(causal=True))
+            else:  # each prompt's last token over the prompt
+                attention = ("attention", (qn, normal(b, t, kv_heads, hd),
+                                           normal(b, t, kv_heads, hd)),
+                             dict(causal=True, q_positions=positions[:, -1:]))
+            calls += [
+                ("rope", (qn[..., :rot], positions[:, -n:]), rope),
+                attention,
+                linear(b * n, c.hidden_size, q_dim, c.attention_bias),
+                ("rms_norm", (xn, normal(c.hidden_size)), dict(eps=c.rms_norm_eps, residual=xn)),
+                linear(b * n, 2 * c.intermediate_size, c.hidden_size, c.mlp_bias),
+                (act, (normal(b, n, c.intermediate_size),) * 2, {}),
+                linear(b * n, c.hidden_size, c.intermediate_size, c.mlp_bias),
+            ]
+        calls.append(
+            linear(b, c.vocab_size, c.hidden_size, False, out_dtype=jnp.dtype(jnp.float32)))
     return _distinct(calls)
 
 

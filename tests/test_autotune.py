@@ -314,20 +314,20 @@ def test_end_to_end_the_tiny_model_follows_what_tune_measured(cache, capsys):
             "float32", "--implementations", INTERPRET]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "models/tiny: tuning 25 op calls of generate (batch 1, prefill 8 tokens and decode" \
+    assert "models/tiny: tuning 26 op calls of generate (batch 1, prefill 8 tokens and decode" \
         in out
     # The kernels the interpreter has: 2 norms, 2 ropes and silu_mul, each at the prefill's
-    # and the decode's shapes; attention at the prefill's (the prompt over itself) and paged
-    # attention at the decode's.
-    assert out.count(f": {INTERPRET}") == 12 and f"cache: {cache}" in out
+    # and the decode's shapes; attention at the prefill's (the prompt over itself, and the
+    # last layer's last token over the prompt) and paged attention at the decode's.
+    assert out.count(f": {INTERPRET}") == 13 and f"cache: {cache}" in out
     entries = json.loads(cache.read_text())["entries"]
-    assert len(entries) == 12 and {e["op"] for e in entries} == {
+    assert len(entries) == 13 and {e["op"] for e in entries} == {
         "rms_norm", "silu_mul", "rope", "attention", "paged_attention"}
     # The decode step's fused norm: x [1, 1, hidden] with the residual.
     assert any(e["op"] == "rms_norm" and e["signature"].startswith("x=float32[1, 1, 128]")
                and "residual=float32[1, 1, 128]" in e["signature"] for e in entries)
     assert cli.main(argv) == 0
-    assert capsys.readouterr().out.count("[cached]") == 12
+    assert capsys.readouterr().out.count("[cached]") == 13
     model = llama.from_pretrained(TINY_DIR)
     prompt = [[3, 4, 5, 6, 7, 8, 9, 10]]
     dispatch.clear_selections()
