@@ -7,6 +7,7 @@
   so is a bug (silent upcasts double memory traffic), so tests make it an error.
 """
 
+import gc
 import os
 import pathlib
 
@@ -38,6 +39,17 @@ hypothesis.settings.register_profile(
     "ci", max_examples=25, deadline=None, derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's caches of compiled programs after each test file. Each XLA:CPU executable
+    holds memory mappings: the whole suite in one process compiles thousands of programs,
+    and past the kernel's limit of 65530 mappings (vm.max_map_count) a later compile
+    segfaults (CI's full suite did, in a serving step's compile at ~90%)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
