@@ -27,6 +27,7 @@ import argparse
 import os
 import pathlib
 import sys
+import threading
 import time
 
 import jax
@@ -67,17 +68,26 @@ def sequential(model, prompts, new_tokens: int) -> float:
 
 
 def burst(engine, prompts, new_tokens: int) -> tuple[float, list[float]]:
-    """Output tokens/s of one burst of requests, and each request's time to first token."""
+    """Output tokens/s of one burst of requests, and each request's time to first token.
+
+    Each stream is read by its own thread, as by concurrent clients: a single reader going
+    through the streams one after another would see stream k's first token only once
+    streams 0 .. k-1 had ended, and report about the burst's length for every request."""
     params = serving.RequestParams(max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     streams = [(time.perf_counter(), engine.submit(p, params)) for p in prompts]
-    ttft = []
-    for submitted, stream in streams:
-        first = None
+    ttft = [float("nan")] * len(streams)
+
+    def read(i: int, submitted: float, stream) -> None:
         for out in stream:
-            if first is None and out.token_ids:
-                first = time.perf_counter()
-        ttft.append(first - submitted)
+            if out.token_ids and ttft[i] != ttft[i]:  # NaN: no token yet
+                ttft[i] = time.perf_counter() - submitted
+
+    readers = [threading.Thread(target=read, args=(i, *s)) for i, s in enumerate(streams)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
     return len(prompts) * new_tokens / (time.perf_counter() - start), ttft
 
 

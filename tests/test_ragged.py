@@ -126,6 +126,32 @@ def test_row_blocks_longer_than_one_step():
     np.testing.assert_array_equal(f64(out[288:]), 0.0)
 
 
+# Mixes for the XLA forward's sequence blocks (32 rows of one sequence) and decode groups
+# (32 rows): chunks spanning several blocks, a last block reaching into the next sequence's
+# rows, more decode rows than one group, decode rows between chunks, a two-row chunk and
+# a sequence with no new token.
+SEQUENCE_BLOCK_MIXES = {
+    "chunks_across_blocks": ([33, 64, 2, 70], [40, 64, 90, 75], 176),
+    "decode_groups_between_chunks": ([1] * 20 + [37] + [1] * 19 + [0, 5],
+                                     [int(x) for x in np.arange(42) * 7 % 61 + 1], 90),
+    "one_long_chunk_and_decodes": ([1, 1, 100, 1], [9, 60, 130, 33], 128),
+}
+
+
+@pytest.mark.parametrize("mix", list(SEQUENCE_BLOCK_MIXES))
+def test_sequence_blocks_and_decode_groups_against_float64(mix):
+    """Chunks by blocks of one sequence and decode rows by groups, against float64, with
+    every slot no query may see holding NaN; a sliding window hides more of them."""
+    q_lens, kv_lens, total = SEQUENCE_BLOCK_MIXES[mix]
+    kv_lens = [max(k, q) for k, q in zip(kv_lens, q_lens, strict=True)]
+    for window in (None, 24):
+        step = make_step(rng(14, len(q_lens)), q_lens, kv_lens, max_seqs=len(q_lens) + 2,
+                         total_tokens=total, page_size=8, heads="gqa", head_dim=8,
+                         dtype=jnp.float32, window=window)
+        check_step(step, ragged(*step.args(), sliding_window=window), dtype=jnp.float32,
+                   xla_ops=False, sliding_window=window)
+
+
 def test_one_compilation_serves_any_mix():
     traces = []
 

@@ -29,18 +29,18 @@ from forge_jax.ops._attention_math import (
     pool_args,
     visible_mask,
 )
-from forge_jax.ops.attention import attention_reference
+from forge_jax.ops.paged import paged_attention_xla
 
-# Query rows attended per step of the XLA implementation. Every row gathers its own
-# sequence's pages, so scratch grows as rows x pages_per_seq x page_size x kv_heads x
-# head_dim; stepping through the rows in blocks keeps a long prefill from materialising
-# that for all of its tokens at once, while a decode batch of up to this many rows runs
-# as one block.
+# The XLA implementation's forward goes sequence by sequence: the rows of a sequence with
+# several new tokens (a prefill chunk) by blocks of _SEQ_BLOCK rows, each block one dense
+# attention over its sequence's pages (gathered once per block); the rows of sequences with
+# one new token (decode) by groups of _DECODE_ROWS, each row over its own pages. Both loops
+# run only over the blocks and groups the step has (a traced count).
+_SEQ_BLOCK = 32
+_DECODE_ROWS = 32
+# Rows per step of the differentiable formulation (every row gathers its own sequence's
+# pages, so scratch grows as rows x pages_per_seq x page_size x kv_heads x head_dim).
 _ROWS_PER_STEP = 256
-# Rows per block of a batch with prefill chunks: a block whose rows all belong to one
-# sequence (a chunk of its prompt) gathers that sequence's pages once for all its rows
-# (:func:`_attend_shared`) instead of once per row.
-_SHARED_ROWS = 32
 
 
 def _check_num_seqs(num_seqs, max_seqs):
@@ -279,8 +279,9 @@ dispatch.define("ragged_paged_attention", _ragged_args, partition=_ragged_paged_
 
 
 def _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens, capacity):
-    """Each query row's block table ``[tokens, pages_per_seq]``, kv length ``[tokens]`` (0 for
-    padding rows, which therefore see nothing and read no page) and position ``[tokens]``."""
+    """Each query row's sequence ``[tokens]`` (in ``[0, max_seqs)``), kv length ``[tokens]``
+    (0 for padding rows, which therefore see nothing and read no page) and position
+    ``[tokens]`` (-1 for padding rows)."""
     max_seqs = block_tables.shape[0]
     cu = cu_q_lens.astype(jnp.int32)
     kv = clamp_lengths(kv_lengths, capacity)
@@ -292,11 +293,11 @@ def _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens, cap
     seq = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)  # [tokens], in [0, max_seqs]
     active = seq < n
     seq = jnp.minimum(seq, max_seqs - 1)
-    active &= rows >= cu[seq]
     end = cu[seq + 1]
+    active &= (rows >= cu[seq]) & (rows < end)
     lengths = jnp.where(active, kv[seq], 0)
     positions = jnp.where(active, kv[seq] - (end - rows), -1)
-    return block_tables[seq], lengths, positions
+    return seq, lengths, positions
 
 
 def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, sliding_window,
@@ -334,43 +335,102 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
     return jnp.swapaxes(out, 0, 1).reshape(rows, q_heads, head_dim).astype(q.dtype)
 
 
-def _attend_shared(q, k_pages, v_pages, table, length, positions, *, scale, sliding_window,
-                   logits_soft_cap, k_scales=None, v_scales=None):
-    """Rows ``q [rows, q_heads, head_dim]`` of one sequence (block table ``table``, kv
-    length ``length``; rows at ``positions``, -1 for rows that see nothing) over that
-    sequence's pages, gathered once: the dense attention of several queries with explicit
-    positions (:func:`forge_jax.ops.attention.attention_reference`, the same contract). The
-    caller makes sure every page the length uses is named by ``table``."""
-    k, _ = named_pages(k_pages, table[None], length[None])  # [kv_heads, 1, seq, head_dim]
-    v, _ = named_pages(v_pages, table[None], length[None])
-    if k_scales is not None:  # quantized: dequantize the sequence's slots
-        k = kv_quant.dequantize_vectors(k, named_pages(k_scales, table[None], length[None])[0])
-        v = kv_quant.dequantize_vectors(v, named_pages(v_scales, table[None], length[None])[0])
-    k, v = (jnp.transpose(x, (1, 2, 0, 3)) for x in (k, v))  # [1, seq, kv_heads, head_dim]
-    out = attention_reference(q[None], k, v, scale=scale, causal=True,
-                              q_positions=positions[None], kv_lengths=length[None],
-                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    return out[0]
+def _by_rows(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_lengths, cu_q_lens,
+             num_seqs, *, masking):
+    """The differentiable formulation (reverse and forward mode): every row over its own
+    sequence's pages (:func:`_attend_rows`), in blocks of ``_ROWS_PER_STEP`` rows."""
+    total_tokens, q_heads, head_dim = q.shape
+    seq, lengths, positions = _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs,
+                                          total_tokens, block_tables.shape[1] * k_pages.shape[2])
+    tables = block_tables[seq]
+    attend = lambda q, tables, lengths, positions: _attend_rows(  # noqa: E731
+        q, k_pages, v_pages, tables, lengths, positions, k_scales=k_scales, v_scales=v_scales,
+        **masking)
+    block = _ROWS_PER_STEP
+    if total_tokens <= block:
+        return attend(q, tables, lengths, positions)
+    steps = -(-total_tokens // block)
+    pad = steps * block - total_tokens
+    # Pad rows have length 0: they see nothing and are dropped below.
+    blocks = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
+        steps, block, *x.shape[1:]) for x in (q, tables, lengths, positions)]
+    out = jax.lax.map(lambda xs: attend(*xs), tuple(blocks))
+    return out.reshape(-1, q_heads, head_dim)[:total_tokens]
 
 
-def _attend_block(q, tables, lengths, positions, *, k_pages, per_row, shared):
-    """A block of rows: :func:`_attend_shared` when its active rows all read one sequence
-    (the same table and length, every used entry naming a page of the pool), else each row
-    over its own pages (``per_row``)."""
-    active = lengths > 0
-    ref = jnp.argmax(active)
-    table, length = tables[ref], lengths[ref]
-    one = jnp.all(((tables == table[None]).all(-1) & (lengths == length)) | ~active)
-    used = jnp.arange(tables.shape[1], dtype=jnp.int32) * k_pages.shape[2] < length
-    named = (table >= 0) & (table < k_pages.shape[1])
-    one &= jnp.any(active) & jnp.all(named | ~used)
-    return jax.lax.cond(one, lambda: shared(q, table, length, positions),
-                        lambda: per_row(q, tables, lengths, positions))
+def _by_sequences(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_lengths, cu_q_lens,
+                  num_seqs, *, masking):
+    """The forward: each prefill chunk by blocks of ``_SEQ_BLOCK`` rows over its sequence's
+    pages, the decode rows by groups of ``_DECODE_ROWS`` (each row over its own pages), both
+    through :func:`forge_jax.ops.paged.paged_attention_xla` (the same masking contract);
+    loops of a traced trip count, so a step pays for the rows it has."""
+    total_tokens, q_heads, head_dim = q.shape
+    max_seqs = block_tables.shape[0]
+    seq, lengths, positions = _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs,
+                                          total_tokens, block_tables.shape[1] * k_pages.shape[2])
+    cu = cu_q_lens.astype(jnp.int32)
+    n = jnp.clip(jnp.asarray(num_seqs).astype(jnp.int32), 0, max_seqs)
+    q_lens = jnp.where(jnp.arange(max_seqs) < n, cu[1:] - cu[:-1], 0)  # [max_seqs]
+    kv = clamp_lengths(kv_lengths, block_tables.shape[1] * k_pages.shape[2])
+    pools = dict(k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales)
+    single = (lengths > 0) & (q_lens[seq] == 1)  # [tokens]: decode rows that see a key
+    out = jnp.zeros(q.shape, q.dtype)
+
+    # Decode rows: gathered into groups, each row over its own pages.
+    g = min(total_tokens, _DECODE_ROWS)
+    count = jnp.sum(single, dtype=jnp.int32)
+    picked = jnp.nonzero(single, size=total_tokens, fill_value=total_tokens)[0]
+    picked = jnp.pad(picked.astype(jnp.int32), (0, -total_tokens % g),
+                     constant_values=total_tokens)
+
+    def decode_group(i, out):
+        rows = jax.lax.dynamic_slice_in_dim(picked, i * g, g)  # total_tokens: no row
+        row = jnp.minimum(rows, total_tokens - 1)
+        got = paged_attention_xla(
+            q[row], block_tables=block_tables[seq[row]],
+            lengths=jnp.where(rows < total_tokens, lengths[row], 0), q_positions=None,
+            **pools, **masking)  # [g, q_heads, head_dim]
+        return out.at[rows].set(got, mode="drop")
+
+    # A loop carries the page pools in its state, which XLA:CPU copies on entry: a step
+    # whose rows fit one group (every decode step up to _DECODE_ROWS) runs it without one,
+    # and a loop runs only when it has work.
+    if g == total_tokens:
+        out = decode_group(0, out)
+    else:
+        out = jax.lax.cond(count > 0, lambda out: jax.lax.fori_loop(
+            0, -(-count // g), decode_group, out), lambda out: out, out)
+
+    # Prefill chunks: blocks of b rows of one sequence, its pages gathered once per block.
+    b = min(total_tokens, _SEQ_BLOCK)
+    blocks = jnp.where(q_lens >= 2, -(-q_lens // b), 0)  # [max_seqs]
+    block_ends = jnp.cumsum(blocks)
+    pad = lambda x, value: jnp.pad(x, [(0, b)] + [(0, 0)] * (x.ndim - 1),  # noqa: E731
+                                   constant_values=value)
+    q_pad, seq_pad, pos_pad = pad(q, 0), pad(seq, -1), pad(positions, -1)
+    out = pad(out, 0)
+    row_ids = jnp.arange(total_tokens + b, dtype=jnp.int32)
+
+    def chunk_block(i, out):
+        s = jnp.searchsorted(block_ends, i, side="right").astype(jnp.int32)
+        start = cu[s] + (i - (block_ends[s] - blocks[s])) * b
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, b)  # noqa: E731
+        # (dynamic_slice clamps a start past the end: the row ids clamp with it)
+        mine = (take(seq_pad) == s) & (take(pos_pad) >= 0) & (take(row_ids) < total_tokens)
+        got = paged_attention_xla(
+            take(q_pad)[None], block_tables=block_tables[s][None], lengths=kv[s][None],
+            q_positions=jnp.where(mine, take(pos_pad), -1)[None], **pools, **masking)[0]
+        kept = jnp.where(mine[:, None, None], got, take(out))
+        return jax.lax.dynamic_update_slice_in_dim(out, kept, start, 0)
+
+    out = jax.lax.cond(block_ends[-1] > 0, lambda out: jax.lax.fori_loop(
+        0, block_ends[-1], chunk_block, out), lambda out: out, out)
+    return out[:total_tokens]
 
 
 @dispatch.register("ragged_paged_attention", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
-                   description="rows of one sequence gather its pages once, other rows "
-                               "their own (in row blocks), masked float32 softmax")
+                   description="prefill chunks by blocks of one sequence over its pages, "
+                               "decode rows each over its own; masked float32 softmax")
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
                                num_seqs, *, scale, sliding_window, logits_soft_cap,
                                k_scales=None, v_scales=None, fold=1):
@@ -382,29 +442,22 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu
         scale = head_dim ** -0.5
     if total_tokens == 0 or block_tables.shape[0] == 0 or k_pages.shape[1] == 0:
         return jnp.zeros(q.shape, q.dtype)  # no row can see a key
+    masking = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    ints = (jnp.asarray(block_tables).astype(jnp.int32), jnp.asarray(kv_lengths),
+            jnp.asarray(cu_q_lens), jnp.asarray(num_seqs).astype(jnp.int32))
+
+    # The loops' trip counts are traced, which reverse mode cannot differentiate: the
+    # derivatives are those of the row-by-row formulation (the same function).
+    @jax.custom_jvp
+    def attend(floats, ints):
+        return _by_sequences(*floats, *ints, masking=masking)
+
+    @attend.defjvp
+    def attend_jvp(primals, tangents):
+        floats, ints = primals
+        _, tangent = jax.jvp(lambda f: _by_rows(*f, *ints, masking=masking), (floats,),
+                             (tangents[0],))
+        return attend(floats, ints), tangent
+
     with jax.named_scope("ragged_paged_attention"):
-        tables, lengths, positions = _token_rows(
-            jnp.asarray(block_tables).astype(jnp.int32), jnp.asarray(kv_lengths),
-            jnp.asarray(cu_q_lens), num_seqs, total_tokens,
-            block_tables.shape[1] * k_pages.shape[2])
-        kw = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                  k_scales=k_scales, v_scales=v_scales)
-        per_row = lambda q, tables, lengths, positions: _attend_rows(  # noqa: E731
-            q, k_pages, v_pages, tables, lengths, positions, **kw)
-        shared = lambda q, table, length, positions: _attend_shared(  # noqa: E731
-            q, k_pages, v_pages, table, length, positions, **kw)
-        attend = lambda *xs: _attend_block(  # noqa: E731
-            *xs, k_pages=k_pages, per_row=per_row, shared=shared)
-        # One sequence's rows share its pages: a batch with more rows than sequences (a
-        # prefill chunk) goes by blocks of _SHARED_ROWS; a decode batch (a row per
-        # sequence) by blocks of up to _ROWS_PER_STEP rows, each row over its own pages.
-        block = _SHARED_ROWS if total_tokens > block_tables.shape[0] else _ROWS_PER_STEP
-        if total_tokens <= block:
-            return attend(q, tables, lengths, positions)
-        steps = -(-total_tokens // block)
-        pad = steps * block - total_tokens
-        # Pad rows have length 0: they see nothing and are dropped below.
-        blocks = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
-            steps, block, *x.shape[1:]) for x in (q, tables, lengths, positions)]
-        out = jax.lax.map(lambda xs: attend(*xs), tuple(blocks))
-        return out.reshape(-1, q_heads, head_dim)[:total_tokens]
+        return attend((q, k_pages, v_pages, k_scales, v_scales), ints)
