@@ -25,6 +25,9 @@ os.environ["FORGE_JAX_COMPILATION_CACHE"] = "off"
 if not any(next(pathlib.Path("/dev").glob(p), None)
            for p in ("nvidia[0-9]*", "accel[0-9]*", "vfio")):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # No TPU to share: the test processes (pytest-xdist) may each load libtpu for the
+    # deviceless TPU compiles, which its lock file would otherwise refuse.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 
