@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forge_jax import _checks, dispatch
-from forge_jax.ops.quantized_matmul import quantized_matmul
+from forge_jax.ops.quantized_matmul import quantized_matmul, scale_and_add
 from forge_jax.quant import QuantizedArray
 
 
@@ -104,8 +104,4 @@ def matmul_xla(a, b, *, trans_a, trans_b, alpha, beta, c, out_dtype):
             if trans_b:
                 b = jnp.swapaxes(b, -1, -2)
             out = jnp.matmul(a, b, preferred_element_type=acc, precision=_FULL)
-        if not (isinstance(alpha, float) and alpha == 1.0):
-            out = out * jnp.asarray(alpha, acc)
-        if c is not None:
-            out = out + jnp.asarray(beta, acc) * c.astype(acc)
-        return out.astype(out_dtype)
+        return scale_and_add(out, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype)

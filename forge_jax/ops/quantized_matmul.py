@@ -41,6 +41,18 @@ _FULL = jax.lax.Precision.HIGHEST
 _BLOCK_VALUES = 1 << 18
 
 
+def scale_and_add(out, *, alpha, beta, c, out_dtype):
+    """The GEMM epilogue every matmul implementation shares: ``alpha * out + beta * c`` in
+    ``out``'s (accumulator) dtype, then the cast to ``out_dtype``. ``alpha`` is skipped when
+    it is the Python float 1.0 (a traced or array alpha always multiplies)."""
+    acc = out.dtype
+    if not (isinstance(alpha, float) and alpha == 1.0):
+        out = out * jnp.asarray(alpha, acc)
+    if c is not None:
+        out = out + jnp.asarray(beta, acc) * c.astype(acc)
+    return out.astype(out_dtype)
+
+
 def _quantized_matmul_args(a, b, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, c=None,
                            out_dtype=None):
     _checks.array("a", a, min_ndim=2)
@@ -249,9 +261,5 @@ def quantized_matmul_xla(a, b, *, trans_b, alpha, beta, c, out_dtype):
             w = dequantize(b, a.dtype)
             out = jax.lax.dot_general(a2, w, (((1,), (0,)), ((), ())),
                                       preferred_element_type=acc, precision=_FULL)
-        out = out.reshape(*lead, -1)
-        if not (isinstance(alpha, float) and alpha == 1.0):
-            out = out * jnp.asarray(alpha, acc)
-        if c is not None:
-            out = out + jnp.asarray(beta, acc) * c.astype(acc)
-        return out.astype(out_dtype)
+        return scale_and_add(out.reshape(*lead, -1), alpha=alpha, beta=beta, c=c,
+                             out_dtype=out_dtype)

@@ -110,10 +110,13 @@ def supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _kernel(group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref, x_ref, w_ref,
-            out_ref, *, block_m, block_k, block_n):
-    # x_ref [m, k], w_ref [groups, k, n], out_ref [m, n]: whole arrays; the schedule refs
-    # [steps] and the group bounds [groups] likewise.
+def _tile(schedule_refs, x_ref, out_ref, load_w, w_contract, *, block_m, block_k, block_n):
+    """One ``[block_m, block_n]`` output tile of the grouped product: the schedule picks the
+    group and row tile of grid step ``program_id(0)``; ``load_w(group, kk, k_ok, cols,
+    col_ok)`` gives the weight block for k indices ``kk`` (float, in any layout: its axis
+    ``w_contract`` is contracted with x's k). Rows of other groups and steps past the
+    schedule's visits write nothing."""
+    group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref = schedule_refs
     m, k = x_ref.shape
     n = out_ref.shape[1]
     s = pl.program_id(0)
@@ -129,10 +132,9 @@ def _kernel(group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref, x_ref
         k_ok = kk < k
         xb = _compat.triton_load(x_ref, (rows[:, None], kk[None, :]),
                                  mask=mine[:, None] & k_ok[None, :], other=0)
-        wb = _compat.triton_load(w_ref, (group, kk[:, None], cols[None, :]),
-                                 mask=k_ok[:, None] & col_ok[None, :], other=0)
+        wb = load_w(group, kk, k_ok, cols, col_ok).astype(xb.dtype)
         # HIGHEST: float32 operands as IEEE products (Triton's default is TF32).
-        return acc + jax.lax.dot_general(xb, wb, (((1,), (0,)), ((), ())),
+        return acc + jax.lax.dot_general(xb, wb, (((1,), (w_contract,)), ((), ())),
                                          precision=jax.lax.Precision.HIGHEST,
                                          preferred_element_type=jnp.float32)
 
@@ -140,6 +142,18 @@ def _kernel(group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref, x_ref
     acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
     _compat.triton_store(out_ref, (rows[:, None], cols[None, :]), acc.astype(out_ref.dtype),
                          mask=real & mine[:, None] & col_ok[None, :])
+
+
+def _kernel(group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref, x_ref, w_ref,
+            out_ref, **blocks):
+    # x_ref [m, k], w_ref [groups, k, n], out_ref [m, n]: whole arrays; the schedule refs
+    # [steps] and the group bounds [groups] likewise.
+    def load_w(group, kk, k_ok, cols, col_ok):
+        return _compat.triton_load(w_ref, (group, kk[:, None], cols[None, :]),
+                                   mask=k_ok[:, None] & col_ok[None, :], other=0)
+
+    _tile((group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref), x_ref, out_ref,
+          load_w, 0, **blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_k", "block_n", "num_warps",
@@ -186,28 +200,15 @@ def grouped_matmul_forward(x, w, group_starts, group_ends, *, block_m, block_k, 
 
 
 def _quantized_kernel(group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref, x_ref,
-                      values_ref, scales_ref, *refs, block_m, block_k, block_n, int4,
-                      rows_per_scale, cols_per_scale):
+                      values_ref, scales_ref, *refs, int4, rows_per_scale, cols_per_scale,
+                      **blocks):
     # x_ref [m, k]; values_ref [groups, n, k] (int4: [groups, n, k / 2], two values a
     # byte); scales_ref (and minimums) [groups, n / rows_per_scale, k / cols_per_scale];
     # out_ref [m, n]. The w block is gathered as [block_n, block_k], dequantized in
     # registers to x's dtype, and contracted over k: no float copy of w exists anywhere.
     *minimums_ref, out_ref = refs
-    m, k = x_ref.shape
-    n = out_ref.shape[1]
-    s = pl.program_id(0)
-    group = group_ids_ref[s]
-    rows = tile_ids_ref[s] * block_m + jnp.arange(block_m, dtype=jnp.int32)
-    cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    mine = (rows >= starts_ref[group]) & (rows < ends_ref[group])
-    col_ok = cols < n
-    real = s < visits_ref[0]
 
-    def body(kb, acc):
-        kk = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        k_ok = kk < k
-        xb = _compat.triton_load(x_ref, (rows[:, None], kk[None, :]),
-                                 mask=mine[:, None] & k_ok[None, :], other=0)
+    def load_w(group, kk, k_ok, cols, col_ok):
         ok = col_ok[:, None] & k_ok[None, :]
         if int4:
             packed = _compat.triton_load(values_ref, (group, cols[:, None], (kk // 2)[None, :]),
@@ -222,14 +223,10 @@ def _quantized_kernel(group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_
         if minimums_ref:
             wb = wb + _compat.triton_load(minimums_ref[0], at, mask=ok,
                                           other=0).astype(jnp.float32)
-        return acc + jax.lax.dot_general(xb, wb.astype(xb.dtype), (((1,), (1,)), ((), ())),
-                                         precision=jax.lax.Precision.HIGHEST,
-                                         preferred_element_type=jnp.float32)
+        return wb
 
-    k_blocks = jnp.where(real, pl.cdiv(k, block_k), 0)
-    acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
-    _compat.triton_store(out_ref, (rows[:, None], cols[None, :]), acc.astype(out_ref.dtype),
-                         mask=real & mine[:, None] & col_ok[None, :])
+    _tile((group_ids_ref, tile_ids_ref, starts_ref, ends_ref, visits_ref), x_ref, out_ref,
+          load_w, 1, **blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_k", "block_n", "num_warps",

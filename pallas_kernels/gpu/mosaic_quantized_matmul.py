@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
+from forge_jax.ops.quantized_matmul import scale_and_add
 from forge_jax.pallas_kernels import _registration
 from forge_jax.pallas_kernels.gpu import _common, _mosaic
 
@@ -441,10 +442,8 @@ def quantized_matmul(a, b, *, trans_b, alpha, beta, c, out_dtype, tile_k=None,
         part = _int4(x, b, rows // tile_m, config, interpret)
     else:
         part = _int8_fp8(x, b, rows // tile_m, config, interpret)
-    out = jnp.sum(part, axis=0).T[:m] * jnp.asarray(alpha, jnp.float32)
-    if c is not None:
-        out = out.reshape(*lead, n) + jnp.asarray(beta, jnp.float32) * c.astype(jnp.float32)
-    return out.reshape(*lead, n).astype(out_dtype)
+    out = jnp.sum(part, axis=0, dtype=jnp.float32).T[:m].reshape(*lead, n)
+    return scale_and_add(out, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype)
 
 
 def _int4(x, b, m_tiles, config, interpret):

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
+from forge_jax.ops.quantized_matmul import scale_and_add
 from forge_jax.pallas_kernels import _registration
 from forge_jax.pallas_kernels.gpu import _common
 from forge_jax.quant import QuantizedArray
@@ -249,12 +250,8 @@ def quantized_matmul(a, b: QuantizedArray, *, trans_b, alpha, beta, c, out_dtype
     out = quantized_matmul_forward(
         a.reshape(-1, k), b.values, b.scales, b.minimums, fmt=b.format, group=b.full_block()[1],
         interpret=interpret, **dataclasses.asdict(config))
-    out = out.reshape(*lead, -1)
-    if not (isinstance(alpha, float) and alpha == 1.0):
-        out = out * jnp.asarray(alpha, jnp.float32)
-    if c is not None:
-        out = out + jnp.asarray(beta, jnp.float32) * c.astype(jnp.float32)
-    return out.astype(out_dtype)
+    return scale_and_add(out.reshape(*lead, -1), alpha=alpha, beta=beta, c=c,
+                         out_dtype=out_dtype)
 
 
 _registration.register(

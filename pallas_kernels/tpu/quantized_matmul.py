@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
+from forge_jax.ops.quantized_matmul import scale_and_add
 from forge_jax.pallas_kernels import _registration
 from forge_jax.pallas_kernels.tpu import _common
 from forge_jax.quant import QuantizedArray, quantize_rows
@@ -97,18 +98,9 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
     return Config(**_common.tuned(TUNED_W8A8 if w8a8 else TUNED, device_kind))
 
 
-def _w8a8_supports(a, b) -> str | None:
-    kind = _common.device_kind()
-    if kind is not None and not _common.INT8_MXU.get(kind, False):
-        known = ("has no int8 MXU product in Mosaic" if kind in _common.INT8_MXU
-                 else "is not known to have an int8 MXU")
-        return (f"activations='int8' (W8A8): {kind} {known} (int8 MXU: "
-                f"{', '.join(k for k, v in _common.INT8_MXU.items() if v)}); XLA serves it")
-    rows, group = b.full_block()
+def _blocks_supported(a, b) -> str | None:
+    """The dtype and block limits every path of the kernel shares (``None`` if they hold)."""
     n, k = b.shape
-    if rows != 1 or group != k:
-        return (f"activations='int8' (W8A8) with b.block={b.block}: the kernel takes one "
-                f"scale per output channel")
     if jnp.dtype(a.dtype) not in _common.FLOAT_DTYPES:
         return f"a.dtype={jnp.dtype(a.dtype).name}; the kernel is for float32/bfloat16"
     if n % _common.LANES and n * k > MAX_WHOLE:
@@ -117,6 +109,20 @@ def _w8a8_supports(a, b) -> str | None:
     if k > MAX_K:
         return f"K={k} > {MAX_K}: K is not tiled (a whole weight row a step)"
     return None
+
+
+def _w8a8_supports(a, b) -> str | None:
+    kind = _common.device_kind()
+    if kind is not None and not _common.INT8_MXU.get(kind, False):
+        known = ("has no int8 MXU product in Mosaic" if kind in _common.INT8_MXU
+                 else "is not known to have an int8 MXU")
+        return (f"activations='int8' (W8A8): {kind} {known} (int8 MXU: "
+                f"{', '.join(k for k, v in _common.INT8_MXU.items() if v)}); XLA serves it")
+    rows, group = b.full_block()
+    if rows != 1 or group != b.shape[1]:
+        return (f"activations='int8' (W8A8) with b.block={b.block}: the kernel takes one "
+                f"scale per output channel")
+    return _blocks_supported(a, b)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -130,16 +136,11 @@ def supports(args: Mapping[str, Any]) -> str | None:
     if b.format not in ("int8", "int4"):
         return f"b.format={b.format!r}: the kernel dequantizes int8 and int4"
     rows, group = b.full_block()
-    n, k = b.shape
+    k = b.shape[1]
     if rows != 1:
         return f"b.block={b.block}: the kernel takes scales per group along K only"
-    if jnp.dtype(a.dtype) not in _common.FLOAT_DTYPES:
-        return f"a.dtype={jnp.dtype(a.dtype).name}; the kernel is for float32/bfloat16"
-    if n % _common.LANES and n * k > MAX_WHOLE:
-        return (f"N={n} is not a multiple of {_common.LANES} (lane-dense output blocks), and "
-                f"N * K = {n * k} weights are too many for one block (> {MAX_WHOLE})")
-    if k > MAX_K:
-        return f"K={k} > {MAX_K}: K is not tiled (a whole weight row a step)"
+    if (reason := _blocks_supported(a, b)) is not None:
+        return reason
     lanes = group // 2 if b.format == "int4" else group  # a group's bytes along a row
     if group != k and lanes % _common.LANES:
         return (f"groups of {group} values along K: {lanes} bytes a group is not a multiple "
@@ -298,12 +299,8 @@ def quantized_matmul(a, b: QuantizedArray, *, trans_b, alpha, beta, c, out_dtype
             a.reshape(-1, k), b.values, b.scales, b.minimums, fmt=b.format,
             group=b.full_block()[1], block_m=config.block_m, block_n=config.block_n,
             interpret=interpret)
-    out = out.reshape(*lead, -1)
-    if not (isinstance(alpha, float) and alpha == 1.0):
-        out = out * jnp.asarray(alpha, jnp.float32)
-    if c is not None:
-        out = out + jnp.asarray(beta, jnp.float32) * c.astype(jnp.float32)
-    return out.astype(out_dtype)
+    return scale_and_add(out.reshape(*lead, -1), alpha=alpha, beta=beta, c=c,
+                         out_dtype=out_dtype)
 
 
 _registration.register(
