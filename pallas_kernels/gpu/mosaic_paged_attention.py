@@ -74,7 +74,12 @@ from jax import lax
 
 from forge_jax import _compat
 from forge_jax.pallas_kernels import _attention_common, _cost, _registration
-from forge_jax.pallas_kernels.gpu import _common, _mosaic, mosaic_paged_limits
+from forge_jax.pallas_kernels.gpu import (
+    _common,
+    _mosaic,
+    mosaic_paged_attention_sm100,
+    mosaic_paged_limits,
+)
 from forge_jax.pallas_kernels.gpu.mosaic_paged_limits import (  # noqa: F401 (callers' names)
     MAX_TMA,
     MIN_STAGES,
@@ -466,11 +471,11 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "logits_soft_cap", "block_kv", "stages", "num_splits",
-    "interpret"))
+    "interpret", "mma"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
                     block_kv=None, stages=None, num_splits=None, interpret=False,
-                    k_scales=None, v_scales=None):
+                    k_scales=None, v_scales=None, mma=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
@@ -486,10 +491,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
       stages: key blocks in flight.
       num_splits: programs over one sequence's keys (default: enough programs for the GPU).
       interpret: run in the Mosaic GPU interpreter (any platform).
+      mma: ``"wgmma"`` (Hopper) or ``"tcgen05"`` (Blackwell: decode only, the kernel of
+        :mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention_sm100`); default: the
+        GPU's (:func:`_mosaic.mma_kind`).
 
     Returns:
       The shape of ``q``, in ``q.dtype``.
     """
+    mma = mma or _mosaic.mma_kind()
+    if mma not in ("wgmma", "tcgen05"):
+        raise ValueError(f"mma={mma!r}: 'wgmma' (Hopper) or 'tcgen05' (Blackwell)")
     decode = q.ndim == 3
     if decode:
         q = q[:, None]
@@ -497,25 +508,34 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
     kv_heads, num_pages, page_size, _ = k_pages.shape
     group = q_heads // kv_heads
     rows = q_len * group
-    if rows > ROWS:
+    tcgen05 = mma == "tcgen05"
+    if tcgen05 and (why := mosaic_paged_attention_sm100.reason(
+            q_len=q_len, group=group, quantized=k_scales is not None)):
+        raise ValueError(why)
+    rows_pad = mosaic_paged_attention_sm100.ROWS if tcgen05 else ROWS
+    if rows > rows_pad:
         raise ValueError(f"q_len={q_len} * group={group} = {rows} query rows > {ROWS} (one "
                          "WGMMA tile per program)")
     if scale is None:
         scale = head_dim ** -0.5
     with jax.named_scope("paged_attention"):
         window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
-            q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=ROWS,
+            q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
             page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
             table_width=block_tables.shape[1])
         one_position = jnp.full((batch,), 1 if q_len == 1 else 0, jnp.int32)
         ranges = jnp.stack([key_lo, key_hi, one_position, jnp.zeros_like(key_lo)], axis=1)
         compute = q.dtype if k_scales is not None else k_pages.dtype
-        qg = _attention_common.group_queries(q.astype(compute), kv_heads, rows_pad=ROWS)
-        out = attend(qg, row_pos, ranges, tables, k_pages, v_pages, scale=scale,
-                     sliding_window=window, logits_soft_cap=logits_soft_cap,
+        qg = _attention_common.group_queries(q.astype(compute), kv_heads, rows_pad=rows_pad)
+        knobs = dict(scale=scale, sliding_window=window, logits_soft_cap=logits_soft_cap,
                      out_rows=-(-rows // 8) * 8, block_kv=block_kv, stages=stages,
-                     num_splits=num_splits, interpret=interpret, k_scales=k_scales,
-                     v_scales=v_scales, single_position=q_len == 1)
+                     num_splits=num_splits, interpret=interpret)
+        if tcgen05:
+            out = mosaic_paged_attention_sm100.attend_decode(
+                qg, row_pos, ranges, tables, k_pages, v_pages, **knobs)
+        else:
+            out = attend(qg, row_pos, ranges, tables, k_pages, v_pages, k_scales=k_scales,
+                         v_scales=v_scales, single_position=q_len == 1, **knobs)
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                                 head_dim=head_dim).astype(q.dtype)
     return out[:, 0] if decode else out
