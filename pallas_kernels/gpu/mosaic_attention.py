@@ -427,6 +427,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel compiles for these arguments on Hopper+, else why not."""
     q, k, v = args["q"], args["k"], args["v"]
+    if (reason := _mosaic.wgmma_reason()) is not None:
+        return reason
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or dtypes.pop() not in DTYPES:
         return (f"q.dtype={jnp.dtype(q.dtype).name}, k.dtype={jnp.dtype(k.dtype).name}, "

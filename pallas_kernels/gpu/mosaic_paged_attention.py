@@ -1,4 +1,5 @@
-"""Mosaic GPU kernel (Hopper+): paged attention over the block tables, split over the keys.
+"""Mosaic GPU kernel (Hopper; Blackwell decode): paged attention over the block tables, split
+over the keys.
 
 The launch is ``(items, kv_heads, splits)``. An *item* is one query block of one sequence
 (in ``fj.paged_attention`` a sequence's ``q_len`` queries; in
@@ -30,13 +31,16 @@ place and its slots are hidden from every row, so it reads nothing (the index co
 :mod:`forge_jax.ops.paged`).
 
 Constraints (:func:`supports`, settled by the H100 lowering in
-``tests/test_pallas_mgpu_paged.py``): compute capability 9.x (Hopper); bfloat16 or float16 queries
-and pages of one dtype (WGMMA takes float32 only as TF32, which misses the float32
-contract); ``q_len * group <= 64``; ``head_dim`` a multiple of 64 up to 256 (the 128-byte
-swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each dimension), up
-to 128 with several query positions or one-byte pages (past it ptxas spills registers);
-``page_size`` a multiple of 8 up to 256 that divides 64 or is a multiple of 64 (whole pages
-per key block, 8-row tiles); a ring of two key blocks within the 227 KiB of shared memory.
+``tests/test_pallas_mgpu_paged.py``): compute capability 9.x (Hopper; on 10.x, Blackwell,
+the record serves decode with the tcgen05 kernel of
+:mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention_sm100`, ``mma="tcgen05"``);
+bfloat16 or float16 queries and pages of one dtype (WGMMA takes float32 only as TF32, which
+misses the float32 contract); ``q_len * group <= 64``; ``head_dim`` a multiple of 64 up to
+256 (the 128-byte swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each
+dimension), up to 128 with several query positions or one-byte pages (past it ptxas spills
+registers); ``page_size`` a multiple of 8 up to 256 that divides 64 or is a multiple of 64
+(whole pages per key block, 8-row tiles); a ring of two key blocks within the 227 KiB of
+shared memory.
 
 Quantized pools (int8 or fp8 e4m3 values, a float32 scale per slot,
 :mod:`forge_jax.ops.kv_quant`): the values' pages go through the ring as they are stored
@@ -510,7 +514,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
     rows = q_len * group
     tcgen05 = mma == "tcgen05"
     if tcgen05 and (why := mosaic_paged_attention_sm100.reason(
-            q_len=q_len, group=group, quantized=k_scales is not None)):
+            q_len=q_len, group=group, quantized=k_scales is not None, head_dim=head_dim,
+            page_size=page_size)):
         raise ValueError(why)
     rows_pad = mosaic_paged_attention_sm100.ROWS if tcgen05 else ROWS
     if rows > rows_pad:
@@ -552,8 +557,9 @@ def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int,
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
-    """``None`` if the kernel compiles for these arguments (compute capability 9.0+) without
-    register spills, else why not."""
+    """``None`` if the kernel compiles for these arguments without register spills, else why
+    not: on compute capability 9.x the WGMMA kernel here, on 10.x (Blackwell) the tcgen05
+    decode kernel of :mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention_sm100`."""
     q, k_pages = args["q"], args["k_pages"]
     q_len = 1 if q.ndim == 3 else q.shape[1]
     group = q.shape[-2] // k_pages.shape[0]
@@ -562,6 +568,10 @@ def supports(args: Mapping[str, Any]) -> str | None:
                            page_size=k_pages.shape[2], quantized=quantized)
     if reason is not None:
         return reason
+    if _mosaic.mma_kind() == "tcgen05":
+        return mosaic_paged_attention_sm100.reason(
+            q_len=q_len, group=group, quantized=quantized, head_dim=q.shape[-1],
+            page_size=k_pages.shape[2])
     if q_len * group > ROWS:
         return (f"q_len={q_len} * group={group} = {q_len * group} query rows > {ROWS}: one "
                 "program holds one WGMMA tile of a group's queries; longer chunks belong to "
@@ -573,5 +583,5 @@ def supports(args: Mapping[str, Any]) -> str | None:
 _registration.register(
     "paged_attention", paged_attention, backend="mosaic_gpu", supports=supports,
     verified=VERIFIED,
-    description="per-page TMA copies through the block tables into a WGMMA pipeline, "
-                "split over the keys")
+    description="per-page TMA copies through the block tables into a WGMMA (Hopper) or "
+                "tcgen05 (Blackwell, decode) pipeline, split over the keys")

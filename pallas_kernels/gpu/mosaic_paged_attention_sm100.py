@@ -29,11 +29,11 @@ a boundary block (outside the sequence's keys, on a page an entry does not name)
 in shared memory before ``P V`` (``0 * NaN`` would be NaN), as in the Hopper decode path.
 A block-table entry of -1 (unused, or naming no page of the pool) reads page 0, hidden.
 
-Constraints (:func:`supports` of the paged record on 10.x): one query position per
-sequence; bfloat16/float16 queries and pages of one dtype; ``head_dim`` a multiple of 64 up
-to 256; ``page_size`` as the Hopper kernel's; ``group <= 128``. Chunked prefill, ragged
-steps and int8/fp8 pages stay on Hopper (their NaN bookkeeping and dequantized tiles are
-WGMMA code).
+Constraints (:func:`supports` of the paged record on 10.x): one query position per sequence;
+bfloat16/float16 queries and pages of one dtype; ``head_dim`` a multiple of 64 up to 256;
+``page_size`` as the Hopper kernel's, up to 128 (:data:`MAX_BLOCK_KV`); ``group <= 128``.
+Chunked prefill, ragged steps and int8/fp8 pages stay on Hopper (their NaN bookkeeping and
+dequantized tiles are WGMMA code).
 
 In the Mosaic GPU interpreter (``interpret=True``, JAX 0.12 or newer: 0.10's interpreter has
 no tensor memory) everything is the compiled kernel's code; register layouts, which the
@@ -71,6 +71,9 @@ ROWS = 128  # query rows per program: tcgen05's M (one TMEM lane each)
 SWIZZLE = 128  # bytes: the MMA operands' shared-memory swizzle
 CHUNK = 64  # TMEM columns read into registers at a time when the output is rescaled
 LOG2E = math.log2(math.e)
+# Keys per block whose [ROWS, block_kv] float32 logits (a row per thread: block_kv registers)
+# compile without spills: 256 (pages of 256) spilled ~1 KB at head_dim 64 (b200, JAX 0.10.2).
+MAX_BLOCK_KV = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,10 +259,15 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
         return lax.fori_loop(0, steps, step_fn, init)
 
     def epilogue(m, l_sum, o_tmem, o_smem, ml_smem):
-        for c in range(0, head_dim, CHUNK):
-            o = load_tmem(o_tmem.at[:, pl.ds(c, CHUNK)])
-            # No block: the TMEM tile was never written (any bits); the rows saw nothing.
-            o_smem[:, pl.ds(c, CHUNK)] = jnp.where(steps > 0, o, 0.0)
+        @pl.when(steps > 0)
+        def _():
+            for c in range(0, head_dim, CHUNK):
+                o_smem[:, pl.ds(c, CHUNK)] = load_tmem(o_tmem.at[:, pl.ds(c, CHUNK)])
+
+        @pl.when(steps == 0)
+        def _():  # the TMEM tile was never written (any bits); the rows saw nothing
+            o_smem[...] = jnp.zeros(o_smem.shape, jnp.float32)
+
         ml_smem[0] = m
         ml_smem[1] = l_sum
         plgpu.commit_smem()
@@ -334,9 +342,10 @@ def attend_decode(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, slidi
     return _attention_common.merge_splits(o, m, l_sum)
 
 
-def reason(*, q_len: int, group: int, quantized: bool) -> str | None:
-    """Why a paged call cannot take this kernel (the layout limits are the Hopper kernel's:
-    :func:`forge_jax.pallas_kernels.gpu.mosaic_paged_limits.layout_reason`)."""
+def reason(*, q_len: int, group: int, quantized: bool, head_dim: int,
+           page_size: int) -> str | None:
+    """Why a paged call cannot take this kernel, beyond the layout limits it shares with the
+    Hopper kernel (:func:`forge_jax.pallas_kernels.gpu.mosaic_paged_limits.layout_reason`)."""
     if q_len != 1:
         return (f"q_len={q_len}: on Blackwell (tcgen05) the Mosaic GPU paged kernel serves "
                 "decode (one query position); several positions are WGMMA code, which "
@@ -346,4 +355,13 @@ def reason(*, q_len: int, group: int, quantized: bool) -> str | None:
                 "16-bit pages; the dequantizing path is WGMMA code, which sm_100a refuses")
     if group > ROWS:
         return f"q_heads // kv_heads = {group} > {ROWS} query rows (tcgen05's M)"
+    block_kv = block_keys(_common.tuned(TUNED, None, head_dim)["block_kv"], page_size)
+    if block_kv > MAX_BLOCK_KV:
+        return (f"page_size={page_size}: blocks of {block_kv} keys hold {block_kv} float32 "
+                f"logits per thread, and the b200 compile spills registers past "
+                f"{MAX_BLOCK_KV}")
+    if smem_bytes(head_dim=head_dim, block_kv=block_kv, stages=MIN_STAGES) > SMEM_LIMIT:
+        return (f"head_dim={head_dim} with page_size={page_size} (blocks of {block_kv} keys): "
+                f"the {ROWS}-row query tile and {MIN_STAGES} key/value blocks in flight "
+                f"exceed the {SMEM_LIMIT // 1024} KiB of shared memory")
     return None

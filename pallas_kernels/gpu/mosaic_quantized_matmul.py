@@ -148,6 +148,8 @@ def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.matmul` arguments (a quantized
     ``b``), else why not."""
     a, b = args["a"], args["b"]
+    if (reason := _mosaic.wgmma_reason()) is not None:
+        return reason
     if b.activations is not None:
         return (f"b.activations={b.activations!r} (W8A8): the kernel multiplies dequantized "
                 f"weights in the activations' dtype; XLA serves W8A8")
