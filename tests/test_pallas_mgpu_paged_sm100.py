@@ -48,6 +48,7 @@ class TestPagedDecodeTcgen05(MosaicGpu, PagedAttentionCases):
 
     IMPLEMENTATION = "mosaic_gpu"
     INTERPRET = False
+    MMA = "tcgen05"
     CASES = {
         # Llama-3-8B heads, bfloat16: 21 pages, two splits of three 64-key blocks (the
         # interpreter's ring is two blocks deep: the copies wrap around it), and a sequence
@@ -60,15 +61,6 @@ class TestPagedDecodeTcgen05(MosaicGpu, PagedAttentionCases):
     }
     # Several positions (chunked prefill) stay on Hopper: the kernel refuses them.
     test_nonfinite_reaches_only_the_queries_that_see_it = None
-
-    @classmethod
-    def skip_reason(cls) -> str | None:
-        if cls.INTERPRET:
-            return None if _mosaic.interpreter_has_tmem() else (
-                f"JAX {jax.__version__}'s Mosaic GPU interpreter has no tensor memory")
-        if (reason := super().skip_reason()) is not None:
-            return reason
-        return None if _mosaic.mma_kind() == "tcgen05" else "not a Blackwell (10.x) GPU"
 
     def paged_attention(self, q, k_pages, v_pages, tables, lengths, **kw):
         return kernel.paged_attention(q, k_pages, v_pages, jnp.asarray(tables),
