@@ -1,14 +1,14 @@
 """Compile report of the Blackwell (tcgen05, tensor memory) Mosaic GPU kernels for a B200,
 without a device (issue 26): the paged decode kernel
-(``pallas_kernels/gpu/mosaic_paged_attention_sm100.py``) and the int8/fp8 quantized matmul
-(``mosaic_quantized_matmul_sm100.py``), each through its op with
-``implementation="mosaic_gpu"`` under ``fj.aot.compile(..., target="b200")`` (Mosaic GPU's
-lowering, its PTX and ``ptxas`` for sm_100a, XLA's GPU pipeline): ptxas' registers and spills
-(``_mosaic.ptxas_report``), the shared memory Mosaic's lowering allocates
-(``_mosaic.shared_memory_bytes``, lowered as for the b200) and the roofline predicted from
-the kernel's cost estimate at the B200's 8 TB/s. Compiled, not run: the figures
-BENCHMARKS.md records. Run it alone: the first Mosaic GPU compile of a process fixes the
-architecture ptxas runs for.
+(``pallas_kernels/gpu/mosaic_paged_attention_sm100.py``), the int8/fp8 quantized matmul
+(``mosaic_quantized_matmul_sm100.py``) and flash attention (``mosaic_attention_sm100.py``),
+each through its op with ``implementation="mosaic_gpu"`` under ``fj.aot.compile(...,
+target="b200")`` (Mosaic GPU's lowering, its PTX and ``ptxas`` for sm_100a, XLA's GPU
+pipeline): ptxas' registers and spills (``_mosaic.ptxas_report``), the shared memory
+Mosaic's lowering allocates (``_mosaic.shared_memory_bytes``, lowered as for the b200) and
+the roofline predicted from the kernel's cost estimate at the B200's 8 TB/s. Compiled, not
+run: the figures BENCHMARKS.md records. Run it alone: the first Mosaic GPU compile of a
+process fixes the architecture ptxas runs for.
 
 Usage::
 
@@ -47,11 +47,20 @@ def matmul_args(rows, n, k, fmt):
     return S((rows, k), BF16), q
 
 
+def attention_args(batch, seq, q_heads, kv_heads, head_dim):
+    return (S((batch, seq, q_heads, head_dim), BF16), S((batch, seq, kv_heads, head_dim), BF16),
+            S((batch, seq, kv_heads, head_dim), BF16))
+
+
 def _matmul(a, q, **kw):
     return fj.matmul(a, q, trans_b=True, **kw)
 
 
 CASES = [
+    ("flash attention, causal prefill b1 seq4096 32/8 d128 (Llama-3-8B)", fj.attention,
+     attention_args(1, 4096, 32, 8, 128)),
+    ("flash attention, causal prefill b2 seq2048 9/3 d64 (SmolLM2)", fj.attention,
+     attention_args(2, 2048, 9, 3, 64)),
     ("paged decode, b32 ctx4096 32/8 d128 page16 (the issue's shape)", fj.paged_attention,
      paged_args(32, 4096, 32, 8, 128, 16)),
     ("paged decode, b32 ctx4096 9/3 d64 page16 (SmolLM2)", fj.paged_attention,

@@ -167,7 +167,8 @@ def toolchains() -> tuple[ToolchainInfo, ...]:
 def gpu_paths() -> tuple[str, ...]:
     """Which kernels serve which GPUs, one line each (``forge-jax info``): Mosaic GPU kernels
     (``"mosaic_gpu"``: TMA and WGMMA) on Hopper; on Blackwell the Mosaic GPU kernels with a
-    tcgen05 variant (paged decode, int8/fp8 quantized matmul) and the Triton-lowered ones
+    tcgen05 variant (flash attention, paged decode, int8/fp8 quantized matmul) and the
+    Triton-lowered ones
     (``"pallas"``) for the rest; Triton on Ampere/Ada; and, with a GPU (or inside
     ``fj.targets.use``), the path of this one. Auto selection ranks a kernel only where its
     ``verified`` record names the platform; others run by name."""
@@ -182,7 +183,8 @@ def gpu_paths() -> tuple[str, ...]:
              f"Ampere and Ada (compute capability 8.x): Triton-lowered kernels ('pallas': "
              f"{ops_of('pallas')})",
              "Blackwell (compute capability 10.x): Mosaic GPU kernels with tcgen05 "
-             "('mosaic_gpu': paged_attention decode, quantized_matmul int8/fp8 per channel; "
+             "('mosaic_gpu': attention forward, paged_attention decode, quantized_matmul "
+             "int8/fp8 per channel; "
              "the other Mosaic GPU kernels use Hopper's WGMMA, which sm_100a refuses); "
              "Triton-lowered kernels ('pallas') for the rest"]
     cc = gpu_compute_capability()
