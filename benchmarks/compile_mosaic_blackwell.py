@@ -6,7 +6,8 @@ each through its op with ``implementation="mosaic_gpu"`` under ``fj.aot.compile(
 target="b200")`` (Mosaic GPU's lowering, its PTX and ``ptxas`` for sm_100a, XLA's GPU
 pipeline): ptxas' registers and spills (``_mosaic.ptxas_report``), the shared memory
 Mosaic's lowering allocates (``_mosaic.shared_memory_bytes``, lowered as for the b200) and
-the roofline predicted from the kernel's cost estimate at the B200's 8 TB/s. Compiled, not
+the roofline predicted from the kernel's cost estimate at the B200's peaks (8 TB/s, 2250
+TFLOP/s of dense bf16). Compiled, not
 run: the figures BENCHMARKS.md records. Run it alone: the first Mosaic GPU compile of a
 process fixes the architecture ptxas runs for.
 

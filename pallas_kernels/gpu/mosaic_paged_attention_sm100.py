@@ -19,7 +19,7 @@ rows; a decode group uses ``group <= 128`` of them.
 
 Why a matrix unit at all for decode: a key costs ``4 * head_dim`` bytes of K and V (16-bit)
 and ``4 * group * head_dim`` flops, ``group`` flops a byte. The B200's 8 TB/s against its
-~74 TFLOP/s of float32 FMA on CUDA cores puts the CUDA-core ridge near 9 flops a byte: at
+~80 TFLOP/s of float32 FMA on CUDA cores puts the CUDA-core ridge near 10 flops a byte: at
 GQA groups of 8 a CUDA-core kernel would be compute-bound, before the bf16 conversions and
 shared-memory reads its FMAs need. tcgen05 (2.25 PFLOP/s dense bf16, ridge ~280) keeps even
 the 128-row padded tile (16x the flops of a group of 8: 128 flops a byte) memory-bound.
