@@ -8,7 +8,8 @@ concern (:func:`mma_kind`). Most of forge_jax's Mosaic GPU kernels multiply with
 WGMMA, sm_90a only: Blackwell (10.x, sm_100a) has tcgen05 (accumulators in tensor memory)
 instead, and Mosaic GPU's compile for ``b200`` refuses WGMMA ("'nvvm.wgmma.fence.aligned'
 op is not supported on sm_100a", BENCHMARKS.md), so their ``supports()`` refuse 10.x with
-:func:`wgmma_reason`; the kernels with a tcgen05 variant (the paged decode kernel) serve it.
+:func:`wgmma_reason`; the kernels with a tcgen05 variant (flash attention forward, paged
+decode, the int8/fp8 per-channel quantized matmul: ``*_sm100.py``) serve it.
 They register as ``"mosaic_gpu"`` on GPU (ranked by auto only where a ``verified`` record
 names the device) and ``"mosaic_gpu_interpret"`` by name everywhere: the same kernel code in
 the Mosaic GPU interpreter (race detection, poisoned uninitialised shared memory), which is
