@@ -120,7 +120,8 @@ def _quantized_matmul_partition(args, config):
     if c is None:
         c_spec = P()
     elif c.ndim == len(a.shape) and c.shape[0] == a.shape[0]:
-        c_spec = out
+        # (a column [..., M, 1] broadcasts over N: not split)
+        c_spec = P(*lead, n_axis if c.shape[-1] > 1 else None)
     else:  # broadcast against the result's trailing axes
         c_spec = P(*((None,) * (c.ndim - 1)), n_axis if c.shape[-1] > 1 else None)
     specs = {"a": P(*lead, k_axis),
