@@ -262,5 +262,6 @@ def quantized_matmul_xla(a, b, *, trans_b, alpha, beta, c, out_dtype):
             w = dequantize(b, a.dtype)
             out = jax.lax.dot_general(a2, w, (((1,), (0,)), ((), ())),
                                       preferred_element_type=acc, precision=_FULL)
-        return scale_and_add(out.reshape(*lead, -1), alpha=alpha, beta=beta, c=c,
+        # (out.shape[-1], not -1: a batch of no rows has nothing to infer it from)
+        return scale_and_add(out.reshape(*lead, out.shape[-1]), alpha=alpha, beta=beta, c=c,
                              out_dtype=out_dtype)
