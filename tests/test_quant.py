@@ -120,6 +120,19 @@ def test_matmul_with_no_rows(lead, fmt, kw):
     assert got.shape == want.shape == lead + (32,) and got.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("implementation,kw", [
+    ("pallas_gpu_interpret", {}), ("pallas_tpu_interpret", {}),
+    ("pallas_tpu_interpret", {"activations": "int8"})], ids=["gpu", "tpu", "tpu-w8a8"])
+def test_kernels_with_no_rows(implementation, kw):
+    # The kernels accept any number of rows (their supports() says nothing of it): none
+    # launches nothing and gives the empty product, the epilogue applied.
+    q = fj.quantize(_weight(25, (128, 256)), "int8", **kw)
+    x = jnp.zeros((2, 0, 256), jnp.bfloat16)
+    got = fj.matmul(x, q, trans_b=True, beta=1.0, c=jnp.ones((128,), jnp.float32),
+                    implementation=implementation)
+    assert got.shape == (2, 0, 128) and got.dtype == jnp.bfloat16
+
+
 def test_w8a8_quantizes_rows_per_token():
     x = normal(rng(22), (3, 2, 64), jnp.float32).at[1, 0].set(0.0)  # one row of zeros
     q, scale = fj.quant.quantize_rows(x)
