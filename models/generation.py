@@ -490,7 +490,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
     one token per sequence, each with the KV cache donated (updated in place). The
     model is split with ``nnx.split`` outside the steps and merged inside, so the
     weights are arguments of the compiled steps, not constants. Shapes are bucketed
-    (batch to a power of two, prompt length to a power of two >= 8, cache length to a
+    (batch to a power of two, prompt length to :func:`prompt_bucket`'s, cache length to a
     power of two) so that a later call with similar shapes reuses the compiled steps.
 
     Args:

@@ -12,8 +12,9 @@ class GenerationStats:
     Attributes:
       batch: the number of prompts.
       padded_batch, prompt_bucket, cache_len: the bucketed shapes the steps ran with
-        (batch padded to a power of two, prompts padded to a power of two >= 8, cache
-        length per sequence).
+        (batch padded to a power of two, prompts to
+        :func:`~forge_jax.models.generation.prompt_bucket`'s length, cache length per
+        sequence).
       cache: "paged" or "contiguous".
       max_new_tokens: the tokens asked for per prompt (0: nothing ran; 1: the prefill
         gives the only token, so there are no decode steps).

@@ -21,7 +21,7 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
     (one token) with the paged KV cache, on random inputs: each distinct (op, signature) once.
 
     The shapes are those :func:`~forge_jax.models.generation.generate` plans: the batch
-    padded to a power of two, the prompt to its bucket (a power of two, at least 8), a page
+    padded to a power of two, the prompt to its bucket (``generation.prompt_bucket``), a page
     pool of ``padded batch * pages per sequence`` pages for ``seq_len + max_new_tokens``
     positions, the weights and the cache in ``dtype`` (generate's default: the model's).
 

@@ -161,3 +161,8 @@ def test_bad_quantized_inputs_are_one_line_errors():
         fj.grouped_matmul(x, narrow, group_sizes, trans_w=True)
     with pytest.raises(TypeError, match="trans_w must be a bool"):
         fj.grouped_matmul(x, w, group_sizes, trans_w=1)
+    # W8A8 (int8 activations) is a numerics choice the grouped product does not make: a
+    # w that asks for it is refused, not multiplied as W8A16.
+    w8a8 = fj.quantize(w, "int8", activations="int8")
+    with pytest.raises(ValueError, match=r"w.activations='int8' \(W8A8\)"):
+        fj.grouped_matmul(x, w8a8, group_sizes, trans_w=True)

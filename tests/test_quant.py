@@ -105,6 +105,34 @@ def test_w8a8_matmul_matches_float64(shape, kw, m):
     assert (diff <= qref.w8a8_error_bound(x, q) + 1e-5).all()
 
 
+@pytest.mark.parametrize("lead", [(0,), (2, 0), (0, 3)])
+@pytest.mark.parametrize("fmt,kw", [("int8", {}), ("int4", {"group_size": 32}),
+                                    ("int8", {"activations": "int8"})],
+                         ids=["int8", "int4", "w8a8"])
+def test_matmul_with_no_rows(lead, fmt, kw):
+    # A batch of no tokens is an empty product (as fj.matmul with a float weight), not an
+    # error.
+    w = _weight(24, (32, 64))
+    q = fj.quantize(w, fmt, **kw)
+    x = jnp.zeros(lead + (64,), jnp.bfloat16)
+    want = fj.matmul(x, fj.dequantize(q, jnp.bfloat16), trans_b=True)
+    got = jax.jit(lambda x, q: fj.matmul(x, q, trans_b=True))(x, q)
+    assert got.shape == want.shape == lead + (32,) and got.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("implementation,kw", [
+    ("pallas_gpu_interpret", {}), ("pallas_tpu_interpret", {}),
+    ("pallas_tpu_interpret", {"activations": "int8"})], ids=["gpu", "tpu", "tpu-w8a8"])
+def test_kernels_with_no_rows(implementation, kw):
+    # The kernels accept any number of rows (their supports() says nothing of it): none
+    # launches nothing and gives the empty product, the epilogue applied.
+    q = fj.quantize(_weight(25, (128, 256)), "int8", **kw)
+    x = jnp.zeros((2, 0, 256), jnp.bfloat16)
+    got = fj.matmul(x, q, trans_b=True, beta=1.0, c=jnp.ones((128,), jnp.float32),
+                    implementation=implementation)
+    assert got.shape == (2, 0, 128) and got.dtype == jnp.bfloat16
+
+
 def test_w8a8_quantizes_rows_per_token():
     x = normal(rng(22), (3, 2, 64), jnp.float32).at[1, 0].set(0.0)  # one row of zeros
     q, scale = fj.quant.quantize_rows(x)

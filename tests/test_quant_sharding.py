@@ -124,6 +124,27 @@ def test_placed_product_matches_one_device(fmt, spec):
     np.testing.assert_allclose(np.asarray(f(a, placed, bias)), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("c_shape", [(4, 1), (4, 64), (1, 64)])
+def test_placed_column_parallel_product_takes_any_broadcast_c(c_shape):
+    # c broadcastable to [M, N] (fj.matmul's contract), a column [M, 1] included.
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal(c_shape), jnp.float32)
+    q = fj.quantize(w, "int8")
+    mesh = sharding.make_mesh("dp=2,tp=4")
+    placed = quant.place(q, NamedSharding(mesh, P("tp", None)))
+    want = np.asarray(a, np.float64) @ np.asarray(fj.dequantize(q), np.float64).T + 0.5 * (
+        np.asarray(c, np.float64))
+
+    @jax.jit
+    def f(a, b, c):
+        with sharding.use_mesh(mesh):
+            return fj.matmul(a, b, trans_b=True, beta=0.5, c=c)
+
+    np.testing.assert_allclose(np.asarray(f(a, placed, c)), want, rtol=1e-5, atol=1e-4)
+
+
 def test_int4_groups_that_would_straddle_devices_are_refused(checkpoint):
     # o_proj's 64 input channels over tp=4: 16 per device, half a group of 32.
     with pytest.raises(ValueError, match=r"self_attn.o_proj.*group size 32 does not divide "

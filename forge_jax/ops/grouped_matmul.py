@@ -31,6 +31,10 @@ def _grouped_matmul_args(x, w, group_sizes, *, trans_w=False):
             raise ValueError(f"a quantized w needs its own scales per group (blocks of 1 "
                              f"along the group axis), got block={w.block} for w.shape="
                              f"{w.shape}")
+        if w.activations is not None:
+            raise ValueError(f"w.activations={w.activations!r} (W8A8): grouped_matmul "
+                             f"multiplies dequantized weights in x's dtype; quantize w "
+                             f"without activations=")
     else:
         _checks.same_dtype(("x", x), ("w", w))
     m, k = x.shape
@@ -103,11 +107,12 @@ def grouped_matmul(x, w, group_sizes, *, trans_w=False, implementation=None):
     never holds more than one group's matrix in full precision. ``trans_w=True`` (``w``
     as ``[groups, n, k]``, each group's weight in the ``[out, in]`` layout, blocks along
     the contracted last axis) is the layout ``fj.quantize`` gives int4 groups and
-    per-output-channel scales in. Quantized weights are for inference: there is no
-    gradient through a quantized ``w`` (NotImplementedError when one is asked for), and
-    the Pallas GPU kernel dequantizes int8/int4 in registers (by name), the TPU
-    kernel refuses it (the XLA implementation runs), as both refuse a float ``w`` with
-    ``trans_w``; nothing splits over a mesh.
+    per-output-channel scales in; one quantized with ``activations="int8"`` (W8A8) is
+    refused. Quantized weights are for inference: there is no gradient through a
+    quantized ``w`` (NotImplementedError when one is asked for), and the Pallas GPU
+    kernel dequantizes int8/int4 in registers (by name), the TPU kernel refuses it (the
+    XLA implementation runs), as both refuse a float ``w`` with ``trans_w``; nothing
+    splits over a mesh.
 
     Args:
       x: ``[m, k]`` float32/float16/bfloat16, rows sorted by group.

@@ -120,7 +120,8 @@ def _quantized_matmul_partition(args, config):
     if c is None:
         c_spec = P()
     elif c.ndim == len(a.shape) and c.shape[0] == a.shape[0]:
-        c_spec = out
+        # (a column [..., M, 1] broadcasts over N: not split)
+        c_spec = P(*lead, n_axis if c.shape[-1] > 1 else None)
     else:  # broadcast against the result's trailing axes
         c_spec = P(*((None,) * (c.ndim - 1)), n_axis if c.shape[-1] > 1 else None)
     specs = {"a": P(*lead, k_axis),
@@ -261,5 +262,6 @@ def quantized_matmul_xla(a, b, *, trans_b, alpha, beta, c, out_dtype):
             w = dequantize(b, a.dtype)
             out = jax.lax.dot_general(a2, w, (((1,), (0,)), ((), ())),
                                       preferred_element_type=acc, precision=_FULL)
-        return scale_and_add(out.reshape(*lead, -1), alpha=alpha, beta=beta, c=c,
+        # (out.shape[-1], not -1: a batch of no rows has nothing to infer it from)
+        return scale_and_add(out.reshape(*lead, out.shape[-1]), alpha=alpha, beta=beta, c=c,
                              out_dtype=out_dtype)

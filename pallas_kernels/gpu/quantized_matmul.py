@@ -247,10 +247,13 @@ def quantized_matmul(a, b: QuantizedArray, *, trans_b, alpha, beta, c, out_dtype
         default_config({"a": a}, _common.device_kind(interpret)), block_m=block_m,
         block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     lead, k = a.shape[:-1], a.shape[-1]
-    out = quantized_matmul_forward(
-        a.reshape(-1, k), b.values, b.scales, b.minimums, fmt=b.format, group=b.full_block()[1],
-        interpret=interpret, **dataclasses.asdict(config))
-    return scale_and_add(out.reshape(*lead, -1), alpha=alpha, beta=beta, c=c,
+    if a.size == 0:  # no rows: nothing to launch (a grid of no programs does not lower)
+        out = jnp.zeros((*lead, b.shape[0]), jnp.float32)
+    else:
+        out = quantized_matmul_forward(
+            a.reshape(-1, k), b.values, b.scales, b.minimums, fmt=b.format,
+            group=b.full_block()[1], interpret=interpret, **dataclasses.asdict(config))
+    return scale_and_add(out.reshape(*lead, b.shape[0]), alpha=alpha, beta=beta, c=c,
                          out_dtype=out_dtype)
 
 

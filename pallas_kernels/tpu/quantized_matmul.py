@@ -290,7 +290,9 @@ def quantized_matmul(a, b: QuantizedArray, *, trans_b, alpha, beta, c, out_dtype
     config = dataclasses.replace(config, **{name: v for name, v in (
         ("block_m", block_m), ("block_n", block_n)) if v is not None})
     lead, k = a.shape[:-1], a.shape[-1]
-    if b.activations == "int8":
+    if a.size == 0:  # no rows: nothing to launch (a grid of no programs does not lower)
+        out = jnp.zeros((*lead, b.shape[0]), jnp.float32)
+    elif b.activations == "int8":
         qa, sa = quantize_rows(a.reshape(-1, k))
         out = quantized_matmul_w8a8_forward(qa, sa, b.values, b.scales, block_m=config.block_m,
                                             block_n=config.block_n, interpret=interpret)
@@ -299,7 +301,7 @@ def quantized_matmul(a, b: QuantizedArray, *, trans_b, alpha, beta, c, out_dtype
             a.reshape(-1, k), b.values, b.scales, b.minimums, fmt=b.format,
             group=b.full_block()[1], block_m=config.block_m, block_n=config.block_n,
             interpret=interpret)
-    return scale_and_add(out.reshape(*lead, -1), alpha=alpha, beta=beta, c=c,
+    return scale_and_add(out.reshape(*lead, b.shape[0]), alpha=alpha, beta=beta, c=c,
                          out_dtype=out_dtype)
 
 
