@@ -76,12 +76,16 @@ pl = _compat.pallas()
 VERIFIED: dict[str, str] = {}
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # WGMMA operands from registers
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # Shared memory of an H100 (sm_90) block: 227 KiB.
 SHARED_MEMORY = 227 * 1024
 _LOG2E = math.log2(math.e)
 NAME = "forge_jax_mosaic_flash_attention"  # the kernel's name in profiles and compile reports
 _CONSUMERS = 2  # warpgroups computing; warpgroup _CONSUMERS is the producer
+# Registers a thread of each warpgroup holds after setmaxnreg: the consumers take all the
+# producer does not need (2 * 240 + 32 = 512, the register file over 128 threads), as FA3
+# does; at 232 / 40 head_dim 256 with a window and soft cap spilled 32 bytes.
+_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 240, 32
 # int32 words of per-warpgroup bookkeeping (see _ranges; 8 used): a copy moves a multiple of
 # 128 bytes (the warpgroup size) from global to shared memory.
 _INFO = 32
@@ -91,11 +95,21 @@ _INFO = 32
 class Config:
     """Launch knobs: ``block_q`` rows per consumer warpgroup (one WGMMA M tile: 64),
     ``block_kv`` keys per tile (a multiple of 64: the 128-byte swizzle of 16-bit tiles),
-    ``stages`` K/V tiles in flight."""
+    ``stages`` K/V tiles in flight, ``block_d`` the output (V) columns one CTA computes (a
+    multiple of 64 dividing head_dim; None: all). Below head_dim, the CTAs of one query
+    block split V's columns and each computes ``S = Q K^T`` over the whole head_dim: at
+    head_dim 256 a consumer's ``[64, 256]`` float32 accumulator would take 128 of its
+    registers, and the boundary tiles' copies then spill (ptxas, BENCHMARKS.md); two CTAs of
+    128 columns do 1.5 times the minimal flops without spilling."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
+    block_d: int | None = None
+
+
+def _block_d(head_dim: int, config: Config) -> int:
+    return head_dim if config.block_d is None else config.block_d
 
 
 # Not measured (no GPU has run the kernel): sizes checked only to compile for an H100 without
@@ -103,6 +117,7 @@ class Config:
 TUNED: Mapping[int, Config] = {
     64: Config(block_q=64, block_kv=128, stages=2),
     128: Config(block_q=64, block_kv=64, stages=2),
+    256: Config(block_q=64, block_kv=64, stages=2, block_d=128),
 }
 
 
@@ -116,8 +131,9 @@ def shared_memory_bytes(head_dim: int, dtype: Any, config: Config) -> int:
     """The shared memory a CTA allocates: Q/O tiles of both consumers, the K/V ring, each
     consumer's boundary tile, row positions and bookkeeping (barriers not counted)."""
     item = jnp.dtype(dtype).itemsize
-    tiles = (_CONSUMERS * config.block_q + 2 * config.stages * config.block_kv
-             + _CONSUMERS * config.block_kv) * head_dim * item
+    block_d = _block_d(head_dim, config)
+    tiles = ((_CONSUMERS * config.block_q + config.stages * config.block_kv) * head_dim
+             + (config.stages + _CONSUMERS) * config.block_kv * block_d) * item
     return tiles + 4 * (_CONSUMERS * config.block_q + (_CONSUMERS + 1) * _INFO)
 
 
@@ -165,17 +181,20 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             qo_smem, k_smem, v_smem, clean_smem, pos_smem, info_smem,  # scratch (SMEM)
             q_bar, pos_bar, info_bar, k_bar, v_bar, k_free, v_free,  # barriers
             *, scale, causal, sliding_window, logits_soft_cap, block_q, block_kv, stages,
-            interpret):
+            block_d, interpret):
     # q_ref, o_ref [batch, kv_heads, rows_pad, head_dim]; k_ref, v_ref [batch, kv_len,
     # kv_heads, head_dim]; pos_ref [batch, rows_pad]; info_ref [batch, pairs, 2, _INFO]
-    # (see _ranges). Warpgroups 0 and 1 compute, warpgroup 2 loads K/V.
+    # (see _ranges). Warpgroups 0 and 1 compute, warpgroup 2 loads K and V's columns
+    # [cols * block_d, (cols + 1) * block_d).
     plgpu = _compat.pallas_mosaic_gpu()
     head = lax.axis_index("heads")
+    columns = pl.ds(lax.axis_index("cols") * block_d, block_d)
     pair = lax.axis_index("rows")
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
     kv_len, head_dim = k_ref.shape[1], k_ref.shape[3]
     dtype = q_ref.dtype
+    split = block_d < head_dim
 
     def cast(x, layout):  # JAX 0.10's interpreter has no rule for layout casts: identity
         return x if interpret else plgpu.layout_cast(x, layout)
@@ -215,7 +234,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
         row0 = (pair * _CONSUMERS + wg) * block_q
         q_smem = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, block_q)], q_smem,
@@ -295,7 +314,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_next, l_sum
 
-        acc = cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        acc = cast(jnp.zeros((block_q, block_d), jnp.float32), plgpu.Layout.WGMMA)
         m = cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
         l_sum = cast(jnp.zeros((block_q,), jnp.float32), row_layout)
         lax.fori_loop(cta_lo, own_lo, wait_only, None)
@@ -304,20 +323,25 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
         # A row that saw no key has l_sum == 0 and acc == 0: zeros. NaN stays NaN.
         l_sum = jnp.where(l_sum > 0, l_sum, 1.0)
         out = acc / lax.broadcast_in_dim(l_sum, acc.shape, [0])
-        q_smem[...] = out.astype(dtype)
+        # The output's staging tile: Q's, or with V's columns split the boundary tile
+        # (block_kv == block_q then), which a TMA copies whole.
+        o_smem = clean_smem.at[wg] if split else q_smem
+        o_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, head, pl.ds(row0, block_q)])
+        rows = (batch, head, pl.ds(row0, block_q))
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[(*rows, columns)] if split else o_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
         cta_lo, cta_hi = read_info(_CONSUMERS, 0)[:2]
 
         def load(step, slot):
             keys = (batch, tile(step), head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+            values = v_ref.at[(*keys, columns)] if split else v_ref.at[keys]
+            plgpu.copy_gmem_to_smem(values, v_smem.at[slot], v_bar.at[slot])
 
         for i in range(stages):
             pl.when(cta_lo + i < cta_hi)(functools.partial(load, cta_lo + i, i))
@@ -331,7 +355,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
 
 
 def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
-             block_q, block_kv, stages, interpret):
+             block_q, block_kv, stages, block_d, interpret):
     plgpu = _compat.pallas_mosaic_gpu()
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -353,8 +377,8 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     scratch = [
         plgpu.SMEM((_CONSUMERS, block_q, head_dim), q.dtype, **swizzled),
         plgpu.SMEM((stages, block_kv, head_dim), q.dtype, **swizzled),
-        plgpu.SMEM((stages, block_kv, head_dim), q.dtype, **swizzled),
-        plgpu.SMEM((_CONSUMERS, block_kv, head_dim), q.dtype, **swizzled),
+        plgpu.SMEM((stages, block_kv, block_d), q.dtype, **swizzled),
+        plgpu.SMEM((_CONSUMERS, block_kv, block_d), q.dtype, **swizzled),
         plgpu.SMEM((_CONSUMERS, block_q), jnp.int32),
         plgpu.SMEM((_CONSUMERS + 1, _INFO), jnp.int32),
         plgpu.Barrier(num_barriers=_CONSUMERS),
@@ -368,16 +392,21 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     body = functools.partial(
         _kernel, scale=scale, causal=causal, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, block_q=block_q, block_kv=block_kv, stages=stages,
-        interpret=interpret)
+        block_d=block_d, interpret=interpret)
+    splits = head_dim // block_d
     cost = _cost.attention(queries=batch * q_len * q_heads, keys=kv_len, head_dim=head_dim,
                            causal=causal and q_len == kv_len, io=(qg, k, v, qg))
+    if splits > 1:  # S = Q K^T and its softmax once per split, K read once per split
+        cost = pl.CostEstimate(flops=cost.flops * (splits + 1) // 2,
+                               transcendentals=cost.transcendentals * splits,
+                               bytes_accessed=cost.bytes_accessed + (splits - 1) * k.nbytes)
     with _mosaic.maybe_interpret(interpret):
         out = _mosaic.costed_kernel(
             body, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), scratch_shapes=scratch,
             cost_estimate=cost, name=NAME,
             compiler_params=plgpu.CompilerParams(approx_math=True),
-            grid=(kv_heads, rows_pad // (_CONSUMERS * block_q), batch),
-            grid_names=("heads", "rows", "batch"), num_threads=_CONSUMERS + 1,
+            grid=(kv_heads, splits, rows_pad // (_CONSUMERS * block_q), batch),
+            grid_names=("heads", "cols", "rows", "batch"), num_threads=_CONSUMERS + 1,
             thread_name="wg")(qg, k, v, row_pos, info)
     return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                              head_dim=head_dim)
@@ -389,14 +418,14 @@ _attention = _attention_common.flash_attention_call(_forward)
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "causal", "sliding_window", "logits_soft_cap", "block_q", "block_kv", "stages",
-    "interpret"))
+    "block_d", "interpret"))
 def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
                     sliding_window=None, logits_soft_cap=None, block_q=None, block_kv=None,
-                    stages=None, interpret=False):
+                    stages=None, block_d=None, interpret=False):
     """Flash attention on Hopper+ (see :func:`forge_jax.attention` for the contract).
 
     Args:
-      q: ``[batch, q_len, q_heads, head_dim]``, bfloat16/float16, head_dim 64 or 128
+      q: ``[batch, q_len, q_heads, head_dim]``, bfloat16/float16, head_dim 64, 128 or 256
         (:func:`supports`, checked by dispatch, not here: other cases fail to compile).
       k, v: ``[batch, kv_len, kv_heads, head_dim]`` in ``q.dtype``,
         ``q_heads % kv_heads == 0``.
@@ -404,6 +433,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
       block_q: query rows per consumer warpgroup (64: one WGMMA tile).
       block_kv: keys per tile, a multiple of 64.
       stages: K/V tiles in flight (>= 2).
+      block_d: output columns per CTA, a multiple of 64 dividing head_dim (default: all up
+        to head_dim 128, 128 at 256); below head_dim, block_kv must be 64.
       interpret: run in the Mosaic GPU interpreter (any platform).
 
     Returns:
@@ -411,17 +442,23 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
     """
     config = dataclasses.replace(
         default_config({"q": q}), **{n: x for n, x in dict(
-            block_q=block_q, block_kv=block_kv, stages=stages).items() if x is not None})
+            block_q=block_q, block_kv=block_kv, stages=stages, block_d=block_d).items()
+            if x is not None})
+    head_dim = q.shape[-1]
+    columns = _block_d(head_dim, config)
     if config.block_q != 64 or config.block_kv % 64 or config.block_kv <= 0 \
-            or config.stages < 2:
-        raise ValueError(f"{config}: block_q must be 64, block_kv a multiple of 64, "
-                         "stages >= 2")
+            or config.stages < 2 or columns % 64 or columns <= 0 or head_dim % columns \
+            or (columns < head_dim and config.block_kv != config.block_q):
+        raise ValueError(f"{config} with {head_dim=}: block_q must be 64, block_kv a "
+                         "multiple of 64, stages >= 2, block_d a multiple of 64 dividing "
+                         "head_dim, and block_kv == block_q when block_d < head_dim")
     if q.size == 0 or k.shape[1] == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
     return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                       kv_lengths=kv_lengths, sliding_window=sliding_window,
                       logits_soft_cap=logits_soft_cap, block_q=config.block_q,
-                      block_kv=config.block_kv, stages=config.stages, interpret=interpret)
+                      block_kv=config.block_kv, stages=config.stages, block_d=columns,
+                      interpret=interpret)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
