@@ -10,7 +10,7 @@ tiles. The behaviours come from :class:`cases.attention_base.AttentionCases`.
 
 The deviceless H100 compile (``fj.aot``: JAX's CUDA pipeline, Mosaic GPU's compile and
 ptxas) of the head dims :func:`supports` accepts, with no spills in ptxas' report
-(``_mosaic.ptxas_report``), and of the rejected 256, which the compiler refuses for its
+(``_mosaic.ptxas_report``), and of the rejected 512, which the compiler refuses for its
 shared memory.
 """
 
@@ -153,6 +153,24 @@ def test_supports_rejects(q_dtype, kv_dtype, head_dim, reason):
     args = dict(q=S((1, 4, 2, head_dim), q_dtype), k=S((1, 8, 2, head_dim), kv_dtype),
                 v=S((1, 8, 2, head_dim), kv_dtype))
     assert reason in mosaic.supports(args)
+
+
+@pytest.mark.parametrize("knobs", [dict(block_d=96), dict(block_d=512),
+                                   dict(block_d=128, block_kv=128)],
+                         ids=["not_multiple_of_64", "wider_than_head_dim", "split_block_kv"])
+def test_bad_column_split_is_refused_before_any_work(knobs):
+    q = jnp.ones((1, 4, 2, 256), BF16)
+    with pytest.raises(ValueError, match="block_d a multiple of 64 dividing head_dim"):
+        mosaic.flash_attention(q, q, q, interpret=True, **knobs)
+
+
+def test_head_dim_256_splits_the_value_columns():
+    # The launch that compiles without spills (test_h100_compile): two CTAs of 128 columns.
+    q = S((1, 4, 8, 256), BF16)
+    assert mosaic.supports(dict(q=q, k=q, v=q)) is None
+    config = mosaic.default_config({"q": q})
+    assert (config.block_d, config.block_kv, config.ping_pong) == (128, 64, False)
+    assert mosaic.shared_memory_bytes(256, BF16, config) <= mosaic.SHARED_MEMORY
 
 
 def test_rejected_case_is_refused_by_name():
