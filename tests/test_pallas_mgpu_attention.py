@@ -57,6 +57,14 @@ CASES = {
         (1, 3, 70, *LLAMA_GROUP), F16,
         dict(kv_lengths=np.array([66]), q_positions=np.array([[-1, 20, 65]])), poison=True,
         seed=2),
+    # One CTA walking three tiles (more than its two stages: the producer waits for slots
+    # to be freed) where each consumer skips tiles the other needs: warpgroup 0's queries
+    # see tile 0 only, warpgroup 1's tiles 1 and 2 (the ping-pong across skipped tiles).
+    "llama3-pipeline-skipped_tiles-nan_unseen": AttentionCase(
+        (1, 32, 150, *LLAMA_GROUP), BF16,
+        dict(kv_lengths=np.array([146]), sliding_window=50,
+             q_positions=np.concatenate([np.arange(10, 26), np.arange(120, 136)])[None]),
+        poison=True, seed=4),
     # Gemma 2's soft cap and window at head_dim 256; 100 keys end inside the second tile.
     "gemma2-256-window-cap-nan_unseen": AttentionCase(
         (1, 4, 104, *GEMMA_GROUP), BF16,

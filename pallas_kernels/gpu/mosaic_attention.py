@@ -392,6 +392,15 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             plgpu.barrier_wait(v_free.at[slot])
             load(step, slot)
 
+        # Wait for the last tiles' releases too: every phase of a barrier is then observed
+        # by each thread waiting on it (the interpreter checks it when the barriers are
+        # freed; a CTA of more than `stages` tiles failed there without this).
+        @pl.loop(jnp.maximum(cta_lo, cta_hi - stages), cta_hi)
+        def _(step):
+            slot = lax.rem(step - cta_lo, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
 
 def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
              block_q, block_kv, stages, block_d, ping_pong, interpret):
