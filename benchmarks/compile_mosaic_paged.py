@@ -3,9 +3,10 @@ without a device (issue 26): for each case (bfloat16 pages, and int8/fp8 pages w
 scales), ``fj.aot.compile`` with ``implementation="mosaic_gpu"`` (Mosaic GPU's lowering, its
 PTX and ``ptxas`` for sm_90a, XLA's GPU pipeline), ptxas' registers and spills
 (``_mosaic.ptxas_report``), the shared memory Mosaic's lowering allocates
-(``_mosaic.shared_memory_bytes``) and the roofline predicted from the kernel's cost estimate;
-then the same kernel compiled for ``b200``, which Mosaic GPU refuses (Hopper's WGMMA on
-sm_100a). Compiled, not run: the figures BENCHMARKS.md records.
+(``_mosaic.shared_memory_bytes``) and the roofline predicted from the kernel's cost estimate.
+Compiled, not run: the figures BENCHMARKS.md records. (Blackwell's tcgen05 decode kernel:
+``benchmarks/compile_mosaic_blackwell.py``, in a process of its own: the first Mosaic GPU
+compile of a process fixes the architecture ptxas runs for.)
 
 Usage::
 
@@ -121,12 +122,6 @@ def main() -> int:
         if smem is not None:
             print(f"  Mosaic GPU shared memory (lowering): {smem} B = {smem / 1024:.1f} KiB")
         print()
-    # Blackwell: the kernels themselves (dispatch refuses them for compute capability 10.x).
-    for title, _, args, kernel in (CASES[0], CASES[5]):
-        fn, call_args = _kernel_call(kernel, args)
-        report = fj.aot.compile(fn, *call_args, target="b200")
-        print(f"### b200: {title}: compiled={report.compiled} ({report.error}; Mosaic GPU's "
-              "diagnostic is on stderr)")
     return 1 if failed else 0
 
 

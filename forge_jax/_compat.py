@@ -295,6 +295,16 @@ def mosaic_gpu_races_found() -> bool | None:
     return None if state is None else bool(state.races_found)
 
 
+def mosaic_gpu_interpreter_has_tmem() -> bool:
+    """Whether the Mosaic GPU interpreter runs tensor memory and tcgen05 MMAs (Blackwell):
+    JAX 0.12's has callbacks for them, 0.10's none."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    except ImportError:
+        return False
+    return hasattr(gpu_callbacks, "async_load_tmem") and hasattr(gpu_callbacks, "tcgen05_mma")
+
+
 def mosaic_gpu_kernel(body: Any, *, out_shape: Any, scratch_shapes: Any = (),
                       **kwargs: Any) -> Any:
     """``plgpu.kernel(body, ...)``: its ``out_shape``/``scratch_shapes`` arguments were

@@ -147,11 +147,11 @@ def toolchains() -> tuple[ToolchainInfo, ...]:
         "Pallas Triton (GPU)", pallas is None and gpu,
         pallas or (None if gpu else "no GPU device")))
     cc = gpu_compute_capability()
-    mosaic_gpu = None if cc and 9.0 <= float(cc) < 10.0 else (
-        f"needs compute capability 9.x (Hopper's WGMMA), GPU has {cc}" if cc
-        else "no GPU device")
-    rows.append(ToolchainInfo("Pallas Mosaic GPU (Hopper)", pallas is None and mosaic_gpu is None,
-                              pallas or mosaic_gpu))
+    mosaic_gpu = None if cc and 9.0 <= float(cc) < 11.0 else (
+        f"needs compute capability 9.x (Hopper's WGMMA) or 10.x (Blackwell's tcgen05), GPU "
+        f"has {cc}" if cc else "no GPU device")
+    rows.append(ToolchainInfo("Pallas Mosaic GPU (Hopper, Blackwell)",
+                              pallas is None and mosaic_gpu is None, pallas or mosaic_gpu))
     rows.append(ToolchainInfo("Pallas Mosaic TPU", pallas is None and tpu,
                               pallas or (None if tpu else "no TPU device")))
     jt = _compat.jax_triton_reason() or (
@@ -166,10 +166,12 @@ def toolchains() -> tuple[ToolchainInfo, ...]:
 
 def gpu_paths() -> tuple[str, ...]:
     """Which kernels serve which GPUs, one line each (``forge-jax info``): Mosaic GPU kernels
-    (``"mosaic_gpu"``, TMA and WGMMA) on Hopper, the Triton-lowered ones (``"pallas"``) on
-    Ampere/Ada/Blackwell and for the ops without a Mosaic GPU kernel; and, with a
-    GPU (or inside ``fj.targets.use``), the path of this one. Auto selection ranks a kernel
-    only where its ``verified`` record names the platform; others run by name."""
+    (``"mosaic_gpu"``: TMA and WGMMA) on Hopper; on Blackwell the Mosaic GPU kernels with a
+    tcgen05 variant (flash attention, paged decode, int8/fp8 quantized matmul) and the
+    Triton-lowered ones
+    (``"pallas"``) for the rest; Triton on Ampere/Ada; and, with a GPU (or inside
+    ``fj.targets.use``), the path of this one. Auto selection ranks a kernel only where its
+    ``verified`` record names the platform; others run by name."""
     def ops_of(name: str) -> str:
         ops = sorted({i.op for op in registry.ops() for i in registry.registrations(op)
                       if i.name == name and "gpu" in (i.platforms or ())})
@@ -178,12 +180,16 @@ def gpu_paths() -> tuple[str, ...]:
     lines = [f"Hopper (compute capability 9.x): Mosaic GPU kernels "
              f"('mosaic_gpu': {ops_of('mosaic_gpu')}); Triton-lowered kernels ('pallas') "
              "for the other ops",
-             f"Ampere, Ada and Blackwell (compute capability 8.x, 10.x+): Triton-lowered "
-             f"kernels ('pallas': {ops_of('pallas')}); the Mosaic GPU kernels use Hopper's "
-             "WGMMA (sm_90a), which the Blackwell compile refuses"]
+             f"Ampere and Ada (compute capability 8.x): Triton-lowered kernels ('pallas': "
+             f"{ops_of('pallas')})",
+             "Blackwell (compute capability 10.x): Mosaic GPU kernels with tcgen05 "
+             "('mosaic_gpu': attention forward, paged_attention decode, quantized_matmul "
+             "int8/fp8 per channel; "
+             "the other Mosaic GPU kernels use Hopper's WGMMA, which sm_100a refuses); "
+             "Triton-lowered kernels ('pallas') for the rest"]
     cc = gpu_compute_capability()
     if cc:
-        path = "Mosaic GPU and Triton" if 9.0 <= float(cc) < 10.0 else "Triton"
+        path = "Mosaic GPU and Triton" if 9.0 <= float(cc) < 11.0 else "Triton"
         lines.append(f"this GPU (compute capability {cc}): the {path} path")
     return tuple(lines)
 

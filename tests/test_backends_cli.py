@@ -187,13 +187,14 @@ def test_console_script_is_installed():
 def test_info_says_which_kernel_path_serves_which_gpu():
     text = str(backends.summary())
     assert "GPU kernel paths:" in text
-    hopper, ampere = backends.gpu_paths()[:2]
+    hopper, ampere, blackwell = backends.gpu_paths()[:3]
     assert "Mosaic GPU" in hopper and "attention" in hopper
     assert "Triton" in ampere and "rms_norm" in ampere
+    assert "tcgen05" in blackwell and "paged_attention decode" in blackwell
     with fj.targets.use("h100"):
         assert backends.gpu_paths()[-1].endswith("the Mosaic GPU and Triton path")
     with fj.targets.use("a100"):
         assert backends.gpu_paths()[-1] == "this GPU (compute capability 8.0): the Triton path"
-    with fj.targets.use("b200"):  # Hopper's WGMMA does not compile for sm_100a
-        assert backends.gpu_paths()[-1] == "this GPU (compute capability 10.0): the Triton path"
+    with fj.targets.use("b200"):  # the tcgen05 kernels; Hopper's WGMMA does not compile
+        assert backends.gpu_paths()[-1].endswith("the Mosaic GPU and Triton path")
 

@@ -99,6 +99,8 @@ class TestAttentionMosaicGpu(AttentionCases):
         if cls.INTERPRET:
             return None
         reason = _mosaic.available()
+        if reason is None and _mosaic.mma_kind() != "wgmma":  # Blackwell: the tcgen05 kernel
+            reason = "a Blackwell GPU (tests/test_pallas_mgpu_attention_sm100.py runs there)"
         return None if reason is None else (
             f"compiled Mosaic GPU kernel: {reason} (the interpret subclass runs here)")
 

@@ -18,10 +18,12 @@ from forge_jax.pallas_kernels.gpu import _mosaic
 def test_reason_follows_the_compute_capability():
     assert _mosaic.mosaic_reason("tpu") == "a GPU kernel, not for tpu"
     with fj.targets.use("h100"):
-        assert _mosaic.mosaic_reason("gpu") is None
-    with fj.targets.use("b200"):  # WGMMA: sm_90a only (the b200 compile below)
-        assert "Hopper's WGMMA (compute capability 9.x" in _mosaic.mosaic_reason("gpu")
-        assert "10.0" in _mosaic.mosaic_reason("gpu")
+        assert _mosaic.mosaic_reason("gpu") is None and _mosaic.wgmma_reason() is None
+        assert _mosaic.mma_kind() == "wgmma"
+    with fj.targets.use("b200"):  # Mosaic GPU runs; WGMMA does not (the b200 compile below)
+        assert _mosaic.mosaic_reason("gpu") is None and _mosaic.mma_kind() == "tcgen05"
+        assert "Hopper's WGMMA (compute capability 9.x" in _mosaic.wgmma_reason()
+        assert "10.0" in _mosaic.wgmma_reason()
     with fj.targets.use("a100"):
         assert "compute capability >= 9.0" in _mosaic.mosaic_reason("gpu")
         assert "8.0" in _mosaic.mosaic_reason("gpu")
@@ -59,29 +61,43 @@ import forge_jax as fj
 from forge_jax.pallas_kernels.gpu import mosaic_paged_attention as paged
 S = jax.ShapeDtypeStruct
 pool = S((2, 8, 16, 64), jnp.bfloat16)
-args = (S((2, 8, 64), jnp.bfloat16), pool, pool, S((2, 4), jnp.int32), S((2,), jnp.int32))
-print("compiled:", fj.aot.compile(paged.paged_attention, *args, target="b200").compiled)
+args = (S((2, 3, 8, 64), jnp.bfloat16), pool, pool, S((2, 4), jnp.int32), S((2,), jnp.int32))
+print("compiled:", fj.aot.compile(lambda *a: paged.paged_attention(*a, mma="wgmma"), *args,
+                                  target="b200").compiled)
 """
 
 
 @pytest.mark.skipif(fj.targets.missing("b200") is not None,
                     reason=str(fj.targets.missing("b200")))
 def test_blackwell_refuses_hopper_wgmma_and_dispatch_says_so():
-    """The Mosaic GPU kernels' WGMMA does not lower for sm_100a (the paged kernel here; the
-    flash attention and quantized matmul kernels fail the same way, BENCHMARKS.md), so on a
-    compute capability 10.x device every "mosaic_gpu" record refuses with that reason."""
+    """WGMMA does not lower for sm_100a (the paged kernel's several-positions path here; its
+    int8/fp8 pages and the ragged kernel, and the quantized matmul's int4 and 128 x 128 fp8
+    kernels, are WGMMA code too, BENCHMARKS.md), so on a compute capability 10.x device
+    those cases of the "mosaic_gpu" records are refused with that reason. Paged decode,
+    flash attention and the int8/fp8 per-channel matmul are served there by their tcgen05
+    kernels (tests/test_pallas_mgpu_*_sm100.py)."""
     done = subprocess.run([sys.executable, "-c", _B200_COMPILE], capture_output=True,
                           text=True, timeout=600)
-    assert done.returncode == 0 and "compiled: False" in done.stdout, done.stderr[-2000:]
-    # JAX 0.10: "'nvvm.wgmma.fence.aligned' op is not supported on sm_100a"; JAX 0.12, from
-    # ptxas: "Instruction 'wgmma.wait_group' not supported on .target 'sm_100a'".
     err = done.stderr
-    assert "wgmma" in err and "not supported on" in err and "sm_100a" in err, err[-2000:]
+    if done.returncode == 0:
+        # JAX 0.10: "'nvvm.wgmma.fence.aligned' op is not supported on sm_100a"; JAX 0.12:
+        # ptxas, "Instruction 'wgmma.wait_group' not supported on .target 'sm_100a'".
+        assert "compiled: False" in done.stdout, err[-2000:]
+        assert "wgmma" in err and "not supported on" in err and "sm_100a" in err, err[-2000:]
+    else:  # or LLVM's NVPTX backend aborts, the process with it
+        assert "Cannot select: intrinsic %llvm.nvvm.wgmma" in err, err[-2000:]
     S = jax.ShapeDtypeStruct
     pool = S((2, 8, 16, 64), jnp.bfloat16)
-    args = (S((2, 8, 64), jnp.bfloat16), pool, pool, S((2, 4), jnp.int32), S((2,), jnp.int32))
+    tables, lengths = S((2, 4), jnp.int32), S((2,), jnp.int32)
     q = S((1, 16, 8, 64), jnp.bfloat16)
     with fj.targets.use("b200"):
-        for op, op_args in (("paged_attention", args), ("attention", (q, q, q))):
+        for name, op_args in (
+                ("chunk", (S((2, 3, 8, 64), jnp.bfloat16), pool, pool, tables, lengths)),
+                ("ragged", (S((6, 8, 64), jnp.bfloat16), pool, pool, tables, lengths,
+                            S((3,), jnp.int32), S((), jnp.int32)))):
+            op = "ragged_paged_attention" if name == "ragged" else "paged_attention"
             rejected = fj.explain(op, *op_args).rejected
-            assert "Hopper's WGMMA" in rejected["mosaic_gpu"], (op, rejected)
+            assert "sm_100a" in rejected["mosaic_gpu"], (name, rejected)
+        decode = (S((2, 8, 64), jnp.bfloat16), pool, pool, tables, lengths)
+        for op, op_args in (("paged_attention", decode), ("attention", (q, q, q))):
+            assert "could not serve" not in fj.explain(op, *op_args).rejected["mosaic_gpu"]

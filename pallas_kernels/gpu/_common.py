@@ -29,7 +29,7 @@ MIN_DOT = 16  # Triton dots need every dimension >= 16
 # "NVIDIA L4" but not "NVIDIA L40S"); "default" serves every other kind and the interpreter.
 # What the per-kind rows are sized against: shared memory per SM (H100 228 KiB, A100
 # 164 KiB, L4 100 KiB) and SMs (132, 108, 58).
-DEVICE_KINDS = ("H100", "A100", "L4")
+DEVICE_KINDS = ("H100", "B200", "A100", "L4")
 
 
 def kind_row(device_kind: str | None, kinds: Sequence[str] = DEVICE_KINDS) -> str:

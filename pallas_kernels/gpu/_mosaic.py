@@ -1,16 +1,21 @@
 """What every Mosaic GPU kernel shares: the hardware it needs, where it can run, and how
 it runs in the Mosaic GPU interpreter.
 
-Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``: TMA, WGMMA, warpgroups, barriers) is
-the GPU backend JAX maintains. forge_jax's Mosaic GPU kernels multiply with Hopper's WGMMA,
-so they need compute capability 9.x (sm_90a: H100/H200): Blackwell (10.x) has tcgen05
-instead, and Mosaic GPU's compile for ``b200`` refuses them ("'nvvm.wgmma.fence.aligned' op
-is not supported on sm_100a", BENCHMARKS.md). They register as ``"mosaic_gpu"`` on GPU
-(ranked by auto only where a ``verified`` record names the device) and
-``"mosaic_gpu_interpret"`` by name everywhere: the same kernel code in the Mosaic GPU
-interpreter (race detection, poisoned uninitialised shared memory), which is how CI checks
-them on CPU. The Triton-lowered kernels beside them (``"pallas"``) stay the path of Ampere,
-Ada and Blackwell.
+Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``: TMA, WGMMA, tcgen05, warpgroups,
+barriers) is the GPU backend JAX maintains. The backend needs compute capability 9.x or 10.x
+(:func:`mosaic_reason`); which matrix unit a kernel multiplies with is its own record's
+concern (:func:`mma_kind`). Most of forge_jax's Mosaic GPU kernels multiply with Hopper's
+WGMMA, sm_90a only: Blackwell (10.x, sm_100a) has tcgen05 (accumulators in tensor memory)
+instead, and Mosaic GPU's compile for ``b200`` refuses WGMMA ("'nvvm.wgmma.fence.aligned'
+op is not supported on sm_100a", BENCHMARKS.md), so their ``supports()`` refuse 10.x with
+:func:`wgmma_reason`; the kernels with a tcgen05 variant (flash attention forward, paged
+decode, the int8/fp8 per-channel quantized matmul: ``*_sm100.py``) serve it.
+They register as ``"mosaic_gpu"`` on GPU (ranked by auto only where a ``verified`` record
+names the device) and ``"mosaic_gpu_interpret"`` by name everywhere: the same kernel code in
+the Mosaic GPU interpreter (race detection, poisoned uninitialised shared memory), which is
+how CI checks them on CPU (the tcgen05 variants need JAX 0.12's interpreter, the first with
+tensor memory: :func:`interpreter_has_tmem`). The Triton-lowered kernels beside them
+(``"pallas"``) stay the path of Ampere and Ada.
 Registration: :mod:`forge_jax.pallas_kernels._registration` (``backend="mosaic_gpu"``).
 """
 
@@ -23,14 +28,17 @@ from typing import Any
 from forge_jax import _compat, backends
 from forge_jax.pallas_kernels.gpu import _common
 
-MIN_CAPABILITY = (9, 0)  # TMA and WGMMA: Hopper (sm_90a)
+MIN_CAPABILITY = (9, 0)  # TMA: Hopper (sm_90a) and newer
 # WGMMA lowers for sm_90a only: Blackwell (10.x, sm_100a) refuses it at compile time.
 WGMMA_MAJOR = 9
+TCGEN05_MAJOR = 10  # Blackwell datacenter parts (sm_100a): tcgen05 and tensor memory
+MAJORS = (WGMMA_MAJOR, TCGEN05_MAJOR)
 
 
 def mosaic_reason(platform: str) -> str | None:
     """``None`` if Mosaic GPU kernels can run on ``platform`` here (inside
-    ``fj.targets.use``: on the target), else why not."""
+    ``fj.targets.use``: on the target), else why not. Each record's ``supports()`` then
+    states the matrix unit it needs (:func:`wgmma_reason`)."""
     if platform != "gpu":
         return f"a GPU kernel, not for {platform}"
     cc = backends.gpu_compute_capability()
@@ -39,11 +47,35 @@ def mosaic_reason(platform: str) -> str | None:
     if _common.capability(cc) < MIN_CAPABILITY:
         return (f"Mosaic GPU needs compute capability >= {MIN_CAPABILITY[0]}."
                 f"{MIN_CAPABILITY[1]} (Hopper or newer); this GPU has {cc}")
-    if _common.capability(cc)[0] != WGMMA_MAJOR:
-        return (f"forge_jax's Mosaic GPU kernels use Hopper's WGMMA (compute capability "
-                f"{WGMMA_MAJOR}.x, sm_90a); this GPU has {cc} (Blackwell's sm_100a compile "
-                "refuses WGMMA)")
+    if _common.capability(cc)[0] not in MAJORS:
+        return (f"forge_jax's Mosaic GPU kernels multiply with WGMMA (compute capability "
+                f"{WGMMA_MAJOR}.x) or tcgen05 ({TCGEN05_MAJOR}.x); this GPU has {cc}")
     return None
+
+
+def mma_kind() -> str:
+    """The matrix unit of the GPU here (inside ``fj.targets.use``: the target's):
+    ``"tcgen05"`` on compute capability 10.x (Blackwell), else ``"wgmma"`` (Hopper, and
+    the interpreter's default without a GPU)."""
+    cc = _common.capability(backends.gpu_compute_capability())
+    return "tcgen05" if cc is not None and cc[0] == TCGEN05_MAJOR else "wgmma"
+
+
+def wgmma_reason() -> str | None:
+    """Why a kernel that multiplies with WGMMA cannot run on the GPU here (a Blackwell,
+    whose sm_100a compile refuses WGMMA), or None. Called first by the ``supports()`` of
+    every WGMMA kernel (and case) without a tcgen05 variant."""
+    if mma_kind() != "tcgen05":
+        return None
+    return (f"this case multiplies with Hopper's WGMMA (compute capability {WGMMA_MAJOR}.x, "
+            f"sm_90a); this GPU has {backends.gpu_compute_capability()} (Blackwell's "
+            "sm_100a compile refuses WGMMA)")
+
+
+def interpreter_has_tmem() -> bool:
+    """Whether the installed JAX's Mosaic GPU interpreter runs tensor memory (TMEM) and
+    tcgen05 MMAs: JAX 0.12's does, 0.10's has no rule for them."""
+    return _compat.mosaic_gpu_interpreter_has_tmem()
 
 
 def available() -> str | None:

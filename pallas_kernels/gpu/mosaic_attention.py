@@ -1,4 +1,6 @@
-"""Mosaic GPU kernel (Hopper+): flash attention forward in the FA3 design; backward by XLA.
+"""Mosaic GPU kernel (Hopper): flash attention forward in the FA3 design; backward by XLA.
+(On Blackwell, compute capability 10.x, the record runs the tcgen05 kernel of
+:mod:`forge_jax.pallas_kernels.gpu.mosaic_attention_sm100` instead: ``mma="tcgen05"``.)
 
 One CTA serves ``2 * block_q`` query rows of one kv head of one sequence with three
 warpgroups. The queries of a GQA group are laid out query-major as ``q_len * group`` rows
@@ -82,7 +84,7 @@ from jax import lax
 from forge_jax import _compat
 from forge_jax.pallas_kernels import _attention_common, _cost, _registration
 from forge_jax.pallas_kernels._attention_common import POS_LIMIT
-from forge_jax.pallas_kernels.gpu import _mosaic
+from forge_jax.pallas_kernels.gpu import _mosaic, mosaic_attention_sm100
 
 pl = _compat.pallas()
 
@@ -463,14 +465,15 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
 
 # The contract's positions and lengths around _forward; backward: the XLA reference's VJP.
 _attention = _attention_common.flash_attention_call(_forward)
+_attention_sm100 = _attention_common.flash_attention_call(mosaic_attention_sm100.forward)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "causal", "sliding_window", "logits_soft_cap", "block_q", "block_kv", "stages",
-    "block_d", "ping_pong", "interpret"))
+    "block_d", "ping_pong", "interpret", "mma"))
 def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
                     sliding_window=None, logits_soft_cap=None, block_q=None, block_kv=None,
-                    stages=None, block_d=None, ping_pong=None, interpret=False):
+                    stages=None, block_d=None, ping_pong=None, interpret=False, mma=None):
     """Flash attention on Hopper+ (see :func:`forge_jax.attention` for the contract).
 
     Args:
@@ -487,10 +490,24 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
       ping_pong: FA3's schedule between the consumer warpgroups (default: on up to
         head_dim 128).
       interpret: run in the Mosaic GPU interpreter (any platform).
+      mma: ``"wgmma"`` (Hopper, this module's kernel) or ``"tcgen05"`` (Blackwell: the
+        kernel of :mod:`forge_jax.pallas_kernels.gpu.mosaic_attention_sm100`, which takes
+        ``block_kv`` and ``stages`` and no ``block_q``); default: the GPU's.
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; differentiable in q, k, v.
     """
+    mma = mma or _mosaic.mma_kind()
+    if mma == "tcgen05":
+        if q.size == 0 or k.shape[1] == 0:
+            return jnp.zeros(q.shape, q.dtype)
+        knobs = {n: x for n, x in dict(block_kv=block_kv, stages=stages).items()
+                 if x is not None}
+        return _attention_sm100(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
+                                kv_lengths=kv_lengths, sliding_window=sliding_window,
+                                logits_soft_cap=logits_soft_cap, interpret=interpret, **knobs)
+    if mma != "wgmma":
+        raise ValueError(f"mma={mma!r}: 'wgmma' (Hopper) or 'tcgen05' (Blackwell)")
     config = dataclasses.replace(
         default_config({"q": q}), **{n: x for n, x in dict(
             block_q=block_q, block_kv=block_kv, stages=stages, block_d=block_d,
@@ -514,8 +531,13 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
-    """``None`` if the kernel compiles for these arguments on Hopper+, else why not."""
+    """``None`` if the kernel compiles for these arguments, else why not: on compute
+    capability 9.x this module's WGMMA kernel, on 10.x (Blackwell) the tcgen05 kernel of
+    :mod:`forge_jax.pallas_kernels.gpu.mosaic_attention_sm100`."""
     q, k, v = args["q"], args["k"], args["v"]
+    if _mosaic.mma_kind() == "tcgen05":  # Blackwell: the tcgen05 kernel's limits
+        return mosaic_attention_sm100.reason(dtypes=[q.dtype, k.dtype, v.dtype],
+                                             head_dim=q.shape[-1])
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or dtypes.pop() not in DTYPES:
         return (f"q.dtype={jnp.dtype(q.dtype).name}, k.dtype={jnp.dtype(k.dtype).name}, "
@@ -536,6 +558,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "attention", flash_attention, backend="mosaic_gpu", supports=supports, verified=VERIFIED,
-    description="flash attention (FA3: TMA producer, two WGMMA consumers), GQA rows per CTA, "
-                "XLA-VJP backward",
+    description="flash attention (FA3: TMA producer, two WGMMA consumers; Blackwell: one "
+                "warpgroup, tcgen05 into TMEM), GQA rows per CTA, XLA-VJP backward",
     interpret_configs=lambda args: [])

@@ -1,4 +1,5 @@
-"""Mosaic GPU kernel (Hopper+): paged attention over the block tables, split over the keys.
+"""Mosaic GPU kernel (Hopper; Blackwell decode): paged attention over the block tables, split
+over the keys.
 
 The launch is ``(items, kv_heads, splits)``. An *item* is one query block of one sequence
 (in ``fj.paged_attention`` a sequence's ``q_len`` queries; in
@@ -30,13 +31,16 @@ place and its slots are hidden from every row, so it reads nothing (the index co
 :mod:`forge_jax.ops.paged`).
 
 Constraints (:func:`supports`, settled by the H100 lowering in
-``tests/test_pallas_mgpu_paged.py``): compute capability 9.x (Hopper); bfloat16 or float16 queries
-and pages of one dtype (WGMMA takes float32 only as TF32, which misses the float32
-contract); ``q_len * group <= 64``; ``head_dim`` a multiple of 64 up to 256 (the 128-byte
-swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each dimension), up
-to 128 with several query positions or one-byte pages (past it ptxas spills registers);
-``page_size`` a multiple of 8 up to 256 that divides 64 or is a multiple of 64 (whole pages
-per key block, 8-row tiles); a ring of two key blocks within the 227 KiB of shared memory.
+``tests/test_pallas_mgpu_paged.py``): compute capability 9.x (Hopper; on 10.x, Blackwell,
+the record serves decode with the tcgen05 kernel of
+:mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention_sm100`, ``mma="tcgen05"``);
+bfloat16 or float16 queries and pages of one dtype (WGMMA takes float32 only as TF32, which
+misses the float32 contract); ``q_len * group <= 64``; ``head_dim`` a multiple of 64 up to
+256 (the 128-byte swizzle of the WGMMA operands; a TMA copy moves <= 256 elements along each
+dimension), up to 128 with several query positions or one-byte pages (past it ptxas spills
+registers); ``page_size`` a multiple of 8 up to 256 that divides 64 or is a multiple of 64
+(whole pages per key block, 8-row tiles); a ring of two key blocks within the 227 KiB of
+shared memory.
 
 Quantized pools (int8 or fp8 e4m3 values, a float32 scale per slot,
 :mod:`forge_jax.ops.kv_quant`): the values' pages go through the ring as they are stored
@@ -74,7 +78,12 @@ from jax import lax
 
 from forge_jax import _compat
 from forge_jax.pallas_kernels import _attention_common, _cost, _registration
-from forge_jax.pallas_kernels.gpu import _common, _mosaic, mosaic_paged_limits
+from forge_jax.pallas_kernels.gpu import (
+    _common,
+    _mosaic,
+    mosaic_paged_attention_sm100,
+    mosaic_paged_limits,
+)
 from forge_jax.pallas_kernels.gpu.mosaic_paged_limits import (  # noqa: F401 (callers' names)
     MAX_TMA,
     MIN_STAGES,
@@ -466,11 +475,11 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "logits_soft_cap", "block_kv", "stages", "num_splits",
-    "interpret"))
+    "interpret", "mma"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
                     block_kv=None, stages=None, num_splits=None, interpret=False,
-                    k_scales=None, v_scales=None):
+                    k_scales=None, v_scales=None, mma=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
@@ -486,10 +495,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
       stages: key blocks in flight.
       num_splits: programs over one sequence's keys (default: enough programs for the GPU).
       interpret: run in the Mosaic GPU interpreter (any platform).
+      mma: ``"wgmma"`` (Hopper) or ``"tcgen05"`` (Blackwell: decode only, the kernel of
+        :mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention_sm100`); default: the
+        GPU's (:func:`_mosaic.mma_kind`).
 
     Returns:
       The shape of ``q``, in ``q.dtype``.
     """
+    mma = mma or _mosaic.mma_kind()
+    if mma not in ("wgmma", "tcgen05"):
+        raise ValueError(f"mma={mma!r}: 'wgmma' (Hopper) or 'tcgen05' (Blackwell)")
     decode = q.ndim == 3
     if decode:
         q = q[:, None]
@@ -497,25 +512,35 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
     kv_heads, num_pages, page_size, _ = k_pages.shape
     group = q_heads // kv_heads
     rows = q_len * group
-    if rows > ROWS:
+    tcgen05 = mma == "tcgen05"
+    if tcgen05 and (why := mosaic_paged_attention_sm100.reason(
+            q_len=q_len, group=group, quantized=k_scales is not None, head_dim=head_dim,
+            page_size=page_size)):
+        raise ValueError(why)
+    rows_pad = mosaic_paged_attention_sm100.ROWS if tcgen05 else ROWS
+    if rows > rows_pad:
         raise ValueError(f"q_len={q_len} * group={group} = {rows} query rows > {ROWS} (one "
                          "WGMMA tile per program)")
     if scale is None:
         scale = head_dim ** -0.5
     with jax.named_scope("paged_attention"):
         window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
-            q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=ROWS,
+            q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
             page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
             table_width=block_tables.shape[1])
         one_position = jnp.full((batch,), 1 if q_len == 1 else 0, jnp.int32)
         ranges = jnp.stack([key_lo, key_hi, one_position, jnp.zeros_like(key_lo)], axis=1)
         compute = q.dtype if k_scales is not None else k_pages.dtype
-        qg = _attention_common.group_queries(q.astype(compute), kv_heads, rows_pad=ROWS)
-        out = attend(qg, row_pos, ranges, tables, k_pages, v_pages, scale=scale,
-                     sliding_window=window, logits_soft_cap=logits_soft_cap,
+        qg = _attention_common.group_queries(q.astype(compute), kv_heads, rows_pad=rows_pad)
+        knobs = dict(scale=scale, sliding_window=window, logits_soft_cap=logits_soft_cap,
                      out_rows=-(-rows // 8) * 8, block_kv=block_kv, stages=stages,
-                     num_splits=num_splits, interpret=interpret, k_scales=k_scales,
-                     v_scales=v_scales, single_position=q_len == 1)
+                     num_splits=num_splits, interpret=interpret)
+        if tcgen05:
+            out = mosaic_paged_attention_sm100.attend_decode(
+                qg, row_pos, ranges, tables, k_pages, v_pages, **knobs)
+        else:
+            out = attend(qg, row_pos, ranges, tables, k_pages, v_pages, k_scales=k_scales,
+                         v_scales=v_scales, single_position=q_len == 1, **knobs)
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                                 head_dim=head_dim).astype(q.dtype)
     return out[:, 0] if decode else out
@@ -532,8 +557,9 @@ def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int,
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
-    """``None`` if the kernel compiles for these arguments (compute capability 9.0+) without
-    register spills, else why not."""
+    """``None`` if the kernel compiles for these arguments without register spills, else why
+    not: on compute capability 9.x the WGMMA kernel here, on 10.x (Blackwell) the tcgen05
+    decode kernel of :mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention_sm100`."""
     q, k_pages = args["q"], args["k_pages"]
     q_len = 1 if q.ndim == 3 else q.shape[1]
     group = q.shape[-2] // k_pages.shape[0]
@@ -542,6 +568,10 @@ def supports(args: Mapping[str, Any]) -> str | None:
                            page_size=k_pages.shape[2], quantized=quantized)
     if reason is not None:
         return reason
+    if _mosaic.mma_kind() == "tcgen05":
+        return mosaic_paged_attention_sm100.reason(
+            q_len=q_len, group=group, quantized=quantized, head_dim=q.shape[-1],
+            page_size=k_pages.shape[2])
     if q_len * group > ROWS:
         return (f"q_len={q_len} * group={group} = {q_len * group} query rows > {ROWS}: one "
                 "program holds one WGMMA tile of a group's queries; longer chunks belong to "
@@ -553,5 +583,5 @@ def supports(args: Mapping[str, Any]) -> str | None:
 _registration.register(
     "paged_attention", paged_attention, backend="mosaic_gpu", supports=supports,
     verified=VERIFIED,
-    description="per-page TMA copies through the block tables into a WGMMA pipeline, "
-                "split over the keys")
+    description="per-page TMA copies through the block tables into a WGMMA (Hopper) or "
+                "tcgen05 (Blackwell, decode) pipeline, split over the keys")

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from forge_jax import _compat
 from forge_jax.ops.quantized_matmul import scale_and_add
 from forge_jax.pallas_kernels import _registration
-from forge_jax.pallas_kernels.gpu import _common, _mosaic
+from forge_jax.pallas_kernels.gpu import _common, _mosaic, mosaic_quantized_matmul_sm100
 
 pl = _compat.pallas()
 
@@ -103,6 +103,7 @@ class Config:
 # Not measured: the H100's 132 SMs, the B200's 148.
 TUNED: Mapping[str, Mapping[str, int]] = {
     "H100": dict(tile_k=128, max_concurrent_steps=3, sms=132),
+    "B200": dict(tile_k=128, max_concurrent_steps=3, sms=148),
     "default": dict(tile_k=128, max_concurrent_steps=3, sms=132),
 }
 
@@ -149,6 +150,7 @@ def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.matmul` arguments (a quantized
     ``b``), else why not."""
     a, b = args["a"], args["b"]
+    tcgen05 = _mosaic.mma_kind() == "tcgen05"
     if b.activations is not None:
         return (f"b.activations={b.activations!r} (W8A8): the kernel multiplies dequantized "
                 f"weights in the activations' dtype; XLA serves W8A8")
@@ -158,6 +160,10 @@ def supports(args: Mapping[str, Any]) -> str | None:
     if not args["trans_b"]:
         return "trans_b=False; the kernel reads a [N, K] weight (the [out, in] layout)"
     n, k = b.shape
+    if tcgen05:  # Blackwell: the tcgen05 kernel's cases
+        if b.minimums is not None:
+            return f"b has minimums; on Blackwell the kernel serves none ({b.format})"
+        return _sm100_reason(b) or _size_reason(a, b)
     block = tuple(b.full_block())
     if b.format == "int4":
         group = block[1]
@@ -180,6 +186,10 @@ def supports(args: Mapping[str, Any]) -> str | None:
         return f"N={n} is not a multiple of {TILE_N} (a warpgroup's WGMMA rows)"
     if k % 64:
         return f"K={k} is not a multiple of 64 (the kernel's K step)"
+    return _size_reason(a, b)
+
+
+def _size_reason(a, b) -> str | None:
     if b.values.size > MAX_SIZE or a.size > MAX_SIZE:
         return f"operands over {MAX_SIZE} elements: the kernel's offsets are int32"
     return None
@@ -419,15 +429,21 @@ def int4_matmul_transposed(x_even, x_odd, w, scales, minimums, *, group, max_con
 
 
 def quantized_matmul(a, b, *, trans_b, alpha, beta, c, out_dtype, tile_k=None,
-                     max_concurrent_steps=None, split_k=None, interpret=False):
+                     max_concurrent_steps=None, split_k=None, interpret=False, mma=None):
     """:func:`forge_jax.matmul` with a quantized ``b`` through the kernel.
 
     Args:
       a, b, trans_b, alpha, beta, c, out_dtype: as the op binds them (``supports`` holds).
       tile_k, max_concurrent_steps, split_k: override :func:`default_config`'s.
       interpret: run in the Mosaic GPU interpreter (any platform).
+      mma: ``"wgmma"`` (Hopper, this module's kernels) or ``"tcgen05"`` (Blackwell:
+        :mod:`forge_jax.pallas_kernels.gpu.mosaic_quantized_matmul_sm100`, int8/fp8 per
+        channel); default: the GPU's (:func:`_mosaic.mma_kind`).
     """
     del trans_b  # True: supports() holds
+    mma = mma or _mosaic.mma_kind()
+    if mma not in ("wgmma", "tcgen05"):
+        raise ValueError(f"mma={mma!r}: 'wgmma' (Hopper) or 'tcgen05' (Blackwell)")
     config = _common.with_knobs(default_config({}, _common.device_kind(interpret)),
                                 tile_k=tile_k, max_concurrent_steps=max_concurrent_steps,
                                 split_k=split_k)
@@ -435,15 +451,39 @@ def quantized_matmul(a, b, *, trans_b, alpha, beta, c, out_dtype, tile_k=None,
     n = b.shape[0]
     x = a.reshape(-1, k)  # [M, K]
     m = x.shape[0]
-    tile_m = tile_m_for(m, INT4_MAX_TILE_M if b.format == "int4" else MAX_TILE_M)
+    if mma == "tcgen05":
+        if why := _sm100_reason(b):
+            raise ValueError(why)
+        tile_m = mosaic_quantized_matmul_sm100.tile_m(m)
+    else:
+        tile_m = tile_m_for(m, INT4_MAX_TILE_M if b.format == "int4" else MAX_TILE_M)
     rows = round_up(max(m, 1), tile_m)
     x = jnp.pad(x, ((0, rows - m), (0, 0)))
-    if b.format == "int4":
+    if mma == "tcgen05":
+        part = _int8_fp8_sm100(x, b, rows // tile_m, config, interpret)
+    elif b.format == "int4":
         part = _int4(x, b, rows // tile_m, config, interpret)
     else:
         part = _int8_fp8(x, b, rows // tile_m, config, interpret)
     out = jnp.sum(part, axis=0, dtype=jnp.float32).T[:m].reshape(*lead, n)
     return scale_and_add(out, alpha=alpha, beta=beta, c=c, out_dtype=out_dtype)
+
+
+def _sm100_reason(b) -> str | None:
+    n, k = b.shape
+    return mosaic_quantized_matmul_sm100.reason(
+        weight_dtype=b.values.dtype, per_channel=tuple(b.full_block()) == (1, k), n=n, k=k)
+
+
+def _int8_fp8_sm100(x, b, m_tiles, config, interpret):
+    sm100 = mosaic_quantized_matmul_sm100
+    n, k = b.shape
+    step = config.tile_k if k % config.tile_k == 0 else 64
+    splits = config.split_k or split_for((n // sm100.TILE_N) * m_tiles, k // step, config.sms)
+    steps = sm100.fitting_steps(sm100.tile_m(x.shape[0]), step, config.max_concurrent_steps)
+    return sm100.quantized_matmul_transposed(
+        x, b.values, b.scales.reshape(n).astype(jnp.float32), tile_k=step,
+        max_concurrent_steps=steps, split_k=splits, interpret=interpret)
 
 
 def _int4(x, b, m_tiles, config, interpret):

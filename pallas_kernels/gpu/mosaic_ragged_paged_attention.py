@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax.pallas_kernels import _attention_common, _registration
+from forge_jax.pallas_kernels.gpu import _mosaic
 from forge_jax.pallas_kernels.gpu import mosaic_paged_attention as paged
 
 # Where this kernel was compiled, checked and measured faster than XLA: none yet (checked in
@@ -154,6 +155,8 @@ def supports(args: Mapping[str, Any]) -> str | None:
     register spills, else why not (the launch compiles the several-positions path whatever
     the step holds)."""
     q, k_pages = args["q"], args["k_pages"]
+    if (reason := _mosaic.wgmma_reason()) is not None:
+        return reason
     group = q.shape[1] // k_pages.shape[0]
     if group > paged.ROWS:
         return (f"q_heads // kv_heads = {group} > {paged.ROWS}: one program holds one WGMMA "

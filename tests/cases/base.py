@@ -103,13 +103,25 @@ class MosaicGpu:
     that the interpreter's race detection found no race. Mixed in before the op family's
     base: ``class TestXMosaicGpu(MosaicGpu, XCases)``."""
 
+    # The matrix unit the class's kernel multiplies with: "wgmma" (Hopper) or "tcgen05"
+    # (Blackwell); compiled, it runs only on a GPU that has it.
+    MMA = "wgmma"
+
     @classmethod
     def skip_reason(cls) -> str | None:
         from forge_jax.pallas_kernels.gpu import _mosaic
 
-        if cls.INTERPRET or (reason := _mosaic.mosaic_reason(jax.default_backend())) is None:
+        if cls.INTERPRET:
+            if cls.MMA == "tcgen05" and not _mosaic.interpreter_has_tmem():
+                return (f"JAX {jax.__version__}'s Mosaic GPU interpreter has no tensor memory "
+                        "(TMEM) or tcgen05 MMA: JAX 0.12 or newer runs these")
             return None
-        return f"compiled Mosaic GPU kernel: {reason} (the interpret subclass runs here)"
+        if (reason := _mosaic.mosaic_reason(jax.default_backend())) is not None:
+            return f"compiled Mosaic GPU kernel: {reason} (the interpret subclass runs here)"
+        if _mosaic.mma_kind() != cls.MMA:
+            return (f"compiled for {cls.MMA}; this GPU's matrix unit is {_mosaic.mma_kind()} "
+                    "(the interpret subclass runs here)")
+        return None
 
     def after_test(self) -> None:
         if self.INTERPRET:

@@ -1,0 +1,367 @@
+"""Mosaic GPU kernel (Blackwell, sm_100a): paged decode attention with tcgen05 MMAs and
+tensor-memory accumulators.
+
+The Hopper kernel of :mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention` multiplies
+with WGMMA, which Blackwell's sm_100a compile refuses. This is its decode path (one query
+position per sequence) for compute capability 10.x, the same launch ``(items, kv_heads,
+splits)`` and the same pipeline: one program takes one GQA group's query rows of one
+sequence and walks its split's key blocks (``block_kv`` keys, whole pages), each page copied
+in place from the pool by its own TMA copy, ``stages`` blocks in flight through a
+shared-memory ring; the splits are merged by XLA with logsumexp weights.
+
+What changes is the matrix unit. ``Q K^T`` is a tcgen05 MMA into a ``[128, block_kv]``
+float32 tensor-memory (TMEM) tile, read into registers for the online softmax (one TMEM lane,
+one register row, per query row: the row max and sum stay in each thread); ``P V``
+accumulates in a ``[128, head_dim]`` TMEM tile across the blocks, rescaled in place by the
+softmax's correction (read, scaled and stored back 64 columns at a time, so the output never
+holds registers across the loop: head_dim 256 fits). The query tile is tcgen05's ``M = 128``
+rows; a decode group uses ``group <= 128`` of them.
+
+Why a matrix unit at all for decode: a key costs ``4 * head_dim`` bytes of K and V (16-bit)
+and ``4 * group * head_dim`` flops, ``group`` flops a byte. The B200's 8 TB/s against its
+~80 TFLOP/s of float32 FMA on CUDA cores puts the CUDA-core ridge near 10 flops a byte: at
+GQA groups of 8 a CUDA-core kernel would be compute-bound, before the bf16 conversions and
+shared-memory reads its FMAs need. tcgen05 (2.25 PFLOP/s dense bf16, ridge ~280) keeps even
+the 128-row padded tile (16x the flops of a group of 8: 128 flops a byte) memory-bound.
+
+Values a row does not see never reach it: logits are hidden by selection; the value rows of
+a boundary block (outside the sequence's keys, on a page an entry does not name) are zeroed
+in shared memory before ``P V`` (``0 * NaN`` would be NaN), as in the Hopper decode path.
+A block-table entry of -1 (unused, or naming no page of the pool) reads page 0, hidden.
+
+Constraints (:func:`supports` of the paged record on 10.x): one query position per sequence;
+bfloat16/float16 queries and pages of one dtype; ``head_dim`` a multiple of 64 up to 256;
+``page_size`` as the Hopper kernel's, up to 128 (:data:`MAX_BLOCK_KV`); ``group <= 128``.
+Chunked prefill, ragged steps and int8/fp8 pages stay on Hopper (their NaN bookkeeping and
+dequantized tiles are WGMMA code).
+
+In the Mosaic GPU interpreter (``interpret=True``, JAX 0.12 or newer: 0.10's interpreter has
+no tensor memory) everything is the compiled kernel's code; register layouts, which the
+interpreter has no rules for, are skipped.
+
+Op: :func:`forge_jax.ops.paged.paged_attention` (served by the ``"mosaic_gpu"`` paged record
+on 10.x devices); reference: :func:`forge_jax.ops.paged.paged_attention_xla`. Tests:
+``tests/test_pallas_mgpu_paged_sm100.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from forge_jax import _compat
+from forge_jax.pallas_kernels import _attention_common, _cost
+from forge_jax.pallas_kernels.gpu import _common, _mosaic
+from forge_jax.pallas_kernels.gpu.mosaic_paged_limits import (
+    MIN_STAGES,
+    SMEM_LIMIT,
+    block_keys,
+)
+
+pl = _compat.pallas()
+
+ROWS = 128  # query rows per program: tcgen05's M (one TMEM lane each)
+SWIZZLE = 128  # bytes: the MMA operands' shared-memory swizzle
+CHUNK = 64  # TMEM columns read into registers at a time when the output is rescaled
+LOG2E = math.log2(math.e)
+# Keys per block whose [ROWS, block_kv] float32 logits (a row per thread: block_kv registers)
+# compile without spills: 256 (pages of 256) spilled ~1 KB at head_dim 64 (b200, JAX 0.10.2).
+MAX_BLOCK_KV = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Keys per block (whole pages, a multiple of 64), blocks in flight, most splits."""
+
+    block_kv: int
+    stages: int
+    max_splits: int
+
+
+# Not measured (no Blackwell has run the kernel): the Hopper kernel's ring, whose ~128 KiB in
+# flight per SM covers HBM latency at the B200's ~54 GB/s per SM as well; head_dim 256
+# fits two stages beside its 64 KiB query tile.
+TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
+    "default": {
+        64: dict(block_kv=64, stages=4, max_splits=16),
+        128: dict(block_kv=64, stages=4, max_splits=16),
+        256: dict(block_kv=64, stages=2, max_splits=16),
+    },
+}
+INTERPRET = dict(block_kv=64, stages=2, max_splits=2)
+TARGET_PROGRAMS = 296  # two per SM of a B200
+
+
+def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
+    """The launch parameters for ``args["q"]`` on ``device_kind`` (``"interpret"``: the
+    interpreter's)."""
+    if device_kind == "interpret":
+        return Config(**INTERPRET)
+    return Config(**_common.tuned(TUNED, device_kind, args["q"].shape[-1]))
+
+
+def smem_bytes(*, head_dim: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
+    """Shared memory before Mosaic's alignment: the query tile and positions, then the
+    larger of the key/value ring with the probability tile, or the float32 output staging."""
+    ring = (2 * stages * block_kv * head_dim + ROWS * block_kv) * itemsize + 3 * stages * 8
+    staging = ROWS * head_dim * 4 + 2 * ROWS * 4
+    return ROWS * head_dim * itemsize + ROWS * 4 + 8 + max(ring, staging)
+
+
+def fitting_stages(stages: int, *, head_dim: int, block_kv: int) -> int:
+    """The most stages up to ``stages`` within :data:`SMEM_LIMIT` (at least two)."""
+    while stages > MIN_STAGES and smem_bytes(head_dim=head_dim, block_kv=block_kv,
+                                             stages=stages) > SMEM_LIMIT:
+        stages -= 1
+    return stages
+
+
+def _smem_spec(shape, dtype):
+    plgpu = _compat.pallas_mosaic_gpu()
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(SWIZZLE, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM)
+            o_ref, m_ref, l_ref,  # outputs (GMEM)
+            *, scale, sliding_window, logits_soft_cap, page_size, block_kv, stages,
+            blocks_per_split, out_rows, interpret):
+    # q_ref [items, kv_heads, ROWS, head_dim]; pos_ref [items, ROWS] (-1: padding row);
+    # range_ref [items, 4]: key_lo, key_hi; tables_ref [items, width], -1: no page;
+    # k_ref, v_ref [kv_heads, num_pages, page_size, head_dim].
+    plgpu = _compat.pallas_mosaic_gpu()
+    item, head, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
+    head_dim = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    pages_per_block = block_kv // page_size
+    key_lo, key_hi = range_ref[item, 0], range_ref[item, 1]
+    first = jnp.maximum(split * blocks_per_split, lax.div(key_lo, block_kv))
+    last = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(key_hi, block_kv))
+    steps = jnp.maximum(last - first, 0)
+    tmem_layout = plgpu.Layout.TCGEN05
+    row_layout = tmem_layout.reduce(1)
+    # The value tile's zeroing reads it in the layout shared-memory loads take by default.
+    v_row_layout = plgpu.Layout.WGMMA.reduce(1)
+    cast = functools.partial(_mosaic.layout_cast, interpret=interpret)
+
+    def entry(block, p):
+        return tables_ref[item, block * pages_per_block + p]
+
+    def named_keys(key, entries, start):
+        named = None
+        for p, page in enumerate(entries):
+            lo = start + p * page_size
+            hidden_lo = jnp.where(page >= 0, start + block_kv, lo)
+            outside = (key < hidden_lo) | (key >= lo + page_size)
+            named = outside if named is None else named & outside
+        return named
+
+    def load_tmem(ref):
+        # TMEM -> registers, one row per thread; complete before the values are used.
+        x = plgpu.async_load_tmem(ref, layout=None if interpret else tmem_layout)
+        plgpu.wait_load_tmem()
+        return x
+
+    def pipeline(q_smem, pos_smem, q_bar, s_tmem, o_tmem, k_smem, v_smem, p_smem, k_bar,
+                 v_bar, mma_bar):
+        def fetch(step, slot):
+            block = first + step
+            for p in range(pages_per_block):
+                page = jnp.maximum(entry(block, p), 0)  # -1 (no page): page 0, hidden
+                rows = pl.ds(p * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[head, page], k_smem.at[slot, rows],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[head, page], v_smem.at[slot, rows],
+                                        v_bar.at[slot])
+
+        for s in range(stages):
+            pl.when(s < steps)(functools.partial(fetch, s, s))
+
+        plgpu.barrier_wait(q_bar.at[0])
+        pos = cast(pos_smem[...], row_layout)  # [ROWS]
+
+        def step_fn(step, carry):
+            m_prev, l_prev = carry
+            slot = lax.rem(step, stages)
+            block = first + step
+            start = block * block_kv
+            entries = [entry(block, p) for p in range(pages_per_block)]
+
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.tcgen05_mma(s_tmem, q_smem, _mosaic.transposed(k_smem.at[slot]),
+                              mma_bar.at[0], accumulate=False)
+            plgpu.barrier_wait(mma_bar.at[0])
+            s = load_tmem(s_tmem) * scale  # [ROWS, block_kv] float32
+            if logits_soft_cap is not None:
+                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+            key = start + _mosaic.iota(jnp.int32, (ROWS, block_kv), 1, tmem_layout,
+                                       interpret=interpret)
+            row_pos = lax.broadcast_in_dim(pos, (ROWS, block_kv), [0])
+            visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
+            if sliding_window is not None:
+                visible &= key > row_pos - sliding_window
+            visible &= named_keys(key, entries, start)
+            s = jnp.where(visible, s, -jnp.inf)
+
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that saw nothing
+            alpha = jnp.exp2((m_prev - m_safe) * LOG2E)
+            p_blk = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * LOG2E)
+            l_next = alpha * l_prev + p_blk.sum(axis=1)
+            p_smem[...] = p_blk.astype(dtype)
+
+            plgpu.barrier_wait(v_bar.at[slot])
+            v_slot = v_smem.at[slot]
+            boundary = (start < key_lo) | (start + block_kv > key_hi)
+            for page in entries:
+                boundary |= page < 0
+
+            @pl.when(boundary)
+            def _():  # the block's values no row sees: zeroed (0 * NaN is NaN)
+                vkey = start + _mosaic.iota(jnp.int32, (block_kv,), 0, v_row_layout,
+                                            interpret=interpret)
+                in_range = named_keys(vkey, entries, start) & (vkey >= key_lo) & (vkey < key_hi)
+                v = v_slot[...]
+                keep = lax.broadcast_in_dim(jnp.where(in_range, 1.0, 0.0), v.shape, [0]) > 0.0
+                v_slot[...] = jnp.where(keep, v, jnp.zeros((), dtype))
+
+            @pl.when(step > 0)
+            def _():  # the output so far, rescaled in TMEM by the softmax's correction
+                for c in range(0, head_dim, CHUNK):
+                    cols = o_tmem.at[:, pl.ds(c, CHUNK)]
+                    o = load_tmem(cols)
+                    plgpu.async_store_tmem(cols, o * lax.broadcast_in_dim(alpha, o.shape, [0]))
+                plgpu.commit_tmem()
+
+            # P, the zeroed values and the rescaled output visible to the MMA; every thread
+            # past its reads of S (the next Q K^T overwrites it).
+            plgpu.commit_smem()
+            plgpu.tcgen05_mma(o_tmem, p_smem, v_slot, mma_bar.at[0], accumulate=step > 0)
+            plgpu.barrier_wait(mma_bar.at[0])
+
+            @pl.when(step + stages < steps)
+            def _():
+                fetch(step + stages, slot)
+
+            return m_next, l_next
+
+        init = (cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
+        return lax.fori_loop(0, steps, step_fn, init)
+
+    def epilogue(m, l_sum, o_tmem, o_smem, ml_smem):
+        @pl.when(steps > 0)
+        def _():
+            for c in range(0, head_dim, CHUNK):
+                o_smem[:, pl.ds(c, CHUNK)] = load_tmem(o_tmem.at[:, pl.ds(c, CHUNK)])
+
+        @pl.when(steps == 0)
+        def _():  # the TMEM tile was never written (any bits); the rows saw nothing
+            o_smem[...] = jnp.zeros(o_smem.shape, jnp.float32)
+
+        ml_smem[0] = m
+        ml_smem[1] = l_sum
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[item, head, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, out_rows)],
+                                m_ref.at[item, head, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, out_rows)],
+                                l_ref.at[item, head, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    def program(q_smem, pos_smem, q_bar, s_tmem, o_tmem):
+        plgpu.copy_gmem_to_smem(q_ref.at[item, head], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(pos_ref.at[item], pos_smem, q_bar.at[0])
+        pages_barrier = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)
+        m, l_sum = pl.run_scoped(
+            functools.partial(pipeline, q_smem, pos_smem, q_bar, s_tmem, o_tmem),
+            _smem_spec((stages, block_kv, head_dim), dtype),
+            _smem_spec((stages, block_kv, head_dim), dtype),
+            _smem_spec((ROWS, block_kv), dtype),
+            pages_barrier, pages_barrier,
+            plgpu.Barrier(num_arrivals=1, num_barriers=1, orders_tensor_core=True))
+        pl.run_scoped(functools.partial(epilogue, m, l_sum, o_tmem),
+                      plgpu.SMEM((ROWS, head_dim), jnp.float32),
+                      plgpu.SMEM((2, ROWS), jnp.float32))
+
+    pl.run_scoped(program, _smem_spec((ROWS, head_dim), dtype), plgpu.SMEM((ROWS,), jnp.int32),
+                  plgpu.Barrier(num_arrivals=2, num_barriers=1),
+                  plgpu.TMEM((ROWS, block_kv), jnp.float32),
+                  plgpu.TMEM((ROWS, head_dim), jnp.float32))
+
+
+def attend_decode(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
+                  logits_soft_cap, out_rows, block_kv=None, stages=None, num_splits=None,
+                  interpret=False):
+    """The kernel over ``items`` decode queries' GQA groups, splits merged: ``[items,
+    kv_heads, out_rows, head_dim]`` float32, normalised (the arguments of
+    :func:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention.attend`, ``qg`` padded to
+    :data:`ROWS` rows, every row of an item at one position)."""
+    items, kv_heads, _, head_dim = qg.shape
+    page_size = k_pages.shape[2]
+    config = default_config({"q": qg}, "interpret" if interpret else _common.device_kind())
+    block_kv = block_keys(block_kv or config.block_kv, page_size)
+    stages = stages or fitting_stages(config.stages, head_dim=head_dim, block_kv=block_kv)
+    max_pages = tables.shape[1]
+    num_blocks = max(1, -(-max_pages * page_size // block_kv))
+    if num_splits is None:
+        num_splits = max(1, min(config.max_splits, TARGET_PROGRAMS // max(items * kv_heads, 1)))
+    num_splits = min(num_splits, num_blocks)
+    blocks_per_split = -(-num_blocks // num_splits)
+    width = num_splits * blocks_per_split * (block_kv // page_size)
+    tables = jnp.pad(tables, ((0, 0), (0, width - max_pages)), constant_values=-1)
+    f32 = jnp.float32
+    out_shape = (jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows, head_dim), f32),
+                 jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32),
+                 jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32))
+    kv_bytes = 2 * items * kv_heads * max_pages * page_size * head_dim * k_pages.dtype.itemsize
+    kernel = functools.partial(
+        _kernel, scale=float(scale), sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
+        stages=stages, blocks_per_split=blocks_per_split, out_rows=out_rows,
+        interpret=interpret)
+    call = _mosaic.mesh_kernel(
+        kernel, out_shape=out_shape, grid=(items, kv_heads, num_splits),
+        grid_names=("item", "head", "split"), name="forge_jax_mosaic_paged_attention_sm100",
+        cost_estimate=_cost.attention(
+            queries=items * kv_heads * out_rows, keys=max_pages * page_size,
+            head_dim=head_dim, io=(qg, row_pos, ranges, tables, *out_shape),
+            kv_bytes=kv_bytes),
+        compiler_params=_compat.pallas_mosaic_gpu().CompilerParams(approx_math=True),
+        interpret=interpret)
+    o, m, l_sum = call(qg, row_pos, ranges, tables, k_pages, v_pages)
+    return _attention_common.merge_splits(o, m, l_sum)
+
+
+def reason(*, q_len: int, group: int, quantized: bool, head_dim: int,
+           page_size: int) -> str | None:
+    """Why a paged call cannot take this kernel, beyond the layout limits it shares with the
+    Hopper kernel (:func:`forge_jax.pallas_kernels.gpu.mosaic_paged_limits.layout_reason`)."""
+    if q_len != 1:
+        return (f"q_len={q_len}: on Blackwell (tcgen05) the Mosaic GPU paged kernel serves "
+                "decode (one query position); several positions are WGMMA code, which "
+                "sm_100a refuses")
+    if quantized:
+        return ("int8/fp8 pages: on Blackwell (tcgen05) the Mosaic GPU paged kernel takes "
+                "16-bit pages; the dequantizing path is WGMMA code, which sm_100a refuses")
+    if group > ROWS:
+        return f"q_heads // kv_heads = {group} > {ROWS} query rows (tcgen05's M)"
+    block_kv = block_keys(_common.tuned(TUNED, None, head_dim)["block_kv"], page_size)
+    if block_kv > MAX_BLOCK_KV:
+        return (f"page_size={page_size}: blocks of {block_kv} keys hold {block_kv} float32 "
+                f"logits per thread, and the b200 compile spills registers past "
+                f"{MAX_BLOCK_KV}")
+    if smem_bytes(head_dim=head_dim, block_kv=block_kv, stages=MIN_STAGES) > SMEM_LIMIT:
+        return (f"head_dim={head_dim} with page_size={page_size} (blocks of {block_kv} keys): "
+                f"the {ROWS}-row query tile and {MIN_STAGES} key/value blocks in flight "
+                f"exceed the {SMEM_LIMIT // 1024} KiB of shared memory")
+    return None

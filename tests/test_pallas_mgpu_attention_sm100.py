@@ -1,0 +1,135 @@
+"""The Blackwell (tcgen05, tensor memory) flash-attention forward
+(pallas_kernels/gpu/mosaic_attention_sm100.py), served by the "mosaic_gpu" attention record on
+compute capability 10.x.
+
+:class:`TestAttentionTcgen05Interpret` runs the behaviours of
+:class:`cases.attention_base.AttentionCases` (float64 reference and XLA; NaN / +inf in every
+slot no query sees; NaN / inf that some queries of a chunk see and others do not) through the
+kernel in the Mosaic GPU interpreter, with race detection and NaN-poisoned uninitialised
+memory (tensor memory included); only JAX 0.12's interpreter runs tensor memory, so it is
+skipped on older JAX. :class:`TestAttentionTcgen05` runs them compiled on a Blackwell
+(skipped without one). The gradient is the XLA reference's VJP, as for the Hopper kernel
+(``tests/test_pallas_mgpu_attention.py`` checks it). The ``b200`` compile runs without a
+device in a process of its own (the first Mosaic GPU compile of a process fixes ptxas'
+architecture).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases.attention_base import AttentionCase, AttentionCases
+from cases.base import MosaicGpu
+from cases.calls import as_jnp, jit_attention
+from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
+
+import forge_jax as fj
+from forge_jax.pallas_kernels.gpu import mosaic_attention as mosaic
+
+BF16, F16 = jnp.bfloat16, jnp.float16
+S = jax.ShapeDtypeStruct
+
+# (batch, q_len, kv_len, q_heads, kv_heads, head_dim): the real models' GQA groups and head
+# dims on one kv head each (programs of different kv heads share nothing but the grid).
+SMOL_GROUP = (SMOLLM2_135M_HEADS[0] // SMOLLM2_135M_HEADS[1], 1, SMOLLM2_135M_HEADS[2])
+LLAMA_GROUP = (LLAMA3_8B_HEADS[0] // LLAMA3_8B_HEADS[1], 1, LLAMA3_8B_HEADS[2])
+
+
+class TestAttentionTcgen05(MosaicGpu, AttentionCases):
+    """The tcgen05 kernel compiled on a Blackwell (compute capability 10.x)."""
+
+    IMPLEMENTATION = "mosaic_gpu"
+    INTERPRET = False
+    MMA = "tcgen05"
+    CASES = {
+        # Every option, NaN / +inf in every slot no query sees; 150 keys in tiles of 64: the
+        # last tile is read from key 86 (keys already seen hidden).
+        "smollm2-everything-nan_unseen": AttentionCase(
+            (1, 5, 150, *SMOL_GROUP), BF16,
+            dict(kv_lengths=np.array([141]), sliding_window=40, logits_soft_cap=5.0,
+                 q_positions=np.array([[60, 61, 100, 139, 140]])), poison=True, seed=1),
+        # Query 0 sees no key (exact zeros); 70 keys padded to 72 for TMA's rows of 8.
+        "llama3-kv_lengths-positions-nan_unseen": AttentionCase(
+            (1, 3, 70, *LLAMA_GROUP), F16,
+            dict(kv_lengths=np.array([66]), q_positions=np.array([[-1, 20, 65]])),
+            poison=True, seed=2),
+        # Causal, bottom-right aligned, two sequences and two kv heads, 2 x 3 query tiles of
+        # 128 rows (SmolLM2's group of 3: 130 queries x 3 heads).
+        "smollm2-causal-two_tiles": AttentionCase((2, 130, 200, 6, 2, 64), BF16,
+                                                  dict(kv_lengths=np.array([200, 170])),
+                                                  seed=3),
+    }
+    NONFINITE_CASES = {
+        "window": AttentionCase((1, 5, 24, 6, 2, 64), BF16,
+                                dict(kv_lengths=np.array([21]), sliding_window=4), seed=6),
+    }
+    # The VJP is the XLA reference's (checked for the Hopper kernel's record).
+    test_gradients = None
+
+    def attention(self, q, k, v, implementation=None, **masking):
+        if implementation is not None:
+            return jit_attention(q, k, v, implementation=implementation, **as_jnp(masking))
+        return mosaic.flash_attention(q, k, v, mma="tcgen05", interpret=self.INTERPRET,
+                                      **as_jnp(masking))
+
+
+class TestAttentionTcgen05Interpret(TestAttentionTcgen05):
+    """The same kernel in the Mosaic GPU interpreter (JAX 0.12+), on any machine."""
+
+    IMPLEMENTATION = "mosaic_gpu_interpret"
+    INTERPRET = True
+
+
+def test_supports_on_blackwell():
+    q, kv = S((1, 128, 32, 128), BF16), S((1, 128, 8, 128), BF16)
+    wide = S((1, 128, 8, 256), BF16)
+    with fj.targets.use("b200"):
+        assert fj.explain("attention", q, kv, kv).rejected.get("mosaic_gpu", "").find(
+            "could not serve") == -1
+        args = dict(q=wide, k=wide, v=wide)
+        assert "head_dim=256: the Blackwell kernel takes (64, 128)" in mosaic.supports(args)
+        args = dict(q=q, k=S(kv.shape, F16), v=kv)
+        assert "bfloat16 or float16, q, k and v alike" in mosaic.supports(args)
+    with pytest.raises(ValueError, match="mma='mfma'"):
+        mosaic.flash_attention(*(jnp.ones((1, 8, 2, 64), BF16),) * 3, mma="mfma")
+
+
+_B200_COMPILES = """
+import json, re, jax, jax.numpy as jnp
+import forge_jax as fj
+from forge_jax.pallas_kernels.gpu import _mosaic
+S = jax.ShapeDtypeStruct
+for name, (batch, seq, q_heads, kv_heads, head_dim) in {cases}.items():
+    q, kv = S((batch, seq, q_heads, head_dim), jnp.bfloat16), S(
+        (batch, seq, kv_heads, head_dim), jnp.bfloat16)
+    with _mosaic.ptxas_report() as lines:
+        report = fj.aot.compile(fj.attention, q, kv, kv, target="b200",
+                                implementation="mosaic_gpu", sliding_window=1000)
+    print(json.dumps(dict(
+        name=name, compiled=report.compiled, error=report.error,
+        kernels=[k.name for k in report.kernels],
+        spills=[int(n) for ln in lines if "stack frame" in ln
+                for n in re.findall(r"(\\d+) bytes spill stores", ln)],
+        registers=[int(n) for ln in lines for n in re.findall(r"Used (\\d+) registers", ln)])))
+"""
+# (batch, seq, q_heads, kv_heads, head_dim): causal prefill at Llama-3-8B's and SmolLM2's heads.
+B200_CASES = {"llama3_8b": (1, 4096, *LLAMA3_8B_HEADS), "smollm2": (2, 2048, *SMOLLM2_135M_HEADS)}
+
+
+@pytest.mark.skipif(fj.targets.missing("b200") is not None,
+                    reason=str(fj.targets.missing("b200")))
+def test_prefill_compiles_for_b200_without_spills():
+    done = subprocess.run([sys.executable, "-c", _B200_COMPILES.format(cases=B200_CASES)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}
+    assert sorted(rows) == sorted(B200_CASES), done.stdout
+    for r in rows.values():
+        assert r["compiled"] and r["kernels"] == [mosaic.mosaic_attention_sm100.NAME], r
+        assert r["spills"] == [0] and len(r["registers"]) == 1 and r["registers"][0] < 255, r

@@ -1,0 +1,182 @@
+"""The Blackwell (tcgen05, tensor memory) quantized matmul
+(pallas_kernels/gpu/mosaic_quantized_matmul_sm100.py), served by the "mosaic_gpu"
+quantized_matmul record on compute capability 10.x: in the Mosaic GPU interpreter (JAX 0.12
+or newer: 0.10's has no tensor memory) against float64 from the dequantized weights and
+against XLA, at SmolLM2-135M's K (576, 1536) on 128 of a projection's output channels
+(one program's M, to keep the interpreter affordable), decode rows (1-8, padded to 16) and
+a prefill of two row tiles; what ``supports`` on a b200 accepts and refuses; and the
+deviceless b200 compile of Llama-3-8B's MLP shapes without register spills, in a process of
+its own (the first Mosaic GPU compile of a process fixes ptxas' architecture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import quant as qref
+from cases.checks import assert_close
+from cases.inputs import normal, rng
+from cases.shapes import LLAMA3_8B_MLP, SMOLLM_HIDDEN, SMOLLM_MLP
+
+import forge_jax as fj
+from forge_jax.pallas_kernels.gpu import _mosaic
+from forge_jax.pallas_kernels.gpu import mosaic_quantized_matmul as mq
+from forge_jax.pallas_kernels.gpu import mosaic_quantized_matmul_sm100 as sm100
+
+INTERPRET = "mosaic_gpu_interpret"
+NEEDS_TMEM_INTERPRETER = pytest.mark.skipif(
+    not _mosaic.interpreter_has_tmem(),
+    reason=f"JAX {jax.__version__}'s Mosaic GPU interpreter has no tensor memory (TMEM) or "
+           "tcgen05 MMA: JAX 0.12 or newer runs these")
+
+# name -> (leading shape of a, N, K, format, activation dtype, out_dtype).
+CASES = {
+    "decode 1 row int8 bf16 (smollm2 K)": ((1,), 128, SMOLLM_HIDDEN, "int8", jnp.bfloat16,
+                                           None),
+    "decode 5 rows fp8 f16 (smollm2 down_proj K)": ((1, 5), 128, SMOLLM_MLP, "fp8",
+                                                    jnp.float16, jnp.float32),
+    "prefill 136 rows int8 f16 (smollm2 K)": ((136,), 128, SMOLLM_HIDDEN, "int8",
+                                              jnp.float16, jnp.float32),
+}
+
+
+def _inputs(lead, n, k, fmt, dtype, seed):
+    q = fj.quantize(normal(rng(seed, n, k), (n, k), jnp.float32), fmt)
+    return normal(rng(seed + 1, k), (*lead, k), dtype), q
+
+
+@NEEDS_TMEM_INTERPRETER
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_float64_and_xla_in_the_interpreter(name):
+    lead, n, k, fmt, dtype, out_dtype = CASES[name]
+    a, q = _inputs(lead, n, k, fmt, dtype, seed=len(name))
+    c = normal(rng(3), (n,), jnp.float32)
+    kw = dict(alpha=0.5, beta=2.0, c=c) if out_dtype is not None else dict(
+        alpha=1.0, beta=0.0, c=None)
+    got = mq.quantized_matmul(a, q, trans_b=True, out_dtype=out_dtype or dtype,
+                              interpret=True, mma="tcgen05", **kw)
+    assert _mosaic.races_found() is not True
+    want = np.asarray(a.astype(jnp.float32), np.float64) @ qref.dequantize(q).T
+    if out_dtype is not None:
+        want = 0.5 * want + 2.0 * np.asarray(c, np.float64)
+    assert got.dtype == (out_dtype or dtype) and got.shape == (*lead, n)
+    assert_close(got, want, implementation=INTERPRET, err_msg=name)
+    xla = fj.matmul(a, q, trans_b=True, out_dtype=out_dtype, implementation="xla",
+                    **({} if out_dtype is None else kw))
+    # XLA rounds q * scale to the activations' dtype before the product (the kernel
+    # multiplies exact values and scales the float32 sum): the kernel is at least as close
+    # to float64 as XLA is.
+    got64 = np.asarray(got.astype(jnp.float32), np.float64)
+    xla64 = np.asarray(xla.astype(jnp.float32), np.float64)
+    assert np.abs(got64 - want).max() <= np.abs(xla64 - want).max() * 1.01 + 1e-6, name
+
+
+@NEEDS_TMEM_INTERPRETER
+def test_every_output_slot_is_written():
+    # The interpreter fills what a kernel does not write with NaN (tensor memory included):
+    # the raw partial sums (padding columns, every K split) are finite and sum to the product.
+    m, n, k = 16, 128, 256
+    a, q = _inputs((3,), n, k, "int8", jnp.bfloat16, seed=11)
+    x = jnp.pad(a, ((0, m - 3), (0, 0)))
+    part = sm100.quantized_matmul_transposed(x, q.values, q.scales.reshape(n), tile_k=64,
+                                             max_concurrent_steps=2, split_k=2, interpret=True)
+    assert part.shape == (2, n, m) and np.isfinite(np.asarray(part)).all()
+    want = np.asarray(a.astype(jnp.float32), np.float64) @ qref.dequantize(q).T
+    assert_close(part.sum(0).T[:3], want, implementation=INTERPRET)
+    assert np.abs(np.asarray(part[:, :, 3:])).max() == 0  # zero rows of padding
+
+
+@pytest.mark.parametrize("fmt,kw,n,k,reason", [
+    ("int4", {"group_size": 32}, 128, 512, "on Blackwell (tcgen05)"),
+    ("fp8", {"block": (128, 128)}, 128, 512, "on Blackwell (tcgen05)"),
+    ("int8", {}, 192, 128, "N=192 is not a multiple of 128"),
+    ("int8", {}, 128, 96, "K=96 is not a multiple of 64"),
+])
+def test_supports_on_blackwell_rejects_with_the_reason(fmt, kw, n, k, reason):
+    q = fj.quantize(jnp.ones((n, k), jnp.float32), fmt, **kw)
+    args = fj.dispatch.bind("quantized_matmul", jnp.ones((2, k), jnp.bfloat16), q, trans_b=True)
+    with fj.targets.use("b200"):
+        assert reason in mq.supports(args)
+    with pytest.raises(ValueError, match=reason.split(" ")[0]):
+        mq.quantized_matmul(jnp.ones((2, k), jnp.bfloat16), q, trans_b=True, alpha=1.0,
+                            beta=0.0, c=None, out_dtype=jnp.bfloat16, mma="tcgen05")
+
+
+def test_supports_on_blackwell_accepts_per_channel_int8_and_fp8():
+    for fmt in ("int8", "fp8"):
+        q = fj.quantize(jnp.ones((256, 576), jnp.float32), fmt)
+        args = fj.dispatch.bind("quantized_matmul", jnp.ones((3, 576), jnp.bfloat16), q,
+                                trans_b=True)
+        with fj.targets.use("b200"):
+            assert mq.supports(args) is None, fmt
+        with fj.targets.use("h100"):
+            assert mq.supports(args) is None, fmt
+
+
+# --- the deviceless b200 compile ------------------------------------------------------------
+
+# name -> (rows of a, N, K, format): Llama-3-8B's gate/up (4096 -> 14336) and down (14336 ->
+# 4096) projections at decode and a 128-row prefill tile.
+COMPILE_CASES = {
+    "llama3 up decode 1 row int8": (1, LLAMA3_8B_MLP, 4096, "int8"),
+    "llama3 down decode 8 rows fp8": (8, 4096, LLAMA3_8B_MLP, "fp8"),
+    "llama3 up prefill 128 rows int8": (128, LLAMA3_8B_MLP, 4096, "int8"),
+}
+
+_COMPILE = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    import forge_jax as fj
+    from forge_jax.pallas_kernels.gpu import mosaic_quantized_matmul as mq
+    S = jax.ShapeDtypeStruct
+    out = {}
+    for name, (m, n, k, fmt) in json.loads(sys.argv[1]).items():
+        q = jax.eval_shape(lambda w: fj.quantize(w, fmt), S((n, k), jnp.float32))
+        a = S((m, k), jnp.bfloat16)
+        with fj.targets.use("b200"):
+            reason = mq.supports(fj.dispatch.bind("quantized_matmul", a, q, trans_b=True))
+        r = fj.aot.compile(lambda a, q: fj.matmul(a, q, trans_b=True), a, q, target="b200",
+                           implementation="mosaic_gpu")
+        out[name] = dict(reason=reason, compiled=r.compiled, error=r.error, kernels=[
+            dict(name=x.name, registers=x.registers, spilled=x.spilled_bytes,
+                 smem=x.shared_memory, costed=x.costed, flops=x.flops,
+                 bytes=x.bytes_accessed, roofline_us=x.roofline_seconds * 1e6)
+            for x in r.kernels])
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    missing = fj.targets.missing("b200")
+    if missing is not None:
+        pytest.skip(missing)
+    dump = tmp_path_factory.mktemp("mosaic_dump")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(dump),
+               MOSAIC_GPU_DUMP_PTXAS="1")
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(COMPILE_CASES)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, run.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
+@pytest.mark.parametrize("name", sorted(COMPILE_CASES))
+def test_accepted_cases_compile_for_b200_without_spills(compiled, name):
+    r = compiled[name]
+    assert r["reason"] is None and r["compiled"], r
+    [k] = r["kernels"]
+    assert k["name"] == "forge_jax_mosaic_quantized_matmul_sm100" and k["costed"], k
+    m, n, kk, _ = COMPILE_CASES[name]
+    rows = -(-m // sm100.tile_m(m)) * sm100.tile_m(m)  # padded to 16 (a tile)
+    assert k["flops"] == 2 * rows * n * kk and k["bytes"] > n * kk, k
+    assert k["registers"] is not None and k["registers"] <= 255, k  # ptxas ran
+    assert k["spilled"] == 0, k
+    assert 0 < k["smem"] <= sm100.SMEM_BYTES, k
