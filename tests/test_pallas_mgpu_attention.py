@@ -10,7 +10,7 @@ tiles. The behaviours come from :class:`cases.attention_base.AttentionCases`.
 
 The deviceless H100 compile (``fj.aot``: JAX's CUDA pipeline, Mosaic GPU's compile and
 ptxas) of the head dims :func:`supports` accepts, with no spills in ptxas' report
-(``_mosaic.ptxas_report``), and of the rejected 256, which the compiler refuses for its
+(``_mosaic.ptxas_report``), and of the rejected 512, which the compiler refuses for its
 shared memory.
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.attention_base import AttentionCase, AttentionCases
-from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
+from cases.shapes import GEMMA2_2B_HEADS, LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 from jax import lax
 
 import forge_jax as fj
@@ -39,10 +39,12 @@ BF16, F16 = jnp.bfloat16, jnp.float16
 # (one kv head of one sequence) on two cores, so the real models' GQA groups and head dims
 # run on one kv head each (CTAs of different kv heads share nothing but the grid): SmolLM2's
 # groups of 3 at head_dim 64 (tiles of 128 keys: 150 keys end inside the second, which is
-# read from key 22) and Llama 3's groups of 4 at head_dim 128 (tiles of 64: 70 keys, padded
-# to 72 for TMA's rows of 8).
+# read from key 22), Llama 3's groups of 4 at head_dim 128 (tiles of 64: 70 keys, padded
+# to 72 for TMA's rows of 8) and Gemma 2's groups of 2 at head_dim 256 (two CTAs a query
+# block, each computing 128 of V's columns: a NaN must reach exactly its own column).
 SMOL_GROUP = (SMOLLM2_135M_HEADS[0] // SMOLLM2_135M_HEADS[1], 1, SMOLLM2_135M_HEADS[2])
 LLAMA_GROUP = (LLAMA3_8B_HEADS[0] // LLAMA3_8B_HEADS[1], 1, LLAMA3_8B_HEADS[2])
+GEMMA_GROUP = (GEMMA2_2B_HEADS[0] // GEMMA2_2B_HEADS[1], 1, GEMMA2_2B_HEADS[2])
 
 CASES = {
     # Every option, NaN / +inf in every slot no query sees.
@@ -55,6 +57,19 @@ CASES = {
         (1, 3, 70, *LLAMA_GROUP), F16,
         dict(kv_lengths=np.array([66]), q_positions=np.array([[-1, 20, 65]])), poison=True,
         seed=2),
+    # One CTA walking three tiles (more than its two stages: the producer waits for slots
+    # to be freed) where each consumer skips tiles the other needs: warpgroup 0's queries
+    # see tile 0 only, warpgroup 1's tiles 1 and 2 (the ping-pong across skipped tiles).
+    "llama3-pipeline-skipped_tiles-nan_unseen": AttentionCase(
+        (1, 32, 150, *LLAMA_GROUP), BF16,
+        dict(kv_lengths=np.array([146]), sliding_window=50,
+             q_positions=np.concatenate([np.arange(10, 26), np.arange(120, 136)])[None]),
+        poison=True, seed=4),
+    # Gemma 2's soft cap and window at head_dim 256; 100 keys end inside the second tile.
+    "gemma2-256-window-cap-nan_unseen": AttentionCase(
+        (1, 4, 104, *GEMMA_GROUP), BF16,
+        dict(kv_lengths=np.array([100]), sliding_window=70, logits_soft_cap=50.0,
+             q_positions=np.array([[30, 64, 98, 99]])), poison=True, seed=3),
 }
 
 NONFINITE_CASES = {
@@ -62,6 +77,8 @@ NONFINITE_CASES = {
     # kv heads: each poisoned slot is poisoned in one, and the other's outputs stay clean).
     "window": AttentionCase((1, 5, 24, 6, 2, 64), BF16,
                             dict(kv_lengths=np.array([21]), sliding_window=4), seed=6),
+    "head_dim_256": AttentionCase((1, 3, 16, *GEMMA_GROUP), F16,
+                                  dict(kv_lengths=np.array([14]), sliding_window=3), seed=7),
 }
 
 GRADIENT_CASES = {
@@ -140,12 +157,30 @@ def test_interpreter_finds_a_race_when_asked(detect):
     (BF16, F16, 64, "all three equal"),
     (BF16, BF16, 80, "multiple of 64 columns"),
     (BF16, BF16, 192, "not compiled and checked"),
-    (BF16, BF16, 256, "more than 232448"),
-], ids=["float32", "mixed", "head_dim_80", "head_dim_192", "head_dim_256"])
+    (BF16, BF16, 512, "more than 232448"),
+], ids=["float32", "mixed", "head_dim_80", "head_dim_192", "head_dim_512"])
 def test_supports_rejects(q_dtype, kv_dtype, head_dim, reason):
     args = dict(q=S((1, 4, 2, head_dim), q_dtype), k=S((1, 8, 2, head_dim), kv_dtype),
                 v=S((1, 8, 2, head_dim), kv_dtype))
     assert reason in mosaic.supports(args)
+
+
+@pytest.mark.parametrize("knobs", [dict(block_d=96), dict(block_d=512),
+                                   dict(block_d=128, block_kv=128)],
+                         ids=["not_multiple_of_64", "wider_than_head_dim", "split_block_kv"])
+def test_bad_column_split_is_refused_before_any_work(knobs):
+    q = jnp.ones((1, 4, 2, 256), BF16)
+    with pytest.raises(ValueError, match="block_d a multiple of 64 dividing head_dim"):
+        mosaic.flash_attention(q, q, q, interpret=True, **knobs)
+
+
+def test_head_dim_256_splits_the_value_columns():
+    # The launch that compiles without spills (test_h100_compile): two CTAs of 128 columns.
+    q = S((1, 4, 8, 256), BF16)
+    assert mosaic.supports(dict(q=q, k=q, v=q)) is None
+    config = mosaic.default_config({"q": q})
+    assert (config.block_d, config.block_kv, config.ping_pong) == (128, 64, False)
+    assert mosaic.shared_memory_bytes(256, BF16, config) <= mosaic.SHARED_MEMORY
 
 
 def test_rejected_case_is_refused_by_name():
@@ -170,14 +205,18 @@ def test_registered_by_name_only():
 
 
 # id -> (q shape, k/v shape, dtype, masking): what supports() accepts compiles without
-# spills, the rejected head_dim 256 is refused by the compiler for its shared memory.
+# spills (head_dim 256 with V's columns split over two CTAs), the rejected head_dim 512 is
+# refused by the compiler for its shared memory.
 COMPILE_CASES = {
     "llama3-prefill-window-cap-bf16": ((1, 100, 32, 128), (1, 296, 8, 128), BF16,
                                        dict(sliding_window=50, logits_soft_cap=30.0)),
     "llama3-decode-f16": ((3, 1, 32, 128), (3, 4096, 8, 128), F16, {}),
     "smollm2-non_causal-window-short_cache-f16": ((1, 7, 9, 64), (1, 21, 3, 64), F16,
                                                   dict(causal=False, sliding_window=5)),
-    "head_dim_256-rejected": ((1, 100, 32, 256), (1, 296, 8, 256), BF16, {}),
+    "gemma2-256-prefill-window-cap-bf16": ((1, 100, 8, 256), (1, 296, 4, 256), BF16,
+                                           dict(sliding_window=50, logits_soft_cap=50.0)),
+    "gemma2-256-decode-f16": ((3, 1, 8, 256), (3, 4096, 4, 256), F16, {}),
+    "head_dim_512-rejected": ((1, 100, 32, 512), (1, 296, 8, 512), BF16, {}),
 }
 
 

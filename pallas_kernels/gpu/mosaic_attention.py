@@ -11,7 +11,17 @@ heads and K/V are never repeated. Warpgroup 2 (the producer) streams K and V til
 (the consumers) each own ``block_q`` rows: ``S = Q K^T`` by WGMMA from shared memory, the
 masks and the online softmax (float32, base 2) in registers, then ``O += P V`` by WGMMA
 with ``P`` from registers. Barriers: "tile landed" (TMA transaction counts) from producer
-to consumers, "tile consumed" (two arrivals) back.
+to consumers, "tile consumed" (two arrivals) back, and FA3's ping-pong schedule between
+the consumers (``Config.ping_pong``; on up to head_dim 128): they meet twice a step,
+warpgroup 1 half a step behind 0, once after issuing ``Q K^T`` and once after the softmax,
+so that one's softmax runs while the other's WGMMAs do. The consumers hold 240 registers
+a thread and the producer 32 (``setmaxnreg``: the whole register file, FA3's split).
+
+At head_dim 256 a consumer's ``[64, 256]`` float32 accumulator alone would take 128 of its
+registers and the boundary copies below spill (ptxas), so V's columns are split: the CTAs
+of one query block (grid axis ``cols``) each compute ``S = Q K^T`` over the whole head_dim
+and ``O = P V`` for ``block_d = 128`` of V's columns (1.5 times the minimal flops, K read
+twice; 192 KiB of shared memory).
 
 The contract is that of :func:`forge_jax.attention`, with the explicit positions and
 lengths of :func:`~forge_jax.pallas_kernels._attention_common.explicit_positions`. The
@@ -32,10 +42,15 @@ K/V are read in place (``[batch, kv_len, kv_heads, head_dim]``, one strided TMA 
 the last tile of a ``kv_len`` that is not a multiple of ``block_kv`` is read from
 ``kv_len - block_kv`` and its keys already seen are masked, so nothing is padded unless
 ``kv_len < block_kv`` or ``kv_len`` is not a multiple of 8 (TMA's row tiling): then K/V
-are copied zero-padded. Not done (yet): the FA3 ping-pong schedule barrier between the
-consumers and intra-warpgroup overlap of softmax and WGMMA; fp8 inputs; head_dim 256 (its
-tiles and the boundary copies exceed an H100's 227 KiB of shared memory: :func:`supports`
-rejects it with the compiler's reason).
+are copied zero-padded. Not done (yet): FA3's intra-warpgroup overlap (the next tile's
+``Q K^T`` issued before this tile's softmax); the ping-pong at head_dim 256 (it spilled 20
+bytes with a window and soft cap); head_dim 256 without recomputing ``S`` per column half
+(JAX 0.10's Mosaic GPU lowering cannot concatenate register arrays, so the accumulator
+cannot be cleaned a column block at a time, and ptxas spilled every single-CTA layout
+tried); fp8 inputs (:func:`forge_jax.attention` defines no fp8 representation of q, k, v:
+fp8 exists only for quantized KV pages, ``forge_jax.ops.kv_quant``). :func:`supports`
+rejects head dims other than 64, 128 and 256 (at 512 the tiles exceed an H100's 227 KiB of
+shared memory: the compiler's reason).
 
 In the Mosaic GPU interpreter (``interpret=True``) the kernel is the same program (warp
 specialisation, TMA copies, barriers, shared memory, masks, boundary copies) except where
@@ -78,12 +93,16 @@ pl = _compat.pallas()
 VERIFIED: dict[str, str] = {}
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # WGMMA operands from registers
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # Shared memory of an H100 (sm_90) block: 227 KiB.
 SHARED_MEMORY = 227 * 1024
 _LOG2E = math.log2(math.e)
 NAME = "forge_jax_mosaic_flash_attention"  # the kernel's name in profiles and compile reports
 _CONSUMERS = 2  # warpgroups computing; warpgroup _CONSUMERS is the producer
+# Registers a thread of each warpgroup holds after setmaxnreg: the consumers take all the
+# producer does not need (2 * 240 + 32 = 512, the register file over 128 threads), as FA3
+# does; at 232 / 40 head_dim 256 with a window and soft cap spilled 32 bytes.
+_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 240, 32
 # int32 words of per-warpgroup bookkeeping (see _ranges; 8 used): a copy moves a multiple of
 # 128 bytes (the warpgroup size) from global to shared memory.
 _INFO = 32
@@ -93,11 +112,22 @@ _INFO = 32
 class Config:
     """Launch knobs: ``block_q`` rows per consumer warpgroup (one WGMMA M tile: 64),
     ``block_kv`` keys per tile (a multiple of 64: the 128-byte swizzle of 16-bit tiles),
-    ``stages`` K/V tiles in flight."""
+    ``stages`` K/V tiles in flight, ``block_d`` the output (V) columns one CTA computes (a
+    multiple of 64 dividing head_dim; None: all). Below head_dim, the CTAs of one query
+    block split V's columns and each computes ``S = Q K^T`` over the whole head_dim: at
+    head_dim 256 a consumer's ``[64, 256]`` float32 accumulator would take 128 of its
+    registers, and the boundary tiles' copies then spill (ptxas, BENCHMARKS.md); two CTAs of
+    128 columns do 1.5 times the minimal flops without spilling."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
+    block_d: int | None = None
+    ping_pong: bool = True
+
+
+def _block_d(head_dim: int, config: Config) -> int:
+    return head_dim if config.block_d is None else config.block_d
 
 
 # Not measured (no GPU has run the kernel): sizes checked only to compile for an H100 without
@@ -105,6 +135,8 @@ class Config:
 TUNED: Mapping[int, Config] = {
     64: Config(block_q=64, block_kv=128, stages=2),
     128: Config(block_q=64, block_kv=64, stages=2),
+    # The ping-pong spilled 20 bytes with a window and soft cap at head_dim 256.
+    256: Config(block_q=64, block_kv=64, stages=2, block_d=128, ping_pong=False),
 }
 
 
@@ -118,8 +150,9 @@ def shared_memory_bytes(head_dim: int, dtype: Any, config: Config) -> int:
     """The shared memory a CTA allocates: Q/O tiles of both consumers, the K/V ring, each
     consumer's boundary tile, row positions and bookkeeping (barriers not counted)."""
     item = jnp.dtype(dtype).itemsize
-    tiles = (_CONSUMERS * config.block_q + 2 * config.stages * config.block_kv
-             + _CONSUMERS * config.block_kv) * head_dim * item
+    block_d = _block_d(head_dim, config)
+    tiles = ((_CONSUMERS * config.block_q + config.stages * config.block_kv) * head_dim
+             + (config.stages + _CONSUMERS) * config.block_kv * block_d) * item
     return tiles + 4 * (_CONSUMERS * config.block_q + (_CONSUMERS + 1) * _INFO)
 
 
@@ -165,37 +198,45 @@ def _ranges(positions, lengths, *, rows_pad, group, block_q, block_kv, causal,
 def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             o_ref,  # output (GMEM)
             qo_smem, k_smem, v_smem, clean_smem, pos_smem, info_smem,  # scratch (SMEM)
-            q_bar, pos_bar, info_bar, k_bar, v_bar, k_free, v_free,  # barriers
+            q_bar, pos_bar, info_bar, k_bar, v_bar, k_free, v_free, schedule,  # barriers
             *, scale, causal, sliding_window, logits_soft_cap, block_q, block_kv, stages,
-            interpret):
+            block_d, ping_pong, interpret):
     # q_ref, o_ref [batch, kv_heads, rows_pad, head_dim]; k_ref, v_ref [batch, kv_len,
     # kv_heads, head_dim]; pos_ref [batch, rows_pad]; info_ref [batch, pairs, 2, _INFO]
-    # (see _ranges). Warpgroups 0 and 1 compute, warpgroup 2 loads K/V.
+    # (see _ranges). Warpgroups 0 and 1 compute, warpgroup 2 loads K and V's columns
+    # [cols * block_d, (cols + 1) * block_d).
     plgpu = _compat.pallas_mosaic_gpu()
     head = lax.axis_index("heads")
+    columns = pl.ds(lax.axis_index("cols") * block_d, block_d)
     pair = lax.axis_index("rows")
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
     kv_len, head_dim = k_ref.shape[1], k_ref.shape[3]
     dtype = q_ref.dtype
+    split = block_d < head_dim
 
     def cast(x, layout):  # JAX 0.10's interpreter has no rule for layout casts: identity
         return x if interpret else plgpu.layout_cast(x, layout)
 
-    def product(a, b_ref, *, transpose_b=False, acc=None):
+    def product(a, b_ref, *, transpose_b=False, acc=None, issued=None):
         """``acc + a @ b_ref`` (``b_ref^T``; ``acc`` zeros when None) in float32: a WGMMA
-        accumulating in ``acc``'s registers, ``a`` from shared memory (a ref) or registers.
+        accumulating in ``acc``'s registers, ``a`` from shared memory (a ref) or registers;
+        ``issued()`` runs after the WGMMA is issued, before its result is awaited.
         JAX 0.10's interpreter runs WGMMA only on untransposed shared-memory operands and
         has no rule for ``run_state``: there, the same tiles meet in ``lax.dot_general``."""
         if interpret:
             a = a if isinstance(a, jax.Array) else a[...]
             dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
             out = lax.dot_general(a, b_ref[...], dims, preferred_element_type=jnp.float32)
+            if issued is not None:
+                issued()
             return out if acc is None else acc + out
         b = b_ref.transpose((1, 0)) if transpose_b else b_ref  # a TransformedRef
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
+            if issued is not None:
+                issued()
 
         if acc is not None:
             return pl.run_state(run)(plgpu.ACC.init(acc))
@@ -215,9 +256,16 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
         plgpu.barrier_wait(info_bar.at[who])
         return [info_smem[who, i] for i in range(8)]
 
+    def take_turn():
+        # FA3's ping-pong: the consumers meet here twice a step, warpgroup 1 half a step
+        # behind 0, so one's softmax overlaps the other's WGMMAs.
+        if ping_pong:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
     @pl.when(wg < _CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
         row0 = (pair * _CONSUMERS + wg) * block_q
         q_smem = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, block_q)], q_smem,
@@ -233,12 +281,15 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
                else _compat.mosaic_gpu_load(pos_smem.at[wg], layout=row_layout))
 
         def wait_only(step, carry):
-            # A tile of the CTA this warpgroup does not need: keep the barriers' phases.
+            # A tile of the CTA this warpgroup does not need: keep the barriers' phases
+            # (the schedule's two a step included).
             slot = lax.rem(step - cta_lo, stages)
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
+            take_turn()
+            take_turn()
             return carry
 
         def step_fn(step, carry):
@@ -246,7 +297,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             slot = lax.rem(step - cta_lo, stages)
             plgpu.barrier_wait(k_bar.at[slot])
 
-            s = product(q_smem, k_smem.at[slot], transpose_b=True)  # [block_q, block_kv]
+            # [block_q, block_kv]; the turn passes once the WGMMA is issued
+            s = product(q_smem, k_smem.at[slot], transpose_b=True, issued=take_turn)
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * scale
             if logits_soft_cap is not None:
@@ -270,7 +322,11 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             l_sum = l_sum * correction + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
             p16 = p.astype(dtype)
+            if ping_pong:
+                plgpu.barrier_arrive(schedule)  # softmax done: the other's S may run
             plgpu.barrier_wait(v_bar.at[slot])
+            if ping_pong:
+                plgpu.barrier_wait(schedule)  # and has been issued: P V may run
 
             def interior(acc):
                 return product(p16, v_smem.at[slot], acc=acc)
@@ -297,29 +353,36 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_next, l_sum
 
-        acc = cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        acc = cast(jnp.zeros((block_q, block_d), jnp.float32), plgpu.Layout.WGMMA)
         m = cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
         l_sum = cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+        pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a step behind 0
         lax.fori_loop(cta_lo, own_lo, wait_only, None)
         acc, m, l_sum = lax.fori_loop(own_lo, own_hi, step_fn, (acc, m, l_sum))
         lax.fori_loop(own_hi, cta_hi, wait_only, None)
+        pl.when(wg == 0)(take_turn)
         # A row that saw no key has l_sum == 0 and acc == 0: zeros. NaN stays NaN.
         l_sum = jnp.where(l_sum > 0, l_sum, 1.0)
         out = acc / lax.broadcast_in_dim(l_sum, acc.shape, [0])
-        q_smem[...] = out.astype(dtype)
+        # The output's staging tile: Q's, or with V's columns split the boundary tile
+        # (block_kv == block_q then), which a TMA copies whole.
+        o_smem = clean_smem.at[wg] if split else q_smem
+        o_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, head, pl.ds(row0, block_q)])
+        rows = (batch, head, pl.ds(row0, block_q))
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[(*rows, columns)] if split else o_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
         cta_lo, cta_hi = read_info(_CONSUMERS, 0)[:2]
 
         def load(step, slot):
             keys = (batch, tile(step), head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+            values = v_ref.at[(*keys, columns)] if split else v_ref.at[keys]
+            plgpu.copy_gmem_to_smem(values, v_smem.at[slot], v_bar.at[slot])
 
         for i in range(stages):
             pl.when(cta_lo + i < cta_hi)(functools.partial(load, cta_lo + i, i))
@@ -331,9 +394,18 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             plgpu.barrier_wait(v_free.at[slot])
             load(step, slot)
 
+        # Wait for the last tiles' releases too: every phase of a barrier is then observed
+        # by each thread waiting on it (the interpreter checks it when the barriers are
+        # freed; a CTA of more than `stages` tiles failed there without this).
+        @pl.loop(jnp.maximum(cta_lo, cta_hi - stages), cta_hi)
+        def _(step):
+            slot = lax.rem(step - cta_lo, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
 
 def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
-             block_q, block_kv, stages, interpret):
+             block_q, block_kv, stages, block_d, ping_pong, interpret):
     plgpu = _compat.pallas_mosaic_gpu()
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -355,8 +427,8 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     scratch = [
         plgpu.SMEM((_CONSUMERS, block_q, head_dim), q.dtype, **swizzled),
         plgpu.SMEM((stages, block_kv, head_dim), q.dtype, **swizzled),
-        plgpu.SMEM((stages, block_kv, head_dim), q.dtype, **swizzled),
-        plgpu.SMEM((_CONSUMERS, block_kv, head_dim), q.dtype, **swizzled),
+        plgpu.SMEM((stages, block_kv, block_d), q.dtype, **swizzled),
+        plgpu.SMEM((_CONSUMERS, block_kv, block_d), q.dtype, **swizzled),
         plgpu.SMEM((_CONSUMERS, block_q), jnp.int32),
         plgpu.SMEM((_CONSUMERS + 1, _INFO), jnp.int32),
         plgpu.Barrier(num_barriers=_CONSUMERS),
@@ -366,20 +438,26 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS),  # the consumers' schedule (ping-pong)
     ]
     body = functools.partial(
         _kernel, scale=scale, causal=causal, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, block_q=block_q, block_kv=block_kv, stages=stages,
-        interpret=interpret)
+        block_d=block_d, ping_pong=ping_pong, interpret=interpret)
+    splits = head_dim // block_d
     cost = _cost.attention(queries=batch * q_len * q_heads, keys=kv_len, head_dim=head_dim,
                            causal=causal and q_len == kv_len, io=(qg, k, v, qg))
+    if splits > 1:  # S = Q K^T and its softmax once per split, K read once per split
+        cost = pl.CostEstimate(flops=cost.flops * (splits + 1) // 2,
+                               transcendentals=cost.transcendentals * splits,
+                               bytes_accessed=cost.bytes_accessed + (splits - 1) * k.nbytes)
     with _mosaic.maybe_interpret(interpret):
         out = _mosaic.costed_kernel(
             body, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), scratch_shapes=scratch,
             cost_estimate=cost, name=NAME,
             compiler_params=plgpu.CompilerParams(approx_math=True),
-            grid=(kv_heads, rows_pad // (_CONSUMERS * block_q), batch),
-            grid_names=("heads", "rows", "batch"), num_threads=_CONSUMERS + 1,
+            grid=(kv_heads, splits, rows_pad // (_CONSUMERS * block_q), batch),
+            grid_names=("heads", "cols", "rows", "batch"), num_threads=_CONSUMERS + 1,
             thread_name="wg")(qg, k, v, row_pos, info)
     return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                              head_dim=head_dim)
@@ -392,14 +470,14 @@ _attention_sm100 = _attention_common.flash_attention_call(mosaic_attention_sm100
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "causal", "sliding_window", "logits_soft_cap", "block_q", "block_kv", "stages",
-    "interpret", "mma"))
+    "block_d", "ping_pong", "interpret", "mma"))
 def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
                     sliding_window=None, logits_soft_cap=None, block_q=None, block_kv=None,
-                    stages=None, interpret=False, mma=None):
+                    stages=None, block_d=None, ping_pong=None, interpret=False, mma=None):
     """Flash attention on Hopper+ (see :func:`forge_jax.attention` for the contract).
 
     Args:
-      q: ``[batch, q_len, q_heads, head_dim]``, bfloat16/float16, head_dim 64 or 128
+      q: ``[batch, q_len, q_heads, head_dim]``, bfloat16/float16, head_dim 64, 128 or 256
         (:func:`supports`, checked by dispatch, not here: other cases fail to compile).
       k, v: ``[batch, kv_len, kv_heads, head_dim]`` in ``q.dtype``,
         ``q_heads % kv_heads == 0``.
@@ -407,6 +485,10 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
       block_q: query rows per consumer warpgroup (64: one WGMMA tile).
       block_kv: keys per tile, a multiple of 64.
       stages: K/V tiles in flight (>= 2).
+      block_d: output columns per CTA, a multiple of 64 dividing head_dim (default: all up
+        to head_dim 128, 128 at 256); below head_dim, block_kv must be 64.
+      ping_pong: FA3's schedule between the consumer warpgroups (default: on up to
+        head_dim 128).
       interpret: run in the Mosaic GPU interpreter (any platform).
       mma: ``"wgmma"`` (Hopper, this module's kernel) or ``"tcgen05"`` (Blackwell: the
         kernel of :mod:`forge_jax.pallas_kernels.gpu.mosaic_attention_sm100`, which takes
@@ -428,17 +510,24 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         raise ValueError(f"mma={mma!r}: 'wgmma' (Hopper) or 'tcgen05' (Blackwell)")
     config = dataclasses.replace(
         default_config({"q": q}), **{n: x for n, x in dict(
-            block_q=block_q, block_kv=block_kv, stages=stages).items() if x is not None})
+            block_q=block_q, block_kv=block_kv, stages=stages, block_d=block_d,
+            ping_pong=ping_pong).items()
+            if x is not None})
+    head_dim = q.shape[-1]
+    columns = _block_d(head_dim, config)
     if config.block_q != 64 or config.block_kv % 64 or config.block_kv <= 0 \
-            or config.stages < 2:
-        raise ValueError(f"{config}: block_q must be 64, block_kv a multiple of 64, "
-                         "stages >= 2")
+            or config.stages < 2 or columns % 64 or columns <= 0 or head_dim % columns \
+            or (columns < head_dim and config.block_kv != config.block_q):
+        raise ValueError(f"{config} with {head_dim=}: block_q must be 64, block_kv a "
+                         "multiple of 64, stages >= 2, block_d a multiple of 64 dividing "
+                         "head_dim, and block_kv == block_q when block_d < head_dim")
     if q.size == 0 or k.shape[1] == 0:  # nothing to launch; a query with no keys gets zeros
         return jnp.zeros(q.shape, q.dtype)
     return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                       kv_lengths=kv_lengths, sliding_window=sliding_window,
                       logits_soft_cap=logits_soft_cap, block_q=config.block_q,
-                      block_kv=config.block_kv, stages=config.stages, interpret=interpret)
+                      block_kv=config.block_kv, stages=config.stages, block_d=columns,
+                      ping_pong=config.ping_pong, interpret=interpret)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
