@@ -310,6 +310,8 @@ class Engine:
                     handed += self._read_in_flight(clock)
         except Exception as e:  # a failed step ends its requests, not the engine
             self._in_flight = None
+            for r in self._waiting:  # preempted with a token in flight: it is recomputed
+                r.pending = 0
             for r in list(self._running):
                 self._finish(r, "error", error=f"{type(e).__name__}: {e}")
             raise
