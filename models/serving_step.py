@@ -199,11 +199,10 @@ def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, se
     feed = batch["feed"]
     fed = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch["tokens"])  # [tokens]
     if seen is not None:  # a fed token is its sequence's first (and only) row
-        s = seen.shape[0]
-        first = jnp.minimum(batch["cu_q_lens"][:-1], fed.shape[0] - 1)  # [s]
-        was_fed = (feed[first] >= 0) & (jnp.arange(s) < batch["num_seqs"])
-        rows = jnp.arange(s)
-        seen = seen.at[rows, fed[first]].set(seen[rows, fed[first]] | was_fed)
+        seqs = jnp.arange(seen.shape[0])
+        first = jnp.minimum(batch["cu_q_lens"][:-1], fed.shape[0] - 1)  # [seqs]
+        was_fed = (feed[first] >= 0) & (seqs < batch["num_seqs"])
+        seen = seen.at[seqs, fed[first]].set(seen[seqs, fed[first]] | was_fed)
     cache = RaggedBatchCache(
         k_pages=tuple(k_pages), v_pages=tuple(v_pages), block_tables=batch["block_tables"],
         kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
