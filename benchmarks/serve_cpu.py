@@ -14,6 +14,8 @@ On a shared machine, ``--repeats N`` interleaves the contenders: each round time
 ``generate`` and then every row once, and each row reports its best round and the ratio of
 the best rates (the load average is printed at the start and the end). ``--phases`` adds
 where the engine's step loop spent its time at each row (``EngineStats.phase_seconds``).
+``--overlap off`` runs the engine with ``overlap=False`` (each step's tokens read before the
+next step is scheduled), ``--overlap both`` adds those rows beside the default ones.
 
 Usage::
 
@@ -106,6 +108,8 @@ def main() -> None:
                         help="also print the engine's seconds per step phase, per row")
     parser.add_argument("--no-prefix-cache-off", dest="cache_off", action="store_false",
                         help="only the rows with the prefix cache on")
+    parser.add_argument("--overlap", choices=("on", "off", "both"), default="on",
+                        help="the engine's overlap (both: a row for each)")
     parser.add_argument("--layers", type=int, default=None,
                         help="fewer layers than the shape's (a faster run on a loaded machine)")
     args = parser.parse_args()
@@ -117,30 +121,31 @@ def main() -> None:
     seq_prompts = prompts_for(args.sequential_requests, args, vocab, 0)
     llama.generate(model, seq_prompts[:1], args.new_tokens, eos_token_id=())  # compile
     max_len = args.prompt_tokens + args.new_tokens
-    rows = [(caching, c) for caching in ((True, False) if args.cache_off else (True,))
-            for c in args.concurrency]
+    overlaps = {"on": (True,), "off": (False,), "both": (True, False)}[args.overlap]
+    rows = [(caching, c, overlap) for caching in ((True, False) if args.cache_off else (True,))
+            for c in args.concurrency for overlap in overlaps]
     engines = {}
-    for caching, c in rows:  # every variant compiled before the first timed round
+    for caching, c, overlap in rows:  # every variant compiled before the first timed round
         pages = c * -(-max_len // 16) + 64
         engine = serving.Engine(model, None, max_batch_tokens=args.max_batch_tokens,
                                 max_seqs=max(args.concurrency), num_pages=pages,
                                 max_model_len=max_len, prefix_caching=caching,
-                                eos_token_ids=()).start()
+                                eos_token_ids=(), overlap=overlap).start()
         burst(engine, prompts_for(c, args, vocab, 1), args.new_tokens)
-        engines[caching, c] = engine
+        engines[caching, c, overlap] = engine
     load = os.getloadavg()
     seq, best = 0.0, {}
     for round_ in range(args.repeats):
         seq = max(seq, sequential(model, seq_prompts, args.new_tokens))
-        for caching, c in rows:
-            engine = engines[caching, c]
+        for row in rows:
+            engine, c = engines[row], row[1]
             engine.prefix_cache.clear()  # each burst meets only its own prefix
             before = dict(getattr(engine.stats, "phase_seconds", {}))  # older engines: none
             rate, ttft = burst(engine, prompts_for(c, args, vocab, 2 + round_),
                                args.new_tokens)
             phases = {k: v - before[k] for k, v in before and engine.stats.phase_seconds.items()}
-            if rate > best.get((caching, c), (0.0,))[0]:
-                best[caching, c] = (rate, ttft, phases)
+            if rate > best.get(row, (0.0,))[0]:
+                best[row] = (rate, ttft, phases)
     for engine in engines.values():
         engine.shutdown()
     print(f"# JAX {jax.__version__}, {jax.devices()[0].device_kind}, "
@@ -151,18 +156,20 @@ def main() -> None:
           f"{args.repeats} interleaved rounds; load average {load[0]:.1f} at the start, "
           f"{os.getloadavg()[0]:.1f} at the end")
     print(f"sequential generate: {seq:.1f} tokens/s")
-    print("| prefix cache | concurrency | tokens/s | x sequential | TTFT p50 (s) | TTFT p99 (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for caching, c in rows:
-        rate, ttft, _ = best[caching, c]
-        print(f"| {'on' if caching else 'off'} | {c} | {rate:.1f} | {rate / seq:.2f} | "
+    print("| prefix cache | overlap | concurrency | tokens/s | x sequential | TTFT p50 (s) "
+          "| TTFT p99 (s) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    onoff = {True: "on", False: "off"}
+    for caching, c, overlap in rows:
+        rate, ttft, _ = best[caching, c, overlap]
+        print(f"| {onoff[caching]} | {onoff[overlap]} | {c} | {rate:.1f} | {rate / seq:.2f} | "
               f"{np.percentile(ttft, 50):.3f} | {np.percentile(ttft, 99):.3f} |")
     if args.phases:
         print("\nseconds per phase of the best burst (EngineStats.phase_seconds):")
-        for caching, c in rows:
-            phases = best[caching, c][2]
-            print(f"  cache {'on' if caching else 'off'}, concurrency {c}: " + ", ".join(
-                f"{k} {v:.3f}" for k, v in phases.items()))
+        for caching, c, overlap in rows:
+            phases = best[caching, c, overlap][2]
+            print(f"  cache {onoff[caching]}, overlap {onoff[overlap]}, concurrency {c}: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
 
 
 if __name__ == "__main__":

@@ -41,60 +41,20 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax.kv_cache import BlockManager, CacheFullError
 from forge_jax.models import serving_step
-from forge_jax.models.prefix_cache import PrefixCache, page_keys
+from forge_jax.models.prefix_cache import PrefixCache
 from forge_jax.models.serving_requests import (  # noqa: F401  (the engine's API)
     FINISH_REASONS,
     PHASES,
     EngineStats,
     Output,
+    PhaseClock,
     QueueFull,
+    Request,
     RequestParams,
     RequestRefused,
     RequestStream,
 )
 from forge_jax.ops import kv_quant
-
-
-class _PhaseClock:
-    """Adds the seconds since the previous lap to ``totals[phase]`` (perf_counter)."""
-
-    def __init__(self, totals: dict):
-        self.totals, self.last = totals, time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.totals[phase] += now - self.last
-        self.last = now
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    id: int
-    prompt: list[int]
-    params: RequestParams
-    stream: RequestStream
-    seed: int
-    arrival: float
-    generated: list[int] = dataclasses.field(default_factory=list)
-    computed: int = 0  # tokens in the cache
-    cached_pages: int = 0  # full pages already offered to the prefix cache
-    sent_ids: int = 0
-    sent_text: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    preemptions: int = 0
-    keys: list[bytes] = dataclasses.field(default_factory=list)  # full pages' prefix keys
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
-
-    def page_keys(self, page_size: int, count: int) -> list[bytes]:
-        """The prefix-cache keys of the first ``count`` full pages of the tokens (hashed
-        once each: the tokens only grow)."""
-        if count > len(self.keys):
-            self.keys = page_keys(self.tokens, page_size, count, self.keys)
-        return self.keys[:count]
 
 
 def _pow2_at_least(n: int, low: int) -> int:
@@ -129,13 +89,19 @@ class Engine:
         per token and KV head beside them (:mod:`forge_jax.ops.kv_quant`), as
         :func:`~forge_jax.models.generation.generate`'s; they are written, shared by the
         prefix cache, copied and freed with their pages. None: ``cache_dtype`` pages.
+      overlap: dispatch each step before reading the previous step's tokens: a sequence
+        whose token is still on the device gets it from there (the step takes the previous
+        step's tokens and which row each feeds), and the host hands out the previous
+        step's tokens while the device runs the next. The tokens are the same; a request
+        that a stop token or string ends has computed one row more than it needed. False:
+        each step's tokens are read and handed out before the next step is scheduled.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 256,
                  min_batch_tokens: int = 1, max_seqs: int = 64, num_pages: int = 512,
                  page_size: int = 16, max_model_len: int | None = None, max_waiting: int = 1024,
                  prefix_caching: bool = True, eos_token_ids: Sequence[int] | None = None,
-                 cache_dtype=None, kv_cache_dtype: str | None = None):
+                 cache_dtype=None, kv_cache_dtype: str | None = None, overlap: bool = True):
         self.model, self.tokenizer = model, tokenizer
         config = model.config
         self.kv_cache_dtype = kv_quant.kv_format("kv_cache_dtype", kv_cache_dtype)
@@ -146,6 +112,7 @@ class Engine:
         self.max_batch_tokens = _pow2_at_least(int(max_batch_tokens), 8)
         self.min_batch_tokens = _pow2_at_least(int(min_batch_tokens), 1)
         self.max_seqs, self.max_waiting = int(max_seqs), int(max_waiting)
+        self.overlap = bool(overlap)
         self.page_size = int(page_size)
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
         self.manager = BlockManager(int(num_pages), self.page_size)
@@ -159,6 +126,7 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         # The weights as a flat list: a step's dispatch then flattens a list, not the state.
         self.weights, self.weights_def = jax.tree.flatten(self.state)
+        self._graphdef = serving_step.Static(self.graphdef)  # hashed once, not per dispatch
         dtype = cache_dtype or model.dtype
         shape = (model.kv_heads, int(num_pages), self.page_size, config.head_dim)
         # On a mesh the pools are split by KV head over the tensor axis, as the model's.
@@ -170,13 +138,19 @@ class Engine:
             lambda: kv_quant.empty_pool(shape, self.kv_cache_dtype, dtype))
         self.k_pages = tuple(place(empty()) for _ in range(config.num_hidden_layers))
         self.v_pages = tuple(place(empty()) for _ in range(config.num_hidden_layers))
+        # The last step's tokens on the device, [max_seqs] (the next step may read some),
+        # and the step in flight: its tokens and the (index, request) pairs that drew one.
+        tokens = jnp.zeros((self.max_seqs,), jnp.int32)
+        self._last_tokens = tokens if model.mesh is None else jax.device_put(
+            tokens, model.mesh.replicated())
+        self._in_flight: tuple[jax.Array, list[tuple[int, Request]]] | None = None
         self.stats = EngineStats()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._inbox: list[_Request] = []
+        self._inbox: list[Request] = []
         self._cancels: set[int] = set()
-        self._waiting: list[_Request] = []  # by arrival (preempted ones go back in order)
-        self._running: list[_Request] = []  # by arrival
+        self._waiting: list[Request] = []  # by arrival (preempted ones go back in order)
+        self._running: list[Request] = []  # by arrival
         self._ids = itertools.count()
         self._rng = np.random.default_rng()
         self._thread: threading.Thread | None = None
@@ -205,7 +179,7 @@ class Engine:
                 loop = None
         stream = RequestStream(self, next(self._ids), loop)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-        request = _Request(stream.id, prompt, params, stream, seed, time.monotonic())
+        request = Request(stream.id, prompt, params, stream, seed, time.monotonic())
         with self._lock:
             if self._stopping:
                 raise QueueFull("the engine is shutting down")
@@ -282,7 +256,7 @@ class Engine:
         return self._stopping
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self._waiting or self._running)
+        return bool(self._inbox or self._waiting or self._running or self._in_flight)
 
     def snapshot(self) -> dict:
         """Gauges for ``/metrics`` (any thread): requests running and waiting; pages used,
@@ -303,7 +277,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._inbox or self._cancels or self._waiting or self._running):
+                while not (self._inbox or self._cancels or self._waiting or self._running
+                           or self._in_flight):
                     if self._thread is None:
                         return
                     self._wake.wait()
@@ -314,8 +289,9 @@ class Engine:
 
     def step(self) -> int:
         """One scheduling step: takes new requests and cancellations, runs one batch and
-        streams its tokens. Returns the sequences it ran (0 when idle)."""
-        clock = _PhaseClock(self.stats.phase_seconds)
+        streams its tokens (with ``overlap``, those of the step before, while this one
+        runs). Returns the sequences it ran and the tokens it handed out (0 when idle)."""
+        clock = PhaseClock(self.stats.phase_seconds)
         with self._lock:
             self._waiting += self._inbox
             self._inbox, cancels, self._cancels = [], self._cancels, set()
@@ -325,17 +301,25 @@ class Engine:
         try:
             scheduled = self._schedule()
             clock.lap("schedule")
+            tokens = self._dispatch(scheduled, clock) if scheduled else None
+            handed = self._read_in_flight(clock)  # the step before (overlap), if any
             if scheduled:
-                self._run(scheduled, clock)
+                self._in_flight = (tokens, self._book(scheduled))
+                clock.lap("book")
+                if not self.overlap:
+                    handed += self._read_in_flight(clock)
         except Exception as e:  # a failed step ends its requests, not the engine
+            self._in_flight = None
+            for r in self._waiting:  # preempted with a token in flight: it is recomputed
+                r.pending = 0
             for r in list(self._running):
                 self._finish(r, "error", error=f"{type(e).__name__}: {e}")
             raise
         finally:
             self._update_gauges()
-        return len(scheduled)
+        return len(scheduled) + handed
 
-    def _schedule(self) -> list[tuple[_Request, int]]:
+    def _schedule(self) -> list[tuple[Request, int]]:
         """The (request, new tokens) pairs of the next batch, pages appended for them."""
         budget, batch = self.max_batch_tokens, []
         preemptions = self.stats.preemptions
@@ -344,7 +328,10 @@ class Engine:
                 continue
             if len(batch) == self.max_seqs or budget == 0:
                 break
-            n = min(len(r.tokens) - r.computed, budget)
+            if r.pending and (len(r.generated) + 1 >= r.params.max_tokens
+                              or len(r.tokens) + 1 >= self.max_model_len):
+                continue  # the token in flight is its last
+            n = min(len(r.tokens) + r.pending - r.computed, budget)
             if self._make_room(r, n):
                 batch.append((r, n))
                 budget -= n
@@ -360,7 +347,7 @@ class Engine:
         while (at < len(self._waiting) and budget and len(batch) < self.max_seqs
                and self.stats.preemptions == preemptions):
             r = self._waiting[at]
-            if in_flight and self._next_prefix_key(r) in in_flight:
+            if r.pending or in_flight and self._next_prefix_key(r) in in_flight:
                 at += 1
                 continue
             if not self._admit(r, budget):
@@ -374,20 +361,20 @@ class Engine:
             budget -= n
         return batch
 
-    def _uncomputed_keys(self, r: _Request) -> list[bytes]:
+    def _uncomputed_keys(self, r: Request) -> list[bytes]:
         """The prefix-cache keys of ``r``'s full pages not computed yet."""
         if not self.prefix_cache.enabled:
             return []
         full = len(r.tokens) // self.page_size
         return r.page_keys(self.page_size, full)[r.computed // self.page_size:]
 
-    def _next_prefix_key(self, r: _Request) -> bytes | None:
+    def _next_prefix_key(self, r: Request) -> bytes | None:
         """The key of the first full page of ``r``'s prefix that is not cached (None: none)."""
         count = (len(r.tokens) - 1) // self.page_size  # as PrefixCache.lookup
         cached = self.prefix_cache.pages
         return next((k for k in r.page_keys(self.page_size, count) if k not in cached), None)
 
-    def _make_room(self, r: _Request, n: int) -> bool:
+    def _make_room(self, r: Request, n: int) -> bool:
         """Appends ``n`` tokens' room to running request ``r``, evicting cached pages and then
         preempting the newest running requests as needed; False if ``r`` itself went."""
         while True:
@@ -402,7 +389,7 @@ class Engine:
                 if victim is r:
                     return False
 
-    def _admit(self, r: _Request, budget: int) -> bool:
+    def _admit(self, r: Request, budget: int) -> bool:
         """Allocates a waiting request's cached prefix and first chunk, if the pool allows
         (evicting cached pages, never preempting)."""
         tokens = r.tokens
@@ -430,7 +417,7 @@ class Engine:
         r.computed, r.cached_pages = computed, len(pages)
         return True
 
-    def _preempt(self, r: _Request) -> None:
+    def _preempt(self, r: Request) -> None:
         self.manager.free(r.id)
         self._running.remove(r)
         r.computed, r.cached_pages = 0, 0
@@ -439,7 +426,7 @@ class Engine:
         self._waiting.append(r)
         self._waiting.sort(key=lambda x: x.arrival)
 
-    def _build(self, scheduled: list[tuple[_Request, int]]) -> serving_step.StepBatch:
+    def _build(self, scheduled: list[tuple[Request, int]]) -> serving_step.StepBatch:
         total = sum(n for _, n in scheduled)
         rows = _pow2_at_least(total, self.min_batch_tokens)
         tokens = np.zeros((rows,), np.int32)
@@ -464,10 +451,14 @@ class Engine:
         greedy = all(r.params.greedy for r, _ in scheduled)
         penalty = any(r.params.repetition_penalty not in (None, 1.0) for r, _ in scheduled)
         seen = np.zeros((s, self.vocab_size), bool) if penalty else None
+        feed = np.full((rows,), -1, np.int32)
         at = 0
         for i, (r, n) in enumerate(scheduled):
             start = r.computed
-            tokens[at:at + n] = r.tokens[start:start + n]
+            known = r.tokens[start:start + n]
+            tokens[at:at + len(known)] = known
+            if len(known) < n:  # its last row is the token the step in flight draws
+                feed[at + n - 1] = r.pending_index
             positions[at:at + n] = np.arange(start, start + n)
             slots[at:at + n] = self.manager.slots(r.id, start, start + n)
             at += n
@@ -478,14 +469,16 @@ class Engine:
             sampling["top_p"][i] = 1.0 if p.top_p is None else p.top_p
             sampling["min_p"][i] = p.min_p or 0.0
             sampling["repetition_penalty"][i] = p.repetition_penalty or 1.0
-            sampling["seed"][i], sampling["step"][i] = r.seed, len(r.generated)
+            sampling["seed"][i] = r.seed
+            sampling["step"][i] = len(r.generated) + r.pending
             if seen is not None:
-                seen[i, r.tokens] = True
+                seen[i, r.tokens] = True  # (and a fed token, on the device)
         cu[len(scheduled) + 1:] = at
         return serving_step.StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled),
-                                      last, sampling, seen, greedy)
+                                      last, sampling, seen, greedy, feed)
 
-    def _run(self, scheduled: list[tuple[_Request, int]], clock: _PhaseClock) -> None:
+    def _dispatch(self, scheduled: list[tuple[Request, int]], clock: PhaseClock) -> jax.Array:
+        """Builds and dispatches (asynchronously) the step; returns its tokens, [max_seqs]."""
         copies = self.manager.take_pending_copies()
         if copies.size:  # only a shared, partly filled page is copied (never here today)
             pairs = [fj.copy_pages(k, v, copies) for k, v in
@@ -495,38 +488,54 @@ class Engine:
         batch = self._build(scheduled)
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
-        next_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(
+        self._last_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(
             self.weights, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
-            batch.sampling, batch.seen, graphdef=self.graphdef, weights_def=self.weights_def,
-            greedy=batch.greedy,
+            batch.sampling, batch.seen, self._last_tokens, graphdef=self._graphdef,
+            weights_def=self.weights_def, greedy=batch.greedy,
             implementation_key=fj.dispatch.current_preference())
         clock.lap("dispatch")
-        # While the device runs the step (dispatch is asynchronous), the host books it.
+        return self._last_tokens
+
+    def _book(self, scheduled: list[tuple[Request, int]]) -> list[tuple[int, Request]]:
+        """Counts a dispatched step's rows as computed and offers the pages they fill to the
+        prefix cache; returns the (index, request) pairs that draw a token in it."""
         drawn = []
         for i, (r, n) in enumerate(scheduled):
+            if r.finished:  # ended by the step before's token: this row is not used
+                continue
             self.stats.prompt_tokens += max(0, min(n, len(r.prompt) - r.computed))
             r.computed += n
             if self.prefix_cache.enabled:
                 r.cached_pages = self.prefix_cache.insert(
                     r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages,
                     keys=r.page_keys(self.page_size, r.computed // self.page_size))
-            if r.computed == len(r.tokens):  # its known tokens are in: a new one was drawn
+            if r.computed == len(r.tokens):  # its known tokens are in: a new one is drawn
+                r.pending, r.pending_index = 1, i
                 drawn.append((i, r))
         self.stats.steps += 1
-        clock.lap("book")
-        next_tokens = np.asarray(jax.device_get(next_tokens))
+        return drawn
+
+    def _read_in_flight(self, clock: PhaseClock) -> int:
+        """Waits for the step in flight and hands out its tokens; returns how many."""
+        if self._in_flight is None:
+            return 0
+        (tokens, drawn), self._in_flight = self._in_flight, None
+        tokens = np.asarray(jax.device_get(tokens))
         clock.lap("device")
         now = time.monotonic()
         self.stats.recent.append((now, len(drawn)))
         while self.stats.recent and self.stats.recent[0][0] < now - 60:
             self.stats.recent.popleft()
         for i, r in drawn:
-            self._accept(r, int(next_tokens[i]), now)
+            r.pending = 0
+            if not r.finished:  # (cancelled meanwhile: the token is dropped)
+                self._accept(r, int(tokens[i]), now)
         clock.lap("output")
+        return len(drawn)
 
     # -- outputs --------------------------------------------------------------------------
 
-    def _accept(self, r: _Request, token: int, now: float) -> None:
+    def _accept(self, r: Request, token: int, now: float) -> None:
         r.generated.append(token)
         self.stats.generated_tokens += 1
         if r.first_token_at is None:
@@ -537,12 +546,11 @@ class Engine:
         r.last_token_at = now
         p = r.params
         reason = None
-        stop_ids = p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos)
-        if token in stop_ids:
+        if token in r.stop_ids(self.eos):
             reason = "stop"
         elif len(r.generated) >= p.max_tokens or len(r.tokens) >= self.max_model_len:
             reason = "length"
-        text, stopped = self._text(r, final=reason is not None)
+        text, stopped = r.new_text(self.tokenizer, self.eos, final=reason is not None)
         if stopped:
             reason = "stop"
         if reason:
@@ -550,42 +558,16 @@ class Engine:
         else:
             self._emit(r, text)
 
-    def _text(self, r: _Request, *, final: bool) -> tuple[str, bool]:
-        """The new text of ``r`` to send, and whether a stop string ended it."""
-        if self.tokenizer is None:
-            return "", False
-        ids = r.generated
-        stops = r.params.stop_token_ids if r.params.ignore_eos else (
-            *r.params.stop_token_ids, *self.eos)
-        if ids and ids[-1] in stops:
-            ids = ids[:-1]
-        full = self.tokenizer.decode(ids)
-        for s in r.params.stop:
-            at = full.find(s, max(0, r.sent_text - len(s) + 1))
-            if at >= 0:
-                full = full[:at]
-                piece = full[r.sent_text:]
-                r.sent_text = len(full)
-                return piece, True
-        if not final:
-            if full.endswith("\ufffd"):  # an incomplete character: wait for its bytes
-                return "", False
-            hold = max((len(s) - 1 for s in r.params.stop), default=0)
-            end = max(r.sent_text, len(full) - hold)
-            piece, r.sent_text = full[r.sent_text:end], end
-            return piece, False
-        piece, r.sent_text = full[r.sent_text:], len(full)
-        return piece, False
-
-    def _emit(self, r: _Request, text: str, reason: str | None = None,
+    def _emit(self, r: Request, text: str, reason: str | None = None,
               error: str | None = None) -> None:
         new = tuple(r.generated[r.sent_ids:])
         r.sent_ids = len(r.generated)
         if new or text or reason:
             r.stream.put(Output(new, text, reason, error, len(r.prompt), len(r.generated)))
 
-    def _finish(self, r: _Request, reason: str, *, text: str = "",
+    def _finish(self, r: Request, reason: str, *, text: str = "",
                 error: str | None = None) -> None:
+        r.finished = True
         if r in self._running:
             self._running.remove(r)
             self.manager.free(r.id)

@@ -13,6 +13,7 @@ import queue
 import time
 
 from forge_jax.models import sampling as sampling_lib
+from forge_jax.models.prefix_cache import page_keys
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 # The phases of one engine step, in order: taking new requests and cancellations, choosing the
@@ -144,6 +145,85 @@ class RequestStream:
             ids += out.token_ids
             text.append(out.text)
         return ids, "".join(text), self.finish_reason
+
+
+class PhaseClock:
+    """Adds the seconds since the previous lap to ``totals[phase]`` (perf_counter)."""
+
+    def __init__(self, totals: dict):
+        self.totals, self.last = totals, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self.last
+        self.last = now
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """The engine's record of one request (its thread only)."""
+
+    id: int
+    prompt: list[int]
+    params: RequestParams
+    stream: RequestStream
+    seed: int
+    arrival: float
+    generated: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens in the cache
+    cached_pages: int = 0  # full pages already offered to the prefix cache
+    # A token drawn by the step in flight, not read yet (0 or 1), and its index among that
+    # step's sampled sequences: the next step may feed it to the device without reading it.
+    pending: int = 0
+    pending_index: int = 0
+    finished: bool = False
+    sent_ids: int = 0
+    sent_text: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # full pages' prefix keys
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    def page_keys(self, page_size: int, count: int) -> list[bytes]:
+        """The prefix-cache keys of the first ``count`` full pages of the tokens (hashed
+        once each: the tokens only grow)."""
+        if count > len(self.keys):
+            self.keys = page_keys(self.tokens, page_size, count, self.keys)
+        return self.keys[:count]
+
+    def stop_ids(self, eos: frozenset) -> tuple[int, ...]:
+        p = self.params
+        return p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *eos)
+
+    def new_text(self, tokenizer, eos: frozenset, *, final: bool) -> tuple[str, bool]:
+        """The text to send since the last call (None ``tokenizer``: none), and whether a
+        stop string ended it."""
+        if tokenizer is None:
+            return "", False
+        ids = self.generated
+        if ids and ids[-1] in self.stop_ids(eos):
+            ids = ids[:-1]
+        full = tokenizer.decode(ids)
+        for s in self.params.stop:
+            at = full.find(s, max(0, self.sent_text - len(s) + 1))
+            if at >= 0:
+                full = full[:at]
+                piece = full[self.sent_text:]
+                self.sent_text = len(full)
+                return piece, True
+        if not final:
+            if full.endswith("\ufffd"):  # an incomplete character: wait for its bytes
+                return "", False
+            hold = max((len(s) - 1 for s in self.params.stop), default=0)
+            end = max(self.sent_text, len(full) - hold)
+            piece, self.sent_text = full[self.sent_text:end], end
+            return piece, False
+        piece, self.sent_text = full[self.sent_text:], len(full)
+        return piece, False
 
 
 class Histogram:

@@ -95,6 +95,8 @@ class StepBatch:
       seen: bool ``[max_seqs, vocab]`` (each sequence's tokens, for the repetition
         penalty), or None when no sequence has a penalty (nothing that size is uploaded).
       greedy: whether every sequence is greedy without a penalty (the cheaper compiled mode).
+      feed: int32 ``[tokens]``: for a row whose token the previous step draws (it is not on
+        the host yet), that token's index in the previous step's tokens; -1 elsewhere.
     """
 
     tokens: np.ndarray
@@ -108,6 +110,7 @@ class StepBatch:
     sampling: dict[str, np.ndarray]
     seen: np.ndarray | None
     greedy: bool
+    feed: np.ndarray
 
     @property
     def shape_key(self) -> tuple:
@@ -115,6 +118,22 @@ class StepBatch:
         tables' shape, greedy or not, with a repetition penalty or not."""
         return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
                 self.seen is not None)
+
+
+class Static:
+    """A static argument of a jitted function, hashed once: ``nnx.GraphDef``'s hash walks the
+    whole graph (about 2 ms for a 30-layer model), and jit hashes its static arguments at
+    every call. Equal when the values are."""
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Static) and (self.value is other.value
+                                              or self.value == other.value)
 
 
 def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
@@ -145,8 +164,9 @@ def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
 @functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "greedy",
                                              "implementation_key"),
                    donate_argnames=("k_pages", "v_pages"))
-def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, seen, *,
-                graphdef: nnx.GraphDef, weights_def, greedy: bool, implementation_key=None):
+def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, seen,
+                last_tokens, *, graphdef: nnx.GraphDef | Static, weights_def, greedy: bool,
+                implementation_key=None):
     """Writes and attends one packed batch, samples one token per sequence (jitted; the
     pages are donated: use the returned ones).
 
@@ -158,27 +178,41 @@ def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, se
         ``block_tables``, ``kv_lengths``, ``cu_q_lens``, ``num_seqs`` and ``last_rows``.
       sampling, seen: as :class:`StepBatch` describes (``seen`` None when ``greedy`` or
         when no sequence has a repetition penalty).
-      graphdef: static, ``nnx.split(model)[0]``.
+      last_tokens: int32 ``[max_seqs]``, the previous step's tokens (what it returned), which
+        ``batch["feed"]`` indexes: the rows it names take their token from there (and a
+        sequence's ``seen`` counts it), so a step can be dispatched before the host has read
+        the previous one's tokens.
+      graphdef: static, ``nnx.split(model)[0]`` (or it in a :class:`Static`).
       weights_def: static, the tree structure of the state (``jax.tree.flatten``'s second).
       greedy: static, :attr:`StepBatch.greedy`.
       implementation_key: static, the active implementation preference
         (``fj.dispatch.current_preference()``), so that a preference change recompiles.
 
     Returns:
-      ``(tokens, k_pages, v_pages)``: int32 ``[max_seqs]``, the token drawn after each
-      sequence's last row (meaningful for the rows that end their sequence's known tokens).
+      ``(tokens, k_pages, v_pages)``: int32 ``[max_seqs]`` (``last_tokens``' shape), the
+      token drawn after each sequence's last row (meaningful for the rows that end their
+      sequence's known tokens; zeros past the step's sequences).
     """
     del implementation_key
+    graphdef = graphdef.value if isinstance(graphdef, Static) else graphdef
     model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
+    feed = batch["feed"]
+    fed = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch["tokens"])  # [tokens]
+    if seen is not None:  # a fed token is its sequence's first (and only) row
+        seqs = jnp.arange(seen.shape[0])
+        first = jnp.minimum(batch["cu_q_lens"][:-1], fed.shape[0] - 1)  # [seqs]
+        was_fed = (feed[first] >= 0) & (seqs < batch["num_seqs"])
+        seen = seen.at[seqs, fed[first]].set(seen[seqs, fed[first]] | was_fed)
     cache = RaggedBatchCache(
         k_pages=tuple(k_pages), v_pages=tuple(v_pages), block_tables=batch["block_tables"],
         kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
         num_seqs=batch["num_seqs"], slots=batch["slots"], lengths=jnp.zeros((1,), jnp.int32))
-    tokens = batch["tokens"][None]  # [1, tokens]: one packed row
+    tokens = fed[None]  # [1, tokens]: one packed row
     logits, cache = model.forward_cached(tokens, batch["positions"][None],
                                          batch["slots"][None] >= 0, cache,
                                          logits_at=batch["last_rows"][None])
-    next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy)  # [max_seqs]
+    next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy)  # [s]
+    next_tokens = jnp.zeros_like(last_tokens).at[:next_tokens.shape[0]].set(next_tokens)
     k_pages, v_pages = cache.k_pages, cache.v_pages
     if model.mesh is not None:  # kept in their shards: the next step takes them donated
         pool = pool_sharding(model.mesh, k_pages[0].shape[0])
@@ -199,4 +233,4 @@ def step_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
     return dict(tokens=batch.tokens, positions=batch.positions, slots=batch.slots,
                 block_tables=batch.block_tables, kv_lengths=batch.kv_lengths,
                 cu_q_lens=batch.cu_q_lens, num_seqs=np.int32(batch.num_seqs),
-                last_rows=batch.last_rows)
+                last_rows=batch.last_rows, feed=batch.feed)

@@ -239,3 +239,64 @@ def test_a_failed_step_ends_its_requests_with_error(monkeypatch, chat_model, cha
         assert ids == reference[0]  # and the engine goes on
     finally:
         engine.shutdown()
+
+
+def _drive(engine, plan: dict) -> list:
+    """Steps ``engine`` by hand (no thread): at step k, ``plan[k]``'s actions, each
+    ``(prompt, params)`` to submit or the index of a stream to cancel."""
+    streams, k = [], 0
+    while k <= max(plan) or engine.has_work():
+        for action in plan.get(k, ()):
+            if isinstance(action, int):
+                streams[action].cancel()
+            else:
+                streams.append(engine.submit(*action))
+        engine.step()
+        k += 1
+    return [s.result() for s in streams]
+
+
+def test_overlapped_steps_give_the_tokens_of_unoverlapped_ones(chat_model, chat_tokenizer,
+                                                               prompts, reference):
+    # Arrivals while others decode or prefill in chunks, a stop id (the overlapped engine has
+    # already dispatched a row for that request when it reads the stop), a seeded sampler
+    # (its key folds in the index of the token being drawn), an argmax under a strong
+    # repetition penalty just before the model would repeat its last token (a token fed
+    # from the device counts as seen), and cancellations mid-prefill and mid-decode.
+    greedy = serving.RequestParams(max_tokens=24)
+    sampled = serving.RequestParams(max_tokens=16, temperature=0.9, top_k=40,
+                                    repetition_penalty=1.3, seed=3, ignore_eos=True)
+    stop_id = reference[2][2]
+    k, j = next((k, j) for k, r in enumerate(reference) for j in range(len(r) - 1)
+                if r[j] == r[j + 1])
+    repeat = prompts[k] + reference[k][:j]
+    assert reference[k][j] not in repeat
+    plan = {0: [(prompts[0], greedy), (prompts[1], sampled),
+                (prompts[2], serving.RequestParams(max_tokens=24, stop_token_ids=(stop_id,)))],
+            2: [(prompts[3], greedy), (prompts[4], greedy)],
+            1: [(repeat, serving.RequestParams(max_tokens=3, repetition_penalty=1e3))],
+            3: [4], 6: [(prompts[5], serving.RequestParams(max_tokens=8))], 9: [5]}
+    sync = cases.engine(chat_model, chat_tokenizer, overlap=False)
+    want = _drive(sync, plan)
+    before = serving_step.ragged_step._cache_size()
+    engine = cases.engine(chat_model, chat_tokenizer)
+    assert engine.overlap
+    got = _drive(engine, plan)
+    for results in (want, got):
+        (a, _, ra), (b, _, rb), (c, _, rc), (g, _, _), (d, _, rd), (e, _, re), (f, _, rf) = \
+            results
+        assert (a, ra) == (reference[0], "stop" if reference[0][-1] in sync.eos else "length")
+        assert len(b) == 16 and rb == "length"
+        assert c == reference[2][:reference[2].index(stop_id) + 1] and rc == "stop"
+        assert rd == re == "cancelled" and d == reference[3][:len(d)]
+        assert len(e) < len(reference[4]) and e == reference[4][:len(e)]
+        assert f == reference[5][:8] and rf in ("stop", "length")
+        assert g[0] == reference[k][j] != g[1]  # penalized: not repeated
+    assert [r for i, r in enumerate(got) if i not in (4, 5)] == [
+        r for i, r in enumerate(want) if i not in (4, 5)]  # the sampled ones too
+    # Feeding tokens from the device compiles no variant of its own.
+    assert serving_step.ragged_step._cache_size() - before <= len(
+        engine.stats.compiled - sync.stats.compiled)
+    for e in (sync, engine):
+        usage = e.manager.usage()
+        assert usage.num_sequences == 0 and usage.used_pages == len(e.prefix_cache)
