@@ -193,9 +193,9 @@ def _materialised(cos, sin):
     is the value, the others are zeros), so that XLA:CPU writes the ``[batch, seq, half]``
     tables once. Otherwise it fuses the sine and cosine into each consumer and evaluates
     them again for every head and both halves of the rotation: RoPE of a 2048-token
-    prompt's queries and keys (SmolLM2-135M's 9 + 3 heads) took 4-8 ms a layer on a
-    2-core CPU, 1-2 ms with the tables written once. (CPU only: other platforms keep
-    the plain tables.)"""
+    prompt's queries and keys (SmolLM2-135M's 9 + 3 heads), jitted alone, took 4-10 ms
+    on a loaded 2-core CPU, 1-2 ms with the tables written once (BENCHMARKS.md). CPU
+    only: other platforms keep the plain tables."""
     half = cos.shape[-1]
     both = jnp.einsum("...f,fg->...g", jnp.concatenate([cos, sin], axis=-1),
                       jnp.eye(2 * half, dtype=jnp.float32),
