@@ -312,7 +312,6 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
         kv_lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0, kv_len)
     if q_positions is None:
         q_positions = default_positions(batch, q_len, kv_len, kv_lengths)
-    qg = q.reshape(batch, q_len, kv_heads, groups, head_dim)
 
     def attend(k, v, exact):
         # exact: some K/V entry is non-finite, so hidden slots must be kept out explicitly.
@@ -324,6 +323,10 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
             k, v = hide_from_decode(k, v, mask[:, 0, :, None, None])
         elif exact:
             k, bad_keys = finite_keys(k)  # [b, s, k]
+        # (q is reshaped here, in the branch: a reshape outside would hand the two
+        # branches of the cond below differently shaped queries, and XLA would compute
+        # the queries' producer, RoPE, once for each.)
+        qg = q.reshape(batch, q_len, kv_heads, groups, head_dim)
         logits = exact_logits("btkgh,bskh->bkgts", qg, k)
         if bad_keys is not None:
             logits = jnp.where(jnp.transpose(bad_keys, (0, 2, 1))[:, :, None, None, :],
