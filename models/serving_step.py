@@ -21,6 +21,7 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax.models import sampling as sampling_lib
+from forge_jax.models.steps import Static
 
 
 @jax.tree_util.register_dataclass
@@ -120,22 +121,6 @@ class StepBatch:
                 self.seen is not None)
 
 
-class Static:
-    """A static argument of a jitted function, hashed once: ``nnx.GraphDef``'s hash walks the
-    whole graph (about 2 ms for a 30-layer model), and jit hashes its static arguments at
-    every call. Equal when the values are."""
-
-    def __init__(self, value):
-        self.value, self._hash = value, hash(value)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Static) and (self.value is other.value
-                                              or self.value == other.value)
-
-
 def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
     """One token per row of ``logits`` ``[rows, vocab]``, each row with its own parameters
     (``sampling``'s ``[rows]`` arrays, as :class:`StepBatch` describes); greedy rows
@@ -194,7 +179,7 @@ def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, se
       sequence's known tokens; zeros past the step's sequences).
     """
     del implementation_key
-    graphdef = graphdef.value if isinstance(graphdef, Static) else graphdef
+    graphdef = Static.unwrap(graphdef)
     model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     feed = batch["feed"]
     fed = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch["tokens"])  # [tokens]

@@ -51,9 +51,31 @@ def seen_tokens(prompts: Sequence[Sequence[int]], batch: int, vocab_size: int) -
     return seen
 
 
-def step_statics(graphdef: nnx.GraphDef, mode: bool) -> dict:
+class Static:
+    """A static argument of a jitted function, hashed once: ``nnx.GraphDef``'s hash walks the
+    whole graph (about 2 ms for a 30-layer model), and jit hashes its static arguments at
+    every call. Equal when the values are."""
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Static) and (self.value is other.value
+                                              or self.value == other.value)
+
+    @staticmethod
+    def unwrap(x):
+        """``x``'s value if it is a :class:`Static`, else ``x``."""
+        return x.value if isinstance(x, Static) else x
+
+
+def step_statics(graphdef: nnx.GraphDef | Static, mode: bool) -> dict:
     """The static keyword arguments of :func:`prefill_step` and :func:`decode_step`:
-    ``graphdef`` (``nnx.split(model)[0]``), ``mode`` (:attr:`SamplingParams.mode`) and
+    ``graphdef`` (``nnx.split(model)[0]``, in a :class:`Static`), ``mode``
+    (:attr:`SamplingParams.mode`) and
     ``implementation_key``, the active implementation preference
     (``fj.use_implementation``, the environment).
 
@@ -61,6 +83,8 @@ def step_statics(graphdef: nnx.GraphDef, mode: bool) -> dict:
     preference, so the steps take it as a static argument: one compiled step per
     preference. (Left out, it is None: the step compiled first serves every preference.)
     """
+    if not isinstance(graphdef, Static):
+        graphdef = Static(graphdef)  # hashed once, not at every step's dispatch
     return dict(graphdef=graphdef, mode=mode,
                 implementation_key=fj.dispatch.current_preference())
 
@@ -72,7 +96,7 @@ _STATIC = ("graphdef", "mode", "implementation_key")
                    donate_argnames=("cache",))
 def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
                  key: jax.Array, sampling: dict[str, jax.Array], seen: jax.Array, *,
-                 graphdef: nnx.GraphDef, mode: bool, implementation_key=None,
+                 graphdef: nnx.GraphDef | Static, mode: bool, implementation_key=None,
                  empty_cache: bool = False):
     """Prefills new tokens into a KV cache and samples the first token after them (jitted;
     ``cache`` is donated: use the returned one).
@@ -103,7 +127,7 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
       ``(tokens, seen, cache)``: the first new token of each row, int32 ``[batch]``;
       ``seen`` with it marked; the cache holding the new tokens.
     """
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(Static.unwrap(graphdef), state)
     batch, t = tokens.shape
     offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     valid = offsets < lengths[:, None]
@@ -121,7 +145,7 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "seen"))
 def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
                 key: jax.Array, step: jax.Array, sampling: dict[str, jax.Array],
-                seen: jax.Array, *, graphdef: nnx.GraphDef, mode: bool,
+                seen: jax.Array, *, graphdef: nnx.GraphDef | Static, mode: bool,
                 implementation_key=None):
     """One new token per sequence (jitted; ``cache`` and ``seen`` are donated: use the
     returned ones).
@@ -141,7 +165,7 @@ def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
       ``(tokens, seen, cache)``: the next token of each row, int32 ``[batch]``; ``seen``
       with it marked; the cache one token longer per active row.
     """
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(Static.unwrap(graphdef), state)
     positions = cache.lengths[:, None]  # [batch, 1]
     logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
                                          logits_at=jnp.zeros_like(cache.lengths))
