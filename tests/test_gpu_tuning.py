@@ -10,6 +10,7 @@ from forge_jax.pallas_kernels.gpu import (
     _common,
     attention,
     jax_triton_elementwise,
+    mosaic_quantized_matmul,
     paged_attention,
     rms_norm,
     rope,
@@ -20,7 +21,9 @@ TABLES = {"rms_norm": rms_norm.TUNED, "silu_mul": silu_mul.TUNED, "rope": rope.T
           "attention": attention.TUNED, "paged_attention": paged_attention.TUNED,
           "triton_rms_norm": jax_triton_elementwise.RMS_NORM_TUNED,
           "triton_silu_mul": jax_triton_elementwise.SILU_MUL_TUNED,
-          "triton_rope": jax_triton_elementwise.ROPE_TUNED}
+          "triton_rope": jax_triton_elementwise.ROPE_TUNED,
+          # The one table with a Blackwell row (its SM count): the Triton kernels have none.
+          "mosaic_quantized_matmul": mosaic_quantized_matmul.TUNED}
 KINDS = {
     "NVIDIA H100 80GB HBM3": "H100",
     "NVIDIA H100 PCIe": "H100",

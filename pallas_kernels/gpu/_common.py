@@ -28,7 +28,8 @@ MIN_DOT = 16  # Triton dots need every dimension >= 16
 # words of ``jax.Device.device_kind`` ("H100" matches "NVIDIA H100 80GB HBM3", "L4" matches
 # "NVIDIA L4" but not "NVIDIA L40S"); "default" serves every other kind and the interpreter.
 # What the per-kind rows are sized against: shared memory per SM (H100 228 KiB, A100
-# 164 KiB, L4 100 KiB) and SMs (132, 108, 58).
+# 164 KiB, L4 100 KiB) and SMs (132, 108, 58; B200: 148, a row of the Mosaic GPU
+# quantized matmul's table only).
 DEVICE_KINDS = ("H100", "B200", "A100", "L4")
 
 
