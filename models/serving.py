@@ -54,17 +54,8 @@ from forge_jax.models.serving_requests import (  # noqa: F401  (the engine's API
     RequestRefused,
     RequestStream,
 )
+from forge_jax.models.serving_step import MIN_TABLE_PAGES  # noqa: F401  (the engine's API)
 from forge_jax.ops import kv_quant
-
-
-def _pow2_at_least(n: int, low: int) -> int:
-    return max(low, 1 << max(0, n - 1).bit_length())
-
-
-# Block tables are as wide as the step's longest sequence needs, rounded up to a power of two
-# pages at least this (and at most the context's): every row reads its table's width of
-# slots, so a short step over a long context does not read the whole context per row.
-MIN_TABLE_PAGES = 16
 
 
 class Engine:
@@ -109,8 +100,8 @@ class Engine:
         if not 1 <= min_batch_tokens <= max_batch_tokens:
             raise ValueError(f"need 1 <= min_batch_tokens <= max_batch_tokens, got "
                              f"{min_batch_tokens=} and {max_batch_tokens=}")
-        self.max_batch_tokens = _pow2_at_least(int(max_batch_tokens), 8)
-        self.min_batch_tokens = _pow2_at_least(int(min_batch_tokens), 1)
+        self.max_batch_tokens = serving_step.pow2_at_least(int(max_batch_tokens), 8)
+        self.min_batch_tokens = serving_step.pow2_at_least(int(min_batch_tokens), 1)
         self.max_seqs, self.max_waiting = int(max_seqs), int(max_waiting)
         self.overlap = bool(overlap)
         self.page_size = int(page_size)
@@ -323,6 +314,10 @@ class Engine:
         """The (request, new tokens) pairs of the next batch, pages appended for them."""
         budget, batch = self.max_batch_tokens, []
         preemptions = self.stats.preemptions
+        # Full pages this step computes (key -> page): a waiting request whose prefix
+        # continues into them shares them in this same step. Each layer writes the whole
+        # step's keys and values before it attends, so its rows read them once written.
+        fresh: dict[bytes, int] = {}
         for r in list(self._running):
             if r not in self._running:  # preempted while making room for an earlier one
                 continue
@@ -335,31 +330,47 @@ class Engine:
             if self._make_room(r, n):
                 batch.append((r, n))
                 budget -= n
-        # Full pages that running requests have yet to compute: a waiting request whose
+        for r, n in batch:
+            self._note_fresh(r, n, fresh)
+        # Full pages that running requests compute in a later step: a waiting request whose
         # prefix continues into one of them waits until it is cached, rather than computing
         # it again (a burst sharing a system prompt prefills it once).
         in_flight = set()
         for r in self._running:
             if r.computed < len(r.prompt):
                 in_flight.update(self._uncomputed_keys(r))
+        in_flight.difference_update(fresh)
         # After a preemption the pool is short: admit nothing new (nor the preempted) now.
         at = 0
         while (at < len(self._waiting) and budget and len(batch) < self.max_seqs
                and self.stats.preemptions == preemptions):
             r = self._waiting[at]
-            if r.pending or in_flight and self._next_prefix_key(r) in in_flight:
+            if r.pending or in_flight and self._next_prefix_key(r, fresh) in in_flight:
                 at += 1
                 continue
-            if not self._admit(r, budget):
+            if not self._admit(r, budget, fresh):
                 break
             self._waiting.pop(at)
-            in_flight.update(self._uncomputed_keys(r))
             self._running.append(r)
             self._running.sort(key=lambda x: x.arrival)
             n = min(len(r.tokens) - r.computed, budget)
             batch.append((r, n))
             budget -= n
+            self._note_fresh(r, n, fresh)
+            in_flight.update(self._uncomputed_keys(r))
+            in_flight.difference_update(fresh)
         return batch
+
+    def _note_fresh(self, r: Request, n: int, fresh: dict[bytes, int]) -> None:
+        """Adds the full pages of known tokens that ``n`` new rows of ``r`` complete."""
+        if not self.prefix_cache.enabled:
+            return
+        first = r.computed // self.page_size
+        done = min(r.computed + n, len(r.tokens)) // self.page_size
+        if done > first:
+            table = self.manager.block_table(r.id)
+            keys = r.page_keys(self.page_size, done)
+            fresh.update((keys[i], int(table[i])) for i in range(first, done))
 
     def _uncomputed_keys(self, r: Request) -> list[bytes]:
         """The prefix-cache keys of ``r``'s full pages not computed yet."""
@@ -368,11 +379,13 @@ class Engine:
         full = len(r.tokens) // self.page_size
         return r.page_keys(self.page_size, full)[r.computed // self.page_size:]
 
-    def _next_prefix_key(self, r: Request) -> bytes | None:
-        """The key of the first full page of ``r``'s prefix that is not cached (None: none)."""
+    def _next_prefix_key(self, r: Request, fresh: dict[bytes, int]) -> bytes | None:
+        """The key of the first full page of ``r``'s prefix that is neither cached nor
+        computed in this step (None: none)."""
         count = (len(r.tokens) - 1) // self.page_size  # as PrefixCache.lookup
         cached = self.prefix_cache.pages
-        return next((k for k in r.page_keys(self.page_size, count) if k not in cached), None)
+        return next((k for k in r.page_keys(self.page_size, count)
+                     if k not in cached and k not in fresh), None)
 
     def _make_room(self, r: Request, n: int) -> bool:
         """Appends ``n`` tokens' room to running request ``r``, evicting cached pages and then
@@ -389,11 +402,20 @@ class Engine:
                 if victim is r:
                     return False
 
-    def _admit(self, r: Request, budget: int) -> bool:
-        """Allocates a waiting request's cached prefix and first chunk, if the pool allows
-        (evicting cached pages, never preempting)."""
+    def _admit(self, r: Request, budget: int, fresh: dict[bytes, int]) -> bool:
+        """Allocates a waiting request's cached prefix (continued by the ``fresh`` pages
+        this step computes) and first chunk, if the pool allows (evicting cached pages,
+        never preempting)."""
         tokens = r.tokens
-        pages = self.prefix_cache.lookup(tokens)
+        cached = self.prefix_cache.lookup(tokens)
+        pages = list(cached)
+        if fresh:  # the prefix continues into pages an earlier row of this step fills
+            count = (len(tokens) - 1) // self.page_size  # as PrefixCache.lookup
+            for key in r.page_keys(self.page_size, count)[len(pages):]:
+                if key not in fresh:
+                    break
+                pages.append(fresh[key])
+        shared = len(pages) - len(cached)
         for page in pages:  # held across the eviction below, which takes only unheld pages
             self.manager.hold(page)
         try:
@@ -406,15 +428,20 @@ class Engine:
             if need > self.manager.usage().free_pages:
                 stats = self.prefix_cache.stats  # not admitted: the lookup did not count
                 stats.queried_tokens -= len(tokens)
-                stats.hit_tokens -= computed
-                stats.reused_pages -= len(pages)
+                stats.hit_tokens -= len(cached) * self.page_size
+                stats.reused_pages -= len(cached)
                 return False
             self.manager.allocate(r.id, computed, prefix_pages=pages)
             self.manager.append(r.id, n)
         finally:
             for page in pages:
                 self.manager.release(page)
-        r.computed, r.cached_pages = computed, len(pages)
+        stats = self.prefix_cache.stats  # shared in this step: reused as a cached page is
+        stats.hit_tokens += shared * self.page_size
+        stats.reused_pages += shared
+        # The pages shared in this step enter the cache when their own request's rows are
+        # booked; this request's booking then finds them there.
+        r.computed, r.cached_pages = computed, len(cached)
         return True
 
     def _preempt(self, r: Request) -> None:
@@ -426,57 +453,6 @@ class Engine:
         self._waiting.append(r)
         self._waiting.sort(key=lambda x: x.arrival)
 
-    def _build(self, scheduled: list[tuple[Request, int]]) -> serving_step.StepBatch:
-        total = sum(n for _, n in scheduled)
-        rows = _pow2_at_least(total, self.min_batch_tokens)
-        tokens = np.zeros((rows,), np.int32)
-        positions = np.zeros((rows,), np.int32)
-        slots = np.full((rows,), -1, np.int32)
-        # Sequences per step at most: no more than rows, so that a small step (a few
-        # decodes) does not project max_seqs rows onto the vocabulary. One variant per row
-        # bucket still.
-        s = min(rows, self.max_seqs)
-        cu = np.zeros((s + 1,), np.int32)
-        kv = np.zeros((s,), np.int32)
-        last = np.zeros((s,), np.int32)
-        ids = [r.id for r, _ in scheduled]
-        used = self.manager.block_tables(ids)  # [len(ids), the longest table]
-        width = min(self.pages_per_seq, _pow2_at_least(used.shape[1], MIN_TABLE_PAGES))
-        tables = np.zeros((s, width), np.int32)
-        tables[:len(ids), :used.shape[1]] = used
-        sampling = dict(temperature=np.zeros((s,), np.float32), top_k=np.zeros((s,), np.int32),
-                        top_p=np.ones((s,), np.float32), min_p=np.zeros((s,), np.float32),
-                        repetition_penalty=np.ones((s,), np.float32),
-                        seed=np.zeros((s,), np.uint32), step=np.zeros((s,), np.int32))
-        greedy = all(r.params.greedy for r, _ in scheduled)
-        penalty = any(r.params.repetition_penalty not in (None, 1.0) for r, _ in scheduled)
-        seen = np.zeros((s, self.vocab_size), bool) if penalty else None
-        feed = np.full((rows,), -1, np.int32)
-        at = 0
-        for i, (r, n) in enumerate(scheduled):
-            start = r.computed
-            known = r.tokens[start:start + n]
-            tokens[at:at + len(known)] = known
-            if len(known) < n:  # its last row is the token the step in flight draws
-                feed[at + n - 1] = r.pending_index
-            positions[at:at + n] = np.arange(start, start + n)
-            slots[at:at + n] = self.manager.slots(r.id, start, start + n)
-            at += n
-            cu[i + 1], kv[i], last[i] = at, start + n, at - 1
-            p = r.params
-            sampling["temperature"][i] = p.temperature
-            sampling["top_k"][i] = p.top_k or 0
-            sampling["top_p"][i] = 1.0 if p.top_p is None else p.top_p
-            sampling["min_p"][i] = p.min_p or 0.0
-            sampling["repetition_penalty"][i] = p.repetition_penalty or 1.0
-            sampling["seed"][i] = r.seed
-            sampling["step"][i] = len(r.generated) + r.pending
-            if seen is not None:
-                seen[i, r.tokens] = True  # (and a fed token, on the device)
-        cu[len(scheduled) + 1:] = at
-        return serving_step.StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled),
-                                      last, sampling, seen, greedy, feed)
-
     def _dispatch(self, scheduled: list[tuple[Request, int]], clock: PhaseClock) -> jax.Array:
         """Builds and dispatches (asynchronously) the step; returns its tokens, [max_seqs]."""
         copies = self.manager.take_pending_copies()
@@ -485,7 +461,9 @@ class Engine:
                      zip(self.k_pages, self.v_pages, strict=True)]
             self.k_pages = tuple(k for k, _ in pairs)
             self.v_pages = tuple(v for _, v in pairs)
-        batch = self._build(scheduled)
+        batch = serving_step.build_batch(
+            scheduled, self.manager, min_rows=self.min_batch_tokens, max_seqs=self.max_seqs,
+            pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size)
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
         self._last_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(

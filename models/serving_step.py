@@ -20,7 +20,9 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.kv_cache import BlockManager
 from forge_jax.models import sampling as sampling_lib
+from forge_jax.models.serving_requests import Request
 from forge_jax.models.steps import Static
 
 
@@ -219,3 +221,69 @@ def step_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
                 block_tables=batch.block_tables, kv_lengths=batch.kv_lengths,
                 cu_q_lens=batch.cu_q_lens, num_seqs=np.int32(batch.num_seqs),
                 last_rows=batch.last_rows, feed=batch.feed)
+
+
+def pow2_at_least(n: int, low: int) -> int:
+    """The smallest power of two at least ``n`` and ``low``."""
+    return max(low, 1 << max(0, n - 1).bit_length())
+
+
+# Block tables are as wide as the step's longest sequence needs, rounded up to a power of two
+# pages at least this (and at most the context's): every row reads its table's width of
+# slots, so a short step over a long context does not read the whole context per row.
+MIN_TABLE_PAGES = 16
+
+
+def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, min_rows: int,
+                max_seqs: int, pages_per_seq: int, vocab_size: int) -> StepBatch:
+    """The :class:`StepBatch` of the engine's scheduled ``(request, new rows)`` pairs: rows
+    padded to a power of two at least ``min_rows``, block tables as wide as the longest
+    sequence needs (a power of two from :data:`MIN_TABLE_PAGES`, at most ``pages_per_seq``)."""
+    total = sum(n for _, n in scheduled)
+    rows = pow2_at_least(total, min_rows)
+    tokens = np.zeros((rows,), np.int32)
+    positions = np.zeros((rows,), np.int32)
+    slots = np.full((rows,), -1, np.int32)
+    # Sequences per step at most: no more than rows, so that a small step (a few decodes)
+    # does not project max_seqs rows onto the vocabulary. One variant per row bucket still.
+    s = min(rows, max_seqs)
+    cu = np.zeros((s + 1,), np.int32)
+    kv = np.zeros((s,), np.int32)
+    last = np.zeros((s,), np.int32)
+    ids = [r.id for r, _ in scheduled]
+    used = manager.block_tables(ids)  # [len(ids), the longest table]
+    width = min(pages_per_seq, pow2_at_least(used.shape[1], MIN_TABLE_PAGES))
+    tables = np.zeros((s, width), np.int32)
+    tables[:len(ids), :used.shape[1]] = used
+    sampling = dict(temperature=np.zeros((s,), np.float32), top_k=np.zeros((s,), np.int32),
+                    top_p=np.ones((s,), np.float32), min_p=np.zeros((s,), np.float32),
+                    repetition_penalty=np.ones((s,), np.float32),
+                    seed=np.zeros((s,), np.uint32), step=np.zeros((s,), np.int32))
+    greedy = all(r.params.greedy for r, _ in scheduled)
+    penalty = any(r.params.repetition_penalty not in (None, 1.0) for r, _ in scheduled)
+    seen = np.zeros((s, vocab_size), bool) if penalty else None
+    feed = np.full((rows,), -1, np.int32)
+    at = 0
+    for i, (r, n) in enumerate(scheduled):
+        start = r.computed
+        known = r.tokens[start:start + n]
+        tokens[at:at + len(known)] = known
+        if len(known) < n:  # its last row is the token the step in flight draws
+            feed[at + n - 1] = r.pending_index
+        positions[at:at + n] = np.arange(start, start + n)
+        slots[at:at + n] = manager.slots(r.id, start, start + n)
+        at += n
+        cu[i + 1], kv[i], last[i] = at, start + n, at - 1
+        p = r.params
+        sampling["temperature"][i] = p.temperature
+        sampling["top_k"][i] = p.top_k or 0
+        sampling["top_p"][i] = 1.0 if p.top_p is None else p.top_p
+        sampling["min_p"][i] = p.min_p or 0.0
+        sampling["repetition_penalty"][i] = p.repetition_penalty or 1.0
+        sampling["seed"][i] = r.seed
+        sampling["step"][i] = len(r.generated) + r.pending
+        if seen is not None:
+            seen[i, r.tokens] = True  # (and a fed token, on the device)
+    cu[len(scheduled) + 1:] = at
+    return StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled), last, sampling,
+                     seen, greedy, feed)

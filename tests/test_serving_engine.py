@@ -103,6 +103,28 @@ def test_a_burst_sharing_a_prefix_prefills_it_once(chat_model, chat_tokenizer):
     assert set(phases) == set(serving.PHASES) and phases["device"] > 0
 
 
+def test_a_burst_shares_the_prefix_pages_its_first_step_computes(chat_model, chat_tokenizer):
+    # The first request's rows write the shared pages and the others' rows read them in the
+    # same step (each layer writes the step's keys before it attends): one step admits all
+    # three, and the shared prefix is computed once.
+    system = chat_tokenizer.encode(TEXTS[3])
+    tails = [chat_tokenizer.encode(t, add_special_tokens=False) for t in ("Hi", "Ok then", "No")]
+    prompts = [system + t for t in tails]
+    want = cases.greedy(chat_model, chat_tokenizer, prompts, 8)
+    engine = cases.engine(chat_model, chat_tokenizer, max_batch_tokens=64)
+    shared = len(system) // engine.page_size
+    rest = [len(p) - shared * engine.page_size for p in prompts]
+    assert shared >= 2 and len(prompts[0]) + sum(rest[1:]) <= engine.max_batch_tokens
+    streams = [engine.submit(p, serving.RequestParams(max_tokens=8)) for p in prompts]
+    engine.step()
+    assert [r.computed for r in engine._running] == [len(p) for p in prompts]
+    assert engine.stats.prompt_tokens == len(prompts[0]) + sum(rest[1:])
+    assert engine.prefix_cache.stats.reused_pages == 2 * shared
+    while engine.has_work():
+        engine.step()
+    assert [s.result()[0] for s in streams] == want
+
+
 def test_a_lone_request_decodes_in_one_row_steps(chat_model, chat_tokenizer, prompts,
                                                  reference):
     engine = cases.engine(chat_model, chat_tokenizer, min_batch_tokens=1)
