@@ -67,7 +67,8 @@ class Engine:
         and stop strings (None: token ids only).
       max_batch_tokens: tokens per step (decode tokens plus prefill chunks).
       min_batch_tokens: the smallest row bucket: a step's rows are padded to a power of two
-        at least this (a step of a few decodes then computes a few rows, not a prefill's).
+        at least this (a step of a few decodes then computes a few rows, not a prefill's),
+        or to three quarters of one from 192 rows up (``serving_step.row_bucket``).
       max_seqs: sequences per step (and running at once).
       num_pages, page_size: the page pool.
       max_model_len: prompt plus new tokens per request at most (default: the model's

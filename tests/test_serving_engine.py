@@ -133,6 +133,14 @@ def test_a_lone_request_decodes_in_one_row_steps(chat_model, chat_tokenizer, pro
     assert {k[0] for k in engine.stats.compiled} == {1, 8}  # the prompt, then its decodes
 
 
+def test_row_buckets_are_powers_of_two_and_three_quarters_of_them_from_192():
+    bucket = serving_step.row_bucket
+    assert [bucket(n, 1) for n in (1, 3, 9, 100, 128)] == [1, 4, 16, 128, 128]
+    assert [bucket(n, 1) for n in (129, 145, 192, 193, 300, 385)] == [192, 192, 192, 256, 384,
+                                                                     512]
+    assert bucket(150, 256) == 256 and bucket(3, 8) == 8  # never under the smallest bucket
+
+
 def test_page_keys_extend_the_keys_they_are_given():
     from forge_jax.models.prefix_cache import page_keys
 
