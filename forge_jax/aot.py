@@ -214,8 +214,10 @@ def compile(fn: Callable[..., Any], *args: Any, target: str | targets.Target,
             # the emitters it names; 0.10's wrote it with xla_dump_to alone. "ptx" names the
             # PTX writer alone: ".*" also logged every MLIR pass of every fusion, which made a
             # two-layer model's compile 55 s instead of 5 s.
-            options = ({"xla_dump_to": str(dump), "xla_dump_emitter_re": "ptx"}
-                       if t.platform == "gpu" else {})
+            # The backend's optimization level is the device's default (3), whatever
+            # XLA_FLAGS asks of the host's CPU compiles: it decides registers and spills.
+            options = ({"xla_dump_to": str(dump), "xla_dump_emitter_re": "ptx",
+                        "xla_backend_optimization_level": 3} if t.platform == "gpu" else {})
             mosaic_before = _mosaic_dumps()
             compiled = lowered.compile(options)
         except Exception as e:  # the compiler's verdict, reported, not raised

@@ -28,6 +28,13 @@ if not any(next(pathlib.Path("/dev").glob(p), None)
     # No TPU to share: the test processes (pytest-xdist) may each load libtpu for the
     # deviceless TPU compiles, which its lock file would otherwise refuse.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # XLA:CPU's LLVM backend at optimization level 0: the suite mostly compiles small
+    # programs and runs them once (the kernels' interpreters too), and level 0 compiles
+    # faster; the results are the same IEEE arithmetic (XLA:CPU enables no fast math). Runs
+    # 10-26% faster on the files measured. A named target's compile (fj.aot.compile)
+    # keeps the device's own level. Set the flag in XLA_FLAGS to choose another.
+    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 
