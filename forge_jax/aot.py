@@ -356,7 +356,8 @@ def _with_gpu_figures(kernels: list[Kernel], dump: pathlib.Path,
     entries = tuple(f".entry {k.name}" for k in kernels)
     for ptx in dump.glob("*.ptx"):
         # ptxas only where a kernel is (newer XLA writes a PTX file per fusion).
-        if entries and any(e in ptx.read_text() for e in entries):
+        text = ptx.read_text() if entries else ""
+        if any(e in text for e in entries):
             regs.update(ptxas_figures(ptx, _arch(t)))
     out = []
     for k in kernels:

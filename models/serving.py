@@ -380,13 +380,17 @@ class Engine:
         full = len(r.tokens) // self.page_size
         return r.page_keys(self.page_size, full)[r.computed // self.page_size:]
 
+    def _prefix_keys(self, r: Request) -> list[bytes]:
+        """The keys of the full pages a lookup of ``r`` may reuse (as ``PrefixCache.lookup``:
+        its last token is always computed)."""
+        return r.page_keys(self.page_size, (len(r.tokens) - 1) // self.page_size)
+
     def _next_prefix_key(self, r: Request, fresh: dict[bytes, int]) -> bytes | None:
         """The key of the first full page of ``r``'s prefix that is neither cached nor
         computed in this step (None: none)."""
-        count = (len(r.tokens) - 1) // self.page_size  # as PrefixCache.lookup
         cached = self.prefix_cache.pages
-        return next((k for k in r.page_keys(self.page_size, count)
-                     if k not in cached and k not in fresh), None)
+        return next((k for k in self._prefix_keys(r) if k not in cached and k not in fresh),
+                    None)
 
     def _make_room(self, r: Request, n: int) -> bool:
         """Appends ``n`` tokens' room to running request ``r``, evicting cached pages and then
@@ -411,8 +415,7 @@ class Engine:
         cached = self.prefix_cache.lookup(tokens)
         pages = list(cached)
         if fresh:  # the prefix continues into pages an earlier row of this step fills
-            count = (len(tokens) - 1) // self.page_size  # as PrefixCache.lookup
-            for key in r.page_keys(self.page_size, count)[len(pages):]:
+            for key in self._prefix_keys(r)[len(pages):]:
                 if key not in fresh:
                     break
                 pages.append(fresh[key])
