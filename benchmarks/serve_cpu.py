@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--shared-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--sequential-requests", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1,
                         help="interleaved rounds; each row reports its best")

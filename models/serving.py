@@ -9,7 +9,7 @@ the decode token of each running request and chunks of waiting prompts into one
 (:func:`forge_jax.models.serving_step.ragged_step`, jitted for a few bucketed shapes,
 pages donated)::
 
-    engine = Engine(model, tokenizer, max_batch_tokens=256, num_pages=512)
+    engine = Engine(model, tokenizer, max_batch_tokens=512, num_pages=512)
     engine.start()                                   # the step loop, in a thread
     stream = engine.submit(prompt_ids, RequestParams(max_tokens=32, temperature=0.7))
     for out in stream:                               # or: async for out in stream
@@ -89,7 +89,7 @@ class Engine:
         each step's tokens are read and handed out before the next step is scheduled.
     """
 
-    def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 256,
+    def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 512,
                  min_batch_tokens: int = 1, max_seqs: int = 64, num_pages: int = 512,
                  page_size: int = 16, max_model_len: int | None = None, max_waiting: int = 1024,
                  prefix_caching: bool = True, eos_token_ids: Sequence[int] | None = None,

@@ -27,9 +27,10 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any)")
     serve.add_argument("--model-name", default=None,
                        help="the model's name in the API (default: the checkpoint's)")
-    serve.add_argument("--max-batch-tokens", type=int, default=256,
+    serve.add_argument("--max-batch-tokens", type=int, default=512,
                        help="tokens per step, decode tokens and prompt chunks together "
-                            "(rounded up to a power of two)")
+                            "(rounded up to a power of two; running requests wait for a step's "
+                            "prompt chunks: smaller streams more evenly)")
     serve.add_argument("--max-seqs", type=int, default=64, help="requests running at once")
     serve.add_argument("--max-pages", type=int, default=512,
                        help="pages in the KV cache pool")
