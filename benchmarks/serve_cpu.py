@@ -12,7 +12,8 @@ prefix cache on and off: output tokens/s over the burst, the speed-up over seque
 
 On a shared machine, ``--repeats N`` interleaves the contenders: each round times sequential
 ``generate`` and then every row once, and each row reports its best round and the ratio of
-the best rates (the load average is printed at the start and the end). ``--phases`` adds
+the best rates (the load average and a memory-bandwidth probe, :func:`bandwidth_probe`, are
+printed at the start and the end). ``--phases`` adds
 where the engine's step loop spent its time at each row (``EngineStats.phase_seconds``).
 ``--overlap off`` runs the engine with ``overlap=False`` (each step's tokens read before the
 next step is scheduled), ``--overlap both`` adds those rows beside the default ones.
@@ -33,6 +34,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -67,6 +69,23 @@ def sequential(model, prompts, new_tokens: int) -> float:
     for p in prompts:
         llama.generate(model, [p], new_tokens, eos_token_id=())
     return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def bandwidth_probe(vocab: int, hidden: int, rows: int = 16) -> float:
+    """Milliseconds of a ``[rows, hidden] x [vocab, hidden]^T`` product (the shape's vocabulary
+    projection), best of 5: a probe of the machine's memory bandwidth. Other tenants of a
+    shared host can halve it without moving the load average, and the memory-bound sequential
+    baseline then slows more than batched decode, which inflates the ratios: compare the
+    probe at the start and the end of a run, and across runs."""
+    x, w = jnp.ones((rows, hidden), jnp.float32), jnp.ones((vocab, hidden), jnp.float32)
+    product = jax.jit(lambda x, w: x @ w.T)
+    product(x, w).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        product(x, w).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 1000 * min(times)
 
 
 def burst(engine, prompts, new_tokens: int) -> tuple[float, list[float]]:
@@ -134,6 +153,7 @@ def main() -> None:
         burst(engine, prompts_for(c, args, vocab, 1), args.new_tokens)
         engines[caching, c, overlap] = engine
     load = os.getloadavg()
+    probe = bandwidth_probe(vocab, shape["hidden_size"])
     seq, best = 0.0, {}
     for round_ in range(args.repeats):
         seq = max(seq, sequential(model, seq_prompts, args.new_tokens))
@@ -155,6 +175,8 @@ def main() -> None:
           f"tokens each, greedy; max {args.max_batch_tokens} tokens per step; best of "
           f"{args.repeats} interleaved rounds; load average {load[0]:.1f} at the start, "
           f"{os.getloadavg()[0]:.1f} at the end")
+    print(f"# memory-bandwidth probe (a 16-row vocabulary product): {probe:.2f} ms at the "
+          f"start, {bandwidth_probe(vocab, shape['hidden_size']):.2f} ms at the end")
     print(f"sequential generate: {seq:.1f} tokens/s")
     print("| prefix cache | overlap | concurrency | tokens/s | x sequential | TTFT p50 (s) "
           "| TTFT p99 (s) |")

@@ -41,6 +41,19 @@ def test_decode_cpu_prefill_quick_prints_the_table():
     assert "HF forward's speed" in out and "target (" in out, out
 
 
+def test_serve_cpu_quick_prints_the_table():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serve_cpu.py"), "--quick",
+         "--concurrency", "1", "4", "--sequential-requests", "1", "--new-tokens", "4",
+         "--phases"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = result.stdout
+    for row in ("memory-bandwidth probe", "sequential generate:", "| on | on | 1 |",
+                "| on | on | 4 |", "| off | on | 4 |", "seconds per phase", "device"):
+        assert row in out, out
+
+
 def test_grouped_matmul_cpu_quick_prints_the_table():
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "grouped_matmul_cpu.py"), "--quick",
