@@ -233,8 +233,10 @@ def row_bucket(n: int, low: int) -> int:
     three quarters of one from 192 rows up (padding rows cost the linear layers as much as
     real ones: a 145-row prefill step would otherwise pay for 256)."""
     rows = pow2_at_least(n, low)
-    return rows * 3 // 4 if rows >= 256 and n <= rows * 3 // 4 and rows * 3 // 4 >= low \
-        else rows
+    three_quarters = rows * 3 // 4
+    if rows >= 256 and max(n, low) <= three_quarters:
+        return three_quarters
+    return rows
 
 
 # Block tables are as wide as the step's longest sequence needs, rounded up to a power of two
