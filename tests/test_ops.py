@@ -7,6 +7,8 @@ must stay within forge_jax.tolerances.
 
 from __future__ import annotations
 
+import re
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -52,7 +54,8 @@ MATMUL_SHAPES = [  # (batch_a, batch_b, M, K, N)
 
 
 MATMUL_CASES = ([(jnp.float32, shape) for shape in MATMUL_SHAPES]
-                + [(dtype, MATMUL_SHAPES[2]) for dtype in (jnp.float16, jnp.bfloat16)])
+                + [(dtype, shape) for dtype in (jnp.float16, jnp.bfloat16)
+                   for shape in (MATMUL_SHAPES[2], ((), (), 1, 33, 9))])
 
 
 @pytest.mark.parametrize("dtype,shape", MATMUL_CASES, ids=case_id)
@@ -251,6 +254,36 @@ def test_rope_conventions_are_permutations_of_each_other():
     half = jcall(fj.rope, x[..., perm], pos)
     inter = jcall(fj.rope, x, pos, interleaved=True)
     assert_close(half, f64(inter)[..., perm])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a property of XLA:CPU's kernels")
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_matmul_half_precision_row_is_two_rows_on_cpu(trans_a):
+    # XLA:CPU multiplies a bfloat16 [1, K] row by a matrix in a slow loop, [2, K] in a fast
+    # kernel (BENCHMARKS.md): the xla implementation pads a half-precision row to two. The
+    # product, its gradient and its vmap stay the reference's.
+    g = rng(4)
+    a = normal(g, (33, 1) if trans_a else (1, 33), jnp.bfloat16)
+    b = normal(g, (9, 33), jnp.bfloat16)
+    f = jax.jit(lambda a, b: fj.matmul(a, b, trans_a=trans_a, trans_b=True))
+    hlo = f.lower(a, b).compile().as_text()
+    assert re.search(r"= f32\[2,9\]\{[0-9,]*\} dot\(", hlo), hlo
+    assert_close(f(a, b), matmul_ref(a, b, trans_a=trans_a, trans_b=True))
+
+    def loss(a, b):
+        return jnp.sum(fj.matmul(a, b, trans_a=trans_a, trans_b=True).astype(jnp.float32) ** 2)
+
+    def loss_ref(a, b):  # float32, from the same bfloat16 values
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return jnp.sum(((a.T if trans_a else a) @ b.T) ** 2)
+
+    for got, want in zip(jax.grad(loss, (0, 1))(a, b), jax.grad(loss_ref, (0, 1))(a, b),
+                         strict=True):
+        assert_close(got, want.astype(jnp.bfloat16))
+    rows = normal(g, (4, *a.shape), jnp.bfloat16)
+    out = jax.vmap(lambda a: fj.matmul(a, b, trans_a=trans_a, trans_b=True))(rows)
+    for i in range(rows.shape[0]):
+        assert_close(out[i], matmul_ref(rows[i], b, trans_a=trans_a, trans_b=True))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a property of XLA:CPU's fusion")
