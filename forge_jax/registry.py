@@ -24,6 +24,7 @@ derived values (the last selections, the autotune file as last read).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -226,6 +227,15 @@ def unregister(op: str, name: str) -> None:
         del _IMPLEMENTATIONS[op][name]
     except KeyError:
         raise KeyError(f"no implementation {name!r} registered for op {op!r}") from None
+
+
+# Importing Pallas' fuser defines a JAX config that is part of every jit's cache key (JAX
+# 0.11 and 0.12). ``load_plugins`` runs at the first dispatch, inside the first traced
+# function: imported only then, the key changes under that function, and everything it
+# compiled compiled again at the next call (``generate``'s second call: 14 programs). Imported
+# here, with ``forge_jax``, the key is the same before and after (tests/test_generate.py).
+with contextlib.suppress(ImportError):  # an older JAX without it (nor the config)
+    importlib.import_module("jax.experimental.pallas.fuser")
 
 
 def load_plugins() -> None:

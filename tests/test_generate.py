@@ -150,6 +150,43 @@ def test_second_call_does_not_recompile():
     assert "/jax/core/compile/jaxpr_trace_duration" in events
 
 
+_COMPILES_TWICE = """
+import jax
+from flax import nnx
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: compiles.append(name)
+    if name.endswith("backend_compile_duration") else None)
+from forge_jax.models import llama
+config = llama.LlamaConfig.from_hf(dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+    rms_norm_eps=1e-5, vocab_size=64, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=128))
+model = llama.Llama(config, rngs=nnx.Rngs(0))
+first = llama.generate(model, [[5, 6, 7]], 4, eos_token_id=())
+compiled = len(compiles)
+second = llama.generate(model, [[5, 6, 7]], 4, eos_token_id=())
+assert first == second
+print(compiled, len(compiles) - compiled)
+"""
+
+
+def test_second_generate_of_a_fresh_process_compiles_nothing():
+    # The first dispatch imports the Pallas kernels inside the first traced function; an
+    # import there that adds a config to JAX's jit key (Pallas' fuser, JAX 0.11 and 0.12)
+    # made the second call compile every step again. A fresh process: in this one the
+    # kernels were imported long ago.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _COMPILES_TWICE], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = map(int, done.stdout.split()[-2:])
+    assert first > 0 and second == 0, (first, second)
+
+
 def test_eos_stops_a_sequence_and_is_included(model):
     free = llama.generate(model, PROMPTS, 8)
     # A token that first appears after the start of some row, so that one sequence stops
@@ -496,3 +533,4 @@ def test_warm_up_leaves_the_tokens_unchanged(model):
     for cache in ("paged", "contiguous"):
         tokens, stats = llama.generate_with_stats(model, PROMPTS, 6, cache=cache, warm_up=True)
         assert tokens == expected and stats.prefill_seconds > 0
+
