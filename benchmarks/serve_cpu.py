@@ -50,10 +50,11 @@ QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
              rope_theta=10000.0, tie_word_embeddings=True)
 
 
-def build_model(shape: dict):
+def build_model(shape: dict, dtype=jnp.float32):
     config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama",
                   hidden_act="silu", rms_norm_eps=1e-5)
-    return llama.Llama(llama.LlamaConfig.from_hf(config), rngs=nnx.Rngs(0))
+    return llama.Llama(llama.LlamaConfig.from_hf(config), rngs=nnx.Rngs(0), dtype=dtype,
+                       param_dtype=dtype)
 
 
 def prompts_for(n: int, args, vocab: int, seed: int) -> list[list[int]]:
@@ -129,13 +130,16 @@ def main() -> None:
                         help="only the rows with the prefix cache on")
     parser.add_argument("--overlap", choices=("on", "off", "both"), default="on",
                         help="the engine's overlap (both: a row for each)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's weights and compute (from_pretrained's default on "
+                             "CPU: float32)")
     parser.add_argument("--layers", type=int, default=None,
                         help="fewer layers than the shape's (a faster run on a loaded machine)")
     args = parser.parse_args()
     shape = dict(QUICK if args.quick else SMOL)
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-    model = build_model(shape)
+    model = build_model(shape, jnp.dtype(args.dtype))
     vocab = model.config.vocab_size
     seq_prompts = prompts_for(args.sequential_requests, args, vocab, 0)
     llama.generate(model, seq_prompts[:1], args.new_tokens, eos_token_id=())  # compile
@@ -170,7 +174,7 @@ def main() -> None:
         engine.shutdown()
     print(f"# JAX {jax.__version__}, {jax.devices()[0].device_kind}, "
           f"{'quick' if args.quick else 'SmolLM2-135M shape'}, "
-          f"{shape['num_hidden_layers']} layers; prompts of "
+          f"{shape['num_hidden_layers']} layers, {args.dtype}; prompts of "
           f"{args.prompt_tokens} tokens ({args.shared_tokens} shared), {args.new_tokens} new "
           f"tokens each, greedy; max {args.max_batch_tokens} tokens per step; best of "
           f"{args.repeats} interleaved rounds; load average {load[0]:.1f} at the start, "

@@ -103,9 +103,10 @@ def _check_finite(name: str, block: np.ndarray, file: str, param_dtype: np.dtype
 
 
 def default_dtype(platform: str | None = None) -> np.dtype:
-    """The compute dtype for ``platform`` (default: JAX's default backend): float32 on CPU,
-    where XLA's bfloat16 products are several times slower than float32's, bfloat16 on
-    GPU and TPU (inside ``fj.targets.use``: the target's platform)."""
+    """The compute dtype for ``platform`` (default: JAX's default backend): float32 on CPU
+    (bfloat16 there measured as fast or faster on a CPU with native bfloat16 products,
+    BENCHMARKS.md, and was not measured on others), bfloat16 on GPU and TPU (inside
+    ``fj.targets.use``: the target's platform)."""
     platform = fj_targets.platform() if platform is None else platform
     return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
 

@@ -49,7 +49,7 @@ def test_cli_dtype_default_and_the_bfloat16_note_on_cpu(capsys, monkeypatch, cha
     assert "bfloat16" in out.splitlines()[0]
     notes = [line for line in err.splitlines() if "note:" in line]
     assert len(notes) == 1 and "bfloat16" in notes[0] and "CPU" in notes[0] \
-        and "slow" in notes[0]
+        and "natively" in notes[0]
     out, err = _generate(capsys, monkeypatch, "--checkpoint", str(chat_checkpoint),
                          "--dtype", "float32")
     assert "note:" not in err
