@@ -76,7 +76,10 @@ class Engine:
       max_waiting: requests waiting at most; more raise :class:`QueueFull`.
       prefix_caching: keep full pages for later requests with the same prefix.
       eos_token_ids: ids that end every request (default: the model's).
-      cache_dtype: the pages' dtype (default: the model's compute dtype).
+      cache_dtype: the pages' dtype (default: the model's compute dtype). On CPU with JAX
+        0.10, XLA rewrites a whole bfloat16 pool at every write (1.2 ms a layer, keys and
+        values, for the 208-page pools of ``benchmarks/serve_cpu.py`` at concurrency 16,
+        BENCHMARKS.md); JAX 0.11 and 0.12 write in place.
       kv_cache_dtype: ``"int8"`` or ``"fp8"`` (e4m3) for quantized pages, a float32 scale
         per token and KV head beside them (:mod:`forge_jax.ops.kv_quant`), as
         :func:`~forge_jax.models.generation.generate`'s; they are written, shared by the
