@@ -239,6 +239,22 @@ def test_an_int8_model_serves_its_own_greedy_tokens(chat_checkpoint, chat_tokeni
     assert [ids for ids, _, _ in results] == want
 
 
+def test_a_bfloat16_model_serves_its_own_greedy_tokens(chat_checkpoint, chat_tokenizer,
+                                                       prompts):
+    # bfloat16 weights, products and pages: the engine's tokens are generate's of the same
+    # bfloat16 model (not the float32 model's: the rounding differs).
+    import jax.numpy as jnp
+
+    from forge_jax.models import llama
+
+    model = llama.from_pretrained(chat_checkpoint, dtype=jnp.bfloat16)
+    want = cases.greedy(model, chat_tokenizer, prompts[:4], 12)
+    engine = cases.engine(model, chat_tokenizer)
+    assert engine.k_pages[0].dtype == jnp.bfloat16
+    results = _run(engine, prompts[:4], [serving.RequestParams(max_tokens=12)] * 4)
+    assert [ids for ids, _, _ in results] == want
+
+
 def test_shutdown_counts_the_requests_it_finished_and_cancelled(chat_model, chat_tokenizer,
                                                                 prompts):
     params = serving.RequestParams(max_tokens=40, ignore_eos=True)
