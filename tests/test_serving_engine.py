@@ -242,7 +242,7 @@ def test_an_int8_model_serves_its_own_greedy_tokens(chat_checkpoint, chat_tokeni
 def test_a_bfloat16_model_serves_its_own_greedy_tokens(chat_checkpoint, chat_tokenizer,
                                                        prompts):
     # bfloat16 weights, products and pages: the engine's tokens are generate's of the same
-    # bfloat16 model (not the float32 model's: the rounding differs).
+    # bfloat16 model.
     import jax.numpy as jnp
 
     from forge_jax.models import llama
