@@ -258,9 +258,9 @@ def test_rope_conventions_are_permutations_of_each_other():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a property of XLA:CPU's kernels")
 @pytest.mark.parametrize("trans_a", [False, True])
-def test_matmul_half_precision_row_is_two_rows_on_cpu(trans_a):
+def test_matmul_bfloat16_row_is_two_rows_on_cpu(trans_a):
     # XLA:CPU multiplies a bfloat16 [1, K] row by a matrix in a slow loop, [2, K] in a fast
-    # kernel (BENCHMARKS.md): the xla implementation pads a half-precision row to two. The
+    # kernel (BENCHMARKS.md): the xla implementation pads a bfloat16 row to two. The
     # product, its gradient and its vmap stay the reference's.
     g = rng(4)
     a = normal(g, (33, 1) if trans_a else (1, 33), jnp.bfloat16)

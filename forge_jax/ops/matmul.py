@@ -89,17 +89,18 @@ def _acc_dtype(*dtypes):
 
 
 def _dot_2d(a, b, dims, *, trans_a: bool, acc):
-    """``dot_general`` of 2-D operands; on CPU a half-precision single row is computed as two.
+    """``dot_general`` of 2-D operands; on CPU a bfloat16 single row is computed as two.
 
-    XLA on CPU multiplies a bfloat16 or float16 ``[1, K]`` row by a matrix in a slow loop
-    (one decode token of SmolLM2-135M's vocabulary product: 28 ms, float32 2.5 ms) but
-    ``[2, K]`` and up in a fast kernel (1.9 ms; ``[16, K]`` 2.0 ms; BENCHMARKS.md): the row
-    is padded to two and the product's first row kept."""
+    XLA on CPU multiplies a bfloat16 ``[1, K]`` row by a matrix in a slow loop (one decode
+    token of SmolLM2-135M's vocabulary product: 28 ms, float32 2.5 ms) but ``[2, K]`` and up
+    in a fast kernel (1.9 ms; ``[16, K]`` 2.0 ms; BENCHMARKS.md): the row is padded to two
+    and the product's first row kept. (float16 is slow there at any row count, two rows
+    slower than one: left as it is.)"""
     def dot(a, b):
         return jax.lax.dot_general(a, b, dims, preferred_element_type=acc, precision=_FULL)
 
     m_axis = 1 if trans_a else 0
-    if a.shape[m_axis] != 1 or a.dtype not in (jnp.bfloat16, jnp.float16):
+    if a.shape[m_axis] != 1 or a.dtype != jnp.bfloat16:
         return dot(a, b)
 
     def two_rows(a, b):
