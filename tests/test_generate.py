@@ -533,4 +533,3 @@ def test_warm_up_leaves_the_tokens_unchanged(model):
     for cache in ("paged", "contiguous"):
         tokens, stats = llama.generate_with_stats(model, PROMPTS, 6, cache=cache, warm_up=True)
         assert tokens == expected and stats.prefill_seconds > 0
-

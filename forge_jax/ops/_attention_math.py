@@ -13,6 +13,7 @@ import numpy as np
 
 from forge_jax import _checks
 from forge_jax.ops import kv_fold, kv_quant
+from forge_jax.ops.activation import safe_softmax_f32
 
 # ---------------------------------------------------------------------------------------
 # Argument checks
@@ -235,20 +236,9 @@ def masked_probs(logits, mask, *, scale, logits_soft_cap):
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     # A +inf logit (non-finite q or k) is NaN data in attention, not a winner (see the
-    # contract); a hidden one is -inf like any hidden logit, so that neither its value nor
-    # its gradient is read (exp(-inf) = 0, and so is its derivative).
-    visible = jnp.broadcast_to(mask, logits.shape)
-    x = jnp.where(visible, jnp.where(jnp.isposinf(logits), jnp.float32(jnp.nan), logits),
-                  -jnp.inf)
-    # A visible NaN reaches the max and the sum (NaN for the query); a query that sees no
-    # finite logit has max -inf (exp(-inf - 0) = 0, so a zero sum and zero probabilities).
-    # This is safe_softmax_f32 without its +inf branch, which no logit here can reach: two
-    # fewer passes over the [..., q, kv] logits.
-    m = jnp.max(x, axis=-1, keepdims=True, initial=-jnp.inf)
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    e = jnp.exp(x - m)
-    s = jnp.sum(e, axis=-1, keepdims=True)
-    return e / jnp.where(s == 0, 1.0, s)  # (a NaN sum stays NaN)
+    # contract); a hidden one is masked like any hidden logit.
+    logits = jnp.where(jnp.isposinf(logits), jnp.float32(jnp.nan), logits)
+    return safe_softmax_f32(logits, -1, mask, posinf_wins=False)
 
 
 def softmax_step(logits, mask, previous_max, *, scale, logits_soft_cap):

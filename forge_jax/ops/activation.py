@@ -129,22 +129,27 @@ def softmax(x, *, axis=-1, where=None, implementation=None):
 dispatch.define("softmax", _softmax_args)
 
 
-def safe_softmax_f32(x, axis, where):
+def safe_softmax_f32(x, axis, where, *, posinf_wins: bool = True):
     """float32 softmax: zeros (and zero gradients) for fully masked rows, +inf entries share
-    their row, NaN in a valid entry propagates (see :func:`softmax`)."""
+    their row, NaN in a valid entry propagates (see :func:`softmax`).
+
+    ``posinf_wins=False`` is for callers whose logits hold no +inf (attention turns one into
+    NaN first): the +inf branch, two more passes over ``x``, is left out."""
     x = x.astype(jnp.float32)
-    # `x != -inf` keeps NaN valid, so that it reaches the row's max and sum.
-    valid = jnp.broadcast_to(True if where is None else where, x.shape) & (x != -jnp.inf)
-    # Masked entries are replaced before exp so that neither the value nor the
-    # gradient can see an inf - inf (or a masked NaN).
-    x = jnp.where(valid, x, 0.0)
+    # Masked entries become -inf, as -inf entries are: exp(-inf) = 0 and so is its
+    # derivative, and the where hands a masked NaN neither a value nor a gradient. A valid
+    # NaN stays, so that it reaches the row's max and sum.
+    if where is not None:
+        x = jnp.where(jnp.broadcast_to(where, x.shape), x, -jnp.inf)
     # initial=-inf: an empty axis (e.g. attention over zero keys) is a fully masked row.
-    m = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis, keepdims=True, initial=-jnp.inf)
-    # A +inf logit takes all the probability, shared with any other +inf of its row.
-    top = jnp.isposinf(m)
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    e = jnp.where(valid, jnp.exp(jnp.where(top, 0.0, x - m)), 0.0)
-    e = jnp.where(top, (valid & jnp.isposinf(x)).astype(jnp.float32), e)
+    m = jnp.max(x, axis=axis, keepdims=True, initial=-jnp.inf)
+    shifted = x - jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    if not posinf_wins:
+        e = jnp.exp(shifted)
+    else:  # A +inf logit takes all the probability, shared with any other +inf of its row.
+        top = jnp.isposinf(m)
+        e = jnp.where(top, jnp.isposinf(x).astype(jnp.float32),
+                      jnp.exp(jnp.where(top, -jnp.inf, shifted)))
     s = jnp.sum(e, axis=axis, keepdims=True)
     return e / jnp.where(s == 0, 1.0, s)  # (a NaN sum stays NaN)
 
