@@ -39,8 +39,9 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from forge_jax.models import llama, text  # noqa: E402
-from forge_jax.models.chat_session import ChatSession  # noqa: E402
+from forge_jax.models import llama  # noqa: E402
+from forge_jax.text import api as text
+from forge_jax.text.chat_session import ChatSession  # noqa: E402
 
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,

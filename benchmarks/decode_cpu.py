@@ -70,7 +70,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from flax import nnx  # noqa: E402
 
-from forge_jax.models import llama, llama_hf, quantize_load  # noqa: E402
+from forge_jax.models import llama  # noqa: E402
+from forge_jax.models.checkpoints import hf_names as llama_hf
+from forge_jax.models.checkpoints import quantize as quantize_load
 
 FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
             num_attention_heads=12, num_key_value_heads=4)

@@ -30,7 +30,8 @@ from flax import nnx
 from quant_cpu import write_model
 
 from forge_jax.kv_cache import PagedKVCache
-from forge_jax.models import llama, text
+from forge_jax.models import llama
+from forge_jax.text import api as text
 
 KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")
 

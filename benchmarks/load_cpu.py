@@ -26,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from forge_jax.models import TINY_DIR, llama, llama_checkpoint  # noqa: E402
+from forge_jax.models import TINY_DIR, llama  # noqa: E402
+from forge_jax.models.checkpoints import hf as llama_checkpoint
 
 SHAPE = dict(vocab_size=8000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=3,
              num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True)

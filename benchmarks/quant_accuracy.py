@@ -34,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import forge_jax as fj
-from forge_jax.models import llama, quantize_load, text
+from forge_jax.models import llama
+from forge_jax.models.checkpoints import quantize as quantize_load
+from forge_jax.text import api as text
 
 # SmolLM2's in features are 576 and 1536: a group of 128 divides neither 576 nor any
 # model whose hidden size is not a multiple of 128, so no int4 g128 figure; g64 and g192
@@ -144,7 +146,8 @@ def kernel_bytes(model) -> tuple[int, int, float]:
 _PEAK = r"""
 import json, sys, threading, time
 import jax, jax.numpy as jnp
-from forge_jax.models import llama, quantize_load
+from forge_jax.models import llama
+from forge_jax.models.checkpoints import quantize as quantize_load
 
 def anon():
     for line in open("/proc/self/status"):

@@ -26,7 +26,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import forge_jax as fj
-from forge_jax.models import llama, quantize_load
+from forge_jax.models import llama
+from forge_jax.models.checkpoints import quantize as quantize_load
 
 FORMATS = {"int8": {}, "int4 g32": {"group_size": 32}, "int4 g64": {"group_size": 64},
            "fp8": {}}

@@ -2,7 +2,7 @@
 ``llama.generate`` in the same process.
 
 Builds a Llama with random weights in SmolLM2-135M's shape (``--quick``: a tiny one) and
-sends bursts of ``concurrency`` requests straight to :class:`forge_jax.models.serving.Engine`
+sends bursts of ``concurrency`` requests straight to :class:`forge_jax.serving.engine.Engine`
 (no HTTP: this measures the engine's batching, not uvicorn), each a ``--prompt-tokens``
 prompt (random ids; the first ``--shared-tokens`` the same in every prompt, a system
 prompt) and ``--new-tokens`` greedy tokens without eos. Reports per concurrency and with the
@@ -40,7 +40,8 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from forge_jax.models import llama, serving  # noqa: E402
+from forge_jax.models import llama  # noqa: E402
+from forge_jax.serving import engine as serving
 
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,

@@ -17,7 +17,7 @@ key, never a silently different model). ``tests/test_families.py`` checks that e
 of each family's transformers config is in one of them. Other keys are ignored, as
 transformers' model classes ignore them (a ``quantization_config`` is refused in every
 family: its tensors are not plain weights; fine-grained FP8's is read before this, by
-:mod:`forge_jax.models.fp8_checkpoint`).
+:mod:`forge_jax.models.checkpoints.fp8`).
 """
 
 from __future__ import annotations

@@ -19,26 +19,20 @@ Usage::
     from forge_jax.models import llama
     model = llama.from_pretrained("path/to/hf_llama_dir")
     logits = model(tokens)                                  # [batch, seq, vocab]
-    new_tokens = llama.generate(model, [[1, 2, 3], [1, 5]], max_new_tokens=16)
 
-The code lives in four modules, one per concern, re-exported here:
-:mod:`forge_jax.models.llama_model` (the config and the layers),
-:mod:`forge_jax.models.llama_checkpoint` (Hugging Face checkpoints),
-:mod:`forge_jax.models.steps` (the jitted prefill and decode steps, explicit KV cache in
-and out) and :mod:`forge_jax.models.generation` (the generation loop); the text API
-(:func:`load_tokenizer`, :func:`generate_text`, :func:`chat`) lives in
-:mod:`forge_jax.models.text` and the multi-turn chat that keeps its KV cache in
-:mod:`forge_jax.models.chat_session`.
+    from forge_jax import generation
+    new_tokens = generation.generate(model, [[1, 2, 3], [1, 5]], max_new_tokens=16)
+
+The model lives in :mod:`forge_jax.models.llama_model` (the config and the layers) and its
+checkpoints in :mod:`forge_jax.models.checkpoints`, both re-exported here. Generating with it
+is the runtime's: :mod:`forge_jax.generation` (the steps and the generate loop) and
+:mod:`forge_jax.text` (tokenizer, chat templates, the text API). The generation names this
+module used to re-export (``generate``, ``generate_text``, ...) still resolve, with a
+``DeprecationWarning`` naming their new home, for one release.
 """
 
-from forge_jax.models.generation import (  # noqa: F401
-    GenerationStats,
-    check_generation_fits,
-    check_sequence_length,
-    generate,
-    generate_with_stats,
-)
-from forge_jax.models.llama_checkpoint import (  # noqa: F401
+from forge_jax._moved import forward
+from forge_jax.models.checkpoints.hf import (  # noqa: F401
     CheckpointError,
     from_pretrained,
     hf_state_dict,
@@ -55,18 +49,25 @@ from forge_jax.models.llama_model import (  # noqa: F401
     RMSNorm,
     TensorLayout,
 )
-from forge_jax.models.steps import decode_step, prefill_step  # noqa: F401
-from forge_jax.models.text import (  # noqa: F401  (the text API, also in models.text)
-    chat,
-    generate_text,
-    load_tokenizer,
-)
+
+# Moved to the runtime (forge_jax.generation, forge_jax.text): old name -> new module.
+_MOVED = {
+    **dict.fromkeys(("GenerationStats", "check_generation_fits", "check_sequence_length",
+                     "generate", "generate_with_stats", "decode_step", "prefill_step"),
+                    "forge_jax.generation"),
+    **dict.fromkeys(("chat", "generate_text", "load_tokenizer"), "forge_jax.text"),
+}
+_FORWARDS = {new: forward(__name__, new) for new in set(_MOVED.values())}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        return _FORWARDS[_MOVED[name]](name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES", "CheckpointError", "GenerationStats", "Linear", "Llama",
-    "LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm",
-    "check_generation_fits", "check_sequence_length", "decode_step", "from_pretrained",
-    "generate", "generate_with_stats", "hf_state_dict", "load_config", "prefill_step",
-    "TensorLayout",
-    "chat", "generate_text", "load_tokenizer",
+    "SUPPORTED_ARCHITECTURES", "CheckpointError", "Linear", "Llama", "LlamaAttention",
+    "LlamaConfig", "LlamaDecoderLayer", "LlamaMLP", "RMSNorm", "TensorLayout",
+    "from_pretrained", "hf_state_dict", "load_config",
 ]

@@ -1,8 +1,8 @@
 """The Llama-family decoder's layers in Flax NNX, built only from forge_jax ops.
 
 The config is in :mod:`forge_jax.models.llama_config`, loading checkpoints in
-:mod:`forge_jax.models.llama_checkpoint`, the generation loop in
-:mod:`forge_jax.models.generation`; :mod:`forge_jax.models.llama` gathers them.
+:mod:`forge_jax.models.checkpoints.hf`, the generation loop in
+:mod:`forge_jax.generation.loop`; :mod:`forge_jax.models.llama` gathers them.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from forge_jax import quant as fj_quant
 from forge_jax import sharding as fj_sharding
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
-from forge_jax.models import llama_hf
+from forge_jax.models.checkpoints import hf_names as llama_hf
 from forge_jax.models.llama_model import Llama, LlamaConfig, TensorLayout
 from forge_jax.models.llama_moe import SparseMoe
 

@@ -80,7 +80,7 @@ def chat_model(chat_checkpoint):
 
 @pytest.fixture(scope="session")
 def chat_tokenizer(chat_checkpoint):
-    from forge_jax.models import text
+    from forge_jax.text import api as text
 
     return text.load_tokenizer(chat_checkpoint)
 
@@ -90,7 +90,8 @@ def no_model_load(monkeypatch):
     """Fails a command-line test if the weights are loaded, problems drawn or the demo's
     ops run: a refused input must be refused before any of that work."""
     from forge_jax import demo
-    from forge_jax.models import llama, tasks
+    from forge_jax.models import llama
+    from forge_jax.models.tiny import task as tasks
 
     def refuse(*args, **kwargs):
         raise AssertionError("did the work before refusing the input")

@@ -21,7 +21,8 @@ from cases.cli import assert_one_line_error
 from cases.cli import run as cli_run
 
 import forge_jax as fj
-from forge_jax.models import aot_steps, llama
+from forge_jax.generation import abstract_steps as aot_steps
+from forge_jax.models import llama
 from forge_jax.ops import kv_fold
 from forge_jax.ops.quantized_matmul import quantized_matmul
 from forge_jax.pallas_kernels.gpu import attention as gpu_attention

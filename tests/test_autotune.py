@@ -220,7 +220,8 @@ def test_cli_tune_names_apply_to_the_ops_that_have_them(cache, capsys):
     import numpy as np
 
     from forge_jax import cli
-    from forge_jax.models import TINY_DIR, llama, llama_ops
+    from forge_jax.generation import op_shapes as llama_ops
+    from forge_jax.models import TINY_DIR, llama
 
     calls = len(llama_ops.op_calls(llama.load_config(TINY_DIR), batch=1, seq_len=4,
                                    dtype=np.float32, rng=np.random.default_rng(0)))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from cases.chat_checkpoint import write_checkpoint
 
-from forge_jax.models import text
-from forge_jax.models.chat_session import ChatSession, ContextFullError
+from forge_jax.text import api as text
+from forge_jax.text.chat_session import ChatSession, ContextFullError
 
 TURNS = ["Hello there! How are you today?", "Tell me a story about a small robot.",
          "Caf\u00e9 cr\u00e8me? \U0001f642 na\u00efve fa\u00e7ade"]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import jax
 import pytest
 
-from forge_jax.models import generation, text
-from forge_jax.models import steps as steps_lib
-from forge_jax.models.chat_session import ChatSession
+from forge_jax.generation import loop as generation
+from forge_jax.generation import steps as steps_lib
+from forge_jax.text import api as text
+from forge_jax.text.chat_session import ChatSession
 
 TURNS = ["Hello there! How are you today?", "Tell me a story about a small robot.",
          "Caf\u00e9 cr\u00e8me? \U0001f642 na\u00efve fa\u00e7ade"]

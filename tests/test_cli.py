@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from forge_jax import cli, registry
-from forge_jax.models import tasks, train_tiny
+from forge_jax.models.tiny import task as tasks
+from forge_jax.models.tiny import train as train_tiny
 
 TINY = train_tiny.TINY_DIR
 

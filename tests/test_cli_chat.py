@@ -13,8 +13,8 @@ from cases.chat_checkpoint import write_checkpoint
 
 from forge_jax import cli
 from forge_jax.cli._compilation_cache import compilation_cache_dir
-from forge_jax.models import text
-from forge_jax.models.chat_session import ChatSession
+from forge_jax.text import api as text
+from forge_jax.text.chat_session import ChatSession
 
 
 def run(capsys, monkeypatch, *argv, stdin=""):

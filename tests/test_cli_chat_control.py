@@ -23,7 +23,7 @@ from cases.chat_checkpoint import write_checkpoint
 
 from forge_jax import cli
 from forge_jax.models import llama
-from forge_jax.models.chat_session import ChatSession
+from forge_jax.text.chat_session import ChatSession
 
 
 class Lines:

@@ -86,7 +86,7 @@ def test_info_shows_a_platforms_whole_reason(capsys, monkeypatch):
 
 
 def test_decode_line_counts_the_step_past_the_eos(capsys):
-    from forge_jax.models import tasks
+    from forge_jax.models.tiny import task as tasks
 
     ids = ",".join(map(str, tasks.encode_prompt(tasks.Problem(12, 34))))
     rc, out, err = run(capsys, "generate", "--prompt-ids", ids, "--max-new-tokens", "10")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from forge_jax import cli
-from forge_jax.models import llama, tasks
+from forge_jax.models import llama
+from forge_jax.models.tiny import task as tasks
 
 LONG = "1+" * 22_500  # 45,000 characters
 

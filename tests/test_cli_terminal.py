@@ -12,7 +12,7 @@ import tty
 
 import pytest
 
-from forge_jax.models import text
+from forge_jax.text import api as text
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pty")
 

@@ -15,7 +15,9 @@ import pytest
 
 from forge_jax import cli
 from forge_jax.cli import generate as generate_cli
-from forge_jax.models import llama, llama_checkpoint, text
+from forge_jax.models import llama
+from forge_jax.models.checkpoints import hf as llama_checkpoint
+from forge_jax.text import api as text
 
 
 @pytest.mark.parametrize("platform, dtype", [("cpu", jnp.float32), ("gpu", jnp.bfloat16),

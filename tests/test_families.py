@@ -25,7 +25,8 @@ from cases.cli import run
 from cases.hf_families import LOGITS_TOL, forge_logits, hf_greedy, hf_logits, save_checkpoint
 from flax import nnx
 
-from forge_jax.models import families, llama, text
+from forge_jax.models import families, llama
+from forge_jax.text import api as text
 
 SEQ = 24  # longer than every window below
 

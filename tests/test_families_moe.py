@@ -27,7 +27,8 @@ from cases.hf_families import LOGITS_TOL, forge_logits, hf_greedy, hf_logits, sa
 from flax import nnx
 
 import forge_jax as fj
-from forge_jax.models import families, llama, llama_sharding, quantize_load
+from forge_jax.models import families, llama, llama_sharding
+from forge_jax.models.checkpoints import quantize as quantize_load
 
 SEQ = 16
 # family -> (transformers config class, causal LM class, config kwargs (over BASE), fields

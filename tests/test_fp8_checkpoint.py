@@ -17,7 +17,8 @@ from cases import gguf_files
 from cases import quant as quant_ref
 
 import forge_jax as fj
-from forge_jax.models import llama, quantize_load
+from forge_jax.models import llama
+from forge_jax.models.checkpoints import quantize as quantize_load
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

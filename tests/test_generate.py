@@ -16,8 +16,9 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax import memory
+from forge_jax.generation import sampling
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
-from forge_jax.models import llama, sampling
+from forge_jax.models import llama
 
 LOGITS_TOL = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
 CONFIG = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,

@@ -9,7 +9,8 @@ import json
 import pytest
 from cases.chat_checkpoint import write_checkpoint
 
-from forge_jax.models import llama, text
+from forge_jax.models import llama
+from forge_jax.text import api as text
 
 PROMPTS = [[5, 17, 33, 2, 90], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [70, 7, 64]]
 NEW = 10

@@ -15,7 +15,8 @@ import pytest
 from cases import gguf_files
 
 import forge_jax as fj
-from forge_jax.models import llama, quantize_load
+from forge_jax.models import llama
+from forge_jax.models.checkpoints import quantize as quantize_load
 
 gguf = pytest.importorskip("gguf", reason="GGUF tests need the gguf package (pip install gguf)")
 
@@ -119,7 +120,7 @@ def test_tokenizer_and_chat_template_from_the_files_metadata(tmp_path):
 
     from cases import chat_checkpoint
 
-    from forge_jax.models import text
+    from forge_jax.text import api as text
 
     original = chat_checkpoint.build_tokenizer()
     model = json.loads(original.to_str())["model"]
@@ -173,7 +174,7 @@ def test_smollm2_q4_1_matches_transformers():
                            eos_token_id=None)[0, len(prompt):].tolist()
     got = llama.generate(model, [prompt], max_new_tokens=12, eos_token_id=())[0]
     assert [int(t) for t in got] == want
-    from forge_jax.models import text
+    from forge_jax.text import api as text
 
     tok = text.load_tokenizer(file)
     hf_tok = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)

@@ -12,7 +12,8 @@ import io
 import pytest
 from cases import gguf_files
 
-from forge_jax.models import llama, text
+from forge_jax.models import llama
+from forge_jax.text import api as text
 
 pytest.importorskip("gguf", reason="GGUF tests need the gguf package (pip install gguf)")
 

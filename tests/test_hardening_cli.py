@@ -13,7 +13,8 @@ import pytest
 from cases.cli import assert_one_line_error, run
 
 from forge_jax import dispatch
-from forge_jax.models import tasks, train_tiny
+from forge_jax.models.tiny import task as tasks
+from forge_jax.models.tiny import train as train_tiny
 
 TINY = train_tiny.TINY_DIR
 

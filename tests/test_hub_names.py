@@ -21,7 +21,9 @@ import pytest
 from cases.chat_checkpoint import write_checkpoint
 
 from forge_jax import cli
-from forge_jax.models import hub, llama, text
+from forge_jax.models import llama
+from forge_jax.models.checkpoints import hub
+from forge_jax.text import api as text
 
 REPO = "TestOrg/Tiny-Chat"
 MAIN, V1 = "a" * 40, "b" * 40  # the commits refs/main and refs/v1 point at

@@ -26,8 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PUBLIC_MODULES = [
     "forge_jax", "forge_jax.ops", "forge_jax.dispatch", "forge_jax.backends",
     "forge_jax.kv_cache", "forge_jax.memory", "forge_jax.tolerances", "forge_jax.cli",
-    "forge_jax.models", "forge_jax.models.llama", "forge_jax.models.sampling",
-    "forge_jax.models.tasks", "forge_jax.pallas_kernels", "forge_jax.pallas_kernels.gpu",
+    "forge_jax.models", "forge_jax.models.llama", "forge_jax.generation.sampling",
+    "forge_jax.models.tiny.task", "forge_jax.pallas_kernels", "forge_jax.pallas_kernels.gpu",
     "forge_jax.pallas_kernels.tpu",
 ]
 # Run from a user's project that has its own `models` and `pallas_kernels` packages: the

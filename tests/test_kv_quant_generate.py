@@ -15,9 +15,11 @@ from flax import nnx
 
 from forge_jax import memory
 from forge_jax.cli import generate as cli_generate
+from forge_jax.generation.stats import GenerationStats
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
-from forge_jax.models import llama, tasks, train_tiny
-from forge_jax.models.generation_stats import GenerationStats
+from forge_jax.models import llama
+from forge_jax.models.tiny import task as tasks
+from forge_jax.models.tiny import train as train_tiny
 
 # Measured on the tiny model (2 layers, head_dim 32, 24 decode steps): the largest logit
 # difference from the float32 cache is 0.073 (int8) and 0.20 (fp8) times the logits' standard
@@ -136,8 +138,8 @@ def test_info_states_the_quantized_kv_bytes(capsys):
 
 
 def test_chat_session_keeps_an_int8_cache(chat_model, chat_tokenizer):
-    from forge_jax.models import text
-    from forge_jax.models.chat_session import ChatSession
+    from forge_jax.text import api as text
+    from forge_jax.text.chat_session import ChatSession
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'int8' or 'fp8'"):
         ChatSession(chat_model, chat_tokenizer, kv_cache_dtype="int4")

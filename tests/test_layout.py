@@ -8,6 +8,11 @@ private names, files of one concern (read from the sources with ``ast``; nothing
 * No module uses a private name (``_x``) of another module: not ``from m import _x`` and
   not ``m._x``. Private *modules* (``forge_jax._compat``, ``pallas_kernels/gpu/_common.py``)
   are the package's own and may be imported within it; their public names are its API.
+* The layers, bottom to top: the kernel library (``forge_jax`` core), the Pallas kernels that
+  register into it, ``forge_jax.models``, then the runtime (``forge_jax.generation``,
+  ``forge_jax.text``, ``forge_jax.serving``) and the CLI on top. No import runs from a lower
+  layer to a higher one (``docs/architecture.md`` draws them). The old paths of moved modules
+  forward by name (``forge_jax._moved``) and import nothing upward.
 * No source file over 600 lines.
 """
 
@@ -127,6 +132,41 @@ def test_the_layout_is_read():
 
 def test_no_import_cycles():
     assert _cycles(_graph()) == []
+
+
+# Layer of a module: the longest prefix here that names it (anything else in forge_jax is core).
+LAYERS = {
+    "forge_jax": 0,
+    "forge_jax.pallas_kernels": 1,
+    "forge_jax.models": 2,
+    "forge_jax.generation": 3,
+    "forge_jax.text": 4,
+    "forge_jax.serving": 5,
+    "forge_jax.cli": 6,
+}
+
+
+def _layer(module: str) -> tuple[str, int]:
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return prefix, LAYERS[prefix]
+
+
+def test_layers_are_ordered():
+    assert _layer("forge_jax.ops.norm") == ("forge_jax", 0)
+    assert _layer("forge_jax.serving.http") == ("forge_jax.serving", 5)
+    assert _layer("forge_jax.models.checkpoints.gguf") == ("forge_jax.models", 2)
+
+
+def test_no_import_runs_up_the_layers():
+    """A module imports only its own layer and the ones below it (lazy imports included)."""
+    upward = []
+    for name, targets in _graph().items():
+        for target in targets:
+            (lower, low), (upper, high) = _layer(name), _layer(target)
+            if high > low:
+                upward.append(f"{MODULES[name].relative_to(ROOT)} ({lower}) imports {target} "
+                              f"({upper})")
+    assert upward == []
 
 
 def _private(name: str) -> bool:

@@ -11,8 +11,9 @@ import pytest
 from cases.inputs import random_llama
 from flax import nnx
 
+from forge_jax.generation import sampling
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
-from forge_jax.models import llama, sampling
+from forge_jax.models import llama
 
 CONFIG = llama.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -120,7 +121,7 @@ def test_prefill_logits_are_the_full_forwards_at_each_last_token(kind, empty):
 
 
 def test_prompt_buckets_pad_by_at_most_a_quarter():
-    from forge_jax.models import generation
+    from forge_jax.generation import loop as generation
     buckets = [generation.prompt_bucket(n) for n in range(1, 5000)]
     assert all(b >= n for n, b in enumerate(buckets, 1))
     assert all(b <= max(8, 2 * n if n <= 64 else 1.25 * n) for n, b in enumerate(buckets, 1))

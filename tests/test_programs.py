@@ -1,6 +1,6 @@
-"""Exported programs: the tiny model's steps exported (``forge_jax.models.export`` and
-``forge-jax export``), loaded by ``forge_jax.programs`` in a fresh process that never imports
-the model code, give exactly the live model's greedy tokens on CPU."""
+"""Exported programs: the tiny model's steps exported (``forge_jax.generation.export`` and
+``forge-jax export``), loaded by ``forge_jax.generation.exported`` in a fresh process that
+never imports the model code, give exactly the live model's greedy tokens on CPU."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ import pytest
 from cases.cli import assert_one_line_error, run
 
 import forge_jax as fj
-from forge_jax import programs
-from forge_jax.models import export as export_lib
-from forge_jax.models import generation, llama, tasks, train_tiny
+from forge_jax.generation import export as export_lib
+from forge_jax.generation import exported as programs
+from forge_jax.generation import loop as generation
+from forge_jax.models import llama
+from forge_jax.models.tiny import task as tasks
+from forge_jax.models.tiny import train as train_tiny
 
 BATCH, CONTEXT, PROMPT_LENGTH, NEW = 4, 32, 16, 8
 
@@ -27,7 +30,7 @@ _CHILD = """
 import json, sys
 import jax
 jax.config.update("jax_platforms", "cpu")
-from forge_jax import programs
+from forge_jax.generation import exported as programs
 prompts = json.loads(sys.argv[2])
 out = {}
 for executable in (False, True):

@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 import forge_jax as fj
 from forge_jax import quant, sharding
-from forge_jax.models import llama, quantize_load
+from forge_jax.models import llama
+from forge_jax.models.checkpoints import quantize as quantize_load
 
 LOGITS_TOL = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
 # 8 query / 2 KV heads of 8; a bias on q, k, v and o (o_proj's is added after the sum

@@ -12,7 +12,8 @@ import pytest
 from cases.cli import assert_one_line_error, run
 
 import forge_jax as fj
-from forge_jax.models import TINY_DIR, llama, quantize_load
+from forge_jax.models import TINY_DIR, llama
+from forge_jax.models.checkpoints import quantize as quantize_load
 
 # Wiring: the same float32 ops in another order (dequantize-in-the-product against a
 # dequantized weight): the parity tests' float32 tolerance for a whole model.

@@ -10,8 +10,9 @@ import io
 import pytest
 
 from forge_jax import cli
-from forge_jax.models import text
-from forge_jax.models.chat_session import ChatSession
+from forge_jax.generation.settings import sampling_params
+from forge_jax.text import api as text
+from forge_jax.text.chat_session import ChatSession
 
 
 def run(capsys, monkeypatch, *argv, stdin=""):
@@ -23,19 +24,19 @@ def run(capsys, monkeypatch, *argv, stdin=""):
 
 @pytest.mark.parametrize("filters", [dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05)])
 def test_a_filter_without_a_temperature_samples_at_1(filters):
-    params = text.GenerationConfig().sampling_params(**filters)
+    params = sampling_params(**filters)
     assert not params.greedy and params.temperature == 1.0, params
     # At the generation config's temperature where it sets one (as do_sample would).
-    params = text.GenerationConfig(temperature=0.7).sampling_params(**filters)
+    params = sampling_params(text.GenerationConfig(temperature=0.7), **filters)
     assert not params.greedy and params.temperature == 0.7, params
     # A temperature given says it all: 0 is greedy.
-    assert text.GenerationConfig().sampling_params(temperature=0.0, **filters).greedy
+    assert sampling_params(temperature=0.0, **filters).greedy
 
 
 @pytest.mark.parametrize("kwargs", [{}, dict(top_k=0), dict(repetition_penalty=1.3)])
 def test_no_filter_is_still_greedy(kwargs):
     """top_k=0 turns top-k off; the repetition penalty applies to greedy decoding too."""
-    assert text.GenerationConfig().sampling_params(**kwargs).greedy
+    assert sampling_params(**kwargs).greedy
 
 
 def test_generate_text_and_chat_session_sample_with_a_filter(chat_model, chat_tokenizer):

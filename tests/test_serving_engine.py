@@ -1,4 +1,4 @@
-"""The serving engine (forge_jax.models.serving) without HTTP: greedy outputs equal
+"""The serving engine (forge_jax.serving.engine) without HTTP: greedy outputs equal
 ``llama.generate``'s under chunked prefill, preemption and the prefix cache; compiled
 variants stay few; refusals, cancellation and stop strings."""
 
@@ -9,7 +9,8 @@ import threading
 import pytest
 from cases import serving as cases
 
-from forge_jax.models import serving, serving_step
+from forge_jax.serving import batch_step as serving_step
+from forge_jax.serving import engine as serving
 
 TEXTS = ["Hello there! How", "The quick brown fox jumps over the lazy dog. The quick",
          "Numbers 0123", "user assistant system: tell me a story about a small robot who",
@@ -142,7 +143,7 @@ def test_row_buckets_are_powers_of_two_and_three_quarters_of_them_from_192():
 
 
 def test_page_keys_extend_the_keys_they_are_given():
-    from forge_jax.models.prefix_cache import page_keys
+    from forge_jax.serving.prefix_cache import page_keys
 
     tokens = list(range(100, 140))
     whole = page_keys(tokens, 8, 5)
@@ -215,7 +216,8 @@ def test_cancel_from_another_thread_frees_the_pages(chat_model, chat_tokenizer, 
 
 def test_a_sharded_model_serves_the_same_tokens():
     from forge_jax import sharding
-    from forge_jax.models import TINY_DIR, llama, text
+    from forge_jax.models import TINY_DIR, llama
+    from forge_jax.text import api as text
 
     tokenizer = text.load_tokenizer(TINY_DIR)
     prompts = [tokenizer.encode(p) for p in ["99+1=", "505+816=", "123+459="]]

@@ -11,7 +11,9 @@ import pytest
 from cases import serving as cases
 
 import forge_jax as fj
-from forge_jax.models import llama, serving, text
+from forge_jax.models import llama
+from forge_jax.serving import engine as serving
+from forge_jax.text import api as text
 
 TEXTS = ["Hello there! How", "The quick brown fox jumps over the lazy dog. The quick",
          "Numbers 0123", "Caf\u00e9 cr\u00e8me"]
@@ -57,7 +59,7 @@ def test_serve_flag(capsys, monkeypatch, chat_checkpoint, chat_model):
     from cases.cli import assert_one_line_error, run
 
     from forge_jax.cli import serve as serve_cli
-    from forge_jax.models import serving_http
+    from forge_jax.serving import http as serving_http
 
     assert_one_line_error(run(capsys, "serve", "--checkpoint", str(chat_checkpoint),
                               "--kv-cache-dtype", "int4"),

@@ -30,9 +30,10 @@ from jax.sharding import PartitionSpec as P
 
 import forge_jax as fj
 from forge_jax import dispatch, sharding
+from forge_jax.generation import sampling as sampling_lib
+from forge_jax.generation import steps
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
-from forge_jax.models import llama, llama_sharding, steps
-from forge_jax.models import sampling as sampling_lib
+from forge_jax.models import llama, llama_sharding
 
 LOGITS_TOL = fj.tolerances.scaled(fj.tolerances.tolerance(jnp.float32), 20)
 CONFIGS = {

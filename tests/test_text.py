@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from cases.chat_checkpoint import TEMPLATE, write_checkpoint
 
-from forge_jax.models import llama, text
+from forge_jax.models import llama
+from forge_jax.text import api as text
 
 CONVERSATION = [{"role": "system", "content": "You are a helpful robot."},
                 {"role": "user", "content": "Hello there! How are you today?"},

@@ -1,7 +1,7 @@
 """The embedded tiny model (models/tiny): the shipped artifact, its tokenizer and its task.
 
 The model is loaded from the committed files, never trained here (``python -m
-forge_jax.models.train_tiny`` takes minutes). Accuracy is measured on fresh held-out problems (ones
+forge_jax.models.tiny.train`` takes minutes). Accuracy is measured on fresh held-out problems (ones
 training never saw), with greedy decoding through the real ``generate``, both caches.
 """
 
@@ -16,7 +16,9 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import forge_jax as fj
-from forge_jax.models import llama, tasks, train_tiny
+from forge_jax.models import llama
+from forge_jax.models.tiny import task as tasks
+from forge_jax.models.tiny import train as train_tiny
 
 TINY = train_tiny.TINY_DIR
 TASK = tasks.AdditionTask(max_digits=3)

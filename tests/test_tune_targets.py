@@ -14,7 +14,8 @@ import pytest
 
 from forge_jax import cli, dispatch
 from forge_jax.autotune_cache import signature
-from forge_jax.models import llama, llama_ops
+from forge_jax.generation import op_shapes as llama_ops
+from forge_jax.models import llama
 
 
 def _dispatched(monkeypatch, model, prompts, max_new_tokens):

@@ -59,7 +59,7 @@ def quantize_kwargs(args: argparse.Namespace, config) -> dict:
 
 def checkpoint_path(args: argparse.Namespace):
     """The local directory of ``--checkpoint`` (a Hub name resolved through the cache)."""
-    from forge_jax.models import hub
+    from forge_jax.models.checkpoints import hub
 
     return hub.resolve_checkpoint(args.checkpoint, revision=args.revision)
 
@@ -74,7 +74,7 @@ def read_checkpoint(args: argparse.Namespace):
     path = checkpoint_path(args) if args.checkpoint else _tiny_dir()
     config = llama.load_config(path)  # errors name the problem
     if path.is_file():  # a GGUF file (load_config refuses other files): its own tokenizer
-        from forge_jax.models import text
+        from forge_jax.text import api as text
 
         if getattr(args, "quantize", None):
             raise UsageError(f"--quantize: {path} is a GGUF file, loaded as it is quantized")
@@ -103,7 +103,7 @@ def describe(model, path, args: argparse.Namespace) -> str:
     import jax
     from flax import nnx
 
-    from forge_jax.models import quantize_load
+    from forge_jax.models.checkpoints import quantize as quantize_load
 
     c = model.config
     variables = jax.tree.leaves(nnx.state(model, nnx.Param),

@@ -55,7 +55,7 @@ def resolve_dtype(args: argparse.Namespace) -> None:
     import sys
 
     from forge_jax import targets
-    from forge_jax.models import llama_checkpoint
+    from forge_jax.models.checkpoints import hf as llama_checkpoint
 
     platform = targets.platform()
     if args.dtype is None:
@@ -112,10 +112,11 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
 
 def sampling_params(args: argparse.Namespace, generation_config):
     """The flags over the checkpoint's generation_config.json: a ``SamplingParams``."""
-    from forge_jax.models import text
+    from forge_jax.generation import settings
 
     try:
-        return (generation_config or text.GenerationConfig()).sampling_params(
+        return settings.sampling_params(
+            generation_config,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     except ValueError as e:

@@ -70,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
-    from forge_jax.models import llama, text
-    from forge_jax.models.chat_session import ChatSession
+    from forge_jax.models import llama
+    from forge_jax.text import api as text
+    from forge_jax.text.chat_session import ChatSession
 
     _flags.check_sampling_flags(args)
     _flags.check_seed(args.seed)
@@ -131,7 +132,7 @@ def _check_template(tokenizer, system: str | None, path) -> None:
     """The chat template renders a first turn (with the system message, if any) before the
     model loads: a template that raises (``raise_exception``, a Jinja syntax error, a system
     role it refuses) is a usage error, not a traceback at the first message."""
-    from forge_jax.models import text
+    from forge_jax.text import api as text
 
     user = {"role": "user", "content": "Hello"}
     try:
@@ -174,8 +175,8 @@ def _line_reader():
 
 def _turn(session, line: str, args: argparse.Namespace) -> bool:
     """One line of input: a command or a message and its reply. False: end the chat."""
-    from forge_jax.models import text
-    from forge_jax.models.chat_session import ContextFullError
+    from forge_jax.text import api as text
+    from forge_jax.text.chat_session import ContextFullError
 
     message = line.strip()
     if not message:

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     jax.config.update("jax_platforms", "cpu")
 
     import forge_jax as fj
-    from forge_jax.models import aot_steps
+    from forge_jax.generation import abstract_steps as aot_steps
 
     for flag in ("batch", "context", "page_size"):
         if getattr(args, flag) < 1:

@@ -1,6 +1,6 @@
 """``forge-jax export``: a checkpoint's prefill and decode steps written as ``jax.export``
 artifacts (serialized StableHLO, a manifest, the weights as safetensors), which
-``forge_jax.programs.load`` runs without the model code."""
+``forge_jax.generation.exported.load`` runs without the model code."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def add_parser(subparsers) -> None:
         "export", help="write a checkpoint's prefill and decode steps as jax.export programs",
         description="Exports the model's greedy prefill and decode steps (contiguous KV "
                     "cache) as jax.export artifacts beside a manifest and the weights "
-                    "(safetensors); forge_jax.programs.load(OUT) runs them without the "
+                    "(safetensors); forge_jax.generation.exported.load(OUT) runs them without the "
                     "model code.")
     _checkpoint.add_flags(export, help="a Hugging Face Llama-family directory (default: the "
                                        "embedded tiny model)")
@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Loads the checkpoint and writes its exported steps to ``--out``."""
-    from forge_jax.models import export as export_lib
+    from forge_jax.generation import export as export_lib
     from forge_jax.models import llama
 
     platforms = tuple(p.strip() for p in args.platforms.split(",") if p.strip())

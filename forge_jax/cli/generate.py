@@ -12,8 +12,8 @@ from forge_jax.cli._checkpoint import describe, quantize_kwargs, read_checkpoint
 from forge_jax.cli._run import UsageError
 
 NUM_PROBLEMS, SHOW = 256, 5  # a task run's defaults
-# The API's default (models/text.py, models/chat_session.py; chat's too), without importing
-# the models before --help.
+# The API's default (forge_jax/text/api.py, forge_jax/text/chat_session.py; chat's too),
+# without importing the models before --help.
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -65,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import forge_jax as fj
-    from forge_jax.models import llama, tasks, text
+    from forge_jax.models import llama
+    from forge_jax.models.tiny import task as tasks
+    from forge_jax.text import api as text
 
     # Every input is checked before the weights are loaded: the flags, then what needs
     # only config.json and tokenizer.json (prompt ids, lengths, the task's memory).
@@ -326,7 +328,7 @@ def _check_task(task, config, args, path, mesh=None) -> None:
 def _run_task(model, task, args, progress) -> None:
     import numpy as np
 
-    from forge_jax.models import tasks
+    from forge_jax.models.tiny import task as tasks
 
     n = args.num_problems
     problems = task.sample(np.random.default_rng(args.seed), n, split="test")
@@ -362,7 +364,7 @@ def _run_task(model, task, args, progress) -> None:
 
 def _prompt_new_tokens(args, config, prompts, generation_config=None) -> int:
     """``--max-new-tokens``, else the API's default (``text.default_max_new_tokens``)."""
-    from forge_jax.models import text
+    from forge_jax.text import api as text
 
     if args.max_new_tokens is not None:
         return args.max_new_tokens
@@ -370,7 +372,8 @@ def _prompt_new_tokens(args, config, prompts, generation_config=None) -> int:
 
 
 def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
-    from forge_jax.models import llama, text
+    from forge_jax.models import llama
+    from forge_jax.text import api as text
 
     generation_config = text.load_generation_config(path)
     sampling = _flags.sampling_params(args, generation_config)

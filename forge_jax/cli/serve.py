@@ -1,5 +1,5 @@
 """``forge-jax serve``: an OpenAI-compatible HTTP server over the serving engine
-(:mod:`forge_jax.models.serving`, :mod:`forge_jax.models.serving_http`), on uvicorn."""
+(:mod:`forge_jax.serving.engine`, :mod:`forge_jax.serving.http`), on uvicorn."""
 
 from __future__ import annotations
 
@@ -75,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
-    from forge_jax.models import llama, serving, serving_http, text
+    from forge_jax.models import llama
+    from forge_jax.serving import engine as serving
+    from forge_jax.serving import http as serving_http
+    from forge_jax.text import api as text
 
     path = _checkpoint.checkpoint_path(args)
     config = llama.load_config(path)

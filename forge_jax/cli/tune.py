@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     import forge_jax as fj
     from forge_jax import autotuning
-    from forge_jax.models import llama_ops
+    from forge_jax.generation import op_shapes as llama_ops
 
     for flag in ("batch", "seq_len", "iters", "max_new_tokens"):
         if getattr(args, flag) < 1:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
-from forge_jax.models import llama, serving, serving_http, text
+from forge_jax.models import llama
+from forge_jax.serving import engine as serving
+from forge_jax.serving import http as serving_http
+from forge_jax.text import api as text
 
 MODEL = "tiny-chat"
 # One geometry for every serving test, so that they share the step's compiled variants

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from forge_jax.models.generation_config import CheckpointError
+from forge_jax.models.checkpoints.generation_config import CheckpointError
 
 # What the loaders read (llama_checkpoint, text): nothing else is downloaded.
 ALLOW_PATTERNS = (

@@ -13,7 +13,7 @@ class GenerationStats:
       batch: the number of prompts.
       padded_batch, prompt_bucket, cache_len: the bucketed shapes the steps ran with
         (batch padded to a power of two, prompts to
-        :func:`~forge_jax.models.generation.prompt_bucket`'s length, cache length per
+        :func:`~forge_jax.generation.loop.prompt_bucket`'s length, cache length per
         sequence).
       cache: "paged" or "contiguous".
       max_new_tokens: the tokens asked for per prompt (0: nothing ran; 1: the prefill

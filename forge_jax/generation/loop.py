@@ -1,8 +1,8 @@
 """The generation loop: a jitted prefill, then jitted decode steps with a donated KV cache
 (paged or contiguous), over a batch of prompts of different lengths.
 
-The steps themselves are :func:`forge_jax.models.steps.prefill_step` and
-:func:`~forge_jax.models.steps.decode_step`; this module checks the arguments, buckets the
+The steps themselves are :func:`forge_jax.generation.steps.prefill_step` and
+:func:`~forge_jax.generation.steps.decode_step`; this module checks the arguments, buckets the
 shapes, creates the cache, runs the steps and times them.
 """
 
@@ -20,12 +20,12 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax import memory as fj_memory
+from forge_jax.generation import sampling as sampling_lib
+from forge_jax.generation.stats import GenerationStats
+from forge_jax.generation.steps import decode_step, prefill_step, seen_tokens, step_statics
 from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
 from forge_jax.models import llama_sharding
-from forge_jax.models import sampling as sampling_lib
-from forge_jax.models.generation_stats import GenerationStats
 from forge_jax.models.llama_model import Llama, LlamaConfig
-from forge_jax.models.steps import decode_step, prefill_step, seen_tokens, step_statics
 from forge_jax.ops import kv_quant
 
 

@@ -35,7 +35,7 @@ import ml_dtypes
 import numpy as np
 
 import forge_jax as fj
-from forge_jax.models.generation_config import CheckpointError
+from forge_jax.models.checkpoints.generation_config import CheckpointError
 
 BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
@@ -178,7 +178,7 @@ def load_kernels(model, expected: dict, raw: RawTensors, file_of: dict[str, str]
     """Sets the model's fp8 kernels from ``raw`` (the fp8 weights and their scales found in
     the files); returns the ids of the parameters it set.
 
-    ``expected``: :func:`forge_jax.models.llama_hf.hf_parameters` of the model;
+    ``expected``: :func:`forge_jax.models.checkpoints.hf_names.hf_parameters` of the model;
     ``linear_kernels``: the parameters that may hold a quantized kernel."""
     linear = {id(k) for k in linear_kernels}
     weights = [n for n in raw.names() if not n.endswith(SCALE_SUFFIX)]

@@ -1,6 +1,6 @@
 """What a serving request is made of: its parameters (:class:`RequestParams`), the events
 of its stream (:class:`Output`, :class:`RequestStream`), the engine's refusals, and the
-engine's counters (:class:`EngineStats`). :mod:`forge_jax.models.serving` re-exports them."""
+engine's counters (:class:`EngineStats`). :mod:`forge_jax.serving.engine` re-exports them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import itertools
 import queue
 import time
 
-from forge_jax.models import sampling as sampling_lib
-from forge_jax.models.prefix_cache import page_keys
+from forge_jax.generation import sampling as sampling_lib
+from forge_jax.serving.prefix_cache import page_keys
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 # The phases of one engine step, in order: taking new requests and cancellations, choosing the
@@ -38,7 +38,7 @@ class RequestParams:
     Attributes:
       max_tokens: new tokens at most (>= 1).
       temperature, top_k, top_p, min_p, repetition_penalty: as
-        :class:`forge_jax.models.sampling.SamplingParams` (checked the same way).
+        :class:`forge_jax.generation.sampling.SamplingParams` (checked the same way).
       seed: the seed of this request's sampling (None: drawn by the engine).
       stop_token_ids: ids that end the request (besides the model's eos ids), included in
         its token ids but not in its text.

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API over a :class:`forge_jax.models.serving.Engine`, as a
+"""An OpenAI-compatible HTTP API over a :class:`forge_jax.serving.engine.Engine`, as a
 Starlette app (served by uvicorn: ``forge-jax serve``).
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events with
@@ -28,7 +28,8 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from forge_jax.models import serving, text
+from forge_jax.serving import engine as serving
+from forge_jax.text import api as text
 
 log = logging.getLogger("forge_jax.serve")
 

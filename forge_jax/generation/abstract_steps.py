@@ -2,7 +2,7 @@
 and :func:`forge_jax.aot.compile` compile for a target without weights or a device.
 
 The weights are ``jax.ShapeDtypeStruct``s (``nnx.eval_shape`` of the model), the KV cache a
-paged cache of ShapeDtypeStructs sized as :func:`forge_jax.models.generation.generate` sizes
+paged cache of ShapeDtypeStructs sized as :func:`forge_jax.generation.loop.generate` sizes
 it, so a model of any size is compiled on a small machine.
 """
 
@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from forge_jax.generation import steps
+from forge_jax.generation.loop import cache_plan
+from forge_jax.generation.sampling import SamplingParams
 from forge_jax.kv_cache import PagedKVCache
-from forge_jax.models import steps
-from forge_jax.models.generation import cache_plan
 from forge_jax.models.llama_model import Llama, LlamaConfig
-from forge_jax.models.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

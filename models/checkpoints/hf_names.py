@@ -2,7 +2,7 @@
 (and which rows of a fused projection), reading a model's parameters from HF tensors
 block by block (a device's shard at a time), and writing them back in HF's layout.
 
-Used by checkpoint loading (:mod:`forge_jax.models.llama_checkpoint`) and by sharding a
+Used by checkpoint loading (:mod:`forge_jax.models.checkpoints.hf`) and by sharding a
 loaded model (:mod:`forge_jax.models.llama_sharding`).
 """
 

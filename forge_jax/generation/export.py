@@ -1,9 +1,10 @@
-"""Exports a model's prefill and decode steps (:mod:`forge_jax.models.steps`) as
-``jax.export`` artifacts that :func:`forge_jax.programs.load` runs without the model code.
+"""Exports a model's prefill and decode steps (:mod:`forge_jax.generation.steps`) as
+``jax.export`` artifacts that :func:`forge_jax.generation.exported.load` runs without the
+model code.
 
 The steps are exported with greedy decoding over a contiguous KV cache of ``context``
 positions per sequence, for ``batch`` sequences of prompts up to ``prompt_length`` tokens.
-Their arguments are flat tuples of arrays (:func:`forge_jax.programs.step_trees`): the
+Their arguments are flat tuples of arrays (:func:`forge_jax.generation.exported.step_trees`): the
 weights (saved beside the steps with safetensors), the cache's leaves, the inputs, so that
 no pytree class of the model's is needed to call them.
 """
@@ -22,10 +23,12 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
-from forge_jax import _compat, aot, programs
+from forge_jax import _compat, aot
 from forge_jax import targets as targets_lib
+from forge_jax.generation import exported as programs
+from forge_jax.generation import loop as generation
+from forge_jax.generation import steps
 from forge_jax.kv_cache import ContiguousKVCache
-from forge_jax.models import generation, steps
 from forge_jax.models.llama_model import Llama
 
 KEY_IMPL = "threefry2x32"
@@ -73,7 +76,7 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
            targets: Sequence[str] = (),
            tokenizer: str | pathlib.Path | None = None) -> pathlib.Path:
     """Writes ``model``'s greedy prefill and decode steps to the directory ``out`` (see
-    :mod:`forge_jax.programs` for its files).
+    :mod:`forge_jax.generation.exported` for its files).
 
     Args:
       model: an unsharded :class:`Llama`.
@@ -92,7 +95,7 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
         also write the steps compiled for each of them on this machine, without the
         device (:mod:`forge_jax.aot`'s deviceless compile, the ``aot`` extra), with the
         kernels auto selection picks there. Such an executable runs only on that device
-        kind, with the JAX and jaxlib that compiled it (:func:`forge_jax.programs.load`
+        kind, with the JAX and jaxlib that compiled it (:func:`forge_jax.generation.exported.load`
         refuses it elsewhere).
       tokenizer: a ``tokenizer.json`` to copy beside the program (None: none; then the
         program takes token ids only).
@@ -201,7 +204,7 @@ def check_targets(names: Sequence[str]) -> tuple[targets_lib.Target, ...]:
 
 def _step_fns(statics, state_tree, cache_tree) -> dict[str, Any]:
     """The prefill and decode steps over the program's flat arguments
-    (:func:`forge_jax.programs.step_trees`)."""
+    (:func:`forge_jax.generation.exported.step_trees`)."""
 
     def prefill(weights, kv, tokens, lengths, key_data, sampling, seen):
         new, seen, kv = steps.prefill_step(

@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
-from forge_jax.models.generation_config import CheckpointError, GenerationConfig
+from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
 from forge_jax.models.llama_model import Llama, LlamaConfig
 
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
@@ -384,7 +384,7 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
     def get(name, *, keep_quantized=False, heads=None):
         if name not in tensors:
             raise CheckpointError(f"{path} lacks the tensor {name!r} (llama.cpp's name for it: "
-                                  f"see forge_jax.models.gguf_checkpoint)")
+                                  f"see forge_jax.models.checkpoints.gguf)")
         x = read_tensor(tensors.pop(name), param_dtype, keep_quantized=keep_quantized)
         if heads is not None:
             x = _rows(x, lambda a: _unpermute(a, heads))
@@ -436,17 +436,17 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
 
 
 def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
-    """The pieces of a GGUF file's tokenizer, for :func:`forge_jax.models.text.load_tokenizer`:
+    """The pieces of a GGUF file's tokenizer, for :func:`forge_jax.text.api.load_tokenizer`:
     ``backend`` (a ``tokenizers.Tokenizer``), ``special_tokens``, ``chat_template`` and
     ``generation_config``.
 
     ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokenizer.ggml.tokens`` and
     ``merges``, control tokens as special tokens. ``llama``: SentencePiece-style tokens with
-    scores and types (:mod:`forge_jax.models.gguf_sentencepiece`). Another model is a
+    scores and types (:mod:`forge_jax.models.checkpoints.gguf_sentencepiece`). Another model is a
     CheckpointError naming it."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from forge_jax.models import gguf_sentencepiece
+    from forge_jax.models.checkpoints import gguf_sentencepiece
 
     reader = open_gguf(path)
     kind = _field(reader, "tokenizer.ggml.model")

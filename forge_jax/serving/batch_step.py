@@ -2,7 +2,7 @@
 decode tokens alike) packed into one row, attended with :func:`forge_jax.ragged_paged_attention`
 over the page pool, and one token sampled per sequence with its own parameters.
 
-:class:`forge_jax.models.serving.Engine` builds the :class:`StepBatch` on the host and runs
+:class:`forge_jax.serving.engine.Engine` builds the :class:`StepBatch` on the host and runs
 :func:`ragged_step`; the pages are donated (updated in place). Shapes are static per
 ``(tokens, sequences, table width)``; the engine buckets the tokens and the block tables' width
 to powers of two (the sequences follow the tokens) so that new traffic reuses the compiled
@@ -20,10 +20,10 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.generation import sampling as sampling_lib
+from forge_jax.generation.steps import Static
 from forge_jax.kv_cache import BlockManager
-from forge_jax.models import sampling as sampling_lib
-from forge_jax.models.serving_requests import Request
-from forge_jax.models.steps import Static
+from forge_jax.serving.requests import Request
 
 
 @jax.tree_util.register_dataclass
@@ -126,7 +126,7 @@ class StepBatch:
 def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
     """One token per row of ``logits`` ``[rows, vocab]``, each row with its own parameters
     (``sampling``'s ``[rows]`` arrays, as :class:`StepBatch` describes); greedy rows
-    (temperature below :data:`~forge_jax.models.sampling.GREEDY_BELOW`) take the argmax
+    (temperature below :data:`~forge_jax.generation.sampling.GREEDY_BELOW`) take the argmax
     after their repetition penalty (``seen`` None: no row has one). Returns int32 ``[rows]``."""
     if greedy:
         return sampling_lib.sample(logits, None, temperature=0.0)

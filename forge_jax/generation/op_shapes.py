@@ -1,4 +1,4 @@
-"""The op calls a Llama model makes in :func:`~forge_jax.models.generation.generate` (and
+"""The op calls a Llama model makes in :func:`~forge_jax.generation.loop.generate` (and
 ``forge-jax generate`` / ``chat``), at the shapes and dtype its config and the generation plan
 give them: what ``forge-jax tune`` times with ``fj.autotune`` so that auto selection knows the
 fastest implementation at exactly the signatures the model dispatches."""
@@ -20,7 +20,7 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
     """The ops of ``generate``'s prefill step (a prompt of ``seq_len`` tokens) and decode step
     (one token) with the paged KV cache, on random inputs: each distinct (op, signature) once.
 
-    The shapes are those :func:`~forge_jax.models.generation.generate` plans: the batch
+    The shapes are those :func:`~forge_jax.generation.loop.generate` plans: the batch
     padded to a power of two, the prompt to its bucket (``generation.prompt_bucket``), a page
     pool of ``padded batch * pages per sequence`` pages for ``seq_len + max_new_tokens``
     positions, the weights and the cache in ``dtype`` (generate's default: the model's).
@@ -42,7 +42,7 @@ def op_calls(config: LlamaConfig, *, batch: int, seq_len: int, dtype: Any,
       prompt over its own keys (prefill) and ``paged_attention`` of the query over the pool
       (decode); ``silu_mul``.
     """
-    from forge_jax.models.generation import cache_plan
+    from forge_jax.generation.loop import cache_plan
 
     c = config
     dtype = jnp.dtype(dtype)

@@ -1,8 +1,9 @@
 """A checkpoint's ``generation_config.json`` (its eos ids, sampling defaults and
 ``max_new_tokens``) and the error every checkpoint reader raises.
 
-A leaf of the models package: checkpoint loading (:mod:`forge_jax.models.llama_checkpoint`)
-and the text API (:mod:`forge_jax.models.text`) both read it.
+Data only: checkpoint loading (:mod:`forge_jax.models.checkpoints.hf`) reads it into
+``model.generation_config``; the runtime turns it into settings
+(:func:`forge_jax.generation.settings.sampling_params`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
-
-from forge_jax.models import sampling as sampling_lib
 
 
 class CheckpointError(ValueError):
@@ -60,39 +59,38 @@ class GenerationConfig:
             raise CheckpointError(f"{where}: max_new_tokens must be an int >= 1, got {n!r}")
         if config.top_k == 0:  # transformers' "no top-k"
             config = dataclasses.replace(config, top_k=None)
-        try:
-            config.sampling_params()
-        except ValueError as e:
-            raise CheckpointError(f"{where}: {e}") from None
+        problem = _sampling_problem(config)
+        if problem:
+            raise CheckpointError(f"{where}: {problem}")
         return config
 
-    def sampling_params(self, *, temperature=None, top_k=None, top_p=None, min_p=None,
-                        repetition_penalty=None) -> sampling_lib.SamplingParams:
-        """The caller's values where given (not None), this config's elsewhere. Without a
-        caller's temperature, ``do_sample=True`` or a caller's ``top_k`` (other than 0),
-        ``top_p`` or ``min_p`` samples at the config's temperature (1.0 if unset): a
-        filter asks for sampling, and is not dropped for greedy decoding. Otherwise it is
-        greedy. ``top_k=0`` turns top-k off."""
-        if temperature is None:
-            temperature = (1.0 if self.temperature is None else self.temperature) \
-                if self.do_sample or implies_sampling(top_k, top_p, min_p) else 0.0
-        top_k = self.top_k if top_k is None else top_k
-        return sampling_lib.SamplingParams(
-            temperature, None if top_k == 0 else top_k, self.top_p if top_p is None else top_p,
-            self.min_p if min_p is None else min_p,
-            self.repetition_penalty if repetition_penalty is None else repetition_penalty)
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def implies_sampling(top_k=None, top_p=None, min_p=None) -> bool:
-    """Whether a caller's filters ask for sampling: any of ``top_k`` (other than 0, which
-    turns top-k off), ``top_p`` or ``min_p`` given. Without a temperature they sample at
-    the generation config's temperature, else 1.0 (:meth:`GenerationConfig.sampling_params`)."""
-    return (top_k is not None and top_k != 0) or top_p is not None or min_p is not None
+def _sampling_problem(c: GenerationConfig) -> str | None:
+    """What is wrong with the file's sampling values, in the words of
+    :class:`forge_jax.generation.SamplingParams`, or None."""
+    if c.temperature is not None and (not _is_number(c.temperature) or c.temperature < 0
+                                      or c.temperature != c.temperature):
+        return f"temperature must be a number >= 0, got {c.temperature!r}"
+    if c.top_k is not None and (isinstance(c.top_k, bool) or not isinstance(c.top_k, int)
+                                or not 0 < c.top_k < 2**31):
+        return f"top_k must be a positive int or None, got {c.top_k!r}"
+    if c.top_p is not None and (not _is_number(c.top_p) or not 0.0 < c.top_p <= 1.0):
+        return f"top_p must be in (0, 1] or None, got {c.top_p!r}"
+    if c.min_p is not None and (not _is_number(c.min_p) or not 0.0 <= c.min_p <= 1.0):
+        return f"min_p must be in [0, 1] or None, got {c.min_p!r}"
+    penalty = c.repetition_penalty
+    if penalty is not None and (not _is_number(penalty) or not 0.0 < penalty < float("inf")):
+        return f"repetition_penalty must be a finite number > 0 or None, got {penalty!r}"
+    return None
 
 
 def load_generation_config(path: str | os.PathLike) -> GenerationConfig | None:
     """``path/generation_config.json`` (a local directory) as a :class:`GenerationConfig`,
-    or None if absent. :func:`forge_jax.models.text.load_generation_config` also takes a Hub
+    or None if absent. :func:`forge_jax.text.api.load_generation_config` also takes a Hub
     repository id."""
     file = pathlib.Path(path) / "generation_config.json"
     if not file.is_file():

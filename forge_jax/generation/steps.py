@@ -1,8 +1,8 @@
 """The jitted prefill and decode steps of a model with a KV cache: explicit cache in, cache
 out, donated under ``jax.jit`` (updated in place), and the sampling of each step's token.
 
-:func:`forge_jax.models.generation.generate` runs them over a batch of prompts and
-:class:`forge_jax.models.chat_session.ChatSession` over a conversation; a server can run
+:func:`forge_jax.generation.loop.generate` runs them over a batch of prompts and
+:class:`forge_jax.text.chat_session.ChatSession` over a conversation; a server can run
 them as they do::
 
     graphdef, state = nnx.split(model)
@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.generation import sampling as sampling_lib
 from forge_jax.models import llama_sharding
-from forge_jax.models import sampling as sampling_lib
 from forge_jax.models.llama_model import Llama
 
 
@@ -108,7 +108,7 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
       state: the model's weights, ``nnx.split(model)[1]``.
       cache: a ``ContiguousKVCache`` or ``PagedKVCache`` with ``batch`` rows.
       tokens: int32 ``[batch, t]``, the new tokens right-padded (``t`` bucketed, see
-        :func:`forge_jax.models.generation.prompt_bucket`, so that one compiled step
+        :func:`forge_jax.generation.loop.prompt_bucket`, so that one compiled step
         serves nearby lengths).
       lengths: int32 ``[batch]``, the new tokens of each row; padding past them is not
         written (a row of 0 writes nothing).
@@ -118,7 +118,7 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
         the repetition penalty.
       graphdef, mode, implementation_key: static (:func:`step_statics`).
       empty_cache: static; True when ``cache`` holds no token yet (``cache.lengths``
-        all 0: :func:`~forge_jax.models.generation.generate`'s prefill). The tokens then
+        all 0: :func:`~forge_jax.generation.loop.generate`'s prefill). The tokens then
         attend to themselves alone rather than to the cache's whole capacity (see
         :meth:`Llama.forward_cached`): the same result, a fraction of the work when the
         cache is much longer than the prompt. Left False, any cache works.

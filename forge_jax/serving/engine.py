@@ -1,0 +1,562 @@
+"""A serving engine: continuous batching over ragged paged attention, chunked prefill, a
+prefix cache, preemption, streaming and cancellation.
+
+Requests are added and cancelled from any thread or asyncio task; each returns a
+:class:`RequestStream` of :class:`Output` events (new token ids, their text, and at the
+end a finish reason: ``stop``, ``length``, ``cancelled`` or ``error``). Every step packs
+the decode token of each running request and chunks of waiting prompts into one
+:func:`forge_jax.ragged_paged_attention` batch under a token budget
+(:func:`forge_jax.serving.batch_step.ragged_step`, jitted for a few bucketed shapes,
+pages donated)::
+
+    engine = Engine(model, tokenizer, max_batch_tokens=512, num_pages=512)
+    engine.start()                                   # the step loop, in a thread
+    stream = engine.submit(prompt_ids, RequestParams(max_tokens=32, temperature=0.7))
+    for out in stream:                               # or: async for out in stream
+        print(out.text, end="")
+    engine.shutdown()
+
+Pages come from a :class:`forge_jax.kv_cache.BlockManager`; full pages stay in the
+:class:`~forge_jax.serving.prefix_cache.PrefixCache` after their request ends and are
+evicted (least recently used) only when the pool needs them. When the pool runs out, the
+newest running request is preempted: its pages are freed and it is requeued, to be
+recomputed from its prompt and the tokens it has so far. A request that could never fit
+is refused at once (:class:`RequestRefused`, with the numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import forge_jax as fj
+from forge_jax.kv_cache import BlockManager, CacheFullError
+from forge_jax.ops import kv_quant
+from forge_jax.serving import batch_step as serving_step
+from forge_jax.serving.batch_step import MIN_TABLE_PAGES  # noqa: F401  (the engine's API)
+from forge_jax.serving.prefix_cache import PrefixCache
+from forge_jax.serving.requests import (  # noqa: F401  (the engine's API)
+    FINISH_REASONS,
+    PHASES,
+    EngineStats,
+    Output,
+    PhaseClock,
+    QueueFull,
+    Request,
+    RequestParams,
+    RequestRefused,
+    RequestStream,
+)
+
+
+class Engine:
+    """Continuous batching of many requests over one model and one page pool.
+
+    Args:
+      model: a model ``from_pretrained`` loads (its ``forward_cached`` takes the cache).
+      tokenizer: a :class:`forge_jax.text.api.Tokenizer` for the text of the outputs
+        and stop strings (None: token ids only).
+      max_batch_tokens: tokens per step (decode tokens plus prefill chunks).
+      min_batch_tokens: the smallest row bucket: a step's rows are padded to a power of two
+        at least this (a step of a few decodes then computes a few rows, not a prefill's),
+        or to three quarters of one from 192 rows up (``serving_step.row_bucket``).
+      max_seqs: sequences per step (and running at once).
+      num_pages, page_size: the page pool.
+      max_model_len: prompt plus new tokens per request at most (default: the model's
+        ``max_position_embeddings``).
+      max_waiting: requests waiting at most; more raise :class:`QueueFull`.
+      prefix_caching: keep full pages for later requests with the same prefix.
+      eos_token_ids: ids that end every request (default: the model's).
+      cache_dtype: the pages' dtype (default: the model's compute dtype). On CPU with JAX
+        0.10, XLA rewrites a whole bfloat16 pool at every write (1.2 ms a layer, keys and
+        values, for the 208-page pools of ``benchmarks/serve_cpu.py`` at concurrency 16,
+        BENCHMARKS.md); JAX 0.11 and 0.12 write in place.
+      kv_cache_dtype: ``"int8"`` or ``"fp8"`` (e4m3) for quantized pages, a float32 scale
+        per token and KV head beside them (:mod:`forge_jax.ops.kv_quant`), as
+        :func:`~forge_jax.generation.loop.generate`'s; they are written, shared by the
+        prefix cache, copied and freed with their pages. None: ``cache_dtype`` pages.
+      overlap: dispatch each step before reading the previous step's tokens: a sequence
+        whose token is still on the device gets it from there (the step takes the previous
+        step's tokens and which row each feeds), and the host hands out the previous
+        step's tokens while the device runs the next. The tokens are the same; a request
+        that a stop token or string ends has computed one row more than it needed. False:
+        each step's tokens are read and handed out before the next step is scheduled.
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 512,
+                 min_batch_tokens: int = 1, max_seqs: int = 64, num_pages: int = 512,
+                 page_size: int = 16, max_model_len: int | None = None, max_waiting: int = 1024,
+                 prefix_caching: bool = True, eos_token_ids: Sequence[int] | None = None,
+                 cache_dtype=None, kv_cache_dtype: str | None = None, overlap: bool = True):
+        self.model, self.tokenizer = model, tokenizer
+        config = model.config
+        self.kv_cache_dtype = kv_quant.kv_format("kv_cache_dtype", kv_cache_dtype)
+        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        if not 1 <= min_batch_tokens <= max_batch_tokens:
+            raise ValueError(f"need 1 <= min_batch_tokens <= max_batch_tokens, got "
+                             f"{min_batch_tokens=} and {max_batch_tokens=}")
+        self.max_batch_tokens = serving_step.pow2_at_least(int(max_batch_tokens), 8)
+        self.min_batch_tokens = serving_step.pow2_at_least(int(min_batch_tokens), 1)
+        self.max_seqs, self.max_waiting = int(max_seqs), int(max_waiting)
+        self.overlap = bool(overlap)
+        self.page_size = int(page_size)
+        self.pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.manager = BlockManager(int(num_pages), self.page_size)
+        self.prefix_cache = PrefixCache(self.manager, enabled=prefix_caching)
+        if eos_token_ids is None:
+            from forge_jax.generation.loop import default_eos_token_ids
+
+            eos_token_ids = default_eos_token_ids(model)
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = config.vocab_size
+        self.graphdef, self.state = nnx.split(model)
+        # The weights as a flat list: a step's dispatch then flattens a list, not the state.
+        self.weights, self.weights_def = jax.tree.flatten(self.state)
+        self._graphdef = serving_step.Static(self.graphdef)  # hashed once, not per dispatch
+        dtype = cache_dtype or model.dtype
+        shape = (model.kv_heads, int(num_pages), self.page_size, config.head_dim)
+        # On a mesh the pools are split by KV head over the tensor axis, as the model's.
+        place = (lambda x: x) if model.mesh is None else (
+            lambda x: jax.device_put(x, serving_step.pool_sharding(model.mesh, shape[0])))
+        # A quantized pool is a QuantizedArray (values and [..., 1] scales), placed and
+        # passed through the step like a float one.
+        empty = (lambda: jnp.zeros(shape, dtype)) if self.kv_cache_dtype is None else (
+            lambda: kv_quant.empty_pool(shape, self.kv_cache_dtype, dtype))
+        self.k_pages = tuple(place(empty()) for _ in range(config.num_hidden_layers))
+        self.v_pages = tuple(place(empty()) for _ in range(config.num_hidden_layers))
+        # The last step's tokens on the device, [max_seqs] (the next step may read some),
+        # and the step in flight: its tokens and the (index, request) pairs that drew one.
+        tokens = jnp.zeros((self.max_seqs,), jnp.int32)
+        self._last_tokens = tokens if model.mesh is None else jax.device_put(
+            tokens, model.mesh.replicated())
+        self._in_flight: tuple[jax.Array, list[tuple[int, Request]]] | None = None
+        self.stats = EngineStats()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._cancels: set[int] = set()
+        self._waiting: list[Request] = []  # by arrival (preempted ones go back in order)
+        self._running: list[Request] = []  # by arrival
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.last_error: Exception | None = None
+        self.gauges: dict = {}
+
+    # -- the public API -------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: RequestParams | None = None, *,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Adds a request (any thread; from an asyncio task its stream is async by default).
+
+        Raises:
+          RequestRefused: an empty prompt, ids outside the vocabulary, or a prompt plus
+            ``max_tokens`` that can never fit the context or the page pool.
+          QueueFull: ``max_waiting`` requests are already waiting.
+        """
+        params = RequestParams() if params is None else params
+        prompt = [int(t) for t in prompt]
+        self.check_fits(prompt, params)
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+        stream = RequestStream(self, next(self._ids), loop)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        request = Request(stream.id, prompt, params, stream, seed, time.monotonic())
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the engine is shutting down")
+            if len(self._waiting) + len(self._inbox) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting) + len(self._inbox)} requests waiting, "
+                                f"the limit is max_waiting={self.max_waiting}")
+            self._inbox.append(request)
+            self._wake.notify()
+        return stream
+
+    def check_fits(self, prompt: Sequence[int], params: RequestParams) -> None:
+        """Raises :class:`RequestRefused` for a request that could never be served."""
+        if not prompt:
+            raise RequestRefused("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRefused(f"token id {bad[0]} is outside the vocabulary "
+                                 f"(vocab_size={self.vocab_size})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRefused(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                f"{total} tokens, more than the context of {self.max_model_len} tokens")
+        pages = -(-total // self.page_size)
+        if pages > self.manager.num_pages:
+            raise RequestRefused(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"needs {pages} pages of {self.page_size} tokens, the pool has "
+                f"{self.manager.num_pages}")
+
+    def cancel(self, request_id: int) -> None:
+        """Ends a request with ``cancelled`` (any thread; unknown or finished ids: no-op)."""
+        with self._lock:
+            self._cancels.add(request_id)
+            self._wake.notify()
+
+    def start(self) -> Engine:
+        """Runs :meth:`step` in a daemon thread until :meth:`shutdown`."""
+        self._thread = threading.Thread(target=self._loop, name="forge-jax-engine",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, *, wait: float = 0.0) -> dict[str, int]:
+        """Stops taking requests, lets the running ones finish for up to ``wait`` seconds,
+        cancels the rest and stops the loop. Returns ``{"finished": n, "cancelled": m}``,
+        the in-flight requests that finished and that were cancelled meanwhile."""
+        with self._lock:
+            self._stopping = True
+            before = dict(self.stats.finished)
+        deadline = time.monotonic() + wait
+        while self.has_work() and time.monotonic() < deadline and self._thread:
+            time.sleep(0.01)
+        with self._lock:
+            for r in self._inbox + self._waiting + self._running:
+                self._cancels.add(r.id)
+            self._wake.notify()
+        if self._thread is None:
+            self.step()
+        else:
+            while self.has_work():
+                time.sleep(0.01)
+            with self._lock:
+                self._thread, thread = None, self._thread
+                self._wake.notify()
+            thread.join()
+        cancelled = self.stats.finished["cancelled"] - before["cancelled"]
+        return {"finished": sum(self.stats.finished.values()) - sum(before.values())
+                - cancelled, "cancelled": cancelled}
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`shutdown` has begun (new requests are refused)."""
+        return self._stopping
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._waiting or self._running or self._in_flight)
+
+    def snapshot(self) -> dict:
+        """Gauges for ``/metrics`` (any thread): requests running and waiting; pages used,
+        held by the prefix cache and reclaimable, and the prefix-cache counters, as of the
+        last step."""
+        return dict(self.gauges, running=len(self._running),
+                    waiting=len(self._waiting) + len(self._inbox))
+
+    def _update_gauges(self) -> None:
+        usage = self.manager.usage()
+        self.gauges = dict(pages_total=usage.total_pages, pages_used=usage.used_pages,
+                           pages_cached=len(self.prefix_cache),
+                           pages_reclaimable=self.prefix_cache.reclaimable(),
+                           prefix=dataclasses.replace(self.prefix_cache.stats))
+
+    # -- the step -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._inbox or self._cancels or self._waiting or self._running
+                           or self._in_flight):
+                    if self._thread is None:
+                        return
+                    self._wake.wait()
+            try:
+                self.step()
+            except Exception as e:  # the step's requests got the error; the engine goes on
+                self.last_error = e
+
+    def step(self) -> int:
+        """One scheduling step: takes new requests and cancellations, runs one batch and
+        streams its tokens (with ``overlap``, those of the step before, while this one
+        runs). Returns the sequences it ran and the tokens it handed out (0 when idle)."""
+        clock = PhaseClock(self.stats.phase_seconds)
+        with self._lock:
+            self._waiting += self._inbox
+            self._inbox, cancels, self._cancels = [], self._cancels, set()
+        for r in [r for r in self._waiting + self._running if r.id in cancels]:
+            self._finish(r, "cancelled")
+        clock.lap("intake")
+        try:
+            scheduled = self._schedule()
+            clock.lap("schedule")
+            tokens = self._dispatch(scheduled, clock) if scheduled else None
+            handed = self._read_in_flight(clock)  # the step before (overlap), if any
+            if scheduled:
+                self._in_flight = (tokens, self._book(scheduled))
+                clock.lap("book")
+                if not self.overlap:
+                    handed += self._read_in_flight(clock)
+        except Exception as e:  # a failed step ends its requests, not the engine
+            self._in_flight = None
+            for r in self._waiting:  # preempted with a token in flight: it is recomputed
+                r.pending = 0
+            for r in list(self._running):
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self._update_gauges()
+        return len(scheduled) + handed
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """The (request, new tokens) pairs of the next batch, pages appended for them."""
+        budget, batch = self.max_batch_tokens, []
+        preemptions = self.stats.preemptions
+        # Full pages this step computes (key -> page): a waiting request whose prefix
+        # continues into them shares them in this same step. Each layer writes the whole
+        # step's keys and values before it attends, so its rows read them once written.
+        fresh: dict[bytes, int] = {}
+        for r in list(self._running):
+            if r not in self._running:  # preempted while making room for an earlier one
+                continue
+            if len(batch) == self.max_seqs or budget == 0:
+                break
+            if r.pending and (len(r.generated) + 1 >= r.params.max_tokens
+                              or len(r.tokens) + 1 >= self.max_model_len):
+                continue  # the token in flight is its last
+            n = min(len(r.tokens) + r.pending - r.computed, budget)
+            if self._make_room(r, n):
+                batch.append((r, n))
+                budget -= n
+        for r, n in batch:
+            self._note_fresh(r, n, fresh)
+        # Full pages that running requests compute in a later step: a waiting request whose
+        # prefix continues into one of them waits until it is cached, rather than computing
+        # it again (a burst sharing a system prompt prefills it once).
+        in_flight = set()
+        for r in self._running:
+            if r.computed < len(r.prompt):
+                in_flight.update(self._uncomputed_keys(r))
+        in_flight.difference_update(fresh)
+        # After a preemption the pool is short: admit nothing new (nor the preempted) now.
+        at = 0
+        while (at < len(self._waiting) and budget and len(batch) < self.max_seqs
+               and self.stats.preemptions == preemptions):
+            r = self._waiting[at]
+            if r.pending or in_flight and self._next_prefix_key(r, fresh) in in_flight:
+                at += 1
+                continue
+            if not self._admit(r, budget, fresh):
+                break
+            self._waiting.pop(at)
+            self._running.append(r)
+            self._running.sort(key=lambda x: x.arrival)
+            n = min(len(r.tokens) - r.computed, budget)
+            batch.append((r, n))
+            budget -= n
+            self._note_fresh(r, n, fresh)
+            in_flight.update(self._uncomputed_keys(r))
+            in_flight.difference_update(fresh)
+        return batch
+
+    def _note_fresh(self, r: Request, n: int, fresh: dict[bytes, int]) -> None:
+        """Adds the full pages of known tokens that ``n`` new rows of ``r`` complete."""
+        if not self.prefix_cache.enabled:
+            return
+        first = r.computed // self.page_size
+        done = min(r.computed + n, len(r.tokens)) // self.page_size
+        if done > first:
+            table = self.manager.block_table(r.id)
+            keys = r.page_keys(self.page_size, done)
+            fresh.update((keys[i], int(table[i])) for i in range(first, done))
+
+    def _uncomputed_keys(self, r: Request) -> list[bytes]:
+        """The prefix-cache keys of ``r``'s full pages not computed yet."""
+        if not self.prefix_cache.enabled:
+            return []
+        full = len(r.tokens) // self.page_size
+        return r.page_keys(self.page_size, full)[r.computed // self.page_size:]
+
+    def _prefix_keys(self, r: Request) -> list[bytes]:
+        """The keys of the full pages a lookup of ``r`` may reuse (as ``PrefixCache.lookup``:
+        its last token is always computed)."""
+        return r.page_keys(self.page_size, (len(r.tokens) - 1) // self.page_size)
+
+    def _next_prefix_key(self, r: Request, fresh: dict[bytes, int]) -> bytes | None:
+        """The key of the first full page of ``r``'s prefix that is neither cached nor
+        computed in this step (None: none)."""
+        cached = self.prefix_cache.pages
+        return next((k for k in self._prefix_keys(r) if k not in cached and k not in fresh),
+                    None)
+
+    def _make_room(self, r: Request, n: int) -> bool:
+        """Appends ``n`` tokens' room to running request ``r``, evicting cached pages and then
+        preempting the newest running requests as needed; False if ``r`` itself went."""
+        while True:
+            try:
+                self.manager.append(r.id, n)
+                return True
+            except CacheFullError as e:
+                if self.prefix_cache.evict(e.requested_pages - e.free_pages):
+                    continue
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is r:
+                    return False
+
+    def _admit(self, r: Request, budget: int, fresh: dict[bytes, int]) -> bool:
+        """Allocates a waiting request's cached prefix (continued by the ``fresh`` pages
+        this step computes) and first chunk, if the pool allows (evicting cached pages,
+        never preempting)."""
+        tokens = r.tokens
+        cached = self.prefix_cache.lookup(tokens)
+        pages = list(cached)
+        if fresh:  # the prefix continues into pages an earlier row of this step fills
+            for key in self._prefix_keys(r)[len(pages):]:
+                if key not in fresh:
+                    break
+                pages.append(fresh[key])
+        shared = len(pages) - len(cached)
+        for page in pages:  # held across the eviction below, which takes only unheld pages
+            self.manager.hold(page)
+        try:
+            computed = len(pages) * self.page_size
+            n = min(len(tokens) - computed, budget)
+            need = -(-(computed + n) // self.page_size) - len(pages)
+            free = self.manager.usage().free_pages
+            if need > free:
+                self.prefix_cache.evict(need - free)
+            if need > self.manager.usage().free_pages:
+                stats = self.prefix_cache.stats  # not admitted: the lookup did not count
+                stats.queried_tokens -= len(tokens)
+                stats.hit_tokens -= len(cached) * self.page_size
+                stats.reused_pages -= len(cached)
+                return False
+            self.manager.allocate(r.id, computed, prefix_pages=pages)
+            self.manager.append(r.id, n)
+        finally:
+            for page in pages:
+                self.manager.release(page)
+        stats = self.prefix_cache.stats  # shared in this step: reused as a cached page is
+        stats.hit_tokens += shared * self.page_size
+        stats.reused_pages += shared
+        # The pages shared in this step enter the cache when their own request's rows are
+        # booked; this request's booking then finds them there.
+        r.computed, r.cached_pages = computed, len(cached)
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        self.manager.free(r.id)
+        self._running.remove(r)
+        r.computed, r.cached_pages = 0, 0
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self._waiting.append(r)
+        self._waiting.sort(key=lambda x: x.arrival)
+
+    def _dispatch(self, scheduled: list[tuple[Request, int]], clock: PhaseClock) -> jax.Array:
+        """Builds and dispatches (asynchronously) the step; returns its tokens, [max_seqs]."""
+        copies = self.manager.take_pending_copies()
+        if copies.size:  # only a shared, partly filled page is copied (never here today)
+            pairs = [fj.copy_pages(k, v, copies) for k, v in
+                     zip(self.k_pages, self.v_pages, strict=True)]
+            self.k_pages = tuple(k for k, _ in pairs)
+            self.v_pages = tuple(v for _, v in pairs)
+        batch = serving_step.build_batch(
+            scheduled, self.manager, min_rows=self.min_batch_tokens, max_seqs=self.max_seqs,
+            pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size)
+        self.stats.compiled.add(batch.shape_key)
+        clock.lap("build")
+        self._last_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(
+            self.weights, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
+            batch.sampling, batch.seen, self._last_tokens, graphdef=self._graphdef,
+            weights_def=self.weights_def, greedy=batch.greedy,
+            implementation_key=fj.dispatch.current_preference())
+        clock.lap("dispatch")
+        return self._last_tokens
+
+    def _book(self, scheduled: list[tuple[Request, int]]) -> list[tuple[int, Request]]:
+        """Counts a dispatched step's rows as computed and offers the pages they fill to the
+        prefix cache; returns the (index, request) pairs that draw a token in it."""
+        drawn = []
+        for i, (r, n) in enumerate(scheduled):
+            if r.finished:  # ended by the step before's token: this row is not used
+                continue
+            self.stats.prompt_tokens += max(0, min(n, len(r.prompt) - r.computed))
+            r.computed += n
+            if self.prefix_cache.enabled:
+                r.cached_pages = self.prefix_cache.insert(
+                    r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages,
+                    keys=r.page_keys(self.page_size, r.computed // self.page_size))
+            if r.computed == len(r.tokens):  # its known tokens are in: a new one is drawn
+                r.pending, r.pending_index = 1, i
+                drawn.append((i, r))
+        self.stats.steps += 1
+        return drawn
+
+    def _read_in_flight(self, clock: PhaseClock) -> int:
+        """Waits for the step in flight and hands out its tokens; returns how many."""
+        if self._in_flight is None:
+            return 0
+        (tokens, drawn), self._in_flight = self._in_flight, None
+        tokens = np.asarray(jax.device_get(tokens))
+        clock.lap("device")
+        now = time.monotonic()
+        self.stats.recent.append((now, len(drawn)))
+        while self.stats.recent and self.stats.recent[0][0] < now - 60:
+            self.stats.recent.popleft()
+        for i, r in drawn:
+            r.pending = 0
+            if not r.finished:  # (cancelled meanwhile: the token is dropped)
+                self._accept(r, int(tokens[i]), now)
+        clock.lap("output")
+        return len(drawn)
+
+    # -- outputs --------------------------------------------------------------------------
+
+    def _accept(self, r: Request, token: int, now: float) -> None:
+        r.generated.append(token)
+        self.stats.generated_tokens += 1
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.stats.ttft.observe(now - r.arrival)
+        elif r.last_token_at is not None:
+            self.stats.inter_token.observe(now - r.last_token_at)
+        r.last_token_at = now
+        p = r.params
+        reason = None
+        if token in r.stop_ids(self.eos):
+            reason = "stop"
+        elif len(r.generated) >= p.max_tokens or len(r.tokens) >= self.max_model_len:
+            reason = "length"
+        text, stopped = r.new_text(self.tokenizer, self.eos, final=reason is not None)
+        if stopped:
+            reason = "stop"
+        if reason:
+            self._finish(r, reason, text=text)
+        else:
+            self._emit(r, text)
+
+    def _emit(self, r: Request, text: str, reason: str | None = None,
+              error: str | None = None) -> None:
+        new = tuple(r.generated[r.sent_ids:])
+        r.sent_ids = len(r.generated)
+        if new or text or reason:
+            r.stream.put(Output(new, text, reason, error, len(r.prompt), len(r.generated)))
+
+    def _finish(self, r: Request, reason: str, *, text: str = "",
+                error: str | None = None) -> None:
+        r.finished = True
+        if r in self._running:
+            self._running.remove(r)
+            self.manager.free(r.id)
+        elif r in self._waiting:
+            self._waiting.remove(r)
+        self.stats.finished[reason] += 1
+        self._emit(r, text, reason, error)
