@@ -759,3 +759,16 @@ def test_block_manager_prefix_pages_and_holds():
     assert m.usage().used_pages == 0 and m.usage().free_pages == 6
     with pytest.raises(ValueError, match="not in use"):
         m.release(prefix[0])
+
+
+def test_cache_spec_checks_its_fields():
+    from forge_jax.kv_cache import CacheSpec
+
+    spec = CacheSpec(kind="contiguous", page_size=8, dtype="bfloat16", kv_dtype="int8")
+    assert spec.dtype == jnp.bfloat16 and spec.resolved_dtype(jnp.float32) == jnp.bfloat16
+    assert CacheSpec().resolved_dtype(jnp.float16) == jnp.float16
+    for bad, match in [(dict(kind="ring"), "kind="), (dict(page_size=0), "page_size=0"),
+                       (dict(page_size=True), "page_size=True"), (dict(dtype="int32"), "int32"),
+                       (dict(kv_dtype="int4"), "kv_dtype='int4'")]:
+        with pytest.raises(ValueError, match=match):
+            CacheSpec(**bad)

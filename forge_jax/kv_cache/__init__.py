@@ -52,7 +52,9 @@ copy-on-write, and freeing. A decode loop with a paged cache (one layer shown)::
 from forge_jax.kv_cache.block_manager import BlockManager, CacheFullError, CacheUsage
 from forge_jax.kv_cache.contiguous import ContiguousKVCache
 from forge_jax.kv_cache.paged import PagedKVCache
+from forge_jax.kv_cache.spec import CacheSpec
 
 __all__ = [
-    "BlockManager", "CacheFullError", "CacheUsage", "ContiguousKVCache", "PagedKVCache",
+    "BlockManager", "CacheFullError", "CacheSpec", "CacheUsage", "ContiguousKVCache",
+    "PagedKVCache",
 ]
