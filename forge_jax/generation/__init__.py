@@ -2,7 +2,9 @@
 token sampling, the generate loop and its statistics, and exported programs.
 
 The runtime's lowest package: it imports the kernel library and :mod:`forge_jax.models`,
-never :mod:`forge_jax.text`, :mod:`forge_jax.serving` or the CLI.
+never :mod:`forge_jax.text`, :mod:`forge_jax.serving` or the CLI. The names below load on
+first use, so that :mod:`forge_jax.generation.exported` runs a program without importing the
+model code (or Flax).
 
 Modules: :mod:`~forge_jax.generation.steps` (prefill and decode steps),
 :mod:`~forge_jax.generation.sampling` (:class:`SamplingParams`, sampling on device),
@@ -14,18 +16,26 @@ exported programs), :mod:`~forge_jax.generation.exported` (loads and runs them) 
 :mod:`~forge_jax.generation.op_shapes` (the ops a model calls, for ``forge-jax tune``).
 """
 
-from forge_jax.generation.loop import (
-    check_generation_fits,
-    check_sequence_length,
-    generate,
-    generate_with_stats,
-)
-from forge_jax.generation.sampling import SamplingParams
-from forge_jax.generation.settings import sampling_params
-from forge_jax.generation.stats import GenerationStats
-from forge_jax.generation.steps import decode_step, prefill_step
+import importlib
 
-__all__ = [
-    "GenerationStats", "SamplingParams", "check_generation_fits", "check_sequence_length",
-    "decode_step", "generate", "generate_with_stats", "prefill_step", "sampling_params",
-]
+# Public name -> the module that defines it (imported on first use).
+_EXPORTS = {
+    "check_generation_fits": "loop", "check_sequence_length": "loop", "generate": "loop",
+    "generate_with_stats": "loop", "SamplingParams": "sampling",
+    "sampling_params": "settings", "GenerationStats": "stats", "decode_step": "steps",
+    "prefill_step": "steps",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])
