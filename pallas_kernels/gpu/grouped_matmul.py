@@ -24,10 +24,8 @@ The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
 Op: :func:`forge_jax.ops.grouped_matmul.grouped_matmul`; reference: its XLA implementation
-:func:`forge_jax.ops.grouped_matmul.grouped_matmul_xla`. Launch knobs: :class:`Config`, the
-per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
-as ``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
-``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_grouped_matmul.py``.
+:func:`forge_jax.ops.grouped_matmul.grouped_matmul_xla`. Tests:
+``tests/test_pallas_gpu_grouped_matmul.py``.
 """
 
 from __future__ import annotations

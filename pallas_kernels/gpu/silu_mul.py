@@ -9,10 +9,7 @@ The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
 Op: :func:`forge_jax.ops.activation.silu_mul`; reference: its XLA implementation
-:func:`forge_jax.ops.activation.silu_mul_xla`. Launch knobs: :class:`Config`, the per-device
-table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
-``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
-``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_silu_mul.py``,
+:func:`forge_jax.ops.activation.silu_mul_xla`. Tests: ``tests/test_pallas_gpu_silu_mul.py``,
 ``tests/test_gpu_tuning.py``.
 """
 

@@ -37,6 +37,21 @@ INT8_MXU: Mapping[str, bool] = {
 }
 
 
+def per_generation(*, v4_v5e: Mapping[str, int], v5p: Mapping[str, int],
+                   v6e: Mapping[str, int], default: Mapping[str, int],
+                   interpret: Mapping[str, int] | None = None) -> dict[str, Mapping[str, int]]:
+    """A kernel's ``TUNED`` table: its launch knobs per TPU generation (``jax.Device.
+    device_kind``, :data:`GENERATIONS`), sized against each one's default scoped VMEM
+    (:data:`SCOPED_VMEM_MIB`: 16 MiB on v4 and v5e, which share a row; 32 MiB on v5p,
+    named "TPU v5" and "TPU v5p", and on v6e). "default" serves any other kind, and the
+    interpreter unless ``interpret`` gives its row."""
+    table = {"TPU v4": v4_v5e, "TPU v5 lite": v4_v5e, "TPU v5": v5p, "TPU v5p": v5p,
+             "TPU v6 lite": v6e}
+    if interpret is not None:
+        table["interpret"] = interpret
+    return {**table, "default": default}
+
+
 def tuned(table: Mapping[str, Mapping[str, int]], device_kind: str | None) -> dict[str, int]:
     """The entry of ``device_kind`` in a kernel's ``TUNED`` table, its "default" entry for
     None or a kind the table has no row for."""

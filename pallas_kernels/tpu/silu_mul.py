@@ -14,10 +14,8 @@ The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
 Op: :func:`forge_jax.ops.activation.silu_mul`; reference: its XLA implementation
-:func:`forge_jax.ops.activation.silu_mul_xla`. Launch knobs: :class:`Config`, the per-device
-table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
-``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
-``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_elementwise.py``.
+:func:`forge_jax.ops.activation.silu_mul_xla`. Tests:
+``tests/test_pallas_tpu_elementwise.py``.
 """
 
 from __future__ import annotations
@@ -58,18 +56,11 @@ class Config:
     block_elements: int
 
 
-# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
-# "default" serves any other kind and the interpreter), sized against each generation's
-# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
-# v5p/v6e). Untuned, pending measurements on TPU hardware.
-TUNED: Mapping[str, Mapping[str, int]] = {
-    "TPU v4": dict(block_elements=256 * 1024),
-    "TPU v5 lite": dict(block_elements=256 * 1024),
-    "TPU v5": dict(block_elements=512 * 1024),
-    "TPU v5p": dict(block_elements=512 * 1024),
-    "TPU v6 lite": dict(block_elements=512 * 1024),
-    "default": dict(block_elements=256 * 1024),
-}
+# The defaults per TPU generation (:func:`_common.per_generation`). Untuned, pending
+# measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = _common.per_generation(
+    v4_v5e=dict(block_elements=256 * 1024), v5p=dict(block_elements=512 * 1024),
+    v6e=dict(block_elements=512 * 1024), default=dict(block_elements=256 * 1024))
 
 
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
