@@ -235,6 +235,13 @@ def softmax_init(rows: int, layout: Any, *, interpret: bool) -> tuple[Any, Any]:
             layout_cast(jnp.zeros((rows,), jnp.float32), layout, interpret=interpret))
 
 
+def refill(fetch: Callable[[Any, Any], None], step: Any, slot: Any, *, stages: int,
+           steps: Any) -> None:
+    """Kernel code: a pipeline's ring slot ``slot``, consumed at ``step``, refilled by
+    ``fetch(step + stages, slot)`` if that step is one of the ``steps``."""
+    _compat.pallas().when(step + stages < steps)(lambda: fetch(step + stages, slot))
+
+
 def load_tmem(ref: Any, *, interpret: bool) -> Any:
     """A tensor-memory (TMEM) tile read into registers, one row per thread (the tcgen05
     layout), complete before the values are used."""

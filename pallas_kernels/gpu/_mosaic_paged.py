@@ -81,16 +81,23 @@ def split_launch(tables, *, items: int, kv_heads: int, page_size: int, block_kv:
     return num_splits, blocks_per_split, tables
 
 
-def key_blocks(range_ref, *, blocks_per_split: int, block_kv: int):
+def key_blocks(range_ref, tables_ref, *, blocks_per_split: int, block_kv: int,
+               page_size: int):
     """Kernel code: the program's ``(item, head, split)``, its item's keys ``[key_lo,
-    key_hi)`` and the first of its split's key blocks and their count, ``(item, head,
-    split, key_lo, key_hi, first, steps)``."""
+    key_hi)``, the first of its split's key blocks and their count, and ``entry(block,
+    p)``, the table entry of the ``p``-th page of a block: ``(item, head, split, key_lo,
+    key_hi, first, steps, entry)``."""
     pl = _compat.pallas()
     item, head, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
     key_lo, key_hi = range_ref[item, 0], range_ref[item, 1]
     first = jnp.maximum(split * blocks_per_split, lax.div(key_lo, block_kv))
     last = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(key_hi, block_kv))
-    return item, head, split, key_lo, key_hi, first, jnp.maximum(last - first, 0)
+    pages_per_block = block_kv // page_size
+
+    def entry(block, p):
+        return tables_ref[item, block * pages_per_block + p]
+
+    return item, head, split, key_lo, key_hi, first, jnp.maximum(last - first, 0), entry
 
 
 def named_keys(key, entries: Sequence[Any], start, *, page_size: int, block_kv: int):
@@ -104,6 +111,25 @@ def named_keys(key, entries: Sequence[Any], start, *, page_size: int, block_kv: 
         outside = (key < hidden_lo) | (key >= lo + page_size)
         named = outside if named is None else named & outside
     return named
+
+
+def masked_logits(s, pos, *, start, key_lo, key_hi, entries: Sequence[Any], layout,
+                  sliding_window: int | None, logits_soft_cap: float | None, page_size: int,
+                  block_kv: int, interpret: bool):
+    """Kernel code: the scaled logits ``s [rows, block_kv]`` of the key block at ``start``
+    capped (``logits_soft_cap``) and hidden (``-inf``) where a row does not see the key:
+    past its position ``pos [rows]``, outside ``[key_lo, key_hi)``, the window or the pages
+    the block's ``entries`` name. Returns ``(s, visible)``."""
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    rows = s.shape[0]
+    key = start + _mosaic.iota(jnp.int32, (rows, block_kv), 1, layout, interpret=interpret)
+    row_pos = lax.broadcast_in_dim(pos, (rows, block_kv), [0])
+    visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
+    if sliding_window is not None:
+        visible &= key > row_pos - sliding_window
+    visible &= named_keys(key, entries, start, page_size=page_size, block_kv=block_kv)
+    return jnp.where(visible, s, -jnp.inf), visible
 
 
 def fetch_pages(entry: Callable[[int], Any], copies: Sequence[tuple[Any, Any, Any]], *,

@@ -174,9 +174,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
             def _():
                 mma(hits_tmem, seen_smem, bad_smem, True)
 
-            @pl.when(step + stages < steps)
-            def _():
-                fetch(step + stages, slot)
+            _mosaic.refill(fetch, step, slot, stages=stages, steps=steps)
 
             return m_next, l_next
 

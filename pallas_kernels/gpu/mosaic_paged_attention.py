@@ -134,21 +134,22 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     # table_width * page_size]. Outputs (GMEM): o_ref, m_ref, l_ref.
     ks_ref, vs_ref, o_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     plgpu = _compat.pallas_mosaic_gpu()
-    item, head, split, key_lo, key_hi, first, steps = _mosaic_paged.key_blocks(
-        range_ref, blocks_per_split=blocks_per_split, block_kv=block_kv)
-    head_dim = q_ref.shape[-1]
-    dtype = q_ref.dtype
+    item, head, split, key_lo, key_hi, first, steps, entry = _mosaic_paged.key_blocks(
+        range_ref, tables_ref, blocks_per_split=blocks_per_split, block_kv=block_kv,
+        page_size=page_size)
+    head_dim, dtype = q_ref.shape[-1], q_ref.dtype
     pages_per_block = block_kv // page_size
     # single_position (static: a decode launch, every item one position) compiles out the
     # per-value NaN bookkeeping of several positions and its accumulator's registers.
     one_position = True if single_position else range_ref[item, 2] > 0
     named_keys = functools.partial(_mosaic_paged.named_keys, page_size=page_size,
                                    block_kv=block_kv)
+    masked_logits = functools.partial(
+        _mosaic_paged.masked_logits, key_lo=key_lo, key_hi=key_hi, layout=plgpu.Layout.WGMMA,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, page_size=page_size,
+        block_kv=block_kv, interpret=interpret)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-    def entry(block, p):
-        return tables_ref[item, block * pages_per_block + p]
 
     def dequantized(ref, scales_ref):
         # [block_kv, head_dim] stored values -> scale * values in the compute dtype, float32
@@ -211,17 +212,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                                     preferred_element_type=jnp.float32)
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-            s = s * scale
-            if logits_soft_cap is not None:
-                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-            key = start + _mosaic.iota(jnp.int32, (ROWS, block_kv), 1, wgmma_layout,
-                                       interpret=interpret)
-            row_pos = lax.broadcast_in_dim(pos, (ROWS, block_kv), [0])
-            visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
-            if sliding_window is not None:
-                visible &= key > row_pos - sliding_window
-            visible &= named_keys(key, entries, start)
-            s = jnp.where(visible, s, -jnp.inf)
+            s, visible = masked_logits(s * scale, pos, start=start, entries=entries)
 
             @pl.when(False if single_position else ~one_position)
             def _():  # stored now: the mask would otherwise hold registers until P V
@@ -295,9 +286,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                                                                     jnp.float32)) > 0,
                                       jnp.float32(jnp.nan), acc), acc)
 
-            @pl.when(step + stages < steps)
-            def _():
-                fetch(step + stages, slot)
+            _mosaic.refill(fetch, step, slot, stages=stages, steps=steps)
 
             return acc, m_next, l_next
 

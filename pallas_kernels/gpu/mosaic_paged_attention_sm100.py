@@ -109,10 +109,10 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     # range_ref [items, 4]: key_lo, key_hi; tables_ref [items, width], -1: no page;
     # k_ref, v_ref [kv_heads, num_pages, page_size, head_dim].
     plgpu = _compat.pallas_mosaic_gpu()
-    item, head, split, key_lo, key_hi, first, steps = _mosaic_paged.key_blocks(
-        range_ref, blocks_per_split=blocks_per_split, block_kv=block_kv)
-    head_dim = q_ref.shape[-1]
-    dtype = q_ref.dtype
+    item, head, split, key_lo, key_hi, first, steps, entry = _mosaic_paged.key_blocks(
+        range_ref, tables_ref, blocks_per_split=blocks_per_split, block_kv=block_kv,
+        page_size=page_size)
+    head_dim, dtype = q_ref.shape[-1], q_ref.dtype
     pages_per_block = block_kv // page_size
     tmem_layout = plgpu.Layout.TCGEN05
     row_layout = tmem_layout.reduce(1)
@@ -122,9 +122,6 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     load_tmem = functools.partial(_mosaic.load_tmem, interpret=interpret)
     named_keys = functools.partial(_mosaic_paged.named_keys, page_size=page_size,
                                    block_kv=block_kv)
-
-    def entry(block, p):
-        return tables_ref[item, block * pages_per_block + p]
 
     def pipeline(q_smem, pos_smem, q_bar, s_tmem, o_tmem, k_smem, v_smem, p_smem, k_bar,
                  v_bar, mma_bar):
@@ -151,17 +148,11 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             plgpu.tcgen05_mma(s_tmem, q_smem, _mosaic.transposed(k_smem.at[slot]),
                               mma_bar.at[0], accumulate=False)
             plgpu.barrier_wait(mma_bar.at[0])
-            s = load_tmem(s_tmem) * scale  # [ROWS, block_kv] float32
-            if logits_soft_cap is not None:
-                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-            key = start + _mosaic.iota(jnp.int32, (ROWS, block_kv), 1, tmem_layout,
-                                       interpret=interpret)
-            row_pos = lax.broadcast_in_dim(pos, (ROWS, block_kv), [0])
-            visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
-            if sliding_window is not None:
-                visible &= key > row_pos - sliding_window
-            visible &= named_keys(key, entries, start)
-            s = jnp.where(visible, s, -jnp.inf)
+            s, _ = _mosaic_paged.masked_logits(  # [ROWS, block_kv] float32
+                load_tmem(s_tmem) * scale, pos, start=start, key_lo=key_lo, key_hi=key_hi,
+                entries=entries, layout=tmem_layout, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
+                interpret=interpret)
 
             p_blk, alpha, m_next, l_next = _mosaic.online_softmax(s, m_prev, l_prev)
             p_smem[...] = p_blk.astype(dtype)
@@ -191,9 +182,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             plgpu.tcgen05_mma(o_tmem, p_smem, v_slot, mma_bar.at[0], accumulate=step > 0)
             plgpu.barrier_wait(mma_bar.at[0])
 
-            @pl.when(step + stages < steps)
-            def _():
-                fetch(step + stages, slot)
+            _mosaic.refill(fetch, step, slot, stages=stages, steps=steps)
 
             return m_next, l_next
 

@@ -99,14 +99,13 @@ def silu_mul_forward(gate, up, *, block_size, num_warps, num_stages, interpret=F
         return jnp.zeros(gate.shape, gate.dtype)
     size = gate.size
     spec = pl.BlockSpec((block_size,), lambda i: (i,))
-    out = pl.pallas_call(
+    out = _common.triton_call(
         functools.partial(_kernel, size=size),
         grid=(pl.cdiv(size, block_size),),
         in_specs=[spec, spec],
         out_specs=spec,
         out_shape=jax.ShapeDtypeStruct((size,), gate.dtype),
-        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
-                                                       num_stages=num_stages),
+        num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
         name="forge_jax_silu_mul",
         cost_estimate=_cost.elementwise(size, flops=4, transcendentals=1, io=(gate, up, gate)),

@@ -346,10 +346,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             _kernel, pages_per_compute_block=pages_per_compute_block, max_pages=table_width,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
             exact_range=q_len == 1, quantized=k_scales is not None, fold=fold)
-        buf = pltpu.VMEM((2, pages_per_compute_block) + k_pages.shape[2:], k_pages.dtype)
-        scales = () if k_scales is None else (k_scales.astype(jnp.float32),
-                                              v_scales.astype(jnp.float32))
-        scales_buf = pltpu.VMEM((2, pages_per_compute_block, page_size, 1), jnp.float32)
+        buf, scales, scales_buf = _common.page_buffers(
+            k_pages, k_scales, v_scales, pages=pages_per_compute_block, page_size=page_size)
         out = pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(

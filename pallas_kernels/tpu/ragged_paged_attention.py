@@ -404,10 +404,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         pages_per_seq=pages_per_seq, num_pages=num_pages, quantized=k_scales is not None,
         fold=fold)
-    buf = pltpu.VMEM((2, pages_per_block) + k_pages.shape[2:], k_pages.dtype)
-    scales = () if k_scales is None else (k_scales.astype(jnp.float32),
-                                          v_scales.astype(jnp.float32))
-    scales_buf = pltpu.VMEM((2, pages_per_block, page_size, 1), jnp.float32)
+    buf, scales, scales_buf = _common.page_buffers(
+        k_pages, k_scales, v_scales, pages=pages_per_block, page_size=page_size)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
