@@ -37,6 +37,17 @@ def compile_in_subprocess(script: str, cases, target: str, dump_dir) -> dict:
     return json.loads(line[0][len("RESULT"):])
 
 
+def compile_rows(script: str, cases: dict) -> dict[str, dict]:
+    """Runs ``script`` (Python source that compiles ``cases`` and prints one JSON row per
+    case, with its ``name``) in a fresh process; returns the rows by name, one per case."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}
+    assert sorted(rows) == sorted(cases), done.stdout
+    return rows
+
+
 def compile_h100(fn, *args, **kwargs):
     """``fj.aot.compile(fn, *args, target="h100", **kwargs)``, and ptxas' spill stores
     (bytes) and registers, one entry per kernel ptxas compiled."""
