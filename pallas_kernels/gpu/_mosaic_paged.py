@@ -5,11 +5,12 @@ kernel (:mod:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention_sm100`).
 Both launch ``(items, kv_heads, splits)``: a program takes one GQA group's query rows of one
 item and walks its split's key blocks (``block_kv`` keys, whole pages, each page copied in
 place from the pool by its own TMA copy), then writes its unnormalised rows with their
-running max and sum, which XLA merges with logsumexp weights. Here: the launch parameters'
-:class:`Config`, the split of the keys (:func:`split_launch`), the kernel's key blocks
-(:func:`key_blocks`), page entries (:func:`named_keys`, :func:`fetch_pages`), the split's
-write-back (:func:`write_split`) and the launch itself (:func:`launch`). What each kernel
-multiplies with, and its limits, stay in its own module.
+running max and sum, which XLA merges with logsumexp weights. Here: the launch parameters
+(:class:`Config`, :data:`TUNED`, :func:`config_for`), the split of the keys
+(:func:`split_launch`), the program's key blocks and table entries (:func:`key_blocks`), the
+pages they name (:func:`named_keys`, :func:`fetch_pages`), the masked logits
+(:func:`masked_logits`), the split's write-back (:func:`write_split`) and the launch itself
+(:func:`launch`). What each kernel multiplies with, and its limits, stay in its own module.
 """
 
 from __future__ import annotations
