@@ -36,19 +36,12 @@ import time
 
 import jax
 import numpy as np
+from _cpu import QUICK, SMOL, hf_config, random_llama
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from forge_jax.models import llama  # noqa: E402
+from forge_jax.models import llama
 from forge_jax.text import api as text
-from forge_jax.text.chat_session import ChatSession  # noqa: E402
+from forge_jax.text.chat_session import ChatSession
 
-SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-            rope_theta=100000.0, tie_word_embeddings=True)
-QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-             rope_theta=10000.0, tie_word_embeddings=True)
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
             "m['content'] + '<|im_end|>\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -64,7 +57,6 @@ CHAT = [TURNS[0], TURNS[1],
 
 
 def build_checkpoint(directory: pathlib.Path, shape: dict) -> pathlib.Path:
-    from flax import nnx
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -77,11 +69,9 @@ def build_checkpoint(directory: pathlib.Path, shape: dict) -> pathlib.Path:
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
-    config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama",
-                  hidden_act="silu", rms_norm_eps=1e-5, torch_dtype="float32",
-                  eos_token_id=tok.token_to_id("<|im_end|>"))
-    (directory / "config.json").write_text(json.dumps(config))
-    model = llama.Llama(llama.LlamaConfig.from_hf(config), rngs=nnx.Rngs(0))
+    extra = dict(torch_dtype="float32", eos_token_id=tok.token_to_id("<|im_end|>"))
+    (directory / "config.json").write_text(json.dumps(hf_config(shape, **extra)))
+    model = random_llama(shape, **extra)
     save_file({k: np.ascontiguousarray(v) for k, v in llama.hf_state_dict(model).items()},
               str(directory / "model.safetensors"))
     return directory

@@ -19,28 +19,16 @@ Usage::
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _mosaic_compile import BF16, S, paged_args, report  # noqa: E402
 
 import forge_jax as fj  # noqa: E402
 from forge_jax.pallas_kernels.gpu import _mosaic  # noqa: E402
-
-S = jax.ShapeDtypeStruct
-BF16 = jnp.bfloat16
-
-
-def paged_args(batch, context, q_heads, kv_heads, head_dim, page):
-    per_seq = context // page
-    pool = S((kv_heads, batch * per_seq, page, head_dim), BF16)
-    return (S((batch, q_heads, head_dim), BF16), pool, pool, S((batch, per_seq), jnp.int32),
-            S((batch,), jnp.int32))
 
 
 def matmul_args(rows, n, k, fmt):
@@ -81,27 +69,18 @@ CASES = [
 ]
 
 
-def main() -> int:
-    missing = fj.targets.missing("b200")
-    if missing:
-        print(f"cannot compile for b200 here: {missing}", file=sys.stderr)
-        return 2
-    print(f"# jax {jax.__version__}; compiled for b200 without a device, not run")
-    failed = False
-    for title, fn, args in CASES:
-        with _mosaic.ptxas_report() as lines:
-            report = fj.aot.compile(fn, *args, target="b200", implementation="mosaic_gpu")
-        failed |= not report.compiled
+def _smem(fn, args):
+    """The shared memory of ``fn``'s Mosaic GPU kernel, lowered as for the b200."""
+    def read():
         with fj.targets.use("b200"):
-            smem = _mosaic.shared_memory_bytes(
-                lambda *a, fn=fn: fn(*a, implementation="mosaic_gpu"), *args)
-        print(f"### {title}\n{report}")
-        print("  ptxas: " + " | ".join(ln for ln in lines if "spill stores" in ln
-                                         or "registers" in ln))
-        if smem is not None:
-            print(f"  Mosaic GPU shared memory (lowering): {smem} B = {smem / 1024:.1f} KiB")
-        print()
-    return 1 if failed else 0
+            return _mosaic.shared_memory_bytes(
+                lambda *a: fn(*a, implementation="mosaic_gpu"), *args)
+
+    return read
+
+
+def main() -> int:
+    return report("b200", [(title, fn, args, _smem(fn, args)) for title, fn, args in CASES])
 
 
 if __name__ == "__main__":

@@ -16,43 +16,23 @@ Usage::
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _mosaic_compile import BF16, S, paged_args, pool, report  # noqa: E402
 
 import forge_jax as fj  # noqa: E402
-from forge_jax.ops import kv_quant  # noqa: E402
 from forge_jax.pallas_kernels.gpu import _mosaic  # noqa: E402
 from forge_jax.pallas_kernels.gpu import mosaic_paged_attention as paged  # noqa: E402
 from forge_jax.pallas_kernels.gpu import mosaic_ragged_paged_attention as ragged  # noqa: E402
 
-S = jax.ShapeDtypeStruct
-BF16 = jnp.bfloat16
-
-
-def _pool(shape, kv_format):
-    if kv_format is None:
-        return S(shape, BF16)
-    return jax.eval_shape(lambda: kv_quant.empty_pool(shape, kv_format, BF16))
-
-
-def paged_args(batch, context, q_heads, kv_heads, head_dim, page, q_len=None, kv_format=None):
-    per_seq = context // page
-    pool = _pool((kv_heads, batch * per_seq, page, head_dim), kv_format)
-    q = (batch, q_heads, head_dim) if q_len is None else (batch, q_len, q_heads, head_dim)
-    return (S(q, BF16), pool, pool, S((batch, per_seq), jnp.int32), S((batch,), jnp.int32))
-
 
 def ragged_args(tokens, seqs, context, q_heads, kv_heads, head_dim, page, kv_format=None):
     per_seq = context // page
-    pool = _pool((kv_heads, seqs * per_seq, page, head_dim), kv_format)
-    return (S((tokens, q_heads, head_dim), BF16), pool, pool, S((seqs, per_seq), jnp.int32),
+    pages = pool((kv_heads, seqs * per_seq, page, head_dim), kv_format)
+    return (S((tokens, q_heads, head_dim), BF16), pages, pages, S((seqs, per_seq), jnp.int32),
             S((seqs,), jnp.int32), S((seqs + 1,), jnp.int32), S((), jnp.int32))
 
 
@@ -102,27 +82,18 @@ def _kernel_call(kernel, args):
     return fn, (*flat, k.scales, v.scales)
 
 
-def main() -> int:
-    missing = fj.targets.missing("h100")
-    if missing:
-        print(f"cannot compile for h100 here: {missing}", file=sys.stderr)
-        return 2
-    print(f"# jax {jax.__version__}; compiled for h100 without a device, not run")
-    failed = False
-    for title, op, args, kernel in CASES:
-        with _mosaic.ptxas_report() as lines:
-            report = fj.aot.compile(getattr(fj, op), *args, target="h100",
-                                    implementation="mosaic_gpu")
-        failed |= not report.compiled
+def _smem(kernel, args):
+    """The shared memory of ``kernel``'s Mosaic GPU kernel over ``args``."""
+    def read():
         fn, call_args = _kernel_call(kernel, args)
-        smem = _mosaic.shared_memory_bytes(fn, *call_args)
-        print(f"### {title}\n{report}")
-        print("  ptxas: " + " | ".join(ln for ln in lines if "spill stores" in ln
-                                         or "registers" in ln))
-        if smem is not None:
-            print(f"  Mosaic GPU shared memory (lowering): {smem} B = {smem / 1024:.1f} KiB")
-        print()
-    return 1 if failed else 0
+        return _mosaic.shared_memory_bytes(fn, *call_args)
+
+    return read
+
+
+def main() -> int:
+    return report("h100", [(title, getattr(fj, op), args, _smem(kernel, args))
+                           for title, op, args, kernel in CASES])
 
 
 if __name__ == "__main__":

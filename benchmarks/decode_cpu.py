@@ -131,6 +131,20 @@ def save_checkpoints(shape: dict, directory: pathlib.Path, seed: int = 0, bf16: 
     del model
 
 
+def print_header(command: str, quick: bool) -> None:
+    """The report's first line: the command, the time, the machine and the versions (and
+    transformers' progress bars off)."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    now = datetime.datetime.now(datetime.UTC)
+    print(f"# {command} {'--quick ' if quick else ''}| {now:%Y-%m-%d %H:%M} UTC"
+          f" | {cpu_model()}, {os.cpu_count()} cores | jax {jax.__version__} "
+          f"({jax.default_backend()}) | torch {torch.__version__}, transformers "
+          f"{transformers.__version__} (torch threads {torch.get_num_threads()})")
+
+
 def measure_bandwidth(x: jax.Array, repeats: int) -> float:
     """Best bytes/s of a jitted sum over the float32 array ``x``."""
     total = jax.jit(jnp.sum)
@@ -245,12 +259,7 @@ def main_prefill(args):
     rounds = args.rounds or (1 if quick else 3)
     lengths = [int(n) for n in (args.lengths or ("8,32" if quick else "128,512,2048")
                                 ).split(",")]
-    transformers.utils.logging.disable_progress_bar()
-    now = datetime.datetime.now(datetime.UTC)
-    print(f"# decode_cpu --prefill {'--quick ' if quick else ''}| {now:%Y-%m-%d %H:%M} UTC"
-          f" | {cpu_model()}, {os.cpu_count()} cores | jax {jax.__version__} "
-          f"({jax.default_backend()}) | torch {torch.__version__}, transformers "
-          f"{transformers.__version__} (torch threads {torch.get_num_threads()})")
+    print_header("decode_cpu --prefill", quick)
     print(f"# shape {shape}; float32, batch 1, prompts of {lengths} tokens, {rounds} round(s)")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
@@ -333,12 +342,7 @@ def main(argv=None):
     import torch
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()
-    now = datetime.datetime.now(datetime.UTC)
-    print(f"# decode_cpu {'--quick ' if quick else ''}| {now:%Y-%m-%d %H:%M} UTC"
-          f" | {cpu_model()}, {os.cpu_count()} cores | jax {jax.__version__} "
-          f"({jax.default_backend()}) | torch {torch.__version__}, transformers "
-          f"{transformers.__version__} (torch threads {torch.get_num_threads()})")
+    print_header("decode_cpu", quick)
     print(f"# {args.family}, shape {shape}; batch 1, prompt {prompt_len}, {new_tokens} new "
           f"tokens, greedy, {rounds} round(s)")
     with tempfile.TemporaryDirectory() as tmp:

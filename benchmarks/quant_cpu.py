@@ -12,9 +12,7 @@ product (which needs int8 activations, a different computation).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import pathlib
 import tempfile
 import time
@@ -22,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _cpu import QUICK_QUANT, rounds_args
 from flax import nnx
 from safetensors.numpy import save_file
 
@@ -98,19 +97,11 @@ def decode(config, new_tokens, rounds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, a smoke run")
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    rounds = args.rounds or (2 if args.quick else 10)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    args = rounds_args(__doc__.split("\n")[0], quick_rounds=2, rounds=10)
+    rounds = args.rounds
     if args.quick:
         products(256, 256, (1,), rounds)
-        config = dict(vocab_size=256, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      tie_word_embeddings=True)
-        decode(config, 4, 1)
+        decode(QUICK_QUANT, 4, 1)
         return
     products(4096, 2048, (1, 16), rounds)
     config = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,

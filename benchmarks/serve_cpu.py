@@ -28,34 +28,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from _cpu import QUICK, SMOL, random_llama
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from forge_jax.models import llama  # noqa: E402
+from forge_jax.models import llama
 from forge_jax.serving import engine as serving
-
-SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-            rope_theta=100000.0, tie_word_embeddings=True)
-QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-             rope_theta=10000.0, tie_word_embeddings=True)
-
-
-def build_model(shape: dict, dtype=jnp.float32):
-    config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama",
-                  hidden_act="silu", rms_norm_eps=1e-5)
-    return llama.Llama(llama.LlamaConfig.from_hf(config), rngs=nnx.Rngs(0), dtype=dtype,
-                       param_dtype=dtype)
 
 
 def prompts_for(n: int, args, vocab: int, seed: int) -> list[list[int]]:
@@ -140,7 +122,7 @@ def main() -> None:
     shape = dict(QUICK if args.quick else SMOL)
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-    model = build_model(shape, jnp.dtype(args.dtype))
+    model = random_llama(shape, jnp.dtype(args.dtype))
     vocab = model.config.vocab_size
     seq_prompts = prompts_for(args.sequential_requests, args, vocab, 0)
     llama.generate(model, seq_prompts[:1], args.new_tokens, eos_token_id=())  # compile

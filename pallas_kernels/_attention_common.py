@@ -63,6 +63,26 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
     return window, key_lo, key_hi, row_pos, tables
 
 
+def key_spans(lo_pos, hi_pos, lengths, *, causal: bool, sliding_window: int | None,
+              block_kv: int):
+    """The keys of a block of query rows (XLA, before a launch), from its rows' lowest and
+    highest positions ``lo_pos, hi_pos [batch, blocks]`` and ``lengths [batch]``:
+    ``(t_lo, t_hi, key_lo, key_hi, all_lo, all_hi)``, its tiles of ``block_kv`` keys
+    ``[t_lo, t_hi)``, the keys some row sees ``[key_lo, key_hi)`` and those every row sees
+    ``[all_lo, all_hi)`` (empty when ``lo >= hi``)."""
+    length = jnp.broadcast_to(lengths[:, None], lo_pos.shape)
+    key_hi = jnp.minimum(length, hi_pos + 1) if causal else length
+    all_hi = jnp.minimum(length, lo_pos + 1) if causal else length
+    zero = jnp.zeros_like(key_hi)
+    key_lo = zero if sliding_window is None else jnp.maximum(0, lo_pos - sliding_window + 1)
+    all_lo = zero if sliding_window is None else jnp.maximum(0, hi_pos - sliding_window + 1)
+    key_hi = jnp.maximum(key_hi, 0)
+    key_lo = jnp.minimum(key_lo, key_hi)
+    t_lo = key_lo // block_kv
+    t_hi = jnp.where(key_hi > key_lo, (key_hi + block_kv - 1) // block_kv, t_lo)
+    return t_lo, t_hi, key_lo, key_hi, all_lo, all_hi
+
+
 def group_queries(q, kv_heads: int, *, rows_pad: int | None = None,
                   head_dim_pad: int | None = None):
     """``q [batch, q_len, q_heads, head_dim]`` as ``[batch, kv_heads, rows, head_dim]``: the

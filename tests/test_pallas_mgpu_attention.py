@@ -22,7 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases.attention_base import AttentionCase, AttentionCases
+from cases.attention_base import (
+    AttentionCase,
+    AttentionCases,
+    mosaic_nan_unseen_cases,
+    one_kv_head,
+)
 from cases.shapes import GEMMA2_2B_HEADS, LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 from jax import lax
 
@@ -42,21 +47,11 @@ BF16, F16 = jnp.bfloat16, jnp.float16
 # read from key 22), Llama 3's groups of 4 at head_dim 128 (tiles of 64: 70 keys, padded
 # to 72 for TMA's rows of 8) and Gemma 2's groups of 2 at head_dim 256 (two CTAs a query
 # block, each computing 128 of V's columns: a NaN must reach exactly its own column).
-SMOL_GROUP = (SMOLLM2_135M_HEADS[0] // SMOLLM2_135M_HEADS[1], 1, SMOLLM2_135M_HEADS[2])
-LLAMA_GROUP = (LLAMA3_8B_HEADS[0] // LLAMA3_8B_HEADS[1], 1, LLAMA3_8B_HEADS[2])
-GEMMA_GROUP = (GEMMA2_2B_HEADS[0] // GEMMA2_2B_HEADS[1], 1, GEMMA2_2B_HEADS[2])
+LLAMA_GROUP = one_kv_head(LLAMA3_8B_HEADS)
+GEMMA_GROUP = one_kv_head(GEMMA2_2B_HEADS)
 
 CASES = {
-    # Every option, NaN / +inf in every slot no query sees.
-    "smollm2-everything-nan_unseen": AttentionCase(
-        (1, 5, 150, *SMOL_GROUP), BF16,
-        dict(kv_lengths=np.array([141]), sliding_window=40, logits_soft_cap=5.0,
-             q_positions=np.array([[60, 61, 100, 139, 140]])), poison=True, seed=1),
-    # Query 0 sees no key (exact zeros), query 2 sees all 66 valid keys.
-    "llama3-kv_lengths-positions-nan_unseen": AttentionCase(
-        (1, 3, 70, *LLAMA_GROUP), F16,
-        dict(kv_lengths=np.array([66]), q_positions=np.array([[-1, 20, 65]])), poison=True,
-        seed=2),
+    **mosaic_nan_unseen_cases(SMOLLM2_135M_HEADS, LLAMA3_8B_HEADS),
     # One CTA walking three tiles (more than its two stages: the producer waits for slots
     # to be freed) where each consumer skips tiles the other needs: warpgroup 0's queries
     # see tile 0 only, warpgroup 1's tiles 1 and 2 (the ping-pong across skipped tiles).

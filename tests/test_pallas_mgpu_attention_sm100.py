@@ -16,17 +16,14 @@ architecture).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases.attention_base import AttentionCase, AttentionCases
+from cases.attention_base import AttentionCase, AttentionCases, mosaic_nan_unseen_cases
 from cases.base import MosaicGpu
 from cases.calls import as_jnp, jit_attention
+from cases.ptxas import compile_rows
 from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 
 import forge_jax as fj
@@ -35,10 +32,6 @@ from forge_jax.pallas_kernels.gpu import mosaic_attention as mosaic
 BF16, F16 = jnp.bfloat16, jnp.float16
 S = jax.ShapeDtypeStruct
 
-# (batch, q_len, kv_len, q_heads, kv_heads, head_dim): the real models' GQA groups and head
-# dims on one kv head each (programs of different kv heads share nothing but the grid).
-SMOL_GROUP = (SMOLLM2_135M_HEADS[0] // SMOLLM2_135M_HEADS[1], 1, SMOLLM2_135M_HEADS[2])
-LLAMA_GROUP = (LLAMA3_8B_HEADS[0] // LLAMA3_8B_HEADS[1], 1, LLAMA3_8B_HEADS[2])
 
 
 class TestAttentionTcgen05(MosaicGpu, AttentionCases):
@@ -48,17 +41,9 @@ class TestAttentionTcgen05(MosaicGpu, AttentionCases):
     INTERPRET = False
     MMA = "tcgen05"
     CASES = {
-        # Every option, NaN / +inf in every slot no query sees; 150 keys in tiles of 64: the
-        # last tile is read from key 86 (keys already seen hidden).
-        "smollm2-everything-nan_unseen": AttentionCase(
-            (1, 5, 150, *SMOL_GROUP), BF16,
-            dict(kv_lengths=np.array([141]), sliding_window=40, logits_soft_cap=5.0,
-                 q_positions=np.array([[60, 61, 100, 139, 140]])), poison=True, seed=1),
-        # Query 0 sees no key (exact zeros); 70 keys padded to 72 for TMA's rows of 8.
-        "llama3-kv_lengths-positions-nan_unseen": AttentionCase(
-            (1, 3, 70, *LLAMA_GROUP), F16,
-            dict(kv_lengths=np.array([66]), q_positions=np.array([[-1, 20, 65]])),
-            poison=True, seed=2),
+        # SmolLM2's 150 keys in tiles of 64: the last tile is read from key 86 (keys
+        # already seen hidden); Llama 3's 70 keys padded to 72 for TMA's rows of 8.
+        **mosaic_nan_unseen_cases(SMOLLM2_135M_HEADS, LLAMA3_8B_HEADS),
         # Causal, bottom-right aligned, two sequences and two kv heads, 2 x 3 query tiles of
         # 128 rows (SmolLM2's group of 3: 130 queries x 3 heads).
         "smollm2-causal-two_tiles": AttentionCase((2, 130, 200, 6, 2, 64), BF16,
@@ -125,11 +110,7 @@ B200_CASES = {"llama3_8b": (1, 4096, *LLAMA3_8B_HEADS), "smollm2": (2, 2048, *SM
 @pytest.mark.skipif(fj.targets.missing("b200") is not None,
                     reason=str(fj.targets.missing("b200")))
 def test_prefill_compiles_for_b200_without_spills():
-    done = subprocess.run([sys.executable, "-c", _B200_COMPILES.format(cases=B200_CASES)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert sorted(rows) == sorted(B200_CASES), done.stdout
+    rows = compile_rows(_B200_COMPILES.format(cases=B200_CASES), B200_CASES)
     for r in rows.values():
         assert r["compiled"] and r["kernels"] == [mosaic.mosaic_attention_sm100.NAME], r
         assert r["spills"] == [0] and len(r["registers"]) == 1 and r["registers"][0] < 255, r

@@ -29,7 +29,7 @@ from cases.calls import case_id
 from cases.checks import assert_close
 from cases.inputs import rng
 from cases.paged import paged_attention_args, paged_attention_specs
-from cases.paged_base import PagedAttentionCases, PagedCase
+from cases.paged_base import PagedAttentionCases, PagedCase, nan_pools_under
 from cases.ptxas import NEEDS_H100, compile_h100
 from cases.references import f64
 from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
@@ -219,14 +219,8 @@ def test_traced_out_of_range_entries_read_nothing_and_lengths_clamp():
     tables = np.array([[1, 99, 4, -7], [-1, 2, 2**30, -1], [5, num_pages, 3, 0],
                        [0, 6, 7, 8]], np.int32)
     lengths = np.array([40, 20, 48, 1000], np.int32)
-    k = np.full((2, num_pages, page, 64), np.nan, np.float32)
-    v = np.full_like(k, np.nan)
-    for b, row in enumerate(tables):
-        for pos in range(min(lengths[b], max_pages * page)):
-            if 0 <= row[pos // page] < num_pages:
-                k[:, row[pos // page], pos % page], v[:, row[pos // page], pos % page] = \
-                    gen.standard_normal((2, 2, 64))
-    k, v = jnp.asarray(k, BF16), jnp.asarray(v, BF16)
+    k, v = nan_pools_under(tables, lengths, num_pages=num_pages, page=page,
+                           max_pages=max_pages, gen=gen)
     q = jnp.asarray(gen.standard_normal((4, 8, 64)), BF16)
     run = jax.jit(fj.paged_attention, static_argnames="implementation")
     out = run(q, k, v, tables, lengths, implementation="mosaic_gpu_interpret")

@@ -15,10 +15,6 @@ the first Mosaic GPU compile of a process fixes the architecture ptxas is run fo
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +23,8 @@ from cases.base import MosaicGpu
 from cases.checks import assert_close
 from cases.inputs import rng
 from cases.paged import paged_attention_args, paged_attention_specs
-from cases.paged_base import PagedAttentionCases, PagedCase
+from cases.paged_base import PagedAttentionCases, PagedCase, nan_pools_under
+from cases.ptxas import compile_rows
 from cases.references import f64
 from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 
@@ -84,14 +81,8 @@ def test_out_of_range_entries_read_nothing_and_lengths_clamp():
     num_pages, page, max_pages = 10, 16, 4  # under jit: lengths past the table clamp
     tables = np.array([[1, 99, 4, -7], [-1, 2, 2**30, -1], [5, num_pages, 3, 0]], np.int32)
     lengths = np.array([40, 20, 1000], np.int32)
-    k = np.full((2, num_pages, page, 64), np.nan, np.float32)
-    v = np.full_like(k, np.nan)
-    for b, row in enumerate(tables):
-        for pos in range(min(lengths[b], max_pages * page)):
-            if 0 <= row[pos // page] < num_pages:
-                k[:, row[pos // page], pos % page], v[:, row[pos // page], pos % page] = \
-                    gen.standard_normal((2, 2, 64))
-    k, v = jnp.asarray(k, BF16), jnp.asarray(v, BF16)
+    k, v = nan_pools_under(tables, lengths, num_pages=num_pages, page=page,
+                           max_pages=max_pages, gen=gen)
     q = jnp.asarray(gen.standard_normal((3, 8, 64)), BF16)
     out = kernel.paged_attention(q, k, v, jnp.asarray(tables), jnp.asarray(lengths),
                                  mma="tcgen05", interpret=True)
@@ -163,11 +154,7 @@ B200_CASES = {
 @pytest.mark.skipif(fj.targets.missing("b200") is not None,
                     reason=str(fj.targets.missing("b200")))
 def test_decode_compiles_for_b200_without_spills_with_its_cost():
-    done = subprocess.run([sys.executable, "-c", _B200_COMPILES.format(cases=B200_CASES)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert sorted(rows) == sorted(B200_CASES), done.stdout
+    rows = compile_rows(_B200_COMPILES.format(cases=B200_CASES), B200_CASES)
     for name, (batch, _, kv_heads, head_dim, _, context) in B200_CASES.items():
         r = rows[name]
         assert r["supported"] is None and r["compiled"], r

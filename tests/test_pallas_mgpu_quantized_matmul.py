@@ -8,10 +8,6 @@ rows) without register spills, the rejections that are compile limits shown to f
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax.numpy as jnp
@@ -20,6 +16,7 @@ import pytest
 from cases import quant as qref
 from cases.checks import assert_close
 from cases.inputs import normal, rng
+from cases.ptxas import compile_in_subprocess
 from cases.shapes import LLAMA3_8B_MLP, SMOLLM_HIDDEN, SMOLLM_MLP
 
 import forge_jax as fj
@@ -210,17 +207,8 @@ _COMPILE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    missing = fj.targets.missing("h100")
-    if missing is not None:
-        pytest.skip(missing)
-    dump = tmp_path_factory.mktemp("mosaic_dump")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(dump),
-               MOSAIC_GPU_DUMP_PTXAS="1")
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(COMPILE_CASES)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
-    assert line, run.stderr[-3000:]
-    return json.loads(line[0][len("RESULT"):])
+    return compile_in_subprocess(_COMPILE, COMPILE_CASES, "h100",
+                                 tmp_path_factory.mktemp("mosaic_dump"))
 
 
 @pytest.mark.parametrize("name", sorted(COMPILE_CASES))

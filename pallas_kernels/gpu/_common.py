@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from forge_jax import backends, targets
+from forge_jax import _compat, backends, targets
 
 # The Triton lowering supports compute capability 8.0 and up (A100, L4, H100); XLA refuses
 # it on a T4 (7.5), the most common free Colab GPU.
@@ -54,10 +54,27 @@ def tuned(table: Mapping[str, Any], device_kind: str | None,
     return dict(entry[min((b for b in entry if b >= size), default=max(entry))])
 
 
+def triton_call(kernel: Any, *, num_warps: int, num_stages: int, **kwargs: Any) -> Any:
+    """``pl.pallas_call(kernel, **kwargs)`` lowered by Triton with ``num_warps`` warps and
+    ``num_stages`` pipeline stages."""
+    return _compat.pallas().pallas_call(
+        kernel, compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
+                                                              num_stages=num_stages),
+        **kwargs)
+
+
 def with_knobs(config: Any, **knobs: int | None) -> Any:
     """``config`` (a kernel's ``Config``) with the wrapper's knobs that are not None in place
     of its own."""
     return dataclasses.replace(config, **{k: v for k, v in knobs.items() if v is not None})
+
+
+def check_dot_blocks(**blocks: int) -> None:
+    """Raises unless every block size (by its argument's name) is a power of two that is
+    one Triton dot wide (>= :data:`MIN_DOT`)."""
+    for name, b in blocks.items():
+        if b < MIN_DOT or next_pow2(b) != b:
+            raise ValueError(f"{name}={b} must be a power of two >= {MIN_DOT}")
 
 
 def dot_size(n: int) -> int:

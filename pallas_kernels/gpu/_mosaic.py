@@ -22,8 +22,12 @@ Registration: :mod:`forge_jax.pallas_kernels._registration` (``backend="mosaic_g
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
 
 from forge_jax import _compat, backends
 from forge_jax.pallas_kernels.gpu import _common
@@ -33,6 +37,8 @@ MIN_CAPABILITY = (9, 0)  # TMA: Hopper (sm_90a) and newer
 WGMMA_MAJOR = 9
 TCGEN05_MAJOR = 10  # Blackwell datacenter parts (sm_100a): tcgen05 and tensor memory
 MAJORS = (WGMMA_MAJOR, TCGEN05_MAJOR)
+SWIZZLE = 128  # bytes: the widest shared-memory swizzle of the matrix units' operands
+LOG2E = math.log2(math.e)
 
 
 def mosaic_reason(platform: str) -> str | None:
@@ -188,6 +194,105 @@ def transposed(ref: Any) -> Any:
     if hasattr(ref, "T"):
         return ref.T
     return _compat.pallas_mosaic_gpu().transpose_ref(ref, (1, 0))
+
+
+def swizzle_transforms(swizzle: int, dtype: Any) -> tuple:
+    """The shared-memory transforms of a matrix-unit operand: 8-row tiles one ``swizzle``
+    (bytes) wide, swizzled by as much."""
+    plgpu = _compat.pallas_mosaic_gpu()
+    bits = jnp.dtype(dtype).itemsize * 8
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def swizzled_smem(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A matrix-unit operand (or a page tile) in shared memory: 8-row tiles of
+    :data:`SWIZZLE` bytes, swizzled by as much (by the row's bytes where a row is
+    narrower, e.g. 64 bytes for rows of 64 one-byte values)."""
+    swizzle = min(SWIZZLE, shape[-1] * jnp.dtype(dtype).itemsize)
+    return _compat.pallas_mosaic_gpu().SMEM(shape, dtype,
+                                            transforms=swizzle_transforms(swizzle, dtype))
+
+
+def online_softmax(s: Any, m_prev: Any, l_prev: Any) -> tuple[Any, Any, Any, Any]:
+    """One key block of the Mosaic GPU kernels' online softmax (kernel code, float32, base 2).
+
+    ``s [rows, keys]``: the block's logits, hidden keys ``-inf``; ``m_prev, l_prev [rows]``:
+    the running max and sum. Returns ``(p, alpha, m_next, l_next)``: the block's
+    unnormalised probabilities, the factor that rescales what was accumulated before, and
+    the updated max and sum.
+    """
+    m_next = jnp.maximum(m_prev, s.max(axis=1))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that saw nothing
+    alpha = jnp.exp2((m_prev - m_safe) * LOG2E)
+    p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * LOG2E)
+    return p, alpha, m_next, alpha * l_prev + p.sum(axis=1)
+
+
+def softmax_init(rows: int, layout: Any, *, interpret: bool) -> tuple[Any, Any]:
+    """The online softmax's running max (``-inf``) and sum (0) before the first key block,
+    float32 ``[rows]`` in ``layout`` (a row per thread)."""
+    return (layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), layout, interpret=interpret),
+            layout_cast(jnp.zeros((rows,), jnp.float32), layout, interpret=interpret))
+
+
+def refill(fetch: Callable[[Any, Any], None], step: Any, slot: Any, *, stages: int,
+           steps: Any) -> None:
+    """Kernel code: a pipeline's ring slot ``slot``, consumed at ``step``, refilled by
+    ``fetch(step + stages, slot)`` if that step is one of the ``steps``."""
+    _compat.pallas().when(step + stages < steps)(lambda: fetch(step + stages, slot))
+
+
+def load_tmem(ref: Any, *, interpret: bool) -> Any:
+    """A tensor-memory (TMEM) tile read into registers, one row per thread (the tcgen05
+    layout), complete before the values are used."""
+    plgpu = _compat.pallas_mosaic_gpu()
+    x = plgpu.async_load_tmem(ref, layout=None if interpret else plgpu.Layout.TCGEN05)
+    plgpu.wait_load_tmem()
+    return x
+
+
+def rescale_tmem(o_tmem: Any, alpha: Any, *, chunk: int, interpret: bool) -> None:
+    """Multiplies each row of the TMEM accumulator ``o_tmem`` by ``alpha`` (the softmax's
+    correction) in place, ``chunk`` columns at a time, so that the output never holds
+    registers across a kernel's loop."""
+    pl, plgpu = _compat.pallas(), _compat.pallas_mosaic_gpu()
+    for c in range(0, o_tmem.shape[1], chunk):
+        cols = o_tmem.at[:, pl.ds(c, chunk)]
+        o = load_tmem(cols, interpret=interpret)
+        plgpu.async_store_tmem(cols, o * lax.broadcast_in_dim(alpha, o.shape, [0]))
+    plgpu.commit_tmem()
+
+
+def matmul_tiles(tile_n: int, tile_m: int, k_split: int) -> tuple[Any, ...]:
+    """A transposed matmul program's indices on its grid ``("n", "m", "k")`` and its slices:
+    ``(ni, mi, si, rows, cols, ks)``, the rows of ``w`` (and of ``out.T``), the rows of
+    ``x`` and the K of its split."""
+    pl = _compat.pallas()
+    ni, mi, si = (lax.axis_index(a) for a in ("n", "m", "k"))
+    return (ni, mi, si, pl.ds(ni * tile_n, tile_n), pl.ds(mi * tile_m, tile_m),
+            pl.ds(si * k_split, k_split))
+
+
+def check_matmul_tiles(x: Any, w: Any, *, tile_m: int, tile_n: int, tile_k: int,
+                       split_k: int) -> None:
+    """Raises unless ``x [M, K]`` and ``w [N, K]`` tile by ``(tile_m, tile_n, tile_k *
+    split_k)``."""
+    m, k = x.shape
+    if m % tile_m or w.shape[0] % tile_n or k % (tile_k * split_k):
+        raise ValueError(f"{x.shape=} and {w.shape=} do not tile by ({tile_m}, {tile_n}, "
+                         f"{tile_k} x {split_k=})")
+
+
+def matmul_cost(x: Any, w: Any, scales: Any, *, split_k: int) -> Any:
+    """The cost of a quantized ``out.T = dequantize(w) @ x.T`` in ``split_k`` float32
+    partial sums: ``x [M, K]``, ``w [N, K]`` stored values, float32 ``scales``."""
+    m, k = x.shape
+    n = w.shape[0]
+    return _compat.pallas().CostEstimate(
+        flops=2 * m * n * k, transcendentals=0,
+        bytes_accessed=(w.size * w.dtype.itemsize + 4 * scales.size + x.size * x.dtype.itemsize
+                        + 4 * split_k * n * m))
+
 
 def costed_kernel(body: Callable[..., Any], *, out_shape: Any, scratch_shapes: Any = (),
                   cost_estimate: Any, name: str, compiler_params: Any = None,

@@ -26,11 +26,8 @@ lengths. This is a deliberate choice: no Pallas backward kernel has been written
 checked yet, so gradients cost what XLA's attention gradients cost.
 
 Op: :func:`forge_jax.ops.attention.attention`; reference: its XLA implementation
-:func:`forge_jax.ops.attention.attention_xla`. Launch knobs: :class:`Config`, the per-device
-table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
-``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
-``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_attention.py``,
-``tests/test_gpu_tuning.py``.
+:func:`forge_jax.ops.attention.attention_xla`. Tests:
+``tests/test_pallas_gpu_attention.py``, ``tests/test_gpu_tuning.py``.
 """
 
 from __future__ import annotations

@@ -24,10 +24,8 @@ The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
 Op: :func:`forge_jax.ops.grouped_matmul.grouped_matmul`; reference: its XLA implementation
-:func:`forge_jax.ops.grouped_matmul.grouped_matmul_xla`. Launch knobs: :class:`Config`, the
-per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
-as ``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
-``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_grouped_matmul.py``.
+:func:`forge_jax.ops.grouped_matmul.grouped_matmul_xla`. Tests:
+``tests/test_pallas_gpu_grouped_matmul.py``.
 """
 
 from __future__ import annotations
@@ -171,9 +169,7 @@ def grouped_matmul_forward(x, w, group_starts, group_ends, *, block_m, block_k, 
       interpret: run in Pallas' interpreter (any platform).
     """
     _compat.filter_triton_deprecation()
-    for name, b in (("block_m", block_m), ("block_k", block_k), ("block_n", block_n)):
-        if b < _common.MIN_DOT or _common.next_pow2(b) != b:
-            raise ValueError(f"{name}={b} must be a power of two >= {_common.MIN_DOT}")
+    _common.check_dot_blocks(block_m=block_m, block_k=block_k, block_n=block_n)
     m, k = x.shape
     groups, _, n = w.shape
     if m == 0:
@@ -183,12 +179,11 @@ def grouped_matmul_forward(x, w, group_starts, group_ends, *, block_m, block_k, 
     cost = pl.CostEstimate(
         flops=2 * m * k * n, transcendentals=0,
         bytes_accessed=itemsize * (m * k * cdiv(n, block_n) + groups * k * n + m * n))
-    out = pl.pallas_call(
+    out = _common.triton_call(
         functools.partial(_kernel, block_m=block_m, block_k=block_k, block_n=block_n),
         grid=(group_ids.shape[0], cdiv(n, block_n)),
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
-                                                       num_stages=num_stages),
+        num_warps=num_warps, num_stages=num_stages,
         cost_estimate=cost,
         interpret=interpret,
         name="forge_jax_grouped_matmul",
@@ -243,9 +238,7 @@ def grouped_matmul_quantized_forward(x, w, group_starts, group_ends, *, block_m,
         interpret: as :func:`grouped_matmul_forward`.
     """
     _compat.filter_triton_deprecation()
-    for name, b in (("block_m", block_m), ("block_k", block_k), ("block_n", block_n)):
-        if b < _common.MIN_DOT or _common.next_pow2(b) != b:
-            raise ValueError(f"{name}={b} must be a power of two >= {_common.MIN_DOT}")
+    _common.check_dot_blocks(block_m=block_m, block_k=block_k, block_n=block_n)
     m, k = x.shape
     groups, n, _ = w.shape
     if m == 0:
@@ -258,14 +251,13 @@ def grouped_matmul_quantized_forward(x, w, group_starts, group_ends, *, block_m,
         bytes_accessed=jnp.dtype(x.dtype).itemsize * (m * k * cdiv(n, block_n) + m * n)
         + stored)
     minimums = () if w.minimums is None else (w.minimums,)
-    out = pl.pallas_call(
+    out = _common.triton_call(
         functools.partial(_quantized_kernel, block_m=block_m, block_k=block_k,
                           block_n=block_n, int4=w.format == "int4",
                           rows_per_scale=rows_per_scale, cols_per_scale=cols_per_scale),
         grid=(group_ids.shape[0], cdiv(n, block_n)),
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
-                                                       num_stages=num_stages),
+        num_warps=num_warps, num_stages=num_stages,
         cost_estimate=cost,
         interpret=interpret,
         name="forge_jax_grouped_matmul_quantized",

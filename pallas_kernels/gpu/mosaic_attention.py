@@ -168,16 +168,9 @@ def _ranges(positions, lengths, *, rows_pad, group, block_q, block_kv, causal,
     row_pos = jnp.pad(row_pos, ((0, 0), (0, rows_pad - q_len * group)), mode="edge")
     blocks = row_pos.reshape(batch, rows_pad // block_q, block_q)
     lo_pos, hi_pos = blocks.min(axis=-1), blocks.max(axis=-1)
-    length = lengths[:, None]
-    key_hi = jnp.minimum(length, hi_pos + 1) if causal else jnp.broadcast_to(length, hi_pos.shape)
-    all_hi = jnp.minimum(length, lo_pos + 1) if causal else key_hi
-    zero = jnp.zeros_like(key_hi)
-    key_lo = zero if sliding_window is None else jnp.maximum(0, lo_pos - sliding_window + 1)
-    all_lo = zero if sliding_window is None else jnp.maximum(0, hi_pos - sliding_window + 1)
-    key_hi = jnp.maximum(key_hi, 0)
-    key_lo = jnp.minimum(key_lo, key_hi)
-    own_lo = key_lo // block_kv
-    own_hi = jnp.where(key_hi > key_lo, (key_hi + block_kv - 1) // block_kv, own_lo)
+    own_lo, own_hi, key_lo, key_hi, all_lo, all_hi = _attention_common.key_spans(
+        lo_pos, hi_pos, lengths, causal=causal, sliding_window=sliding_window,
+        block_kv=block_kv)
     pairs = lambda x: x.reshape(batch, -1, _CONSUMERS)  # noqa: E731
     own_lo, own_hi = pairs(own_lo), pairs(own_hi)
     empty = own_hi <= own_lo

@@ -38,7 +38,6 @@ Op: :func:`forge_jax.ops.attention.attention`, through the ``"mosaic_gpu"`` reco
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +55,6 @@ STAGES = 3
 CHUNK = 64  # TMEM columns read into registers at a time
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-LOG2E = math.log2(math.e)
 NAME = "forge_jax_mosaic_attention_sm100"
 
 
@@ -71,30 +69,16 @@ def reason(*, dtypes, head_dim: int) -> str | None:
     return None
 
 
-def _smem_spec(shape, dtype):
-    plgpu = _compat.pallas_mosaic_gpu()
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, shape[-1] * itemsize)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
-
-
 def _ranges(row_pos, lengths, *, causal, sliding_window, block_kv):
     """Per program (128 rows), int32 ``[batch, blocks, 8]``: first and last tile, the keys
     some row sees ``[key_lo, key_hi)`` and those every row sees ``[all_lo, all_hi)``."""
     batch, rows_pad = row_pos.shape
     blocks = row_pos.reshape(batch, rows_pad // ROWS, ROWS)
     lo_pos, hi_pos = blocks.min(axis=-1), blocks.max(axis=-1)
-    length = jnp.broadcast_to(lengths[:, None], lo_pos.shape)
-    key_hi = jnp.minimum(length, hi_pos + 1) if causal else length
-    all_hi = jnp.minimum(length, lo_pos + 1) if causal else length
+    t_lo, t_hi, key_lo, key_hi, all_lo, all_hi = _attention_common.key_spans(
+        lo_pos, hi_pos, lengths, causal=causal, sliding_window=sliding_window,
+        block_kv=block_kv)
     zero = jnp.zeros_like(key_hi)
-    key_lo = zero if sliding_window is None else jnp.maximum(0, lo_pos - sliding_window + 1)
-    all_lo = zero if sliding_window is None else jnp.maximum(0, hi_pos - sliding_window + 1)
-    key_hi = jnp.maximum(key_hi, 0)
-    key_lo = jnp.minimum(key_lo, key_hi)
-    t_lo = key_lo // block_kv
-    t_hi = jnp.where(key_hi > key_lo, (key_hi + block_kv - 1) // block_kv, t_lo)
     info = jnp.stack([t_lo, t_hi, key_lo, key_hi, all_lo, all_hi, zero, zero], axis=-1)
     return info.astype(jnp.int32)
 
@@ -116,10 +100,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
     row_layout = tmem_layout.reduce(1)
     cast = functools.partial(_mosaic.layout_cast, interpret=interpret)
 
-    def load_tmem(ref):
-        x = plgpu.async_load_tmem(ref, layout=None if interpret else tmem_layout)
-        plgpu.wait_load_tmem()
-        return x
+    load_tmem = functools.partial(_mosaic.load_tmem, interpret=interpret)
 
     def start_of(step):  # the last tile ends at kv_len
         return jnp.minimum((t_lo + step) * block_kv, kv_len - block_kv)
@@ -164,11 +145,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
             if sliding_window is not None:
                 visible &= key > row - sliding_window
             s = jnp.where(visible, s, -jnp.inf)
-            m_next = jnp.maximum(m_prev, s.max(axis=1))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            alpha = jnp.exp2((m_prev - m_safe) * LOG2E)
-            p = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * LOG2E)
-            l_next = alpha * l_prev + p.sum(axis=1)
+            p, alpha, m_next, l_next = _mosaic.online_softmax(s, m_prev, l_prev)
             p_smem[...] = p.astype(dtype)
             full = (start == tile) & (start >= all_lo) & (start + block_kv <= all_hi)
 
@@ -188,11 +165,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
 
             @pl.when(step > 0)
             def _():
-                for c in range(0, head_dim, CHUNK):
-                    cols = o_tmem.at[:, pl.ds(c, CHUNK)]
-                    o = load_tmem(cols)
-                    plgpu.async_store_tmem(cols, o * lax.broadcast_in_dim(alpha, o.shape, [0]))
-                plgpu.commit_tmem()
+                _mosaic.rescale_tmem(o_tmem, alpha, chunk=CHUNK, interpret=interpret)
 
             plgpu.commit_smem()
             mma(o_tmem, p_smem, v_slot, step > 0)
@@ -201,26 +174,23 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
             def _():
                 mma(hits_tmem, seen_smem, bad_smem, True)
 
-            @pl.when(step + stages < steps)
-            def _():
-                fetch(step + stages, slot)
+            _mosaic.refill(fetch, step, slot, stages=stages, steps=steps)
 
             return m_next, l_next
 
-        init = (cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
-        return lax.fori_loop(0, steps, step_fn, init)
+        return lax.fori_loop(0, steps, step_fn,
+                             _mosaic.softmax_init(ROWS, row_layout, interpret=interpret))
 
     def program(q_smem, pos_smem, q_bar, s_tmem, o_tmem, hits_tmem):
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar.at[0])
         plgpu.copy_gmem_to_smem(pos_ref.at[b, rows], pos_smem, q_bar.at[0])
         _, l_sum = pl.run_scoped(
             functools.partial(pipeline, q_smem, pos_smem, q_bar, s_tmem, o_tmem, hits_tmem),
-            _smem_spec((stages, block_kv, head_dim), dtype),
-            _smem_spec((stages, block_kv, head_dim), dtype),
-            _smem_spec((ROWS, block_kv), dtype),
-            _smem_spec((ROWS, block_kv), dtype),
-            _smem_spec((block_kv, head_dim), dtype),
+            _mosaic.swizzled_smem((stages, block_kv, head_dim), dtype),
+            _mosaic.swizzled_smem((stages, block_kv, head_dim), dtype),
+            _mosaic.swizzled_smem((ROWS, block_kv), dtype),
+            _mosaic.swizzled_smem((ROWS, block_kv), dtype),
+            _mosaic.swizzled_smem((block_kv, head_dim), dtype),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=1, orders_tensor_core=True))
@@ -244,7 +214,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(program, _smem_spec((ROWS, q_ref.shape[-1]), dtype),
+    pl.run_scoped(program, _mosaic.swizzled_smem((ROWS, q_ref.shape[-1]), dtype),
                   plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_arrivals=2, num_barriers=1),
                   plgpu.TMEM((ROWS, block_kv), jnp.float32),
                   plgpu.TMEM((ROWS, q_ref.shape[-1]), jnp.float32),

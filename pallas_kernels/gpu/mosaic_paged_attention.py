@@ -66,9 +66,7 @@ Op: :func:`forge_jax.ops.paged.paged_attention`; reference: its XLA implementati
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,13 +75,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common, _cost, _registration
+from forge_jax.pallas_kernels import _attention_common, _registration
 from forge_jax.pallas_kernels.gpu import (
     _common,
     _mosaic,
+    _mosaic_paged,
     mosaic_paged_attention_sm100,
     mosaic_paged_limits,
 )
+from forge_jax.pallas_kernels.gpu._mosaic_paged import Config
 from forge_jax.pallas_kernels.gpu.mosaic_paged_limits import (  # noqa: F401 (callers' names)
     MAX_TMA,
     MIN_STAGES,
@@ -101,40 +101,15 @@ pl = _compat.pallas()
 # the Mosaic GPU interpreter and compiled for H100 without a device; no GPU has run it).
 VERIFIED: dict[str, str] = {}
 
-SWIZZLE = 128  # bytes: the WGMMA operands' shared-memory swizzle
-LOG2E = math.log2(math.e)
 # Bytes of one TMA copy into shared memory: a multiple of the warpgroup's 128 threads (Mosaic
 # GPU's lowering splits the barrier's expected bytes among them).
 SCALE_COPY_BYTES = 128
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The kernel's launch parameters: keys per block (whole pages, a multiple of 64),
-    blocks in flight (the shared-memory ring) and the most splits of one item's keys
-    (fewer when it has fewer blocks, or when the launch already fills the GPU)."""
-
-    block_kv: int
-    stages: int
-    max_splits: int
-
-
-# Defaults per device kind (:func:`_common.kind_row`), by head dim. Not measured (no GPU
-# has run the kernel): a ring of four 64-key blocks (32 KiB of K and V each at head_dim 128)
-# keeps ~96 KiB in flight per SM while one block is consumed, about what covers HBM latency
-# at the H100's ~25 GB/s per SM; the splits fill the 132 SMs (:data:`TARGET_PROGRAMS`).
-TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
-    "default": {
-        # 128-key blocks at head_dim 64 took 255 registers and spilled 108 bytes (ptxas,
-        # SmolLM2's decode, JAX 0.10.2); 64-key blocks: 220 then, 163 now, no spill.
-        64: dict(block_kv=64, stages=4, max_splits=16),
-        128: dict(block_kv=64, stages=4, max_splits=16),
-        256: dict(block_kv=64, stages=2, max_splits=16),
-    },
-}
-
-# The interpreter's: the smallest ring (its time goes into tracing every copy).
-INTERPRET = dict(block_kv=64, stages=2, max_splits=2)
+# Defaults per device kind (:func:`_common.kind_row`), by head dim, and the interpreter's
+# (:data:`_mosaic_paged.TUNED`, where the figures behind them are).
+TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = _mosaic_paged.TUNED
+INTERPRET = _mosaic_paged.INTERPRET
 
 # Programs the split heuristic aims for: two per SM of an H100.
 TARGET_PROGRAMS = 264
@@ -143,19 +118,7 @@ TARGET_PROGRAMS = 264
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
     """The launch parameters for ``args["q"]`` (anything with a shape) on ``device_kind``
     (``"interpret"``: the interpreter's)."""
-    if device_kind == "interpret":
-        return Config(**INTERPRET)
-    return Config(**_common.tuned(TUNED, device_kind, args["q"].shape[-1]))
-
-
-def _smem_spec(shape, dtype):
-    """A WGMMA operand (or a page tile) in shared memory: 8-row tiles of 128 bytes, 128-byte
-    swizzle (64 bytes for rows of 64 one-byte values)."""
-    plgpu = _compat.pallas_mosaic_gpu()
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(SWIZZLE, shape[-1] * itemsize)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
+    return _mosaic_paged.config_for(TUNED, INTERPRET, args, device_kind)
 
 
 def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM)
@@ -171,33 +134,22 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     # table_width * page_size]. Outputs (GMEM): o_ref, m_ref, l_ref.
     ks_ref, vs_ref, o_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     plgpu = _compat.pallas_mosaic_gpu()
-    item, head, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
-    head_dim = q_ref.shape[-1]
-    dtype = q_ref.dtype
+    item, head, split, key_lo, key_hi, first, steps, entry = _mosaic_paged.key_blocks(
+        range_ref, tables_ref, blocks_per_split=blocks_per_split, block_kv=block_kv,
+        page_size=page_size)
+    head_dim, dtype = q_ref.shape[-1], q_ref.dtype
     pages_per_block = block_kv // page_size
-    key_lo, key_hi = range_ref[item, 0], range_ref[item, 1]
     # single_position (static: a decode launch, every item one position) compiles out the
     # per-value NaN bookkeeping of several positions and its accumulator's registers.
     one_position = True if single_position else range_ref[item, 2] > 0
-    first = jnp.maximum(split * blocks_per_split, lax.div(key_lo, block_kv))
-    last = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(key_hi, block_kv))
-    steps = jnp.maximum(last - first, 0)
+    named_keys = functools.partial(_mosaic_paged.named_keys, page_size=page_size,
+                                   block_kv=block_kv)
+    masked_logits = functools.partial(
+        _mosaic_paged.masked_logits, key_lo=key_lo, key_hi=key_hi, layout=plgpu.Layout.WGMMA,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, page_size=page_size,
+        block_kv=block_kv, interpret=interpret)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-    def entry(block, p):
-        return tables_ref[item, block * pages_per_block + p]
-
-    def named_keys(key, entries, start):
-        # Whether each key lies on a page its entry names: an entry of -1 hides its page's
-        # keys. Comparisons of the keys with scalar bounds (no vector of scalar booleans).
-        named = None
-        for p, page in enumerate(entries):
-            lo = start + p * page_size
-            hidden_lo = jnp.where(page >= 0, start + block_kv, lo)
-            outside = (key < hidden_lo) | (key >= lo + page_size)
-            named = outside if named is None else named & outside
-        return named
 
     def dequantized(ref, scales_ref):
         # [block_kv, head_dim] stored values -> scale * values in the compute dtype, float32
@@ -215,20 +167,15 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
         # keys, then values (the Q K^T product has read the keys before the values land).
         ks_smem, vs_smem, deq_smem = quant_smem if quantized else (None, None, None)
 
+        copies = [(k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)]
+        if quantized and not gathered_scales:  # each page's scales beside it
+            copies += [(ks_ref, ks_smem, k_bar), (vs_ref, vs_smem, v_bar)]
+
         def fetch(step, slot):
             block = first + step
-            for p in range(pages_per_block):
-                page = jnp.maximum(entry(block, p), 0)  # -1 (no page): page 0, hidden
-                rows = pl.ds(p * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[head, page], k_smem.at[slot, rows],
-                                        k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[head, page], v_smem.at[slot, rows],
-                                        v_bar.at[slot])
-                if quantized and not gathered_scales:
-                    plgpu.copy_gmem_to_smem(ks_ref.at[head, page], ks_smem.at[slot, rows],
-                                            k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(vs_ref.at[head, page], vs_smem.at[slot, rows],
-                                            v_bar.at[slot])
+            _mosaic_paged.fetch_pages(functools.partial(entry, block), copies,
+                                      pages=pages_per_block, head=head, slot=slot,
+                                      page_size=page_size)
             if gathered_scales:
                 keys = pl.ds(block * block_kv, block_kv)
                 plgpu.copy_gmem_to_smem(ks_ref.at[head, item, keys], ks_smem.at[slot],
@@ -265,27 +212,13 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                                     preferred_element_type=jnp.float32)
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-            s = s * scale
-            if logits_soft_cap is not None:
-                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-            key = start + _mosaic.iota(jnp.int32, (ROWS, block_kv), 1, wgmma_layout,
-                                       interpret=interpret)
-            row_pos = lax.broadcast_in_dim(pos, (ROWS, block_kv), [0])
-            visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
-            if sliding_window is not None:
-                visible &= key > row_pos - sliding_window
-            visible &= named_keys(key, entries, start)
-            s = jnp.where(visible, s, -jnp.inf)
+            s, visible = masked_logits(s * scale, pos, start=start, entries=entries)
 
             @pl.when(False if single_position else ~one_position)
             def _():  # stored now: the mask would otherwise hold registers until P V
                 seen_smem[...] = jnp.where(visible, jnp.ones((), dtype), jnp.zeros((), dtype))
 
-            m_next = jnp.maximum(m_prev, s.max(axis=1))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that saw nothing
-            alpha = jnp.exp2((m_prev - m_safe) * LOG2E)
-            p_blk = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * LOG2E)
-            l_next = alpha * l_prev + p_blk.sum(axis=1)
+            p_blk, alpha, m_next, l_next = _mosaic.online_softmax(s, m_prev, l_prev)
             p_smem[...] = p_blk.astype(dtype)
 
             plgpu.barrier_wait(v_bar.at[slot])
@@ -353,9 +286,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
                                                                     jnp.float32)) > 0,
                                       jnp.float32(jnp.nan), acc), acc)
 
-            @pl.when(step + stages < steps)
-            def _():
-                fetch(step + stages, slot)
+            _mosaic.refill(fetch, step, slot, stages=stages, steps=steps)
 
             return acc, m_next, l_next
 
@@ -367,15 +298,8 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
 
     def epilogue(acc, m, l_sum, o_smem, ml_smem):
         o_smem[...] = acc
-        ml_smem[0] = m
-        ml_smem[1] = l_sum
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[item, head, split])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, out_rows)],
-                                m_ref.at[item, head, split])
-        plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, out_rows)],
-                                l_ref.at[item, head, split])
-        plgpu.wait_smem_to_gmem(0)
+        _mosaic_paged.write_split(m, l_sum, o_smem, ml_smem, (o_ref, m_ref, l_ref),
+                                  at=(item, head, split), out_rows=out_rows)
 
     def program(q_smem, pos_smem, q_bar):
         plgpu.copy_gmem_to_smem(q_ref.at[item, head], q_smem, q_bar.at[0])
@@ -386,22 +310,22 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
         quant_scratch = () if not quantized else (
             plgpu.SMEM((stages, block_kv), jnp.float32),
             plgpu.SMEM((stages, block_kv), jnp.float32),
-            _smem_spec((block_kv, head_dim), dtype))
+            _mosaic.swizzled_smem((block_kv, head_dim), dtype))
         # The ring and the output staging live one after the other in shared memory.
         acc, m, l_sum = pl.run_scoped(
             functools.partial(pipeline, q_smem, pos_smem, q_bar),
-            _smem_spec((stages, block_kv, head_dim), k_ref.dtype),
-            _smem_spec((stages, block_kv, head_dim), k_ref.dtype),
-            _smem_spec((ROWS, block_kv), dtype),
-            _smem_spec((ROWS, block_kv), dtype),
-            _smem_spec((block_kv, head_dim), dtype),
+            _mosaic.swizzled_smem((stages, block_kv, head_dim), k_ref.dtype),
+            _mosaic.swizzled_smem((stages, block_kv, head_dim), k_ref.dtype),
+            _mosaic.swizzled_smem((ROWS, block_kv), dtype),
+            _mosaic.swizzled_smem((ROWS, block_kv), dtype),
+            _mosaic.swizzled_smem((block_kv, head_dim), dtype),
             pages_barrier, pages_barrier, *quant_scratch)
         pl.run_scoped(functools.partial(epilogue, acc, m, l_sum),
                       plgpu.SMEM((ROWS, head_dim), jnp.float32),
                       plgpu.SMEM((2, ROWS), jnp.float32))
 
-    pl.run_scoped(program, _smem_spec((ROWS, head_dim), dtype), plgpu.SMEM((ROWS,), jnp.int32),
-                  plgpu.Barrier(num_arrivals=2, num_barriers=1))
+    pl.run_scoped(program, _mosaic.swizzled_smem((ROWS, head_dim), dtype),
+                  plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_arrivals=2, num_barriers=1))
 
 
 def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
@@ -431,17 +355,11 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
     stages = stages or fitting_stages(config.stages * (2 if quantized and not interpret else 1),
                                       head_dim=head_dim, block_kv=block_kv, quantized=quantized)
     max_pages = tables.shape[1]
-    num_blocks = max(1, -(-max_pages * page_size // block_kv))
-    if num_splits is None:
-        num_splits = max(1, min(config.max_splits, TARGET_PROGRAMS // max(items * kv_heads, 1)))
-    num_splits = min(num_splits, num_blocks)
-    blocks_per_split = -(-num_blocks // num_splits)
-    width = num_splits * blocks_per_split * (block_kv // page_size)
-    tables = jnp.pad(tables, ((0, 0), (0, width - max_pages)), constant_values=-1)
+    num_splits, blocks_per_split, tables = _mosaic_paged.split_launch(
+        tables, items=items, kv_heads=kv_heads, page_size=page_size, block_kv=block_kv,
+        max_splits=config.max_splits, target_programs=TARGET_PROGRAMS, num_splits=num_splits)
+    width = tables.shape[1]
     f32 = jnp.float32
-    out_shape = (jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows, head_dim), f32),
-                 jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32),
-                 jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32))
     kv_bytes = 2 * items * kv_heads * max_pages * page_size * (
         head_dim * k_pages.dtype.itemsize + (4 if quantized else 0))
     scales = () if not quantized else tuple(  # [kv_heads, num_pages, page_size]
@@ -460,17 +378,10 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
         stages=stages, blocks_per_split=blocks_per_split, num_pages=num_pages,
         out_rows=out_rows, quantized=quantized, gathered_scales=gathered_scales,
         interpret=interpret, single_position=single_position)
-    call = _mosaic.mesh_kernel(
-        kernel, out_shape=out_shape, grid=(items, kv_heads, num_splits),
-        grid_names=("item", "head", "split"), name="forge_jax_mosaic_paged_attention",
-        cost_estimate=_cost.attention(
-            queries=items * kv_heads * out_rows, keys=max_pages * page_size,
-            head_dim=head_dim, io=(qg, row_pos, ranges, tables, *out_shape),
-            kv_bytes=kv_bytes),
-        compiler_params=_compat.pallas_mosaic_gpu().CompilerParams(approx_math=True),
-        interpret=interpret)
-    o, m, l_sum = call(qg, row_pos, ranges, tables, k_pages, v_pages, *scales)
-    return _attention_common.merge_splits(o, m, l_sum)
+    return _mosaic_paged.launch(
+        kernel, qg, row_pos, ranges, tables, k_pages, v_pages, *scales,
+        name="forge_jax_mosaic_paged_attention", num_splits=num_splits, out_rows=out_rows,
+        keys=max_pages * page_size, kv_bytes=kv_bytes, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=(

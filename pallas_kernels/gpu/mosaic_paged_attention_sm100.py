@@ -46,19 +46,16 @@ on 10.x devices); reference: :func:`forge_jax.ops.paged.paged_attention_xla`. Te
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import _compat
-from forge_jax.pallas_kernels import _attention_common, _cost
-from forge_jax.pallas_kernels.gpu import _common, _mosaic
+from forge_jax.pallas_kernels.gpu import _common, _mosaic, _mosaic_paged
+from forge_jax.pallas_kernels.gpu._mosaic_paged import Config
 from forge_jax.pallas_kernels.gpu.mosaic_paged_limits import (
     MIN_STAGES,
     SMEM_LIMIT,
@@ -68,43 +65,24 @@ from forge_jax.pallas_kernels.gpu.mosaic_paged_limits import (
 pl = _compat.pallas()
 
 ROWS = 128  # query rows per program: tcgen05's M (one TMEM lane each)
-SWIZZLE = 128  # bytes: the MMA operands' shared-memory swizzle
 CHUNK = 64  # TMEM columns read into registers at a time when the output is rescaled
-LOG2E = math.log2(math.e)
 # Keys per block whose [ROWS, block_kv] float32 logits (a row per thread: block_kv registers)
 # compile without spills: 256 (pages of 256) spilled ~1 KB at head_dim 64 (b200, JAX 0.10.2).
 MAX_BLOCK_KV = 128
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Keys per block (whole pages, a multiple of 64), blocks in flight, most splits."""
-
-    block_kv: int
-    stages: int
-    max_splits: int
-
-
 # Not measured (no Blackwell has run the kernel): the Hopper kernel's ring, whose ~128 KiB in
 # flight per SM covers HBM latency at the B200's ~54 GB/s per SM as well; head_dim 256
 # fits two stages beside its 64 KiB query tile.
-TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
-    "default": {
-        64: dict(block_kv=64, stages=4, max_splits=16),
-        128: dict(block_kv=64, stages=4, max_splits=16),
-        256: dict(block_kv=64, stages=2, max_splits=16),
-    },
-}
-INTERPRET = dict(block_kv=64, stages=2, max_splits=2)
+TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = _mosaic_paged.TUNED
+INTERPRET = _mosaic_paged.INTERPRET
 TARGET_PROGRAMS = 296  # two per SM of a B200
 
 
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
     """The launch parameters for ``args["q"]`` on ``device_kind`` (``"interpret"``: the
     interpreter's)."""
-    if device_kind == "interpret":
-        return Config(**INTERPRET)
-    return Config(**_common.tuned(TUNED, device_kind, args["q"].shape[-1]))
+    return _mosaic_paged.config_for(TUNED, INTERPRET, args, device_kind)
 
 
 def smem_bytes(*, head_dim: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
@@ -123,14 +101,6 @@ def fitting_stages(stages: int, *, head_dim: int, block_kv: int) -> int:
     return stages
 
 
-def _smem_spec(shape, dtype):
-    plgpu = _compat.pallas_mosaic_gpu()
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(SWIZZLE, shape[-1] * itemsize)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
-
-
 def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM)
             o_ref, m_ref, l_ref,  # outputs (GMEM)
             *, scale, sliding_window, logits_soft_cap, page_size, block_kv, stages,
@@ -139,49 +109,27 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     # range_ref [items, 4]: key_lo, key_hi; tables_ref [items, width], -1: no page;
     # k_ref, v_ref [kv_heads, num_pages, page_size, head_dim].
     plgpu = _compat.pallas_mosaic_gpu()
-    item, head, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
-    head_dim = q_ref.shape[-1]
-    dtype = q_ref.dtype
+    item, head, split, key_lo, key_hi, first, steps, entry = _mosaic_paged.key_blocks(
+        range_ref, tables_ref, blocks_per_split=blocks_per_split, block_kv=block_kv,
+        page_size=page_size)
+    head_dim, dtype = q_ref.shape[-1], q_ref.dtype
     pages_per_block = block_kv // page_size
-    key_lo, key_hi = range_ref[item, 0], range_ref[item, 1]
-    first = jnp.maximum(split * blocks_per_split, lax.div(key_lo, block_kv))
-    last = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(key_hi, block_kv))
-    steps = jnp.maximum(last - first, 0)
     tmem_layout = plgpu.Layout.TCGEN05
     row_layout = tmem_layout.reduce(1)
     # The value tile's zeroing reads it in the layout shared-memory loads take by default.
     v_row_layout = plgpu.Layout.WGMMA.reduce(1)
     cast = functools.partial(_mosaic.layout_cast, interpret=interpret)
-
-    def entry(block, p):
-        return tables_ref[item, block * pages_per_block + p]
-
-    def named_keys(key, entries, start):
-        named = None
-        for p, page in enumerate(entries):
-            lo = start + p * page_size
-            hidden_lo = jnp.where(page >= 0, start + block_kv, lo)
-            outside = (key < hidden_lo) | (key >= lo + page_size)
-            named = outside if named is None else named & outside
-        return named
-
-    def load_tmem(ref):
-        # TMEM -> registers, one row per thread; complete before the values are used.
-        x = plgpu.async_load_tmem(ref, layout=None if interpret else tmem_layout)
-        plgpu.wait_load_tmem()
-        return x
+    load_tmem = functools.partial(_mosaic.load_tmem, interpret=interpret)
+    named_keys = functools.partial(_mosaic_paged.named_keys, page_size=page_size,
+                                   block_kv=block_kv)
 
     def pipeline(q_smem, pos_smem, q_bar, s_tmem, o_tmem, k_smem, v_smem, p_smem, k_bar,
                  v_bar, mma_bar):
         def fetch(step, slot):
-            block = first + step
-            for p in range(pages_per_block):
-                page = jnp.maximum(entry(block, p), 0)  # -1 (no page): page 0, hidden
-                rows = pl.ds(p * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[head, page], k_smem.at[slot, rows],
-                                        k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[head, page], v_smem.at[slot, rows],
-                                        v_bar.at[slot])
+            _mosaic_paged.fetch_pages(
+                functools.partial(entry, first + step),
+                [(k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)], pages=pages_per_block,
+                head=head, slot=slot, page_size=page_size)
 
         for s in range(stages):
             pl.when(s < steps)(functools.partial(fetch, s, s))
@@ -200,23 +148,13 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             plgpu.tcgen05_mma(s_tmem, q_smem, _mosaic.transposed(k_smem.at[slot]),
                               mma_bar.at[0], accumulate=False)
             plgpu.barrier_wait(mma_bar.at[0])
-            s = load_tmem(s_tmem) * scale  # [ROWS, block_kv] float32
-            if logits_soft_cap is not None:
-                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-            key = start + _mosaic.iota(jnp.int32, (ROWS, block_kv), 1, tmem_layout,
-                                       interpret=interpret)
-            row_pos = lax.broadcast_in_dim(pos, (ROWS, block_kv), [0])
-            visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
-            if sliding_window is not None:
-                visible &= key > row_pos - sliding_window
-            visible &= named_keys(key, entries, start)
-            s = jnp.where(visible, s, -jnp.inf)
+            s, _ = _mosaic_paged.masked_logits(  # [ROWS, block_kv] float32
+                load_tmem(s_tmem) * scale, pos, start=start, key_lo=key_lo, key_hi=key_hi,
+                entries=entries, layout=tmem_layout, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
+                interpret=interpret)
 
-            m_next = jnp.maximum(m_prev, s.max(axis=1))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that saw nothing
-            alpha = jnp.exp2((m_prev - m_safe) * LOG2E)
-            p_blk = jnp.exp2((s - lax.broadcast_in_dim(m_safe, s.shape, [0])) * LOG2E)
-            l_next = alpha * l_prev + p_blk.sum(axis=1)
+            p_blk, alpha, m_next, l_next = _mosaic.online_softmax(s, m_prev, l_prev)
             p_smem[...] = p_blk.astype(dtype)
 
             plgpu.barrier_wait(v_bar.at[slot])
@@ -236,11 +174,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
 
             @pl.when(step > 0)
             def _():  # the output so far, rescaled in TMEM by the softmax's correction
-                for c in range(0, head_dim, CHUNK):
-                    cols = o_tmem.at[:, pl.ds(c, CHUNK)]
-                    o = load_tmem(cols)
-                    plgpu.async_store_tmem(cols, o * lax.broadcast_in_dim(alpha, o.shape, [0]))
-                plgpu.commit_tmem()
+                _mosaic.rescale_tmem(o_tmem, alpha, chunk=CHUNK, interpret=interpret)
 
             # P, the zeroed values and the rescaled output visible to the MMA; every thread
             # past its reads of S (the next Q K^T overwrites it).
@@ -248,15 +182,12 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
             plgpu.tcgen05_mma(o_tmem, p_smem, v_slot, mma_bar.at[0], accumulate=step > 0)
             plgpu.barrier_wait(mma_bar.at[0])
 
-            @pl.when(step + stages < steps)
-            def _():
-                fetch(step + stages, slot)
+            _mosaic.refill(fetch, step, slot, stages=stages, steps=steps)
 
             return m_next, l_next
 
-        init = (cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
-        return lax.fori_loop(0, steps, step_fn, init)
+        return lax.fori_loop(0, steps, step_fn,
+                             _mosaic.softmax_init(ROWS, row_layout, interpret=interpret))
 
     def epilogue(m, l_sum, o_tmem, o_smem, ml_smem):
         @pl.when(steps > 0)
@@ -268,15 +199,8 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
         def _():  # the TMEM tile was never written (any bits); the rows saw nothing
             o_smem[...] = jnp.zeros(o_smem.shape, jnp.float32)
 
-        ml_smem[0] = m
-        ml_smem[1] = l_sum
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[item, head, split])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, out_rows)],
-                                m_ref.at[item, head, split])
-        plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, out_rows)],
-                                l_ref.at[item, head, split])
-        plgpu.wait_smem_to_gmem(0)
+        _mosaic_paged.write_split(m, l_sum, o_smem, ml_smem, (o_ref, m_ref, l_ref),
+                                  at=(item, head, split), out_rows=out_rows)
 
     def program(q_smem, pos_smem, q_bar, s_tmem, o_tmem):
         plgpu.copy_gmem_to_smem(q_ref.at[item, head], q_smem, q_bar.at[0])
@@ -284,17 +208,17 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
         pages_barrier = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages)
         m, l_sum = pl.run_scoped(
             functools.partial(pipeline, q_smem, pos_smem, q_bar, s_tmem, o_tmem),
-            _smem_spec((stages, block_kv, head_dim), dtype),
-            _smem_spec((stages, block_kv, head_dim), dtype),
-            _smem_spec((ROWS, block_kv), dtype),
+            _mosaic.swizzled_smem((stages, block_kv, head_dim), dtype),
+            _mosaic.swizzled_smem((stages, block_kv, head_dim), dtype),
+            _mosaic.swizzled_smem((ROWS, block_kv), dtype),
             pages_barrier, pages_barrier,
             plgpu.Barrier(num_arrivals=1, num_barriers=1, orders_tensor_core=True))
         pl.run_scoped(functools.partial(epilogue, m, l_sum, o_tmem),
                       plgpu.SMEM((ROWS, head_dim), jnp.float32),
                       plgpu.SMEM((2, ROWS), jnp.float32))
 
-    pl.run_scoped(program, _smem_spec((ROWS, head_dim), dtype), plgpu.SMEM((ROWS,), jnp.int32),
-                  plgpu.Barrier(num_arrivals=2, num_barriers=1),
+    pl.run_scoped(program, _mosaic.swizzled_smem((ROWS, head_dim), dtype),
+                  plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_arrivals=2, num_barriers=1),
                   plgpu.TMEM((ROWS, block_kv), jnp.float32),
                   plgpu.TMEM((ROWS, head_dim), jnp.float32))
 
@@ -312,34 +236,19 @@ def attend_decode(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, slidi
     block_kv = block_keys(block_kv or config.block_kv, page_size)
     stages = stages or fitting_stages(config.stages, head_dim=head_dim, block_kv=block_kv)
     max_pages = tables.shape[1]
-    num_blocks = max(1, -(-max_pages * page_size // block_kv))
-    if num_splits is None:
-        num_splits = max(1, min(config.max_splits, TARGET_PROGRAMS // max(items * kv_heads, 1)))
-    num_splits = min(num_splits, num_blocks)
-    blocks_per_split = -(-num_blocks // num_splits)
-    width = num_splits * blocks_per_split * (block_kv // page_size)
-    tables = jnp.pad(tables, ((0, 0), (0, width - max_pages)), constant_values=-1)
-    f32 = jnp.float32
-    out_shape = (jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows, head_dim), f32),
-                 jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32),
-                 jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows), f32))
+    num_splits, blocks_per_split, tables = _mosaic_paged.split_launch(
+        tables, items=items, kv_heads=kv_heads, page_size=page_size, block_kv=block_kv,
+        max_splits=config.max_splits, target_programs=TARGET_PROGRAMS, num_splits=num_splits)
     kv_bytes = 2 * items * kv_heads * max_pages * page_size * head_dim * k_pages.dtype.itemsize
     kernel = functools.partial(
         _kernel, scale=float(scale), sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
         stages=stages, blocks_per_split=blocks_per_split, out_rows=out_rows,
         interpret=interpret)
-    call = _mosaic.mesh_kernel(
-        kernel, out_shape=out_shape, grid=(items, kv_heads, num_splits),
-        grid_names=("item", "head", "split"), name="forge_jax_mosaic_paged_attention_sm100",
-        cost_estimate=_cost.attention(
-            queries=items * kv_heads * out_rows, keys=max_pages * page_size,
-            head_dim=head_dim, io=(qg, row_pos, ranges, tables, *out_shape),
-            kv_bytes=kv_bytes),
-        compiler_params=_compat.pallas_mosaic_gpu().CompilerParams(approx_math=True),
-        interpret=interpret)
-    o, m, l_sum = call(qg, row_pos, ranges, tables, k_pages, v_pages)
-    return _attention_common.merge_splits(o, m, l_sum)
+    return _mosaic_paged.launch(
+        kernel, qg, row_pos, ranges, tables, k_pages, v_pages,
+        name="forge_jax_mosaic_paged_attention_sm100", num_splits=num_splits,
+        out_rows=out_rows, keys=max_pages * page_size, kv_bytes=kv_bytes, interpret=interpret)
 
 
 def reason(*, q_len: int, group: int, quantized: bool, head_dim: int,

@@ -197,9 +197,8 @@ def _size_reason(a, b) -> str | None:
 
 def _swizzled(tile_minor: int, dtype, operand: str) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8
-    plgpu = _compat.pallas_mosaic_gpu()
-    swizzle = plgpu.find_swizzle(tile_minor * bits, operand)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+    swizzle = _compat.pallas_mosaic_gpu().find_swizzle(tile_minor * bits, operand)
+    return _mosaic.swizzle_transforms(swizzle, dtype)
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, s_smem, out_smem, s_barrier, *stage, tile_m,
@@ -208,10 +207,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, s_smem, out_smem, s_barrier, *stag
     # sums of out.T, one per K split); s_gmem [N] f32 per channel, or, ``blocked``,
     # [N / 128, K / 128] (a 64-row tile reads the row of its 128-row block: one scale a step).
     plgpu = _compat.pallas_mosaic_gpu()
-    ni, mi, si = (jax.lax.axis_index(a) for a in ("n", "m", "k"))
-    rows = pl.ds(ni * TILE_N, TILE_N)
-    cols = pl.ds(mi * tile_m, tile_m)
-    ks = pl.ds(si * k_split, k_split)
+    ni, mi, si, rows, cols, ks = _mosaic.matmul_tiles(TILE_N, tile_m, k_split)
     compute = x_gmem.dtype
     if blocked:
         plgpu.copy_gmem_to_smem(s_gmem.at[ni * TILE_N // FP8_BLOCK], s_smem, s_barrier)
@@ -354,9 +350,8 @@ def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, s
     m, k = x.shape
     n = w.shape[0]
     tile_m = tile_m_for(m)
-    if m % tile_m or n % TILE_N or k % (tile_k * split_k):
-        raise ValueError(f"{x.shape=} and {w.shape=} do not tile by ({tile_m}, {TILE_N}, "
-                         f"{tile_k} x {split_k=})")
+    _mosaic.check_matmul_tiles(x, w, tile_m=tile_m, tile_n=TILE_N, tile_k=tile_k,
+                               split_k=split_k)
     blocked = scales.ndim == 2
     if blocked and (tile_k != FP8_BLOCK or scales.shape != (n // FP8_BLOCK, k // FP8_BLOCK)):
         raise ValueError(f"{scales.shape=} and {tile_k=}: blocks of {FP8_BLOCK} x {FP8_BLOCK} "
@@ -367,10 +362,7 @@ def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, s
         scratch += [plgpu.SMEM((TILE_N, tile_k), x.dtype), plgpu.SMEM((tile_k, tile_m), x.dtype)]
     body = functools.partial(_kernel, tile_m=tile_m, tile_k=tile_k, k_split=k // split_k,
                              steps=max_concurrent_steps, blocked=blocked, interpret=interpret)
-    cost = pl.CostEstimate(
-        flops=2 * m * n * k, transcendentals=0,
-        bytes_accessed=(w.size * w.dtype.itemsize + 4 * scales.size + x.size * x.dtype.itemsize
-                        + 4 * split_k * n * m))
+    cost = _mosaic.matmul_cost(x, w, scales, split_k=split_k)
     call = _mosaic.mesh_kernel(
         lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
         out_shape=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),

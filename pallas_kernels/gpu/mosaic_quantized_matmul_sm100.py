@@ -88,20 +88,14 @@ def reason(*, weight_dtype, per_channel: bool, n: int, k: int) -> str | None:
 
 
 def _swizzled(tile_minor: int, dtype) -> tuple:
-    plgpu = _compat.pallas_mosaic_gpu()
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = min(128, tile_minor * bits // 8)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+    return _mosaic.swizzle_transforms(min(128, tile_minor * jnp.dtype(dtype).itemsize), dtype)
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, *, tile_m, tile_k, k_split, steps, interpret):
     # x_gmem [Mp, K] bf16/f16; w_gmem [N, K] int8/e4m3; s_gmem [N] f32 (per channel);
     # out_gmem [splits, N, Mp] f32, partial sums of out.T, one per K split.
     plgpu = _compat.pallas_mosaic_gpu()
-    ni, mi, si = (jax.lax.axis_index(a) for a in ("n", "m", "k"))
-    rows = pl.ds(ni * TILE_N, TILE_N)
-    cols = pl.ds(mi * tile_m, tile_m)
-    ks = pl.ds(si * k_split, k_split)
+    _, mi, si, rows, cols, ks = _mosaic.matmul_tiles(TILE_N, tile_m, k_split)
     compute = x_gmem.dtype
     row_layout = plgpu.Layout.TCGEN05.reduce(1)
 
@@ -155,32 +149,18 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, *, tile_m, tile_k, k_split, steps,
                                              "interpret"))
 def quantized_matmul_transposed(x, w, scales, *, tile_k, max_concurrent_steps, split_k,
                                 interpret=False):
-    """The kernel alone: float32 ``out.T = dequantize(w) @ x.T``.
-
-    Args:
-      x: ``[M, K]`` bfloat16/float16 activations, ``M`` a multiple of :func:`tile_m`.
-      w: ``[N, K]`` int8 or float8_e4m3fn stored values, ``N % 128 == 0``.
-      scales: ``[N]`` float32, one per output channel.
-      tile_k: K per pipeline step (64 or 128, dividing ``K / split_k``).
-      max_concurrent_steps: pipeline depth.
-      split_k: the number of K splits (each a partial sum).
-      interpret: run in the Mosaic GPU interpreter (JAX 0.12+).
-
-    Returns:
-      ``[split_k, N, M]`` float32 partial sums of ``out.T``.
-    """
+    """The kernel alone: float32 ``out.T = dequantize(w) @ x.T`` in ``split_k`` partial sums
+    ``[split_k, N, M]``, the arguments of the Hopper kernel's
+    (:func:`forge_jax.pallas_kernels.gpu.mosaic_quantized_matmul.quantized_matmul_transposed`)
+    with ``M`` a multiple of :func:`tile_m` and per-channel ``scales [N]`` only; the
+    interpreter (``interpret``) needs JAX 0.12 or newer."""
     m, k = x.shape
     n = w.shape[0]
     tm = tile_m(m)
-    if m % tm or n % TILE_N or k % (tile_k * split_k):
-        raise ValueError(f"{x.shape=} and {w.shape=} do not tile by ({tm}, {TILE_N}, "
-                         f"{tile_k} x {split_k=})")
+    _mosaic.check_matmul_tiles(x, w, tile_m=tm, tile_n=TILE_N, tile_k=tile_k, split_k=split_k)
     body = functools.partial(_kernel, tile_m=tm, tile_k=tile_k, k_split=k // split_k,
                              steps=max_concurrent_steps, interpret=interpret)
-    cost = pl.CostEstimate(
-        flops=2 * m * n * k, transcendentals=0,
-        bytes_accessed=(w.size * w.dtype.itemsize + 4 * scales.size + x.size * x.dtype.itemsize
-                        + 4 * split_k * n * m))
+    cost = _mosaic.matmul_cost(x, w, scales, split_k=split_k)
     call = _mosaic.mesh_kernel(
         body, out_shape=jax.ShapeDtypeStruct((split_k, n, m), jnp.float32),
         grid=(n // TILE_N, m // tm, split_k), grid_names=("n", "m", "k"),

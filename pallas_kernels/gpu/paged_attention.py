@@ -26,10 +26,7 @@ The attention contract is that of :func:`forge_jax.paged_attention` (its XLA imp
 is the reference).
 
 Op: :func:`forge_jax.ops.paged.paged_attention`; reference: its XLA implementation
-:func:`forge_jax.ops.paged.paged_attention_xla`. Launch knobs: :class:`Config`, the
-per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
-as ``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
-``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_paged.py``,
+:func:`forge_jax.ops.paged.paged_attention_xla`. Tests: ``tests/test_pallas_gpu_paged.py``,
 ``tests/test_gpu_tuning.py``.
 """
 

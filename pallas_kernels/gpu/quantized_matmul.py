@@ -202,9 +202,7 @@ def quantized_matmul_forward(a2, values, scales, minimums, *, fmt, group, block_
       interpret: run in Pallas' interpreter (any platform).
     """
     _compat.filter_triton_deprecation()
-    for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if b < _common.MIN_DOT or _common.next_pow2(b) != b:
-            raise ValueError(f"{name}={b} must be a power of two >= {_common.MIN_DOT}")
+    _common.check_dot_blocks(block_m=block_m, block_n=block_n, block_k=block_k)
     m, k = a2.shape
     n, kq = values.shape
     asymmetric = minimums is not None
@@ -222,14 +220,13 @@ def quantized_matmul_forward(a2, values, scales, minimums, *, fmt, group, block_
         flops=2 * m * n * k, transcendentals=0,
         bytes_accessed=(values.size * values.dtype.itemsize + side) * grid[0]
         + a2.size * a2.dtype.itemsize * grid[1] + 4 * m * n)
-    return pl.pallas_call(
+    return _common.triton_call(
         functools.partial(_kernel, fmt=fmt, group=group, per_channel=per_channel,
                           asymmetric=asymmetric, block_m=block_m, block_n=block_n,
                           block_k=block_k),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
-                                                       num_stages=num_stages),
+        num_warps=num_warps, num_stages=num_stages,
         cost_estimate=cost,
         interpret=interpret,
         name="forge_jax_gpu_quantized_matmul",

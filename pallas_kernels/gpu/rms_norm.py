@@ -140,14 +140,13 @@ def rms_norm_forward(x, weight, residual=None, *, eps, block_rows, num_warps, nu
     if has_residual:
         operands.append(residual.reshape(n_rows, dim))
     operands.append(weight)
-    out = pl.pallas_call(
+    out = _common.triton_call(
         functools.partial(_kernel, n_rows=n_rows, dim=dim, eps=eps, has_residual=has_residual),
         grid=(pl.cdiv(n_rows, block_rows),),
         in_specs=[row_spec] * (len(operands) - 1) + [pl.BlockSpec((block_dim,), lambda i: (0,))],
         out_specs=[row_spec] * len(out_shape),
         out_shape=[jax.ShapeDtypeStruct((n_rows, dim), x.dtype)] * len(out_shape),
-        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
-                                                       num_stages=num_stages),
+        num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
         name="forge_jax_rms_norm",
         cost_estimate=_cost.elementwise(n_rows * dim, flops=4 + has_residual,

@@ -156,13 +156,12 @@ def rope_forward(x, positions, inv_freq, *, interleaved, block_tokens, block_hea
     tokens = batch * seq
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
-    out = pl.pallas_call(
+    out = _common.triton_call(
         functools.partial(_kernel, block_tokens=block_tokens, block_heads=block_heads,
                           half_pad=_common.next_pow2(head_dim // 2), interleaved=interleaved),
         grid=(pl.cdiv(tokens, block_tokens), pl.cdiv(heads, block_heads)),
         out_shape=jax.ShapeDtypeStruct((tokens, heads, head_dim), x.dtype),
-        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
-                                                       num_stages=num_stages),
+        num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
         name="forge_jax_rope",
         cost_estimate=_cost.elementwise(x.size, flops=4, transcendentals=2, io=(x, x)),

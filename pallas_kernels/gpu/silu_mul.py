@@ -9,10 +9,7 @@ The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
 Op: :func:`forge_jax.ops.activation.silu_mul`; reference: its XLA implementation
-:func:`forge_jax.ops.activation.silu_mul_xla`. Launch knobs: :class:`Config`, the per-device
-table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
-``"pallas"`` on GPU, by name until :data:`VERIFIED` names a GPU, and
-``"pallas_gpu_interpret"``. Tests: ``tests/test_pallas_gpu_silu_mul.py``,
+:func:`forge_jax.ops.activation.silu_mul_xla`. Tests: ``tests/test_pallas_gpu_silu_mul.py``,
 ``tests/test_gpu_tuning.py``.
 """
 
@@ -102,14 +99,13 @@ def silu_mul_forward(gate, up, *, block_size, num_warps, num_stages, interpret=F
         return jnp.zeros(gate.shape, gate.dtype)
     size = gate.size
     spec = pl.BlockSpec((block_size,), lambda i: (i,))
-    out = pl.pallas_call(
+    out = _common.triton_call(
         functools.partial(_kernel, size=size),
         grid=(pl.cdiv(size, block_size),),
         in_specs=[spec, spec],
         out_specs=spec,
         out_shape=jax.ShapeDtypeStruct((size,), gate.dtype),
-        compiler_params=_compat.triton_compiler_params(num_warps=num_warps,
-                                                       num_stages=num_stages),
+        num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
         name="forge_jax_silu_mul",
         cost_estimate=_cost.elementwise(size, flops=4, transcendentals=1, io=(gate, up, gate)),

@@ -50,10 +50,8 @@ masked by the length, never written).
 TPUs have no float16 vector unit.
 
 Op: :func:`forge_jax.ops.attention.attention`; reference: its XLA implementation
-:func:`forge_jax.ops.attention.attention_xla`. Launch knobs: :class:`Config`, the per-device
-table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
-``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
-``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_attention.py``.
+:func:`forge_jax.ops.attention.attention_xla`. Tests:
+``tests/test_pallas_tpu_attention.py``.
 """
 
 from __future__ import annotations
@@ -95,18 +93,11 @@ class Config:
     block_k: int
 
 
-# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
-# "default" serves any other kind and the interpreter), sized against each generation's
-# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on v5p/v6e;
-# v6e's faster MXU takes bigger blocks). Untuned, pending measurements on TPU hardware.
-TUNED: Mapping[str, Mapping[str, int]] = {
-    "TPU v4": dict(block_q=256, block_k=512),
-    "TPU v5 lite": dict(block_q=256, block_k=512),
-    "TPU v5": dict(block_q=512, block_k=512),
-    "TPU v5p": dict(block_q=512, block_k=512),
-    "TPU v6 lite": dict(block_q=512, block_k=1024),
-    "default": dict(block_q=128, block_k=128),
-}
+# The defaults per TPU generation (:func:`_common.per_generation`; v6e's faster MXU takes
+# bigger blocks). Untuned, pending measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = _common.per_generation(
+    v4_v5e=dict(block_q=256, block_k=512), v5p=dict(block_q=512, block_k=512),
+    v6e=dict(block_q=512, block_k=1024), default=dict(block_q=128, block_k=128))
 
 
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:

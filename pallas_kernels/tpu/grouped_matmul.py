@@ -20,10 +20,8 @@ The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
 Op: :func:`forge_jax.ops.grouped_matmul.grouped_matmul`; reference: its XLA implementation
-:func:`forge_jax.ops.grouped_matmul.grouped_matmul_xla`. Launch knobs: :class:`Config`, the
-per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
-as ``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
-``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_grouped_matmul.py``.
+:func:`forge_jax.ops.grouped_matmul.grouped_matmul_xla`. Tests:
+``tests/test_pallas_tpu_grouped_matmul.py``.
 """
 
 from __future__ import annotations
@@ -64,15 +62,12 @@ class Config:
 # kind, "interpret" the TPU interpreter). A step holds an x tile, a w block (double
 # buffered) and a float32 accumulator: 512 x 512 blocks in bfloat16 stay near 2 MiB.
 # Untuned, pending measurements on TPU hardware.
-TUNED: Mapping[str, Mapping[str, int]] = {
-    "TPU v4": dict(block_m=128, block_k=512, block_n=512),
-    "TPU v5 lite": dict(block_m=128, block_k=512, block_n=512),
-    "TPU v5": dict(block_m=256, block_k=512, block_n=512),
-    "TPU v5p": dict(block_m=256, block_k=512, block_n=512),
-    "TPU v6 lite": dict(block_m=256, block_k=512, block_n=1024),
-    "interpret": dict(block_m=128, block_k=128, block_n=128),
-    "default": dict(block_m=128, block_k=512, block_n=512),
-}
+TUNED: Mapping[str, Mapping[str, int]] = _common.per_generation(
+    v4_v5e=dict(block_m=128, block_k=512, block_n=512),
+    v5p=dict(block_m=256, block_k=512, block_n=512),
+    v6e=dict(block_m=256, block_k=512, block_n=1024),
+    interpret=dict(block_m=128, block_k=128, block_n=128),
+    default=dict(block_m=128, block_k=512, block_n=512))
 
 
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:

@@ -47,10 +47,7 @@ Block tables are scalar-prefetched whole (``batch * max_pages`` int32 in SMEM), 
 own TPU paged attention: very large batches times table widths can exceed SMEM.
 
 Op: :func:`forge_jax.ops.paged.paged_attention`; reference: its XLA implementation
-:func:`forge_jax.ops.paged.paged_attention_xla`. Launch knobs: :class:`Config`, the
-per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
-as ``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
-``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_paged.py``.
+:func:`forge_jax.ops.paged.paged_attention_xla`. Tests: ``tests/test_pallas_tpu_paged.py``.
 """
 
 from __future__ import annotations
@@ -87,18 +84,11 @@ class Config:
     block_k: int
 
 
-# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
-# "default" serves any other kind and the interpreter), sized against each generation's
-# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
-# v5p/v6e). Untuned, pending measurements on TPU hardware.
-TUNED: Mapping[str, Mapping[str, int]] = {
-    "TPU v4": dict(block_k=256),
-    "TPU v5 lite": dict(block_k=256),
-    "TPU v5": dict(block_k=512),
-    "TPU v5p": dict(block_k=512),
-    "TPU v6 lite": dict(block_k=512),
-    "default": dict(block_k=256),
-}
+# The defaults per TPU generation (:func:`_common.per_generation`). Untuned, pending
+# measurements on TPU hardware.
+TUNED: Mapping[str, Mapping[str, int]] = _common.per_generation(
+    v4_v5e=dict(block_k=256), v5p=dict(block_k=512), v6e=dict(block_k=512),
+    default=dict(block_k=256))
 
 
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
@@ -356,10 +346,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             _kernel, pages_per_compute_block=pages_per_compute_block, max_pages=table_width,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
             exact_range=q_len == 1, quantized=k_scales is not None, fold=fold)
-        buf = pltpu.VMEM((2, pages_per_compute_block) + k_pages.shape[2:], k_pages.dtype)
-        scales = () if k_scales is None else (k_scales.astype(jnp.float32),
-                                              v_scales.astype(jnp.float32))
-        scales_buf = pltpu.VMEM((2, pages_per_compute_block, page_size, 1), jnp.float32)
+        buf, scales, scales_buf = _common.page_buffers(
+            k_pages, k_scales, v_scales, pages=pages_per_compute_block, page_size=page_size)
         out = pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -25,10 +25,8 @@ way :mod:`forge_jax.pallas_kernels.tpu.paged_attention` reads them (queries in `
 blocks, one per lane group; outputs summed over the groups by the wrapper).
 
 Op: :func:`forge_jax.ops.ragged.ragged_paged_attention`; reference: its XLA implementation
-:func:`forge_jax.ops.ragged.ragged_paged_attention_xla`. Launch knobs: :class:`Config`, the
-per-device table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module)
-as ``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
-``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_ragged.py``.
+:func:`forge_jax.ops.ragged.ragged_paged_attention_xla`. Tests:
+``tests/test_pallas_tpu_ragged.py``.
 """
 
 from __future__ import annotations
@@ -68,20 +66,13 @@ class Config:
     kv_block: int
 
 
-# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
-# "default" serves any other kind; the interpreter's small blocks keep its per-step work,
-# and the tests, short), sized against each generation's default scoped VMEM
-# (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on v5p/v6e). Untuned, pending
-# measurements on TPU hardware.
-TUNED: Mapping[str, Mapping[str, int]] = {
-    "TPU v4": dict(block_q=32, kv_block=256),
-    "TPU v5 lite": dict(block_q=32, kv_block=256),
-    "TPU v5": dict(block_q=32, kv_block=512),
-    "TPU v5p": dict(block_q=32, kv_block=512),
-    "TPU v6 lite": dict(block_q=64, kv_block=512),
-    "interpret": dict(block_q=16, kv_block=32),
-    "default": dict(block_q=32, kv_block=256),
-}
+# The defaults per TPU generation (:func:`_common.per_generation`; the interpreter's small
+# blocks keep its per-step work, and the tests, short). Untuned, pending measurements on TPU
+# hardware.
+TUNED: Mapping[str, Mapping[str, int]] = _common.per_generation(
+    v4_v5e=dict(block_q=32, kv_block=256), v5p=dict(block_q=32, kv_block=512),
+    v6e=dict(block_q=64, kv_block=512), interpret=dict(block_q=16, kv_block=32),
+    default=dict(block_q=32, kv_block=256))
 
 
 def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
@@ -413,10 +404,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         pages_per_seq=pages_per_seq, num_pages=num_pages, quantized=k_scales is not None,
         fold=fold)
-    buf = pltpu.VMEM((2, pages_per_block) + k_pages.shape[2:], k_pages.dtype)
-    scales = () if k_scales is None else (k_scales.astype(jnp.float32),
-                                          v_scales.astype(jnp.float32))
-    scales_buf = pltpu.VMEM((2, pages_per_block, page_size, 1), jnp.float32)
+    buf, scales, scales_buf = _common.page_buffers(
+        k_pages, k_scales, v_scales, pages=pages_per_block, page_size=page_size)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

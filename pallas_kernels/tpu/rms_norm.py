@@ -12,15 +12,11 @@ residual`` rounded to ``x.dtype``, ``y = weight * h / sqrt(mean(h * h) + eps)``,
 
 Backward: the reference's VJP (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`).
 Op: :func:`forge_jax.ops.norm.rms_norm`; reference: its XLA implementation
-:func:`forge_jax.ops.norm.rms_norm_xla`. Launch knobs: :class:`Config`, the per-device table
-:data:`TUNED`, :func:`default_config`. Registered by
-:func:`~forge_jax.pallas_kernels._registration.register` (TPU; :data:`VERIFIED`). Tests:
-``tests/test_pallas_tpu_elementwise.py``.
+:func:`forge_jax.ops.norm.rms_norm_xla`. Tests: ``tests/test_pallas_tpu_elementwise.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -47,42 +43,21 @@ VERIFIED: dict[str, str] = {}
 MAX_HIDDEN = 32768
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The kernel's launch parameter: elements per block (of each array); the wrapper's
-    ``block_rows`` is ``block_elements // dim`` rounded down to the sublane tile
-    (:func:`block_rows_for`)."""
-
-    block_elements: int
-
-
-# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
-# "default" serves any other kind and the interpreter), sized against each generation's
-# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
-# v5p/v6e). Untuned, pending measurements on TPU hardware.
-TUNED: Mapping[str, Mapping[str, int]] = {
-    "TPU v4": dict(block_elements=128 * 1024),
-    "TPU v5 lite": dict(block_elements=128 * 1024),
-    "TPU v5": dict(block_elements=256 * 1024),
-    "TPU v5p": dict(block_elements=256 * 1024),
-    "TPU v6 lite": dict(block_elements=256 * 1024),
-    "default": dict(block_elements=128 * 1024),
-}
-
-
-def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
-    """The tuned launch parameter on ``device_kind`` (the same for any arguments)."""
-    del args
-    return Config(**_common.tuned(TUNED, device_kind))
+# The launch parameter, elements per block (rows per block: :func:`block_rows_for`), and its
+# defaults per TPU generation (:func:`_common.per_generation`), untuned, pending
+# measurements on TPU hardware.
+Config = _common.BlockConfig
+TUNED: Mapping[str, Mapping[str, int]] = _common.per_generation(
+    v4_v5e=dict(block_elements=128 * 1024), v5p=dict(block_elements=256 * 1024),
+    v6e=dict(block_elements=256 * 1024), default=dict(block_elements=128 * 1024))
+default_config = _common.block_config(TUNED)
 
 
 def block_rows_for(rows: int, dim: int, dtype, device_kind: str | None = None) -> int:
     """Rows per block for ``rows`` rows of ``dim`` values of ``dtype`` on ``device_kind``:
     a multiple of the sublane tile, or ``rows`` itself when that is smaller (a block equal
     to the array's dim is always accepted by Mosaic)."""
-    config = default_config({}, device_kind)
-    tile = _common.sublane_tile(dtype)
-    block_rows = max(tile, config.block_elements // dim // tile * tile)
+    block_rows = _common.block_rows(default_config({}, device_kind).block_elements, dim, dtype)
     return rows if rows <= block_rows else block_rows
 
 

@@ -32,15 +32,11 @@ The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
 Op: :func:`forge_jax.ops.rope.rope`; reference: its XLA implementation
-:func:`forge_jax.ops.rope.rope_xla`. Launch knobs: :class:`Config`, the per-device table
-:data:`TUNED`, :func:`default_config`. Registered by
-:func:`~forge_jax.pallas_kernels._registration.register` (TPU; :data:`VERIFIED`). Tests:
-``tests/test_pallas_tpu_elementwise.py``.
+:func:`forge_jax.ops.rope.rope_xla`. Tests: ``tests/test_pallas_tpu_elementwise.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -71,33 +67,14 @@ MAX_WIDTH = 512
 MAX_ROW = 65536
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The kernel's launch parameter: elements of ``x`` per block; the wrapper's
-    ``block_tokens`` is ``block_elements // (heads * head_dim)`` rounded down to the sublane
-    tile (:func:`block_tokens_for`)."""
-
-    block_elements: int
-
-
-# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
-# "default" serves any other kind and the interpreter), sized against each generation's
-# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
-# v5p/v6e). Untuned, pending measurements on TPU hardware.
-TUNED: Mapping[str, Mapping[str, int]] = {
-    "TPU v4": dict(block_elements=256 * 1024),
-    "TPU v5 lite": dict(block_elements=256 * 1024),
-    "TPU v5": dict(block_elements=512 * 1024),
-    "TPU v5p": dict(block_elements=512 * 1024),
-    "TPU v6 lite": dict(block_elements=512 * 1024),
-    "default": dict(block_elements=256 * 1024),
-}
-
-
-def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
-    """The tuned launch parameter on ``device_kind`` (the same for any arguments)."""
-    del args
-    return Config(**_common.tuned(TUNED, device_kind))
+# The launch parameter, elements per block (rows per block: :func:`block_tokens_for`), and its
+# defaults per TPU generation (:func:`_common.per_generation`), untuned, pending
+# measurements on TPU hardware.
+Config = _common.BlockConfig
+TUNED: Mapping[str, Mapping[str, int]] = _common.per_generation(
+    v4_v5e=dict(block_elements=256 * 1024), v5p=dict(block_elements=512 * 1024),
+    v6e=dict(block_elements=512 * 1024), default=dict(block_elements=256 * 1024))
+default_config = _common.block_config(TUNED)
 
 
 def chunk_width(heads: int, head_dim: int) -> int:
@@ -111,9 +88,8 @@ def chunk_width(heads: int, head_dim: int) -> int:
 
 def block_tokens_for(tokens: int, row: int, dtype, device_kind: str | None = None) -> int:
     """Tokens per block: a multiple of the sublane tile, no more than needed for ``tokens``."""
-    config = default_config({}, device_kind)
     tile = _common.sublane_tile(dtype)
-    block = max(tile, config.block_elements // row // tile * tile)
+    block = _common.block_rows(default_config({}, device_kind).block_elements, row, dtype)
     return min(block, pl.cdiv(tokens, tile) * tile)
 
 

@@ -14,15 +14,12 @@ The backward pass is the XLA implementation's VJP
 (:func:`~forge_jax.pallas_kernels._vjp.with_reference_vjp`), not a kernel.
 
 Op: :func:`forge_jax.ops.activation.silu_mul`; reference: its XLA implementation
-:func:`forge_jax.ops.activation.silu_mul_xla`. Launch knobs: :class:`Config`, the per-device
-table :data:`TUNED`, :func:`default_config`. Registered (bottom of this module) as
-``"pallas"`` on TPU, by name until :data:`VERIFIED` names a TPU, and
-``"pallas_tpu_interpret"``. Tests: ``tests/test_pallas_tpu_elementwise.py``.
+:func:`forge_jax.ops.activation.silu_mul_xla`. Tests:
+``tests/test_pallas_tpu_elementwise.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -49,33 +46,14 @@ _LANES = (1024, 512, 256, 128)
 MAX_UNALIGNED_LANES = 32768
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The kernel's launch parameter: elements per block (of each array); the wrapper's
-    ``block_rows`` is ``block_elements // lanes`` rounded down to the sublane tile
-    (:func:`block_rows_for`)."""
-
-    block_elements: int
-
-
-# The defaults per TPU generation (``jax.Device.device_kind``, :data:`_common.GENERATIONS`;
-# "default" serves any other kind and the interpreter), sized against each generation's
-# default scoped VMEM (:data:`_common.SCOPED_VMEM_MIB`: 16 MiB on v4/v5e, 32 MiB on
-# v5p/v6e). Untuned, pending measurements on TPU hardware.
-TUNED: Mapping[str, Mapping[str, int]] = {
-    "TPU v4": dict(block_elements=256 * 1024),
-    "TPU v5 lite": dict(block_elements=256 * 1024),
-    "TPU v5": dict(block_elements=512 * 1024),
-    "TPU v5p": dict(block_elements=512 * 1024),
-    "TPU v6 lite": dict(block_elements=512 * 1024),
-    "default": dict(block_elements=256 * 1024),
-}
-
-
-def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> Config:
-    """The tuned launch parameter on ``device_kind`` (the same for any arguments)."""
-    del args
-    return Config(**_common.tuned(TUNED, device_kind))
+# The launch parameter, elements per block (rows per block: :func:`block_rows_for`), and its
+# defaults per TPU generation (:func:`_common.per_generation`), untuned, pending
+# measurements on TPU hardware.
+Config = _common.BlockConfig
+TUNED: Mapping[str, Mapping[str, int]] = _common.per_generation(
+    v4_v5e=dict(block_elements=256 * 1024), v5p=dict(block_elements=512 * 1024),
+    v6e=dict(block_elements=512 * 1024), default=dict(block_elements=256 * 1024))
+default_config = _common.block_config(TUNED)
 
 
 def layout(shape) -> tuple[int, int]:
@@ -87,9 +65,8 @@ def layout(shape) -> tuple[int, int]:
 
 def block_rows_for(rows: int, lanes: int, dtype, device_kind: str | None = None) -> int:
     """Rows per block: a multiple of the sublane tile, or ``rows`` when that is smaller."""
-    config = default_config({}, device_kind)
-    tile = _common.sublane_tile(dtype)
-    block_rows = max(tile, config.block_elements // max(lanes, 1) // tile * tile)
+    block_rows = _common.block_rows(default_config({}, device_kind).block_elements,
+                                    max(lanes, 1), dtype)
     return rows if rows <= block_rows else block_rows
 
 

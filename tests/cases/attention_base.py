@@ -47,6 +47,29 @@ class AttentionCase:
         return q, k, v, mask
 
 
+def one_kv_head(heads: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A model's ``(q_heads, kv_heads, head_dim)`` cut to one kv head: its GQA group, 1 and
+    its head_dim (programs of different kv heads share nothing but the grid)."""
+    return heads[0] // heads[1], 1, heads[2]
+
+
+def mosaic_nan_unseen_cases(smollm2_heads, llama3_heads) -> dict[str, AttentionCase]:
+    """The cases every Mosaic GPU flash kernel runs first, NaN / +inf in every slot no
+    query sees: SmolLM2's group with every option, and Llama 3's with lengths and explicit
+    positions where query 0 sees no key (exact zeros) and query 2 all 66 valid keys."""
+    bf16, f16 = jnp.bfloat16, jnp.float16
+    return {
+        "smollm2-everything-nan_unseen": AttentionCase(
+            (1, 5, 150, *one_kv_head(smollm2_heads)), bf16,
+            dict(kv_lengths=np.array([141]), sliding_window=40, logits_soft_cap=5.0,
+                 q_positions=np.array([[60, 61, 100, 139, 140]])), poison=True, seed=1),
+        "llama3-kv_lengths-positions-nan_unseen": AttentionCase(
+            (1, 3, 70, *one_kv_head(llama3_heads)), f16,
+            dict(kv_lengths=np.array([66]), q_positions=np.array([[-1, 20, 65]])),
+            poison=True, seed=2),
+    }
+
+
 class AttentionCases(ImplementationCases):
     """``fj.attention`` through ``IMPLEMENTATION`` against the float64 reference
     (:func:`cases.references.attention_ref`) and the XLA implementation.

@@ -17,6 +17,21 @@ from cases.calls import jcall
 from cases.checks import assert_close, assert_rms_norm_close, assert_rope_close
 from cases.inputs import normal, rms_norm_inputs, rng, rope_inputs, silu_mul_inputs
 from cases.references import f64, silu_mul_ref
+from forge_jax import _compat
+
+
+def unwritten_output(shape, interpret):
+    """The output of a Pallas kernel that writes nothing of it, ``shape`` float32, run in
+    the interpreter ``interpret`` (``True``, or its parameters): the premise of the
+    finiteness checks is that it reads NaN."""
+    pl = _compat.pallas()
+
+    def writes_nothing(x_ref, o_ref):
+        del x_ref, o_ref
+
+    return np.asarray(pl.pallas_call(writes_nothing,
+                                     out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
+                                     interpret=interpret)(jnp.ones(shape)))
 
 
 class RmsNormCases(ImplementationCases):

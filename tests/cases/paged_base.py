@@ -17,6 +17,22 @@ from cases.paged import default_positions, paged_cache
 from cases.references import attention_mask_ref, attention_ref, f64
 
 
+def nan_pools_under(tables, lengths, *, num_pages: int, page: int, max_pages: int, gen,
+                    kv_heads: int = 2, head_dim: int = 64):
+    """bfloat16 pools ``[kv_heads, num_pages, page, head_dim]``, NaN but in the slots a valid
+    entry of ``tables`` names for the first ``lengths`` tokens (at most ``max_pages``
+    pages) of each sequence: random there (from ``gen``). The index contract's cases: an
+    entry outside the pool, or a token past the table, reads nothing."""
+    k = np.full((kv_heads, num_pages, page, head_dim), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    for b, row in enumerate(tables):
+        for pos in range(min(lengths[b], max_pages * page)):
+            if 0 <= row[pos // page] < num_pages:
+                k[:, row[pos // page], pos % page], v[:, row[pos // page], pos % page] = \
+                    gen.standard_normal((2, kv_heads, head_dim))
+    return jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedCase:
     """One call of ``fj.paged_attention`` on a random paged cache

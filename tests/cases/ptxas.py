@@ -4,7 +4,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +18,34 @@ from forge_jax.pallas_kernels.gpu import _mosaic
 # The deviceless H100 compile needs the CUDA 12 wheels (the ``aot`` extra).
 NEEDS_H100 = pytest.mark.skipif(fj.targets.missing("h100") is not None,
                                 reason=str(fj.targets.missing("h100")))
+
+
+def compile_in_subprocess(script: str, cases, target: str, dump_dir) -> dict:
+    """Runs ``script`` (Python source: it reads ``cases`` as JSON from ``sys.argv[1]`` and
+    prints ``RESULT`` and its JSON findings) in a fresh CPU process whose Mosaic GPU compiles
+    dump their PTX and ptxas' report into ``dump_dir``, and returns the findings; skips
+    without the CUDA plugin ``target``'s deviceless compile needs."""
+    missing = fj.targets.missing(target)
+    if missing is not None:
+        pytest.skip(missing)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(dump_dir),
+               MOSAIC_GPU_DUMP_PTXAS="1")
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(cases)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, run.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
+def compile_rows(script: str, cases: dict) -> dict[str, dict]:
+    """Runs ``script`` (Python source that compiles ``cases`` and prints one JSON row per
+    case, with its ``name``) in a fresh process; returns the rows by name, one per case."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}
+    assert sorted(rows) == sorted(cases), done.stdout
+    return rows
 
 
 def compile_h100(fn, *args, **kwargs):
