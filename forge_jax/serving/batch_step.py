@@ -147,12 +147,13 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
                                           logits_at=batch["last_rows"][None])
     next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy)  # [s]
     next_tokens = jnp.zeros_like(last_tokens).at[:next_tokens.shape[0]].set(next_tokens)
-    k_pages, v_pages = packed.k_pages, packed.v_pages
+    cache = packed.into_pool(cache)
     if model.mesh is not None:  # kept in their shards: the next step takes them donated
-        pool = pool_sharding(model.mesh, k_pages[0].shape[0])
-        k_pages, v_pages = jax.lax.with_sharding_constraint((k_pages, v_pages), pool)
+        pool = pool_sharding(model.mesh, cache.kv_heads)
+        k_pages, v_pages = jax.lax.with_sharding_constraint((cache.k_pages, cache.v_pages), pool)
+        cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
         next_tokens = jax.lax.with_sharding_constraint(next_tokens, model.mesh.replicated())
-    return next_tokens, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+    return next_tokens, cache
 
 
 def pool_sharding(mesh, kv_heads: int):
