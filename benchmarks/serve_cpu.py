@@ -133,10 +133,10 @@ def main() -> None:
     engines = {}
     for caching, c, overlap in rows:  # every variant compiled before the first timed round
         pages = c * -(-max_len // 16) + 64
-        engine = serving.Engine(model, None, max_batch_tokens=args.max_batch_tokens,
-                                max_seqs=max(args.concurrency), num_pages=pages,
-                                max_model_len=max_len, prefix_caching=caching,
-                                eos_token_ids=(), overlap=overlap).start()
+        engine = serving.Engine(model, None, serving.EngineConfig(
+            max_batch_tokens=args.max_batch_tokens, max_seqs=max(args.concurrency),
+            num_pages=pages, max_model_len=max_len, prefix_caching=caching, eos_token_ids=(),
+            overlap=overlap)).start()
         burst(engine, prompts_for(c, args, vocab, 1), args.new_tokens)
         engines[caching, c, overlap] = engine
     load = os.getloadavg()

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.kv_cache import KVCache
 from forge_jax.models.llama_config import (  # noqa: F401  (LlamaConfig: API here too)
     SUPPORTED_ARCHITECTURES,
     LlamaConfig,
@@ -457,8 +458,9 @@ class Llama(nnx.Module):
         hidden, _ = self._decoder(tokens, positions, attend, None)
         return self._logits(hidden)
 
-    def forward_cached(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array, cache,
-                       *, logits_at: jax.Array | None = None, empty_cache: bool = False):
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
+                       cache: KVCache, *, logits_at: jax.Array | None = None,
+                       empty_cache: bool = False) -> tuple[jax.Array, KVCache]:
         """Forward over new tokens that attend to themselves and to a KV cache.
 
         Each layer writes the new keys/values into ``cache`` at ``positions`` (padding,
@@ -472,8 +474,10 @@ class Llama(nnx.Module):
           positions: int32 ``[batch, t]``, absolute positions (contiguous per sequence,
             continuing the cache: the first new position of ``b`` is ``cache.lengths[b]``).
           valid: bool ``[batch, t]``; False marks padding.
-          cache: a ``forge_jax.kv_cache.ContiguousKVCache`` or ``PagedKVCache`` with
-            ``num_hidden_layers`` layers.
+          cache: a :class:`forge_jax.kv_cache.KVCache` with ``num_hidden_layers`` layers
+            (``ContiguousKVCache``, ``PagedKVCache``, or the serving step's
+            ``RaggedBatchCache``, whose one packed row holds many sequences); only the
+            contract's members are called.
           logits_at: optional int32 ``[batch]``: compute logits only at these indices
             of the ``t`` axis (e.g. each prompt's last token), saving the vocabulary
             projection of the others.
@@ -496,7 +500,7 @@ class Llama(nnx.Module):
             cache.lengths.astype(jnp.int32),
             jnp.max(jnp.where(valid, positions.astype(jnp.int32) + 1, 0), axis=1))
 
-        def attend(i, q, k, v, cache, rows=None, **kw):
+        def attend(i, q, k, v, cache: KVCache, rows=None, **kw):
             cache = cache.write(i, k, v, positions, valid)
             q_positions = positions if rows is None else _take_rows(positions, rows)
             if empty_cache:

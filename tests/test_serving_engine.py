@@ -9,6 +9,8 @@ import threading
 import pytest
 from cases import serving as cases
 
+from forge_jax.generation import SamplingParams
+from forge_jax.kv_cache import CacheSpec
 from forge_jax.serving import batch_step as serving_step
 from forge_jax.serving import engine as serving
 
@@ -156,13 +158,14 @@ def test_per_request_sampling_is_seeded_and_mixes_with_greedy(chat_model, chat_t
                                                               prompts, reference):
     # 8 tokens per step: one row bucket, so the sampling step compiles once.
     engine = cases.engine(chat_model, chat_tokenizer, max_batch_tokens=8)
-    sampled = serving.RequestParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95,
-                                    min_p=0.01, repetition_penalty=1.2, seed=7,
-                                    ignore_eos=True)
+    sampled = serving.RequestParams(
+        max_tokens=12, sampling=SamplingParams(temperature=0.9, top_k=40, top_p=0.95,
+                                               min_p=0.01, repetition_penalty=1.2),
+        seed=7, ignore_eos=True)
     greedy = serving.RequestParams(max_tokens=24)
     a = _run(engine, [prompts[2], prompts[0]], [sampled, greedy])
     b = _run(engine, [prompts[2], prompts[0]], [sampled, serving.RequestParams(
-        max_tokens=12, seed=1, temperature=1.5, ignore_eos=True)])
+        max_tokens=12, seed=1, sampling=SamplingParams(temperature=1.5), ignore_eos=True)])
     assert a[0][0] == b[0][0] and len(a[0][0]) == 12  # the same seed, the same tokens
     assert a[1][0] == reference[0]  # a greedy row beside sampled ones is still greedy
     assert {k[0] for k in engine.stats.compiled} == {8}
@@ -191,7 +194,9 @@ def test_refusals_name_the_numbers(chat_model, chat_tokenizer):
     with pytest.raises(serving.RequestRefused, match="outside the vocabulary"):
         engine.submit([10**6], serving.RequestParams())
     with pytest.raises(ValueError, match="top_p"):
-        serving.RequestParams(top_p=1.5)
+        serving.RequestParams(sampling=SamplingParams(top_p=1.5))
+    with pytest.raises(TypeError, match="sampling must be a forge_jax.generation"):
+        serving.RequestParams(sampling=dict(top_p=0.5))
     engine.max_waiting = 0
     with pytest.raises(serving.QueueFull, match="max_waiting=0"):
         engine.submit([5], serving.RequestParams())
@@ -223,12 +228,13 @@ def test_a_sharded_model_serves_the_same_tokens():
     prompts = [tokenizer.encode(p) for p in ["99+1=", "505+816=", "123+459="]]
     want = llama.generate(llama.from_pretrained(TINY_DIR), prompts, 6, eos_token_id=())
     model = llama.from_pretrained(TINY_DIR, mesh=sharding.make_mesh("tp=2"))
-    engine = serving.Engine(model, tokenizer, max_batch_tokens=32, min_batch_tokens=8,
-                            num_pages=32, page_size=8, eos_token_ids=())
-    assert engine.k_pages[0].sharding.spec[0] == "tp"  # the pool split by KV head
+    engine = serving.Engine(model, tokenizer, serving.EngineConfig(
+        max_batch_tokens=32, min_batch_tokens=8, num_pages=32, eos_token_ids=(),
+        cache=CacheSpec(page_size=8)))
+    assert engine.cache.k_pages[0].sharding.spec[0] == "tp"  # the pool split by KV head
     results = _run(engine, prompts, [serving.RequestParams(max_tokens=6)] * 3)
     assert [ids for ids, _, _ in results] == want
-    assert engine.k_pages[0].sharding.spec[0] == "tp"
+    assert engine.cache.k_pages[0].sharding.spec[0] == "tp"
 
 
 def test_an_int8_model_serves_its_own_greedy_tokens(chat_checkpoint, chat_tokenizer, prompts):
@@ -252,7 +258,7 @@ def test_a_bfloat16_model_serves_its_own_greedy_tokens(chat_checkpoint, chat_tok
     model = llama.from_pretrained(chat_checkpoint, dtype=jnp.bfloat16)
     want = cases.greedy(model, chat_tokenizer, prompts[:4], 12)
     engine = cases.engine(model, chat_tokenizer)
-    assert engine.k_pages[0].dtype == jnp.bfloat16
+    assert engine.cache.k_pages[0].dtype == jnp.bfloat16
     results = _run(engine, prompts[:4], [serving.RequestParams(max_tokens=12)] * 4)
     assert [ids for ids, _, _ in results] == want
 
@@ -312,8 +318,10 @@ def test_overlapped_steps_give_the_tokens_of_unoverlapped_ones(chat_model, chat_
     # repetition penalty just before the model would repeat its last token (a token fed
     # from the device counts as seen), and cancellations mid-prefill and mid-decode.
     greedy = serving.RequestParams(max_tokens=24)
-    sampled = serving.RequestParams(max_tokens=16, temperature=0.9, top_k=40,
-                                    repetition_penalty=1.3, seed=3, ignore_eos=True)
+    sampled = serving.RequestParams(
+        max_tokens=16, sampling=SamplingParams(temperature=0.9, top_k=40,
+                                               repetition_penalty=1.3),
+        seed=3, ignore_eos=True)
     stop_id = reference[2][2]
     k, j = next((k, j) for k, r in enumerate(reference) for j in range(len(r) - 1)
                 if r[j] == r[j + 1])
@@ -322,7 +330,8 @@ def test_overlapped_steps_give_the_tokens_of_unoverlapped_ones(chat_model, chat_
     plan = {0: [(prompts[0], greedy), (prompts[1], sampled),
                 (prompts[2], serving.RequestParams(max_tokens=24, stop_token_ids=(stop_id,)))],
             2: [(prompts[3], greedy), (prompts[4], greedy)],
-            1: [(repeat, serving.RequestParams(max_tokens=3, repetition_penalty=1e3))],
+            1: [(repeat, serving.RequestParams(
+                max_tokens=3, sampling=SamplingParams(repetition_penalty=1e3)))],
             3: [4], 6: [(prompts[5], serving.RequestParams(max_tokens=8))], 9: [5]}
     sync = cases.engine(chat_model, chat_tokenizer, overlap=False)
     want = _drive(sync, plan)

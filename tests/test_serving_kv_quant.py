@@ -1,16 +1,19 @@
-"""The serving engine with a quantized KV cache (``Engine(kv_cache_dtype="int8")``, ``forge-jax
-serve --kv-cache-dtype``): its pages are int8 with a float32 scale per token and KV head,
-and its greedy tokens equal ``llama.generate``'s with the same ``kv_cache_dtype`` for
-concurrent requests of different lengths, chunked prefill and a prefix read from the
-prefix cache's quantized pages."""
+"""The serving engine with a quantized KV cache (``EngineConfig(cache=CacheSpec(
+kv_dtype="int8"))``, ``forge-jax serve --kv-cache-dtype``): its pages are int8 with a float32
+scale per token and KV head, and its greedy tokens equal ``llama.generate``'s with the same
+``kv_cache_dtype`` for concurrent requests of different lengths, chunked prefill and a prefix
+read from the prefix cache's quantized pages."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import pytest
 from cases import serving as cases
 
 import forge_jax as fj
+from forge_jax.kv_cache import CacheSpec
 from forge_jax.models import llama
 from forge_jax.serving import engine as serving
 from forge_jax.text import api as text
@@ -35,8 +38,9 @@ def test_int8_kv_cache_serves_generates_tokens(chat_model, chat_tokenizer):
     shared = [system + chat_tokenizer.encode(t, add_special_tokens=False) for t in TEXTS[:2]]
     want = llama.generate(chat_model, prompts + shared, 10, eos_token_id=eos,
                           kv_cache_dtype="int8")
-    engine = cases.engine(chat_model, chat_tokenizer, kv_cache_dtype="int8")
-    pool = engine.k_pages[0]
+    engine = cases.engine(chat_model, chat_tokenizer,
+                          cache=dataclasses.replace(cases.PAGES, kv_dtype="int8"))
+    pool = engine.cache.k_pages[0]
     assert isinstance(pool, fj.QuantizedArray) and pool.format == "int8"
     assert pool.values.dtype == jnp.int8 and pool.scales.shape == pool.shape[:-1] + (1,)
     # The first shared-prefix request alone, then the others together: the second reads
@@ -49,8 +53,8 @@ def test_int8_kv_cache_serves_generates_tokens(chat_model, chat_tokenizer):
 
 
 def test_a_bad_kv_cache_dtype_is_refused(chat_model):
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be 'int8' or 'fp8'.*'int4'"):
-        serving.Engine(chat_model, kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"kv_dtype must be 'int8' or 'fp8'.*'int4'"):
+        serving.EngineConfig(cache=CacheSpec(kv_dtype="int4"))
 
 
 def test_serve_flag(capsys, monkeypatch, chat_checkpoint, chat_model):
@@ -74,4 +78,4 @@ def test_serve_flag(capsys, monkeypatch, chat_checkpoint, chat_model):
                      "--kv-cache-dtype", "fp8")
     assert rc == 0 and "fp8 KV cache" in err, err
     [engine] = engines
-    assert engine.kv_cache_dtype == "fp8" and engine.k_pages[0].format == "fp8"
+    assert engine.kv_cache_dtype == "fp8" and engine.cache.k_pages[0].format == "fp8"

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
+    from forge_jax.kv_cache import CacheSpec
     from forge_jax.models import llama
     from forge_jax.serving import engine as serving
     from forge_jax.serving import http as serving_http
@@ -95,11 +96,11 @@ def run(args: argparse.Namespace) -> int:
     with _compilation_cache.compilation_cache(args):
         model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh, **quantize)
         eos = text.eos_ids(model, tokenizer, tokenizer.generation_config) if tokenizer else None
-        engine = serving.Engine(
-            model, tokenizer, max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
-            num_pages=args.max_pages, page_size=args.page_size, max_model_len=max_len,
-            max_waiting=args.max_waiting, prefix_caching=args.prefix_caching,
-            eos_token_ids=eos, kv_cache_dtype=args.kv_cache_dtype)
+        engine = serving.Engine(model, tokenizer, serving.EngineConfig(
+            max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+            num_pages=args.max_pages, max_model_len=max_len, max_waiting=args.max_waiting,
+            prefix_caching=args.prefix_caching, eos_token_ids=eos,
+            cache=CacheSpec(page_size=args.page_size, kv_dtype=args.kv_cache_dtype)))
         name = args.model_name or args.checkpoint
         app = serving_http.create_app(engine, model_name=name, tokenizer=tokenizer,
                                       default_max_tokens=args.max_tokens)

@@ -1,13 +1,17 @@
-"""KV caches for decoding: a contiguous cache, a paged cache, and the host-side block manager.
+"""KV caches for decoding: one contract, three caches, and the host-side block manager.
 
-Device side, two pytrees with the same interface, so a model is written once
-(``cache.write(layer, ...)``, ``cache.attend(layer, ...)``, ``cache.with_lengths(...)``):
+Device side, pytrees implementing one contract, :class:`KVCache`
+(:mod:`forge_jax.kv_cache.contract`: ``lengths``, ``write``, ``attend``, ``as_stored``,
+``with_lengths``), so a model is written once:
 
 * :class:`ContiguousKVCache`: one ``[batch, max_len, kv_heads, head_dim]`` buffer per
   layer for K and for V; the simple choice for a fixed batch (a notebook, a benchmark).
 * :class:`PagedKVCache`: per layer one pool of pages ``[kv_heads, num_pages, page_size,
   head_dim]`` shared by all sequences, plus ``block_tables`` naming each sequence's
-  pages; the choice of a server with many sequences of different lengths.
+  pages; the choice of a server with many sequences of different lengths. Whether its
+  pools are stored folded is :func:`stores_folded`'s decision, from its spec and the platform.
+* :class:`RaggedBatchCache`: a paged cache's pools seen through one packed row of many
+  sequences, laid out by a :class:`RaggedMetadata` (the serving engine's step).
 
 Both may be quantized (``create(..., quantize="int8")`` or ``"fp8"``): each layer's K and V
 are then int8/fp8 ``QuantizedArray`` buffers with a float32 scale per token and KV head
@@ -51,10 +55,12 @@ copy-on-write, and freeing. A decode loop with a paged cache (one layer shown)::
 
 from forge_jax.kv_cache.block_manager import BlockManager, CacheFullError, CacheUsage
 from forge_jax.kv_cache.contiguous import ContiguousKVCache
-from forge_jax.kv_cache.paged import PagedKVCache
+from forge_jax.kv_cache.contract import KVCache
+from forge_jax.kv_cache.paged import PagedKVCache, stores_folded
+from forge_jax.kv_cache.ragged import RaggedBatchCache, RaggedMetadata
 from forge_jax.kv_cache.spec import CacheSpec
 
 __all__ = [
-    "BlockManager", "CacheFullError", "CacheSpec", "CacheUsage", "ContiguousKVCache",
-    "PagedKVCache",
+    "BlockManager", "CacheFullError", "CacheSpec", "CacheUsage", "ContiguousKVCache", "KVCache",
+    "PagedKVCache", "RaggedBatchCache", "RaggedMetadata", "stores_folded",
 ]

@@ -8,8 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from forge_jax import _checks, dispatch, targets
+from forge_jax import _checks, targets
 from forge_jax.kv_cache import _base
+from forge_jax.kv_cache.spec import CacheSpec
 from forge_jax.ops import kv_fold
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_write
 
@@ -52,9 +53,9 @@ class PagedKVCache(_base.KVCacheBase):
         ``"fp8"`` for quantized pools with a scale per token and KV head, standing for
         ``dtype`` (:mod:`forge_jax.ops.kv_quant`); None for float pools of ``dtype``.
         ``fold``: store the pools folded, whole 128-lane rows of ``128 // head_dim`` tokens
-        (:mod:`forge_jax.ops.kv_fold`); None (the default) folds only where the
-        implementation of ``paged_attention`` dispatch would choose here reads folded pools
-        in place (the TPU kernel, for head_dim 64 say): never on CPU or GPU.
+        (:mod:`forge_jax.ops.kv_fold`); None (the default) decides by :func:`stores_folded`
+        from the cache's spec and the platform: on TPU where the TPU kernel reads such
+        pools, never on CPU or GPU.
         """
         num_layers, shape, dtype = _base.geometry(num_layers, dict(
             kv_heads=kv_heads, num_pages=num_pages, page_size=page_size, head_dim=head_dim),
@@ -64,7 +65,8 @@ class PagedKVCache(_base.KVCacheBase):
         lengths = (jnp.zeros((batch,), jnp.int32) if lengths is None
                    else _base.lengths_array("lengths", lengths, batch))
         if fold is None:
-            fold = _folds_here(shape, dtype, quantize)
+            spec = CacheSpec(kind="paged", page_size=shape[2], dtype=dtype, kv_dtype=quantize)
+            fold = stores_folded(spec, head_dim=shape[3])
         elif fold:
             _check_fold(shape, quantize)
         if fold:
@@ -186,26 +188,26 @@ def _check_fold(shape, quantize) -> None:
                          f"of 128 // head_dim, got {head_dim=}, {page_size=}")
 
 
-def _folds_here(shape, dtype, quantize) -> bool:
-    """Whether a pool of ``shape`` is stored folded by default: on TPU (the platform or
-    target), float, foldable, and only where the ``paged_attention`` implementation dispatch
-    would choose for it reads folded pools (anything but XLA, which reads them through a
-    reshape)."""
-    kv_heads, num_pages, page_size, head_dim = shape
-    fold = kv_fold.fold_factor(head_dim, page_size)
-    if quantize is not None or fold == 1 or targets.platform() != "tpu":
-        return False
-    s = jax.ShapeDtypeStruct
-    pool = kv_fold.FoldedPages(s((kv_heads, num_pages, page_size // fold, fold * head_dim),
-                                 dtype), head_dim)
-    args = (s((1, kv_heads, head_dim), dtype), pool, pool, s((1, 1), jnp.int32),
-            s((1,), jnp.int32))
-    try:
-        chosen = dispatch.select("paged_attention", dispatch.bind("paged_attention", *args),
-                                 platform="tpu")
-    except dispatch.ImplementationError:
-        return False
-    return chosen.implementation != "xla"
+def stores_folded(spec: CacheSpec, *, head_dim: int, platform: str | None = None) -> bool:
+    """Whether a paged cache of ``spec`` with heads of ``head_dim`` stores its pools folded
+    by default (:mod:`forge_jax.ops.kv_fold`), on ``platform`` (None: the current target's
+    or JAX's, :func:`forge_jax.targets.platform`).
+
+    Folded exactly when all hold: the platform is TPU (elsewhere XLA's layout of a narrow
+    pool needs no folding); the values are float32 or bfloat16 (``spec.kv_dtype`` None:
+    quantized pools are never folded, and the TPU kernel reads no float16); ``head_dim``
+    divides 128 and is less, and ``spec.page_size`` is a multiple of ``fold = 128 //
+    head_dim`` (:func:`forge_jax.ops.kv_fold.fold_factor`) giving a multiple of 8 stored rows
+    per page (what the TPU paged kernel reads in place). Every implementation takes a folded
+    pool (XLA's through a reshape), so the choice is a layout, never a correctness, one.
+    ``spec.dtype`` None stands for float32.
+    """
+    platform = targets.platform() if platform is None else platform
+    dtype = jnp.dtype(jnp.float32 if spec.dtype is None else spec.dtype)
+    fold = kv_fold.fold_factor(_checks.positive_int("head_dim", head_dim), spec.page_size)
+    return (platform == "tpu" and spec.kv_dtype is None and fold > 1
+            and dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+            and (spec.page_size // fold) % 8 == 0)
 
 
 def _block_tables(block_tables) -> jax.Array:

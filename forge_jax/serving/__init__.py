@@ -7,6 +7,7 @@ The runtime's top package: it may import the kernel library, :mod:`forge_jax.mod
 :mod:`forge_jax.generation` and :mod:`forge_jax.text`, never the CLI.
 """
 
+from forge_jax.serving.config import EngineConfig
 from forge_jax.serving.engine import Engine
 from forge_jax.serving.requests import (
     FINISH_REASONS,
@@ -18,5 +19,5 @@ from forge_jax.serving.requests import (
     RequestStream,
 )
 
-__all__ = ["FINISH_REASONS", "Engine", "EngineStats", "Output", "QueueFull", "RequestParams",
-           "RequestRefused", "RequestStream"]
+__all__ = ["FINISH_REASONS", "Engine", "EngineConfig", "EngineStats", "Output", "QueueFull",
+           "RequestParams", "RequestRefused", "RequestStream"]

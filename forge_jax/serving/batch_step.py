@@ -19,66 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import forge_jax as fj
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation.steps import Static
-from forge_jax.kv_cache import BlockManager
+from forge_jax.kv_cache import BlockManager, PagedKVCache, RaggedBatchCache, RaggedMetadata
 from forge_jax.serving.requests import Request
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class RaggedBatchCache:
-    """The KV cache a model's ``forward_cached`` sees during a serving step: the page pools
-    and one packed row ``[1, tokens]`` whose sequences ``cu_q_lens`` delimits.
-
-    It speaks the cache protocol the models use (``write``, ``attend``, ``lengths``,
-    ``with_lengths``); ``write`` puts token ``t`` at ``slots[t]`` (``-1``: padding, skipped)
-    and ``attend`` is one ragged paged attention over all sequences.
-
-    Attributes:
-      k_pages, v_pages: per layer ``[kv_heads, num_pages, page_size, head_dim]``.
-      block_tables: int32 ``[max_seqs, pages_per_seq]``.
-      kv_lengths: int32 ``[max_seqs]``, tokens in the cache after this step, per sequence.
-      cu_q_lens: int32 ``[max_seqs + 1]``, the sequences' rows of the packed row.
-      num_seqs: int32 scalar.
-      slots: int32 ``[tokens]``.
-      lengths: int32 ``[1]``, unused (the protocol's per-row length).
-    """
-
-    k_pages: tuple[jax.Array, ...]
-    v_pages: tuple[jax.Array, ...]
-    block_tables: jax.Array
-    kv_lengths: jax.Array
-    cu_q_lens: jax.Array
-    num_seqs: jax.Array
-    slots: jax.Array
-    lengths: jax.Array
-
-    def write(self, layer: int, k, v, positions, valid) -> RaggedBatchCache:
-        """Writes ``k``, ``v`` ``[1, tokens, kv_heads, head_dim]`` at ``slots``."""
-        del positions, valid  # the slots say where (and -1 for padding)
-        new_k, new_v = fj.paged_write(self.k_pages[layer], self.v_pages[layer], k[0], v[0],
-                                      self.slots)
-        return dataclasses.replace(
-            self, k_pages=self.k_pages[:layer] + (new_k,) + self.k_pages[layer + 1:],
-            v_pages=self.v_pages[:layer] + (new_v,) + self.v_pages[layer + 1:])
-
-    def attend(self, layer: int, q, *, q_positions=None, kv_lengths=None, scale=None,
-               sliding_window=None, logits_soft_cap=None, implementation=None):
-        """``q`` ``[1, tokens, q_heads, head_dim]`` over the pages: each sequence's rows see
-        its own cache causally (:func:`forge_jax.ragged_paged_attention`)."""
-        del q_positions, kv_lengths  # the ragged layout carries both
-        out = fj.ragged_paged_attention(
-            q[0], self.k_pages[layer], self.v_pages[layer], self.block_tables,
-            self.kv_lengths, self.cu_q_lens, self.num_seqs, scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            implementation=implementation)
-        return out[None]
-
-    def with_lengths(self, lengths) -> RaggedBatchCache:
-        del lengths  # kv_lengths are the host's
-        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +30,9 @@ class StepBatch:
     """One step's host-built inputs (NumPy).
 
     Attributes:
-      tokens, positions, slots: int32 ``[tokens]`` (padding: token 0, position 0, slot -1).
+      tokens, positions, slots: int32 ``[tokens]`` (padding: token 0, position 0, slot -1;
+        the device reads ``slots >= 0`` as the rows to write and derives each row's slot
+        from its position and block table, :class:`~forge_jax.kv_cache.RaggedBatchCache`).
       block_tables: int32 ``[max_seqs, pages_per_seq]``.
       kv_lengths: int32 ``[max_seqs]``.
       cu_q_lens: int32 ``[max_seqs + 1]``.
@@ -150,17 +96,18 @@ def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "greedy",
                                              "implementation_key"),
-                   donate_argnames=("k_pages", "v_pages"))
-def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, seen,
+                   donate_argnames=("cache",))
+def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict, seen,
                 last_tokens, *, graphdef: nnx.GraphDef | Static, weights_def, greedy: bool,
                 implementation_key=None):
     """Writes and attends one packed batch, samples one token per sequence (jitted; the
-    pages are donated: use the returned ones).
+    cache is donated: use the returned one).
 
     Args:
       weights: the model's weights as a flat list, ``jax.tree.flatten(nnx.split(model)[1])``
         (a list flattens faster at each dispatch than the state).
-      k_pages, v_pages: per layer ``[kv_heads, num_pages, page_size, head_dim]``.
+      cache: the engine's page pools (its own block tables and lengths are not read: the
+        step's come in ``batch``, as a :class:`~forge_jax.kv_cache.RaggedMetadata`).
       batch: :class:`StepBatch`'s arrays ``tokens``, ``positions``, ``slots``,
         ``block_tables``, ``kv_lengths``, ``cu_q_lens``, ``num_seqs`` and ``last_rows``.
       sampling, seen: as :class:`StepBatch` describes (``seen`` None when ``greedy`` or
@@ -176,7 +123,7 @@ def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, se
         (``fj.dispatch.current_preference()``), so that a preference change recompiles.
 
     Returns:
-      ``(tokens, k_pages, v_pages)``: int32 ``[max_seqs]`` (``last_tokens``' shape), the
+      ``(tokens, cache)``: int32 ``[max_seqs]`` (``last_tokens``' shape), the
       token drawn after each sequence's last row (meaningful for the rows that end their
       sequence's known tokens; zeros past the step's sequences).
     """
@@ -190,22 +137,23 @@ def ragged_step(weights: list, k_pages, v_pages, batch: dict, sampling: dict, se
         first = jnp.minimum(batch["cu_q_lens"][:-1], fed.shape[0] - 1)  # [seqs]
         was_fed = (feed[first] >= 0) & (seqs < batch["num_seqs"])
         seen = seen.at[seqs, fed[first]].set(seen[seqs, fed[first]] | was_fed)
-    cache = RaggedBatchCache(
-        k_pages=tuple(k_pages), v_pages=tuple(v_pages), block_tables=batch["block_tables"],
-        kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
-        num_seqs=batch["num_seqs"], slots=batch["slots"], lengths=jnp.zeros((1,), jnp.int32))
+    metadata = RaggedMetadata(block_tables=batch["block_tables"],
+                              kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
+                              num_seqs=batch["num_seqs"])
     tokens = fed[None]  # [1, tokens]: one packed row
-    logits, cache = model.forward_cached(tokens, batch["positions"][None],
-                                         batch["slots"][None] >= 0, cache,
-                                         logits_at=batch["last_rows"][None])
+    logits, packed = model.forward_cached(tokens, batch["positions"][None],
+                                          batch["slots"][None] >= 0,
+                                          RaggedBatchCache.from_pool(cache, metadata),
+                                          logits_at=batch["last_rows"][None])
     next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy)  # [s]
     next_tokens = jnp.zeros_like(last_tokens).at[:next_tokens.shape[0]].set(next_tokens)
-    k_pages, v_pages = cache.k_pages, cache.v_pages
+    cache = packed.into_pool(cache)
     if model.mesh is not None:  # kept in their shards: the next step takes them donated
-        pool = pool_sharding(model.mesh, k_pages[0].shape[0])
-        k_pages, v_pages = jax.lax.with_sharding_constraint((k_pages, v_pages), pool)
+        pool = pool_sharding(model.mesh, cache.kv_heads)
+        k_pages, v_pages = jax.lax.with_sharding_constraint((cache.k_pages, cache.v_pages), pool)
+        cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
         next_tokens = jax.lax.with_sharding_constraint(next_tokens, model.mesh.replicated())
-    return next_tokens, k_pages, v_pages
+    return next_tokens, cache
 
 
 def pool_sharding(mesh, kv_heads: int):
@@ -271,7 +219,7 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
                     repetition_penalty=np.ones((s,), np.float32),
                     seed=np.zeros((s,), np.uint32), step=np.zeros((s,), np.int32))
     greedy = all(r.params.greedy for r, _ in scheduled)
-    penalty = any(r.params.repetition_penalty not in (None, 1.0) for r, _ in scheduled)
+    penalty = any(r.params.sampling.repetition_penalty not in (None, 1.0) for r, _ in scheduled)
     seen = np.zeros((s, vocab_size), bool) if penalty else None
     feed = np.full((rows,), -1, np.int32)
     at = 0
@@ -285,7 +233,7 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
         slots[at:at + n] = manager.slots(r.id, start, start + n)
         at += n
         cu[i + 1], kv[i], last[i] = at, start + n, at - 1
-        p = r.params
+        p = r.params.sampling
         sampling["temperature"][i] = p.temperature
         sampling["top_k"][i] = p.top_k or 0
         sampling["top_p"][i] = 1.0 if p.top_p is None else p.top_p

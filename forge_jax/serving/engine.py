@@ -9,15 +9,17 @@ the decode token of each running request and chunks of waiting prompts into one
 (:func:`forge_jax.serving.batch_step.ragged_step`, jitted for a few bucketed shapes,
 pages donated)::
 
-    engine = Engine(model, tokenizer, max_batch_tokens=512, num_pages=512)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_tokens=512, num_pages=512))
     engine.start()                                   # the step loop, in a thread
-    stream = engine.submit(prompt_ids, RequestParams(max_tokens=32, temperature=0.7))
+    stream = engine.submit(prompt_ids, RequestParams(
+        max_tokens=32, sampling=SamplingParams(temperature=0.7)))
     for out in stream:                               # or: async for out in stream
         print(out.text, end="")
     engine.shutdown()
 
-Pages come from a :class:`forge_jax.kv_cache.BlockManager`; full pages stay in the
-:class:`~forge_jax.serving.prefix_cache.PrefixCache` after their request ends and are
+The engine's pools are one :class:`forge_jax.kv_cache.PagedKVCache` (its spec is the
+config's ``cache``); pages come from a :class:`forge_jax.kv_cache.BlockManager`; full pages
+stay in the :class:`~forge_jax.serving.prefix_cache.PrefixCache` after their request ends and are
 evicted (least recently used) only when the pool needs them. When the pool runs out, the
 newest running request is preempted: its pages are freed and it is requeued, to be
 recomputed from its prompt and the tokens it has so far. A request that could never fit
@@ -39,10 +41,10 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
-from forge_jax.kv_cache import BlockManager, CacheFullError
-from forge_jax.ops import kv_quant
+from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache
 from forge_jax.serving import batch_step as serving_step
 from forge_jax.serving.batch_step import MIN_TABLE_PAGES  # noqa: F401  (the engine's API)
+from forge_jax.serving.config import EngineConfig
 from forge_jax.serving.prefix_cache import PrefixCache
 from forge_jax.serving.requests import (  # noqa: F401  (the engine's API)
     FINISH_REASONS,
@@ -65,74 +67,57 @@ class Engine:
       model: a model ``from_pretrained`` loads (its ``forward_cached`` takes the cache).
       tokenizer: a :class:`forge_jax.text.api.Tokenizer` for the text of the outputs
         and stop strings (None: token ids only).
-      max_batch_tokens: tokens per step (decode tokens plus prefill chunks).
-      min_batch_tokens: the smallest row bucket: a step's rows are padded to a power of two
-        at least this (a step of a few decodes then computes a few rows, not a prefill's),
-        or to three quarters of one from 192 rows up (``serving_step.row_bucket``).
-      max_seqs: sequences per step (and running at once).
-      num_pages, page_size: the page pool.
-      max_model_len: prompt plus new tokens per request at most (default: the model's
-        ``max_position_embeddings``).
-      max_waiting: requests waiting at most; more raise :class:`QueueFull`.
-      prefix_caching: keep full pages for later requests with the same prefix.
-      eos_token_ids: ids that end every request (default: the model's).
-      cache_dtype: the pages' dtype (default: the model's compute dtype). On CPU with JAX
-        0.10, XLA rewrites a whole bfloat16 pool at every write (1.2 ms a layer, keys and
-        values, for the 208-page pools of ``benchmarks/serve_cpu.py`` at concurrency 16,
-        BENCHMARKS.md); JAX 0.11 and 0.12 write in place.
-      kv_cache_dtype: ``"int8"`` or ``"fp8"`` (e4m3) for quantized pages, a float32 scale
-        per token and KV head beside them (:mod:`forge_jax.ops.kv_quant`), as
-        :func:`~forge_jax.generation.loop.generate`'s; they are written, shared by the
-        prefix cache, copied and freed with their pages. None: ``cache_dtype`` pages.
-      overlap: dispatch each step before reading the previous step's tokens: a sequence
-        whose token is still on the device gets it from there (the step takes the previous
-        step's tokens and which row each feeds), and the host hands out the previous
-        step's tokens while the device runs the next. The tokens are the same; a request
-        that a stop token or string ends has computed one row more than it needed. False:
-        each step's tokens are read and handed out before the next step is scheduled.
+      config: the engine's knobs, an :class:`~forge_jax.serving.config.EngineConfig`.
+
+    Attributes:
+      config: the :class:`EngineConfig` it was built with.
+      cache: the page pools, a :class:`~forge_jax.kv_cache.PagedKVCache` of
+        ``config.num_pages`` pages (never folded: its block tables are unused, ``[0,
+        pages_per_seq]``; each step brings its own in a
+        :class:`~forge_jax.kv_cache.RaggedMetadata`). On a mesh the pools are split by KV
+        head over the tensor axis, as the model's.
+      manager: the :class:`~forge_jax.kv_cache.BlockManager` handing out its pages.
     """
 
-    def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 512,
-                 min_batch_tokens: int = 1, max_seqs: int = 64, num_pages: int = 512,
-                 page_size: int = 16, max_model_len: int | None = None, max_waiting: int = 1024,
-                 prefix_caching: bool = True, eos_token_ids: Sequence[int] | None = None,
-                 cache_dtype=None, kv_cache_dtype: str | None = None, overlap: bool = True):
-        self.model, self.tokenizer = model, tokenizer
-        config = model.config
-        self.kv_cache_dtype = kv_quant.kv_format("kv_cache_dtype", kv_cache_dtype)
-        self.max_model_len = int(max_model_len or config.max_position_embeddings)
-        if not 1 <= min_batch_tokens <= max_batch_tokens:
-            raise ValueError(f"need 1 <= min_batch_tokens <= max_batch_tokens, got "
-                             f"{min_batch_tokens=} and {max_batch_tokens=}")
-        self.max_batch_tokens = serving_step.pow2_at_least(int(max_batch_tokens), 8)
-        self.min_batch_tokens = serving_step.pow2_at_least(int(min_batch_tokens), 1)
-        self.max_seqs, self.max_waiting = int(max_seqs), int(max_waiting)
-        self.overlap = bool(overlap)
-        self.page_size = int(page_size)
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a forge_jax.serving.EngineConfig, got "
+                            f"config={config!r:.80}")
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        model_config = model.config
+        self.kv_cache_dtype = config.cache.kv_dtype
+        self.max_model_len = int(config.max_model_len or model_config.max_position_embeddings)
+        self.max_batch_tokens = serving_step.pow2_at_least(config.max_batch_tokens, 8)
+        self.min_batch_tokens = serving_step.pow2_at_least(config.min_batch_tokens, 1)
+        self.max_seqs, self.max_waiting = config.max_seqs, config.max_waiting
+        self.overlap = config.overlap
+        self.page_size = config.cache.page_size
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
-        self.manager = BlockManager(int(num_pages), self.page_size)
-        self.prefix_cache = PrefixCache(self.manager, enabled=prefix_caching)
+        self.manager = BlockManager(config.num_pages, self.page_size)
+        self.prefix_cache = PrefixCache(self.manager, enabled=config.prefix_caching)
+        eos_token_ids = config.eos_token_ids
         if eos_token_ids is None:
             from forge_jax.generation.loop import default_eos_token_ids
 
             eos_token_ids = default_eos_token_ids(model)
         self.eos = frozenset(int(t) for t in eos_token_ids)
-        self.vocab_size = config.vocab_size
+        self.vocab_size = model_config.vocab_size
         self.graphdef, self.state = nnx.split(model)
         # The weights as a flat list: a step's dispatch then flattens a list, not the state.
         self.weights, self.weights_def = jax.tree.flatten(self.state)
         self._graphdef = serving_step.Static(self.graphdef)  # hashed once, not per dispatch
-        dtype = cache_dtype or model.dtype
-        shape = (model.kv_heads, int(num_pages), self.page_size, config.head_dim)
-        # On a mesh the pools are split by KV head over the tensor axis, as the model's.
-        place = (lambda x: x) if model.mesh is None else (
-            lambda x: jax.device_put(x, serving_step.pool_sharding(model.mesh, shape[0])))
-        # A quantized pool is a QuantizedArray (values and [..., 1] scales), placed and
-        # passed through the step like a float one.
-        empty = (lambda: jnp.zeros(shape, dtype)) if self.kv_cache_dtype is None else (
-            lambda: kv_quant.empty_pool(shape, self.kv_cache_dtype, dtype))
-        self.k_pages = tuple(place(empty()) for _ in range(config.num_hidden_layers))
-        self.v_pages = tuple(place(empty()) for _ in range(config.num_hidden_layers))
+        cache = PagedKVCache.create(
+            num_layers=model_config.num_hidden_layers, num_pages=config.num_pages,
+            page_size=self.page_size, kv_heads=model.kv_heads, head_dim=model_config.head_dim,
+            dtype=config.cache.resolved_dtype(model.dtype),
+            block_tables=np.zeros((0, self.pages_per_seq), np.int32),
+            quantize=config.cache.kv_dtype, fold=False)
+        if model.mesh is not None:  # the pools split by KV head over the tensor axis
+            pool = serving_step.pool_sharding(model.mesh, model.kv_heads)
+            cache = dataclasses.replace(cache, k_pages=jax.device_put(cache.k_pages, pool),
+                                        v_pages=jax.device_put(cache.v_pages, pool))
+        self.cache = cache
         # The last step's tokens on the device, [max_seqs] (the next step may read some),
         # and the step in flight: its tokens and the (index, request) pairs that drew one.
         tokens = jnp.zeros((self.max_seqs,), jnp.int32)
@@ -464,17 +449,14 @@ class Engine:
         """Builds and dispatches (asynchronously) the step; returns its tokens, [max_seqs]."""
         copies = self.manager.take_pending_copies()
         if copies.size:  # only a shared, partly filled page is copied (never here today)
-            pairs = [fj.copy_pages(k, v, copies) for k, v in
-                     zip(self.k_pages, self.v_pages, strict=True)]
-            self.k_pages = tuple(k for k, _ in pairs)
-            self.v_pages = tuple(v for _, v in pairs)
+            self.cache = self.cache.copy_pages(copies)
         batch = serving_step.build_batch(
             scheduled, self.manager, min_rows=self.min_batch_tokens, max_seqs=self.max_seqs,
             pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size)
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
-        self._last_tokens, self.k_pages, self.v_pages = serving_step.ragged_step(
-            self.weights, self.k_pages, self.v_pages, serving_step.step_arrays(batch),
+        self._last_tokens, self.cache = serving_step.ragged_step(
+            self.weights, self.cache, serving_step.step_arrays(batch),
             batch.sampling, batch.seen, self._last_tokens, graphdef=self._graphdef,
             weights_def=self.weights_def, greedy=batch.greedy,
             implementation_key=fj.dispatch.current_preference())

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
+from forge_jax.generation.sampling import SamplingParams
 from forge_jax.serving import engine as serving
 from forge_jax.text import api as text
 
@@ -91,12 +92,14 @@ def request_params(body: Mapping, *, default_max_tokens: int) -> serving.Request
     seed = _number(body, "seed", None, kind=int, low=0, high=2**32 - 1)
     penalty = _number(body, "repetition_penalty", None, low=0, low_open=True)
     try:
-        return serving.RequestParams(
-            max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, low=0, high=2),
+        sampling = SamplingParams(
+            temperature=_number(body, "temperature", 1.0, low=0, high=2),
             top_k=None if top_k in (None, -1, 0) else top_k,
             top_p=_number(body, "top_p", None, low=0, high=1, low_open=True),
-            min_p=_number(body, "min_p", None, low=0, high=1), repetition_penalty=penalty,
-            seed=seed, stop_token_ids=tuple(stop_ids), stop=tuple(stop),
+            min_p=_number(body, "min_p", None, low=0, high=1), repetition_penalty=penalty)
+        return serving.RequestParams(
+            max_tokens=max_tokens, sampling=sampling, seed=seed,
+            stop_token_ids=tuple(stop_ids), stop=tuple(stop),
             ignore_eos=bool(body.get("ignore_eos", False)))
     except ValueError as e:
         raise APIError(400, str(e)) from None

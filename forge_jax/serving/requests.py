@@ -37,8 +37,8 @@ class RequestParams:
 
     Attributes:
       max_tokens: new tokens at most (>= 1).
-      temperature, top_k, top_p, min_p, repetition_penalty: as
-        :class:`forge_jax.generation.sampling.SamplingParams` (checked the same way).
+      sampling: how each token is drawn, a
+        :class:`forge_jax.generation.sampling.SamplingParams` (greedy by default).
       seed: the seed of this request's sampling (None: drawn by the engine).
       stop_token_ids: ids that end the request (besides the model's eos ids), included in
         its token ids but not in its text.
@@ -47,19 +47,16 @@ class RequestParams:
     """
 
     max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    sampling: sampling_lib.SamplingParams = sampling_lib.SamplingParams()
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self):
-        sampling_lib.SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p,
-                                    self.repetition_penalty)
+        if not isinstance(self.sampling, sampling_lib.SamplingParams):
+            raise TypeError(f"sampling must be a forge_jax.generation.SamplingParams, got "
+                            f"sampling={self.sampling!r:.80}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
                 or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
@@ -73,8 +70,8 @@ class RequestParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < sampling_lib.GREEDY_BELOW and self.repetition_penalty in (
-            None, 1.0)
+        """Greedy without a repetition penalty (the step's cheaper compiled mode)."""
+        return self.sampling.greedy and self.sampling.repetition_penalty in (None, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+from forge_jax.kv_cache import CacheSpec
 from forge_jax.models import llama
 from forge_jax.serving import engine as serving
 from forge_jax.serving import http as serving_http
@@ -14,8 +15,9 @@ from forge_jax.text import api as text
 MODEL = "tiny-chat"
 # One geometry for every serving test, so that they share the step's compiled variants
 # (row buckets 8, 16 and 32, one table width; greedy or sampling).
-GEOMETRY = dict(max_batch_tokens=32, min_batch_tokens=8, max_seqs=32, num_pages=64, page_size=8,
-                max_model_len=128)
+PAGES = CacheSpec(page_size=8)
+GEOMETRY = dict(max_batch_tokens=32, min_batch_tokens=8, max_seqs=32, num_pages=64,
+                max_model_len=128, cache=PAGES)
 
 
 class LiveServer:
@@ -46,10 +48,12 @@ class LiveServer:
         self.thread.join(timeout=60)
 
 
-def engine(model, tokenizer, **kwargs) -> serving.Engine:
+def engine(model, tokenizer, **fields) -> serving.Engine:
+    """An engine of :data:`GEOMETRY` with the tokenizer's eos ids; ``fields`` replace
+    :class:`~forge_jax.serving.EngineConfig` fields."""
     eos = text.eos_ids(model, tokenizer, tokenizer.generation_config)
-    kwargs = dict(GEOMETRY, **kwargs)
-    return serving.Engine(model, tokenizer, eos_token_ids=eos, **kwargs)
+    config = serving.EngineConfig(**dict(GEOMETRY, eos_token_ids=eos, **fields))
+    return serving.Engine(model, tokenizer, config)
 
 
 def serve(model, tokenizer, **kwargs) -> tuple[LiveServer, serving.Engine]:
