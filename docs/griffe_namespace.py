@@ -26,5 +26,7 @@ class ForgeJaxNamespace(griffe.Extension):
             init = root / folder / "__init__.py"
             if name in pkg.members or not init.is_file():
                 continue
-            module = loader._load_module(name, init, submodules=True, parent=pkg)
+            # Loaded from its folder (as a top-level package named after it), then set as a
+            # member of forge_jax, which makes its path forge_jax.<name>.
+            module = loader.load(init.parent, submodules=True)
             pkg.set_member(name, module)
