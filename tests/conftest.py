@@ -5,6 +5,12 @@
 * The autotune and compilation caches off (see below).
 * Strict dtype promotion: an op that mixes float32 and bfloat16 without saying
   so is a bug (silent upcasts double memory traffic), so tests make it an error.
+* Two markers keep the default run (pyproject's ``-m "not slow and not target"``) to about a
+  quarter of an hour on 2 cores; CI's extras leg runs them (``-m "slow or target"``):
+  ``target("h100")``, a deviceless compile for a named target (the ``aot`` extra's
+  compilers; skipped, naming the install command, where they are missing), and ``slow``,
+  the kernels' interpreter classes (``*Interpret``: each kernel's compiled class runs on
+  its hardware) and the files listed in ``SLOW_FILES``. ``-m ""`` runs everything.
 """
 
 import gc
@@ -118,3 +124,24 @@ def tokenizer_files(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("tokenizer")
     return directory, write_tokenizer(directory)
+
+
+# Whole files of the slow kind: scripts and installs run in subprocesses, notebooks executed.
+SLOW_FILES = {"test_benchmarks.py", "test_benchmark_gpu_script.py", "test_install.py",
+              "test_notebooks.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    import forge_jax as fj
+
+    missing = {}
+    for item in items:
+        if item.path.name in SLOW_FILES or (item.cls is not None
+                                            and item.cls.__name__.endswith("Interpret")):
+            item.add_marker(pytest.mark.slow)
+        for mark in item.iter_markers("target"):
+            (name,) = mark.args
+            if name not in missing:
+                missing[name] = fj.targets.missing(name)
+            if missing[name] is not None:
+                item.add_marker(pytest.mark.skip(reason=missing[name]))

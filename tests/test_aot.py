@@ -36,8 +36,7 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 
 def _needs(target):
-    reason = fj.targets.missing(target)
-    return pytest.mark.skipif(reason is not None, reason=reason or "")
+    return pytest.mark.target(target)
 
 
 GPU, TPU = _needs("h100"), _needs("tpu-v5e")

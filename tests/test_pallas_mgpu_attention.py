@@ -215,8 +215,7 @@ COMPILE_CASES = {
 }
 
 
-@pytest.mark.skipif(fj.targets.missing("h100") is not None,
-                    reason=str(fj.targets.missing("h100")))
+@pytest.mark.target("h100")
 @pytest.mark.parametrize("case", COMPILE_CASES.values(), ids=COMPILE_CASES)
 def test_h100_compile(case):
     q_shape, kv_shape, dtype, masking = case

@@ -67,8 +67,7 @@ print("compiled:", fj.aot.compile(lambda *a: paged.paged_attention(*a, mma="wgmm
 """
 
 
-@pytest.mark.skipif(fj.targets.missing("b200") is not None,
-                    reason=str(fj.targets.missing("b200")))
+@pytest.mark.target("b200")
 def test_blackwell_refuses_hopper_wgmma_and_dispatch_says_so():
     """WGMMA does not lower for sm_100a (the paged kernel's several-positions path here; its
     int8/fp8 pages and the ragged kernel, and the quantized matmul's int4 and 128 x 128 fp8

@@ -95,8 +95,7 @@ def _with_scales(**knobs):
 COMPILED = [(32, 256, 16, jnp.int8, True), (8, 128, 32, jnp.float8_e4m3fn, False)]
 
 
-@pytest.mark.skipif(fj.targets.missing("h100") is not None,
-                    reason=str(fj.targets.missing("h100")))
+@pytest.mark.target("h100")
 @pytest.mark.parametrize("case", COMPILED, ids=lambda c: "-".join(map(case_id, c[:4])))
 def test_accepted_cases_compile_for_h100(case):
     batch, per_seq, page_size, values, spill_free = case

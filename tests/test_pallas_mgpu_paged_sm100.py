@@ -151,8 +151,7 @@ B200_CASES = {
 }
 
 
-@pytest.mark.skipif(fj.targets.missing("b200") is not None,
-                    reason=str(fj.targets.missing("b200")))
+@pytest.mark.target("b200")
 def test_decode_compiles_for_b200_without_spills_with_its_cost():
     rows = compile_rows(_B200_COMPILES.format(cases=B200_CASES), B200_CASES)
     for name, (batch, _, kv_heads, head_dim, _, context) in B200_CASES.items():

@@ -211,6 +211,7 @@ def compiled(tmp_path_factory):
                                  tmp_path_factory.mktemp("mosaic_dump"))
 
 
+@pytest.mark.target("h100")
 @pytest.mark.parametrize("name", sorted(COMPILE_CASES))
 def test_accepted_cases_compile_for_h100_without_spills(compiled, name):
     r = compiled[name]
@@ -227,6 +228,7 @@ def test_accepted_cases_compile_for_h100_without_spills(compiled, name):
     assert 0 < k["smem"] <= mq.SMEM_BYTES, k
 
 
+@pytest.mark.target("h100")
 def test_rejections_that_are_compile_limits_fail_there(compiled):
     assert not compiled["float32 activations"]["compiled"]
     assert "A in registers" in compiled["float32 activations"]["error"]

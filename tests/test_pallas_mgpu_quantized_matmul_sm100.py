@@ -156,6 +156,7 @@ def compiled(tmp_path_factory):
                                  tmp_path_factory.mktemp("mosaic_dump"))
 
 
+@pytest.mark.target("b200")
 @pytest.mark.parametrize("name", sorted(COMPILE_CASES))
 def test_accepted_cases_compile_for_b200_without_spills(compiled, name):
     r = compiled[name]

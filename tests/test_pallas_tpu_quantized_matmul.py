@@ -191,8 +191,7 @@ def test_accepted_cases_lower_for_tpu(case):
     assert "forge_jax_tpu_quantized_matmul" in exported.mlir_module()
 
 
-@pytest.mark.skipif(fj.targets.missing("tpu-v5e") is not None,
-                    reason=str(fj.targets.missing("tpu-v5e")))
+@pytest.mark.target("tpu-v5e")
 def test_tpu_compile_settles_supports():
     """libtpu's compile for TPU v5e (deviceless): accepted cases compile (W8A8 among them);
     int4 in groups of 32 (16 bytes, an eighth of a vreg's lanes) is refused, and fails that

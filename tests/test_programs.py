@@ -115,8 +115,7 @@ def test_an_executable_from_another_jax_is_refused(exported, tmp_path):
     assert programs.load(copy).source == "stablehlo"
 
 
-@pytest.mark.skipif(fj.targets.missing("h100") is not None,
-                    reason=fj.targets.missing("h100") or "")
+@pytest.mark.target("h100")
 def test_an_executable_for_a_named_target_runs_only_there(model, tmp_path):
     out = export_lib.export(model, tmp_path / "program", batch=1, context=16,
                             targets=("h100",))

@@ -16,8 +16,7 @@ import forge_jax as fj
 from forge_jax.pallas_kernels.gpu import _mosaic
 
 # The deviceless H100 compile needs the CUDA 12 wheels (the ``aot`` extra).
-NEEDS_H100 = pytest.mark.skipif(fj.targets.missing("h100") is not None,
-                                reason=str(fj.targets.missing("h100")))
+NEEDS_H100 = pytest.mark.target("h100")
 
 
 def compile_in_subprocess(script: str, cases, target: str, dump_dir) -> dict:
