@@ -1,5 +1,5 @@
 """Compile report of the Blackwell (tcgen05, tensor memory) Mosaic GPU kernels for a B200,
-without a device (issue 26): the paged decode kernel
+without a device: the paged decode kernel
 (``pallas_kernels/gpu/mosaic_paged_attention_sm100.py``), the int8/fp8 quantized matmul
 (``mosaic_quantized_matmul_sm100.py``) and flash attention (``mosaic_attention_sm100.py``),
 each through its op with ``implementation="mosaic_gpu"`` under ``fj.aot.compile(...,
@@ -50,7 +50,7 @@ CASES = [
      attention_args(1, 4096, 32, 8, 128)),
     ("flash attention, causal prefill b2 seq2048 9/3 d64 (SmolLM2)", fj.attention,
      attention_args(2, 2048, 9, 3, 64)),
-    ("paged decode, b32 ctx4096 32/8 d128 page16 (the issue's shape)", fj.paged_attention,
+    ("paged decode, b32 ctx4096 32/8 d128 page16 (Llama-3-8B decode)", fj.paged_attention,
      paged_args(32, 4096, 32, 8, 128, 16)),
     ("paged decode, b32 ctx4096 9/3 d64 page16 (SmolLM2)", fj.paged_attention,
      paged_args(32, 4096, 9, 3, 64, 16)),

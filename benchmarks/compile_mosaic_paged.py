@@ -1,5 +1,5 @@
 """Compile report of the Mosaic GPU paged and ragged paged attention kernels for an H100,
-without a device (issue 26): for each case (bfloat16 pages, and int8/fp8 pages with their
+without a device: for each case (bfloat16 pages, and int8/fp8 pages with their
 scales), ``fj.aot.compile`` with ``implementation="mosaic_gpu"`` (Mosaic GPU's lowering, its
 PTX and ``ptxas`` for sm_90a, XLA's GPU pipeline), ptxas' registers and spills
 (``_mosaic.ptxas_report``), the shared memory Mosaic's lowering allocates
@@ -37,7 +37,7 @@ def ragged_args(tokens, seqs, context, q_heads, kv_heads, head_dim, page, kv_for
 
 
 CASES = [
-    ("paged decode, b32 ctx4096 32/8 d128 page16 (the issue's shape)", "paged_attention",
+    ("paged decode, b32 ctx4096 32/8 d128 page16 (Llama-3-8B decode)", "paged_attention",
      paged_args(32, 4096, 32, 8, 128, 16), paged.paged_attention),
     ("paged decode, b32 ctx4096 9/3 d64 page16 (SmolLM2)", "paged_attention",
      paged_args(32, 4096, 9, 3, 64, 16), paged.paged_attention),

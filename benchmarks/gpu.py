@@ -75,7 +75,7 @@ CUDNN = "cudnn"
 # kernels, cuDNN attention. Each row says why it was skipped where it cannot run.
 LIBRARY = {"rms_norm": ("triton",), "silu_mul": ("triton",), "rope": ("triton",),
            "attention": (CUDNN,)}
-# Targets of other implementations than the case's: the Mosaic GPU kernels' (issue 26).
+# Targets of other implementations than the case's: the Mosaic GPU kernels'.
 TARGETS = {("paged_attention", "mosaic_gpu"): 0.85, ("attention", "mosaic_gpu"): 650.0}
 MOSAIC_ON_CPU = ("quantized_matmul",)  # checked in their interpreter on CPU (--quick)
 AUTO = "auto"  # implementation=None: what auto selection picks (the row's note names it)
@@ -414,7 +414,7 @@ def bench_case(case: Case, kernel_impl: str, platform: str, peaks: dict[str, Any
 
 
 def mosaic_contenders(case: Case, platform: str, inputs) -> list[tuple]:
-    """The Mosaic GPU kernel of ``case``'s op (issue 26), where one is registered, beside
+    """The Mosaic GPU kernel of ``case``'s op, where one is registered, beside
     the others: ``"mosaic_gpu"`` where a Hopper GPU runs it and its ``supports()`` accepts
     the case, else a row saying why not. On CPU, the kernels of :data:`MOSAIC_ON_CPU` run in
     the Mosaic GPU interpreter (a check of their results at the ``--quick`` shapes; its

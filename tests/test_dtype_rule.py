@@ -1,4 +1,4 @@
-"""The dtype rule of every op (issue 22, item 5; stated in forge_jax/ops/__init__.py).
+"""The dtype rule of every op (stated in forge_jax/ops/__init__.py).
 
 An op's compute inputs share one dtype, or it raises TypeError naming both dtypes; it
 never promotes or rounds one silently, whatever ``jax_numpy_dtype_promotion`` says.

@@ -1,4 +1,4 @@
-"""Install hints that work (issue 22, item 16): forge-jax is not on PyPI, so no hint says
+"""Install hints that work: forge-jax is not on PyPI, so no hint says
 ``pip install 'forge-jax[gpu]'``; the repository's address is one setting
 (``[project.urls] Repository`` in pyproject.toml) that the notebooks' Colab badges and
 install cells agree with; and the install cell installs from a wheel, a checkout or a URL."""

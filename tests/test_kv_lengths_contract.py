@@ -1,4 +1,4 @@
-"""``fj.attention``'s ``kv_lengths`` outside ``[0, kv_len]`` (issue 22, item 2).
+"""``fj.attention``'s ``kv_lengths`` outside ``[0, kv_len]``.
 
 Concrete lengths outside the range raise a one-line ValueError naming the argument and
 the value, before any work. Traced ones are clamped into it, the default (bottom-right)

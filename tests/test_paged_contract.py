@@ -1,4 +1,4 @@
-"""The paged ops' contract for block tables, lengths, slots and copies (issue 22, item 1).
+"""The paged ops' contract for block tables, lengths, slots and copies.
 
 One behaviour for ``paged_attention``, ``paged_gather``, ``paged_write``, ``copy_pages`` and
 ``ragged_paged_attention``, in every implementation:

@@ -6,7 +6,7 @@ scales stand for; a NaN scale over random bytes in every slot no query may see) 
 on a Hopper GPU (skipped without one) and in the Mosaic GPU interpreter everywhere, with race
 detection. Pages of 16 tokens take the scales gathered by XLA (one page's scales are 64
 bytes, under a 128-byte TMA copy); pages of 32 copy each page's scales beside its values.
-The accepted cases compile for H100 without a device (the issue's decode shape with no
+The accepted cases compile for H100 without a device (a Llama-3-8B decode shape with no
 register spill in ptxas' report); a shared-memory limit is rejected by ``supports()`` and
 fails the lowering.
 """
@@ -91,7 +91,7 @@ def _with_scales(**knobs):
 # (batch, pages a sequence, page_size, values, spill-free): Llama-3-8B's decode (32/8 heads,
 # head_dim 128, context 4096) over pages of 16 (gathered scales) and of 32 (per-page scale
 # copies). The kernel holds 255 registers; ptxas spills the page-32 case a few bytes under
-# JAX 0.12 (none under 0.10), so only the issue's page-16 shape is held to no spill.
+# JAX 0.12 (none under 0.10), so only the page-16 decode shape is held to no spill.
 COMPILED = [(32, 256, 16, jnp.int8, True), (8, 128, 32, jnp.float8_e4m3fn, False)]
 
 

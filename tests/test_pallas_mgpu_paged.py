@@ -99,7 +99,7 @@ def test_accepted_cases_lower_for_h100_within_shared_memory(case):
 
 @NEEDS_H100
 def test_llama_decode_compiles_for_h100_with_its_cost():
-    """The issue's decode shape (batch 32, context 4096, 32/8 heads, head_dim 128, page 16)
+    """A Llama-3-8B decode shape (batch 32, context 4096, 32/8 heads, head_dim 128, page 16)
     through fj.aot: the kernel's row carries its cost estimate (the K/V bytes it reads)."""
     pool = S((8, 32 * 256, 16, 128), BF16)
     with _mosaic.ptxas_report() as lines:

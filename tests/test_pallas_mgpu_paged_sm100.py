@@ -142,7 +142,7 @@ for name, (batch, q_heads, kv_heads, head_dim, page, context) in {cases}.items()
                 for n in re.findall(r"(\\d+) bytes spill stores", ln)],
         registers=[int(n) for ln in lines for n in re.findall(r"Used (\\d+) registers", ln)])))
 """
-# (batch, q_heads, kv_heads, head_dim, page_size, context): the issue's Llama-3 decode shape,
+# (batch, q_heads, kv_heads, head_dim, page_size, context): a Llama-3-8B decode shape,
 # SmolLM2's heads, head_dim 256 with pages of 64.
 B200_CASES = {
     "llama3_8b": (32, *LLAMA3_8B_HEADS, 16, 4096),

@@ -20,7 +20,7 @@ reads them; ``cache.nbytes`` counts their bytes, scales included.
 
 Both keep one array per layer in a tuple rather than one stacked ``[layers, ...]``
 array: indexing a stacked array inside ``jit`` made XLA copy the whole stack per step
-in a measurement on CPU (see the KV-cache design issue). Both are registered pytrees,
+in a measurement on CPU. Both are registered pytrees,
 meant to be returned from the jitted step function and donated
 (``donate_argnames=("cache",)``), so that writes update the buffers in place.
 

@@ -6,7 +6,7 @@ On TPU, XLA lays out a pool ``[kv_heads, num_pages, page_size, head_dim]`` whose
 ``head_dim`` is less than a 128-lane tile (64: SmolLM2, Llama-3.2-1B) pages-minor
 (``{1,3,2,0}``, so that no row is padded to 128 lanes), while the Pallas TPU paged kernel
 reads pages row-major: a compiled decode step copied every layer's pool per step (found
-by :func:`forge_jax.aot.compile`, issue 23). A folded pool has whole-tile rows, so XLA's
+by :func:`forge_jax.aot.compile`). A folded pool has whole-tile rows, so XLA's
 default layout is the row-major one the kernel reads.
 
 Representation

@@ -1,6 +1,6 @@
 """Independent float64 NumPy references for the forge_jax ops.
 
-Written from the op specifications (the Foundation issue, Hugging Face transformers'
+Written from the op specifications (the ops' docstrings, Hugging Face transformers'
 RoPE definitions), not from forge_jax's code: nothing here imports forge_jax or JAX.
 Every function takes NumPy (or JAX) arrays of any float dtype, upcasts them to
 float64 and returns float64, so tests compare an op's output against the exact
