@@ -6,7 +6,8 @@ never :mod:`forge_jax.text`, :mod:`forge_jax.serving` or the CLI.
 
 Modules: :mod:`~forge_jax.generation.steps` (prefill and decode steps),
 :mod:`~forge_jax.generation.sampling` (:class:`SamplingParams`, sampling on device),
-:mod:`~forge_jax.generation.settings` (a checkpoint's defaults merged with the caller's),
+:mod:`~forge_jax.generation.settings` (the front door: a checkpoint's defaults merged with
+the caller's values, :func:`stopping` for the eos ids and the token limit),
 :mod:`~forge_jax.generation.loop` (:func:`generate`, :func:`generate_with_stats`),
 :mod:`~forge_jax.generation.stats`, :mod:`~forge_jax.generation.abstract_steps` (the steps
 on abstract arguments, for deviceless compiles), :mod:`~forge_jax.generation.export` (writes
@@ -21,11 +22,18 @@ from forge_jax.generation.loop import (
     generate_with_stats,
 )
 from forge_jax.generation.sampling import SamplingParams
-from forge_jax.generation.settings import sampling_params
+from forge_jax.generation.settings import (
+    DEFAULT_MAX_NEW_TOKENS,
+    Callbacks,
+    Stopping,
+    sampling_params,
+    stopping,
+)
 from forge_jax.generation.stats import GenerationStats
 from forge_jax.generation.steps import decode_step, prefill_step
 
 __all__ = [
-    "GenerationStats", "SamplingParams", "check_generation_fits", "check_sequence_length",
-    "decode_step", "generate", "generate_with_stats", "prefill_step", "sampling_params",
+    "DEFAULT_MAX_NEW_TOKENS", "Callbacks", "GenerationStats", "SamplingParams", "Stopping",
+    "check_generation_fits", "check_sequence_length", "decode_step", "generate",
+    "generate_with_stats", "prefill_step", "sampling_params", "stopping",
 ]
