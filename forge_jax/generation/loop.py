@@ -204,7 +204,9 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     (plus ``progress`` and ``on_tokens``, now in ``callbacks``).
     """
     legacy = settings.legacy_keywords("generate_with_stats", deprecated, sampling=sampling,
-                                      cache=cache, other=("progress", "on_tokens"))
+                                      cache=cache,
+                                      other=dict.fromkeys(("progress", "on_tokens"),
+                                                          "callbacks=Callbacks"))
     if legacy.other:
         if callbacks is not None:
             raise TypeError("generate_with_stats() got callbacks= and "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -110,7 +110,7 @@ def stopping(config, generation_config: GenerationConfig | None = None, *,
         eos = check_eos_token_id(eos_token_id)
     elif generation_config is not None and generation_config.eos_token_id:
         eos = tuple(generation_config.eos_token_id)
-    elif config.eos_token_ids:
+    elif getattr(config, "eos_token_ids", None):  # a bare config may have none
         eos = tuple(config.eos_token_ids)
     else:
         eos = () if tokenizer_eos_id is None else (int(tokenizer_eos_id),)
@@ -162,12 +162,13 @@ class Legacy:
 
 
 def legacy_keywords(function: str, kwargs: dict, *, sampling: SamplingParams | None = None,
-                    cache=None, other: Collection[str] = ()) -> Legacy:
+                    cache=None, other: Mapping[str, str] | None = None) -> Legacy:
     """Sorts a call's deprecated keywords (``kwargs``): the sampling ones (now
     ``sampling=SamplingParams(...)``), the cache ones (now ``cache=CacheSpec(...)``) and
-    ``other`` (named by the caller). Warns once (``DeprecationWarning``) naming the new
-    arguments; raises TypeError for an unknown keyword, or for a deprecated one given with
-    the argument that replaces it."""
+    ``other``'s (keyword -> the argument that replaces it, e.g. ``"callbacks=Callbacks"``).
+    Warns once (``DeprecationWarning``) naming the new arguments; raises TypeError for an
+    unknown keyword, or for a deprecated one given with the argument that replaces it."""
+    other = other or {}
     unknown = sorted(set(kwargs) - set(SAMPLING_KEYWORDS) - set(CACHE_KEYWORDS) - set(other))
     if unknown:
         raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
@@ -187,7 +188,9 @@ def legacy_keywords(function: str, kwargs: dict, *, sampling: SamplingParams | N
             new.append(f"sampling=SamplingParams({', '.join(f'{k}=...' for k in legacy.sampling)})")
         if legacy.cache:
             new.append(f"cache=CacheSpec({', '.join(f'{k}=...' for k in legacy.cache)})")
-        new.extend(f"{k}=" for k in legacy.other)
+        for target in dict.fromkeys(other[k] for k in legacy.other):
+            names = [k for k in legacy.other if other[k] == target]
+            new.append(f"{target}({', '.join(f'{k}=...' for k in names)})")
         warnings.warn(f"{function}(): the keywords {', '.join(sorted(kwargs))} are deprecated "
                       f"and will be removed in the next release; pass {', '.join(new)}",
                       DeprecationWarning, stacklevel=3)

@@ -23,11 +23,15 @@ from forge_jax.text.chat_template import (
     ROLES,
     ChatTemplateError,
     check_messages,
-    encode_chat,
     render_chat_template,
 )
 from forge_jax.text.streaming import TextStreamer
-from forge_jax.text.tokenizer import Tokenizer, load_generation_config, load_tokenizer
+from forge_jax.text.tokenizer import (
+    Tokenizer,
+    encode_chat,
+    load_generation_config,
+    load_tokenizer,
+)
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS", "ROLES", "ChatSession", "ChatTemplateError", "CheckpointError",

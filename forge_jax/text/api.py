@@ -43,12 +43,12 @@ from forge_jax.text.chat_template import (  # noqa: F401  (the text API's names,
     ROLES,
     ChatTemplateError,
     check_messages,
-    encode_chat,
     render_chat_template,
 )
 from forge_jax.text.streaming import TextStreamer
 from forge_jax.text.tokenizer import (  # noqa: F401  (the text API's names, also here)
     Tokenizer,
+    encode_chat,
     load_generation_config,
     load_tokenizer,
 )

@@ -52,9 +52,9 @@ from forge_jax.generation.sampling import SamplingParams
 from forge_jax.kv_cache import CacheSpec, PagedKVCache
 from forge_jax.models.checkpoints.generation_config import GenerationConfig
 from forge_jax.models.llama_model import Llama
-from forge_jax.text.chat_template import ChatTemplateError, check_messages, encode_chat
+from forge_jax.text.chat_template import ChatTemplateError, check_messages
 from forge_jax.text.streaming import TextStreamer
-from forge_jax.text.tokenizer import Tokenizer
+from forge_jax.text.tokenizer import Tokenizer, encode_chat
 
 DEFAULT_MAX_CONTEXT = 4096
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from forge_jax.text.tokenizer import Tokenizer
+from typing import Any
 
 # Roles a message may have: the chat roles every template family uses (``developer`` for
 # OpenAI-style templates, ``ipython`` for Llama 3.1 tool output).
@@ -107,12 +104,3 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *
                                add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"the chat template failed: {e}") from None
-
-
-def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True, **kwargs) -> list[int]:
-    """The token ids of a conversation: the template rendered, encoded without adding
-    special tokens (as transformers' ``apply_chat_template(..., tokenize=True)``)."""
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
-    return tokenizer.encode(rendered, add_special_tokens=False)

@@ -149,3 +149,12 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> T
                               f"{type(template).__name__}")
     return Tokenizer(backend, special_tokens=special, chat_template=template,
                      generation_config=load_generation_config(path), name=str(path))
+
+
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
+                add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    """The token ids of a conversation: the template rendered, encoded without adding
+    special tokens (as transformers' ``apply_chat_template(..., tokenize=True)``)."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+    return tokenizer.encode(rendered, add_special_tokens=False)
