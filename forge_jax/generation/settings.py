@@ -24,6 +24,7 @@ import numpy as np
 from forge_jax.generation.sampling import SamplingParams
 from forge_jax.kv_cache import CacheSpec
 from forge_jax.models.checkpoints.generation_config import GenerationConfig
+from forge_jax.ops import kv_quant
 
 # The token limit of a call that gives none and whose checkpoint sets none.
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -204,6 +205,8 @@ def cache_spec(function: str, cache, legacy: Legacy | None = None) -> CacheSpec:
     if isinstance(cache, CacheSpec):
         return cache
     fields = dict(legacy.cache) if legacy is not None else {}
+    if "kv_dtype" in fields:  # named as the caller named it
+        kv_quant.kv_format("kv_cache_dtype", fields["kv_dtype"])
     if isinstance(cache, str):
         warnings.warn(f"{function}(cache={cache!r}) is deprecated and will be removed in the "
                       f"next release; pass cache=CacheSpec(kind={cache!r})",
