@@ -236,7 +236,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     graphdef, state = nnx.split(model)
     stats.weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(state))
     stats.cache_bytes = kv.nbytes
-    inputs = _place_inputs(model, plan, sampling, sampling.seed)
+    inputs = _place_inputs(model, plan, sampling)
     statics = step_statics(graphdef, sampling.greedy)
 
     start = time.perf_counter()
@@ -342,10 +342,10 @@ class _Inputs:
     step: Callable[[int], jax.Array]  # a decode step's number, as the steps take it
 
 
-def _place_inputs(model: Llama, plan: _Plan, sampling: SamplingParams, seed) -> _Inputs:
+def _place_inputs(model: Llama, plan: _Plan, sampling: SamplingParams) -> _Inputs:
     """The padded inputs: prompts right-padded with token 0 and extra batch rows of
     length 0 (neither is written to the cache), put on the device or the mesh."""
-    mesh = model.mesh
+    mesh, seed = model.mesh, sampling.seed
     tokens = np.zeros((plan.padded_batch, plan.prompt_bucket), np.int32)
     for b, p in enumerate(plan.prompts):
         tokens[b, :len(p)] = p
