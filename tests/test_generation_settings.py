@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from forge_jax import generation, text
-from forge_jax.generation import Callbacks, SamplingParams, settings, steps
+from forge_jax.generation import Callbacks, SamplingParams, loop, settings, steps
 from forge_jax.kv_cache import CacheSpec
 from forge_jax.models import TINY_DIR, llama
 from forge_jax.models.checkpoints.generation_config import GenerationConfig
@@ -67,7 +67,7 @@ def test_every_caller_asks_the_front_door(tiny, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(settings, "stopping", spy)
-    assert generation.loop.default_eos_token_ids(tiny) == real(
+    assert loop.default_eos_token_ids(tiny) == real(
         tiny.config, tiny.generation_config).eos_token_ids
     assert text.eos_ids(tiny, tokenizer, None) == real(tiny.config).eos_token_ids
     generation.generate(tiny, PROMPTS, 2)

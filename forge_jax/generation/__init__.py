@@ -13,27 +13,36 @@ the caller's values, :func:`stopping` for the eos ids and the token limit),
 on abstract arguments, for deviceless compiles), :mod:`~forge_jax.generation.export` (writes
 exported programs), :mod:`~forge_jax.generation.exported` (loads and runs them) and
 :mod:`~forge_jax.generation.op_shapes` (the ops a model calls, for ``forge-jax tune``).
+
+The names below load their module on first use, so that importing
+:mod:`~forge_jax.generation.exported` (JAX, NumPy and safetensors alone) does not pull in
+the model code and Flax.
 """
 
-from forge_jax.generation.loop import (
-    check_generation_fits,
-    check_sequence_length,
-    generate,
-    generate_with_stats,
-)
-from forge_jax.generation.sampling import SamplingParams
-from forge_jax.generation.settings import (
-    DEFAULT_MAX_NEW_TOKENS,
-    Callbacks,
-    Stopping,
-    sampling_params,
-    stopping,
-)
-from forge_jax.generation.stats import GenerationStats
-from forge_jax.generation.steps import decode_step, prefill_step
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_MAX_NEW_TOKENS", "Callbacks", "GenerationStats", "SamplingParams", "Stopping",
-    "check_generation_fits", "check_sequence_length", "decode_step", "generate",
-    "generate_with_stats", "prefill_step", "sampling_params", "stopping",
-]
+import importlib
+
+_HOMES = {
+    **dict.fromkeys(("check_generation_fits", "check_sequence_length", "generate",
+                     "generate_with_stats"), "forge_jax.generation.loop"),
+    "SamplingParams": "forge_jax.generation.sampling",
+    **dict.fromkeys(("DEFAULT_MAX_NEW_TOKENS", "Callbacks", "Stopping", "sampling_params",
+                     "stopping"), "forge_jax.generation.settings"),
+    "GenerationStats": "forge_jax.generation.stats",
+    **dict.fromkeys(("decode_step", "prefill_step"), "forge_jax.generation.steps"),
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_HOMES})
