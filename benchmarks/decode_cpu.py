@@ -70,6 +70,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from flax import nnx  # noqa: E402
 
+from forge_jax.kv_cache import CacheSpec  # noqa: E402
 from forge_jax.models import llama  # noqa: E402
 from forge_jax.models.checkpoints import hf_names as llama_hf
 from forge_jax.models.checkpoints import quantize as quantize_load
@@ -179,8 +180,8 @@ def weight_bytes_per_token(model: llama.Llama) -> int:
 
 
 def ours_ms(model, prompt, new_tokens, cache) -> float:
-    _, stats = llama.generate_with_stats(model, [prompt], new_tokens, cache=cache,
-                                         eos_token_id=())  # every step, no host reads
+    _, stats = llama.generate_with_stats(model, [prompt], new_tokens,  # every step, no host reads
+                                         cache=CacheSpec(kind=cache), eos_token_id=())
     return stats.decode_ms_per_step
 
 
@@ -245,7 +246,8 @@ def hf_forward_s(hf_model, prompt, logits_to_keep: int = 0) -> float:
 
 def ours_prefill_s(model, prompt, cache) -> float:
     """``generate_with_stats``' prefill seconds (compilation excluded) for one new token."""
-    return llama.generate_with_stats(model, [prompt], 1, cache=cache)[1].prefill_seconds
+    return llama.generate_with_stats(model, [prompt], 1,
+                                     cache=CacheSpec(kind=cache))[1].prefill_seconds
 
 
 def main_prefill(args):

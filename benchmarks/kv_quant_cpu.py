@@ -28,7 +28,7 @@ from _cpu import QUICK_QUANT, rounds_args
 from flax import nnx
 from quant_cpu import write_model
 
-from forge_jax.kv_cache import PagedKVCache
+from forge_jax.kv_cache import CacheSpec, PagedKVCache
 from forge_jax.models import llama
 from forge_jax.text import api as text
 
@@ -122,7 +122,7 @@ def decode(config, prompt_len, new_tokens, batch, rounds):
             kw = cache_kw(name)
             _, stats = llama.generate_with_stats(
                 model, prompts, new_tokens, eos_token_id=(), warm_up=True,
-                cache_dtype=kw["dtype"], kv_cache_dtype=kw["quantize"])
+                cache=CacheSpec(dtype=kw["dtype"], kv_dtype=kw["quantize"]))
             best[name] = min(best.get(name, np.inf), stats.decode_ms_per_step)
             sizes[name] = stats.cache_bytes
     for name in KV_DTYPES:

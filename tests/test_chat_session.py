@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from cases.chat_checkpoint import write_checkpoint
 
+from forge_jax.generation import sampling_params
 from forge_jax.text import api as text
 from forge_jax.text.chat_session import ChatSession, ContextFullError
 
@@ -83,5 +84,6 @@ def test_bad_inputs(tmp_path, chat_model, chat_tokenizer):
     with pytest.raises(ValueError, match="max_new_tokens"):
         ChatSession(chat_model, chat_tokenizer, max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
-        ChatSession(chat_model, chat_tokenizer, temperature=1.0, top_p=0.0)
+        ChatSession(chat_model, chat_tokenizer,
+                    sampling=sampling_params(chat_tokenizer.generation_config, top_p=0.0))
     assert session.messages == []  # nothing was added by the refused turns

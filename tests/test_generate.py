@@ -293,7 +293,7 @@ def test_sample_follows_the_filtered_distribution():
     (dict(prompts=[[1], [96]]), r"prompts\[1\].*\[0, 96\)"),
     (dict(prompts=[[-1]]), "outside"),
     (dict(max_new_tokens=-1), "max_new_tokens"),
-    (dict(cache="ring"), "cache"),
+    (dict(cache="ring"), "kind='ring'"),
     (dict(page_size=0), "page_size"),
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), r"temperature.*got nan"),
@@ -357,15 +357,15 @@ def test_steps_donate_the_cache(model):
     tokens = jnp.ones((4, 8), jnp.int32)
     params = sampling.SamplingParams().arrays()
     seen = jnp.zeros((4, CONFIG.vocab_size), bool)
-    mode = sampling.SamplingParams().mode
+    greedy = sampling.SamplingParams().greedy
     first, seen, new = llama.prefill_step(state, cache, tokens, jnp.full((4,), 8, jnp.int32),
                                           jax.random.key(0), params, seen, graphdef=graphdef,
-                                          mode=mode)
+                                          greedy=greedy)
     assert cache.k_pages[0].is_deleted() and not new.k_pages[0].is_deleted()
     np.testing.assert_array_equal(np.asarray(seen).sum(-1), [1, 1, 1, 1])  # the new token
     _, _, newer = llama.decode_step(state, new, first, jnp.ones((4,), bool), jax.random.key(0),
                                     jnp.asarray(1, jnp.int32), params, seen, graphdef=graphdef,
-                                    mode=mode)
+                                    greedy=greedy)
     assert new.k_pages[0].is_deleted() and seen.is_deleted()  # the mask too, in place
     np.testing.assert_array_equal(np.asarray(newer.lengths), [9, 9, 9, 9])
 

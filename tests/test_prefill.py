@@ -47,7 +47,7 @@ def test_empty_cache_prefill_matches_the_cached_path(kind):
     for empty in (False, True):
         out[empty] = llama.prefill_step(
             state, _cache(kind), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(1),
-            greedy.arrays(), seen, graphdef=graphdef, mode=greedy.mode, empty_cache=empty)
+            greedy.arrays(), seen, graphdef=graphdef, greedy=greedy.greedy, empty_cache=empty)
     (tok0, _, cache0), (tok1, _, cache1) = out[False], out[True]
     np.testing.assert_array_equal(np.asarray(tok0)[:2], np.asarray(tok1)[:2])
     np.testing.assert_array_equal(np.asarray(cache0.lengths), lengths)
@@ -75,16 +75,16 @@ def test_generate_prefills_an_empty_cache():
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
     params = sampling.SamplingParams().arrays()
-    mode = sampling.SamplingParams().mode
+    greedy = sampling.SamplingParams().greedy
     seen = jnp.zeros((2, CONFIG.vocab_size), bool)
     first, seen, cache = llama.prefill_step(
         state, cache, jnp.asarray(ids), jnp.asarray([5, 7], jnp.int32), jax.random.key(0),
-        params, seen, graphdef=graphdef, mode=mode)
+        params, seen, graphdef=graphdef, greedy=greedy)
     out = [np.asarray(first)]
     for step in range(1, 30):
         first, seen, cache = llama.decode_step(
             state, cache, first, jnp.ones((2,), bool), jax.random.key(0),
-            jnp.asarray(step, jnp.int32), params, seen, graphdef=graphdef, mode=mode)
+            jnp.asarray(step, jnp.int32), params, seen, graphdef=graphdef, greedy=greedy)
         out.append(np.asarray(first))
     np.testing.assert_array_equal(np.stack(out, 1), np.asarray(tokens))
 

@@ -1,7 +1,7 @@
 """A sampling filter (top-k, top-p, min-p) given without a temperature samples, the same
 way in ``forge-jax generate``, ``forge-jax chat`` and the Python API (``generate_text``,
-``ChatSession``), and the commands say so (issue 22, item 10). It used to be greedy, the
-filter silently dropped."""
+``ChatSession``), and the commands say so. It used to be greedy, the filter silently
+dropped."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import io
 import pytest
 
 from forge_jax import cli
+from forge_jax.generation import SamplingParams
 from forge_jax.generation.settings import sampling_params
 from forge_jax.text import api as text
 from forge_jax.text.chat_session import ChatSession
@@ -40,13 +41,16 @@ def test_no_filter_is_still_greedy(kwargs):
 
 
 def test_generate_text_and_chat_session_sample_with_a_filter(chat_model, chat_tokenizer):
-    kw = dict(max_new_tokens=12, seed=1)
-    greedy = text.generate_text(chat_model, chat_tokenizer, "Hello there", **kw)
-    sampled = text.generate_text(chat_model, chat_tokenizer, "Hello there", top_p=0.9, **kw)
-    assert sampled == text.generate_text(chat_model, chat_tokenizer, "Hello there",
-                                         temperature=1.0, top_p=0.9, **kw)
+    config = chat_tokenizer.generation_config
+    greedy = text.generate_text(chat_model, chat_tokenizer, "Hello there", max_new_tokens=12)
+    sampled = text.generate_text(chat_model, chat_tokenizer, "Hello there", max_new_tokens=12,
+                                 sampling=sampling_params(config, top_p=0.9, seed=1))
+    assert sampled == text.generate_text(
+        chat_model, chat_tokenizer, "Hello there", max_new_tokens=12,
+        sampling=sampling_params(config, temperature=1.0, top_p=0.9, seed=1))
     assert sampled != greedy
-    session = ChatSession(chat_model, chat_tokenizer, top_p=0.9, max_new_tokens=4)
+    session = ChatSession(chat_model, chat_tokenizer, max_new_tokens=4,
+                          sampling=sampling_params(config, top_p=0.9))
     assert not session.sampling.greedy and session.sampling.temperature == 1.0
 
 
@@ -57,7 +61,7 @@ def test_generate_command_samples_with_top_p_and_says_so(capsys, monkeypatch, ch
                        "--seed", "1")
     assert rc == 0, err
     expected = text.generate_text(chat_model, chat_tokenizer, "Hello there", max_new_tokens=12,
-                                  temperature=1.0, top_p=0.9, seed=1)
+                                  sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=1))
     assert f"completion: {expected!r}" in out, out
     assert ("decoding: sampling at temperature 1 (--top-p without --temperature; --temperature "
             "0 for greedy), top-p 0.9, seed 1") in out, out
@@ -69,8 +73,8 @@ def test_chat_command_samples_with_top_k_and_says_so(capsys, monkeypatch, chat_c
                        "--max-new-tokens", "8", "--top-k", "40", "--seed", "3", "--no-stats",
                        stdin="Hello there!\n")
     assert rc == 0, err
-    session = ChatSession(chat_model, chat_tokenizer, max_new_tokens=8, temperature=1.0,
-                          top_k=40, seed=3)
+    session = ChatSession(chat_model, chat_tokenizer, max_new_tokens=8,
+                          sampling=SamplingParams(temperature=1.0, top_k=40, seed=3))
     assert out == session.send("Hello there!") + "\n"
     assert "sampling at temperature 1 (--top-k without --temperature" in err, err
 

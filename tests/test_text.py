@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from cases.chat_checkpoint import TEMPLATE, write_checkpoint
 
+from forge_jax.generation import SamplingParams, sampling_params
 from forge_jax.models import llama
 from forge_jax.text import api as text
 
@@ -144,18 +145,21 @@ def test_generation_config_defaults_and_overrides(tmp_path, chat_model, chat_tok
         "top_k": 5, "top_p": 0.9, "max_new_tokens": 12})
     tok = text.load_tokenizer(path)
     assert tok.generation_config.eos_token_id == (ids[stop], 9999)
-    out = text.generate_ids(chat_model, tok, [tok.encode("The quick brown")], temperature=0.0)[1][0]
+    greedy_sampling = SamplingParams(temperature=0.0)
+    out = text.generate_ids(chat_model, tok, [tok.encode("The quick brown")],
+                            sampling=greedy_sampling)[1][0]
     assert out == ids[:stop + 1]  # its eos ids, its max_new_tokens
     pieces = []  # streaming stops at that eos too
-    stopped = text.generate_text(chat_model, tok, "The quick brown", temperature=0.0,
+    stopped = text.generate_text(chat_model, tok, "The quick brown", sampling=greedy_sampling,
                                  stream=lambda i, piece: pieces.append(piece))
     assert "".join(pieces) == stopped == chat_tokenizer.decode(ids[:stop]) != greedy
-    assert text.generate_text(chat_model, tok, "The quick brown", temperature=0.0,
+    assert text.generate_text(chat_model, tok, "The quick brown", sampling=greedy_sampling,
                               eos_token_id=[]) == greedy
     # Sampling defaults from the file, overridable one by one.
-    sampled = text.generate_text(chat_model, tok, "The quick brown", seed=3, eos_token_id=[])
-    explicit = dict(temperature=0.7, top_k=5, top_p=0.9, seed=3, max_new_tokens=12,
-                    generation_config=text.GenerationConfig())
+    sampled = text.generate_text(chat_model, tok, "The quick brown", eos_token_id=[],
+                                 sampling=sampling_params(tok.generation_config, seed=3))
+    explicit = dict(sampling=SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
+                    max_new_tokens=12, generation_config=text.GenerationConfig())
     assert sampled == text.generate_text(chat_model, chat_tokenizer, "The quick brown", **explicit)
     assert sampled != greedy
     (path / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))

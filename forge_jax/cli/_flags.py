@@ -111,14 +111,16 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
 
 
 def sampling_params(args: argparse.Namespace, generation_config):
-    """The flags over the checkpoint's generation_config.json: a ``SamplingParams``."""
+    """The flags (``--seed`` included, where the command has it) over the checkpoint's
+    generation_config.json: a ``SamplingParams``."""
     from forge_jax.generation import settings
 
     try:
         return settings.sampling_params(
             generation_config,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            seed=getattr(args, "seed", 0))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -145,7 +147,7 @@ def describe_sampling(args: argparse.Namespace, params, generation_config=None) 
     if params.repetition_penalty is not None:
         words.append(f"repetition penalty {params.repetition_penalty:g}")
     if not params.greedy:
-        words.append(f"seed {args.seed}")
+        words.append(f"seed {params.seed}")
     return ", ".join(words)
 
 

@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
+    from forge_jax.kv_cache import CacheSpec
     from forge_jax.models import llama
     from forge_jax.text import api as text
     from forge_jax.text.chat_session import ChatSession
@@ -104,10 +105,8 @@ def run(args: argparse.Namespace) -> int:
                                       **quantize_kwargs(args, config))
         session = ChatSession(
             model, tokenizer, max_context=args.max_context, system=args.system,
-            max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,
-            top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty, seed=args.seed,
-            kv_cache_dtype=args.kv_cache_dtype)
+            max_new_tokens=args.max_new_tokens, sampling=sampling,
+            cache=CacheSpec(kv_dtype=args.kv_cache_dtype))
         decoding = _flags.describe_sampling(args, sampling, tokenizer.generation_config)
         print(f"{describe(model, path, args)}; context {session.max_context} tokens; "
               f"{decoding}. One message per line; /help lists the commands; Ctrl-C stops a "

@@ -12,8 +12,8 @@ from forge_jax.cli._checkpoint import describe, quantize_kwargs, read_checkpoint
 from forge_jax.cli._run import UsageError
 
 NUM_PROBLEMS, SHOW = 256, 5  # a task run's defaults
-# The API's default (forge_jax/text/api.py, forge_jax/text/chat_session.py; chat's too),
-# without importing the models before --help.
+# The API's default (forge_jax.generation.settings.DEFAULT_MAX_NEW_TOKENS, which a test
+# holds this to), without importing JAX before --help.
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -310,17 +310,18 @@ def _check_task(task, config, args, path, mesh=None) -> None:
     ``--num-problems`` is refused here, not after a long loop building its prompts."""
     import jax.numpy as jnp
 
+    from forge_jax import generation
     from forge_jax.memory import InsufficientMemoryError
-    from forge_jax.models import llama
 
     prompt_tokens = 1 + task.max_prompt_chars  # <bos> and the longest prompt
     max_new = _task_new_tokens(task, args)
     _check_length(args, config, path, prompt_tokens, max_new, "the longest problem")
     dtype = jnp.dtype(args.dtype)
     try:
-        llama.check_generation_fits(config, batch=args.num_problems, longest_prompt=prompt_tokens,
-                                    max_new_tokens=max_new, cache=args.cache, param_dtype=dtype,
-                                    dtype=dtype, mesh=mesh, kv_cache_dtype=args.kv_cache_dtype)
+        generation.check_generation_fits(
+            config, batch=args.num_problems, longest_prompt=prompt_tokens,
+            max_new_tokens=max_new, cache=_cache_spec(args), param_dtype=dtype, dtype=dtype,
+            mesh=mesh)
     except InsufficientMemoryError as e:
         raise UsageError(f"--num-problems {args.num_problems} is too many: {e}") from None
 
@@ -328,6 +329,7 @@ def _check_task(task, config, args, path, mesh=None) -> None:
 def _run_task(model, task, args, progress) -> None:
     import numpy as np
 
+    from forge_jax.generation import Callbacks
     from forge_jax.models.tiny import task as tasks
 
     n = args.num_problems
@@ -336,11 +338,9 @@ def _run_task(model, task, args, progress) -> None:
     kw = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
     sampling = _flags.sampling_params(args, None)
     generated, stats = tasks.solve(
-        model, problems, cache=args.cache, temperature=sampling.temperature,
-        top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty, seed=args.seed, progress=progress,
-        allow_beyond_max_positions=args.allow_long_context,
-        kv_cache_dtype=args.kv_cache_dtype, **kw)
+        model, problems, sampling=sampling, cache=_cache_spec(args),
+        callbacks=Callbacks(progress=progress),
+        allow_beyond_max_positions=args.allow_long_context, **kw)
     progress.close()
     print(f"task: {task.max_digits}-digit addition; the model writes the sum's digits "
           f"least significant first, then <eos>")
@@ -371,23 +371,30 @@ def _prompt_new_tokens(args, config, prompts, generation_config=None) -> int:
     return text.default_max_new_tokens(config, max(len(p) for p in prompts), generation_config)
 
 
+def _cache_spec(args):
+    """``--cache`` and ``--kv-cache-dtype`` as a ``forge_jax.kv_cache.CacheSpec``."""
+    from forge_jax.kv_cache import CacheSpec
+
+    return CacheSpec(kind=args.cache, kv_dtype=args.kv_cache_dtype)
+
+
 def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
-    from forge_jax.models import llama
+    from forge_jax.generation import Callbacks
     from forge_jax.text import api as text
 
     generation_config = text.load_generation_config(path)
     sampling = _flags.sampling_params(args, generation_config)
-    if generation_config is not None and generation_config.eos_token_id:
-        eos = generation_config.eos_token_id
-    else:
-        eos = model.config.eos_token_ids or None
     max_new = _prompt_new_tokens(args, model.config, prompts, generation_config)
-    streamer = None
+    # The text API over the prompts' ids; without tokenizer.json (--prompt-ids), no text.
+    wrapped = None if tokenizer is None else text.Tokenizer(
+        tokenizer, generation_config=generation_config, name=str(path))
+    stream = None
     if args.stream and tokenizer is not None and len(prompts) == 1 and max_new > 0:
         # Text as it is decoded: the prompt, then the completion piece by piece.
-        streamer = text.TextStreamer(text.Tokenizer(tokenizer), 1, eos or (),
-                                     lambda b, piece: (sys.stdout.write(piece),
-                                                       sys.stdout.flush()))
+        def stream(index, piece):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
         if progress.enabled and _same_terminal(sys.stdout, progress.stream):
             # The text streaming in is the progress; a bar on the same terminal would write
             # over it (its carriage returns land in the middle of the completion).
@@ -397,14 +404,12 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
                       "this terminal (--no-stream for the bar)", file=sys.stderr)
         sys.stdout.write(tokenizer.decode(prompts[0], skip_special_tokens=True))
         sys.stdout.flush()
-    generated, stats = llama.generate_with_stats(
-        model, prompts, max_new, temperature=sampling.temperature,
-        top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty, seed=args.seed, cache=args.cache,
-        eos_token_id=eos, progress=progress, on_tokens=streamer, warm_up=True,
-        allow_beyond_max_positions=args.allow_long_context, kv_cache_dtype=args.kv_cache_dtype)
-    if streamer is not None:
-        streamer.close()
+    _, generated, stats = text.generate_ids(
+        model, wrapped, prompts, max_new_tokens=max_new, sampling=sampling,
+        generation_config=generation_config, stream=stream, cache=_cache_spec(args),
+        callbacks=Callbacks(progress=progress), warm_up=True,
+        allow_beyond_max_positions=args.allow_long_context)
+    if stream is not None:
         print()
     progress.close()
     for prompt, ids in zip(prompts, generated, strict=True):

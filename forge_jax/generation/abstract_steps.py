@@ -55,7 +55,7 @@ def abstract_steps(config: LlamaConfig, *, batch: int, context: int, dtype: Any,
         page_size=page_size, kv_heads=model.kv_heads, head_dim=config.head_dim, dtype=dtype,
         block_tables=np.zeros((padded, max_pages), np.int32)))
     sampling = SamplingParams()
-    statics = steps.step_statics(graphdef, sampling.mode)
+    statics = steps.step_statics(graphdef, sampling.greedy)
     params = {k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
               for k, v in sampling.arrays().items()}
     key = jax.eval_shape(lambda: jax.random.key(0))

@@ -121,7 +121,7 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
     # picked here (a Pallas GPU kernel) would not lower for the other platforms.
     here_only = platforms == (jax.default_backend(),)
     with fj.use_implementation(None if here_only else "xla"):
-        statics = steps.step_statics(graphdef, mode=True)
+        statics = steps.step_statics(graphdef, greedy=True)
     cache = ContiguousKVCache.create(
         num_layers=config.num_hidden_layers, batch=batch, max_len=context,
         kv_heads=model.kv_heads, head_dim=config.head_dim,
@@ -249,7 +249,7 @@ def _serialize_for_target(target, graphdef, state_tree, cache_tree, args, out: p
     device = target.device
     files = {}
     with targets_lib.use(target), jax.default_device(device), fj.use_implementation(None):
-        statics = steps.step_statics(graphdef, mode=True)
+        statics = steps.step_statics(graphdef, greedy=True)
         fns = _step_fns(statics, state_tree, cache_tree)
         for name in programs.STEPS:
             placed = aot.abstract(args[name], device)

@@ -20,10 +20,11 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax import memory as fj_memory
-from forge_jax.generation import sampling as sampling_lib
+from forge_jax.generation import settings
+from forge_jax.generation.sampling import SamplingParams
 from forge_jax.generation.stats import GenerationStats
 from forge_jax.generation.steps import decode_step, prefill_step, seen_tokens, step_statics
-from forge_jax.kv_cache import BlockManager, ContiguousKVCache, PagedKVCache
+from forge_jax.kv_cache import BlockManager, CacheSpec, ContiguousKVCache, PagedKVCache
 from forge_jax.models import llama_sharding
 from forge_jax.models.llama_model import Llama, LlamaConfig
 from forge_jax.ops import kv_quant
@@ -116,19 +117,25 @@ def cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
 
 
 def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
-                          max_new_tokens: int, cache: str = "paged", page_size: int = 16,
-                          param_dtype=jnp.float32, dtype=jnp.float32, cache_dtype=None,
-                          mesh=None, kv_cache_dtype: str | None = None) -> None:
+                          max_new_tokens: int, cache: CacheSpec | None = None,
+                          param_dtype=jnp.float32, dtype=jnp.float32, mesh=None,
+                          **deprecated) -> None:
     """Raises ``forge_jax.memory.InsufficientMemoryError`` if :func:`generate` with these
     sizes would not fit its KV cache and activations in the device's free memory.
 
     :func:`generate` runs this check itself; it is public so that a caller can run it
     before building a large batch of prompts (the CLI does, for ``--num-problems``).
-    ``mesh`` (a :class:`forge_jax.sharding.MeshConfig`, as on a sharded model): count
-    one device's share of the cache. ``kv_cache_dtype``: ``"int8"``/``"fp8"`` for a
-    quantized cache (a byte per value and a float32 scale per token and KV head).
+    ``cache``: the :class:`~forge_jax.kv_cache.CacheSpec` (default ``CacheSpec()``: paged,
+    16 tokens a page, in ``dtype``; ``kv_dtype="int8"``/``"fp8"`` counts a byte per value
+    and a float32 scale per token and KV head). ``mesh`` (a
+    :class:`forge_jax.sharding.MeshConfig`, as on a sharded model): count one device's
+    share of the cache. The keywords ``page_size``, ``cache_dtype`` and ``kv_cache_dtype``
+    (and ``cache`` as a kind's name) are deprecated: they go in the ``CacheSpec``.
     """
-    cache_dtype = jnp.dtype(dtype if cache_dtype is None else cache_dtype)
+    legacy = settings.legacy_keywords("check_generation_fits", deprecated, cache=cache)
+    spec = settings.cache_spec("check_generation_fits", cache, legacy)
+    cache, page_size, kv_cache_dtype = spec.kind, spec.page_size, spec.kv_dtype
+    cache_dtype = spec.resolved_dtype(dtype)
     padded_batch, prompt_bucket, cache_len, max_pages = cache_plan(
         batch, longest_prompt, max_new_tokens, cache, page_size,
         batch_multiple=1 if mesh is None else mesh.dp)
@@ -157,48 +164,35 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
 def default_eos_token_ids(model: Llama) -> tuple[int, ...]:
     """The ids :func:`generate` stops at when not given ``eos_token_id``, as transformers'
     ``generate`` chooses them: the model's ``generation_config.json`` ids (read by
-    ``from_pretrained``), else its ``config.json`` ``eos_token_id``, else none."""
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None and generation_config.eos_token_id:
-        return tuple(generation_config.eos_token_id)
-    return model.config.eos_token_ids
+    ``from_pretrained``), else its ``config.json`` ``eos_token_id``, else none. The same
+    as ``settings.stopping(model.config, model.generation_config).eos_token_ids``, the
+    front door every caller asks."""
+    return _stopping(model).eos_token_ids
 
 
-def _eos_set(eos_token_id) -> frozenset[int]:
-    if isinstance(eos_token_id, int | np.integer) and not isinstance(eos_token_id, bool):
-        return frozenset([int(eos_token_id)])
-    if isinstance(eos_token_id, Sequence | set | frozenset) and all(
-            isinstance(e, int | np.integer) and not isinstance(e, bool) for e in eos_token_id):
-        return frozenset(int(e) for e in eos_token_id)
-    raise TypeError(f"eos_token_id must be an int, a collection of ints (() for none) or "
-                    f"None, got {eos_token_id!r}")
+def _stopping(model: Llama, *, eos_token_id=None, max_new_tokens=None, longest_prompt=None
+              ) -> settings.Stopping:
+    return settings.stopping(model.config, getattr(model, "generation_config", None),
+                             eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
+                             longest_prompt=longest_prompt)
 
 
 def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
-                        max_new_tokens: int, *, temperature: float = 0.0,
-                        top_k: int | None = None, top_p: float | None = None,
-                        min_p: float | None = None, repetition_penalty: float | None = None,
-                        seed: int = 0, cache: str = "paged", page_size: int = 16,
-                        eos_token_id: int | Sequence[int] | None = None, cache_dtype=None,
-                        kv_cache_dtype: str | None = None,
-                        progress: Callable[[int, int], None] | None = None,
+                        max_new_tokens: int | None = None, *,
+                        sampling: SamplingParams | None = None, cache: CacheSpec | None = None,
+                        eos_token_id: int | Sequence[int] | None = None,
                         allow_beyond_max_positions: bool = False,
-                        on_tokens: Callable[[int, np.ndarray], None] | None = None,
-                        warm_up: bool = False
-                        ) -> tuple[list[list[int]], GenerationStats]:
+                        callbacks: settings.Callbacks | None = None, warm_up: bool = False,
+                        **deprecated) -> tuple[list[list[int]], GenerationStats]:
     """:func:`generate`, also returning a :class:`GenerationStats` with the timings.
 
-    ``progress``, when given, is called on the host as ``progress(done, total)`` after
-    the prefill and after each decode step (``done`` new tokens per sequence so far,
-    ``total = max_new_tokens``), e.g. to drive a progress bar.
-
-    ``on_tokens``, when given, streams the tokens: it is called on the host as
-    ``on_tokens(i, tokens)`` with the ``i``-th new token of every prompt (int32 NumPy
-    ``[batch]``), for ``i = 0, 1, ...`` in order, as soon as they reach the host. They are
-    read one decode step behind the device (while the next step runs), the same read the
-    eos check makes, so streaming adds no wait per token. A sequence's tokens after its
-    eos are passed too (ignore them), and steps may run past ``max_new_tokens``' useful
-    end by one, as the eos check does.
+    ``callbacks`` (:class:`~forge_jax.generation.settings.Callbacks`): ``progress(done,
+    total)`` after the prefill and each decode step (e.g. for a progress bar), and
+    ``on_tokens(i, tokens)`` with the ``i``-th new token of every prompt as soon as it
+    reaches the host (streaming; read one decode step behind the device, as the eos check
+    reads them, so it adds no wait per token; a sequence's tokens after its eos are passed
+    too, and steps may run past ``max_new_tokens``' useful end by one, as the eos check
+    does).
 
     ``warm_up=True`` runs the compiled prefill once on no tokens before timing it: the
     first run of a compiled step initialises per-executable runtimes (on CPU, ~0.45 s for
@@ -206,41 +200,55 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     ``prefill_seconds`` (the time to the first token). The CLI uses it; it costs one more
     prefill's time in total.
 
-    ``cache_dtype`` is the KV cache's float dtype (default the model's compute dtype);
-    ``kv_cache_dtype`` (``"int8"`` or ``"fp8"``, default None) quantizes it, as in
-    :func:`generate`.
+    The other arguments are :func:`generate`'s, and so are its deprecated keywords
+    (plus ``progress`` and ``on_tokens``, now in ``callbacks``).
     """
-    kv_cache_dtype = kv_quant.kv_format("kv_cache_dtype", kv_cache_dtype)
-    plan = _plan(model, prompts, max_new_tokens, cache=cache, page_size=page_size, seed=seed,
+    legacy = settings.legacy_keywords("generate_with_stats", deprecated, sampling=sampling,
+                                      cache=cache,
+                                      other=dict.fromkeys(("progress", "on_tokens"),
+                                                          "callbacks=Callbacks"))
+    if legacy.other:
+        if callbacks is not None:
+            raise TypeError("generate_with_stats() got callbacks= and "
+                            f"{', '.join(legacy.other)}=: put them in the Callbacks")
+        callbacks = settings.Callbacks(**legacy.other)
+    callbacks = callbacks or settings.Callbacks()
+    if sampling is None:
+        sampling = SamplingParams(**legacy.sampling)
+    elif not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams or None, got {sampling!r}")
+    spec = settings.cache_spec("generate_with_stats", cache, legacy)
+    prompts = _check_prompts(prompts, model.config.vocab_size)
+    stop = _stopping(model, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
+                     longest_prompt=max(len(p) for p in prompts))
+    plan = _plan(model, prompts, stop.max_new_tokens, spec,
                  allow_beyond_max_positions=allow_beyond_max_positions)
-    sampling = sampling_lib.SamplingParams(temperature, top_k, top_p, min_p,
-                                           repetition_penalty)
-    eos = _eos_set(default_eos_token_ids(model) if eos_token_id is None else eos_token_id)
-    cache_dtype = model.dtype if cache_dtype is None else jnp.dtype(cache_dtype)
+    eos = frozenset(stop.eos_token_ids)
+    cache_dtype = spec.resolved_dtype(model.dtype)
     stats = GenerationStats(
         batch=plan.batch, padded_batch=plan.padded_batch, prompt_bucket=plan.prompt_bucket,
         cache_len=plan.cache_len, cache=plan.cache, max_new_tokens=plan.max_new_tokens,
-        prompt_tokens=int(plan.lengths.sum()), kv_cache_dtype=kv_cache_dtype)
+        prompt_tokens=int(plan.lengths.sum()), kv_cache_dtype=spec.kv_dtype)
     if plan.max_new_tokens == 0:
         return [[] for _ in plan.prompts], stats
 
-    kv = _create_cache(model, plan, cache_dtype, kv_cache_dtype)
+    kv = _create_cache(model, plan, cache_dtype, spec.kv_dtype)
     graphdef, state = nnx.split(model)
     stats.weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(state))
     stats.cache_bytes = kv.nbytes
-    inputs = _place_inputs(model, plan, sampling, seed)
-    statics = step_statics(graphdef, sampling.mode)
+    inputs = _place_inputs(model, plan, sampling)
+    statics = step_statics(graphdef, sampling.greedy)
 
     start = time.perf_counter()
     prefill, decode, kv = _compile_steps(state, kv, inputs, statics, plan, warm_up)
     stats.compile_seconds = time.perf_counter() - start
 
     tokens, seen, kv, stats.prefill_seconds = _prefill(prefill, state, kv, inputs)
-    if progress is not None:
-        progress(1, plan.max_new_tokens)
+    if callbacks.progress is not None:
+        callbacks.progress(1, plan.max_new_tokens)
 
     outputs, stats.decode_steps, stats.decode_seconds = _decode_loop(
-        decode, state, kv, tokens, seen, inputs, plan, eos, progress, on_tokens)
+        decode, state, kv, tokens, seen, inputs, plan, eos, callbacks)
     results = _collect(outputs, plan.batch, eos)
     stats.new_tokens = sum(len(r) for r in results)
     stats.decode_tokens = stats.new_tokens - plan.batch  # the prefill gave each its first
@@ -273,31 +281,19 @@ class _Plan:
         return np.array([len(p) for p in self.prompts], np.int32)
 
 
-def _plan(model: Llama, prompts, max_new_tokens, *, cache, page_size, seed,
+def _plan(model: Llama, prompts: list[list[int]], max_new_tokens: int, spec: CacheSpec, *,
           allow_beyond_max_positions) -> _Plan:
-    """Checks the arguments (ValueError or TypeError naming them, before any work) and
-    buckets the shapes."""
+    """Checks the lengths (ValueError naming them, before any work) and buckets the
+    shapes; the prompts are checked, and ``max_new_tokens`` resolved, before."""
     config = model.config
-    prompts = _check_prompts(prompts, config.vocab_size)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
-            or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     check_sequence_length(config, len(prompts[longest]), max_new_tokens,
                           allow_beyond_max_positions=allow_beyond_max_positions,
                           what=f"prompts[{longest}]")
-    if cache not in ("paged", "contiguous"):
-        raise ValueError(f"cache must be 'paged' or 'contiguous', got {cache=!r}")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size=!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) \
-            or not -2**63 <= seed < 2**63:
-        raise ValueError(f"seed must be an int in [-2**63, 2**63), got {seed=!r}")
     mesh = model.mesh  # a forge_jax.sharding.MeshConfig for a sharded model, else None
-    shapes = cache_plan(len(prompts), len(prompts[longest]), max_new_tokens, cache,
-                         page_size, batch_multiple=1 if mesh is None else mesh.dp)
-    return _Plan(prompts, max_new_tokens, cache, page_size, *shapes)
+    shapes = cache_plan(len(prompts), len(prompts[longest]), max_new_tokens, spec.kind,
+                        spec.page_size, batch_multiple=1 if mesh is None else mesh.dp)
+    return _Plan(prompts, max_new_tokens, spec.kind, spec.page_size, *shapes)
 
 
 def _create_cache(model: Llama, plan: _Plan, cache_dtype, kv_cache_dtype):
@@ -307,10 +303,9 @@ def _create_cache(model: Llama, plan: _Plan, cache_dtype, kv_cache_dtype):
     config, mesh = model.config, model.mesh
     lengths = plan.lengths
     check_generation_fits(config, batch=plan.batch, longest_prompt=int(lengths.max()),
-                          max_new_tokens=plan.max_new_tokens, cache=plan.cache,
-                          page_size=plan.page_size, param_dtype=model.param_dtype,
-                          dtype=model.dtype, cache_dtype=cache_dtype, mesh=mesh,
-                          kv_cache_dtype=kv_cache_dtype)
+                          max_new_tokens=plan.max_new_tokens,
+                          cache=CacheSpec(plan.cache, plan.page_size, cache_dtype, kv_cache_dtype),
+                          param_dtype=model.param_dtype, dtype=model.dtype, mesh=mesh)
     if plan.cache == "paged":
         num_pages = plan.padded_batch * plan.max_pages
         manager = BlockManager(num_pages, plan.page_size)
@@ -347,11 +342,10 @@ class _Inputs:
     step: Callable[[int], jax.Array]  # a decode step's number, as the steps take it
 
 
-def _place_inputs(model: Llama, plan: _Plan, sampling: sampling_lib.SamplingParams,
-                  seed) -> _Inputs:
+def _place_inputs(model: Llama, plan: _Plan, sampling: SamplingParams) -> _Inputs:
     """The padded inputs: prompts right-padded with token 0 and extra batch rows of
     length 0 (neither is written to the cache), put on the device or the mesh."""
-    mesh = model.mesh
+    mesh, seed = model.mesh, sampling.seed
     tokens = np.zeros((plan.padded_batch, plan.prompt_bucket), np.int32)
     for b, p in enumerate(plan.prompts):
         tokens[b, :len(p)] = p
@@ -419,11 +413,13 @@ def _prefill(prefill, state, kv, inputs: _Inputs):
 
 
 def _decode_loop(decode, state, kv, tokens, seen, inputs: _Inputs, plan: _Plan,
-                 eos: frozenset[int], progress, on_tokens) -> tuple[list, int, float]:
+                 eos: frozenset[int], callbacks: settings.Callbacks
+                 ) -> tuple[list, int, float]:
     """The decode steps after the prefill's ``tokens``, until ``max_new_tokens`` or every
     sequence has generated an eos. Returns ``(outputs, steps, seconds)``: each step's
     tokens (the prefill's first), the decode steps run and their time."""
     batch = plan.batch
+    progress, on_tokens = callbacks.progress, callbacks.on_tokens
     outputs = [tokens]
     done = np.zeros((batch,), bool)
     eos_ids = np.asarray(sorted(eos), np.int32)
@@ -478,12 +474,9 @@ def _collect(outputs: list, batch: int, eos: frozenset[int]) -> list[list[int]]:
 
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
-             max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, min_p: float | None = None,
-             repetition_penalty: float | None = None, seed: int = 0, cache: str = "paged",
-             page_size: int = 16, eos_token_id: int | Sequence[int] | None = None,
-             allow_beyond_max_positions: bool = False,
-             kv_cache_dtype: str | None = None) -> list[list[int]]:
+             max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
+             cache: CacheSpec | None = None, eos_token_id: int | Sequence[int] | None = None,
+             allow_beyond_max_positions: bool = False, **deprecated) -> list[list[int]]:
     """Generates continuations of a batch of prompts of different lengths.
 
     Runs one jitted prefill over the right-padded prompts, then jitted decode steps of
@@ -497,36 +490,35 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
       model: a :class:`Llama`.
       prompts: a list of token-id lists (each non-empty, ids in ``[0, vocab_size)``), or a
         NumPy or JAX integer array ``[batch, seq]`` of equal-length prompts.
-      max_new_tokens: tokens to generate per prompt (>= 0).
-      temperature: 0 for greedy decoding; otherwise sampling from
-        ``softmax(logits / temperature)`` after the top-k / top-p filters. A temperature
-        below float32's smallest normal number (~1.18e-38) is greedy too: float32
-        cannot divide by it faithfully, and the distribution it asks for is the argmax.
-      top_k: keep the ``top_k`` most likely tokens (None: all).
-      top_p: nucleus sampling with Hugging Face's semantics (None: off).
-      min_p: keep the tokens at least ``min_p`` times as probable as the most probable
-        one (None: off).
-      repetition_penalty: transformers' repetition penalty over each sequence's tokens,
-        prompt included; applies to greedy decoding too (None or 1.0: off).
-        Every sampling parameter but greedy-or-not is a traced argument of the compiled
-        steps: changing its value does not recompile.
-      seed: seed of the ``jax.random`` key used for sampling.
-      cache: ``"paged"`` (pages allocated with ``forge_jax.kv_cache.BlockManager`` for
-        prompt + ``max_new_tokens`` up front) or ``"contiguous"``. Both give the same
-        greedy tokens.
-      page_size: tokens per page of the paged cache.
+      max_new_tokens: tokens to generate per prompt (>= 0). None: the model's
+        ``generation_config.json``'s, else 256 capped at the positions left after the
+        longest prompt (:func:`forge_jax.generation.settings.stopping`).
+      sampling: a :class:`~forge_jax.generation.SamplingParams` (temperature, top-k,
+        top-p, min-p, repetition penalty, seed), used as given; None: greedy decoding
+        (``SamplingParams()``). Every setting but greedy-or-not is a traced argument of
+        the compiled steps: changing its value does not recompile. A temperature below
+        float32's smallest normal number (~1.18e-38) is greedy too.
+      cache: a :class:`~forge_jax.kv_cache.CacheSpec`; None: ``CacheSpec()``, a paged
+        cache of 16-token pages (allocated with ``forge_jax.kv_cache.BlockManager`` for
+        prompt + ``max_new_tokens`` up front) in the model's compute dtype.
+        ``CacheSpec(kind="contiguous")`` gives the same greedy tokens;
+        ``CacheSpec(kv_dtype="int8")`` (or ``"fp8"``, e4m3) quantizes it, a scale per
+        token and KV head (:mod:`forge_jax.ops.kv_quant`): about half a bfloat16 cache's
+        bytes, a quarter of a float32 one's.
       eos_token_id: an id or a collection of ids; a sequence stops after generating one
         of them, and the eos token *is included* in its output (as transformers'
         ``generate`` returns it). None (the default): the model's own, as transformers
-        picks them (:func:`default_eos_token_ids`: ``generation_config.json``'s, else
-        ``config.json``'s, else none). ``()``: no stopping, always ``max_new_tokens``
-        tokens.
+        picks them (``generation_config.json``'s, else ``config.json``'s, else none;
+        :func:`forge_jax.generation.settings.stopping`). ``()``: no stopping, always
+        ``max_new_tokens`` tokens.
       allow_beyond_max_positions: run prompts whose length plus ``max_new_tokens``
         exceeds ``config.max_position_embeddings`` (for a model whose RoPE scaling
         extends the range); otherwise they raise ValueError before any work.
-      kv_cache_dtype: ``"int8"`` or ``"fp8"`` (e4m3) for a quantized KV cache, a scale per
-        token and KV head (:mod:`forge_jax.ops.kv_quant`): about half a bfloat16 cache's
-        bytes, a quarter of a float32 one's; None (the default): the model's compute dtype.
+      **deprecated: the loose keywords of earlier releases, accepted with a
+        ``DeprecationWarning`` until the next: ``temperature``, ``top_k``, ``top_p``,
+        ``min_p``, ``repetition_penalty``, ``seed`` (now in ``sampling``), ``page_size``,
+        ``cache_dtype``, ``kv_cache_dtype`` and ``cache="paged"``/``"contiguous"`` (now in
+        ``cache``).
 
     Returns:
       For each prompt, the list of new token ids (the prompt not included).
@@ -539,11 +531,12 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
         in the device's free memory.
 
     See :func:`generate_with_stats` for the same call with timings (prefill and decode
-    tokens/s) and a progress callback.
+    tokens/s), a progress callback and streaming.
     """
-    return generate_with_stats(model, prompts, max_new_tokens, temperature=temperature,
-                               top_k=top_k, top_p=top_p, min_p=min_p,
-                               repetition_penalty=repetition_penalty, seed=seed, cache=cache,
-                               page_size=page_size, eos_token_id=eos_token_id,
-                               allow_beyond_max_positions=allow_beyond_max_positions,
-                               kv_cache_dtype=kv_cache_dtype)[0]
+    legacy = settings.legacy_keywords("generate", deprecated, sampling=sampling, cache=cache)
+    if sampling is None and legacy.sampling:
+        sampling = SamplingParams(**legacy.sampling)
+    cache = settings.cache_spec("generate", cache, legacy)
+    return generate_with_stats(model, prompts, max_new_tokens, sampling=sampling, cache=cache,
+                               eos_token_id=eos_token_id,
+                               allow_beyond_max_positions=allow_beyond_max_positions)[0]

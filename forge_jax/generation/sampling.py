@@ -10,12 +10,13 @@ ascending order, is at most ``1 - top_p``; the most probable token is always kep
 keep the tokens whose probability is at least ``min_p`` times the largest.
 
 Every parameter's value may be a traced scalar, so one compiled step serves them all; only
-greedy versus sampling changes the compiled code (:attr:`SamplingParams.mode`).
+greedy versus sampling changes the compiled code (:attr:`SamplingParams.greedy`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,8 @@ class SamplingParams:
         token already in the sequence (prompt included) becomes ``x / penalty`` if
         positive, ``x * penalty`` otherwise (None or 1.0: off). Applies to greedy decoding
         too.
+      seed: the seed of the ``jax.random`` key the tokens are sampled with (unused when
+        greedy), an int in ``[-2**63, 2**63)``.
     """
 
     temperature: float = 0.0
@@ -61,6 +64,7 @@ class SamplingParams:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    seed: int = 0
 
     def __post_init__(self):
         if not _is_number(self.temperature) or not 0 <= self.temperature <= _FLOAT32_MAX:
@@ -77,15 +81,21 @@ class SamplingParams:
         if penalty is not None and (not _is_number(penalty) or not 0.0 < penalty <= _FLOAT32_MAX):
             raise ValueError(f"repetition_penalty must be a finite number > 0 or None, got "
                              f"{penalty!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer) \
+                or not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [-2**63, 2**63), got seed={self.seed!r}")
 
     @property
     def greedy(self) -> bool:
+        """Whether decoding is greedy (argmax): the only setting that changes the compiled
+        steps (their static ``greedy``). Every other one is an argument (:meth:`arrays`)."""
         return self.temperature < GREEDY_BELOW
 
     @property
     def mode(self) -> bool:
-        """The static part, whether decoding is greedy: the only thing that changes the
-        compiled code. Every other parameter is an argument (:meth:`arrays`)."""
+        """Deprecated name of :attr:`greedy` (removed in the next release)."""
+        warnings.warn("SamplingParams.mode is deprecated: use SamplingParams.greedy",
+                      DeprecationWarning, stacklevel=2)
         return self.greedy
 
     def arrays(self) -> dict[str, jax.Array]:

@@ -6,7 +6,7 @@ out, donated under ``jax.jit`` (updated in place), and the sampling of each step
 them as they do::
 
     graphdef, state = nnx.split(model)
-    statics = steps.step_statics(graphdef, sampling.mode)
+    statics = steps.step_statics(graphdef, greedy=sampling.greedy)
     params = sampling.arrays()
     tokens, seen, cache = steps.prefill_step(state, cache, prompt, lengths, key, params,
                                              seen, **statics)
@@ -72,10 +72,10 @@ class Static:
         return x.value if isinstance(x, Static) else x
 
 
-def step_statics(graphdef: nnx.GraphDef | Static, mode: bool) -> dict:
+def step_statics(graphdef: nnx.GraphDef | Static, greedy: bool) -> dict:
     """The static keyword arguments of :func:`prefill_step` and :func:`decode_step`:
-    ``graphdef`` (``nnx.split(model)[0]``, in a :class:`Static`), ``mode``
-    (:attr:`SamplingParams.mode`) and
+    ``graphdef`` (``nnx.split(model)[0]``, in a :class:`Static`), ``greedy``
+    (:attr:`SamplingParams.greedy`: argmax instead of sampling) and
     ``implementation_key``, the active implementation preference
     (``fj.use_implementation``, the environment).
 
@@ -85,18 +85,18 @@ def step_statics(graphdef: nnx.GraphDef | Static, mode: bool) -> dict:
     """
     if not isinstance(graphdef, Static):
         graphdef = Static(graphdef)  # hashed once, not at every step's dispatch
-    return dict(graphdef=graphdef, mode=mode,
+    return dict(graphdef=graphdef, greedy=greedy,
                 implementation_key=fj.dispatch.current_preference())
 
 
-_STATIC = ("graphdef", "mode", "implementation_key")
+_STATIC = ("graphdef", "greedy", "implementation_key")
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "empty_cache"),
                    donate_argnames=("cache",))
 def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
                  key: jax.Array, sampling: dict[str, jax.Array], seen: jax.Array, *,
-                 graphdef: nnx.GraphDef | Static, mode: bool, implementation_key=None,
+                 graphdef: nnx.GraphDef | Static, greedy: bool, implementation_key=None,
                  empty_cache: bool = False):
     """Prefills new tokens into a KV cache and samples the first token after them (jitted;
     ``cache`` is donated: use the returned one).
@@ -116,7 +116,7 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
       sampling: :meth:`SamplingParams.arrays`, scalars.
       seen: bool ``[batch, vocab]``, each row's tokens so far (:func:`seen_tokens`), for
         the repetition penalty.
-      graphdef, mode, implementation_key: static (:func:`step_statics`).
+      graphdef, greedy, implementation_key: static (:func:`step_statics`).
       empty_cache: static; True when ``cache`` holds no token yet (``cache.lengths``
         all 0: :func:`~forge_jax.generation.loop.generate`'s prefill). The tokens then
         attend to themselves alone rather than to the cache's whole capacity (see
@@ -135,7 +135,7 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
     logits, cache = model.forward_cached(tokens, positions, valid, cache,
                                          logits_at=jnp.maximum(lengths - 1, 0),
                                          empty_cache=empty_cache)
-    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, mode),
+    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, greedy),
                    cache)
 
 
@@ -145,7 +145,7 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "seen"))
 def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
                 key: jax.Array, step: jax.Array, sampling: dict[str, jax.Array],
-                seen: jax.Array, *, graphdef: nnx.GraphDef | Static, mode: bool,
+                seen: jax.Array, *, graphdef: nnx.GraphDef | Static, greedy: bool,
                 implementation_key=None):
     """One new token per sequence (jitted; ``cache`` and ``seen`` are donated: use the
     returned ones).
@@ -159,7 +159,7 @@ def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
       key: the ``jax.random`` key; step ``step`` samples with ``fold_in(key, step)``.
       step: int32 scalar, 1 for the first decode step, then 2, 3, ...
       sampling, seen: as for :func:`prefill_step`.
-      graphdef, mode, implementation_key: static (:func:`step_statics`).
+      graphdef, greedy, implementation_key: static (:func:`step_statics`).
 
     Returns:
       ``(tokens, seen, cache)``: the next token of each row, int32 ``[batch]``; ``seen``
@@ -170,7 +170,7 @@ def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
     logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
                                          logits_at=jnp.zeros_like(cache.lengths))
     return _placed(model, *_sample(logits, jax.random.fold_in(key, step), sampling, seen,
-                                   mode), cache)
+                                   greedy), cache)
 
 
 def _placed(model: Llama, tokens, seen, cache):

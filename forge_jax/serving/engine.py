@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.generation import settings
 from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache
 from forge_jax.serving import batch_step as serving_step
 from forge_jax.serving.batch_step import MIN_TABLE_PAGES  # noqa: F401  (the engine's API)
@@ -96,12 +97,10 @@ class Engine:
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
         self.manager = BlockManager(config.num_pages, self.page_size)
         self.prefix_cache = PrefixCache(self.manager, enabled=config.prefix_caching)
-        eos_token_ids = config.eos_token_ids
-        if eos_token_ids is None:
-            from forge_jax.generation.loop import default_eos_token_ids
-
-            eos_token_ids = default_eos_token_ids(model)
-        self.eos = frozenset(int(t) for t in eos_token_ids)
+        # The generation front door resolves the eos ids, as for generate and chat.
+        stop = settings.stopping(model_config, getattr(model, "generation_config", None),
+                                 eos_token_id=config.eos_token_ids)
+        self.eos = frozenset(stop.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.graphdef, self.state = nnx.split(model)
         # The weights as a flat list: a step's dispatch then flattens a list, not the state.

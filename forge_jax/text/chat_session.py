@@ -21,10 +21,9 @@ conversation and the cache consistent with it, and the next turn goes on from th
 
 Usage::
 
+    from forge_jax import text
     from forge_jax.models import llama
-    from forge_jax.text import api as text
-    from forge_jax.text.chat_session import ChatSession
-    session = ChatSession(llama.from_pretrained(DIR), text.load_tokenizer(DIR))
+    session = text.ChatSession(llama.from_pretrained(DIR), text.load_tokenizer(DIR))
     for piece in session.stream("Hello! Who are you?"):
         print(piece, end="", flush=True)
     reply = session.send("And what can you do?")   # only this turn's tokens are prefilled
@@ -49,10 +48,13 @@ from flax import nnx
 from forge_jax.generation import loop as generation
 from forge_jax.generation import settings
 from forge_jax.generation import steps as steps_lib
-from forge_jax.kv_cache import PagedKVCache
+from forge_jax.generation.sampling import SamplingParams
+from forge_jax.kv_cache import CacheSpec, PagedKVCache
+from forge_jax.models.checkpoints.generation_config import GenerationConfig
 from forge_jax.models.llama_model import Llama
-from forge_jax.ops import kv_quant
-from forge_jax.text import api as text_lib
+from forge_jax.text.chat_template import ChatTemplateError, check_messages
+from forge_jax.text.streaming import TextStreamer
+from forge_jax.text.tokenizer import Tokenizer, encode_chat
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -119,38 +121,46 @@ class ChatSession:
 
     Args:
       model: a :class:`~forge_jax.models.llama.Llama`.
-      tokenizer: a :class:`~forge_jax.text.api.Tokenizer` with a chat template.
+      tokenizer: a :class:`~forge_jax.text.Tokenizer` with a chat template.
       max_context: tokens the conversation may hold (prompt and replies); default the
         model's ``max_position_embeddings``, at most 4096. The cache for all of them is
         allocated up front (``forge_jax.memory`` checks it fits).
-      page_size: tokens per page of the paged cache.
+      cache: a :class:`~forge_jax.kv_cache.CacheSpec` of kind ``"paged"`` (None:
+        ``CacheSpec()``, 16-token pages in the model's compute dtype; ``kv_dtype="int8"``
+        or ``"fp8"`` quantizes it).
       prefill_chunk: a turn's new tokens are prefilled in chunks of this many (the last
         one padded), so that every turn runs the same compiled prefill: a turn whose
         length is new to the session compiles nothing. 32 keeps a short turn's padding
         cheap on a CPU, where a prefill's time grows with its rows from ~16 on.
       system: an optional system message that starts the conversation (kept by
         :meth:`reset`).
-      max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-        eos_token_id, generation_config: as in :func:`~forge_jax.text.api.generate_text`
-        (defaults from the checkpoint's generation_config.json).
-      kv_cache_dtype: ``"int8"`` or ``"fp8"`` for a quantized KV cache (None: the model's
-        compute dtype).
+      max_new_tokens, sampling, eos_token_id, generation_config: as in
+        :func:`~forge_jax.text.api.generate_text` (defaults from the checkpoint's
+        generation_config.json, resolved by :func:`forge_jax.generation.settings.stopping`
+        and :func:`~forge_jax.generation.settings.sampling_params`); ``max_new_tokens`` is
+        per turn, and a turn also stops when the context is full.
+      **deprecated: ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+        ``repetition_penalty``, ``seed`` (now in ``sampling``), ``page_size``,
+        ``cache_dtype`` and ``kv_cache_dtype`` (now in ``cache``): accepted with a
+        ``DeprecationWarning`` until the next release.
 
     Raises:
       forge_jax.text.api.ChatTemplateError: the tokenizer has no chat template.
     """
 
-    def __init__(self, model: Llama, tokenizer: text_lib.Tokenizer, *,
-                 max_context: int | None = None, page_size: int = 16, prefill_chunk: int = 32,
+    def __init__(self, model: Llama, tokenizer: Tokenizer, *, max_context: int | None = None,
+                 cache: CacheSpec | None = None, prefill_chunk: int = 32,
                  system: str | None = None, max_new_tokens: int | None = None,
-                 temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, min_p: float | None = None,
-                 repetition_penalty: float | None = None, seed: int = 0,
+                 sampling: SamplingParams | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
-                 generation_config: text_lib.GenerationConfig | None = None,
-                 kv_cache_dtype: str | None = None):
+                 generation_config: GenerationConfig | None = None, **deprecated):
+        legacy = settings.legacy_keywords("ChatSession", deprecated, sampling=sampling,
+                                          cache=cache)
+        cache = settings.cache_spec("ChatSession", cache, legacy)
+        if cache.kind != "paged":
+            raise ValueError(f"ChatSession keeps a paged cache, got cache={cache!r}")
         if not tokenizer.chat_template:
-            raise text_lib.ChatTemplateError(
+            raise ChatTemplateError(
                 f"{tokenizer.name} has no chat template (no 'chat_template' in "
                 f"tokenizer_config.json and no chat_template.jinja): a chat needs one")
         if getattr(model, "mesh", None) is not None:
@@ -161,40 +171,37 @@ class ChatSession:
             max_context = min(config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
             raise ValueError(f"max_context must be an int >= 2, got {max_context=!r}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size=!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
                 or prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk=!r}")
-        self.kv_cache_dtype = kv_quant.kv_format("kv_cache_dtype", kv_cache_dtype)
         if system is not None:
-            text_lib.check_messages([{"role": "system", "content": system}])
+            check_messages([{"role": "system", "content": system}])
         gen_config = tokenizer.generation_config if generation_config is None \
             else generation_config
-        self.sampling = settings.sampling_params(
-            gen_config,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty)
-        if max_new_tokens is None:
-            max_new_tokens = (gen_config.max_new_tokens if gen_config and gen_config.max_new_tokens
-                              else text_lib.DEFAULT_MAX_NEW_TOKENS)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 1:
+        if sampling is None:
+            sampling = settings.sampling_params(gen_config, **legacy.sampling)
+        elif not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {sampling!r}")
+        self.sampling = sampling
+        if isinstance(max_new_tokens, bool) or max_new_tokens is not None and (
+                not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens=!r}")
+        stop = settings.stopping(config, gen_config, eos_token_id=eos_token_id,
+                                 max_new_tokens=max_new_tokens,
+                                 tokenizer_eos_id=tokenizer.eos_token_id)
         self.model, self.tokenizer, self.system = model, tokenizer, system
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = max(1, stop.max_new_tokens)
         self.prefill_chunk = prefill_chunk
-        self.eos = frozenset(text_lib.eos_ids(model, tokenizer, gen_config, eos_token_id))
-        self.key = jax.random.key(seed)
+        self.eos = frozenset(stop.eos_token_ids)
+        self.key = jax.random.key(sampling.seed)
         self.max_context = max_context
-        self.page_size = page_size
+        self.cache_spec = cache
         generation.check_generation_fits(
-            config, batch=1, longest_prompt=max_context - 1, max_new_tokens=1, cache="paged",
-            page_size=page_size, param_dtype=model.param_dtype, dtype=model.dtype,
-            kv_cache_dtype=self.kv_cache_dtype)
+            config, batch=1, longest_prompt=max_context - 1, max_new_tokens=1, cache=cache,
+            param_dtype=model.param_dtype, dtype=model.dtype)
         self._cache = self._new_cache()
         self._graphdef, self._state = nnx.split(model)
-        self._statics = steps_lib.step_statics(self._graphdef, self.sampling.mode)
+        self._statics = steps_lib.step_statics(self._graphdef, self.sampling.greedy)
         self._params = self.sampling.arrays()
         self._warm = {"prefill": False, "decode": False}  # steps run once in this session
         self._open: Iterator[str] | None = None  # the stream of the turn in progress
@@ -206,11 +213,24 @@ class ChatSession:
 
     def _new_cache(self) -> PagedKVCache:
         config = self.model.config
-        pages = -(-self.max_context // self.page_size)
+        spec = self.cache_spec
+        pages = -(-self.max_context // spec.page_size)
         return PagedKVCache.create(
-            num_layers=config.num_hidden_layers, num_pages=pages, page_size=self.page_size,
-            kv_heads=self.model.kv_heads, head_dim=config.head_dim, dtype=self.model.dtype,
-            block_tables=np.arange(pages, dtype=np.int32)[None], quantize=self.kv_cache_dtype)
+            num_layers=config.num_hidden_layers, num_pages=pages, page_size=spec.page_size,
+            kv_heads=self.model.kv_heads, head_dim=config.head_dim,
+            dtype=spec.resolved_dtype(self.model.dtype),
+            block_tables=np.arange(pages, dtype=np.int32)[None], quantize=spec.kv_dtype)
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page of the session's cache (``cache_spec.page_size``)."""
+        return self.cache_spec.page_size
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """The cache's quantized format, ``"int8"`` or ``"fp8"`` (``cache_spec.kv_dtype``),
+        or None."""
+        return self.cache_spec.kv_dtype
 
     def reset(self) -> None:
         """Forgets the conversation (the system message stays); the next turn prefills
@@ -297,10 +317,10 @@ class ChatSession:
         runs. An earlier stream still open is ended first (:meth:`stop`)."""
         self.stop()
         message = {"role": "user", "content": content}
-        text_lib.check_messages([message])
+        check_messages([message])
         messages = [*self.messages, message]
         start = time.perf_counter()
-        ids = text_lib.encode_chat(self.tokenizer, messages)
+        ids = encode_chat(self.tokenizer, messages)
         render_seconds = time.perf_counter() - start
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
@@ -331,7 +351,7 @@ class ChatSession:
         held = reused  # the tokens of `ids` (then of the reply) the cache holds
         reply: list[int] = []
         pieces: list[str] = []
-        streamer = text_lib.TextStreamer(self.tokenizer, 1, self.eos,
+        streamer = TextStreamer(self.tokenizer, 1, self.eos,
                                          lambda b, piece: pieces.append(piece))
 
         def take(token: int) -> bool:  # a token on the host; True when it ends the reply

@@ -132,16 +132,15 @@ def is_correct(problem: Problem, ids: Sequence[int]) -> bool:
     return finished and text == problem.answer
 
 
-def solve(model, problems: Sequence[Problem], *, progress=None, **generate_kwargs):
+def solve(model, problems: Sequence[Problem], **generate_kwargs):
     """Generates the model's answers to ``problems`` in one batch (greedy by default).
 
     Args:
       model: a ``forge_jax.models.llama.Llama`` trained on this task.
       problems: the problems.
-      progress: passed to ``forge_jax.models.llama.generate_with_stats``.
-      **generate_kwargs: other arguments of ``generate_with_stats`` (``cache``, ``temperature``,
-        ...); ``max_new_tokens`` defaults to the longest possible answer (one digit more
-        than the longest operand) plus its eos.
+      **generate_kwargs: arguments of ``forge_jax.generation.generate_with_stats``
+        (``sampling``, ``cache``, ``callbacks``, ...); ``max_new_tokens`` defaults to the
+        longest possible answer (one digit more than the longest operand) plus its eos.
 
     Returns:
       ``(generated, stats)``: the new token ids of each problem (eos included when
@@ -153,7 +152,7 @@ def solve(model, problems: Sequence[Problem], *, progress=None, **generate_kwarg
     generate_kwargs.setdefault("max_new_tokens", longest + 1)
     generate_kwargs.setdefault("eos_token_id", EOS_ID)
     return llama.generate_with_stats(model, [encode_prompt(p) for p in problems],
-                                     progress=progress, **generate_kwargs)
+                                     **generate_kwargs)
 
 
 def accuracy(problems: Sequence[Problem], generated: Sequence[Sequence[int]]) -> float:

@@ -39,7 +39,7 @@ from flax import nnx
 from forge_jax.models import llama
 from forge_jax.models.tiny import task as tasks
 
-TINY_DIR = pathlib.Path(__file__).resolve().parent  # the package folder holds the files
+TINY_DIR = pathlib.Path(__file__).resolve().parent  # the checkpoint sits beside this file
 
 # The tiny model, as its config.json states it: GQA (4 query heads, 2 KV heads), ~0.5M
 # parameters, ~2 MB in float32.
