@@ -195,7 +195,7 @@ def _decode_collectives(layers, mesh, cache):
     compiled = steps.decode_step.lower(
         state, kv, rep(np.zeros(2, np.int32)), sharding.put(np.ones(2, bool), m.sharding(
             m.batch_axis(2))), jax.random.key(0), rep(np.int32(1)), params, seen,
-        graphdef=graphdef, mode=sampling_lib.SamplingParams().mode).compile()
+        graphdef=graphdef, greedy=sampling_lib.SamplingParams().greedy).compile()
     text = compiled.as_text()
     lines = [line for line in text.splitlines() if _COLLECTIVE.search(line)]
     return collections.Counter(_COLLECTIVE.search(line).group(1) for line in lines), lines
