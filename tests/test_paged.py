@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from cases import variants
 from cases.calls import jit_attention, jit_paged_attention, jit_paged_gather
-from cases.checks import assert_close
+from cases.checks import assert_close, assert_raises_as_listed
 from cases.inputs import garbage, rng
 from cases.paged import paged_cache
 from cases.references import attention_ref, f64
@@ -388,6 +388,4 @@ def _bad_calls():
 
 @pytest.mark.parametrize("case", range(len(_bad_calls())))
 def test_bad_arguments_raise_with_names(case):
-    call, error, match = _bad_calls()[case]
-    with pytest.raises(error, match=match):
-        call()
+    assert_raises_as_listed(_bad_calls()[case])
