@@ -1,4 +1,4 @@
-"""Controlling ``forge-jax chat`` (issue 22, item 7): Ctrl-C during a reply stops that reply
+"""Controlling ``forge-jax chat``: Ctrl-C during a reply stops that reply
 and the conversation goes on with it; Ctrl-C at the prompt, ``/exit`` and ``/quit`` end the
 chat cleanly; an unknown ``/command`` is reported, not sent to the model; on a terminal,
 ``readline`` edits lines and keeps a history; a chat template that raises, and an empty

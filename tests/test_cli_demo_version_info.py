@@ -1,6 +1,6 @@
 """``forge-jax demo`` checks every registered op (the paged and ragged ones included),
 ``forge-jax --version``, ``forge-jax info`` shows a platform's whole reason, and
-``generate``'s decode line counts its steps honestly (issue 22, item 14)."""
+``generate``'s decode line counts its steps honestly."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Input the ``forge-jax`` commands used to take and then fail on (or silently ignore):
 each is now one line on stderr naming the argument and its value, exit code 2, before the
-model loads (issue 22, item 11). And the Python API's ``from_pretrained`` names a dtype
-that is not a float dtype."""
+model loads. And the Python API's ``from_pretrained`` names a dtype that is not a float
+dtype."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A long ``--prompt`` that ``forge-jax generate`` refuses is named by its number, length
-and first words, with its token count, not echoed back whole (issue 22, item 12)."""
+and first words, with its token count, not echoed back whole."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``forge-jax`` in a real terminal (a pseudo-terminal from the ``pty`` module): the
-progress bar never writes over a completion streaming to the same terminal (issue 22,
-item 6)."""
+progress bar never writes over a completion streaming to the same terminal."""
 
 from __future__ import annotations
 

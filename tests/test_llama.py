@@ -12,14 +12,13 @@ loading-error tests write their checkpoints with safetensors alone and always ru
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.hf_families import forge_logits, hf_greedy, hf_logits
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -50,14 +49,6 @@ PARITY_CASES = {
     "llama3_rope_parameters": (dict(num_key_value_heads=1, head_dim=8, tie_word_embeddings=True),
                                500000.0, LLAMA3, "rope_parameters"),
 }
-
-
-@pytest.fixture(scope="module")
-def hf():
-    torch = pytest.importorskip("torch", reason="parity tests need torch (pip install .[parity])")
-    transformers = pytest.importorskip(
-        "transformers", reason="parity tests need transformers (pip install .[parity])")
-    return torch, transformers
 
 
 def _rewrite_config(directory: pathlib.Path, fmt: str, theta: float, scaling: dict | None):
@@ -100,31 +91,6 @@ def _hf_checkpoint(hf, directory: pathlib.Path, name: str, *, dtype="float32", *
     return ref
 
 
-def _hf_logits(hf, ref, tokens: np.ndarray) -> np.ndarray:
-    torch, _ = hf
-    with torch.no_grad():
-        return ref(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
-def _hf_greedy(hf, ref, prompt: list[int], max_new_tokens: int, eos=None) -> list[int]:
-    torch, _ = hf
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                           do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-@functools.partial(jax.jit, static_argnames="graphdef")
-def _jit_forward(state, tokens, *, graphdef):
-    return nnx.merge(graphdef, state)(tokens)
-
-
-def _logits(model, tokens) -> np.ndarray:
-    """``model(tokens)`` under jit: one compilation instead of one per eager op."""
-    graphdef, state = nnx.split(model)
-    return np.asarray(_jit_forward(state, jnp.asarray(tokens, jnp.int32), graphdef=graphdef))
-
-
 PROMPTS = [[3, 17, 99, 4, 56], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [120, 7, 64]]
 
 
@@ -138,14 +104,14 @@ def test_parity_with_transformers(hf, tmp_path, name):
     assert model.config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
 
     tokens = np.random.default_rng(0).integers(0, BASE["vocab_size"], (2, 40)).astype(np.int32)
-    expected = _hf_logits(hf, ref, tokens)
-    logits = _logits(model, tokens)
+    expected = hf_logits(ref, tokens)
+    logits = forge_logits(model, tokens)
     assert logits.dtype == np.float32 and logits.shape == expected.shape
     np.testing.assert_allclose(logits, expected, **LOGITS_TOL.as_kwargs())
     assert np.abs(expected).max() > 1.0  # not near-uniform logits
 
     got = llama.generate(model, PROMPTS, 8, eos_token_id=())  # ref's eos is off too
-    assert got == [_hf_greedy(hf, ref, p, 8) for p in PROMPTS]
+    assert got == [hf_greedy(ref, p, 8) for p in PROMPTS]
 
 
 def test_parity_catches_wrong_rope_scaling(hf, tmp_path):
@@ -155,17 +121,17 @@ def test_parity_catches_wrong_rope_scaling(hf, tmp_path):
     unscaled = llama.Llama(dataclasses.replace(model.config, rope_scaling=None), rngs=nnx.Rngs(0))
     nnx.update(unscaled, nnx.state(model))
     tokens = np.arange(40, dtype=np.int32)[None] % BASE["vocab_size"]
-    expected = _hf_logits(hf, ref, tokens)
-    wrong = _logits(unscaled, tokens)
+    expected = hf_logits(ref, tokens)
+    wrong = forge_logits(unscaled, tokens)
     assert np.abs(wrong - expected).max() > 100 * LOGITS_TOL.atol
 
 
 def test_greedy_stops_at_eos_like_transformers(hf, tmp_path):
     ref = _hf_checkpoint(hf, tmp_path, "gqa_tied")
     model = llama.from_pretrained(tmp_path)
-    free = _hf_greedy(hf, ref, PROMPTS[1], 10)
+    free = hf_greedy(ref, PROMPTS[1], 10)
     eos = free[3]  # a token the greedy continuation produces mid-way
-    expected = [_hf_greedy(hf, ref, p, 10, eos=eos) for p in PROMPTS]
+    expected = [hf_greedy(ref, p, 10, eos=eos) for p in PROMPTS]
     assert expected[1] == free[:free.index(eos) + 1]  # transformers keeps the eos token
     assert llama.generate(model, PROMPTS, 10, eos_token_id=eos) == expected
 
@@ -176,8 +142,8 @@ def test_sharded_checkpoint(hf, tmp_path):
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     model = llama.from_pretrained(tmp_path)
     tokens = np.random.default_rng(1).integers(0, BASE["vocab_size"], (1, 24)).astype(np.int32)
-    np.testing.assert_allclose(_logits(model, tokens),
-                               _hf_logits(hf, ref, tokens), **LOGITS_TOL.as_kwargs())
+    np.testing.assert_allclose(forge_logits(model, tokens),
+                               hf_logits(ref, tokens), **LOGITS_TOL.as_kwargs())
 
 
 def test_bfloat16_checkpoint(hf, tmp_path):
@@ -185,13 +151,13 @@ def test_bfloat16_checkpoint(hf, tmp_path):
     ref = _hf_checkpoint(hf, tmp_path, "gqa_tied", dtype="bfloat16")
     assert "BF16" in (tmp_path / "model.safetensors").read_bytes()[:4096].decode("latin-1")
     tokens = np.random.default_rng(2).integers(0, BASE["vocab_size"], (2, 16)).astype(np.int32)
-    expected = _hf_logits(hf, ref, tokens)  # transformers upcast the same bf16 values
+    expected = hf_logits(ref, tokens)  # transformers upcast the same bf16 values
     model = llama.from_pretrained(tmp_path)
-    np.testing.assert_allclose(_logits(model, tokens), expected,
+    np.testing.assert_allclose(forge_logits(model, tokens), expected,
                                **LOGITS_TOL.as_kwargs())
     model16 = llama.from_pretrained(tmp_path, dtype=jnp.bfloat16)
     assert model16.embed_tokens[...].dtype == jnp.bfloat16
-    logits16 = _logits(model16, tokens)
+    logits16 = forge_logits(model16, tokens)
     assert logits16.dtype == np.float32
     # bfloat16 activations: ~3 significant digits per op.
     assert np.abs(logits16 - expected).max() < 0.05 * np.abs(expected).max()
@@ -199,7 +165,7 @@ def test_bfloat16_checkpoint(hf, tmp_path):
     # bfloat16 storage with float32 compute: the upcast is exact, so float32 results.
     mixed = llama.from_pretrained(tmp_path, dtype=jnp.float32, param_dtype=jnp.bfloat16)
     assert mixed.layers[0].mlp.gate_up_proj.kernel[...].dtype == jnp.bfloat16
-    np.testing.assert_allclose(_logits(mixed, tokens), expected, **LOGITS_TOL.as_kwargs())
+    np.testing.assert_allclose(forge_logits(mixed, tokens), expected, **LOGITS_TOL.as_kwargs())
 
 
 # ---------------------------------------------------------------------------------------
@@ -352,7 +318,7 @@ def test_bad_directories(tmp_path):
 
 def test_model_call_shapes_and_validation():
     model = llama.Llama(llama.LlamaConfig.from_hf(_config_dict()), rngs=nnx.Rngs(0))
-    logits = _logits(model, np.zeros((2, 5), np.int32))
+    logits = forge_logits(model, np.zeros((2, 5), np.int32))
     assert logits.shape == (2, 5, BASE["vocab_size"]) and logits.dtype == jnp.float32
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         model(jnp.zeros((5,), jnp.int32))

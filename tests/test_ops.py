@@ -141,38 +141,31 @@ def test_rms_norm_tiny_and_huge_rows():
 # --- silu_mul / softmax ------------------------------------------------------------------
 
 
-@dtypes
-@pytest.mark.parametrize("shape", [(1,), (5, 7), (2, 3, 64)], ids=case_id)
-def test_silu_mul(dtype, shape):
-    g = rng(6, *shape)
-    gate, up = normal(g, shape, dtype, scale=4.0), normal(g, shape, dtype)
-    out = jcall(fj.silu_mul, gate, up)
-    assert out.dtype == dtype
-    assert_close(out, silu_mul_ref(gate, up))
-
-
-def test_silu_mul_extreme_gates():
-    gate = jnp.asarray(np.array([-100.0, -30.0, -1.0, 0.5, 30.0, 100.0], np.float32))
-    up = jnp.asarray(np.array([1.0, 2.0, -3.0, 4.0, -5.0, 6.0], np.float32))
-    assert_close(jcall(fj.silu_mul, gate, up), silu_mul_ref(gate, up))
+# name: (the op, its reference, a seed)
+GATED = {"silu_mul": (fj.silu_mul, silu_mul_ref, 6),
+         "gelu_tanh_mul": (fj.gelu_tanh_mul, gelu_tanh_mul_ref, 61)}
 
 
 @dtypes
 @pytest.mark.parametrize("shape", [(1,), (5, 7), (2, 3, 64)], ids=case_id)
-def test_gelu_tanh_mul(dtype, shape):
-    g = rng(61, *shape)
+@pytest.mark.parametrize("name", sorted(GATED))
+def test_gated_activation(name, dtype, shape):
+    op, ref, seed = GATED[name]
+    g = rng(seed, *shape)
     gate, up = normal(g, shape, dtype, scale=4.0), normal(g, shape, dtype)
-    out = jcall(fj.gelu_tanh_mul, gate, up)
+    out = jcall(op, gate, up)
     assert out.dtype == dtype
-    assert_close(out, gelu_tanh_mul_ref(gate, up))
+    assert_close(out, ref(gate, up))
 
 
-def test_gelu_tanh_mul_extreme_gates_and_mixed_dtypes():
+@pytest.mark.parametrize("name", sorted(GATED))
+def test_gated_activation_extreme_gates_and_mixed_dtypes(name):
+    op, ref, _ = GATED[name]
     gate = jnp.asarray(np.array([-100.0, -30.0, -1.0, 0.5, 30.0, 100.0], np.float32))
     up = jnp.asarray(np.array([1.0, 2.0, -3.0, 4.0, -5.0, 6.0], np.float32))
-    assert_close(jcall(fj.gelu_tanh_mul, gate, up), gelu_tanh_mul_ref(gate, up))
+    assert_close(jcall(op, gate, up), ref(gate, up))
     with pytest.raises(TypeError, match="dtype"):
-        fj.gelu_tanh_mul(gate, up.astype(jnp.bfloat16))
+        op(gate, up.astype(jnp.bfloat16))
 
 
 @dtypes

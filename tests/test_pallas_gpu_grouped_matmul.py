@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases.base import PallasGpu
+from cases.base import PallasGpu, assert_registered_unverified
 from cases.checks import assert_close
 from cases.grouped_matmul_base import ONE_GROUP, SINGLES, UNEVEN, GroupedMatmulCases, gmm_inputs
 from cases.grouped_references import grouped_matmul_ref
 
 import forge_jax as fj
-from forge_jax import _compat, dispatch
+from forge_jax import _compat
 from forge_jax.pallas_kernels.gpu import grouped_matmul as kernel
 
 ops_gmm = importlib.import_module("forge_jax.ops.grouped_matmul")
@@ -52,8 +52,7 @@ class TestGroupedMatmulPallasGpu(PallasGpu, GroupedMatmulCases):
     def test_row_tiles_shared_by_groups(self, sizes, dtype):
         x, w, group_sizes = gmm_inputs(sizes, 48, 40, dtype, pad=3)
         out = jax.jit(_kernel_call(16, 16, self.INTERPRET))(x, w, group_sizes)
-        np.testing.assert_array_equal(np.asarray(out[sum(sizes):], np.float32), 0.0)
-        assert_close(out, grouped_matmul_ref(x, w, sizes), implementation=self.IMPLEMENTATION)
+        self.assert_padded_output(out, x, w, sizes)
 
 
 class TestGroupedMatmulPallasGpuInterpret(TestGroupedMatmulPallasGpu):
@@ -62,8 +61,7 @@ class TestGroupedMatmulPallasGpuInterpret(TestGroupedMatmulPallasGpu):
 
 
 def test_registered_for_gpu_by_name_until_verified():
-    assert dispatch.implementations("grouped_matmul", "gpu")["pallas"].verified == {}
-    assert "pallas_gpu_interpret" in dispatch.implementations("grouped_matmul", "cpu")
+    assert_registered_unverified("grouped_matmul", "gpu")
 
 
 # --- the contract with the CUDA lowering -------------------------------------------------

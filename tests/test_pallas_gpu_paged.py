@@ -22,6 +22,7 @@ from cases.checks import assert_close
 from cases.inputs import rng
 from cases.paged import (
     default_positions,
+    lowered_paged_attention,
     paged_attention_args,
     paged_attention_specs,
     paged_cache,
@@ -113,9 +114,6 @@ def test_knobs_that_cannot_lower_are_refused():
 
 # --- lowering for CUDA and supports() ------------------------------------------------------
 
-S = jax.ShapeDtypeStruct
-
-
 LOWERED = [  # (q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype)
     (32, 8, 128, 16, None, BF16, None), (32, 8, 128, 16, 16, BF16, None),
     (9, 3, 64, 8, 4, F16, None), (9, 3, 80, 32, None, F32, None), (8, 2, 96, 64, 2, BF16, F32),
@@ -128,14 +126,7 @@ LOWERED = [  # (q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype)
 @pytest.mark.parametrize("masking", [{}, dict(sliding_window=7, logits_soft_cap=30.0)],
                          ids=["plain", "window_cap"])
 def test_accepted_cases_lower_for_cuda(case, masking):
-    shapes = paged_attention_specs(*case)
-    assert kernel.supports(paged_attention_args(shapes, **masking)) is None
-    positions = S((3, case[4] or 1), jnp.int32)
-    exported = _compat.export_for_cuda(
-        lambda q, k, v, t, n, p: kernel.paged_attention(q, k, v, t, n, q_positions=p,
-                                                        **masking),
-        *shapes, positions)
-    text = exported.mlir_module()
+    text = lowered_paged_attention(kernel, case, masking, _compat.export_for_cuda)
     assert "forge_jax_paged_attention" in text and "__gpu$xla.gpu.triton" in text
 
 

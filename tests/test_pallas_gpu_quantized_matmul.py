@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases.base import PallasGpu
+from cases.base import ImplementationCases, PallasGpu
 from cases.checks import assert_close
 from cases.quant import dequantize, dequantize_rounded
 
@@ -49,13 +49,9 @@ def _reference(a, q):
     return np.asarray(a, np.float64) @ w.T
 
 
-class TestQuantizedMatmulPallasGpu(PallasGpu):
+class TestQuantizedMatmulPallasGpu(PallasGpu, ImplementationCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
-
-    def setup_method(self):
-        if (reason := self.skip_reason()) is not None:
-            pytest.skip(reason)
 
     @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
     def test_matches_float64(self, case):

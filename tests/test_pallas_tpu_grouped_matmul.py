@@ -15,12 +15,9 @@ import importlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from cases.base import PallasTpu
-from cases.checks import assert_close
+from cases.base import PallasTpu, assert_registered_unverified
 from cases.grouped_matmul_base import ONE_GROUP, SINGLES, UNEVEN, GroupedMatmulCases, gmm_inputs
-from cases.grouped_references import grouped_matmul_ref
 
 import forge_jax as fj
 from forge_jax import _compat, dispatch
@@ -51,8 +48,7 @@ class TestGroupedMatmulPallasTpu(PallasTpu, GroupedMatmulCases):
                                          block_m=block_m, block_n=128, interpret=self.INTERPRET)
 
         out = jax.jit(fn)(x, w, group_sizes)
-        np.testing.assert_array_equal(np.asarray(out[sum(sizes):], np.float32), 0.0)
-        assert_close(out, grouped_matmul_ref(x, w, sizes), implementation=self.IMPLEMENTATION)
+        self.assert_padded_output(out, x, w, sizes)
 
 
 class TestGroupedMatmulPallasTpuInterpret(TestGroupedMatmulPallasTpu):
@@ -61,8 +57,7 @@ class TestGroupedMatmulPallasTpuInterpret(TestGroupedMatmulPallasTpu):
 
 
 def test_registered_for_tpu_by_name_until_verified():
-    assert dispatch.implementations("grouped_matmul", "tpu")["pallas"].verified == {}
-    assert "pallas_tpu_interpret" in dispatch.implementations("grouped_matmul", "cpu")
+    assert_registered_unverified("grouped_matmul", "tpu")
 
 
 # --- the contract with the Mosaic lowering -----------------------------------------------

@@ -21,6 +21,7 @@ from cases.checks import assert_close
 from cases.inputs import rng
 from cases.paged import (
     default_positions,
+    lowered_paged_attention,
     paged_attention_args,
     paged_attention_specs,
     paged_cache,
@@ -106,14 +107,7 @@ LOWERED = [  # (q_heads, kv_heads, head_dim, page_size, q_len, dtype, q_dtype)
 @pytest.mark.parametrize("masking", [{}, dict(sliding_window=7, logits_soft_cap=30.0)],
                          ids=["plain", "window_cap"])
 def test_accepted_cases_lower_for_tpu(case, masking):
-    shapes = paged_attention_specs(*case)
-    assert kernel.supports(paged_attention_args(shapes, **masking)) is None
-    positions = S((3, case[4] or 1), jnp.int32)
-    exported = _compat.export_for_tpu(
-        lambda q, k, v, t, n, p: kernel.paged_attention(q, k, v, t, n, q_positions=p,
-                                                        **masking),
-        *shapes, positions)
-    text = exported.mlir_module()
+    text = lowered_paged_attention(kernel, case, masking, _compat.export_for_tpu)
     assert "forge_jax_tpu_paged_attention" in text and "tpu_custom_call" in text
 
 

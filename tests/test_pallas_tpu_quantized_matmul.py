@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases.base import PallasTpu
+from cases.base import ImplementationCases, PallasTpu
 from cases.checks import assert_close
 from cases.quant import dequantize as dequantize_ref
 from cases.quant import w8a8_error_bound, w8a8_product
@@ -47,16 +47,9 @@ def _inputs(fmt, group, symmetric, m, n, k, dtype, seed=0):
     return a, q
 
 
-class TestQuantizedMatmulPallasTpu(PallasTpu):
+class TestQuantizedMatmulPallasTpu(PallasTpu, ImplementationCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
-
-    def setup_method(self):
-        if (reason := self.skip_reason()) is not None:
-            pytest.skip(reason)
-
-    def teardown_method(self):
-        self.after_test()
 
     @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
     def test_matches_float64(self, case):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.checks import assert_raises_as_listed
 
 import forge_jax as fj
 
@@ -169,9 +170,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_raises(case):
-    fn, error, match = CASES[case]
-    with pytest.raises(error, match=match):
-        fn()
+    assert_raises_as_listed(CASES[case])
 
 
 def test_validation_runs_before_tracing():

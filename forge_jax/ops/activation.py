@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,9 +52,14 @@ dispatch.define("silu_mul", _silu_mul_args, partition=_silu_mul_partition)
 @dispatch.register("silu_mul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="jnp, float32 math")
 def silu_mul_xla(gate, up):
-    with jax.named_scope("silu_mul"):
+    return _gated_xla("silu_mul", jax.nn.silu, gate, up)
+
+
+def _gated_xla(name, activation, gate, up):
+    """``activation(gate) * up`` in float32, back in the inputs' dtype."""
+    with jax.named_scope(name):
         g = gate.astype(jnp.float32)
-        return (jax.nn.silu(g) * up.astype(jnp.float32)).astype(gate.dtype)
+        return (activation(g) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 def gelu_tanh_mul(gate, up, *, implementation=None):
@@ -60,12 +67,7 @@ def gelu_tanh_mul(gate, up, *, implementation=None):
 
     ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))``, the tanh
     approximation of GELU (PyTorch's ``gelu(approximate="tanh")``, Hugging Face's
-    ``gelu_pytorch_tanh``), computed in float32.
-
-    Args:
-      gate, up: arrays of the same shape and the same float dtype (the dtype rule of
-        :mod:`forge_jax.ops`: a mix raises TypeError).
-      implementation: ``None`` (auto) or a registered implementation name.
+    ``gelu_pytorch_tanh``), computed in float32. The arguments are :func:`silu_mul`'s.
 
     Returns:
       ``gelu_tanh(gate) * up`` in the inputs' dtype.
@@ -79,9 +81,7 @@ dispatch.define("gelu_tanh_mul", _silu_mul_args, partition=_silu_mul_partition)
 @dispatch.register("gelu_tanh_mul", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="jnp, float32 math")
 def gelu_tanh_mul_xla(gate, up):
-    with jax.named_scope("gelu_tanh_mul"):
-        g = gate.astype(jnp.float32)
-        return (jax.nn.gelu(g, approximate=True) * up.astype(jnp.float32)).astype(gate.dtype)
+    return _gated_xla("gelu_tanh_mul", functools.partial(jax.nn.gelu, approximate=True), gate, up)
 
 
 def _softmax_args(x, *, axis=-1, where=None):

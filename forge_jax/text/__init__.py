@@ -9,33 +9,8 @@ Above :mod:`forge_jax.generation` in the layers: it may import the kernel librar
 CLI.
 """
 
-from forge_jax.generation.settings import DEFAULT_MAX_NEW_TOKENS
-from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
-from forge_jax.text.api import (
-    chat,
-    default_max_new_tokens,
-    eos_ids,
-    generate_ids,
-    generate_text,
-)
+from forge_jax.text import api
+from forge_jax.text.api import *  # noqa: F403  (the text API: api.__all__)
 from forge_jax.text.chat_session import ChatSession
-from forge_jax.text.chat_template import (
-    ROLES,
-    ChatTemplateError,
-    check_messages,
-    render_chat_template,
-)
-from forge_jax.text.streaming import TextStreamer
-from forge_jax.text.tokenizer import (
-    Tokenizer,
-    encode_chat,
-    load_generation_config,
-    load_tokenizer,
-)
 
-__all__ = [
-    "DEFAULT_MAX_NEW_TOKENS", "ROLES", "ChatSession", "ChatTemplateError", "CheckpointError",
-    "GenerationConfig", "TextStreamer", "Tokenizer", "chat", "check_messages",
-    "default_max_new_tokens", "encode_chat", "eos_ids", "generate_ids", "generate_text",
-    "load_generation_config", "load_tokenizer", "render_chat_template",
-]
+__all__ = [*api.__all__, "ChatSession"]

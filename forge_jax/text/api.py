@@ -34,26 +34,30 @@ from forge_jax.generation.settings import (  # noqa: F401  (the text API's names
     sampling_params,
 )
 from forge_jax.kv_cache import CacheSpec
-from forge_jax.models.checkpoints.generation_config import (  # noqa: F401  (also here)
-    CheckpointError,
-    GenerationConfig,
-)
+from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
 from forge_jax.models.llama_model import Llama
-from forge_jax.text.chat_template import (  # noqa: F401  (the text API's names, also here)
+from forge_jax.text.chat_template import (
     ROLES,
     ChatTemplateError,
     check_messages,
     render_chat_template,
 )
 from forge_jax.text.streaming import TextStreamer
-from forge_jax.text.tokenizer import (  # noqa: F401  (the text API's names, also here)
+from forge_jax.text.tokenizer import (
     Tokenizer,
     encode_chat,
     load_generation_config,
     load_tokenizer,
 )
 
-
+# The text API, with the names it takes from the modules beside it; forge_jax.text exports
+# these and ChatSession.
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS", "ROLES", "ChatTemplateError", "CheckpointError",
+    "GenerationConfig", "TextStreamer", "Tokenizer", "chat", "check_messages",
+    "default_max_new_tokens", "encode_chat", "eos_ids", "generate_ids", "generate_text",
+    "load_generation_config", "load_tokenizer", "render_chat_template",
+]
 def eos_ids(model: Llama, tokenizer: Tokenizer | None, config: GenerationConfig | None,
             eos: int | Sequence[int] | None = None) -> tuple[int, ...]:
     """The ids that end a sequence: ``eos`` (the caller's) if given, else

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from forge_jax import _compat
+from forge_jax import _compat, dispatch
 
 
 def parametrize_from(table: str, argnames: str = "case"):
@@ -126,3 +126,10 @@ class MosaicGpu:
     def after_test(self) -> None:
         if self.INTERPRET:
             assert _compat.mosaic_gpu_races_found() is not True, "the interpreter found a race"
+
+
+def assert_registered_unverified(op: str, platform: str) -> None:
+    """``op``'s compiled Pallas kernel is registered for ``platform`` by name only, verified
+    nowhere (auto selection passes it over), and its interpreted twin for the CPU."""
+    assert dispatch.implementations(op, platform)["pallas"].verified == {}
+    assert f"pallas_{platform}_interpret" in dispatch.implementations(op, "cpu")

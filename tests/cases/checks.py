@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from cases.references import f64, rms_norm_ref, rope_angles_ref, rope_ref, round_to
 from forge_jax import tolerances
@@ -108,3 +109,11 @@ def assert_rope_close(out, x, positions, *, theta=10000.0, scaling=None, interle
     bound = tol.atol + tol.rtol * np.abs(ref) + mag * slack[:, :, None, :]
     excess = np.abs(out64 - ref) - bound
     assert (excess <= 0).all(), f"{np.sum(excess > 0)} elements off by up to {excess.max()}"
+
+
+def assert_raises_as_listed(case) -> None:
+    """``case`` is ``(call, error type, message pattern)``: ``call()`` raises that error, its
+    message matching the pattern (the bad-input tables of the op tests)."""
+    call, error, match = case
+    with pytest.raises(error, match=match):
+        call()

@@ -63,8 +63,13 @@ class GroupedMatmulCases(ImplementationCases):
         x, w, group_sizes = gmm_inputs(UNEVEN, 128, 128, jnp.float32, pad=5)
         out = np.asarray(jit_gmm(self.IMPLEMENTATION)(x, w, group_sizes))
         assert np.isfinite(out).all()
-        np.testing.assert_array_equal(out[sum(UNEVEN):], 0.0)
-        assert_close(out, grouped_matmul_ref(x, w, UNEVEN), implementation=self.IMPLEMENTATION)
+        self.assert_padded_output(out, x, w, UNEVEN)
+
+    def assert_padded_output(self, out, x, w, sizes):
+        """``out`` of ``x`` with padding rows past the groups: zeros there, the float64
+        reference's values in the groups."""
+        np.testing.assert_array_equal(np.asarray(out[sum(sizes):], np.float32), 0.0)
+        assert_close(out, grouped_matmul_ref(x, w, sizes), implementation=self.IMPLEMENTATION)
 
     def test_grads_match_float64(self):
         """d x and d w with empty groups and NaN padding rows: zeros where no group reaches,

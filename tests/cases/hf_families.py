@@ -72,13 +72,14 @@ def hf_logits(ref, tokens) -> np.ndarray:
         return ref(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
 
 
-def hf_greedy(ref, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of one prompt (no end-of-sequence stop)."""
+def hf_greedy(ref, prompt: list[int], max_new_tokens: int, eos=None) -> list[int]:
+    """transformers' greedy continuation of one prompt, stopping at ``eos`` (an id or ids;
+    None: no end-of-sequence stop)."""
     import torch
 
     with torch.no_grad():
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+                           do_sample=False, eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -91,3 +92,13 @@ def forge_logits(model, tokens) -> np.ndarray:
     """forge_jax's logits of a model (its full forward, jitted) as NumPy."""
     graphdef, state = nnx.split(model)
     return np.asarray(_forward(state, jnp.asarray(tokens, jnp.int32), graphdef=graphdef))
+
+
+def unknown_config_fields(transformers, name: str, config_class: str) -> list[str]:
+    """The fields of transformers' default ``config_class`` that family ``name`` neither
+    handles nor refuses and that are not irrelevant to every family, sorted."""
+    from forge_jax.models import families
+
+    family = families.FAMILIES[name]
+    fields = set(getattr(transformers, config_class)().to_dict())
+    return sorted(fields - family.handled - families.IRRELEVANT - set(family.refused))

@@ -215,3 +215,18 @@ def paged_attention_args(specs, **masking):
     q, k, v, t, n = specs
     return dict(q=q, k_pages=k, v_pages=v, block_tables=t, lengths=n, scale=None,
                 q_positions=None, sliding_window=None, logits_soft_cap=None) | masking
+
+
+def lowered_paged_attention(kernel, case, masking, export) -> str:
+    """The module text of ``kernel.paged_attention`` lowered by ``export``
+    (``_compat.export_for_cuda`` or ``export_for_tpu``) at ``case`` (the arguments of
+    :func:`paged_attention_specs`) with explicit positions and ``masking`` keywords, after
+    asserting that ``kernel.supports`` accepts the case."""
+    specs = paged_attention_specs(*case)
+    assert kernel.supports(paged_attention_args(specs, **masking)) is None
+    positions = jax.ShapeDtypeStruct((3, case[4] or 1), jnp.int32)
+    exported = export(
+        lambda q, k, v, t, n, p: kernel.paged_attention(q, k, v, t, n, q_positions=p,
+                                                        **masking),
+        *specs, positions)
+    return exported.mlir_module()
