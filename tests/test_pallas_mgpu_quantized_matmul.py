@@ -16,7 +16,11 @@ import pytest
 from cases import quant as qref
 from cases.checks import assert_close
 from cases.inputs import normal, rng
-from cases.ptxas import compile_in_subprocess
+from cases.ptxas import (
+    QUANTIZED_MATMUL_PRELUDE,
+    assert_one_kernel_without_spills,
+    compile_in_subprocess,
+)
 from cases.shapes import LLAMA3_8B_MLP, SMOLLM_HIDDEN, SMOLLM_MLP
 
 import forge_jax as fj
@@ -169,27 +173,12 @@ COMPILE_CASES = {
 }
 # The Mosaic GPU plugin writes the PTX and ptxas report (registers, spills) only where
 # MOSAIC_GPU_DUMP_TO is set before the process's first Mosaic GPU compile: a child process.
-_COMPILE = textwrap.dedent("""
-    import json, sys
-    import jax, jax.numpy as jnp
-    import forge_jax as fj
-    from forge_jax.pallas_kernels.gpu import mosaic_quantized_matmul as mq
-    S = jax.ShapeDtypeStruct
+_COMPILE = QUANTIZED_MATMUL_PRELUDE + textwrap.dedent("""
     out = {}
     for name, (m, n, k, fmt, dtype) in json.loads(sys.argv[1]).items():
         kw = {"fp8-blocks": {"block": (128, 128)}, "int4-g32": {"group_size": 32},
               "int4-g64-min": {"group_size": 64, "symmetric": False}}.get(fmt, {})
-        fmt = fmt.split("-")[0]
-        q = jax.eval_shape(lambda w: fj.quantize(w, fmt, **kw), S((n, k), jnp.float32))
-        a = S((m, k), jnp.dtype(dtype))
-        with fj.targets.use("h100"):
-            reason = mq.supports(fj.dispatch.bind("quantized_matmul", a, q, trans_b=True))
-        r = fj.aot.compile(lambda a, q: fj.matmul(a, q, trans_b=True), a, q, target="h100",
-                           implementation="mosaic_gpu")
-        out[name] = dict(reason=reason, compiled=r.compiled, error=r.error, kernels=[
-            dict(name=x.name, registers=x.registers, spilled=x.spilled_bytes,
-                 smem=x.shared_memory, costed=x.costed, flops=x.flops,
-                 bytes=x.bytes_accessed) for x in r.kernels])
+        out[name] = compile_case("h100", m, n, k, fmt.split("-")[0], dtype, **kw)
     S2 = lambda *s: S(s[:-1], s[-1])
     limits = {  # the kernel alone, past what supports() and the wrapper allow
         "float32 activations": ((8, 512, jnp.float32), dict(max_concurrent_steps=2)),
@@ -214,18 +203,13 @@ def compiled(tmp_path_factory):
 @pytest.mark.target("h100")
 @pytest.mark.parametrize("name", sorted(COMPILE_CASES))
 def test_accepted_cases_compile_for_h100_without_spills(compiled, name):
-    r = compiled[name]
-    assert r["reason"] is None and r["compiled"], r
-    [k] = r["kernels"]
-    assert k["name"] == "forge_jax_mosaic_quantized_matmul" and k["costed"], k
     m, n, kk, fmt, _ = COMPILE_CASES[name]
     largest = mq.INT4_MAX_TILE_M if fmt.startswith("int4") else mq.MAX_TILE_M
     rows = mq.round_up(m, mq.tile_m_for(m, largest))  # WGMMA's rows: padded to 8 (a tile)
     stored = n * kk // (2 if fmt.startswith("int4") else 1)  # the weight's values
-    assert k["flops"] == 2 * rows * n * kk and k["bytes"] > stored, k
-    assert k["registers"] is not None and k["registers"] <= 255, k  # ptxas ran
-    assert k["spilled"] == 0, k
-    assert 0 < k["smem"] <= mq.SMEM_BYTES, k
+    assert_one_kernel_without_spills(compiled[name], "forge_jax_mosaic_quantized_matmul",
+                                     flops=2 * rows * n * kk, min_bytes=stored,
+                                     smem_limit=mq.SMEM_BYTES)
 
 
 @pytest.mark.target("h100")

@@ -19,7 +19,11 @@ import pytest
 from cases import quant as qref
 from cases.checks import assert_close
 from cases.inputs import normal, rng
-from cases.ptxas import compile_in_subprocess
+from cases.ptxas import (
+    QUANTIZED_MATMUL_PRELUDE,
+    assert_one_kernel_without_spills,
+    compile_in_subprocess,
+)
 from cases.shapes import LLAMA3_8B_MLP, SMOLLM_HIDDEN, SMOLLM_MLP
 
 import forge_jax as fj
@@ -127,25 +131,10 @@ COMPILE_CASES = {
     "llama3 up prefill 128 rows int8": (128, LLAMA3_8B_MLP, 4096, "int8"),
 }
 
-_COMPILE = textwrap.dedent("""
-    import json, sys
-    import jax, jax.numpy as jnp
-    import forge_jax as fj
-    from forge_jax.pallas_kernels.gpu import mosaic_quantized_matmul as mq
-    S = jax.ShapeDtypeStruct
+_COMPILE = QUANTIZED_MATMUL_PRELUDE + textwrap.dedent("""
     out = {}
     for name, (m, n, k, fmt) in json.loads(sys.argv[1]).items():
-        q = jax.eval_shape(lambda w: fj.quantize(w, fmt), S((n, k), jnp.float32))
-        a = S((m, k), jnp.bfloat16)
-        with fj.targets.use("b200"):
-            reason = mq.supports(fj.dispatch.bind("quantized_matmul", a, q, trans_b=True))
-        r = fj.aot.compile(lambda a, q: fj.matmul(a, q, trans_b=True), a, q, target="b200",
-                           implementation="mosaic_gpu")
-        out[name] = dict(reason=reason, compiled=r.compiled, error=r.error, kernels=[
-            dict(name=x.name, registers=x.registers, spilled=x.spilled_bytes,
-                 smem=x.shared_memory, costed=x.costed, flops=x.flops,
-                 bytes=x.bytes_accessed, roofline_us=x.roofline_seconds * 1e6)
-            for x in r.kernels])
+        out[name] = compile_case("b200", m, n, k, fmt, "bfloat16")
     print("RESULT" + json.dumps(out))
 """)
 
@@ -159,13 +148,8 @@ def compiled(tmp_path_factory):
 @pytest.mark.target("b200")
 @pytest.mark.parametrize("name", sorted(COMPILE_CASES))
 def test_accepted_cases_compile_for_b200_without_spills(compiled, name):
-    r = compiled[name]
-    assert r["reason"] is None and r["compiled"], r
-    [k] = r["kernels"]
-    assert k["name"] == "forge_jax_mosaic_quantized_matmul_sm100" and k["costed"], k
     m, n, kk, _ = COMPILE_CASES[name]
     rows = -(-m // sm100.tile_m(m)) * sm100.tile_m(m)  # padded to 16 (a tile)
-    assert k["flops"] == 2 * rows * n * kk and k["bytes"] > n * kk, k
-    assert k["registers"] is not None and k["registers"] <= 255, k  # ptxas ran
-    assert k["spilled"] == 0, k
-    assert 0 < k["smem"] <= sm100.SMEM_BYTES, k
+    assert_one_kernel_without_spills(compiled[name], "forge_jax_mosaic_quantized_matmul_sm100",
+                                     flops=2 * rows * n * kk, min_bytes=n * kk,
+                                     smem_limit=sm100.SMEM_BYTES)

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -56,3 +57,43 @@ def compile_h100(fn, *args, **kwargs):
               for n in re.findall(r"(\d+) bytes spill stores", ln)]
     registers = [int(n) for ln in lines for n in re.findall(r"Used (\d+) registers", ln)]
     return report, spills, registers
+
+
+def assert_one_kernel_without_spills(result: dict, kernel: str, *, flops: int, min_bytes: int,
+                                     smem_limit: int) -> None:
+    """One case of :func:`compile_in_subprocess`'s findings: accepted and compiled into the one
+    ``kernel``, costed at ``flops`` and more than ``min_bytes``, in registers ptxas reported
+    (at most 255), without spills, in at most ``smem_limit`` bytes of shared memory."""
+    assert result["reason"] is None and result["compiled"], result
+    [k] = result["kernels"]
+    assert k["name"] == kernel and k["costed"], k
+    assert k["flops"] == flops and k["bytes"] > min_bytes, k
+    assert k["registers"] is not None and k["registers"] <= 255, k  # ptxas ran
+    assert k["spilled"] == 0, k
+    assert 0 < k["smem"] <= smem_limit, k
+
+
+# The start of a compile_in_subprocess script for the Mosaic GPU quantized matmul:
+# ``compile_case(target, m, n, k, fmt, dtype, **quantize)`` compiles ``[m, k] @ [n, k]^T``
+# (the weight quantized to ``fmt``) through ``fj.matmul`` for ``target`` and returns what
+# supports() said and the compiled kernels' figures.
+QUANTIZED_MATMUL_PRELUDE = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    import forge_jax as fj
+    from forge_jax.pallas_kernels.gpu import mosaic_quantized_matmul as mq
+    S = jax.ShapeDtypeStruct
+
+    def compile_case(target, m, n, k, fmt, dtype, **quantize):
+        q = jax.eval_shape(lambda w: fj.quantize(w, fmt, **quantize), S((n, k), jnp.float32))
+        a = S((m, k), jnp.dtype(dtype))
+        with fj.targets.use(target):
+            reason = mq.supports(fj.dispatch.bind("quantized_matmul", a, q, trans_b=True))
+        r = fj.aot.compile(lambda a, q: fj.matmul(a, q, trans_b=True), a, q, target=target,
+                           implementation="mosaic_gpu")
+        return dict(reason=reason, compiled=r.compiled, error=r.error, kernels=[
+            dict(name=x.name, registers=x.registers, spilled=x.spilled_bytes,
+                 smem=x.shared_memory, costed=x.costed, flops=x.flops,
+                 bytes=x.bytes_accessed, roofline_us=x.roofline_seconds * 1e6)
+            for x in r.kernels])
+""")
