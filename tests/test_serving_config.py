@@ -70,3 +70,17 @@ def test_the_engine_holds_a_paged_cache_of_its_spec(chat_model):
     while engine.has_work():
         engine.step()
     assert len(stream.result()[0]) == 2
+
+
+def test_the_last_releases_keywords_still_build_the_same_engine_with_a_warning(chat_model):
+    with pytest.warns(DeprecationWarning, match=r"Engine\(\): the keywords kv_cache_dtype, "
+                                                r"num_pages, page_size are deprecated"):
+        engine = Engine(chat_model, None, num_pages=12, page_size=8, kv_cache_dtype="int8")
+    assert engine.config == EngineConfig(num_pages=12,
+                                         cache=CacheSpec(page_size=8, kv_dtype="int8"))
+    # Over a given config; unknown keywords are refused as Python refuses them.
+    with pytest.warns(DeprecationWarning):
+        engine = Engine(chat_model, None, EngineConfig(num_pages=12), overlap=False)
+    assert engine.config == EngineConfig(num_pages=12, overlap=False)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'pages'"):
+        Engine(chat_model, None, pages=12)

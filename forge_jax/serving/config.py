@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 
 from forge_jax.kv_cache import CacheSpec
 
@@ -12,6 +13,10 @@ from forge_jax.kv_cache import CacheSpec
 def _int_at_least(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+
+
+# Engine(...)'s keywords of the last release -> (where they now live, the CacheSpec field).
+_CACHE_KEYWORDS = {"page_size": "page_size", "cache_dtype": "dtype", "kv_cache_dtype": "kv_dtype"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +91,22 @@ class EngineConfig:
         if self.cache.kind != "paged":
             raise ValueError(f"cache.kind must be 'paged' (the engine's pool is paged), got "
                              f"cache.kind={self.cache.kind!r}")
+
+
+def from_keywords(config: EngineConfig | None, keywords: dict) -> EngineConfig:
+    """``Engine(model, tokenizer, max_batch_tokens=..., page_size=..., ...)``, the keywords of
+    the last release, as an :class:`EngineConfig` (over ``config``'s values, if given), with a
+    ``DeprecationWarning`` naming the new form; removed in the next release."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache"}
+    unknown = sorted(set(keywords) - fields - set(_CACHE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"Engine() got an unexpected keyword argument {unknown[0]!r}")
+    warnings.warn(f"Engine(): the keywords {', '.join(sorted(keywords))} are deprecated and "
+                  f"will be removed in the next release; pass config=EngineConfig(...) (page "
+                  f"size and dtypes in its cache=CacheSpec(...))", DeprecationWarning,
+                  stacklevel=3)
+    config = EngineConfig() if config is None else config
+    cache = {_CACHE_KEYWORDS[k]: v for k, v in keywords.items() if k in _CACHE_KEYWORDS}
+    return dataclasses.replace(
+        config, **{k: v for k, v in keywords.items() if k in fields},
+        **({"cache": dataclasses.replace(config.cache, **cache)} if cache else {}))

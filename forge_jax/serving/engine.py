@@ -44,6 +44,7 @@ import forge_jax as fj
 from forge_jax.generation import settings
 from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache
 from forge_jax.serving import batch_step as serving_step
+from forge_jax.serving import config as engine_config
 from forge_jax.serving.batch_step import MIN_TABLE_PAGES  # noqa: F401  (the engine's API)
 from forge_jax.serving.config import EngineConfig
 from forge_jax.serving.prefix_cache import PrefixCache
@@ -69,6 +70,9 @@ class Engine:
       tokenizer: a :class:`forge_jax.text.api.Tokenizer` for the text of the outputs
         and stop strings (None: token ids only).
       config: the engine's knobs, an :class:`~forge_jax.serving.config.EngineConfig`.
+      **deprecated: the loose keywords of the last release (``max_batch_tokens=``,
+        ``page_size=``, ``kv_cache_dtype=``, ...), mapped onto ``config`` with a
+        ``DeprecationWarning``; removed in the next release.
 
     Attributes:
       config: the :class:`EngineConfig` it was built with.
@@ -80,7 +84,10 @@ class Engine:
       manager: the :class:`~forge_jax.kv_cache.BlockManager` handing out its pages.
     """
 
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None,
+                 **deprecated):
+        if deprecated:
+            config = engine_config.from_keywords(config, deprecated)
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a forge_jax.serving.EngineConfig, got "
