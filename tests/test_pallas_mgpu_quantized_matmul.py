@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import quant as qref
-from cases.checks import assert_close
+from cases.checks import assert_close, assert_split_k_partials_written
 from cases.inputs import normal, rng
 from cases.ptxas import (
     QUANTIZED_MATMUL_PRELUDE,
     assert_one_kernel_without_spills,
-    compile_in_subprocess,
+    compiled_fixture,
 )
 from cases.shapes import LLAMA3_8B_MLP, SMOLLM_HIDDEN, SMOLLM_MLP
 
@@ -85,16 +85,9 @@ def test_matches_float64_in_the_interpreter(name):
 
 
 def test_every_output_slot_is_written():
-    # The interpreter fills what a kernel does not write with NaN: the raw partial sums
-    # (padding columns and every K split included) are finite, and sum to the product.
-    m, n, k = 8, 128, 256
-    a, q = _inputs((3,), n, k, "int8", jnp.bfloat16, seed=11)
-    x = jnp.pad(a, ((0, m - 3), (0, 0)))
-    part = mq.quantized_matmul_transposed(x, q.values, q.scales.reshape(n), tile_k=64,
-                                          max_concurrent_steps=2, split_k=2, interpret=True)
-    assert part.shape == (2, n, m) and np.isfinite(np.asarray(part)).all()
-    assert_close(part.sum(0).T[:3], _reference(a, q), implementation=INTERPRET)
-    assert np.abs(np.asarray(part[:, :, 3:])).max() == 0  # zero rows of padding
+    a, q = _inputs((3,), 128, 256, "int8", jnp.bfloat16, seed=11)
+    assert_split_k_partials_written(mq.quantized_matmul_transposed, a, q, rows=8,
+                                    implementation=INTERPRET)
 
 
 def _args(a, q, **kw):
@@ -194,10 +187,7 @@ _COMPILE = QUANTIZED_MATMUL_PRELUDE + textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    return compile_in_subprocess(_COMPILE, COMPILE_CASES, "h100",
-                                 tmp_path_factory.mktemp("mosaic_dump"))
+compiled = compiled_fixture(_COMPILE, COMPILE_CASES, "h100")
 
 
 @pytest.mark.target("h100")

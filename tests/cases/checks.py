@@ -117,3 +117,23 @@ def assert_raises_as_listed(case) -> None:
     call, error, match = case
     with pytest.raises(error, match=match):
         call()
+
+
+def assert_split_k_partials_written(kernel, a, q, *, rows: int, implementation: str) -> None:
+    """A quantized matmul kernel's raw partial sums, in the interpreter (which fills what a
+    kernel does not write with NaN): ``a`` (``[m, k]``, m < ``rows``) padded with zero rows to
+    ``rows``, times the per-channel int8 ``q`` (``[n, k]``) transposed, in two K splits of
+    tiles of 64. Every slot, padding columns and both splits included, is finite, the splits
+    sum to the float64 product, and the padding rows are zero."""
+    import jax.numpy as jnp
+
+    from cases import quant as qref
+
+    m, n = a.shape[0], q.shape[0]
+    x = jnp.pad(a, ((0, rows - m), (0, 0)))
+    part = kernel(x, q.values, q.scales.reshape(n), tile_k=64, max_concurrent_steps=2,
+                  split_k=2, interpret=True)
+    assert part.shape == (2, n, rows) and np.isfinite(np.asarray(part)).all()
+    want = np.asarray(a.astype(jnp.float32), np.float64) @ qref.dequantize(q).T
+    assert_close(part.sum(0).T[:m], want, implementation=implementation)
+    assert np.abs(np.asarray(part[:, :, m:])).max() == 0  # zero rows of padding

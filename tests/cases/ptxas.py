@@ -97,3 +97,14 @@ QUANTIZED_MATMUL_PRELUDE = textwrap.dedent("""
                  bytes=x.bytes_accessed, roofline_us=x.roofline_seconds * 1e6)
             for x in r.kernels])
 """)
+
+
+def compiled_fixture(script: str, cases: dict, target: str):
+    """A module-scoped fixture holding :func:`compile_in_subprocess`'s findings for
+    ``cases`` (compiled once per test module, their Mosaic dumps in a temporary folder)."""
+
+    @pytest.fixture(scope="module")
+    def compiled(tmp_path_factory):
+        return compile_in_subprocess(script, cases, target, tmp_path_factory.mktemp("mosaic_dump"))
+
+    return compiled
