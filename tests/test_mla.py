@@ -146,6 +146,14 @@ class TestMlaPagedAttention:
         scale = mla.yarn_softmax_scale(192, 40.0, 1.0)
         assert_close(paged(*step.args(), scale=scale), mla_step_ref(step, scale=scale))
 
+    def test_padding_lanes_of_a_wider_pool_are_never_read(self):
+        # DeepSeek-V3's 576 values in a 640-lane pool (the TPU cache's layout), the 64
+        # padding lanes NaN everywhere.
+        step = make_mla_step(rng(640), **MLA_MIXES["mixed"], page_size=16,
+                             **dict(DEEPSEEK_V3, heads=2), width=640)
+        assert np.isnan(step.latent_pages[..., 576:]).all()
+        assert_close(paged(*step.args()), mla_step_ref(step, scale=default_scale(step)))
+
     def test_bfloat16_pool(self):
         step = make_mla_step(rng(3), **MLA_MIXES["mixed"], page_size=8, dtype=jnp.bfloat16,
                              **SMALL)
@@ -264,7 +272,7 @@ def _bad_inputs():
         "q_pe_dtype": (call(1, step.q_pe.astype(np.float16)), TypeError, "q_nope and q_pe"),
         "q_pe_rows": (call(1, step.q_pe[:3]), ValueError, "all but the last axis"),
         "pool_rank": (call(2, pool[None]), ValueError, r"latent_pages must have rank 3"),
-        "pool_width": (call(2, pool[..., :SMALL["rope_dim"]]), ValueError, "must exceed"),
+        "pool_width": (call(2, pool[..., :SMALL["rope_dim"]]), ValueError, "must hold"),
         "w_uk_heads": (call(3, step.w_uk[:, :2]), ValueError, r"w_uk must be \[kv_lora_rank"),
         "w_uv_rank": (call(4, step.w_uv[:5]), ValueError, r"w_uv must be \[kv_lora_rank"),
         "kv_lengths": (call(6, step.kv_lengths[:1]), ValueError, r"kv_lengths must be"),
@@ -277,9 +285,9 @@ def _bad_inputs():
         "dense_batch": (dcall(2, jnp.concatenate([dense[2]] * 2)), ValueError, "batch"),
         "dense_lengths": (lambda: fj.mla_attention(*dense, kv_lengths=np.array([4], np.int32)),
                           ValueError, r"kv_lengths\[0\]=4 must lie in \[0, kv_len=3\]"),
-        "write_width": (lambda: fj.mla_paged_write(pool, jnp.zeros((1, 5)), jnp.zeros((1, 16)),
+        "write_width": (lambda: fj.mla_paged_write(pool, jnp.zeros((1, 40)), jnp.zeros((1, 16)),
                                                    np.array([0], np.int32)),
-                        ValueError, "kv_lora_rank \\+ rope_dim"),
+                        ValueError, "must hold kv_lora_rank"),
         "write_slot": (lambda: fj.mla_paged_write(pool, jnp.zeros((1, 32)), jnp.zeros((1, 16)),
                                                   np.array([10**6], np.int32)),
                        ValueError, r"slots\[0\]=1000000 is past the pool"),

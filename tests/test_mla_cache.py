@@ -19,7 +19,7 @@ from cases.mla import SMALL, mla_ref
 from cases.references import f64
 
 from forge_jax.kv_cache import BlockManager, KVCache, PagedLatentCache
-from forge_jax.kv_cache.latent import bytes_per_token
+from forge_jax.kv_cache.latent import bytes_per_token, pool_width
 
 H, RANK, ROPE, NOPE, V = (SMALL[k] for k in ("heads", "kv_lora_rank", "rope_dim", "nope_dim",
                                               "v_dim"))
@@ -32,10 +32,10 @@ def weights(seed):
             jnp.asarray(gen.standard_normal((RANK, H, V)) / RANK ** 0.5, jnp.float32))
 
 
-def nan_cache(num_layers, num_pages, tables, dtype=jnp.float32):
+def nan_cache(num_layers, num_pages, tables, dtype=jnp.float32, width=None):
     cache = PagedLatentCache.create(num_layers=num_layers, num_pages=num_pages,
                                     page_size=PAGE, kv_lora_rank=RANK, rope_dim=ROPE,
-                                    dtype=dtype, block_tables=tables)
+                                    dtype=dtype, block_tables=tables, width=width)
     return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if x.ndim == 3 else x, cache)
 
 
@@ -66,12 +66,13 @@ def test_is_a_kv_cache_and_a_pytree():
     assert len(leaves) == 4  # two pools, block tables, lengths
 
 
-def test_prefill_then_decode_with_padding_matches_expanded_float64():
+@pytest.mark.parametrize("width", [None, RANK + ROPE + 16])
+def test_prefill_then_decode_with_padding_matches_expanded_float64(width):
     gen = rng(1)
     w = weights(2)
     lengths = np.array([7, 4])  # prompts; row 1 right-padded
     tables = np.array([[5, 1, 3], [0, 4, 2]], np.int32)
-    cache = nan_cache(2, 6, tables)
+    cache = nan_cache(2, 6, tables, width=width)
     latents = gen.standard_normal((2, 10, RANK + ROPE)).astype(np.float32)
     t = 7
     positions = np.tile(np.arange(t), (2, 1)).astype(np.int32)
@@ -191,3 +192,13 @@ def test_bytes_per_token_deepseek_v3():
                           qk_head_dim=192, v_dim=128)
     assert got == {"latent": 61 * 576 * 2, "expanded": 61 * 128 * 320 * 2}
     assert got["expanded"] / got["latent"] == pytest.approx(71.1, abs=0.05)
+
+
+def test_pool_width_whole_lane_tiles_on_tpu_only():
+    assert pool_width(512, 64, platform="tpu") == 640
+    assert pool_width(512, 64, platform="gpu") == pool_width(512, 64, platform="cpu") == 576
+    assert pool_width(384, 128, platform="tpu") == 512
+    with pytest.raises(ValueError, match="width must hold"):
+        PagedLatentCache.create(num_layers=1, num_pages=2, page_size=PAGE, kv_lora_rank=RANK,
+                                rope_dim=ROPE, block_tables=np.zeros((1, 2), np.int32),
+                                width=RANK)

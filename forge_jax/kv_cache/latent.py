@@ -1,8 +1,9 @@
 """The paged latent cache of multi-head latent attention (DeepSeek-V3, Kimi K2).
 
-Per layer one pool of pages ``[num_pages, page_size, kv_lora_rank + rope_dim]`` shared by
-all sequences and heads (:mod:`forge_jax.ops.mla`): token ``i`` of sequence ``b`` is the
-vector ``[latent, k_pe]`` in page ``block_tables[b, i // page_size]`` at offset ``i %
+Per layer one pool of pages ``[num_pages, page_size, width]`` shared by all sequences and
+heads (:mod:`forge_jax.ops.mla`; ``width`` is ``kv_lora_rank + rope_dim``, padded to whole
+128-lane tiles on TPU, :func:`pool_width`): token ``i`` of sequence ``b`` is the vector
+``[latent, k_pe]`` in page ``block_tables[b, i // page_size]`` at offset ``i %
 page_size``. Pages are handed out by the same host-side
 :class:`~forge_jax.kv_cache.BlockManager` as a K/V pool's (allocation, prefix sharing by
 :meth:`~forge_jax.kv_cache.BlockManager.fork` and copy-on-write through
@@ -36,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from forge_jax import _checks
+from forge_jax import _checks, targets
 from forge_jax.kv_cache import _base
 from forge_jax.ops.mla import mla_paged_attention, mla_paged_write
 from forge_jax.ops.paged import copy_pages
@@ -52,41 +53,60 @@ def bytes_per_token(*, num_layers: int, kv_lora_rank: int, rope_dim: int, heads:
             "expanded": num_layers * heads * (qk_head_dim + v_dim) * size}
 
 
+def pool_width(kv_lora_rank: int, rope_dim: int, *, platform: str | None = None) -> int:
+    """The last axis of a latent pool on ``platform`` (None: the current target's or JAX's):
+    ``kv_lora_rank + rope_dim`` rounded up to whole 128-lane tiles on TPU (640 for
+    DeepSeek-V3's 576: XLA lays a narrower pool out pages-minor, and the TPU kernel reading
+    pages row-major would copy the pool per step), exact elsewhere."""
+    platform = targets.platform() if platform is None else platform
+    width = kv_lora_rank + rope_dim
+    return -(-width // 128) * 128 if platform == "tpu" else width
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedLatentCache:
     """Per layer one latent page pool shared by all sequences, and a block table per sequence.
 
     Attributes:
-      pages: tuple (one entry per layer) of ``[num_pages, page_size, kv_lora_rank +
-        rope_dim]`` arrays.
+      pages: tuple (one entry per layer) of ``[num_pages, page_size, width]`` arrays,
+        ``width >= kv_lora_rank + rope_dim`` (:func:`pool_width`).
       block_tables: int32 ``[batch, max_pages]``.
       lengths: int32 ``[batch]``, tokens in each sequence before this step.
-      rope_dim: static, the width of the RoPE key at the end of each stored vector.
+      kv_lora_rank, rope_dim: static, the widths of the latent and of the RoPE key after
+        it in each stored vector.
     """
 
     pages: tuple[jax.Array, ...]
     block_tables: jax.Array
     lengths: jax.Array
+    kv_lora_rank: int = dataclasses.field(metadata=dict(static=True))
     rope_dim: int = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
     def create(cls, *, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int,
                rope_dim: int, dtype: Any = jnp.float32, block_tables,
-               lengths=None) -> PagedLatentCache:
+               lengths=None, width: int | None = None) -> PagedLatentCache:
         """An empty pool (zeros) with the given block tables (int ``[batch, max_pages]``);
-        ``lengths`` (int ``[batch]``) defaults to zeros."""
+        ``lengths`` (int ``[batch]``) defaults to zeros. ``width``: the pool's last axis,
+        at least ``kv_lora_rank + rope_dim``; None decides by :func:`pool_width` (padded to
+        whole 128-lane tiles on TPU)."""
         num_layers, shape, dtype = _base.geometry(num_layers, dict(
             num_pages=num_pages, page_size=page_size, kv_lora_rank=kv_lora_rank,
             rope_dim=rope_dim), dtype)
         num_pages, page_size, kv_lora_rank, rope_dim = shape
+        if width is None:
+            width = pool_width(kv_lora_rank, rope_dim)
+        elif _checks.positive_int("width", width) < kv_lora_rank + rope_dim:
+            raise ValueError(f"width must hold kv_lora_rank + rope_dim = {kv_lora_rank} + "
+                             f"{rope_dim}, got {width=}")
         block_tables = _block_tables(block_tables)
         batch = block_tables.shape[0]
         lengths = (jnp.zeros((batch,), jnp.int32) if lengths is None
                    else _base.lengths_array("lengths", lengths, batch))
-        pages = _base.zeros_per_layer(num_layers, (num_pages, page_size,
-                                                   kv_lora_rank + rope_dim), dtype)
-        return cls(pages=pages, block_tables=block_tables, lengths=lengths, rope_dim=rope_dim)
+        pages = _base.zeros_per_layer(num_layers, (num_pages, page_size, width), dtype)
+        return cls(pages=pages, block_tables=block_tables, lengths=lengths,
+                   kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
 
     @property
     def num_layers(self) -> int:
@@ -107,10 +127,6 @@ class PagedLatentCache:
     @property
     def page_size(self) -> int:
         return self.pages[0].shape[1]
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return self.pages[0].shape[2] - self.rope_dim
 
     @property
     def dtype(self) -> jnp.dtype:

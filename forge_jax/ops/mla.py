@@ -17,15 +17,21 @@ Two ops, one computation:
 * :func:`mla_attention`, the prefill form over dense latents: the XLA implementation expands
   the latent to per-head keys and values, as the formula above reads.
 * :func:`mla_paged_attention`, decode and mixed prefill/decode steps over a **paged latent
-  pool** ``[num_pages, page_size, kv_lora_rank + rope_dim]`` (token ``i`` of a sequence in
-  page ``block_tables[b, i // page_size]`` at offset ``i % page_size``, the latent first and
-  the RoPE key after it, as :func:`mla_paged_write` stores them), for ragged batches laid out
+  pool** ``[num_pages, page_size, width]`` (token ``i`` of a sequence in page
+  ``block_tables[b, i // page_size]`` at offset ``i % page_size``, the latent first, the RoPE
+  key after it, then ``width - kv_lora_rank - rope_dim`` padding lanes, as
+  :func:`mla_paged_write` stores them), for ragged batches laid out
   as :func:`forge_jax.ragged_paged_attention` takes them. It computes *weight-absorbed*:
   ``q_nope[h] . (c @ w_uk[:, h]) = (w_uk[:, h] @ q_nope[h]) . c``, so each query is
   multiplied into the latent space once (``q_latent [heads, kv_lora_rank]``), attention runs
   as one-KV-head attention over the stored ``[latent, k_pe]`` vectors with the latent as its
   value, and the latent output is up-projected per head by ``w_uv`` at the end. The pool is
   never expanded.
+
+The pool's width may exceed ``kv_lora_rank + rope_dim``: on TPU the latent cache pads it to
+whole 128-lane tiles (640 for DeepSeek-V3's 576), since XLA lays out a 576-wide pool with the
+pages minor and a kernel reading pages row-major would copy the pool per step; the padding
+lanes are never read.
 
 The softmax scale
 -----------------
@@ -64,7 +70,12 @@ from forge_jax.ops._attention_math import (
     weighted_values,
 )
 from forge_jax.ops.paged import check_slot_values
-from forge_jax.ops.ragged import check_num_seqs, check_ragged_values, ragged_paged_attention_xla
+from forge_jax.ops.ragged import (
+    check_num_seqs,
+    check_ragged_values,
+    ragged_paged_attention_xla,
+    token_rows,
+)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -278,8 +289,8 @@ def _mla_paged_write_args(latent_pages, latent, k_pe, slots):
     if k_pe.shape[0] != tokens or slots.shape[0] != tokens:
         raise ValueError(f"latent, k_pe and slots must agree on tokens: {latent.shape=}, "
                          f"{k_pe.shape=}, {slots.shape=}")
-    if latent.shape[1] + k_pe.shape[1] != latent_pages.shape[2]:
-        raise ValueError(f"latent_pages' last axis must be kv_lora_rank + rope_dim = "
+    if latent.shape[1] + k_pe.shape[1] > latent_pages.shape[2]:
+        raise ValueError(f"latent_pages' last axis must hold kv_lora_rank + rope_dim = "
                          f"{latent.shape[1]} + {k_pe.shape[1]}, got {latent_pages.shape=}")
     check_slot_values(slots, latent_pages.shape[0] * latent_pages.shape[1])
     return dict(latent_pages=latent_pages, latent=latent, k_pe=k_pe, slots=slots)
@@ -288,14 +299,15 @@ def _mla_paged_write_args(latent_pages, latent, k_pe, slots):
 def mla_paged_write(latent_pages, latent, k_pe, slots, *, implementation=None):
     """Writes each token's ``[latent, k_pe]`` vector into the latent page pool.
 
-    ``latent_pages[s // page_size, s % page_size] = concat(latent[t], k_pe[t])`` for every
-    token ``t`` with slot ``s = slots[t] >= 0``; a negative slot skips the token; a slot at
+    ``latent_pages[s // page_size, s % page_size] = concat(latent[t], k_pe[t], 0...)`` (zeros
+    in the padding lanes of a wider pool) for every token ``t`` with slot ``s = slots[t] >=
+    0``; a negative slot skips the token; a slot at
     or past ``num_pages * page_size`` raises ValueError when concrete and writes nothing
     when traced (:mod:`forge_jax.ops.paged`'s index contract). Stored in the pool's dtype.
     Donate the pool under ``jax.jit`` for an in-place scatter.
 
     Args:
-      latent_pages: ``[num_pages, page_size, kv_lora_rank + rope_dim]``.
+      latent_pages: ``[num_pages, page_size, width]``, ``width >= kv_lora_rank + rope_dim``.
       latent: ``[tokens, kv_lora_rank]``; k_pe: ``[tokens, rope_dim]``, one float dtype.
       slots: int ``[tokens]``, ``page * page_size + offset`` or negative to skip.
       implementation: ``None`` (auto) or a registered implementation name.
@@ -318,6 +330,7 @@ def mla_paged_write_xla(latent_pages, latent, k_pe, slots):
     num_pages, page_size, _ = latent_pages.shape
     with jax.named_scope("mla_paged_write"):
         x = jnp.concatenate([jnp.asarray(latent), jnp.asarray(k_pe)], axis=-1)
+        x = jnp.pad(x, ((0, 0), (0, latent_pages.shape[2] - x.shape[1])))
         slots = jnp.asarray(slots).astype(jnp.int32)
         # Negative slots go to page num_pages (out of bounds, dropped; .at[] would wrap).
         page = jnp.where(slots < 0, num_pages, slots // page_size)
@@ -335,10 +348,13 @@ def _mla_paged_args(q_nope, q_pe, latent_pages, w_uk, w_uv, block_tables, kv_len
     _check_pool(latent_pages)
     total_tokens, heads, nope_dim = q_nope.shape
     rope_dim = q_pe.shape[2]
-    kv_lora_rank = latent_pages.shape[2] - rope_dim
-    if kv_lora_rank <= 0:
-        raise ValueError(f"latent_pages' last axis (kv_lora_rank + rope_dim) must exceed "
-                         f"rope_dim={rope_dim} (q_pe.shape[2]), got {latent_pages.shape=}")
+    _checks.array("w_uk", w_uk, ndim=3)
+    kv_lora_rank = w_uk.shape[0]
+    check_dims(**{"kv_lora_rank (w_uk.shape[0])": kv_lora_rank})
+    if kv_lora_rank + rope_dim > latent_pages.shape[2]:
+        raise ValueError(f"latent_pages' last axis must hold kv_lora_rank + rope_dim = "
+                         f"{kv_lora_rank} (w_uk.shape[0]) + {rope_dim} (q_pe.shape[2]), got "
+                         f"{latent_pages.shape=}")
     _check_weights(w_uk, w_uv, heads=heads, nope_dim=nope_dim, kv_lora_rank=kv_lora_rank)
     _checks.array("block_tables", block_tables, ndim=2, kind="int")
     _checks.array("kv_lengths", kv_lengths, ndim=1, kind="int")
@@ -387,8 +403,9 @@ def mla_paged_attention(q_nope, q_pe, latent_pages, w_uk, w_uv, block_tables, kv
     Args:
       q_nope: ``[total_tokens, heads, nope_dim]``; q_pe: ``[total_tokens, heads, rope_dim]``,
         the same dtype (RoPE applied).
-      latent_pages: ``[num_pages, page_size, kv_lora_rank + rope_dim]``, any float dtype
-        (storage), written by :func:`mla_paged_write`.
+      latent_pages: ``[num_pages, page_size, width]``, ``width >= kv_lora_rank + rope_dim``
+        (lanes past them are padding, never read), any float dtype (storage), written by
+        :func:`mla_paged_write`.
       w_uk: ``[kv_lora_rank, heads, nope_dim]``; w_uv: ``[kv_lora_rank, heads, v_dim]``.
       block_tables: int ``[max_seqs, pages_per_seq]``.
       kv_lengths: int ``[max_seqs]``, tokens in the cache per sequence, new ones included.
@@ -420,6 +437,26 @@ def _mla_paged_partition(args, config):
 dispatch.define("mla_paged_attention", _mla_paged_args, partition=_mla_paged_partition)
 
 
+def query_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, *, total_tokens, num_pages,
+               page_size):
+    """Each query row of a ragged step as one decode row: ``(tables, seen)``.
+
+    ``seen`` int32 ``[total_tokens]``: the keys row ``r`` sees are exactly the first
+    ``seen[r]`` of its sequence (its position + 1; 0 for padding rows and rows at a
+    negative position). ``tables`` int32 ``[total_tokens, pages_per_seq]``: its sequence's
+    block table, ``-1`` in every entry the row does not use or that names no page of the
+    pool (such slots are invisible). What the kernels read instead of the ragged layout.
+    """
+    capacity = block_tables.shape[1] * page_size
+    seq, _, positions = token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs,
+                                   total_tokens, capacity)
+    seen = jnp.clip(positions + 1, 0, capacity).astype(jnp.int32)
+    tables = jnp.asarray(block_tables).astype(jnp.int32)[seq]  # [rows, pages_per_seq]
+    entry = jnp.arange(tables.shape[1], dtype=jnp.int32)[None, :]
+    named = (entry * page_size < seen[:, None]) & (tables >= 0) & (tables < num_pages)
+    return jnp.where(named, tables, -1), seen
+
+
 def default_scale(q_nope, q_pe, scale):
     """``scale``, or ``(nope_dim + rope_dim) ** -0.5`` when None."""
     return (q_nope.shape[-1] + q_pe.shape[-1]) ** -0.5 if scale is None else scale
@@ -433,7 +470,8 @@ def mla_paged_attention_xla(q_nope, q_pe, latent_pages, w_uk, w_uv, block_tables
     kv_lora_rank = w_uk.shape[0]
     with jax.named_scope("mla_paged_attention"):
         q = absorb_queries(q_nope, q_pe, w_uk)  # [tokens, heads, kv_lora_rank + rope_dim]
-        pool = jnp.asarray(latent_pages)[None]  # one KV head, the latent its own value
+        # One KV head, the latent its own value; padding lanes dropped.
+        pool = jnp.asarray(latent_pages)[None, :, :, :q.shape[-1]]
         out = ragged_paged_attention_xla(
             q, pool, pool, block_tables, kv_lengths, cu_q_lens, num_seqs,
             scale=default_scale(q_nope, q_pe, scale), sliding_window=None,

@@ -467,3 +467,4 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu
 # (forge_jax.ops.mla.mla_paged_attention).
 check_num_seqs = _check_num_seqs
 check_ragged_values = _check_values
+token_rows = _token_rows

@@ -65,17 +65,19 @@ class MlaStep:
 
 def make_mla_step(gen, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, heads,
                   kv_lora_rank, rope_dim, nope_dim, v_dim, dtype=np.float32, q_dtype=None,
-                  spare_pages=3) -> MlaStep:
+                  spare_pages=3, width=None) -> MlaStep:
     """Random sequences on randomly permuted pages of a NaN-filled latent pool; ignored
     sequences' entries hold huge values of either sign, padding rows of the queries NaN.
-    A sequence with no new token (q_len 0) is invisible to every query: its slots stay NaN."""
+    A sequence with no new token (q_len 0) is invisible to every query: its slots stay NaN.
+    ``width``: the pool's last axis (default ``kv_lora_rank + rope_dim``); its padding lanes
+    hold NaN everywhere (never to be read)."""
     q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
     n = len(q_lens)
     used = [-(-int(x) // page_size) for x in kv_lens]
     pages_per_seq = max(used) + 1
     num_pages = sum(used) + spare_pages
-    width = kv_lora_rank + rope_dim
-    pool = np.full((num_pages, page_size, width), np.nan)
+    used_width = kv_lora_rank + rope_dim
+    pool = np.full((num_pages, page_size, width or used_width), np.nan)
     tables = gen.integers(-2**30, 2**30, (max_seqs, pages_per_seq))
     kv = gen.integers(-2**30, 2**30, max_seqs)
     cu = gen.integers(-2**30, 2**30, max_seqs + 1)
@@ -86,12 +88,12 @@ def make_mla_step(gen, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, he
     latents = []
     for i in range(n):
         tables[i, :used[i]] = [next(order) for _ in range(used[i])]
-        seq = gen.standard_normal((kv_lens[i], width)).astype(np.dtype(dtype))
+        seq = gen.standard_normal((kv_lens[i], used_width)).astype(np.dtype(dtype))
         latents.append(seq.astype(np.float64))
         if q_lens[i] == 0:
             continue
         for pos in range(kv_lens[i]):
-            pool[tables[i, pos // page_size], pos % page_size] = seq[pos]
+            pool[tables[i, pos // page_size], pos % page_size, :used_width] = seq[pos]
     q_dtype = np.dtype(q_dtype or dtype)
     q_nope = gen.standard_normal((total_tokens, heads, nope_dim))
     q_pe = gen.standard_normal((total_tokens, heads, rope_dim))
