@@ -13,8 +13,9 @@ in float32 runs across the key blocks in VMEM scratch; the output block (the row
 output ``[heads, kv_lora_rank]``) is written at the last one. Blocks past the keys a row
 sees map to the row's last page (no new copy) and compute nothing.
 
-Logits are ``q_latent . c + q_pe . k_pe`` as two products split at lane ``kv_lora_rank``
-(a multiple of 128, checked by :func:`supports`), so no operand is narrower than its tile.
+Logits are ``q_latent . c + q_pe . k_pe``, two products of the lanes split in VMEM. The pool
+is read as stored: at 576 lanes XLA lays it out pages-minor and the call copies it first,
+so the latent cache stores it 640 wide on TPU (:func:`forge_jax.kv_cache.latent.pool_width`).
 Every row sees exactly its first ``seen`` keys: keys past them and slots on an entry that
 names no page (``-1``) are hidden by ``where`` and their latent rows zeroed before ``p @ c``
 (a zero probability does not hide NaN), so whatever the pool holds there never reaches the
@@ -204,19 +205,14 @@ def mla_paged_attention(q_nope, q_pe, latent_pages, w_uk, w_uv, block_tables, kv
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel lowers for these :func:`forge_jax.mla_paged_attention`
     arguments, else why not."""
-    q_nope, pool, w_uk = args["q_nope"], args["latent_pages"], args["w_uk"]
-    for name, x in (("q_nope", q_nope), ("latent_pages", pool)):
-        if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
-            return (f"{name}.dtype={jnp.dtype(x.dtype).name}: the kernel reads "
-                    "float32/bfloat16 (TPUs have no float16 vector unit)")
-    kv_lora_rank, page_size = w_uk.shape[0], pool.shape[1]
-    if kv_lora_rank % _common.LANES:
-        return (f"kv_lora_rank={kv_lora_rank} is not a multiple of {_common.LANES}: the "
-                "latent and RoPE parts of a stored vector are split at a lane-tile boundary")
-    tile = _common.sublane_tile(pool.dtype)
-    if page_size % tile:
-        return (f"page_size={page_size} is not a multiple of {tile} (the sublane tile of "
-                f"{jnp.dtype(pool.dtype).name}): a page is one [page_size, width] block")
+    pool = args["latent_pages"]  # (the queries reach the kernel absorbed, in float32)
+    if jnp.dtype(pool.dtype) not in _common.FLOAT_DTYPES:
+        return (f"latent_pages.dtype={jnp.dtype(pool.dtype).name}: the kernel reads "
+                "float32/bfloat16 (TPUs have no float16 vector unit)")
+    # Any kv_lora_rank (96 compiles: the latent lanes are sliced in VMEM) and any page size
+    # (pages of 4 float32 or 8 bfloat16 rows compile) for v5e (forge_jax.aot, libtpu
+    # 0.0.42.1, JAX 0.10.2, 2026-11-28); float16 fails there ("Invalid vector type for
+    # load").
     return None
 
 

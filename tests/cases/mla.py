@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 
+from cases.base import parametrize_from
 from cases.paged import RAGGED_MIXES
 from cases.references import f64
 
@@ -126,3 +127,40 @@ def mla_step_ref(step: MlaStep, *, scale) -> np.ndarray:
 
 def default_scale(step: MlaStep) -> float:
     return (step.q_nope.shape[2] + step.q_pe.shape[2]) ** -0.5
+
+
+class MlaPagedAttentionCases:
+    """The behaviours of every kernel implementation of ``fj.mla_paged_attention``: ragged
+    steps (``MLA_MIXES``) at real widths against the float64 expanded reference and the XLA
+    implementation; padding rows exactly zero; NaN in every slot no query sees (and in the
+    padding lanes of a wider pool) never reaching an output. Mixed into a class that also
+    derives from ``cases.base.ImplementationCases`` (``IMPLEMENTATION``, ``INTERPRET``).
+
+    Case table ``CASES``: ``{id: (mix, shape, dtype, page_size, width)}``.
+    """
+
+    CASES: dict[str, tuple]
+
+    @parametrize_from("CASES")
+    def test_matches_references(self, case):
+        import jax
+        import jax.numpy as jnp
+
+        import forge_jax as fj
+        from cases.checks import assert_close
+
+        mix, shape, dtype, page_size, width = case
+        step = make_mla_step(np.random.default_rng([len(mix), page_size]), **MLA_MIXES[mix],
+                             page_size=page_size, dtype=dtype, width=width, **shape)
+        args = step.args()
+        call = jax.jit(fj.mla_paged_attention, static_argnames=("implementation",))
+        out = call(*args, implementation=self.IMPLEMENTATION)
+        assert out.shape == (step.q_nope.shape[0], shape["heads"], shape["v_dim"])
+        assert out.dtype == jnp.dtype(dtype)
+        ref = mla_step_ref(step, scale=default_scale(step))
+        assert_close(out, ref, dtype=dtype, implementation=self.IMPLEMENTATION)
+        xla = call(*args, implementation="xla")
+        assert_close(out, f64(xla), dtype=dtype, implementation=self.IMPLEMENTATION,
+                     allow_zero_ref=True)
+        np.testing.assert_array_equal(f64(out)[step.cu_q_lens[step.num_seqs]:], 0.0)
+
