@@ -131,6 +131,13 @@ GPU_CASES = {
     "attention phi2 f32": ("attention", _attention(256, (8, 8, shapes.PHI2_HEAD_DIM), F32),
                            dict(causal=True)),
     "attention llama f32": ("attention", _attention(256, LLAMA, F32), dict(causal=True)),
+    # Attention sinks and chunked attention: gpt-oss's heads (64 / 8 of 64) with its window
+    # of 128, Llama 4's (40 / 8 of 128) with chunks (8192 in the model, 64 here).
+    "attention gptoss sinks window bf16": (
+        "attention", _attention(256, (64, 8, 64), BF16),
+        dict(causal=True, sliding_window=128, sinks=S((64,), F32))),
+    "attention llama4 chunk bf16": ("attention", _attention(256, (40, 8, 128), BF16),
+                                    dict(causal=True, attention_chunk_size=64)),
 }
 TPU_CASES = {
     **KERNEL_CASES,
