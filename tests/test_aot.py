@@ -175,6 +175,9 @@ TPU_CASES = {
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
                           {}),
+    # Attention sinks and chunked attention at gpt-oss's and Llama 4's heads.
+    "attention gptoss sinks window bf16": GPU_CASES["attention gptoss sinks window bf16"],
+    "attention llama4 chunk bf16": GPU_CASES["attention llama4 chunk bf16"],
     # Llama-3.2-1B's decode (32/8 heads of 64): pairs of heads folded into 128 lanes.
     "attention decode llama32 bf16": ("attention", (S((1, 1, 32, 64), BF16),
                                                     S((1, 1000, 8, 64), BF16),
