@@ -178,6 +178,13 @@ TPU_CASES = {
     # Attention sinks and chunked attention at gpt-oss's and Llama 4's heads.
     "attention gptoss sinks window bf16": GPU_CASES["attention gptoss sinks window bf16"],
     "attention llama4 chunk bf16": GPU_CASES["attention llama4 chunk bf16"],
+    "ragged gptoss sinks window bf16": ("ragged_paged_attention", _ragged(
+        BF16, 32, 4, (64, 8), 64), dict(sliding_window=128, sinks=S((64,), F32))),
+    "ragged llama4 chunk bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, (40, 8), 128),
+                                 dict(attention_chunk_size=64)),
+    # A chunk that is not a power of two: the chunk start by a vector remainder.
+    "ragged llama4 chunk48 f32": ("ragged_paged_attention", _ragged(F32, 32, 4, (40, 8), 128),
+                                  dict(attention_chunk_size=48)),
     # Llama-3.2-1B's decode (32/8 heads of 64): pairs of heads folded into 128 lanes.
     "attention decode llama32 bf16": ("attention", (S((1, 1, 32, 64), BF16),
                                                     S((1, 1000, 8, 64), BF16),

@@ -114,7 +114,7 @@ def pages_from_dense(gen, k, v, *, num_pages, page_size):
 
 # (q_heads, kv_heads); the last two are released models' (cases.shapes).
 RAGGED_HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1), "smollm2": (9, 3),
-                "llama3": (32, 8)}
+                "llama3": (32, 8), "gptoss": (64, 8), "llama4": (40, 8)}
 
 # make_step's sequences: new tokens and cache lengths per sequence, room for max_seqs
 # sequences and total_tokens rows.
