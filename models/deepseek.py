@@ -21,10 +21,14 @@ The decoder, as Hugging Face transformers' ``DeepseekV3ForCausalLM`` computes it
   :func:`forge_jax.moe_unpermute`; plus ``n_shared_experts`` shared experts (one SwiGLU MLP
   of ``moe_intermediate_size * n_shared_experts``) for every token.
 
+RoPE may be YaRN-scaled (``rope_type: "yarn"``, :class:`forge_jax.RopeScaling`): the tables
+carry its attention factor and the softmax scale its ``mscale_all_dim`` correction
+(:func:`forge_jax.ops.mla.yarn_softmax_scale`).
+
 The weights are a pytree of arrays (:func:`load`), an argument of the jitted step, never
-constants in its program. Not yet here: YaRN rope scaling (refused with the reason), FP8
-block-quantized checkpoints, ``quantize=``, ``from_pretrained``/``generate``/the serving
-engine (this module's :func:`generate_greedy` drives the latent cache directly).
+constants in its program. Not yet here: FP8 block-quantized checkpoints, ``quantize=``,
+``from_pretrained``, ``generate`` and the serving engine (this module's
+:func:`generate_greedy` drives the latent cache directly).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class DeepseekV3Config:
     rope_theta: float
     rope_interleave: bool = True
     tie_word_embeddings: bool = False
+    rope_scaling: fj.RopeScaling | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -78,9 +83,13 @@ class DeepseekV3Config:
 
     @property
     def scale(self) -> float:
-        """The softmax scale: ``qk_head_dim ** -0.5`` (YaRN's ``mscale ** 2`` factor is not
-        applied: YaRN checkpoints are refused)."""
-        return yarn_softmax_scale(self.qk_head_dim)
+        """The softmax scale: ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor,
+        mscale_all_dim) ** 2`` with YaRN rope scaling (transformers' ``yarn_apply_mscale``);
+        the RoPE tables carry YaRN's own attention factor."""
+        s = self.rope_scaling
+        if s is None or not s.mscale_all_dim:
+            return yarn_softmax_scale(self.qk_head_dim)
+        return yarn_softmax_scale(self.qk_head_dim, s.factor, s.mscale_all_dim)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> DeepseekV3Config:
@@ -88,18 +97,23 @@ class DeepseekV3Config:
         raises ValueError naming what this module does not compute."""
         if config.get("model_type") != "deepseek_v3":
             raise ValueError(f"not a DeepSeek-V3 config: model_type={config.get('model_type')!r}")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"rope_type={kind!r} is not supported by forge_jax's DeepSeek-V3 "
-                             "yet (YaRN's RoPE tables); only the default RoPE")
+        if kind not in ("default", "yarn"):
+            raise ValueError(f"rope_type={kind!r}: DeepSeek-V3 checkpoints use the default "
+                             "RoPE or YaRN")
+        scaling = fj.RopeScaling.from_hf(
+            {k: v for k, v in rope.items() if k != "rope_theta"},
+            max_position_embeddings=config.get("max_position_embeddings"))
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config['hidden_act']!r}: DeepSeek-V3 uses silu")
         if config.get("attention_bias"):
             raise ValueError("attention_bias=True is not supported (DeepSeek-V3 has none)")
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "rope_theta"]
-        return cls(rope_theta=float(theta), **{n: config[n] for n in names if n in config})
+        names = [f.name for f in dataclasses.fields(cls)
+                 if f.name not in ("rope_theta", "rope_scaling")]
+        return cls(rope_theta=float(theta), rope_scaling=scaling,
+                   **{n: config[n] for n in names if n in config})
 
 
 def load_config(directory) -> DeepseekV3Config:
@@ -226,8 +240,8 @@ def _attention(x, w, cache, layer, positions, valid, kv_lengths, config):
     q_pe, k_pe = q[..., nope:], kv[..., None, config.kv_lora_rank:]
     if config.rope_interleave:
         q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
-    q_pe = fj.rope(q_pe, positions, theta=config.rope_theta)
-    k_pe = fj.rope(k_pe, positions, theta=config.rope_theta)
+    q_pe = fj.rope(q_pe, positions, theta=config.rope_theta, scaling=config.rope_scaling)
+    k_pe = fj.rope(k_pe, positions, theta=config.rope_theta, scaling=config.rope_scaling)
     cache = cache.write(layer, latent[:, :, None], k_pe, positions, valid)
     out = cache.attend(layer, jnp.concatenate([q[..., :nope], q_pe], axis=-1),
                        q_positions=positions, kv_lengths=kv_lengths, scale=config.scale,

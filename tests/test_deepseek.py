@@ -28,11 +28,18 @@ CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermedi
               max_position_embeddings=256)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+# DeepSeek-V3's YaRN (factor 40, mscale 1, mscale_all_dim 1, original context 4096),
+# with a short original context so that the ramp lies inside the rotary dims.
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+            original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
+
+
+@pytest.fixture(scope="module", params=["default_rope", "yarn"])
+def checkpoint(tmp_path_factory, request):
     directory = tmp_path_factory.mktemp("deepseek_v3")
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIG)).eval()
+    kwargs = dict(CONFIG, rope_parameters=YARN) if request.param == "yarn" else CONFIG
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -54,7 +61,12 @@ def test_config_reads_the_checkpoint(checkpoint):
     config = deepseek.load_config(checkpoint[0])
     assert (config.q_lora_rank, config.kv_lora_rank, config.first_k_dense_replace,
             config.n_group, config.topk_group) == (32, 32, 1, 4, 2)
-    assert config.rope_interleave and config.scale == pytest.approx(24 ** -0.5)
+    if config.rope_scaling is None:
+        assert config.rope_interleave and config.scale == pytest.approx(24 ** -0.5)
+    else:  # transformers' yarn_apply_mscale: (0.1 * ln(4) + 1) ** 2
+        assert config.rope_scaling.kind == "yarn"
+        assert config.scale == pytest.approx(24 ** -0.5 * (0.1 * np.log(4) + 1) ** 2)
+        assert config.scale == pytest.approx(checkpoint[1].model.layers[0].self_attn.scaling)
 
 
 def test_logits_and_greedy_tokens_match_transformers(checkpoint):
@@ -83,8 +95,8 @@ def test_router_matches_transformers(checkpoint):
                                np.take_along_axis(hf_w.numpy(), hf_order, 1), rtol=1e-5)
 
 
-def test_yarn_is_refused_with_the_reason():
+def test_an_unknown_rope_type_is_refused_with_the_reason():
     config = dict(CONFIG, model_type="deepseek_v3", rms_norm_eps=1e-6, norm_topk_prob=True,
-                  rope_parameters=dict(rope_type="yarn", factor=40.0, rope_theta=1e4))
-    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+                  rope_parameters=dict(rope_type="longrope", factor=4.0, rope_theta=1e4))
+    with pytest.raises(ValueError, match="rope_type='longrope'"):
         deepseek.DeepseekV3Config.from_hf(config)

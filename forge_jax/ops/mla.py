@@ -76,6 +76,7 @@ from forge_jax.ops.ragged import (
     ragged_paged_attention_xla,
     token_rows,
 )
+from forge_jax.ops.rope import yarn_mscale
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -87,9 +88,8 @@ def yarn_softmax_scale(qk_head_dim: int, factor: float = 1.0,
     (``factor > 1`` and ``mscale_all_dim`` nonzero), as its attention computes it."""
     qk_head_dim = _checks.positive_int("qk_head_dim", qk_head_dim)
     scale = qk_head_dim ** -0.5
-    if factor > 1 and mscale_all_dim:
-        mscale = 0.1 * mscale_all_dim * float(np.log(factor)) + 1.0
-        scale *= mscale * mscale
+    if mscale_all_dim:
+        scale *= yarn_mscale(factor, mscale_all_dim) ** 2
     return scale
 
 
