@@ -27,8 +27,8 @@ carry its attention factor and the softmax scale its ``mscale_all_dim`` correcti
 
 The weights are a pytree of arrays (:func:`load`), an argument of the jitted step, never
 constants in its program; :func:`load` may quantize them (``quantize=``). Not yet here: FP8
-block-quantized checkpoints, ``from_pretrained``, ``generate`` and the serving engine (this module's
-:func:`generate_greedy` drives the latent cache directly).
+block-quantized checkpoints, :func:`forge_jax.generation.generate` and the serving engine
+(this module's :func:`generate_greedy` drives the latent cache directly), a mesh.
 """
 
 from __future__ import annotations
@@ -198,6 +198,17 @@ def load(directory, dtype=jnp.float32, *, quantize: str | None = None,
     if tensors:  # (multi-token prediction layers past num_hidden_layers are not used)
         raise ValueError(f"unused tensors in the checkpoint: {sorted(tensors)[:5]}")
     return config, weights
+
+
+def from_pretrained(path, *, revision: str | None = None, dtype=jnp.float32,
+                    quantize: str | None = None, group_size: int | None = None
+                    ) -> tuple[DeepseekV3Config, dict[str, Any]]:
+    """:func:`load` of a local checkpoint directory or a Hugging Face Hub repository id
+    (``ORG/NAME``, fetched into the ``huggingface_hub`` cache; a local directory wins)."""
+    from forge_jax.models.checkpoints.hub import resolve_checkpoint
+
+    return load(resolve_checkpoint(path, revision=revision), dtype, quantize=quantize,
+                group_size=group_size)
 
 
 def _linear(x, w):

@@ -122,3 +122,12 @@ def test_quantized_int8_weights_stay_close(checkpoint):
     # ...and stay near transformers' float logits (an expert choice may flip).
     want = hf_logits(ref, prompts)
     assert np.abs(np.asarray(logits) - want).mean() < 0.1 * want.std()
+
+
+def test_the_llama_loader_points_to_this_model(checkpoint):
+    from forge_jax.models import llama
+
+    with pytest.raises(ValueError, match="forge_jax.models.deepseek.from_pretrained"):
+        llama.from_pretrained(checkpoint[0])
+    config, _ = deepseek.from_pretrained(checkpoint[0])
+    assert config.num_hidden_layers == CONFIG["num_hidden_layers"]
