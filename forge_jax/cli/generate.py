@@ -159,6 +159,8 @@ def _parse_ids(text: str) -> list[int]:
 
 def _prompts(args, config, tokenizer, path) -> list[list[int]]:
     """The token ids of ``--prompt`` / ``--prompt-ids``, checked against the model's vocabulary."""
+    from forge_jax.generation.prompts import encode_prompt
+
     vocab = config.vocab_size
     if args.prompt_ids is not None:
         ids = _parse_ids(args.prompt_ids)
@@ -172,7 +174,7 @@ def _prompts(args, config, tokenizer, path) -> list[list[int]]:
     for i, text in enumerate(args.prompt):
         name = _prompt_name(args.prompt, i)
         try:
-            ids = tokenizer.encode(text).ids
+            ids = encode_prompt(tokenizer, text)
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise UsageError(f"{name} cannot be encoded with {path / 'tokenizer.json'}: "
                              f"{_clip(str(e))}") from None

@@ -7,6 +7,9 @@ are resolved from the caller's values, the checkpoint's defaults and the model's
 * :func:`stopping`: the generation front door for when a sequence stops: its eos ids and
   its token limit (``max_new_tokens``). The generate loop, the text API, the chat session,
   ``forge-jax generate`` and the serving engine all ask it, so they stop alike.
+* :func:`encode_prompt` (from :mod:`forge_jax.generation.prompts`): the BOS decision, the
+  token ids a text prompt is generated from, shared by the live text API and exported
+  programs: the tokenizer's post-processor adds a BOS or none; nothing else prepends one.
 * :class:`Callbacks`: the host-side hooks of a generate call (progress, streamed tokens).
 * :func:`legacy_keywords`: the loose keywords that :class:`SamplingParams` and
   :class:`~forge_jax.kv_cache.CacheSpec` replaced, still accepted for one release with a
@@ -21,6 +24,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from forge_jax.generation.prompts import encode_prompt  # noqa: F401  (the front door's)
 from forge_jax.generation.sampling import SamplingParams
 from forge_jax.kv_cache import CacheSpec
 from forge_jax.models.checkpoints.generation_config import GenerationConfig

@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from forge_jax.generation.prompts import encode_prompt
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
 from forge_jax.models.checkpoints.generation_config import (
     load_generation_config as _read_generation_config,
@@ -72,10 +73,9 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` applies tokenizer.json's
-        post-processor (e.g. a leading ``<s>``), as transformers' ``tokenizer(text)`` does."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}: {text!r:.80}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        post-processor (e.g. a leading ``<s>``), as transformers' ``tokenizer(text)`` does
+        (:func:`forge_jax.generation.prompts.encode_prompt`, the one BOS decision)."""
+        return encode_prompt(self.backend, text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
