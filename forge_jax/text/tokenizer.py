@@ -15,7 +15,7 @@ from forge_jax.models.checkpoints.generation_config import CheckpointError, Gene
 from forge_jax.models.checkpoints.generation_config import (
     load_generation_config as _read_generation_config,
 )
-from forge_jax.models.checkpoints.hub import resolve_checkpoint
+from forge_jax.models.checkpoints.hub import expand_user, resolve_checkpoint
 from forge_jax.text.chat_template import ChatTemplateError, check_messages, render_chat_template
 
 
@@ -117,6 +117,7 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> T
 
     from forge_jax.models.checkpoints import gguf as gguf_checkpoint
 
+    path = expand_user(path)
     if gguf_checkpoint.is_gguf(path):  # the file's own vocabulary and chat template
         return Tokenizer(**gguf_checkpoint.tokenizer_parts(path), name=str(path))
     path = resolve_checkpoint(path, revision=revision)
