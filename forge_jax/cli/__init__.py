@@ -5,7 +5,7 @@ cause into one line and an exit code."""
 from __future__ import annotations
 
 from forge_jax.cli import chat, compile, demo, export, generate, info, serve, tune
-from forge_jax.cli._flags import Parser
+from forge_jax.cli._flags import Parser, name_defaults
 from forge_jax.cli._run import GenerateError, UsageError, report, run_command
 
 __all__ = ["GenerateError", "UsageError", "main"]
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     # The order --help lists them in.
     for module in (info, demo, generate, tune, chat, serve, compile, export):
         module.add_parser(subparsers)
+    name_defaults(parser)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # named with the subcommand they were given to

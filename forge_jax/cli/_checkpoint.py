@@ -18,7 +18,9 @@ def _tiny_dir():
 
 def add_flags(parser: argparse.ArgumentParser, *, required: bool = False, help: str) -> None:
     parser.add_argument("--checkpoint", metavar="DIR|ORG/NAME", required=required,
-                        help=help + "; or a Hugging Face Hub repository id, fetched into (with "
+                        help=help + "; or a llama.cpp GGUF file (.gguf, loaded as it is "
+                             "quantized, with its own tokenizer); or a Hugging Face Hub "
+                             "repository id, fetched into (with "
                              "HF_HUB_OFFLINE=1: read from) the huggingface_hub cache (a local "
                              "directory of that name wins)")
     parser.add_argument("--revision", default=None,

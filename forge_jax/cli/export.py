@@ -17,8 +17,8 @@ def add_parser(subparsers) -> None:
                     "cache) as jax.export artifacts beside a manifest and the weights "
                     "(safetensors); forge_jax.generation.exported.load(OUT) runs them without the "
                     "model code.")
-    _checkpoint.add_flags(export, help="a Hugging Face Llama-family directory or a GGUF file "
-                                       "(default: the embedded tiny model)")
+    _checkpoint.add_flags(export, help="a Hugging Face Llama-family directory (default: the "
+                                       "embedded tiny model)")
     export.add_argument("--out", required=True, metavar="DIR",
                         help="the directory to write: new, empty, or an earlier export "
                              "(replaced once the new one is complete)")

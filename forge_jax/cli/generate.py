@@ -36,7 +36,9 @@ def add_parser(subparsers) -> None:
     _flags.add_sampling_flags(gen)
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print a single --prompt's completion as it is decoded (default: on)")
-    gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
+    gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged",
+                     help="the KV cache's layout: pages of --page-size tokens or one "
+                          "contiguous block per sequence")
     _flags.add_kv_cache_flag(gen)
     gen.add_argument("--implementation", default=None,
                      help="preferred op implementation (forge_jax.use_implementation), e.g. xla")
