@@ -66,3 +66,27 @@ def test_checkpoint_help_mentions_gguf_files():
     for name in ("generate", "chat", "serve", "export", "compile"):
         action = next(a for a in SUBCOMMANDS[name]._actions if "--checkpoint" in a.option_strings)
         assert "GGUF" in action.help, (name, action.help)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "export", "compile"])
+def test_quantize_with_a_gguf_file_is_refused_before_the_file_is_read(
+        capsys, tmp_path, monkeypatch, no_model_load, command):
+    from cases import gguf_files
+    from cases.cli import assert_one_line_error
+    from cases.cli import run as cli_run
+
+    from forge_jax.models.checkpoints import gguf
+
+    file = tmp_path / "model.gguf"
+    gguf_files.write(file, gguf_files.random_llama(0), {})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("read the GGUF file before refusing --quantize")
+
+    monkeypatch.setattr(gguf, "open_gguf", refuse)
+    extra = {"export": ["--out", str(tmp_path / "out")], "compile": ["--target", "h100"]}
+    assert_one_line_error(
+        cli_run(capsys, command, "--checkpoint", str(file), "--quantize", "int8",
+                *extra.get(command, [])),
+        f"--quantize: {file} is a GGUF file, loaded as it is quantized",
+        prog=f"forge-jax {command}")

@@ -60,9 +60,13 @@ def quantize_kwargs(args: argparse.Namespace, config) -> dict:
 
 
 def checkpoint_path(args: argparse.Namespace):
-    """The local directory of ``--checkpoint`` (a Hub name resolved through the cache)."""
-    from forge_jax.models.checkpoints import hub
+    """The local directory of ``--checkpoint`` (a Hub name resolved through the cache);
+    ``--quantize`` with a GGUF file is refused here, before the file is read."""
+    from forge_jax.models.checkpoints import gguf, hub
 
+    if getattr(args, "quantize", None) and gguf.is_gguf(args.checkpoint):
+        raise UsageError(f"--quantize: {args.checkpoint} is a GGUF file, loaded as it is "
+                         f"quantized")
     return hub.resolve_checkpoint(args.checkpoint, revision=args.revision)
 
 
