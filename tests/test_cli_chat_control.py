@@ -65,7 +65,9 @@ def chat(capsys, monkeypatch, *argv, stdin, stdout=None):
     if stdout is not None:
         monkeypatch.setattr("sys.stdout", stdout)
     try:
-        rc = cli.main(["chat", *argv])
+        # Greedy (the checkpoint's generation_config.json sets no do_sample, so chat would
+        # sample): the replies are compared with a greedy session's.
+        rc = cli.main(["chat", "--temperature", "0", *argv])
     except KeyboardInterrupt:  # not pytest's to handle: it would end the whole run
         pytest.fail("Ctrl-C escaped forge-jax chat as KeyboardInterrupt")
     out, err = capsys.readouterr()

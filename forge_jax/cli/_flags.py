@@ -144,15 +144,16 @@ def sampling_params(args: argparse.Namespace, generation_config):
         raise UsageError(str(e)) from None
 
 
-def describe_sampling(args: argparse.Namespace, params, generation_config=None) -> str:
+def describe_sampling(args: argparse.Namespace, params, generation_config=None, *,
+                      why: str | None = None) -> str:
     """How the tokens are picked, in one phrase, saying why when the flags imply sampling:
     ``sampling at temperature 1 (--top-p without --temperature; --temperature 0 for
     greedy), top-p 0.9, seed 1``, or ``greedy``."""
     if params.greedy:
         words = ["greedy"]
     else:
-        why = ""
-        if args.temperature is None:
+        why = "" if why is None or args.temperature is not None else why
+        if args.temperature is None and not why:
             if generation_config is not None and generation_config.do_sample:
                 why = " (generation_config.json's do_sample)"
             else:

@@ -61,6 +61,24 @@ def sampling_params(config: GenerationConfig | None = None, *, temperature=None,
         seed=seed)
 
 
+# What a chat samples with where the checkpoint's generation_config.json says nothing of
+# sampling: llama.cpp's defaults (a small instruct model decoded greedily repeats itself).
+CHAT_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+def chat_generation_config(config: GenerationConfig | None, *,
+                           says_greedy: bool) -> GenerationConfig:
+    """The generation config a chat decodes with: ``config`` as it is when it samples
+    (``do_sample``) or when the checkpoint says greedy (``says_greedy``: its
+    generation_config.json sets ``"do_sample": false``); otherwise ``config`` sampling,
+    with :data:`CHAT_SAMPLING`'s values where it sets none."""
+    config = config or GenerationConfig()
+    if config.do_sample or says_greedy:
+        return config
+    return dataclasses.replace(config, do_sample=True, **{
+        k: v for k, v in CHAT_SAMPLING.items() if getattr(config, k) is None})
+
+
 @dataclasses.dataclass(frozen=True)
 class Stopping:
     """When a generated sequence stops (:func:`stopping` resolves it).
