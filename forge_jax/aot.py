@@ -487,7 +487,10 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 def _source(op_name: str) -> str:
     """An instruction's ``op_name`` without the jitted functions' names
     (``jit(prefill_step)/jit(main)/layer_3/rms_norm/...`` -> ``layer_3/rms_norm/...``)."""
-    return "/".join(p for p in op_name.split("/") if not re.fullmatch(r"\w*jit\(.*\)", p))
+    names = dict.fromkeys(  # a fused instruction's names, ";"-joined: each once
+        "/".join(p for p in name.split("/") if not re.fullmatch(r"\w*jit\(.*\)", p))
+        for name in op_name.split(";"))
+    return "; ".join(names)
 
 
 def copies(hlo_text: str) -> list[Copy]:

@@ -385,7 +385,7 @@ ENTRY %main.1 (p: f32[8,576]) -> f32[8,576] {{
   %copy.3 = f32[8,576]{{0,1}} copy(f32[8,576]{{1,0}} %p), metadata={{op_name=\
 "jit(prefill_step)/layer_3/{norm}" source_file="x.py"}}
   %copy.4 = f32[8,576]{{0,1}} copy(f32[8,576]{{1,0}} %p), metadata={{op_name=\
-"jit(prefill_step)/layer_12/{norm}"}}
+"jit(prefill_step)/layer_12/{norm};jit(prefill_step)/layer_12/{norm}"}}
   ROOT %transpose.1 = bf16[4,2]{{1,0}} transpose(bf16[2,4]{{1,0}} %q), dimensions={{1,0}}
 }}
 """
