@@ -259,8 +259,9 @@ def test_the_programs_text_is_the_live_models_whether_the_tokenizer_adds_bos_or_
             for p in TEXT_PROMPTS]
 
 
-def _chat_gguf(path: pathlib.Path) -> pathlib.Path:
-    """A random GGUF Llama whose tokenizer (byte-level BPE, as SmolLM2's) adds no BOS."""
+def _chat_gguf(path: pathlib.Path, add_bos: bool | None = None) -> pathlib.Path:
+    """A random GGUF Llama whose tokenizer (byte-level BPE, as SmolLM2's) adds no BOS (or,
+    with ``add_bos``, its ``tokenizer.ggml.add_bos_token``, as Llama 3's sets it)."""
     from cases import chat_checkpoint, gguf_files
 
     spec = json.loads(chat_checkpoint.build_tokenizer().to_str())["model"]
@@ -271,8 +272,19 @@ def _chat_gguf(path: pathlib.Path) -> pathlib.Path:
     gguf_files.write(path, gguf_files.random_llama(5, config), {"attn_q": "Q8_0"},
                      config=config, tokenizer=dict(
                          tokens=tokens, merges=merges,
-                         types=[3 if t in chat_checkpoint.SPECIALS else 1 for t in tokens]))
+                         types=[3 if t in chat_checkpoint.SPECIALS else 1 for t in tokens],
+                         **({} if add_bos is None else {"add_bos_token": add_bos})))
     return path
+
+
+@pytest.mark.parametrize("add_bos", [None, False, True])
+def test_a_gguf_bpe_tokenizer_adds_a_bos_exactly_when_its_metadata_says(tmp_path, add_bos):
+    from forge_jax.text import api as text
+
+    tokenizer = text.load_tokenizer(_chat_gguf(tmp_path / "model.gguf", add_bos))
+    bos = tokenizer.backend.token_to_id("<s>")
+    plain = tokenizer.encode("Hello there", add_special_tokens=False)
+    assert tokenizer.encode("Hello there") == ([bos] if add_bos else []) + plain
 
 
 def test_a_gguf_file_exports_with_its_own_tokenizer_in_a_fresh_process(tmp_path):

@@ -441,7 +441,8 @@ def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     ``generation_config``.
 
     ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokenizer.ggml.tokens`` and
-    ``merges``, control tokens as special tokens. ``llama``: SentencePiece-style tokens with
+    ``merges``, control tokens as special tokens, a BOS first when
+    ``tokenizer.ggml.add_bos_token`` is set (Llama 3's). ``llama``: SentencePiece-style tokens with
     scores and types (:mod:`forge_jax.models.checkpoints.gguf_sentencepiece`). Another model is a
     CheckpointError naming it."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -473,6 +474,16 @@ def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     backend.decoder = decoders.ByteLevel()
     control = [t for t, kind in zip(tokens, types, strict=False) if kind in (3, 4)]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    # tokenizer.ggml.add_bos_token (off unless set, as llama.cpp reads a BPE vocabulary's):
+    # the post-processor adds the BOS, so that every prompt is encoded as llama.cpp does.
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if _field(reader, "tokenizer.ggml.add_bos_token") and bos is not None \
+            and 0 <= bos < len(tokens):
+        from tokenizers import processors
+
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 $B:1",
+            special_tokens=[(tokens[bos], bos)])
     return _parts(reader, tokens, backend)
 
 
