@@ -34,6 +34,9 @@ class GenerationStats:
       cache_bytes: the KV cache's keys and values (a quantized cache's scales included),
         measured from the arrays.
       kv_cache_dtype: ``"int8"`` or ``"fp8"`` for a quantized KV cache, else None.
+      logprobs: with :attr:`SamplingParams.logprobs` set, each prompt's new tokens as
+        :class:`~forge_jax.generation.sampling.TokenLogprob` (their log-probabilities and
+        the most likely alternatives), aligned with the returned tokens; else None.
     """
 
     batch: int
@@ -52,6 +55,7 @@ class GenerationStats:
     weight_bytes: int = 0
     cache_bytes: int = 0
     kv_cache_dtype: str | None = None
+    logprobs: list | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
