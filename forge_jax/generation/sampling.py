@@ -202,7 +202,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_LOGPROBS) 
       ``{"token": float32 [rows], "top_ids": int32 [rows, k], "top": float32 [rows, k]}``.
     """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [rows, vocab]
-    top, top_ids = jax.lax.top_k(logp, k)
+    top, top_ids = jax.lax.top_k(logp, min(k, logp.shape[-1]))
     token = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
     return {"token": token, "top_ids": top_ids.astype(jnp.int32), "top": top}
 
