@@ -4,6 +4,7 @@ the serving engine, checked against the model's own ``log_softmax`` over the who
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from cases.logprobs import check_logprobs
 
@@ -36,3 +37,21 @@ def test_logprobs_settings_are_checked():
         SamplingParams(logprobs=MAX_LOGPROBS + 1)
     with pytest.raises(ValueError, match="logprobs must be an int in"):
         SamplingParams(logprobs=True)
+
+
+def test_sequence_logprobs_score_every_token(chat_model, chat_tokenizer):
+    from cases.logprobs import log_softmax, next_logits
+
+    from forge_jax.generation.scoring import sequence_logprobs
+
+    ids = chat_tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    entries = sequence_logprobs(chat_model, ids, 4)
+    assert entries[0].token == ids[0] and entries[0].logprob is None and not entries[0].top
+    ref = log_softmax(next_logits(chat_model, ids))[:-1]  # [len - 1, vocab]
+    for i, e in enumerate(entries[1:]):
+        assert e.token == ids[i + 1]
+        np.testing.assert_allclose(e.logprob, ref[i, ids[i + 1]], atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose([v for _, v in e.top], np.sort(ref[i])[::-1][:4],
+                                   atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="k must be an int"):
+        sequence_logprobs(chat_model, ids, 21)

@@ -12,6 +12,7 @@ from cases import serving as cases
 from cases.logprobs import check_logprobs, greedy_with_penalties
 
 from forge_jax.generation import SamplingParams
+
 from forge_jax.serving import engine as serving
 
 TEXTS = ["Hello there! How", "The quick brown fox", "Numbers 0123"]
@@ -91,7 +92,8 @@ SCHEMAS = [
 
 @pytest.mark.parametrize("schema", SCHEMAS)
 def test_json_schema_outputs_validate_with_sampling(engine, chat_tokenizer, schema):
-    import jsonschema
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
 
     from forge_jax.generation.constraints import Constraint
 
@@ -104,6 +106,7 @@ def test_json_schema_outputs_validate_with_sampling(engine, chat_tokenizer, sche
 
 
 def test_regex_and_choice_constraints(engine, chat_tokenizer):
+    pytest.importorskip("llguidance")
     from forge_jax.generation.constraints import Constraint, ConstraintError
 
     prompt = chat_tokenizer.encode(TEXTS[2])
@@ -124,6 +127,7 @@ def test_regex_and_choice_constraints(engine, chat_tokenizer):
 
 
 def test_constrained_and_free_requests_share_steps(engine, chat_model, chat_tokenizer):
+    pytest.importorskip("llguidance")
     from forge_jax.generation.constraints import Constraint
 
     prompts = [chat_tokenizer.encode(t) for t in TEXTS]

@@ -332,13 +332,14 @@ class TokenLogprob:
 
     Attributes:
       token: the token id.
-      logprob: its log-probability.
+      logprob: its log-probability (None for the first token of a scored sequence,
+        :func:`forge_jax.generation.scoring.sequence_logprobs`: nothing comes before it).
       top: the most likely tokens as ``(id, logprob)`` pairs, most likely first (as many
         as :attr:`SamplingParams.logprobs` asked for).
     """
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 

@@ -201,6 +201,17 @@ class Engine:
                 self.tokenizer, self.vocab_size, sorted(self.eos))
         return constraint.matcher(self._grammar_tokenizer)
 
+    def prompt_logprobs(self, prompt: Sequence[int], k: int = 0) -> list:
+        """Each prompt token's log-probability given the ones before it, with the ``k``
+        most likely tokens there (:func:`forge_jax.generation.scoring.sequence_logprobs`;
+        the first has none): ``echo`` with ``logprobs``. Runs one forward pass of its own,
+        on the caller's thread, beside the engine's steps."""
+        from forge_jax.generation import scoring
+
+        self.check_fits(list(prompt), RequestParams(max_tokens=1))
+        return scoring.sequence_logprobs(self.model, prompt, k, graphdef=self.graphdef,
+                                         state=self.state)
+
     def check_fits(self, prompt: Sequence[int], params: RequestParams) -> None:
         """Raises :class:`RequestRefused` for a request that could never be served."""
         if not prompt:
