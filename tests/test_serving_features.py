@@ -12,7 +12,6 @@ from cases import serving as cases
 from cases.logprobs import check_logprobs, greedy_with_penalties
 
 from forge_jax.generation import SamplingParams
-
 from forge_jax.serving import engine as serving
 
 TEXTS = ["Hello there! How", "The quick brown fox", "Numbers 0123"]
