@@ -146,12 +146,12 @@ def test_a_client_that_leaves_before_its_whole_answer_cancels_it(live, chat_toke
 
 @pytest.mark.parametrize("body, status, fragment", [
     (b"{not json", 400, "not valid JSON"),
-    (b'{"model": "gpt-4", "prompt": "Hi"}', 400, "does not exist"),
+    (b'{"model": "gpt-4", "prompt": "Hi"}', 404, "does not exist"),
     (b'{"prompt": "Hi", "temperature": -1}', 400, "temperature"),
-    (b'{"prompt": "Hi", "top_p": 0}', 400, "top_p"),
+    (b'{"prompt": "Hi", "top_p": 1.5}', 400, "top_p"),
     (b'{"prompt": "Hi", "max_tokens": 0}', 400, "max_tokens"),
     (b'{"prompt": ""}', 400, "prompt"),
-    (b'{"prompt": "Hi", "n": 2}', 400, "n=1"),
+    (b'{"prompt": "Hi", "n": 0}', 400, "n must be"),
     (b'{"prompt": "Hi", "wibble": 1}', 400, "wibble"),
     (b'{"prompt": [1, 2, 3], "max_tokens": 200}', 400, "context"),
 ])
@@ -165,7 +165,7 @@ def test_bad_inputs_get_openai_errors(live, body, status, fragment):
 def test_errors_through_the_client_and_serving_goes_on(live, chat_tokenizer):
     server, engine = live
     client = server.client()
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model=cases.MODEL, messages=[{"role": "robot",
