@@ -196,7 +196,7 @@ def test_the_command_serves_a_sharded_model_and_shuts_down(chat_checkpoint, chat
     command = [sys.executable, "-m", "forge_jax.cli", "serve", "--checkpoint",
                str(chat_checkpoint), "--port", str(port), "--model-name", "m",
                "--max-pages", "64", "--page-size", "8", "--max-model-len", "128",
-               "--max-batch-tokens", "32", "--max-seqs", "32", "--mesh", "tp=2"]
+               "--max-batch-tokens", "32", "--max-seqs", "32", "--mesh", "tp=2", "--no-warm-up"]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:

@@ -156,6 +156,12 @@ def make_server(app, *, engine, shutdown_timeout: float, max_connections: int | 
                                    shutdown_timeout=shutdown_timeout)
 
 
+def run(app, sock: socket.socket, **options) -> None:
+    """Serves ``app`` on the listening ``sock`` (:func:`bind`) until a signal drains it;
+    ``options`` are :func:`make_server`'s."""
+    make_server(app, **options).run(sockets=[sock])
+
+
 @functools.cache
 def draining_server_class():
     """``uvicorn.Server`` whose first SIGTERM or SIGINT drains the engine (the module's
