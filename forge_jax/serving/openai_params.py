@@ -29,6 +29,7 @@ MAX_JSON_DEPTH = 64
 MAX_STOP = 4
 MAX_N = 128
 SEED_RANGE = (-2**63, 2**63)
+MAX_TOKENS = 2**31 - 1  # (any context is shorter; the engine says how much is left)
 
 
 class APIError(Exception):
@@ -218,8 +219,8 @@ PARAMS: dict[str, Param] = {
     "model": Param(string),
     "messages": Param(array, routes="chat"),
     "prompt": Param(lambda n, v: v, routes="completions"),  # read by prompts()
-    "max_tokens": Param(integer(1)),
-    "max_completion_tokens": Param(integer(1), routes="chat"),
+    "max_tokens": Param(integer(1, MAX_TOKENS)),
+    "max_completion_tokens": Param(integer(1, MAX_TOKENS), routes="chat"),
     "temperature": Param(number(0, 2)),
     "top_p": Param(number(0, 1)),
     "n": Param(integer(1, MAX_N)),
