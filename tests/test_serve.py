@@ -240,5 +240,5 @@ def test_without_uvicorn_the_command_says_how_to_install_it(monkeypatch, capsys,
 
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn raises ImportError
     assert_one_line_error(run(capsys, "serve", "--checkpoint", str(chat_checkpoint)),
-                          "needs uvicorn and starlette", "pip install", "[serve]",
+                          "needs uvicorn, starlette", "pip install", "[serve]",
                           prog="forge-jax serve")

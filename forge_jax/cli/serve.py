@@ -57,10 +57,12 @@ def add_parser(subparsers) -> None:
 
 def _import_server():
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn
     except ImportError as e:
-        raise UsageError(f"forge-jax serve needs uvicorn and starlette ({e.name} is missing): "
+        raise UsageError(f"forge-jax serve needs uvicorn, starlette and prometheus_client "
+                         f"({e.name} is missing): "
                          f"{_install.pip_install('serve')}") from None
     return uvicorn
 
