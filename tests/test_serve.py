@@ -217,6 +217,7 @@ def test_the_command_serves_a_sharded_model_and_shuts_down(chat_checkpoint, chat
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
     assert "sharded over tp=2 (2 CPU devices)" in err
     assert "POST /v1/completions 200 prompt=" in err  # one line per request
     assert "shut down: 0 requests in flight finished, 0 cancelled" in err

@@ -185,6 +185,12 @@ def test_large_bodies_are_refused_with_bounded_memory(live, size):
         assert h.status == 200
 
 
+def test_malformed_http_gets_400_in_openai_shape(live):
+    server, _ = live
+    status, answer = raw(server, b"BREW /pot HTTP/1.1\r\nHost 127.0.0.1\r\n\r\n")
+    assert status == 400 and answer["error"]["code"] == "invalid_http", answer
+
+
 def test_slow_headers_and_bodies_are_cut_off(live):
     server, _ = live
     with socket.create_connection(address(server), timeout=30) as s:

@@ -210,7 +210,8 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
         except serving.RequestRefused as e:
             cancel(streams)
             raise APIError(400, str(e), param="messages" if req.chat else "prompt",
-                           code="context_length_exceeded") from None
+                           code="invalid_token_id" if "vocabulary" in str(e) else
+                           "context_length_exceeded") from None
         except serving.QueueFull as e:
             cancel(streams)
             if engine.stopping:

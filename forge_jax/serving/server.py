@@ -114,6 +114,11 @@ def protocol_class(*, max_connections: int | None, header_timeout: float | None)
             if not self.transport.is_closing():
                 self._arm()
 
+        def send_400_response(self, msg: str) -> None:
+            # Malformed HTTP: uvicorn's 400, in OpenAI's shape.
+            self.transport.write(_raw_response(400, "Bad Request", msg, "invalid_http"))
+            self.transport.close()
+
     return Protocol
 
 
