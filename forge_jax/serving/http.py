@@ -401,6 +401,10 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
             variants = server.warm_up(engine)
         except serving.QueueFull:  # shutting down meanwhile
             return
+        except Exception as e:  # the step itself fails: requests will say so (500)
+            log.error("the warm-up failed (%s: %s); serving without it", type(e).__name__, e)
+            state.ready = True
+            return
         state.ready = True
         log.info("warmed up: %d step variants compiled in %.1f s", variants,
                  time.monotonic() - began)
