@@ -99,7 +99,7 @@ WALK = {
     "top_logprobs": ("chat", "1", 21),
     "echo": ("completions", "false", None),
     "suffix": ("completions", 5, None),
-    "response_format": ("chat", "json", {"type": "xml"}),
+    "response_format": ("chat completions", "json", {"type": "xml"}),
     "tools": ("chat", {"type": "function"}, [{"type": "retrieval"}]),
     "tool_choice": ("chat", 5, "sometimes"),
     "parallel_tool_calls": ("chat", "true", None),
@@ -116,13 +116,14 @@ WALK = {
     "repetition_penalty": ("chat completions", "1", 0),
     "stop_token_ids": ("chat completions", "1", [-1]),
     "ignore_eos": ("chat completions", "false", None),
+    "guided_json": ("chat completions", 5, None),
+    "guided_regex": ("chat completions", 5, None),
+    "guided_choice": ("chat completions", "a", []),
+    "guided_grammar": ("chat completions", ["x"], None),
+    "structured_outputs": ("chat completions", "json", {"xml": "x"}),
 }
 # Values each unserved parameter is refused with (its type and range are right).
-NOT_SERVED = {"logprobs": (True, 2), "top_logprobs": 2, "frequency_penalty": 0.5,
-              "presence_penalty": -0.5, "logit_bias": {"5": -100}, "echo": True,
-              "suffix": "end", "response_format": {"type": "json_object"},
-              "tools": [{"type": "function", "function": {"name": "f"}}],
-              "tool_choice": "auto", "best_of": 3, "store": True, "functions": [{"name": "f"}]}
+NOT_SERVED = {"suffix": "end", "best_of": 3, "store": True, "functions": [{"name": "f"}]}
 
 
 def test_the_walk_covers_every_parameter():

@@ -19,7 +19,10 @@ for the server's own faults (never with a traceback). A client that disconnects,
 or while it waits for a whole answer, cancels its requests (their pages are freed); the log
 says so in one line.
 
-Each choice carries its ``token_ids`` besides OpenAI's fields.
+Each choice carries its ``token_ids`` besides OpenAI's fields. Log-probabilities, ``echo``,
+structured output (``response_format``, vLLM's ``guided_*``) and tool calls are put in
+OpenAI's shapes by :mod:`forge_jax.serving.openai_features`; a constrained request whose
+grammar the grammar engine rejects is a 400 before any work.
 
 Starlette rather than FastAPI: the API is six routes whose validation must give OpenAI's
 error shape (FastAPI's pydantic validation answers 422 in its own shape, which would have
@@ -36,8 +39,9 @@ import logging
 import time
 import uuid
 
+from forge_jax.generation.constraints import ConstraintError
 from forge_jax.serving import engine as serving
-from forge_jax.serving import openai_params, protection
+from forge_jax.serving import openai_features, openai_params, protection
 from forge_jax.serving.metrics import CONTENT_TYPE, Metrics  # noqa: F401  (the app's API)
 from forge_jax.serving.openai_params import APIError  # noqa: F401  (the app's API)
 from forge_jax.text import api as text
@@ -147,9 +151,9 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                                 f"than the context of {capacity} tokens",
                            param=where.split("[")[0], code="context_length_exceeded")
 
-    def encode_chat(messages: list[dict]) -> list[int]:
+    def encode_chat(messages: list[dict], variables: dict) -> list[int]:
         try:
-            return text.encode_chat(tokenizer, messages)
+            return text.encode_chat(tokenizer, messages, **variables)
         except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # the template or the tokenizer failed on these messages
@@ -173,7 +177,8 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
             for i, m in enumerate(req.messages):
                 _check_text(m["content"], f"messages[{i}].content")
             refuse_long(sum(len(m["content"]) for m in req.messages), "messages")
-            return [await loop.run_in_executor(pool, encode_chat, req.messages)]
+            variables = openai_features.template_variables(req.values)  # tools
+            return [await loop.run_in_executor(pool, encode_chat, req.messages, variables)]
         out = []
         for i, prompt in enumerate(req.prompts):
             where = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
@@ -207,6 +212,10 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                         req.params, max_tokens=max_tokens,
                         seed=None if seed is None else (seed + j) % 2**32)
                     streams.append(engine.submit(ids, params))
+        except ConstraintError as e:  # the grammar is refused before any work
+            cancel(streams)
+            raise APIError(400, str(e), param=openai_features.constraint_param(req.values),
+                           code="invalid_grammar") from None
         except serving.RequestRefused as e:
             cancel(streams)
             raise APIError(400, str(e), param="messages" if req.chat else "prompt",
@@ -223,6 +232,23 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
             cancel(streams)
             raise
         return streams
+
+    async def echoed(req: openai_params.ParsedRequest, prompts: list[list[int]]):
+        """Completions' ``echo``: each prompt's ``(text, entries)``, ``entries`` its tokens'
+        log-probabilities (scored off the event loop) when ``logprobs`` is asked; None
+        without ``echo``."""
+        if req.chat or not req.values.get("echo"):
+            return None
+        k = req.params.sampling.logprobs
+        loop = asyncio.get_running_loop()
+        out = []
+        for prompt, ids in zip(req.prompts, prompts, strict=True):
+            prompt_text = prompt if isinstance(prompt, str) else (
+                tokenizer.decode(ids) if tokenizer is not None else "")
+            entries = None if k is None else await loop.run_in_executor(
+                pool, engine.prompt_logprobs, ids, k)
+            out.append((prompt_text, entries))
+        return out
 
     def cancel(streams) -> None:
         for s in streams:
@@ -264,6 +290,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
             req = openai_params.parse(await read_json(request), chat=chat,
                                       model_name=model_name, vocab_size=engine.vocab_size)
             prompts = await prompt_ids(req)
+            echoes = await echoed(req, prompts)
             streams = submit(req, prompts)
         except APIError as e:
             log.info("%s %s %d %s", request.method, request.url.path, e.status, e)
@@ -278,6 +305,9 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
         n_prompt = sum(len(ids) for ids in prompts)
         completion = [0] * len(streams)
         reasons: list[str | None] = [None] * len(streams)
+        shapes = [openai_features.Choice(req.values, tokenizer, chat=chat,
+                                         echo=echoes[i // req.n] if echoes else None)
+                  for i in range(len(streams))]
 
         def usage():
             return {"prompt_tokens": n_prompt, "completion_tokens": sum(completion),
@@ -289,16 +319,14 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                      outcome or ",".join(str(r) for r in reasons), time.monotonic() - start)
 
         if req.stream:
-            def chunk(i, piece, token_ids, reason, role=False):
-                if chat:
-                    delta = {"role": "assistant", "content": ""} if role else {}
-                    if piece or not role:
-                        delta["content"] = piece
-                    choice = {"index": i, "delta": delta, "finish_reason": reason,
-                              "logprobs": None, "token_ids": token_ids}
+            def chunk(i, piece, token_ids, reason, role=False, logprobs=()):
+                if chat and role:
+                    choice = {"index": i, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": reason, "logprobs": None,
+                              "token_ids": token_ids}
                 else:
-                    choice = {"index": i, "text": piece, "finish_reason": reason,
-                              "logprobs": None, "token_ids": token_ids}
+                    choice = dict(index=i, **shapes[i].piece(piece, logprobs, reason),
+                                  token_ids=token_ids)
                 return {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created,
                         "model": model_name, "choices": [choice]}
 
@@ -313,7 +341,8 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                             yield event(chunk(i, "", [], None, role=True))
                     async for i, out in merged(streams):
                         completion[i], reasons[i] = out.completion_tokens, out.finish_reason
-                        yield event(chunk(i, out.text, list(out.token_ids), out.finish_reason))
+                        yield event(chunk(i, out.text, list(out.token_ids), out.finish_reason,
+                                          logprobs=out.logprobs))
                     if req.include_usage:
                         yield event({"id": rid, "object": f"{obj}.chunk" if chat else obj,
                                      "created": created, "model": model_name, "choices": [],
@@ -328,6 +357,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                                      headers={"Cache-Control": "no-cache"})
         pieces = [[] for _ in streams]
         token_ids = [[] for _ in streams]
+        entries = [[] for _ in streams]
         errors = []
         # Nothing is sent until the end, so only the connection says the client left:
         # Starlette does not end this handler then; the watcher cancels the requests.
@@ -336,6 +366,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
             async for i, out in merged(streams):
                 pieces[i].append(out.text)
                 token_ids[i] += out.token_ids
+                entries[i] += out.logprobs
                 completion[i], reasons[i] = out.completion_tokens, out.finish_reason
                 if out.error:
                     errors.append(out.error)
@@ -348,10 +379,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
         choices = []
         for i in range(len(streams)):
             content = "".join(pieces[i])
-            choice = ({"index": i, "message": {"role": "assistant", "content": content},
-                       "finish_reason": reasons[i], "logprobs": None}
-                      if chat else {"index": i, "text": content, "finish_reason": reasons[i],
-                                    "logprobs": None})
+            choice = dict(index=i, **shapes[i].whole(content, entries[i], reasons[i]))
             choice["token_ids"] = token_ids[i]
             choices.append(choice)
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,

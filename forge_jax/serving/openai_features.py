@@ -259,3 +259,83 @@ def completion_logprobs(tokenizer, entries: Sequence[TokenLogprob], *,
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def constraint_param(values: Mapping) -> str | None:
+    """The parameter that asked for a request's grammar (for a 400 naming it)."""
+    for name in ("response_format", *GUIDED, "structured_outputs", "tool_choice"):
+        if values.get(name) is not None:
+            return name
+    return None
+
+
+# -- a choice's fields ----------------------------------------------------------------------
+
+class Choice:
+    """The OpenAI fields of one choice, streamed or whole: its text (``echo``'s prompt
+    first), its ``logprobs`` if asked for, and its tool calls.
+
+    Args:
+      values: the request's checked parameters.
+      tokenizer: the checkpoint's :class:`~forge_jax.text.Tokenizer` (the tokens' text).
+      chat: a chat completion (``message``/``delta``) or a text one (``text``).
+      echo: completions' echoed prompt: ``(text, entries)``, ``entries`` the prompt's
+        :class:`TokenLogprob` (None without logprobs).
+    """
+
+    def __init__(self, values: Mapping, tokenizer, *, chat: bool,
+                 echo: tuple[str, list | None] | None = None):
+        self.values, self.tokenizer, self.chat = values, tokenizer, chat
+        asked = values.get("logprobs")
+        self.logprobs = asked is not None and asked is not False  # (0 is a count: asked)
+        self.echo = echo
+        # With tools the reply is read whole before it is sent (a call is parsed from it).
+        self.tools = chat and tool_choice(values) not in (None, "none")
+        self.text: list[str] = []
+        self.offset = 0  # characters of text sent so far (completions' text_offset)
+
+    def _logprobs(self, entries) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, entries)
+        return completion_logprobs(self.tokenizer, entries, offset=self.offset)
+
+    def piece(self, text: str, entries, reason: str | None) -> dict:
+        """A streamed chunk's choice fields (``delta`` or ``text``, ``logprobs``,
+        ``finish_reason``) for the new ``text`` and its tokens' ``entries``."""
+        if not self.chat:
+            if self.echo is not None:  # the prompt goes first, once
+                (prompt, prompt_entries), self.echo = self.echo, None
+                text = prompt + text
+                entries = (prompt_entries or []) + list(entries)
+            fields = {"text": text, "logprobs": self._logprobs(entries), "finish_reason": reason}
+            self.offset += len(text)
+            return fields
+        if not self.tools:
+            return {"delta": {"content": text}, "logprobs": self._logprobs(entries),
+                    "finish_reason": reason}
+        self.text.append(text)
+        if reason is None:
+            return {"delta": {}, "logprobs": self._logprobs(entries), "finish_reason": None}
+        content, calls = tool_calls("".join(self.text), self.values)
+        delta: dict = {"content": content}
+        if calls:
+            delta["tool_calls"] = [dict(c, index=j) for j, c in enumerate(calls)]
+            reason = "tool_calls" if reason == "stop" else reason
+        return {"delta": delta, "logprobs": self._logprobs(entries), "finish_reason": reason}
+
+    def whole(self, text: str, entries, reason: str | None) -> dict:
+        """A whole choice's fields (``message`` or ``text``, ``logprobs``,
+        ``finish_reason``)."""
+        if not self.chat:
+            return self.piece(text, entries, reason)
+        message: dict = {"role": "assistant", "content": text}
+        if self.tools:
+            content, calls = tool_calls(text, self.values)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"message": message, "logprobs": self._logprobs(entries),
+                "finish_reason": reason}

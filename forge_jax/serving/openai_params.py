@@ -3,11 +3,14 @@ read with strict JSON types and OpenAI's ranges (:func:`parse`).
 
 Every documented parameter is either honoured or refused: a wrong type or a value out of
 range is a 400 naming the parameter (``true`` is not ``"true"``, ``16`` is not ``16.5`` and
-not ``"16"``); a parameter this server does not serve yet (``logprobs``, ``logit_bias``, the
-penalties, ``echo``, ``suffix``, ``response_format`` other than text, ``tools``...) is a 400
-saying so when it asks for anything but its default, never silently ignored. Unknown
-parameters are a 400 too. Besides OpenAI's parameters a request may carry vLLM's
-``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``.
+not ``"16"``); a parameter this server does not serve yet (``suffix``, ``best_of`` other
+than ``n``, ``functions``, audio...) is a 400 saying so when it asks for anything but its
+default, never silently ignored. Unknown parameters are a 400 too. Besides OpenAI's
+parameters a request may carry vLLM's ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids`` and ``ignore_eos``, and its structured-output options ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar`` and ``structured_outputs``
+(:mod:`forge_jax.serving.openai_features` turns them, ``response_format`` and
+``tool_choice`` into a grammar constraint).
 
 Errors are :class:`APIError` (an HTTP status and OpenAI's error body).
 """
@@ -20,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from forge_jax.generation.sampling import SamplingParams
+from forge_jax.serving import openai_features
 from forge_jax.serving.requests import RequestParams
 
 # Deeper JSON than this is refused (no documented parameter nests past a few levels; JSON
@@ -190,6 +194,25 @@ def _tool_choice(name, v):
     return v
 
 
+def _strings(name, v):
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+        raise _bad(name, "a non-empty array of non-empty strings", v)
+    return v
+
+
+def _structured_outputs(name, v):
+    obj(name, v)
+    checks = {"json": lambda n, x: x if isinstance(x, str) else obj(n, x), "regex": string,
+              "choice": _strings, "grammar": string, "json_object": boolean}
+    for key, x in v.items():
+        if key not in checks:
+            raise APIError(400, f"unknown {name} field {key!r}; known: "
+                                f"{', '.join(checks)}", param=name)
+        if x is not None:
+            checks[key](f"{name}.{key}", x)
+    return v
+
+
 def _token_ids(name, v):
     if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
         raise _bad(name, "an array of token ids (integers >= 0)", v)
@@ -208,10 +231,6 @@ class Param:
     routes: str = "chat completions"
     refused_if: Callable[[Any], bool] | None = None
     why: str = ""
-
-
-def _nonzero(v) -> bool:
-    return v != 0
 
 
 _NOT_SERVED = "is not supported by this server yet"
@@ -237,18 +256,17 @@ PARAMS: dict[str, Param] = {
                           refused_if=lambda v: v not in ("auto", "default")),
     "safety_identifier": Param(string, routes="chat"),
     "prompt_cache_key": Param(string, routes="chat"),
-    "frequency_penalty": Param(number(-2, 2), refused_if=_nonzero),
-    "presence_penalty": Param(number(-2, 2), refused_if=_nonzero),
-    "logit_bias": Param(_logit_bias, refused_if=bool),
+    "frequency_penalty": Param(number(-2, 2)),
+    "presence_penalty": Param(number(-2, 2)),
+    "logit_bias": Param(_logit_bias),
     # chat: a boolean; completions: how many top alternatives (0 to 5).
-    "logprobs": Param(lambda n, v: v, refused_if=lambda v: v is not False),
-    "top_logprobs": Param(integer(0, 20), routes="chat", refused_if=_nonzero),
-    "echo": Param(boolean, routes="completions", refused_if=bool),
+    "logprobs": Param(lambda n, v: v),
+    "top_logprobs": Param(integer(0, 20), routes="chat"),
+    "echo": Param(boolean, routes="completions"),
     "suffix": Param(string, routes="completions", refused_if=bool),
-    "response_format": Param(_response_format, routes="chat",
-                             refused_if=lambda v: v["type"] != "text"),
-    "tools": Param(_tools, routes="chat", refused_if=bool),
-    "tool_choice": Param(_tool_choice, routes="chat", refused_if=lambda v: v != "none"),
+    "response_format": Param(_response_format),
+    "tools": Param(_tools, routes="chat"),
+    "tool_choice": Param(_tool_choice, routes="chat"),
     "parallel_tool_calls": Param(boolean, routes="chat"),
     "functions": Param(array, routes="chat", refused_if=bool),
     "function_call": Param(lambda n, v: v, routes="chat",
@@ -266,6 +284,12 @@ PARAMS: dict[str, Param] = {
     "repetition_penalty": Param(number(0, None, low_open=True)),
     "stop_token_ids": Param(_token_ids),
     "ignore_eos": Param(boolean),
+    # vLLM's structured outputs: the older top-level names and the newer object.
+    "guided_json": Param(lambda n, v: v if isinstance(v, str) else obj(n, v)),
+    "guided_regex": Param(string),
+    "guided_choice": Param(lambda n, v: _strings(n, v)),
+    "guided_grammar": Param(string),
+    "structured_outputs": Param(_structured_outputs),
 }
 
 
@@ -363,10 +387,11 @@ def parse(body, *, chat: bool, model_name: str, vocab_size: int) -> ParsedReques
     return ParsedRequest(chat=chat, messages=messages, prompts=prompts, n=n, stream=stream,
                          include_usage=values.get("stream_options", {}).get("include_usage",
                                                                                False),
-                         max_tokens=max_tokens, params=_request_params(values), values=values)
+                         max_tokens=max_tokens, params=_request_params(values, chat),
+                         values=values)
 
 
-def _request_params(values: dict) -> RequestParams:
+def _request_params(values: dict, chat: bool) -> RequestParams:
     temperature = values.get("temperature", 1.0)
     top_p = values.get("top_p")
     if top_p == 0:  # only the most probable token: greedy
@@ -374,10 +399,14 @@ def _request_params(values: dict) -> RequestParams:
     top_k = values.get("top_k")
     seed = values.get("seed")
     try:
+        features = openai_features.sampling_fields(values, chat=chat)
+    except openai_features.FeatureError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    try:
         sampling = SamplingParams(
             temperature=temperature, top_k=None if top_k in (None, -1, 0) else top_k,
             top_p=top_p, min_p=values.get("min_p"),
-            repetition_penalty=values.get("repetition_penalty"))
+            repetition_penalty=values.get("repetition_penalty"), **features)
         return RequestParams(
             max_tokens=1, sampling=sampling, seed=None if seed is None else seed % 2**32,
             stop_token_ids=values.get("stop_token_ids", ()), stop=values.get("stop", ()),
@@ -410,7 +439,7 @@ def _messages(messages) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise _bad(f"{name}.content", "a string or an array of text parts", content)
         for key in m:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise APIError(400, f"{name}.{key} {_NOT_SERVED}", param="messages",
                                code="unsupported_parameter")
         if "name" in m:
