@@ -154,7 +154,7 @@ class GrammarTokenizer:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
         backend = getattr(tokenizer, "backend", None)
-        if not hasattr(backend, "to_str"):
+        if not hasattr(backend, "id_to_token"):
             raise ConstraintError(f"constrained sampling needs a Hugging Face tokenizers "
                                   f"tokenizer, got {type(backend).__name__}")
         eos = sorted(int(e) for e in eos_token_ids)
@@ -162,8 +162,55 @@ class GrammarTokenizer:
             raise ConstraintError("constrained sampling needs an eos token id to end the "
                                   "text where the grammar ends")
         self.vocab_size = int(vocab_size)
-        self.ll = _llguidance().LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                            eos_token=eos)
+        llg = _llguidance()
+        try:  # the tokenizer's own JSON: llguidance reads its byte-level and BPE models
+            self.ll = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        except (ValueError, RuntimeError):  # other decoders: each token's bytes, spelled out
+            self.ll = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(backend, self.vocab_size,
+                                                                       eos[0])),
+                                      n_vocab=self.vocab_size, eos_token=eos)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0x100)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+class _Vocabulary:
+    """A ``tokenizers`` vocabulary as llguidance's ``TokenizerWrapper`` reads it: each id's
+    bytes (byte-level pieces mapped back to bytes, ``<0xNN>`` byte tokens, ``▁`` as a
+    space), the special tokens, and an encoder."""
+
+    def __init__(self, backend, vocab_size: int, eos: int):
+        self._backend = backend
+        config = json.loads(backend.to_str())
+        byte_level = "ByteLevel" in json.dumps(config.get("decoder"))
+        alphabet = _byte_level_alphabet()
+        self.special_token_ids = [t["id"] for t in config.get("added_tokens", ())
+                                  if t.get("special")]
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.tokens = []
+        for i in range(vocab_size):
+            piece = backend.id_to_token(i)
+            if piece is None:
+                self.tokens.append(b"")
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                self.tokens.append(bytes([int(piece[3:5], 16)]))
+            elif byte_level and all(c in alphabet for c in piece):
+                self.tokens.append(bytes(alphabet[c] for c in piece))
+            else:
+                self.tokens.append(piece.replace("\u2581", " ").encode("utf-8"))
+
+    def __call__(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
 
 
 class Matcher:
