@@ -27,6 +27,7 @@ _HOMES = {
     **dict.fromkeys(("check_generation_fits", "check_sequence_length", "generate",
                      "generate_with_stats"), "forge_jax.generation.loop"),
     "SamplingParams": "forge_jax.generation.sampling",
+    "SpeculativeConfig": "forge_jax.generation.speculative",
     **dict.fromkeys(("DEFAULT_MAX_NEW_TOKENS", "Callbacks", "Stopping", "sampling_params",
                      "stopping"), "forge_jax.generation.settings"),
     "GenerationStats": "forge_jax.generation.stats",
