@@ -22,6 +22,7 @@ import forge_jax as fj
 from forge_jax import memory as fj_memory
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import settings
+from forge_jax.generation import speculative as speculative_lib
 from forge_jax.generation.sampling import SamplingParams
 from forge_jax.generation.speculative import SpeculativeConfig
 from forge_jax.generation.stats import GenerationStats
@@ -228,7 +229,8 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     elif not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams or None, got {sampling!r}")
     _check_engine_only(sampling)
-    _check_speculative(speculative, sampling, callbacks)
+    if speculative is not None:
+        speculative_lib.check(speculative, sampling, callbacks)
     spec = settings.cache_spec("generate_with_stats", cache, legacy)
     prompts = _check_prompts(prompts, model.config.vocab_size)
     stop = _stopping(model, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
@@ -265,8 +267,10 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     if callbacks.progress is not None:
         callbacks.progress(1, plan.max_new_tokens)
     if speculative is not None:
-        results = _speculative_loop(state, kv, tokens, inputs, plan, eos, speculative,
-                                    statics, stats, callbacks)
+        results = speculative_lib.decode(
+            state, kv, tokens, plan.prompts, plan.padded_batch, inputs.key, inputs.params,
+            limit=plan.max_new_tokens, eos=eos, config=speculative, statics=statics,
+            stats=stats, progress=callbacks.progress)
         stats.new_tokens = sum(len(r) for r in results)
         stats.decode_tokens = stats.new_tokens - plan.batch
         return results, stats
@@ -439,59 +443,6 @@ def _prefill(prefill, state, kv, inputs: _Inputs):
                                           inputs.key, inputs.params, inputs.seen)
     jax.block_until_ready(tokens)
     return (tokens, *logprobs) if logprobs else tokens, seen, kv, time.perf_counter() - start
-
-
-def _check_speculative(speculative, sampling: SamplingParams, callbacks) -> None:
-    if speculative is None:
-        return
-    if not isinstance(speculative, SpeculativeConfig):
-        raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
-                        f"{speculative!r:.80}")
-    refused = [name for name, given in (
-        ("repetition_penalty", sampling.repetition_penalty not in (None, 1.0)),
-        ("logprobs", sampling.logprobs is not None),
-        ("on_tokens", callbacks.on_tokens is not None)) if given]
-    if refused:
-        raise ValueError(f"speculative decoding does not take {', '.join(refused)}")
-
-
-def _speculative_loop(state, kv, first, inputs: _Inputs, plan: _Plan, eos: frozenset[int],
-                      config: SpeculativeConfig, statics: dict, stats: GenerationStats,
-                      callbacks: settings.Callbacks) -> list[list[int]]:
-    """The speculative steps after the prefill's ``first`` tokens, until every sequence
-    has ``max_new_tokens`` or an eos. Returns each prompt's new tokens."""
-    from forge_jax.generation import speculative as spec_lib
-
-    batch, limit = plan.batch, plan.max_new_tokens
-    results = [[int(t)] for t in np.asarray(first)[:batch]]
-    done = np.array([r[-1] in eos or len(r) >= limit for r in results])
-    active = np.arange(plan.padded_batch) < batch
-    statics = {k: v for k, v in statics.items() if k != "logprobs"}
-    steps = 0
-    start = time.perf_counter()
-    while not done.all():
-        histories = [p + r for p, r in zip(plan.prompts, results, strict=True)]
-        tokens, draft_len = spec_lib.draft_arrays(histories, done, plan.padded_batch, config)
-        live = active.copy()
-        live[:batch] &= ~done
-        out, count, kv = spec_lib.verify_step(
-            state, kv, jnp.asarray(tokens), jnp.asarray(draft_len), jnp.asarray(live),
-            jax.random.fold_in(inputs.key, steps + 1), inputs.params, **statics)
-        out, count = np.asarray(out), np.asarray(count)
-        steps += 1
-        stats.draft_tokens += int(draft_len[:batch][~done].sum())
-        for b in np.flatnonzero(~done):
-            new = [int(t) for t in out[b, :count[b]]]
-            stats.accepted_tokens += len(new) - 1
-            for t in new:
-                results[b].append(t)
-                if t in eos or len(results[b]) >= limit:
-                    done[b] = True
-                    break
-        if callbacks.progress is not None:
-            callbacks.progress(min(limit, max(len(r) for r in results)), limit)
-    stats.decode_steps, stats.decode_seconds = steps, time.perf_counter() - start
-    return results
 
 
 def _check_engine_only(sampling: SamplingParams) -> None:

@@ -177,3 +177,57 @@ def draft_arrays(histories: Sequence[Sequence[int]], done: np.ndarray, batch: in
         tokens[i, 1:1 + len(drafts)] = drafts
         lengths[i] = len(drafts)
     return tokens, lengths
+
+
+def check(config, sampling: sampling_lib.SamplingParams, callbacks) -> None:
+    """TypeError/ValueError for a ``generate`` call speculative decoding cannot serve."""
+    if not isinstance(config, SpeculativeConfig):
+        raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
+                        f"{config!r:.80}")
+    refused = [name for name, given in (
+        ("repetition_penalty", sampling.repetition_penalty not in (None, 1.0)),
+        ("logprobs", sampling.logprobs is not None),
+        ("on_tokens", callbacks.on_tokens is not None)) if given]
+    if refused:
+        raise ValueError(f"speculative decoding does not take {', '.join(refused)}")
+
+
+def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int, key,
+           params: dict, *, limit: int, eos: frozenset[int], config: SpeculativeConfig,
+           statics: dict, stats, progress=None) -> list[list[int]]:
+    """``generate``'s steps after its prefill's ``first`` tokens (int ``[padded_batch]``),
+    until every prompt has ``limit`` new tokens or an eos; counts the steps, their time
+    and the drafts in ``stats`` (a :class:`~forge_jax.generation.GenerationStats`).
+    Returns each prompt's new tokens."""
+    import time
+
+    batch = len(prompts)
+    results = [[int(t)] for t in np.asarray(first)[:batch]]
+    done = np.array([r[-1] in eos or len(r) >= limit for r in results])
+    active = np.arange(padded_batch) < batch
+    statics = {k: v for k, v in statics.items() if k != "logprobs"}
+    steps = 0
+    start = time.perf_counter()
+    while not done.all():
+        histories = [list(p) + r for p, r in zip(prompts, results, strict=True)]
+        tokens, draft_len = draft_arrays(histories, done, padded_batch, config)
+        live = active.copy()
+        live[:batch] &= ~done
+        out, count, kv = verify_step(
+            state, kv, jnp.asarray(tokens), jnp.asarray(draft_len), jnp.asarray(live),
+            jax.random.fold_in(key, steps + 1), params, **statics)
+        out, count = np.asarray(out), np.asarray(count)
+        steps += 1
+        stats.draft_tokens += int(draft_len[:batch][~done].sum())
+        for b in np.flatnonzero(~done):
+            new = [int(t) for t in out[b, :count[b]]]
+            stats.accepted_tokens += len(new) - 1
+            for t in new:
+                results[b].append(t)
+                if t in eos or len(results[b]) >= limit:
+                    done[b] = True
+                    break
+        if progress is not None:
+            progress(min(limit, max(len(r) for r in results)), limit)
+    stats.decode_steps, stats.decode_seconds = steps, time.perf_counter() - start
+    return results

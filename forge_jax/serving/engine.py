@@ -185,27 +185,21 @@ class Engine:
         return stream
 
     def matcher(self, constraint):
-        """A grammar matcher of ``constraint`` (a
-        :class:`~forge_jax.generation.constraints.Constraint`) over this engine's tokenizer
-        and eos ids; None for None. Raises ``ConstraintError`` for a grammar the engine
-        rejects (call it to check a request's grammar before submitting it)."""
+        """A grammar matcher of ``constraint`` (a ``Constraint``, or None: None) over this
+        engine's tokenizer and eos ids; ``ConstraintError`` for a grammar it rejects."""
         if constraint is None:
             return None
         from forge_jax.generation import constraints
 
-        if self.tokenizer is None:
-            raise constraints.ConstraintError("constrained sampling needs the engine's "
-                                              "tokenizer (none was given)")
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = constraints.GrammarTokenizer(
                 self.tokenizer, self.vocab_size, sorted(self.eos))
         return constraint.matcher(self._grammar_tokenizer)
 
     def prompt_logprobs(self, prompt: Sequence[int], k: int = 0) -> list:
-        """Each prompt token's log-probability given the ones before it, with the ``k``
-        most likely tokens there (:func:`forge_jax.generation.scoring.sequence_logprobs`;
-        the first has none): ``echo`` with ``logprobs``. Runs one forward pass of its own,
-        on the caller's thread, beside the engine's steps."""
+        """Each prompt token's log-probability after the ones before it and the ``k`` most
+        likely there (``echo`` with ``logprobs``): one forward pass on the caller's thread
+        (:func:`forge_jax.generation.scoring.sequence_logprobs`)."""
         from forge_jax.generation import scoring
 
         self.check_fits(list(prompt), RequestParams(max_tokens=1))
