@@ -101,3 +101,30 @@ def test_rejection_sampling_keeps_the_target_distribution():
         kept = np.asarray(count) == 2
         assert np.all(first[kept] == draft) and np.all(first[~kept] != draft)
         np.testing.assert_allclose(kept.mean(), p[draft], atol=0.03)
+
+
+def test_sampled_speculative_generation_runs_to_its_limit(chat_model, chat_tokenizer):
+    prompts = [chat_tokenizer.encode(REPETITIVE), chat_tokenizer.encode("Hello")]
+    sampling = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=4)
+    got, stats = generate_with_stats(chat_model, prompts, 20, sampling=sampling,
+                                     eos_token_id=(), speculative=SpeculativeConfig())
+    assert [len(g) for g in got] == [20, 20]
+    assert all(0 <= t < chat_model.config.vocab_size for g in got for t in g)
+    again, _ = generate_with_stats(chat_model, prompts, 20, sampling=sampling,
+                                   eos_token_id=(), speculative=SpeculativeConfig())
+    assert again == got  # the seed decides
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--speculative", "eagle"], "--speculative: invalid choice: 'eagle'"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"],
+     "--num-speculative-tokens must be >= 1, got 0"),
+    (["--speculative", "ngram", "--repetition-penalty", "1.3"],
+     "--speculative does not apply --repetition-penalty"),
+])
+def test_bad_speculative_flags_are_one_line(capsys, chat_checkpoint, no_model_load, flags,
+                                            fragment):
+    from cases.cli import assert_one_line_error, run
+
+    assert_one_line_error(run(capsys, "generate", "--checkpoint", str(chat_checkpoint),
+                              "--prompt", "Hi", *flags), fragment, prog="forge-jax generate")

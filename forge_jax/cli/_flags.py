@@ -86,6 +86,30 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
                         help="transformers' repetition penalty (1: off)")
 
 
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative", choices=("ngram",), default=None,
+                        help="speculative decoding: draft tokens by prompt lookup (ngram) and "
+                             "verify them in one step; greedy output is unchanged (default: "
+                             "off; no streaming, no --repetition-penalty)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                        help="draft tokens per step with --speculative (default: 4)")
+
+
+def speculative_config(args: argparse.Namespace):
+    """The ``SpeculativeConfig`` of ``--speculative`` (None without it); a one-line error
+    for a bad ``--num-speculative-tokens``."""
+    if args.speculative is None:
+        return None
+    if args.num_speculative_tokens < 1:
+        raise UsageError(f"--num-speculative-tokens must be >= 1, got "
+                         f"{args.num_speculative_tokens}")
+    if args.repetition_penalty not in (None, 1.0):
+        raise UsageError("--speculative does not apply --repetition-penalty")
+    from forge_jax.generation import SpeculativeConfig
+
+    return SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens)
+
+
 def check_sampling_flags(args: argparse.Namespace) -> None:
     """The sampling flags of ``generate`` and ``chat`` (None: the checkpoint's
     generation_config.json, else greedy and no filter)."""

@@ -206,6 +206,15 @@ def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int
     done = np.array([r[-1] in eos or len(r) >= limit for r in results])
     active = np.arange(padded_batch) < batch
     statics = {k: v for k, v in statics.items() if k != "logprobs"}
+    step = verify_step
+    if not done.all():  # compiled ahead, so that the decode time is the steps' alone
+        begin = time.perf_counter()
+        k1 = config.num_tokens + 1
+        step = verify_step.lower(
+            state, kv, jnp.zeros((padded_batch, k1), jnp.int32),
+            jnp.zeros((padded_batch,), jnp.int32), jnp.asarray(active), key, params,
+            **statics).compile()
+        stats.compile_seconds += time.perf_counter() - begin
     steps = 0
     start = time.perf_counter()
     while not done.all():
@@ -213,9 +222,8 @@ def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int
         tokens, draft_len = draft_arrays(histories, done, padded_batch, config)
         live = active.copy()
         live[:batch] &= ~done
-        out, count, kv = verify_step(
-            state, kv, jnp.asarray(tokens), jnp.asarray(draft_len), jnp.asarray(live),
-            jax.random.fold_in(key, steps + 1), params, **statics)
+        out, count, kv = step(state, kv, jnp.asarray(tokens), jnp.asarray(draft_len),
+                              jnp.asarray(live), jax.random.fold_in(key, steps + 1), params)
         out, count = np.asarray(out), np.asarray(count)
         steps += 1
         stats.draft_tokens += int(draft_len[:batch][~done].sum())
