@@ -259,7 +259,8 @@ RELIABILITY = [
 ]
 
 
-@pytest.mark.parametrize("route, body, status, fragment", RELIABILITY)
+@pytest.mark.parametrize("route, body, status, fragment", RELIABILITY,
+                         ids=[case[3].split()[0] + f"-{i}" for i, case in enumerate(RELIABILITY)])
 def test_client_inputs_are_4xx_in_openai_shape(live, route, body, status, fragment):
     server, engine, _ = live
     code, answer, _ = post(server, route, body)
