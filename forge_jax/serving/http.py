@@ -218,7 +218,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                            "context_length_exceeded") from None
         except serving.QueueFull as e:
             cancel(streams)
-            if engine.stopping:
+            if engine.stopping or state.stopping:
                 raise APIError(503, "the server is shutting down", type="server_error",
                                code="shutting_down") from None
             raise APIError(429, str(e), type="rate_limit_error",
@@ -261,6 +261,9 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
     async def completions(request: Request, chat: bool):
         start = time.monotonic()
         try:
+            if engine.stopping or state.stopping:
+                raise APIError(503, "the server is shutting down", type="server_error",
+                               code="shutting_down")
             if not state.ready:
                 raise APIError(503, "the server is warming up (compiling its steps): retry "
                                     "when /health says ok", type="server_error",
@@ -380,7 +383,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
              "owned_by": "forge_jax", "max_model_len": engine.max_model_len}]})
 
     async def health(request: Request):
-        if engine.stopping:
+        if engine.stopping or state.stopping:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "warming up"}, status_code=503)
@@ -438,5 +441,6 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     state = app.state
     state.ready = not config.warm_up
+    state.stopping = False  # set by the server's drain: new requests get 503
     state.drained = None
     return app
