@@ -129,6 +129,11 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
         raw = await protection.read_body(request.receive, request.headers,
                                          limit=config.max_request_bytes,
                                          timeout=config.body_timeout)
+        if len(raw) < 2**16:
+            return decode_json(raw)
+        return await asyncio.get_running_loop().run_in_executor(pool, decode_json, raw)
+
+    def decode_json(raw: bytes):
         try:
             body = json.loads(raw)
         except RecursionError:
