@@ -183,7 +183,7 @@ def test_defaults_of_unserved_parameters_are_accepted(live):
     body = dict(CHAT, frequency_penalty=0, presence_penalty=0.0, logit_bias={}, logprobs=False,
                 response_format={"type": "text"}, tool_choice="none", store=False,
                 user="u", metadata={"k": "v"}, service_tier="auto", parallel_tool_calls=True,
-                modalities=["text"], temperature=0, stop=None, seed=None)
+                modalities=["text"], temperature=0, stop=[], seed=None)
     code, answer, _ = post(server, "chat/completions", body)
     assert code == 200, answer
     body = dict(TEXT, echo=False, suffix="", logprobs=None, best_of=1, temperature=0)
