@@ -409,6 +409,8 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
         from forge_jax.serving import server
 
         began = time.monotonic()
+        log.info("warming up: compiling the step for each row bucket, greedy and sampled "
+                 "(/health says ok when done)")
         try:
             variants = server.warm_up(engine)
         except serving.QueueFull:  # shutting down meanwhile
