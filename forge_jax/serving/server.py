@@ -157,8 +157,7 @@ def make_server(app, *, engine, shutdown_timeout: float, max_connections: int | 
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", http=protocol_class(
             max_connections=max_connections, header_timeout=header_timeout),
-        timeout_keep_alive=keep_alive_timeout, timeout_graceful_shutdown=5,
-        h11_max_incomplete_event_size=64 * 1024)
+        timeout_keep_alive=keep_alive_timeout, timeout_graceful_shutdown=5)
     return draining_server_class()(config, app=app, engine=engine,
                                    shutdown_timeout=shutdown_timeout)
 
