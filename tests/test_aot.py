@@ -182,6 +182,10 @@ TPU_CASES = {
         BF16, 32, 4, (64, 8), 64), dict(sliding_window=128, sinks=S((64,), F32))),
     "ragged llama4 chunk bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, (40, 8), 128),
                                  dict(attention_chunk_size=64)),
+    "paged decode gptoss sinks window bf16": ("paged_attention", _paged(
+        BF16, 4, (64, 8), 64), dict(sliding_window=128, sinks=S((64,), F32))),
+    "paged chunk llama4 chunk bf16": ("paged_attention", _paged(
+        BF16, 2, (40, 8), 128, q_len=16), dict(attention_chunk_size=64)),
     # A chunk that is not a power of two: the chunk start by a vector remainder.
     "ragged llama4 chunk48 f32": ("ragged_paged_attention", _ragged(F32, 32, 4, (40, 8), 128),
                                   dict(attention_chunk_size=48)),
