@@ -42,11 +42,11 @@ from forge_jax.ops.moe import moe, moe_permute, moe_route, moe_unpermute
 from forge_jax.ops.norm import rms_norm
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_gather, paged_write
 from forge_jax.ops.ragged import ragged_paged_attention
-from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin
+from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin, yarn_mscale
 
 __all__ = [
     "RopeScaling", "attention", "conv2d", "embedding", "grouped_matmul", "matmul", "rms_norm",
-    "rope", "rope_cos_sin",
+    "rope", "rope_cos_sin", "yarn_mscale",
     "silu_mul", "gelu_tanh_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "copy_pages", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
