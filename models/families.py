@@ -45,7 +45,8 @@ class Family:
       layer_pattern: the default ``layer_types`` rule when the file has none:
         ``"all"`` (every layer slides when ``sliding_window`` is set), ``"every_2"`` /
         ``"every_6"`` (every 2nd / 6th layer is global), ``"qwen"`` (layers from
-        ``max_window_layers`` on slide when ``use_sliding_window``).
+        ``max_window_layers`` on slide when ``use_sliding_window``), ``"nope"`` (the
+        layers without RoPE slide, when ``use_sliding_window``: SmolLM3).
     """
 
     model_type: str
@@ -143,6 +144,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", {"qk_norm": True},
            _COMMON | _QWEN_MOE | {"attention_bias", "sliding_window", "use_sliding_window"},
            {"layer_types": (None,)}),
+    # SmolLM3: Llama with RoPE left out of some layers (no_rope_layers: 1 = RoPE, 0 = NoPE;
+    # by default every no_rope_layer_interval-th layer is NoPE), which slide when
+    # use_sliding_window.
+    Family("smollm3", "SmolLM3ForCausalLM", {},
+           _COMMON | {"attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval",
+                      "sliding_window", "use_sliding_window", "layer_types"}, {}, "nope"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -205,8 +212,27 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"config.json lacks required keys {missing}")
     out.update(_rope(config, fam))
+    out.update(_nope(config, fam, out["num_hidden_layers"]))
     out.update(_windows(config, fam, out["num_hidden_layers"]))
     return out
+
+
+def _nope(config: dict, fam: Family, layers: int) -> dict[str, Any]:
+    """nope_layers (the layers without RoPE) from SmolLM3's ``no_rope_layers`` mask
+    (1: RoPE, 0: none) or its ``no_rope_layer_interval``."""
+    if "no_rope_layers" not in fam.handled:
+        return {}
+    mask = config.get("no_rope_layers")
+    if mask is None:
+        every = config.get("no_rope_layer_interval", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise ValueError(f"no_rope_layer_interval must be a positive int, got "
+                             f"no_rope_layer_interval={every!r}")
+        mask = [int((i + 1) % every != 0) for i in range(layers)]
+    if len(mask) != layers or set(mask) - {0, 1}:
+        raise ValueError(f"no_rope_layers={list(mask)!r} must give {layers} layers, each 0 "
+                         f"(no RoPE) or 1 (RoPE)")
+    return {"nope_layers": tuple(i for i, m in enumerate(mask) if not m)}
 
 
 def _experts(config: dict, fam: Family) -> dict[str, Any]:
@@ -310,7 +336,8 @@ def _windows(config: dict, fam: Family, layers: int) -> dict[str, Any]:
     """sliding_window and layer_types (a tuple of ``"sliding_attention"`` /
     ``"full_attention"``, one per layer), as transformers resolves them."""
     window = config.get("sliding_window")
-    if fam.model_type.startswith("qwen") and not config.get("use_sliding_window", False):
+    if (fam.model_type.startswith("qwen") or fam.model_type == "smollm3") and not config.get(
+            "use_sliding_window", False):
         window = None  # transformers drops the window unless use_sliding_window
     if "sliding_window" not in fam.handled or window is None:
         types = config.get("layer_types")
@@ -324,6 +351,9 @@ def _windows(config: dict, fam: Family, layers: int) -> dict[str, Any]:
         elif fam.layer_pattern == "qwen":
             first = config.get("max_window_layers", 28)
             types = [SLIDING if i >= first else FULL for i in range(layers)]
+        elif fam.layer_pattern == "nope":  # SmolLM3: the NoPE layers slide
+            nope = _nope(config, fam, layers)["nope_layers"]
+            types = [SLIDING if i in nope else FULL for i in range(layers)]
         else:
             every = 2 if fam.layer_pattern == "every_2" else int(config.get(
                 "sliding_window_pattern", config.get("_sliding_window_pattern", 6)))
