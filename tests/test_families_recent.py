@@ -120,8 +120,8 @@ def test_smollm3_nope_layers_from_the_interval(hf):
     with ``use_sliding_window`` those slide, as transformers resolves it."""
     _, transformers = hf
     raw = transformers.SmolLM3Config(**dict(BASE, hidden_size=32, num_attention_heads=2,
-                                            num_key_value_heads=1,
-                                            intermediate_size=32, num_hidden_layers=6, pad_token_id=0,
+                                            num_key_value_heads=1, pad_token_id=0,
+                                            intermediate_size=32, num_hidden_layers=6,
                                             no_rope_layer_interval=3, use_sliding_window=True,
                                             sliding_window=4)).to_dict()
     raw["architectures"] = ["SmolLM3ForCausalLM"]
