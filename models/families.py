@@ -79,7 +79,8 @@ IRRELEVANT = frozenset({
     "base_model_pp_plan", "keys_to_ignore_at_inference", "num_labels",
     # Training-only tensor-parallel slicing; the same maths.
     "pretraining_tp",
-    # A longrope parameter; without a longrope scaling (refused) it changes nothing.
+    # A yarn / longrope parameter (Phi-3 writes it at the top level: read there); without
+    # such a scaling it changes nothing.
     "original_max_position_embeddings",
     # Which KV cache class transformers' generate uses (Gemma's "hybrid"); ours is chosen
     # per layer from layer_types.
@@ -127,7 +128,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                       "sliding_window_pattern", "_sliding_window_pattern"},
            {"use_bidirectional_attention": (None, False)}, "every_6"),
     Family("phi3", "Phi3ForCausalLM", {"fused_checkpoint": True},
-           _COMMON | {"sliding_window", "partial_rotary_factor"}, {}),
+           _COMMON | {"sliding_window", "partial_rotary_factor",
+                      "original_max_position_embeddings"}, {}),
     # Mixtral: Mistral's attention; experts as wide as intermediate_size; the top-k weights
     # always renormalised.
     Family("mixtral", "MixtralForCausalLM", {"norm_topk_prob": True},
@@ -301,7 +303,7 @@ def _rope(config: dict, fam: Family) -> dict[str, Any]:
             rope.setdefault("rope_theta", config.get("rope_theta", default))
         if "partial_rotary_factor" in config:
             rope.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
-        theta, scaling, partial = _flat_rope(rope, default)
+        theta, scaling, partial = _flat_rope(rope, default, _context(config, fam))
         if fam.model_type == "gemma3_text":
             out["rope_local_theta"] = float(config.get("rope_local_base_freq", 10_000.0))
     if partial != 1.0:
@@ -313,8 +315,20 @@ def _rope(config: dict, fam: Family) -> dict[str, Any]:
     return out
 
 
-def _flat_rope(rope: Mapping, default_theta: float) -> tuple[float, Any, float]:
-    """(theta, RopeScaling or None, partial_rotary_factor) of one flat rope dict."""
+def _context(config: dict, fam: Family) -> dict[str, Any]:
+    """The top-level context lengths that yarn, longrope and dynamic NTK scaling read
+    (``max_position_embeddings``; Phi-3's ``original_max_position_embeddings``)."""
+    out = {"max_position_embeddings": config.get("max_position_embeddings")}
+    if fam.model_type == "phi3":
+        out["original_max_position_embeddings"] = config.get("original_max_position_embeddings")
+    return out
+
+
+def _flat_rope(rope: Mapping, default_theta: float,
+               context: Mapping[str, Any] | None = None) -> tuple[float, Any, float]:
+    """(theta, RopeScaling or None, partial_rotary_factor) of one flat rope dict;
+    ``context``: the keyword arguments of ``RopeScaling.from_hf`` for yarn, longrope
+    and dynamic NTK (the config's top-level context lengths)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in (None, "default") and "factor" in rope:
         raise ValueError(f"rope parameters {dict(rope)!r} give a factor but no rope_type")
@@ -326,7 +340,7 @@ def _flat_rope(rope: Mapping, default_theta: float) -> tuple[float, Any, float]:
     scaling_keys = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
     partial = float(rope.get("partial_rotary_factor", 1.0) or 1.0)
     theta = float(rope.get("rope_theta", default_theta))
-    return theta, fj.RopeScaling.from_hf(scaling_keys or None), partial
+    return theta, fj.RopeScaling.from_hf(scaling_keys or None, **(context or {})), partial
 
 
 # --------------------------------------------------------------------------------------

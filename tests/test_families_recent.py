@@ -29,15 +29,49 @@ from forge_jax.text import api as text
 
 SEQ = 24  # longer than every window and every original context below
 
-# name -> (transformers config class, causal LM class, config kwargs, model_type, fields
-# whose change must change the logits).
+
+def _no_attention_factor(config):
+    return dataclasses.replace(config, rope_scaling=dataclasses.replace(
+        config.rope_scaling, attention_factor=1.0))
+
+
+def _short_only(config):
+    s = config.rope_scaling
+    return dataclasses.replace(config, rope_scaling=dataclasses.replace(
+        s, long_factor=s.short_factor))
+
+
+# name -> (transformers config class, causal LM class, config kwargs, model_type, the
+# negative controls: name -> the config without the feature, which must miss the logits).
+# The prompts (13 and 11 tokens) are past each original context: both the long-context
+# frequencies and, for LongRoPE, the long factors are the ones used.
 CASES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=96, no_rope_layers=[1, 0, 1], use_sliding_window=True,
                      sliding_window=6, num_hidden_layers=3, rope_theta=500.0,
                      pad_token_id=0, bos_token_id=1, eos_token_id=2),
-                "smollm3", {"nope_layers": (), "sliding_window": None}),
+                "smollm3", {"nope_layers": lambda c: dataclasses.replace(c, nope_layers=()),
+                            "sliding_window": lambda c: dataclasses.replace(
+                                c, sliding_window=None, layer_types=None)}),
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM",
+                   dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=24, intermediate_size=96,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000.0,
+                                         "original_max_position_embeddings": 8,
+                                         "beta_fast": 4.0, "beta_slow": 0.25}),
+                   "qwen3", {"rope_scaling": lambda c: dataclasses.replace(c, rope_scaling=None),
+                             "attention_factor": _no_attention_factor}),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM",
+                      dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=96, partial_rotary_factor=0.5,
+                           original_max_position_embeddings=10, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 1000.0,
+                                            "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                            "long_factor": [1.5, 3.0, 5.0, 9.0]}),
+                      "phi3", {"long_factor": _short_only,
+                               "attention_factor": _no_attention_factor}),
 }
 BASE = dict(num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5)
 
@@ -92,16 +126,13 @@ def test_family_matches_transformers(checkpoints, name):
     assert np.abs(expected).max() > 1.0  # not near-uniform logits
 
     # Negative controls: each feature set back misses transformers by far.
-    for field, value in CASES[name][4].items():
-        change = {field: value}
-        if field == "sliding_window":
-            change["layer_types"] = None
-        wrong = _with_config(model, dataclasses.replace(model.config, **change))
+    for field, without in CASES[name][4].items():
+        wrong = _with_config(model, without(model.config))
         miss = np.abs(forge_logits(wrong, tokens) - expected).max()
         assert miss > 50 * LOGITS_TOL.atol, (field, miss)
 
     # Prompts past the windows and the original contexts; decode steps slide too.
-    prompts = [tokens[0, :13].tolist(), tokens[1, :9].tolist()]
+    prompts = [tokens[0, :13].tolist(), tokens[1, :11].tolist()]
     want = [hf_greedy(ref, p, 6) for p in prompts]
     for kind in ("paged", "contiguous"):
         spec = CacheSpec(kind=kind, page_size=4)
