@@ -38,6 +38,7 @@ from forge_jax.ops.conv import conv2d
 from forge_jax.ops.embedding import embedding
 from forge_jax.ops.grouped_matmul import grouped_matmul
 from forge_jax.ops.matmul import matmul
+from forge_jax.ops.mla import mla_attention, mla_paged_attention, mla_paged_write
 from forge_jax.ops.moe import moe, moe_permute, moe_route, moe_unpermute
 from forge_jax.ops.norm import rms_norm
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_gather, paged_write
@@ -50,4 +51,5 @@ __all__ = [
     "silu_mul", "gelu_tanh_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "copy_pages", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
+    "mla_attention", "mla_paged_attention", "mla_paged_write",
 ]
