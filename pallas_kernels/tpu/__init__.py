@@ -10,6 +10,7 @@ table lookup).
 
 from forge_jax.pallas_kernels.tpu import (  # noqa: F401  (importing registers the kernels)
     attention,
+    gated_delta,
     grouped_matmul,
     paged_attention,
     quantized_matmul,
