@@ -32,6 +32,7 @@ into the op's float32 math, and the result keeps the compute dtype.
   logical shape.
 """
 
+from forge_jax.ops import quantized_matmul_cpu  # noqa: F401  (registers the CPU kernel)
 from forge_jax.ops.activation import gelu_tanh_mul, silu_mul, softmax
 from forge_jax.ops.attention import attention
 from forge_jax.ops.conv import conv2d
@@ -43,7 +44,6 @@ from forge_jax.ops.norm import rms_norm
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_gather, paged_write
 from forge_jax.ops.ragged import ragged_paged_attention
 from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin
-from forge_jax.ops import quantized_matmul_cpu  # noqa: F401  (registers the CPU kernel)
 
 __all__ = [
     "RopeScaling", "attention", "conv2d", "embedding", "grouped_matmul", "matmul", "rms_norm",
