@@ -5,7 +5,7 @@ What it computes: ``a [M, K] @ dequantize(b).T`` for a weight ``b`` ``[N, K]``
 (``trans_b``) in the int4 format (GGUF's Q4_0, Q4_1, Q4_K as the loader keeps them:
 groups of 32 or more, symmetric or with minimums) or the int8 format (Q8_0, Q5_*, Q6_K,
 per-channel int8: groups of 16 or more), float16 or float32 scales, for 1 to
-:data:`MAX_ROWS` rows of float32 activations (bfloat16 activations are widened first).
+:data:`MAX_ROWS` rows of float32 activations.
 The weight is expanded to float32 in vector registers, never in memory, and multiplied
 with the float32 activations (no activation quantization, unlike llama.cpp's kernels:
 the result is the float32 product of the dequantized weight, summed in another order, so
@@ -158,8 +158,9 @@ def supports(args, platform: str) -> str | None:
     if rows_per_scale != 1 or group % step or k % group:
         return (f"needs one scale per row and groups of a multiple of {step} along K "
                 f"(b.block={b.block}, b.shape={b.shape})")
-    if a.dtype not in (jnp.float32, jnp.bfloat16):
-        return f"float32 or bfloat16 activations (a.dtype={jnp.dtype(a.dtype).name})"
+    if a.dtype != jnp.float32:
+        # (the op dequantizes to a's dtype: a bfloat16 product rounds the weight to bfloat16)
+        return f"float32 activations (a.dtype={jnp.dtype(a.dtype).name})"
     if b.scales.dtype not in (jnp.float16, jnp.float32) or (
             b.minimums is not None and b.minimums.dtype != b.scales.dtype):
         return (f"float16 or float32 scales (and minimums of the same dtype): "
@@ -184,7 +185,7 @@ def _permuted(a2, fmt: str):
 def quantized_matmul_cpu(a, b, *, trans_b, alpha, beta, c, out_dtype):
     del trans_b  # always True (supports)
     lead, k = a.shape[:-1], a.shape[-1]
-    a2 = a.reshape(-1, k).astype(jnp.float32)  # [M, K]
+    a2 = a.reshape(-1, k)  # [M, K] float32
     _, group = b.full_block()
     asum = a2.reshape(a2.shape[0], k // group, group).sum(-1)  # [M, K / group]
     scales = b.scales
