@@ -32,6 +32,7 @@ into the op's float32 math, and the result keeps the compute dtype.
   logical shape.
 """
 
+from forge_jax.ops import quantized_matmul_cpu  # noqa: F401  (registers the CPU kernel)
 from forge_jax.ops.activation import gelu_tanh_mul, silu_mul, softmax
 from forge_jax.ops.attention import attention
 from forge_jax.ops.conv import conv2d
