@@ -24,9 +24,12 @@ from forge_jax.dispatch import ImplementationError, explain, use_implementation
 from forge_jax.ops import (
     RopeScaling,
     attention,
+    causal_conv1d,
     conv2d,
     copy_pages,
     embedding,
+    gated_delta_gates,
+    gated_delta_rule,
     gelu_tanh_mul,
     grouped_matmul,
     matmul,
@@ -61,4 +64,5 @@ __all__ = [
     "ragged_paged_attention", "sharding", "targets", "aot", "registry", "autotune_cache",
     "debug_checks", "QuantizedArray", "dequantize", "quantize", "quant",
     "mla_attention", "mla_paged_attention", "mla_paged_write",
+    "causal_conv1d", "gated_delta_gates", "gated_delta_rule",
 ]

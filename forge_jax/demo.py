@@ -82,6 +82,23 @@ def _ragged64(q, k, v, kv_lengths, q_lens):
     return out
 
 
+def _gated_delta64(q, k, v, g, beta, state):
+    """The gated delta rule token by token in float64 (l2-normalised q and k)."""
+    q, k, v, g, beta = (x.astype(np.float64) for x in (q, k, v, g, beta))
+    s = state.astype(np.float64).copy()
+    out = np.zeros(v.shape)
+    rep = v.shape[2] // k.shape[2]
+    for t in range(q.shape[1]):
+        for h in range(v.shape[2]):
+            qt, kt = q[0, t, h // rep], k[0, t, h // rep]
+            qt = qt / np.sqrt(qt @ qt + 1e-6) / math.sqrt(q.shape[-1])
+            kt = kt / np.sqrt(kt @ kt + 1e-6)
+            s[0, h] *= np.exp(g[0, t, h])
+            s[0, h] += np.outer(kt, beta[0, t, h] * (v[0, t, h] - s[0, h].T @ kt))
+            out[0, t, h] = s[0, h].T @ qt
+    return out
+
+
 def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     """Runs every check; prints one line per op; returns whether all passed."""
     dispatch.clear_selections()
@@ -224,6 +241,22 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     out = fj.copy_pages(jnp.asarray(pools[0]), jnp.asarray(pools[1]), jnp.asarray(copies))
     checks.append(_check("copy_pages", jnp.stack(out), ref))
     checks.extend(_mla_checks(rng, f32))
+
+    # Gated delta rule: 2 key heads, 4 value heads, 11 tokens in chunks of 4, from a state;
+    # the reference runs the recurrence token by token.
+    grng = np.random.default_rng(seed + 2)
+    g32 = lambda *shape: grng.standard_normal(shape).astype(np.float32)
+    qg, kg, vg, s0 = g32(1, 11, 2, 8), g32(1, 11, 2, 8), g32(1, 11, 4, 8), g32(1, 4, 8, 8)
+    gate = -np.abs(g32(1, 11, 4)) * 0.3
+    beta = 1 / (1 + np.exp(-g32(1, 11, 4)))
+    out, _ = fj.gated_delta_rule(*(jnp.asarray(x) for x in (qg, kg, vg, gate, beta)),
+                                 state=jnp.asarray(s0), chunk_size=4)
+    checks.append(_check("gated_delta_rule", out, _gated_delta64(qg, kg, vg, gate, beta, s0)))
+    xc1, wc1 = g32(2, 9, 6), g32(4, 6)
+    xx = np.concatenate([np.zeros((2, 3, 6)), xc1.astype(np.float64)], axis=1)
+    pre = sum(wc1[i].astype(np.float64) * xx[:, i:i + 9] for i in range(4))
+    checks.append(_check("causal_conv1d", fj.causal_conv1d(jnp.asarray(xc1), jnp.asarray(wc1))[0],
+                         pre / (1 + np.exp(-pre))))
 
     print_fn("  op                     implementation         error vs float64 NumPy"
              "        verdict (project tolerance)")

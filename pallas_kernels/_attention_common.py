@@ -179,11 +179,23 @@ def flash_attention_call(forward: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def merge_splits(o, m, l_sum):
+def merge_splits(o, m, l_sum, sinks=None):
     """Combines a split-K kernel's partial results ``o [..., splits, rows, head_dim]`` and
     ``m, l_sum [..., splits, rows]`` (unnormalised float32 output, running max and sum of
     each split) with logsumexp weights: ``[..., rows, head_dim]``, normalised. A row that
-    saw no key gets zeros; NaN propagates."""
+    saw no key gets zeros; NaN propagates.
+
+    ``sinks`` (float32 ``[..., rows]``, each row's head's sink logit) join as one more
+    split that saw a single key of logit ``sink`` and value zero: they weigh in the sum
+    only (the attention sinks of :mod:`forge_jax.ops.attention`)."""
+    if sinks is not None:
+        sink = jnp.where(jnp.isposinf(sinks), jnp.nan, sinks)[..., None, :]
+        o = jnp.concatenate([o, jnp.zeros(o.shape[:-3] + (1,) + o.shape[-2:], o.dtype)], -3)
+        m = jnp.concatenate([m, jnp.broadcast_to(sink, m.shape[:-2] + (1, m.shape[-1]))], -2)
+        # A row that saw no key keeps zeros (its sink's weight meets an empty sum).
+        seen = jnp.any(l_sum > 0, axis=-2, keepdims=True) | jnp.any(m != m, axis=-2,
+                                                                     keepdims=True)
+        l_sum = jnp.concatenate([l_sum, jnp.where(seen, 1.0, 0.0)], -2)
     m_max = m.max(axis=-2)
     m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     w = jnp.exp(m - jnp.expand_dims(m_safe, -2))  # [..., splits, rows]

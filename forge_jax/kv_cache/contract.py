@@ -113,3 +113,35 @@ class KVCache(Protocol):
     def with_lengths(self, lengths: jax.Array) -> Self:
         """The same cache with ``lengths`` (int ``[batch]``) replaced."""
         ...
+
+
+@runtime_checkable
+class StateCache(Protocol):
+    """A per-layer recurrent-state cache: what a linear-attention layer (a gated delta-rule
+    layer, :func:`forge_jax.gated_delta_rule`) reads and writes instead of keys and values.
+
+    Per step and linear layer the model calls ``conv_state, state = cache.read(layer)``,
+    runs :func:`forge_jax.causal_conv1d` and :func:`forge_jax.gated_delta_rule` from those
+    states, and stores what they return with ``cache = cache.write_state(layer, conv_state,
+    state)``; ``lengths`` and ``with_lengths`` are as in :class:`KVCache`. Implemented by
+    :class:`~forge_jax.kv_cache.RecurrentStatePool` (one slot per sequence) and, for the
+    linear layers of a hybrid model, :class:`~forge_jax.kv_cache.HybridCache`.
+
+    Attributes:
+      lengths: int32 ``[batch]``, tokens in each row's sequence before this step.
+    """
+
+    lengths: jax.Array
+
+    def read(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """``(conv_state [batch, kernel - 1, conv_dim], state [batch, v_heads, dk, dv])`` of
+        layer ``layer`` for the step's rows (zeros for a row with no sequence)."""
+        ...
+
+    def write_state(self, layer: int, conv_state: jax.Array, state: jax.Array) -> Self:
+        """The cache with layer ``layer``'s states of the step's rows replaced."""
+        ...
+
+    def with_lengths(self, lengths: jax.Array) -> Self:
+        """The same cache with ``lengths`` (int ``[batch]``) replaced."""
+        ...

@@ -10,6 +10,7 @@ table lookup).
 
 from forge_jax.pallas_kernels.tpu import (  # noqa: F401  (importing registers the kernels)
     attention,
+    gated_delta,
     grouped_matmul,
     mla_paged_attention,
     paged_attention,
