@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
-from forge_jax.models.llama_model import Linear, _normal
+from forge_jax.models.llama_model import Linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +86,8 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(c.value_dim, c.hidden_size, **lin)
         # [kernel, conv_dim]: fj.causal_conv1d's layout (PyTorch's [conv_dim, 1, kernel]
         # transposed).
-        self.conv_weight = nnx.Param(_normal(rngs, (c.conv_kernel, c.conv_dim), param_dtype,
-                                             std=0.3))
+        self.conv_weight = nnx.Param((0.3 * jax.random.normal(
+            rngs.params(), (c.conv_kernel, c.conv_dim), jnp.float32)).astype(param_dtype))
         self.dt_bias = nnx.Param(jnp.ones((c.v_heads,), param_dtype))
         self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, c.v_heads)).astype(param_dtype))
         self.norm_weight = nnx.Param(jnp.ones((c.v_head_dim,), param_dtype))
