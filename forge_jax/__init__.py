@@ -33,6 +33,9 @@ from forge_jax.ops import (
     gelu_tanh_mul,
     grouped_matmul,
     matmul,
+    mla_attention,
+    mla_paged_attention,
+    mla_paged_write,
     moe,
     moe_permute,
     moe_route,
@@ -60,5 +63,6 @@ __all__ = [
     "copy_pages", "kv_cache", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention", "sharding", "targets", "aot", "registry", "autotune_cache",
     "debug_checks", "QuantizedArray", "dequantize", "quantize", "quant",
+    "mla_attention", "mla_paged_attention", "mla_paged_write",
     "causal_conv1d", "gated_delta_gates", "gated_delta_rule",
 ]

@@ -17,6 +17,13 @@ holding many sequences, whose layout travels in its
 :class:`~forge_jax.kv_cache.RaggedMetadata`). ``batch`` below is the cache's rows: a
 sequence each for the first two, 1 for the packed row.
 
+The latent cache of multi-head latent attention,
+:class:`~forge_jax.kv_cache.PagedLatentCache`, keeps the contract with the one shared "KV
+head" of the absorbed computation: ``write`` takes the latent as ``k`` and the RoPE key as
+``v`` (one head each), and ``attend`` takes ``q = concat(q_nope, q_pe)`` and, keyword-only,
+the heads' up-projections ``up_proj=(w_uk, w_uv)``, returning ``[batch, t, heads, v_dim]``
+(:mod:`forge_jax.kv_cache.latent`).
+
 :class:`KVCache` is a :class:`typing.Protocol` rather than an abstract base: the caches are
 frozen dataclasses registered as pytrees, and the contract is what the model may call, not
 an implementation to inherit (the shared plumbing is in ``forge_jax.kv_cache._base``); any

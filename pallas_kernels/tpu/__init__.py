@@ -12,6 +12,7 @@ from forge_jax.pallas_kernels.tpu import (  # noqa: F401  (importing registers t
     attention,
     gated_delta,
     grouped_matmul,
+    mla_paged_attention,
     paged_attention,
     quantized_matmul,
     ragged_paged_attention,
