@@ -384,6 +384,71 @@ def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, targe
     assert all(c.bytes < pool / 8 for c in report.copies), report
 
 
+# The prefill of a 256-token prompt into a cache with room for 257 tokens a sequence, and
+# into one with room for 1280: what generate's prefill does must not grow with the cache.
+# (It did: the compiled prefill attended through the paged cache's whole capacity, and
+# copied an attention mask and the gathered pages per layer: 753 copies, 8.5 GiB, for the
+# SmolLM2 shape at batch 8 and 1024 tokens on tpu-v5e.)
+@pytest.mark.parametrize("target, head_dim", [
+    pytest.param("h100", 64, marks=GPU), pytest.param("tpu-v5e", 64, marks=TPU)])
+def test_compiled_prefill_holds_no_copy_that_grows_with_the_cache(tiny_config, target,
+                                                                  head_dim):
+    config = dataclasses.replace(tiny_config, head_dim=head_dim)
+    reports, pools = [], []
+    for new_tokens in (1, 1024):
+        with fj.targets.use(target), fj.use_implementation("pallas"):
+            prefill, _ = aot_steps.abstract_steps(config, batch=4, context=256, dtype=BF16,
+                                                  new_tokens=new_tokens)
+        assert prefill.statics["empty_cache"]  # the prefill generate runs
+        reports.append(_compile_step(prefill, target)[0])
+        pools.append(aot_steps.pool_bytes(prefill))
+    assert pools[1] >= 4 * pools[0]
+    small, large = (sorted((k, len(g)) for k, g in fj.aot.copy_kinds(r.copies).items())
+                    for r in reports)
+    assert small == large, reports[1]
+    assert reports[1].memory["temp"] - reports[0].memory["temp"] < (pools[1] - pools[0]) / 8
+
+
+def test_the_report_names_each_copy_and_counts_kernels_launched_in_a_scan():
+    from jax.experimental import pallas as pl
+
+    norm = "rms_norm/convert_element_type"
+    hlo = f"""HloModule jit_prefill_step
+ENTRY %main.1 (p: f32[8,576]) -> f32[8,576] {{
+  %copy.3 = f32[8,576]{{0,1}} copy(f32[8,576]{{1,0}} %p), metadata={{op_name=\
+"jit(prefill_step)/layer_3/{norm}" source_file="x.py"}}
+  %copy.4 = f32[8,576]{{0,1}} copy(f32[8,576]{{1,0}} %p), metadata={{op_name=\
+"jit(prefill_step)/layer_12/{norm};jit(prefill_step)/layer_12/{norm}"}}
+  ROOT %transpose.1 = bf16[4,2]{{1,0}} transpose(bf16[2,4]{{1,0}} %q), dimensions={{1,0}}
+}}
+"""
+    found = fj.aot.copies(hlo)
+    assert [(c.op, c.shape, c.bytes, c.source) for c in found] == [
+        ("copy", "f32[8,576]", 8 * 576 * 4, "layer_3/rms_norm/convert_element_type"),
+        ("copy", "f32[8,576]", 8 * 576 * 4, "layer_12/rms_norm/convert_element_type"),
+        ("transpose", "bf16[4,2]", 16, "")]
+    kinds = fj.aot.copy_kinds(found)
+    assert [(k, len(g)) for k, g in kinds.items()] == [
+        (("copy", "f32[8,576]", "layer_*/rms_norm/convert_element_type"), 2),
+        (("transpose", "bf16[4,2]", "(no source)"), 1)]
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    kernel = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct((8,), F32), interpret=True,
+                            name="double")
+
+    def layers(x):  # 3 layers unrolled, each scanning the kernel 5 times; one more outside
+        for _ in range(3):
+            x, _ = jax.lax.scan(lambda c, _: (kernel(c), None), x, None, length=5)
+        return kernel(x)
+
+    jaxpr = jax.make_jaxpr(layers)(jnp.ones((8,), F32))
+    assert sorted(n for _, n in fj.aot.kernel_launches(jaxpr)) == [1, 5, 5, 5]
+    rows = fj.aot._kernels(jaxpr, fj.targets.get("h100"))
+    assert [(k.name, k.calls) for k in rows] == [("double", 16)]
+
+
 @TPU
 def test_cli_compile_prints_each_steps_report(capsys):
     rc, out, err = cli_run(capsys, "compile", "--target", "tpu-v5e", "--batch", "2",

@@ -572,3 +572,7 @@ def copy_pages_xla(k_pages, v_pages, copies, k_scales=None, v_scales=None, fold=
     with jax.named_scope("copy_pages"):
         pools = (k_pages, v_pages) if k_scales is None else (k_pages, v_pages, k_scales, v_scales)
         return tuple(_copy(jnp.asarray(pool), src, dst) for pool in pools)
+
+
+# The write-slot check, shared with the other ops that write pages (forge_jax.ops.mla).
+check_slot_values = _check_slot_values

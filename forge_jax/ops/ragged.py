@@ -480,3 +480,10 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu
 
     with jax.named_scope("ragged_paged_attention"):
         return attend((q, k_pages, v_pages, k_scales, v_scales, sinks), ints)
+
+
+# The ragged layout's checks, shared with the other ops that take it
+# (forge_jax.ops.mla.mla_paged_attention).
+check_num_seqs = _check_num_seqs
+check_ragged_values = _check_values
+token_rows = _token_rows

@@ -434,6 +434,21 @@ def rope_cos_sin(positions, head_dim, *, theta=10000.0, scaling=None):
     return cos, sin
 
 
+def _check_positions(positions):
+    """Positions are >= 0: checked where concrete, and under ``debug_checks`` when traced."""
+    rule = "must be >= 0 (a token's position in its sequence)"
+    values = _checks.concrete_ints(positions)
+    if values is not None:
+        bad = np.argwhere(values < 0)
+        if bad.size:
+            at = tuple(int(i) for i in bad[0])
+            raise ValueError(f"positions{list(at)}={values[at]} {rule}")
+    elif _checks.debug_checks_enabled():
+        i = _checks.first_bad(positions < 0)
+        _checks.traced_check(~jnp.any(positions < 0), f"positions (flat index {{i}})={{n}} "
+                             f"{rule}", i=i, n=jnp.ravel(positions)[i])
+
+
 def _rope_args(x, positions, *, theta=10000.0, scaling=None, interleaved=False):
     _checks.array("x", x, ndim=4)
     _checks.array("positions", positions, ndim=2, kind="int")
@@ -441,6 +456,7 @@ def _rope_args(x, positions, *, theta=10000.0, scaling=None, interleaved=False):
         raise ValueError(
             f"positions must be [batch, seq] = {tuple(x.shape[:2])}, got {positions.shape=}")
     _check_rope_static(x.shape[-1], theta, scaling)
+    _check_positions(positions)
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {interleaved=!r}")
     return dict(x=x, positions=positions, theta=float(theta), scaling=scaling,
