@@ -36,6 +36,7 @@ mapped, a file that is not GGUF or is cut short: the tensor cut is named) is one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -78,9 +79,28 @@ def hf_name(name: str) -> str:
     raise CheckpointError(f"GGUF tensor {name!r} is not one forge_jax's Llama maps")
 
 
+# The last file read, by (path, size, modification time) -> its reader: a command reads one
+# file's config, tokenizer and weights, and parsing its metadata (a 49k-token vocabulary:
+# hundreds of thousands of fields) costs seconds each time.
+_LAST_READER: dict[tuple, Any] = {}
+
+
 def open_gguf(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` of ``path``; CheckpointError for a missing, foreign or
-    truncated file."""
+    truncated file. The last file's reader is reused while the file is unchanged."""
+    with contextlib.suppress(OSError):
+        st = pathlib.Path(path).stat()
+        key = (str(pathlib.Path(path).resolve()), st.st_size, st.st_mtime_ns)
+        if key in _LAST_READER:
+            return _LAST_READER[key]
+        reader = _open_gguf(path)
+        _LAST_READER.clear()
+        _LAST_READER[key] = reader
+        return reader
+    return _open_gguf(path)
+
+
+def _open_gguf(path: str | os.PathLike):
     try:
         import gguf
     except ImportError:
