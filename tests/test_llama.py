@@ -211,8 +211,11 @@ def test_config_formats_agree():
     (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "gpt2"),
     (dict(architectures=["MistralForCausalLM"]), "MistralForCausalLM"),  # != model_type
     (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
-    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "dynamic"),
+    # YaRN and dynamic NTK are read (tests/test_rope_scaling.py); a kind forge_jax does not
+    # implement, or a key of a known kind it does not read, is refused naming it.
+    (dict(rope_scaling={"rope_type": "mrope", "factor": 4.0}), "mrope"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fastest": 8}),
+     "beta_fastest"),
     (dict(rope_theta=None, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
      "longrope"),
     (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), "rope_parameters"),
