@@ -131,6 +131,17 @@ GPU_CASES = {
     "attention phi2 f32": ("attention", _attention(256, (8, 8, shapes.PHI2_HEAD_DIM), F32),
                            dict(causal=True)),
     "attention llama f32": ("attention", _attention(256, LLAMA, F32), dict(causal=True)),
+    # Attention sinks and chunked attention: gpt-oss's heads (64 / 8 of 64) with its window
+    # of 128, Llama 4's (40 / 8 of 128) with chunks (8192 in the model, 64 here).
+    "attention gptoss sinks window bf16": (
+        "attention", _attention(256, (64, 8, 64), BF16),
+        dict(causal=True, sliding_window=128, sinks=S((64,), F32))),
+    "attention llama4 chunk bf16": ("attention", _attention(256, (40, 8, 128), BF16),
+                                    dict(causal=True, attention_chunk_size=64)),
+    "paged decode gptoss sinks window bf16": ("paged_attention", _paged(
+        BF16, 4, (64, 8), 64), dict(sliding_window=128, sinks=S((64,), F32))),
+    "paged chunk llama4 chunk bf16": ("paged_attention", _paged(
+        BF16, 2, (40, 8), 128, q_len=16), dict(attention_chunk_size=64)),
 }
 TPU_CASES = {
     **KERNEL_CASES,
@@ -168,6 +179,18 @@ TPU_CASES = {
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
                           {}),
+    # Attention sinks and chunked attention at gpt-oss's and Llama 4's heads.
+    "attention gptoss sinks window bf16": GPU_CASES["attention gptoss sinks window bf16"],
+    "attention llama4 chunk bf16": GPU_CASES["attention llama4 chunk bf16"],
+    "ragged gptoss sinks window bf16": ("ragged_paged_attention", _ragged(
+        BF16, 32, 4, (64, 8), 64), dict(sliding_window=128, sinks=S((64,), F32))),
+    "ragged llama4 chunk bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, (40, 8), 128),
+                                 dict(attention_chunk_size=64)),
+    "paged decode gptoss sinks window bf16": GPU_CASES["paged decode gptoss sinks window bf16"],
+    "paged chunk llama4 chunk bf16": GPU_CASES["paged chunk llama4 chunk bf16"],
+    # A chunk that is not a power of two: the chunk start by a vector remainder.
+    "ragged llama4 chunk48 f32": ("ragged_paged_attention", _ragged(F32, 32, 4, (40, 8), 128),
+                                  dict(attention_chunk_size=48)),
     # Llama-3.2-1B's decode (32/8 heads of 64): pairs of heads folded into 128 lanes.
     "attention decode llama32 bf16": ("attention", (S((1, 1, 32, 64), BF16),
                                                     S((1, 1000, 8, 64), BF16),
@@ -209,6 +232,9 @@ TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n 
 # finding to fix; a case not named here must not spill.
 KNOWN_SPILLS = {
     ("h100", "paged decode llama f32"): 4096,
+    # The chunk's mask on 80 rows of head_dim 128 (255 registers): 240 bytes; the same call
+    # without the chunk spills nothing (forge_jax.aot, JAX 0.10.2, 2026-11-28).
+    ("h100", "paged chunk llama4 chunk bf16"): 240,
 }
 
 

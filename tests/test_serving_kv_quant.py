@@ -64,6 +64,7 @@ def test_serve_flag(capsys, monkeypatch, chat_checkpoint, chat_model):
 
     from forge_jax.cli import serve as serve_cli
     from forge_jax.serving import http as serving_http
+    from forge_jax.serving import server as serving_server
 
     assert_one_line_error(run(capsys, "serve", "--checkpoint", str(chat_checkpoint),
                               "--kv-cache-dtype", "int4"),
@@ -74,6 +75,7 @@ def test_serve_flag(capsys, monkeypatch, chat_checkpoint, chat_model):
     monkeypatch.setattr(serving_http, "create_app", lambda engine, **kw: engines.append(engine))
     monkeypatch.setattr(serve_cli, "_import_server",
                         lambda: types.SimpleNamespace(run=lambda app, **kw: None))
+    monkeypatch.setattr(serving_server, "run", lambda *args, **kwargs: None)
     rc, _, err = run(capsys, "serve", "--checkpoint", str(chat_checkpoint), "--max-pages", "8",
                      "--kv-cache-dtype", "fp8")
     assert rc == 0 and "fp8 KV cache" in err, err

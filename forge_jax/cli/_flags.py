@@ -105,6 +105,30 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
                         help="transformers' repetition penalty (1: off)")
 
 
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative", choices=("ngram",), default=None,
+                        help="speculative decoding: draft tokens by prompt lookup (ngram) and "
+                             "verify them in one step; greedy output is unchanged (default: "
+                             "off; no streaming, no --repetition-penalty)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                        help="draft tokens per step with --speculative (default: 4)")
+
+
+def speculative_config(args: argparse.Namespace):
+    """The ``SpeculativeConfig`` of ``--speculative`` (None without it); a one-line error
+    for a bad ``--num-speculative-tokens``."""
+    if args.speculative is None:
+        return None
+    if args.num_speculative_tokens < 1:
+        raise UsageError(f"--num-speculative-tokens must be >= 1, got "
+                         f"{args.num_speculative_tokens}")
+    if args.repetition_penalty not in (None, 1.0):
+        raise UsageError("--speculative does not apply --repetition-penalty")
+    from forge_jax.generation import SpeculativeConfig
+
+    return SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens)
+
+
 def check_sampling_flags(args: argparse.Namespace) -> None:
     """The sampling flags of ``generate`` and ``chat`` (None: the checkpoint's
     generation_config.json, else greedy and no filter)."""
@@ -208,3 +232,60 @@ def mesh_from_flag(args: argparse.Namespace, config):
                     "XLA_FLAGS=--xla_force_host_platform_device_count=N")
         raise UsageError(f"--mesh {args.mesh}: {e}{hint}") from None
     return mesh
+
+
+API_KEY_ENV = "FORGE_JAX_API_KEY"
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """``forge-jax serve``'s protection, limits, warm-up and shutdown."""
+    parser.add_argument("--api-key", default=None,
+                        help=f"the key clients must send (Authorization: Bearer KEY) on every "
+                             f"route but /health; 401 without it (default: ${API_KEY_ENV}, "
+                             f"else none)")
+    parser.add_argument("--allowed-hosts", default=None, metavar="NAME[,NAME...]",
+                        help="Host header names served, '*' for any (default: the --host "
+                             "address; for a loopback one also localhost, 127.0.0.1 and ::1; "
+                             "for 0.0.0.0 or :: any)")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="a request body's size at most; larger ones are answered 413 "
+                             "as soon as that is known (default: 4 MiB)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a request's headers may take to arrive (408 and the "
+                             "connection closed past them; default 10)")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request's body may take to arrive (408 past them; "
+                             "default 30)")
+    parser.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                        help="seconds an idle connection stays open (default 5)")
+    parser.add_argument("--max-connections", type=int, default=1024,
+                        help="open connections at most; one more is answered 503 and closed "
+                             "(default 1024)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds the requests in flight get to finish after SIGTERM or "
+                             "SIGINT before they are cancelled (default 30)")
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile the step's variants before /health says ok (requests "
+                             "meanwhile get 503)")
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """The server flags' values (before anything is read); ``args.api_key`` from the
+    environment when not given."""
+    import math
+    import os
+
+    for name in ("max_request_bytes", "max_connections"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got "
+                             f"{getattr(args, name)}")
+    for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_timeout"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0) and not (
+                name == "shutdown_timeout" and value == 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number of seconds "
+                             f"> 0, got {value}")
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty")

@@ -34,6 +34,7 @@ def add_parser(subparsers) -> None:
                           f"positions the model has left; for a task model, the longest "
                           f"answer)")
     _flags.add_sampling_flags(gen)
+    _flags.add_speculative_flags(gen)
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print a single --prompt's completion as it is decoded (default: on)")
     gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged",
@@ -124,6 +125,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     _flags.check_sampling_flags(args)
+    _flags.speculative_config(args)  # its flags checked before the model loads
     if args.num_problems is not None and args.num_problems < 1:
         raise UsageError(f"--num-problems must be >= 1, got {args.num_problems}")
     if args.show is not None and args.show < 0:
@@ -284,6 +286,10 @@ def print_stats(stats, generated) -> None:
     else:
         print("decode:  no decode steps (every sequence stopped at an end-of-sequence token "
               "from the prefill)")
+    if stats.draft_tokens:
+        print(f"speculative: {stats.accepted_tokens} of {stats.draft_tokens} drafted tokens "
+              f"kept ({stats.acceptance_rate:.0%}), {stats.tokens_per_step:.2f} tokens per "
+              f"sequence per step")
     steps = "the prefill step" if stats.max_new_tokens == 1 else "prefill and decode steps"
     print(f"compile: {stats.compile_seconds:.1f} s ({steps}; not in the rates)")
     kv = f"{stats.kv_cache_dtype}, scales included" if stats.kv_cache_dtype else "float"
@@ -341,6 +347,9 @@ def _run_task(model, task, args, progress) -> None:
     # Without --max-new-tokens, tasks.solve sizes the answers to these problems.
     kw = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
     sampling = _flags.sampling_params(args, None)
+    speculative = _flags.speculative_config(args)
+    if speculative is not None:
+        kw["speculative"] = speculative
     generated, stats = tasks.solve(
         model, problems, sampling=sampling, cache=_cache_spec(args),
         callbacks=Callbacks(progress=progress),
@@ -393,7 +402,10 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
     wrapped = None if tokenizer is None else text.Tokenizer(
         tokenizer, generation_config=generation_config, name=str(path))
     stream = None
-    if args.stream and tokenizer is not None and len(prompts) == 1 and max_new > 0:
+    speculative = _flags.speculative_config(args)
+    extra = {} if speculative is None else {"speculative": speculative}
+    if args.stream and tokenizer is not None and len(prompts) == 1 and max_new > 0 \
+            and speculative is None:  # (speculative steps give several tokens at once)
         # Text as it is decoded: the prompt, then the completion piece by piece.
         def stream(index, piece):
             sys.stdout.write(piece)
@@ -412,7 +424,7 @@ def _run_prompts(model, tokenizer, prompts, args, progress, path) -> None:
         model, wrapped, prompts, max_new_tokens=max_new, sampling=sampling,
         generation_config=generation_config, stream=stream, cache=_cache_spec(args),
         callbacks=Callbacks(progress=progress), warm_up=True,
-        allow_beyond_max_positions=args.allow_long_context)
+        allow_beyond_max_positions=args.allow_long_context, **extra)
     if stream is not None:
         print()
     progress.close()

@@ -29,6 +29,7 @@ _HOMES = {
                      "generate_with_stats"), "forge_jax.generation.loop"),
     "SamplingParams": "forge_jax.generation.sampling",
     "encode_prompt": "forge_jax.generation.prompts",
+    "SpeculativeConfig": "forge_jax.generation.speculative",
     **dict.fromkeys(("DEFAULT_MAX_NEW_TOKENS", "Callbacks", "Stopping", "sampling_params",
                      "stopping"), "forge_jax.generation.settings"),
     "GenerationStats": "forge_jax.generation.stats",

@@ -20,8 +20,11 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax import memory as fj_memory
+from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import settings
+from forge_jax.generation import speculative as speculative_lib
 from forge_jax.generation.sampling import SamplingParams
+from forge_jax.generation.speculative import SpeculativeConfig
 from forge_jax.generation.stats import GenerationStats
 from forge_jax.generation.steps import decode_step, prefill_step, seen_tokens, step_statics
 from forge_jax.kv_cache import BlockManager, CacheSpec, ContiguousKVCache, PagedKVCache
@@ -183,6 +186,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
                         eos_token_id: int | Sequence[int] | None = None,
                         allow_beyond_max_positions: bool = False,
                         callbacks: settings.Callbacks | None = None, warm_up: bool = False,
+                        speculative: SpeculativeConfig | None = None,
                         **deprecated) -> tuple[list[list[int]], GenerationStats]:
     """:func:`generate`, also returning a :class:`GenerationStats` with the timings.
 
@@ -199,6 +203,13 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     a 30-layer 135M model), which then counts in ``compile_seconds``, not in
     ``prefill_seconds`` (the time to the first token). The CLI uses it; it costs one more
     prefill's time in total.
+
+    ``speculative`` (a :class:`~forge_jax.generation.speculative.SpeculativeConfig`):
+    draft ``num_tokens`` tokens per step by prompt lookup and verify them in one step
+    (:mod:`forge_jax.generation.speculative`): greedy output is the same, sampled output is
+    distributed as without it; the statistics count the drafted and accepted tokens. It
+    takes neither a repetition penalty nor ``logprobs`` nor ``on_tokens``, and the cache
+    holds ``num_tokens`` more positions (the last step's drafts).
 
     The other arguments are :func:`generate`'s, and so are its deprecated keywords
     (plus ``progress`` and ``on_tokens``, now in ``callbacks``).
@@ -217,12 +228,19 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
         sampling = SamplingParams(**legacy.sampling)
     elif not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams or None, got {sampling!r}")
+    _check_engine_only(sampling)
+    if speculative is not None:
+        speculative_lib.check(speculative, sampling, callbacks)
     spec = settings.cache_spec("generate_with_stats", cache, legacy)
     prompts = _check_prompts(prompts, model.config.vocab_size)
     stop = _stopping(model, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
                      longest_prompt=max(len(p) for p in prompts))
-    plan = _plan(model, prompts, stop.max_new_tokens, spec,
+    # Speculative steps write up to num_tokens positions past the last kept token.
+    extra = 0 if speculative is None or not stop.max_new_tokens else speculative.num_tokens
+    plan = _plan(model, prompts, stop.max_new_tokens + extra, spec,
                  allow_beyond_max_positions=allow_beyond_max_positions)
+    if extra:
+        plan = dataclasses.replace(plan, max_new_tokens=stop.max_new_tokens)
     eos = frozenset(stop.eos_token_ids)
     cache_dtype = spec.resolved_dtype(model.dtype)
     stats = GenerationStats(
@@ -237,7 +255,9 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     stats.weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(state))
     stats.cache_bytes = kv.nbytes
     inputs = _place_inputs(model, plan, sampling)
-    statics = step_statics(graphdef, sampling.greedy)
+    # logprobs=0 still needs the sampled token's: the steps take one alternative at least.
+    top = None if sampling.logprobs is None else max(1, sampling.logprobs)
+    statics = step_statics(graphdef, sampling.greedy, logprobs=top or 0)
 
     start = time.perf_counter()
     prefill, decode, kv = _compile_steps(state, kv, inputs, statics, plan, warm_up)
@@ -246,10 +266,22 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
     tokens, seen, kv, stats.prefill_seconds = _prefill(prefill, state, kv, inputs)
     if callbacks.progress is not None:
         callbacks.progress(1, plan.max_new_tokens)
+    if speculative is not None:
+        results = speculative_lib.decode(
+            state, kv, tokens, plan.prompts, plan.padded_batch, inputs.key, inputs.params,
+            limit=plan.max_new_tokens, eos=eos, config=speculative, statics=statics,
+            stats=stats, progress=callbacks.progress)
+        stats.new_tokens = sum(len(r) for r in results)
+        stats.decode_tokens = stats.new_tokens - plan.batch
+        return results, stats
 
     outputs, stats.decode_steps, stats.decode_seconds = _decode_loop(
         decode, state, kv, tokens, seen, inputs, plan, eos, callbacks)
+    if top is not None:  # each step's output is (tokens, its logprobs)
+        outputs, logprobs = [o[0] for o in outputs], [o[1] for o in outputs]
     results = _collect(outputs, plan.batch, eos)
+    if top is not None:
+        stats.logprobs = _collect_logprobs(logprobs, outputs, results, sampling.logprobs)
     stats.new_tokens = sum(len(r) for r in results)
     stats.decode_tokens = stats.new_tokens - plan.batch  # the prefill gave each its first
     return results, stats
@@ -382,34 +414,51 @@ def _compile_steps(state, kv, inputs: _Inputs, statics: dict, plan: _Plan, warm_
     the only token), compiled ahead of time (cached by jit after the first call) so that
     the timings measure the steps alone. Returns ``(prefill, decode, kv)``."""
     # The cache is new: the prompts attend to themselves, not to its whole capacity.
-    prefill = prefill_step.lower(state, kv, inputs.tokens, inputs.lengths, inputs.key,
-                                 inputs.params, inputs.seen, **statics,
-                                 empty_cache=True).compile()
+    prefill = prefill_step.compiled(state, kv, inputs.tokens, inputs.lengths, inputs.key,
+                                    inputs.params, inputs.seen, **statics, empty_cache=True)
     decode = None
     if plan.max_new_tokens > 1:
         # The decode step takes the tokens the previous step sampled: shaped like `first`.
-        decode = decode_step.lower(state, kv, inputs.first, inputs.active, inputs.key,
-                                   inputs.step(1), inputs.params, inputs.seen,
-                                   **statics).compile()
+        decode = decode_step.compiled(state, kv, inputs.first, inputs.active, inputs.key,
+                                      inputs.step(1), inputs.params, inputs.seen, **statics)
     if warm_up:
         # A compiled step's first run builds its CPU matmul runtimes (XLA's YNNPACK
         # fusions, a few ms per matmul: ~0.45 s for a 30-layer model's prefill, ten decode
         # steps' time). A run on no tokens (nothing written, the cache unchanged) pays it
         # here, so that the prefill after it, the time to the first token, is the work alone.
-        warm, _, kv = prefill(state, kv, inputs.tokens, inputs.no_lengths, inputs.key,
-                              inputs.params, inputs.seen)
+        warm, _, kv, *_ = prefill(state, kv, inputs.tokens, inputs.no_lengths, inputs.key,
+                                  inputs.params, inputs.seen)
         warm.block_until_ready()
     return prefill, decode, kv
 
 
 def _prefill(prefill, state, kv, inputs: _Inputs):
     """Runs the compiled prefill; returns ``(tokens, seen, kv, seconds)``: each row's first
-    new token, ``seen`` with it, the cache, and the time until the tokens were ready."""
+    new token (with logprobs, ``(tokens, logprobs)``), ``seen`` with it, the cache, and the
+    time until the tokens were ready."""
     start = time.perf_counter()
-    tokens, seen, kv = prefill(state, kv, inputs.tokens, inputs.lengths, inputs.key,
-                               inputs.params, inputs.seen)
-    tokens.block_until_ready()
-    return tokens, seen, kv, time.perf_counter() - start
+    tokens, seen, kv, *logprobs = prefill(state, kv, inputs.tokens, inputs.lengths,
+                                          inputs.key, inputs.params, inputs.seen)
+    jax.block_until_ready(tokens)
+    return (tokens, *logprobs) if logprobs else tokens, seen, kv, time.perf_counter() - start
+
+
+def _check_engine_only(sampling: SamplingParams) -> None:
+    """ValueError for the settings that only the serving engine applies."""
+    engine_only = [name for name in ("presence_penalty", "frequency_penalty", "logit_bias",
+                                     "constraint") if getattr(sampling, name)]
+    if engine_only:
+        raise ValueError(f"generate does not apply {', '.join(engine_only)} (given in "
+                         f"sampling); the serving engine does: forge_jax.serving.Engine")
+
+
+def _collect_logprobs(logprobs: list, outputs: list, results: list[list[int]], k: int
+                      ) -> list[list[sampling_lib.TokenLogprob]]:
+    """Each prompt's :class:`TokenLogprob` per returned token, from the steps' outputs."""
+    host = [dict(jax.device_get(lp), tokens=np.asarray(t)) for lp, t in zip(
+        logprobs, outputs, strict=True)]
+    return [[sampling_lib.host_logprobs(host[i], b, k) for i in range(len(row))]
+            for b, row in enumerate(results)]
 
 
 def _decode_loop(decode, state, kv, tokens, seen, inputs: _Inputs, plan: _Plan,
@@ -417,10 +466,15 @@ def _decode_loop(decode, state, kv, tokens, seen, inputs: _Inputs, plan: _Plan,
                  ) -> tuple[list, int, float]:
     """The decode steps after the prefill's ``tokens``, until ``max_new_tokens`` or every
     sequence has generated an eos. Returns ``(outputs, steps, seconds)``: each step's
-    tokens (the prefill's first), the decode steps run and their time."""
+    tokens (the prefill's first; with logprobs, ``(tokens, logprobs)`` pairs), the decode
+    steps run and their time."""
     batch = plan.batch
+    with_logprobs = isinstance(tokens, tuple)
+    if with_logprobs:
+        outputs, tokens = [tokens], tokens[0]
     progress, on_tokens = callbacks.progress, callbacks.on_tokens
-    outputs = [tokens]
+    if not with_logprobs:
+        outputs = [tokens]
     done = np.zeros((batch,), bool)
     eos_ids = np.asarray(sorted(eos), np.int32)
     read = bool(eos) or on_tokens is not None  # the host needs each step's tokens
@@ -440,9 +494,9 @@ def _decode_loop(decode, state, kv, tokens, seen, inputs: _Inputs, plan: _Plan,
     for step in range(1, plan.max_new_tokens):
         if done.all():
             break
-        tokens, seen, kv = decode(state, kv, tokens, inputs.active, inputs.key,
-                                  inputs.step(step), inputs.params, seen)
-        outputs.append(tokens)
+        tokens, seen, kv, *logprobs = decode(state, kv, tokens, inputs.active, inputs.key,
+                                             inputs.step(step), inputs.params, seen)
+        outputs.append((tokens, *logprobs) if with_logprobs else tokens)
         steps += 1
         if read:
             # Stopping early and streaming need the tokens on the host. Reading the

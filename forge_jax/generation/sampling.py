@@ -1,5 +1,5 @@
-"""Token sampling on device: greedy, temperature, top-k, top-p (nucleus), min-p and the
-repetition penalty.
+"""Token sampling on device: greedy, temperature, top-k, top-p (nucleus), min-p, the
+repetition penalty, and the log-probabilities of what was sampled.
 
 The processors follow Hugging Face transformers' logits processors and their order in
 ``generate``: the repetition penalty (greedy decoding included), then divide by the
@@ -11,6 +11,14 @@ keep the tokens whose probability is at least ``min_p`` times the largest.
 
 Every parameter's value may be a traced scalar, so one compiled step serves them all; only
 greedy versus sampling changes the compiled code (:attr:`SamplingParams.greedy`).
+
+OpenAI's ``logit_bias``, ``presence_penalty`` and ``frequency_penalty`` and a grammar
+``constraint`` are per-request settings of the serving engine
+(:mod:`forge_jax.serving.batch_step` applies them on the device, in that order, after the
+repetition penalty). Log-probabilities (:func:`token_logprobs`) are taken from the logits
+after the penalties and the logit bias, before the grammar mask, the temperature and the
+filters: the model's distribution as the penalties left it, as vLLM documents its
+``logprobs`` (at temperature 0 they are the model's log-softmax).
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # over a 49k vocabulary on CPU) and sort the whole vocabulary (~10 ms there) only when the
 # tokens they keep are not all among them.
 CANDIDATES = 256
+
+# The most alternatives per token that ``logprobs`` may ask for (OpenAI's ``top_logprobs``
+# limit); the compiled steps take the top MAX_LOGPROBS always and the host cuts them.
+MAX_LOGPROBS = 20
 
 
 def _is_number(x) -> bool:
@@ -57,6 +69,18 @@ class SamplingParams:
         too.
       seed: the seed of the ``jax.random`` key the tokens are sampled with (unused when
         greedy), an int in ``[-2**63, 2**63)``.
+      presence_penalty: OpenAI's, in [-2, 2]: subtracted from the logit of every token
+        already generated (the prompt excluded) (None or 0: off). Serving engine only.
+      frequency_penalty: OpenAI's, in [-2, 2]: subtracted from a token's logit once per
+        time it was generated (None or 0: off). Serving engine only.
+      logit_bias: OpenAI's: ``{token id: bias in [-100, 100]}`` added to the logits (a
+        mapping, kept as sorted ``(id, bias)`` pairs; None: none). Serving engine only.
+      logprobs: None (off), or how many most likely alternatives to report with each
+        token's log-probability, 0 to :data:`MAX_LOGPROBS` (0: the sampled token's
+        alone). See :func:`token_logprobs` for which distribution they come from.
+      constraint: a :class:`forge_jax.generation.constraints.Constraint` (JSON schema,
+        regex, choice, grammar) the tokens must follow; None: free text. Serving engine
+        only.
     """
 
     temperature: float = 0.0
@@ -65,6 +89,11 @@ class SamplingParams:
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    logprobs: int | None = None
+    constraint: object | None = None
 
     def __post_init__(self):
         if not _is_number(self.temperature) or not 0 <= self.temperature <= _FLOAT32_MAX:
@@ -84,6 +113,26 @@ class SamplingParams:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer) \
                 or not -2**63 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got seed={self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be a number in [-2, 2] or None, got {value!r}")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(
+                self.logprobs, int | np.integer) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got "
+                             f"logprobs={self.logprobs!r}")
+        if self.constraint is not None and not callable(getattr(self.constraint, "matcher",
+                                                                None)):
+            raise TypeError(f"constraint must be a forge_jax.generation.constraints."
+                            f"Constraint or None, got {self.constraint!r:.80}")
+
+    @property
+    def needs_token_counts(self) -> bool:
+        """Whether the presence or frequency penalty is on (the step then counts each
+        sequence's generated tokens)."""
+        return bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +157,54 @@ class SamplingParams:
             min_p=jnp.asarray(0.0 if self.min_p is None else self.min_p, jnp.float32),
             repetition_penalty=jnp.asarray(
                 1.0 if self.repetition_penalty is None else self.repetition_penalty, jnp.float32))
+
+
+def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """A ``logit_bias`` mapping (JSON's string keys included) as sorted ``(id, bias)``
+    pairs; ValueError naming the bad entry."""
+    items = bias.items() if hasattr(bias, "items") else bias
+    out = {}
+    try:
+        items = list(items)
+    except TypeError:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r:.80}") from None
+    for entry in items:
+        if not isinstance(entry, tuple | list) or len(entry) != 2:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r:.80}")
+        key, value = entry
+        try:
+            token = int(key) if not isinstance(key, bool | float) else None
+        except (TypeError, ValueError):
+            token = None
+        if token is None or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        if not _is_number(value) or not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias[{key!r}] must be a number in [-100, 100], got "
+                             f"{value!r}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_LOGPROBS) -> dict:
+    """The log-probabilities of the sampled ``tokens`` and of the ``k`` most likely ones.
+
+    They are taken from ``logits`` as given: the callers pass the logits after the
+    repetition, presence and frequency penalties and the logit bias, before the grammar
+    mask, the temperature and the top-k/top-p/min-p filters (vLLM's documented point), so
+    that at temperature 0 they are the model's ``log_softmax``.
+
+    Args:
+      logits: float ``[rows, vocab]``.
+      tokens: int32 ``[rows]``, the sampled tokens.
+      k: static, the alternatives per row (``lax.top_k``: ordered, most likely first).
+
+    Returns:
+      ``{"token": float32 [rows], "top_ids": int32 [rows, k], "top": float32 [rows, k]}``.
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [rows, vocab]
+    top, top_ids = jax.lax.top_k(logp, min(k, logp.shape[-1]))
+    token = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return {"token": token, "top_ids": top_ids.astype(jnp.int32), "top": top}
 
 
 def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty) -> jax.Array:
@@ -227,3 +324,29 @@ def _argmax(logits: jax.Array) -> jax.Array:
     hit = (logits == top) | jnp.isnan(logits)
     index = jnp.arange(vocab, dtype=jnp.int32)
     return jnp.min(jnp.where(hit, index, jnp.int32(vocab)), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its log-probability (:func:`token_logprobs`' distribution).
+
+    Attributes:
+      token: the token id.
+      logprob: its log-probability (None for the first token of a scored sequence,
+        :func:`forge_jax.generation.scoring.sequence_logprobs`: nothing comes before it).
+      top: the most likely tokens as ``(id, logprob)`` pairs, most likely first (as many
+        as :attr:`SamplingParams.logprobs` asked for).
+    """
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def host_logprobs(arrays: dict, row: int, k: int) -> TokenLogprob:
+    """Row ``row`` of :func:`token_logprobs`' output (NumPy arrays, on the host) as a
+    :class:`TokenLogprob` with ``k`` alternatives; ``arrays`` also holds the sampled
+    ``tokens`` ``[rows]``."""
+    top = tuple((int(i), float(v)) for i, v in zip(arrays["top_ids"][row][:k],
+                                                    arrays["top"][row][:k], strict=True))
+    return TokenLogprob(int(arrays["tokens"][row]), float(arrays["token"][row]), top)

@@ -34,6 +34,11 @@ class GenerationStats:
       cache_bytes: the KV cache's keys and values (a quantized cache's scales included),
         measured from the arrays.
       kv_cache_dtype: ``"int8"`` or ``"fp8"`` for a quantized KV cache, else None.
+      logprobs: with :attr:`SamplingParams.logprobs` set, each prompt's new tokens as
+        :class:`~forge_jax.generation.sampling.TokenLogprob` (their log-probabilities and
+        the most likely alternatives), aligned with the returned tokens; else None.
+      draft_tokens, accepted_tokens: with speculative decoding, the tokens drafted and
+        the drafts the model kept (:attr:`acceptance_rate`, :attr:`tokens_per_step`).
     """
 
     batch: int
@@ -52,6 +57,9 @@ class GenerationStats:
     weight_bytes: int = 0
     cache_bytes: int = 0
     kv_cache_dtype: str | None = None
+    logprobs: list | None = None
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -62,6 +70,19 @@ class GenerationStats:
     def decode_tokens_per_s(self) -> float:
         """Tokens generated per second by the decode steps (all sequences together)."""
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Drafts kept over drafts proposed (speculative decoding; 0 without)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per sequence per decode step, averaged: 1 without speculative decoding,
+        up to ``num_tokens + 1`` with it."""
+        if not self.decode_steps:
+            return 0.0
+        return self.decode_tokens / self.decode_steps / max(1, self.batch)
 
     @property
     def decode_ms_per_step(self) -> float:

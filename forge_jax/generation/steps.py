@@ -26,20 +26,26 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.generation import compiled_cache
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.models import llama_sharding
 from forge_jax.models.llama_model import Llama
 
 
-def _sample(logits, key, sampling, seen, greedy):
+def _sample(logits, key, sampling, seen, greedy, logprobs=0):
     """One token per row of ``logits`` [batch, vocab] with the traced parameters
     ``sampling`` (:meth:`SamplingParams.arrays`); ``seen`` bool [batch, vocab] marks each
-    sequence's tokens so far (for the repetition penalty). Returns (tokens, seen with them)."""
+    sequence's tokens so far (for the repetition penalty). Returns (tokens, seen with them),
+    and with ``logprobs`` (static) > 0 their :func:`~forge_jax.generation.sampling.token_logprobs`
+    (``logprobs`` alternatives) after them."""
+    logits = sampling_lib.apply_repetition_penalty(logits, seen, sampling["repetition_penalty"])
     tokens = sampling_lib.sample(
         logits, key, temperature=0.0 if greedy else sampling["temperature"],
-        top_k=sampling["top_k"], top_p=sampling["top_p"], min_p=sampling["min_p"],
-        repetition_penalty=sampling["repetition_penalty"], seen=seen)
-    return tokens, seen.at[jnp.arange(seen.shape[0]), tokens].set(True)
+        top_k=sampling["top_k"], top_p=sampling["top_p"], min_p=sampling["min_p"])
+    seen = seen.at[jnp.arange(seen.shape[0]), tokens].set(True)
+    if logprobs:
+        return tokens, seen, sampling_lib.token_logprobs(logits, tokens, logprobs)
+    return tokens, seen
 
 
 def seen_tokens(prompts: Sequence[Sequence[int]], batch: int, vocab_size: int) -> np.ndarray:
@@ -72,7 +78,7 @@ class Static:
         return x.value if isinstance(x, Static) else x
 
 
-def step_statics(graphdef: nnx.GraphDef | Static, greedy: bool) -> dict:
+def step_statics(graphdef: nnx.GraphDef | Static, greedy: bool, logprobs: int = 0) -> dict:
     """The static keyword arguments of :func:`prefill_step` and :func:`decode_step`:
     ``graphdef`` (``nnx.split(model)[0]``, in a :class:`Static`), ``greedy``
     (:attr:`SamplingParams.greedy`: argmax instead of sampling) and
@@ -82,14 +88,22 @@ def step_statics(graphdef: nnx.GraphDef | Static, greedy: bool) -> dict:
     Ops pick their implementation when traced and jit's cache does not see the
     preference, so the steps take it as a static argument: one compiled step per
     preference. (Left out, it is None: the step compiled first serves every preference.)
+
+    ``logprobs`` > 0 (a compiled variant of its own): the steps also return the sampled
+    tokens' log-probabilities and the ``logprobs`` most likely alternatives
+    (:func:`~forge_jax.generation.sampling.token_logprobs`); left 0, the statics do not name
+    it and the steps return what they always did.
     """
     if not isinstance(graphdef, Static):
         graphdef = Static(graphdef)  # hashed once, not at every step's dispatch
-    return dict(graphdef=graphdef, greedy=greedy,
-                implementation_key=fj.dispatch.current_preference())
+    statics = dict(graphdef=graphdef, greedy=greedy,
+                   implementation_key=fj.dispatch.current_preference())
+    if logprobs:
+        statics["logprobs"] = int(logprobs)
+    return statics
 
 
-_STATIC = ("graphdef", "greedy", "implementation_key")
+_STATIC = ("graphdef", "greedy", "implementation_key", "logprobs")
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "empty_cache"),
@@ -97,7 +111,7 @@ _STATIC = ("graphdef", "greedy", "implementation_key")
 def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
                  key: jax.Array, sampling: dict[str, jax.Array], seen: jax.Array, *,
                  graphdef: nnx.GraphDef | Static, greedy: bool, implementation_key=None,
-                 empty_cache: bool = False):
+                 empty_cache: bool = False, logprobs: int = 0):
     """Prefills new tokens into a KV cache and samples the first token after them (jitted;
     ``cache`` is donated: use the returned one).
 
@@ -123,9 +137,12 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
         :meth:`Llama.forward_cached`): the same result, a fraction of the work when the
         cache is much longer than the prompt. Left False, any cache works.
 
+      logprobs: static (:func:`step_statics`); > 0 adds the tokens' log-probabilities.
+
     Returns:
       ``(tokens, seen, cache)``: the first new token of each row, int32 ``[batch]``;
-      ``seen`` with it marked; the cache holding the new tokens.
+      ``seen`` with it marked; the cache holding the new tokens. With ``logprobs`` > 0, a
+      fourth: :func:`~forge_jax.generation.sampling.token_logprobs`' dict.
     """
     model = nnx.merge(Static.unwrap(graphdef), state)
     batch, t = tokens.shape
@@ -135,8 +152,8 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
     logits, cache = model.forward_cached(tokens, positions, valid, cache,
                                          logits_at=jnp.maximum(lengths - 1, 0),
                                          empty_cache=empty_cache)
-    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, greedy),
-                   cache)
+    return _placed(model, *_sample(logits, jax.random.fold_in(key, 0), sampling, seen, greedy,
+                                   logprobs), cache=cache)
 
 
 # The decode step also donates ``seen`` (each step's is the previous step's output), so the
@@ -146,7 +163,7 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
 def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
                 key: jax.Array, step: jax.Array, sampling: dict[str, jax.Array],
                 seen: jax.Array, *, graphdef: nnx.GraphDef | Static, greedy: bool,
-                implementation_key=None):
+                implementation_key=None, logprobs: int = 0):
     """One new token per sequence (jitted; ``cache`` and ``seen`` are donated: use the
     returned ones).
 
@@ -159,28 +176,36 @@ def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
       key: the ``jax.random`` key; step ``step`` samples with ``fold_in(key, step)``.
       step: int32 scalar, 1 for the first decode step, then 2, 3, ...
       sampling, seen: as for :func:`prefill_step`.
-      graphdef, greedy, implementation_key: static (:func:`step_statics`).
+      graphdef, greedy, implementation_key, logprobs: static (:func:`step_statics`).
 
     Returns:
       ``(tokens, seen, cache)``: the next token of each row, int32 ``[batch]``; ``seen``
-      with it marked; the cache one token longer per active row.
+      with it marked; the cache one token longer per active row. With ``logprobs`` > 0, a
+      fourth: :func:`~forge_jax.generation.sampling.token_logprobs`' dict.
     """
     model = nnx.merge(Static.unwrap(graphdef), state)
     positions = cache.lengths[:, None]  # [batch, 1]
     logits, cache = model.forward_cached(tokens[:, None], positions, active[:, None], cache,
                                          logits_at=jnp.zeros_like(cache.lengths))
     return _placed(model, *_sample(logits, jax.random.fold_in(key, step), sampling, seen,
-                                   greedy), cache)
+                                   greedy, logprobs), cache=cache)
 
 
-def _placed(model: Llama, tokens, seen, cache):
-    """On a mesh: the sampled tokens and ``seen`` replicated (every process can read them)
-    and the cache kept in its shardings (so the next step takes it donated, with no
-    recompile). Returns ``(tokens, seen, cache)``."""
-    if model.mesh is None:
-        return tokens, seen, cache
-    replicated = model.mesh.replicated()
-    return (jax.lax.with_sharding_constraint(tokens, replicated),
-            jax.lax.with_sharding_constraint(seen, replicated),
-            jax.lax.with_sharding_constraint(
-                cache, llama_sharding.cache_shardings(cache, model.mesh)))
+def _placed(model: Llama, tokens, seen, logprobs=None, *, cache):
+    """On a mesh: the sampled tokens, ``seen`` and the log-probabilities replicated (every
+    process can read them) and the cache kept in its shardings (so the next step takes it
+    donated, with no recompile). Returns ``(tokens, seen, cache)``, and the
+    log-probabilities after them when there are some."""
+    if model.mesh is not None:
+        replicated = model.mesh.replicated()
+        tokens, seen, logprobs = jax.lax.with_sharding_constraint(
+            (tokens, seen, logprobs), replicated)
+        cache = jax.lax.with_sharding_constraint(
+            cache, llama_sharding.cache_shardings(cache, model.mesh))
+    return (tokens, seen, cache) if logprobs is None else (tokens, seen, cache, logprobs)
+
+
+# Inside compiled_cache.use_step_cache (the CLI's commands), the steps run executables kept
+# on disk by an earlier process, untraced; elsewhere they are the jitted functions above.
+prefill_step = compiled_cache.CachedStep(prefill_step, "prefill", (*_STATIC, "empty_cache"))
+decode_step = compiled_cache.CachedStep(decode_step, "decode", _STATIC)

@@ -46,6 +46,13 @@ class StepBatch:
       greedy: whether every sequence is greedy without a penalty (the cheaper compiled mode).
       feed: int32 ``[tokens]``: for a row whose token the previous step draws (it is not on
         the host yet), that token's index in the previous step's tokens; -1 elsewhere.
+      extras: the per-sequence logit adjustments some sequence asks for, each absent when
+        none does: ``counts`` float32 ``[max_seqs, vocab]`` (each sequence's generated tokens
+        counted, for the presence and frequency penalties, whose values are in
+        ``sampling``), ``bias`` float32 ``[max_seqs, vocab]`` (``logit_bias``), ``mask``
+        int32 ``[max_seqs, ceil(vocab / 32)]`` (the grammar's allowed tokens as a bitmask,
+        bit ``t % 32`` of word ``t // 32``; all ones for a free sequence).
+      logprobs: whether some sequence asks for log-probabilities (the step then returns them).
     """
 
     tokens: np.ndarray
@@ -60,25 +67,68 @@ class StepBatch:
     seen: np.ndarray | None
     greedy: bool
     feed: np.ndarray
+    extras: dict = dataclasses.field(default_factory=dict)
+    logprobs: bool = False
 
     @property
     def shape_key(self) -> tuple:
         """What selects a compiled variant of :func:`ragged_step`: the token rows, the block
-        tables' shape, greedy or not, with a repetition penalty or not."""
+        tables' shape, greedy or not, with a repetition penalty or not, the extras and
+        logprobs."""
         return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
-                self.seen is not None)
+                self.seen is not None, tuple(sorted(self.extras)), self.logprobs)
 
 
-def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
-    """One token per row of ``logits`` ``[rows, vocab]``, each row with its own parameters
-    (``sampling``'s ``[rows]`` arrays, as :class:`StepBatch` describes); greedy rows
-    (temperature below :data:`~forge_jax.generation.sampling.GREEDY_BELOW`) take the argmax
-    after their repetition penalty (``seen`` None: no row has one). Returns int32 ``[rows]``."""
-    if greedy:
-        return sampling_lib.sample(logits, None, temperature=0.0)
+def adjust_logits(logits, sampling: dict, seen, extras: dict):
+    """The logits ``[rows, vocab]`` after the repetition penalty (``seen``, None: off), the
+    presence and frequency penalties (``extras["counts"]``) and the logit bias
+    (``extras["bias"]``), in float32: the distribution the log-probabilities report
+    (:func:`forge_jax.generation.sampling.token_logprobs`)."""
+    logits = logits.astype(jnp.float32)
     if seen is not None:
         logits = sampling_lib.apply_repetition_penalty(
             logits, seen, sampling["repetition_penalty"][:, None])
+    counts = extras.get("counts")
+    if counts is not None:  # OpenAI's: presence once per generated token, frequency per time
+        present = (counts > 0).astype(jnp.float32)
+        logits = logits - sampling["presence_penalty"][:, None] * present \
+            - sampling["frequency_penalty"][:, None] * counts
+    if extras.get("bias") is not None:
+        logits = logits + extras["bias"]
+    return logits
+
+
+def allowed_tokens(mask_words: jax.Array, vocab: int) -> jax.Array:
+    """bool ``[rows, vocab]`` from a grammar's int32 bitmask ``[rows, ceil(vocab / 32)]``."""
+    index = jnp.arange(vocab, dtype=jnp.int32)
+    words = mask_words[:, index // 32]  # [rows, vocab]
+    return ((words >> (index % 32)) & 1) == 1
+
+
+def sample_rows(logits, sampling: dict, seen, *, greedy: bool, extras: dict | None = None,
+                logprobs: bool = False):
+    """One token per row of ``logits`` ``[rows, vocab]``, each row with its own parameters
+    (``sampling``'s ``[rows]`` arrays, as :class:`StepBatch` describes) and ``extras``
+    (:func:`adjust_logits`, then the grammar mask ``extras["mask"]``); greedy rows
+    (temperature below :data:`~forge_jax.generation.sampling.GREEDY_BELOW`) take the argmax
+    of the adjusted, masked logits (``seen`` None: no row has a repetition penalty).
+    Returns int32 ``[rows]``, and with ``logprobs`` also
+    :func:`~forge_jax.generation.sampling.token_logprobs`' dict of the adjusted logits
+    (before the mask, the temperature and the filters)."""
+    extras = extras or {}
+    logits = adjust_logits(logits, sampling, seen, extras)
+    adjusted = logits
+    if extras.get("mask") is not None:
+        logits = jnp.where(allowed_tokens(extras["mask"], logits.shape[-1]), logits, -jnp.inf)
+    tokens = _draw(logits, sampling, greedy)
+    if logprobs:
+        return tokens, sampling_lib.token_logprobs(adjusted, tokens)
+    return tokens
+
+
+def _draw(logits, sampling: dict, greedy: bool):
+    if greedy:
+        return sampling_lib.sample(logits, None, temperature=0.0)
     argmax = sampling_lib.sample(logits, None, temperature=0.0)
     is_greedy = sampling["temperature"] < sampling_lib.GREEDY_BELOW
     temperature = jnp.where(is_greedy, 1.0, sampling["temperature"])
@@ -95,11 +145,11 @@ def sample_rows(logits, sampling: dict, seen, *, greedy: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "greedy",
-                                             "implementation_key"),
+                                             "implementation_key", "logprobs"),
                    donate_argnames=("cache",))
 def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict, seen,
-                last_tokens, *, graphdef: nnx.GraphDef | Static, weights_def, greedy: bool,
-                implementation_key=None):
+                last_tokens, extras: dict | None = None, *, graphdef: nnx.GraphDef | Static,
+                weights_def, greedy: bool, implementation_key=None, logprobs: bool = False):
     """Writes and attends one packed batch, samples one token per sequence (jitted; the
     cache is donated: use the returned one).
 
@@ -116,27 +166,39 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         ``batch["feed"]`` indexes: the rows it names take their token from there (and a
         sequence's ``seen`` counts it), so a step can be dispatched before the host has read
         the previous one's tokens.
+      extras: :attr:`StepBatch.extras` (None or empty: none); a fed token counts in its
+        sequence's ``counts``.
       graphdef: static, ``nnx.split(model)[0]`` (or it in a :class:`Static`).
       weights_def: static, the tree structure of the state (``jax.tree.flatten``'s second).
       greedy: static, :attr:`StepBatch.greedy`.
       implementation_key: static, the active implementation preference
         (``fj.dispatch.current_preference()``), so that a preference change recompiles.
+      logprobs: static, :attr:`StepBatch.logprobs`.
 
     Returns:
       ``(tokens, cache)``: int32 ``[max_seqs]`` (``last_tokens``' shape), the
       token drawn after each sequence's last row (meaningful for the rows that end their
-      sequence's known tokens; zeros past the step's sequences).
+      sequence's known tokens; zeros past the step's sequences). With ``logprobs``,
+      ``((tokens, logprobs), cache)``, ``logprobs`` as
+      :func:`~forge_jax.generation.sampling.token_logprobs` returns it, one row per
+      sequence.
     """
     del implementation_key
     graphdef = Static.unwrap(graphdef)
     model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     feed = batch["feed"]
     fed = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch["tokens"])  # [tokens]
-    if seen is not None:  # a fed token is its sequence's first (and only) row
-        seqs = jnp.arange(seen.shape[0])
+    extras = dict(extras or {})
+    if seen is not None or extras.get("counts") is not None:
+        # A fed token is its sequence's first (and only) row.
+        seqs = jnp.arange(batch["last_rows"].shape[0])
         first = jnp.minimum(batch["cu_q_lens"][:-1], fed.shape[0] - 1)  # [seqs]
         was_fed = (feed[first] >= 0) & (seqs < batch["num_seqs"])
-        seen = seen.at[seqs, fed[first]].set(seen[seqs, fed[first]] | was_fed)
+        if seen is not None:
+            seen = seen.at[seqs, fed[first]].set(seen[seqs, fed[first]] | was_fed)
+        if extras.get("counts") is not None:
+            extras["counts"] = extras["counts"].at[seqs, fed[first]].add(
+                was_fed.astype(jnp.float32))
     metadata = RaggedMetadata(block_tables=batch["block_tables"],
                               kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
                               num_seqs=batch["num_seqs"])
@@ -145,7 +207,10 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
                                           batch["slots"][None] >= 0,
                                           RaggedBatchCache.from_pool(cache, metadata),
                                           logits_at=batch["last_rows"][None])
-    next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy)  # [s]
+    next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy, extras=extras,
+                              logprobs=logprobs)  # [s]
+    if logprobs:
+        next_tokens, token_logprobs = next_tokens
     next_tokens = jnp.zeros_like(last_tokens).at[:next_tokens.shape[0]].set(next_tokens)
     cache = packed.into_pool(cache)
     if model.mesh is not None:  # kept in their shards: the next step takes them donated
@@ -153,6 +218,11 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         k_pages, v_pages = jax.lax.with_sharding_constraint((cache.k_pages, cache.v_pages), pool)
         cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
         next_tokens = jax.lax.with_sharding_constraint(next_tokens, model.mesh.replicated())
+        if logprobs:
+            token_logprobs = jax.lax.with_sharding_constraint(token_logprobs,
+                                                              model.mesh.replicated())
+    if logprobs:
+        return (next_tokens, token_logprobs), cache
     return next_tokens, cache
 
 
@@ -217,7 +287,10 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
     sampling = dict(temperature=np.zeros((s,), np.float32), top_k=np.zeros((s,), np.int32),
                     top_p=np.ones((s,), np.float32), min_p=np.zeros((s,), np.float32),
                     repetition_penalty=np.ones((s,), np.float32),
+                    presence_penalty=np.zeros((s,), np.float32),
+                    frequency_penalty=np.zeros((s,), np.float32),
                     seed=np.zeros((s,), np.uint32), step=np.zeros((s,), np.int32))
+    extras = _extras(scheduled, s, vocab_size)
     greedy = all(r.params.greedy for r, _ in scheduled)
     penalty = any(r.params.sampling.repetition_penalty not in (None, 1.0) for r, _ in scheduled)
     seen = np.zeros((s, vocab_size), bool) if penalty else None
@@ -239,10 +312,36 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
         sampling["top_p"][i] = 1.0 if p.top_p is None else p.top_p
         sampling["min_p"][i] = p.min_p or 0.0
         sampling["repetition_penalty"][i] = p.repetition_penalty or 1.0
+        sampling["presence_penalty"][i] = p.presence_penalty or 0.0
+        sampling["frequency_penalty"][i] = p.frequency_penalty or 0.0
         sampling["seed"][i] = r.seed
         sampling["step"][i] = len(r.generated) + r.pending
         if seen is not None:
             seen[i, r.tokens] = True  # (and a fed token, on the device)
     cu[len(scheduled) + 1:] = at
+    logprobs = any(r.params.sampling.logprobs is not None for r, _ in scheduled)
     return StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled), last, sampling,
-                     seen, greedy, feed)
+                     seen, greedy, feed, extras, logprobs)
+
+
+def _extras(scheduled: list[tuple[Request, int]], s: int, vocab_size: int) -> dict:
+    """:attr:`StepBatch.extras` of the scheduled requests (host-built, NumPy)."""
+    extras = {}
+    params = [r.params.sampling for r, _ in scheduled]
+    if any(p.needs_token_counts for p in params):
+        counts = extras["counts"] = np.zeros((s, vocab_size), np.float32)
+        for i, (r, _) in enumerate(scheduled):
+            if r.params.sampling.needs_token_counts and r.generated:
+                np.add.at(counts[i], np.asarray(r.generated, np.int64), 1.0)
+    if any(p.logit_bias for p in params):
+        bias = extras["bias"] = np.zeros((s, vocab_size), np.float32)
+        for i, p in enumerate(params):
+            for token, value in p.logit_bias or ():
+                if token < vocab_size:
+                    bias[i, token] = value
+    if any(r.mask is not None for r, _ in scheduled):
+        mask = extras["mask"] = np.full((s, -(-vocab_size // 32)), -1, np.int32)
+        for i, (r, _) in enumerate(scheduled):
+            if r.mask is not None:
+                mask[i] = r.mask
+    return extras

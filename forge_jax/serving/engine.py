@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import settings
 from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache
 from forge_jax.serving import batch_step as serving_step
@@ -143,6 +144,7 @@ class Engine:
         self._stopping = False
         self.last_error: Exception | None = None
         self.gauges: dict = {}
+        self._grammar_tokenizer = None  # built at the first constrained request
 
     # -- the public API -------------------------------------------------------------------
 
@@ -154,10 +156,14 @@ class Engine:
           RequestRefused: an empty prompt, ids outside the vocabulary, or a prompt plus
             ``max_tokens`` that can never fit the context or the page pool.
           QueueFull: ``max_waiting`` requests are already waiting.
+          forge_jax.generation.constraints.ConstraintError: the request's
+            ``sampling.constraint`` is a grammar the grammar engine rejects, or this
+            engine's tokenizer cannot serve one.
         """
         params = RequestParams() if params is None else params
         prompt = [int(t) for t in prompt]
         self.check_fits(prompt, params)
+        matcher = self.matcher(params.sampling.constraint)
         if loop is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -166,6 +172,8 @@ class Engine:
         stream = RequestStream(self, next(self._ids), loop)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
         request = Request(stream.id, prompt, params, stream, seed, time.monotonic())
+        if matcher is not None:
+            request.matcher, request.mask = matcher, matcher.mask()
         with self._lock:
             if self._stopping:
                 raise QueueFull("the engine is shutting down")
@@ -175,6 +183,28 @@ class Engine:
             self._inbox.append(request)
             self._wake.notify()
         return stream
+
+    def matcher(self, constraint):
+        """A grammar matcher of ``constraint`` (a ``Constraint``, or None: None) over this
+        engine's tokenizer and eos ids; ``ConstraintError`` for a grammar it rejects."""
+        if constraint is None:
+            return None
+        from forge_jax.generation import constraints
+
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = constraints.GrammarTokenizer(
+                self.tokenizer, self.vocab_size, sorted(self.eos))
+        return constraint.matcher(self._grammar_tokenizer)
+
+    def prompt_logprobs(self, prompt: Sequence[int], k: int = 0) -> list:
+        """Each prompt token's log-probability after the ones before it and the ``k`` most
+        likely there (``echo`` with ``logprobs``): one forward pass on the caller's thread
+        (:func:`forge_jax.generation.scoring.sequence_logprobs`)."""
+        from forge_jax.generation import scoring
+
+        self.check_fits(list(prompt), RequestParams(max_tokens=1))
+        return scoring.sequence_logprobs(self.model, prompt, k, graphdef=self.graphdef,
+                                         state=self.state)
 
     def check_fits(self, prompt: Sequence[int], params: RequestParams) -> None:
         """Raises :class:`RequestRefused` for a request that could never be served."""
@@ -321,6 +351,8 @@ class Engine:
             if r.pending and (len(r.generated) + 1 >= r.params.max_tokens
                               or len(r.tokens) + 1 >= self.max_model_len):
                 continue  # the token in flight is its last
+            if r.pending and r.matcher is not None:
+                continue  # its grammar's next mask needs the token in flight: next step
             n = min(len(r.tokens) + r.pending - r.computed, budget)
             if self._make_room(r, n):
                 batch.append((r, n))
@@ -461,13 +493,14 @@ class Engine:
             pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size)
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
-        self._last_tokens, self.cache = serving_step.ragged_step(
+        out, self.cache = serving_step.ragged_step(
             self.weights, self.cache, serving_step.step_arrays(batch),
-            batch.sampling, batch.seen, self._last_tokens, graphdef=self._graphdef,
-            weights_def=self.weights_def, greedy=batch.greedy,
-            implementation_key=fj.dispatch.current_preference())
+            batch.sampling, batch.seen, self._last_tokens, batch.extras or None,
+            graphdef=self._graphdef, weights_def=self.weights_def, greedy=batch.greedy,
+            implementation_key=fj.dispatch.current_preference(), logprobs=batch.logprobs)
+        self._last_tokens = out[0] if batch.logprobs else out
         clock.lap("dispatch")
-        return self._last_tokens
+        return out
 
     def _book(self, scheduled: list[tuple[Request, int]]) -> list[tuple[int, Request]]:
         """Counts a dispatched step's rows as computed and offers the pages they fill to the
@@ -493,6 +526,10 @@ class Engine:
         if self._in_flight is None:
             return 0
         (tokens, drawn), self._in_flight = self._in_flight, None
+        logprobs = None
+        if isinstance(tokens, tuple):  # (tokens, their log-probabilities)
+            tokens, logprobs = jax.device_get(tokens)
+            logprobs = dict(logprobs, tokens=tokens)
         tokens = np.asarray(jax.device_get(tokens))
         clock.lap("device")
         now = time.monotonic()
@@ -502,6 +539,9 @@ class Engine:
         for i, r in drawn:
             r.pending = 0
             if not r.finished:  # (cancelled meanwhile: the token is dropped)
+                k = r.params.sampling.logprobs
+                if k is not None:
+                    r.logprobs.append(sampling_lib.host_logprobs(logprobs, i, k))
                 self._accept(r, int(tokens[i]), now)
         clock.lap("output")
         return len(drawn)
@@ -521,8 +561,16 @@ class Engine:
         reason = None
         if token in r.stop_ids(self.eos):
             reason = "stop"
+        elif r.matcher is not None and not r.matcher.consume(token):
+            self._finish(r, "error", error=f"the grammar refused token {token}: "
+                                           f"{r.matcher.error}")
+            return
+        elif r.matcher is not None and r.matcher.done:
+            reason = "stop"  # the grammar is complete: only an eos could follow
         elif len(r.generated) >= p.max_tokens or len(r.tokens) >= self.max_model_len:
             reason = "length"
+        if r.matcher is not None and reason is None:
+            r.mask = r.matcher.mask()  # for its next step, while the device runs this one
         text, stopped = r.new_text(self.tokenizer, self.eos, final=reason is not None)
         if stopped:
             reason = "stop"
@@ -534,9 +582,11 @@ class Engine:
     def _emit(self, r: Request, text: str, reason: str | None = None,
               error: str | None = None) -> None:
         new = tuple(r.generated[r.sent_ids:])
+        logprobs = tuple(r.logprobs[r.sent_ids:])
         r.sent_ids = len(r.generated)
         if new or text or reason:
-            r.stream.put(Output(new, text, reason, error, len(r.prompt), len(r.generated)))
+            r.stream.put(Output(new, text, reason, error, len(r.prompt), len(r.generated),
+                                logprobs))
 
     def _finish(self, r: Request, reason: str, *, text: str = "",
                 error: str | None = None) -> None:

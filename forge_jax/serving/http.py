@@ -1,17 +1,28 @@
 """An OpenAI-compatible HTTP API over a :class:`forge_jax.serving.engine.Engine`, as a
-Starlette app (served by uvicorn: ``forge-jax serve``).
+Starlette app (served by uvicorn: ``forge-jax serve``, :mod:`forge_jax.serving.server`).
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events with
-``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus'
-text format). Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``: 400 for malformed JSON, an unknown model, bad parameter values or a prompt over
-the context; 429 when the queue is full; 503 while shutting down. A client that
-disconnects, mid-stream or while it waits for a whole answer, cancels its request (its pages
-are freed).
+``"stream": true``; ``n`` choices per prompt, several prompts per completions call),
+``GET /v1/models``, ``GET /health`` (503 while warming up or shutting down) and
+``GET /metrics`` (Prometheus, :mod:`forge_jax.serving.metrics`). Request bodies are read
+under a size limit and a deadline and checked parameter by parameter
+(:mod:`forge_jax.serving.openai_params`); the API key and the Host header are checked
+before any route (:mod:`forge_jax.serving.protection`). Text too long for the context is
+refused before it is tokenized; tokenizing and chat templates run off the event loop.
 
-Besides OpenAI's parameters a request may carry ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos`` (the ``openai`` client's
-``extra_body``); each choice carries its ``token_ids``.
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for
+anything wrong in what the client sent (JSON, a parameter, a text the tokenizer or the chat
+template cannot take, a prompt over the context), 401 without the API key, 404 for an
+unknown model or route, 408 and 413 for a slow or oversized body, 429 (with
+``Retry-After``) when the queue is full, 503 while warming up or shutting down, 500 only
+for the server's own faults (never with a traceback). A client that disconnects, mid-stream
+or while it waits for a whole answer, cancels its requests (their pages are freed); the log
+says so in one line.
+
+Each choice carries its ``token_ids`` besides OpenAI's fields. Log-probabilities, ``echo``,
+structured output (``response_format``, vLLM's ``guided_*``) and tool calls are put in
+OpenAI's shapes by :mod:`forge_jax.serving.openai_features`; a constrained request whose
+grammar the grammar engine rejects is a 400 before any work.
 
 Starlette rather than FastAPI: the API is six routes whose validation must give OpenAI's
 error shape (FastAPI's pydantic validation answers 422 in its own shape, which would have
@@ -21,300 +32,377 @@ to be overridden), and Starlette is the part of FastAPI this needs, with fewer d
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import json
 import logging
-import math
 import time
 import uuid
-from collections.abc import Mapping
 
-from forge_jax.generation.sampling import SamplingParams
+from forge_jax.generation.constraints import ConstraintError
 from forge_jax.serving import engine as serving
+from forge_jax.serving import openai_features, openai_params, protection
+from forge_jax.serving.metrics import CONTENT_TYPE, Metrics  # noqa: F401  (the app's API)
+from forge_jax.serving.openai_params import APIError  # noqa: F401  (the app's API)
 from forge_jax.text import api as text
 
 log = logging.getLogger("forge_jax.serve")
 
-_OPENAI_KEYS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "stop",
-                "stream", "stream_options", "n", "model", "user", "frequency_penalty",
-                "presence_penalty", "logprobs", "top_logprobs", "echo", "suffix", "best_of",
-                "logit_bias", "messages", "prompt", "response_format",
-                "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos"}
+# A text this many times longer (in characters) than the longest token, times the context,
+# cannot fit: it is refused before it is tokenized (2: room for a normalizer that composes
+# characters).
+_LENGTH_SLACK = 2
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type, param, code
+@dataclasses.dataclass(frozen=True)
+class HTTPConfig:
+    """How the app protects itself (``forge-jax serve``'s flags).
 
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param,
-                          "code": self.code}}
+    Attributes:
+      api_key: the key clients send as ``Authorization: Bearer KEY`` on every route but
+        ``/health`` (None: none needed).
+      allowed_hosts: the Host header names served (None: any).
+      max_request_bytes: a request body's size at most (413 past it).
+      body_timeout: seconds a request's body may take to arrive (408 past it; None: any).
+      warm_up: compile the engine's step variants before ``/health`` says ready (requests
+        meanwhile get 503).
+      shutdown_timeout: seconds the requests in flight get to finish at shutdown.
+    """
 
-
-def _number(body: Mapping, name: str, default, *, kind=float, low=None, high=None,
-            low_open=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
-    if ok:
-        value = kind(value)
-        ok = math.isfinite(value) and (low is None or (value > low if low_open else value >= low)
-                                       ) and (high is None or value <= high)
-    if not ok:
-        bounds = f"{'(' if low_open else '['}{low}, {'inf' if high is None else high}]"
-        raise APIError(400, f"{name} must be a{'n integer' if kind is int else ' number'} in "
-                            f"{bounds}, got {value!r}", param=name)
-    return value
+    api_key: str | None = None
+    allowed_hosts: frozenset[str] | None = None
+    max_request_bytes: int = 4 * 2**20
+    body_timeout: float | None = 30.0
+    warm_up: bool = False
+    shutdown_timeout: float = 5.0
 
 
-def request_params(body: Mapping, *, default_max_tokens: int) -> serving.RequestParams:
-    """The engine's parameters of an OpenAI request body (APIError 400 naming a bad one)."""
-    if body.get("n", 1) != 1 or body.get("best_of", 1) not in (1, None):
-        raise APIError(400, "only n=1 is supported", param="n")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, f"stop must be a string or a list of non-empty strings, got "
-                            f"{body.get('stop')!r}", param="stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise APIError(400, f"stop_token_ids must be a list of ints, got {stop_ids!r}",
-                       param="stop_token_ids")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens,
-                         kind=int, low=1)
-    top_k = _number(body, "top_k", None, kind=int, low=-1)
-    seed = _number(body, "seed", None, kind=int, low=0, high=2**32 - 1)
-    penalty = _number(body, "repetition_penalty", None, low=0, low_open=True)
+def _check_text(value: str, where: str) -> None:
     try:
-        sampling = SamplingParams(
-            temperature=_number(body, "temperature", 1.0, low=0, high=2),
-            top_k=None if top_k in (None, -1, 0) else top_k,
-            top_p=_number(body, "top_p", None, low=0, high=1, low_open=True),
-            min_p=_number(body, "min_p", None, low=0, high=1), repetition_penalty=penalty)
-        return serving.RequestParams(
-            max_tokens=max_tokens, sampling=sampling, seed=seed,
-            stop_token_ids=tuple(stop_ids), stop=tuple(stop),
-            ignore_eos=bool(body.get("ignore_eos", False)))
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-
-
-class Metrics:
-    """Prometheus text of an engine's gauges, counters and histograms."""
-
-    def __init__(self, engine: serving.Engine):
-        self.engine = engine
-
-    def render(self) -> str:
-        e = self.engine
-        g, s = e.snapshot(), e.stats
-        prefix = g.get("prefix")
-        lines = []
-
-        def metric(name, kind, help, value, labels=""):
-            lines.extend([f"# HELP forge_jax_{name} {help}", f"# TYPE forge_jax_{name} {kind}",
-                          f"forge_jax_{name}{labels} {value}"])
-
-        metric("requests_running", "gauge", "Requests running.", g["running"])
-        metric("requests_waiting", "gauge", "Requests waiting.", g["waiting"])
-        metric("pages_total", "gauge", "Pages in the pool.", g.get("pages_total", 0))
-        metric("pages_used", "gauge", "Pages in use (requests and prefix cache).",
-               g.get("pages_used", 0))
-        metric("pages_cached", "gauge", "Pages held by the prefix cache.",
-               g.get("pages_cached", 0))
-        metric("pages_reclaimable", "gauge", "Cached pages no request holds.",
-               g.get("pages_reclaimable", 0))
-        if prefix is not None:
-            metric("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache "
-                   "over tokens looked up.", f"{prefix.hit_rate:.6f}")
-            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens not prefilled "
-                   "again.", prefix.hit_tokens)
-            metric("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up.",
-                   prefix.queried_tokens)
-            metric("prefix_cache_reused_pages_total", "counter", "Cached pages reused.",
-                   prefix.reused_pages)
-        metric("generated_tokens_total", "counter", "Tokens generated.", s.generated_tokens)
-        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", s.prompt_tokens)
-        metric("tokens_per_second", "gauge", "Tokens generated per second over the last "
-               "10 s.", f"{s.tokens_per_second():.3f}")
-        metric("preemptions_total", "counter", "Requests preempted (recomputed later).",
-               s.preemptions)
-        metric("step_variants", "gauge", "Compiled shapes of the step.", len(s.compiled))
-        lines += ["# HELP forge_jax_requests_finished_total Requests finished, by reason.",
-                  "# TYPE forge_jax_requests_finished_total counter"]
-        lines += [f'forge_jax_requests_finished_total{{reason="{r}"}} {n}'
-                  for r, n in s.finished.items()]
-        for name, help, h in (("time_to_first_token_seconds", "Time to first token.", s.ttft),
-                              ("inter_token_latency_seconds", "Time between tokens.",
-                               s.inter_token)):
-            lines += [f"# HELP forge_jax_{name} {help}", f"# TYPE forge_jax_{name} histogram"]
-            for bound, count in h.cumulative():
-                lines.append(f'forge_jax_{name}_bucket{{le="{bound}"}} {count}')
-            lines += [f"forge_jax_{name}_sum {h.total:.6f}", f"forge_jax_{name}_count {h.count}"]
-        return "\n".join(lines) + "\n"
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{where} is not valid Unicode: a lone surrogate "
+                            f"{value[e.start]!r} at character {e.start}",
+                       param=where.split("[")[0].split(".")[0]) from None
 
 
 def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Tokenizer | None,
-               default_max_tokens: int = 256, shutdown_wait: float = 5.0):
-    """The Starlette app; its lifespan starts the engine's loop and, at shutdown, finishes
-    or cancels the requests in flight and logs how many."""
+               default_max_tokens: int | None = None, shutdown_wait: float | None = None,
+               config: HTTPConfig | None = None):
+    """The Starlette app; its lifespan starts the engine's loop (and warms it up, with
+    ``config.warm_up``) and, at shutdown, finishes or cancels the requests in flight and logs
+    how many.
+
+    Args:
+      engine: the :class:`~forge_jax.serving.engine.Engine` serving the requests.
+      model_name: the model's id in the API.
+      tokenizer: the checkpoint's tokenizer (None: token ids only).
+      default_max_tokens: a request's ``max_tokens`` when it gives none, at most the context
+        it leaves (None: the context it leaves).
+      shutdown_wait: ``config.shutdown_timeout`` (kept for the keyword's callers).
+      config: an :class:`HTTPConfig` (None: its defaults).
+    """
     import contextlib
 
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
+    config = HTTPConfig() if config is None else config
+    if shutdown_wait is not None:
+        config = dataclasses.replace(config, shutdown_timeout=shutdown_wait)
     metrics = Metrics(engine)
+    pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="forge-jax-tokenize")
+    capacity = min(engine.max_model_len, engine.manager.num_pages * engine.page_size)
+    longest_token = 1
+    if tokenizer is not None:
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        longest_token = max((len(t) for t in vocab), default=1)
+    max_chars = _LENGTH_SLACK * longest_token * capacity
 
     def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = dict(e.headers)
+        if e.status == 429:
+            headers.setdefault("Retry-After", "1")
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-    async def read_body(request: Request) -> dict:
+    async def read_json(request: Request):
+        raw = await protection.read_body(request.receive, request.headers,
+                                         limit=config.max_request_bytes,
+                                         timeout=config.body_timeout)
+        if len(raw) < 2**16:
+            return decode_json(raw)
+        return await asyncio.get_running_loop().run_in_executor(pool, decode_json, raw)
+
+    def decode_json(raw: bytes):
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
+        except RecursionError:
+            raise APIError(400, "the body nests JSON too deeply") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        if body.get("model") not in (None, model_name):
-            raise APIError(400, f"the model {body.get('model')!r} does not exist; this server "
-                                f"serves {model_name!r}", param="model",
-                           code="model_not_found")
-        unknown = sorted(set(body) - _OPENAI_KEYS)
-        if unknown:
-            raise APIError(400, f"unknown parameter {unknown[0]!r}", param=unknown[0])
+        if not openai_params.json_depth_ok(body):
+            raise APIError(400, f"the body nests JSON deeper than "
+                                f"{openai_params.MAX_JSON_DEPTH} levels")
         return body
 
-    def prompt_ids(body: dict, chat: bool) -> list[int]:
-        if chat:
+    def refuse_long(chars: int, where: str) -> None:
+        if chars > max_chars:
+            raise APIError(400, f"{where} has {chars} characters: at least "
+                                f"{-(-chars // (_LENGTH_SLACK * longest_token))} tokens, more "
+                                f"than the context of {capacity} tokens",
+                           param=where.split("[")[0], code="context_length_exceeded")
+
+    def encode_chat(messages: list[dict], variables: dict) -> list[int]:
+        try:
+            text.check_messages(messages)
+        except (ValueError, TypeError) as e:  # a malformed message, named
+            raise APIError(400, str(e), param="messages") from None
+        try:
+            return text.encode_chat(tokenizer, messages, **variables)
+        except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # the template or the tokenizer failed on these messages
+            raise APIError(400, f"these messages cannot be rendered or encoded: "
+                                f"{type(e).__name__}: {e}", param="messages") from None
+
+    def encode_text(prompt: str, where: str) -> list[int]:
+        try:
+            return tokenizer.encode(prompt)
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise APIError(400, f"{where} cannot be encoded: {type(e).__name__}: {e}",
+                           param="prompt") from None
+
+    async def prompt_ids(req: openai_params.ParsedRequest) -> list[list[int]]:
+        """Each prompt's token ids, the text checked and tokenized off the event loop."""
+        loop = asyncio.get_running_loop()
+        if req.chat:
             if tokenizer is None:
                 raise APIError(400, "this checkpoint has no tokenizer: use /v1/completions "
                                     "with token ids")
+            for i, m in enumerate(req.messages):
+                _check_text(m["content"], f"messages[{i}].content")
+            refuse_long(sum(len(m["content"]) for m in req.messages), "messages")
+            variables = openai_features.template_variables(req.values)  # tools
+            return [await loop.run_in_executor(pool, encode_chat, req.messages, variables)]
+        out = []
+        for i, prompt in enumerate(req.prompts):
+            where = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                if tokenizer is None:
+                    raise APIError(400, "this checkpoint has no tokenizer: send token ids",
+                                   param="prompt")
+                _check_text(prompt, where)
+                refuse_long(len(prompt), where)
+                prompt = await loop.run_in_executor(pool, encode_text, prompt, where)
+            out.append(prompt)
+        return out
+
+    def submit(req: openai_params.ParsedRequest, prompts: list[list[int]]):
+        """The streams of every choice (prompt-major, as OpenAI numbers them)."""
+        streams = []
+        try:
+            for ids in prompts:
+                room = capacity - len(ids)
+                max_tokens = req.max_tokens
+                if max_tokens is None:
+                    if room < 1:
+                        raise APIError(400, f"the prompt has {len(ids)} tokens, leaving no "
+                                            f"room in the context of {capacity} tokens",
+                                       param="messages" if req.chat else "prompt",
+                                       code="context_length_exceeded")
+                    max_tokens = min(room, default_max_tokens or room)
+                for j in range(req.n):
+                    seed = req.params.seed
+                    params = dataclasses.replace(
+                        req.params, max_tokens=max_tokens,
+                        seed=None if seed is None else (seed + j) % 2**32)
+                    streams.append(engine.submit(ids, params))
+        except ConstraintError as e:  # the grammar is refused before any work
+            cancel(streams)
+            raise APIError(400, str(e), param=openai_features.constraint_param(req.values),
+                           code="invalid_grammar") from None
+        except serving.RequestRefused as e:
+            cancel(streams)
+            raise APIError(400, str(e), param="messages" if req.chat else "prompt",
+                           code="invalid_token_id" if "vocabulary" in str(e) else
+                           "context_length_exceeded") from None
+        except serving.QueueFull as e:
+            cancel(streams)
+            if engine.stopping or state.stopping:
+                raise APIError(503, "the server is shutting down", type="server_error",
+                               code="shutting_down") from None
+            raise APIError(429, str(e), type="rate_limit_error",
+                           code="rate_limit_exceeded") from None
+        except BaseException:
+            cancel(streams)
+            raise
+        return streams
+
+    async def echoed(req: openai_params.ParsedRequest, prompts: list[list[int]]):
+        """Completions' ``echo``: each prompt's ``(text, entries)``, ``entries`` its tokens'
+        log-probabilities (scored off the event loop) when ``logprobs`` is asked; None
+        without ``echo``."""
+        if req.chat or not req.values.get("echo"):
+            return None
+        k = req.params.sampling.logprobs
+        loop = asyncio.get_running_loop()
+        out = []
+        for prompt, ids in zip(req.prompts, prompts, strict=True):
+            prompt_text = prompt if isinstance(prompt, str) else (
+                tokenizer.decode(ids) if tokenizer is not None else "")
+            entries = None if k is None else await loop.run_in_executor(
+                pool, engine.prompt_logprobs, ids, k)
+            out.append((prompt_text, entries))
+        return out
+
+    def cancel(streams) -> None:
+        for s in streams:
+            if s.finish_reason is None:
+                s.cancel()
+
+    async def merged(streams):
+        """``(choice index, Output)`` of every stream as they come, until all finished."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, stream):
             try:
-                return text.encode_chat(tokenizer, body.get("messages"))
-            except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
-                raise APIError(400, str(e), param="messages") from None
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
-            if tokenizer is None:
-                raise APIError(400, "this checkpoint has no tokenizer: send token ids",
-                               param="prompt")
-            return tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        raise APIError(400, f"prompt must be a non-empty string or list of token ids (one "
-                            f"prompt), got {prompt!r:.80}", param="prompt")
+                async for out in stream:
+                    await queue.put((i, out))
+            except Exception as e:  # noqa: BLE001  (handed to the consumer)
+                await queue.put((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            left = len(streams)
+            while left:
+                i, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                if out.finish_reason is not None:
+                    left -= 1
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def completions(request: Request, chat: bool):
         start = time.monotonic()
         try:
-            body = await read_body(request)
-            ids = prompt_ids(body, chat)
-            params = request_params(body, default_max_tokens=default_max_tokens)
-            try:
-                stream = engine.submit(ids, params)
-            except serving.RequestRefused as e:
-                raise APIError(400, str(e), param="messages" if chat else "prompt",
-                               code="context_length_exceeded") from None
-            except serving.QueueFull as e:
-                status = 503 if engine.stopping else 429
-                raise APIError(status, str(e), type="server_error" if status == 503 else
-                               "rate_limit_error") from None
+            if engine.stopping or state.stopping:
+                raise APIError(503, "the server is shutting down", type="server_error",
+                               code="shutting_down")
+            if not state.ready:
+                raise APIError(503, "the server is warming up (compiling its steps): retry "
+                                    "when /health says ok", type="server_error",
+                               code="warming_up", headers={"Retry-After": "5"})
+            req = openai_params.parse(await read_json(request), chat=chat,
+                                      model_name=model_name, vocab_size=engine.vocab_size)
+            prompts = await prompt_ids(req)
+            echoes = await echoed(req, prompts)
+            streams = submit(req, prompts)
         except APIError as e:
             log.info("%s %s %d %s", request.method, request.url.path, e.status, e)
             return error(e)
+        except Exception as e:
+            log.exception("%s %s 500: %s", request.method, request.url.path, e)
+            return error(APIError(500, f"internal error ({type(e).__name__}); the server's log "
+                                       f"has the details", type="server_error"))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        usage = lambda out: {"prompt_tokens": len(ids),
-                             "completion_tokens": out.completion_tokens if out else 0,
-                             "total_tokens": len(ids) + (out.completion_tokens if out else 0)}
+        n_prompt = sum(len(ids) for ids in prompts)
+        completion = [0] * len(streams)
+        reasons: list[str | None] = [None] * len(streams)
+        shapes = [openai_features.Choice(req.values, tokenizer, chat=chat,
+                                         echo=echoes[i // req.n] if echoes else None)
+                  for i in range(len(streams))]
 
-        def done(last, outcome):
+        def usage():
+            return {"prompt_tokens": n_prompt, "completion_tokens": sum(completion),
+                    "total_tokens": n_prompt + sum(completion)}
+
+        def done(outcome: str | None = None):
             log.info("%s %s %d prompt=%d completion=%d finish=%s %.3fs", request.method,
-                     request.url.path, 200, len(ids), last.completion_tokens if last else 0,
-                     outcome, time.monotonic() - start)
+                     request.url.path, 200, n_prompt, sum(completion),
+                     outcome or ",".join(str(r) for r in reasons), time.monotonic() - start)
 
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-            def chunk(piece, token_ids, reason, role=False):
-                if chat:
-                    delta = {"role": "assistant", "content": ""} if role else {}
-                    if piece or not role:
-                        delta["content"] = piece
-                    choice = {"index": 0, "delta": delta, "finish_reason": reason,
+        if req.stream:
+            def chunk(i, piece, token_ids, reason, role=False, logprobs=()):
+                if chat and role:
+                    choice = {"index": i, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": reason, "logprobs": None,
                               "token_ids": token_ids}
                 else:
-                    choice = {"index": 0, "text": piece, "finish_reason": reason,
-                              "logprobs": None, "token_ids": token_ids}
+                    choice = dict(index=i, **shapes[i].piece(piece, logprobs, reason),
+                                  token_ids=token_ids)
                 return {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created,
                         "model": model_name, "choices": [choice]}
 
+            def event(payload) -> str:
+                return f"data: {json.dumps(payload)}\n\n"
+
             async def events():
-                last, outcome = None, "disconnected"
+                ended = False
                 try:
                     if chat:
-                        yield f"data: {json.dumps(chunk('', [], None, role=True))}\n\n"
-                    async for out in stream:
-                        last = out
-                        yield f"data: {json.dumps(chunk(out.text, list(out.token_ids), out.finish_reason))}\n\n"  # noqa: E501
-                    outcome = last.finish_reason
-                    if include_usage:
-                        tail = {"id": rid, "object": f"{obj}.chunk" if chat else obj,
-                                "created": created, "model": model_name, "choices": [],
-                                "usage": usage(last)}
-                        yield f"data: {json.dumps(tail)}\n\n"
+                        for i in range(len(streams)):
+                            yield event(chunk(i, "", [], None, role=True))
+                    async for i, out in merged(streams):
+                        completion[i], reasons[i] = out.completion_tokens, out.finish_reason
+                        yield event(chunk(i, out.text, list(out.token_ids), out.finish_reason,
+                                          logprobs=out.logprobs))
+                    if req.include_usage:
+                        yield event({"id": rid, "object": f"{obj}.chunk" if chat else obj,
+                                     "created": created, "model": model_name, "choices": [],
+                                     "usage": usage()})
                     yield "data: [DONE]\n\n"
+                    ended = True
                 finally:
-                    if stream.finish_reason is None:  # the client went away: free its pages
-                        stream.cancel()
-                    done(last, outcome)
+                    cancel(streams)  # the client went away: free the pages
+                    done(None if ended else "disconnected")
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        pieces, token_ids, last = [], [], None
+        pieces = [[] for _ in streams]
+        token_ids = [[] for _ in streams]
+        entries = [[] for _ in streams]
+        errors = []
         # Nothing is sent until the end, so only the connection says the client left:
-        # Starlette does not end this handler then; the watcher cancels the request.
-        watcher = asyncio.ensure_future(cancel_on_disconnect(request, stream))
+        # Starlette does not end this handler then; the watcher cancels the requests.
+        watcher = asyncio.ensure_future(cancel_on_disconnect(request, streams))
         try:
-            async for out in stream:
-                pieces.append(out.text)
-                token_ids += out.token_ids
-                last = out
+            async for i, out in merged(streams):
+                pieces[i].append(out.text)
+                token_ids[i] += out.token_ids
+                entries[i] += out.logprobs
+                completion[i], reasons[i] = out.completion_tokens, out.finish_reason
+                if out.error:
+                    errors.append(out.error)
         finally:
             watcher.cancel()
-            if stream.finish_reason is None:
-                stream.cancel()
-        done(last, last.finish_reason)
-        if last.finish_reason == "error":
-            return error(APIError(500, last.error or "the step failed", type="server_error"))
-        content = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content},
-                   "finish_reason": last.finish_reason, "logprobs": None}
-                  if chat else {"index": 0, "text": content, "finish_reason": last.finish_reason,
-                                "logprobs": None})
-        choice["token_ids"] = token_ids
+            cancel(streams)
+        done()
+        if errors:
+            return error(APIError(500, errors[0], type="server_error"))
+        choices = []
+        for i in range(len(streams)):
+            content = "".join(pieces[i])
+            choice = dict(index=i, **shapes[i].whole(content, entries[i], reasons[i]))
+            choice["token_ids"] = token_ids[i]
+            choices.append(choice)
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
-                             "choices": [choice], "usage": usage(last)})
+                             "choices": choices, "usage": usage()})
 
-    async def cancel_on_disconnect(request: Request, stream: serving.RequestStream):
-        """Cancels ``stream`` when the client disconnects (the body has been read, so the
+    async def cancel_on_disconnect(request: Request, streams):
+        """Cancels ``streams`` when the client disconnects (the body has been read, so the
         next ASGI message is the disconnect)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        stream.cancel()
+        cancel(streams)
 
     async def chat_completions(request: Request):
         return await completions(request, chat=True)
@@ -325,26 +413,55 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": int(engine.stats.created),
-             "owned_by": "forge_jax"}]})
+             "owned_by": "forge_jax", "max_model_len": engine.max_model_len}]})
 
     async def health(request: Request):
-        if engine.stopping:
+        if engine.stopping or state.stopping:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "warming up"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def prometheus(request: Request):
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def http_error(request: Request, exc: HTTPException):
         return error(APIError(exc.status_code, f"{request.method} {request.url.path}: "
                               f"{exc.detail}", code=str(exc.status_code)))
 
+    async def server_error(request: Request, exc: Exception):
+        return error(APIError(500, f"internal error ({type(exc).__name__}); the server's log "
+                                   f"has the details", type="server_error"))
+
+    def warm_up():
+        from forge_jax.serving import server
+
+        began = time.monotonic()
+        log.info("warming up: compiling the step for each row bucket, greedy and sampled "
+                 "(/health says ok when done)")
+        try:
+            variants = server.warm_up(engine)
+        except serving.QueueFull:  # shutting down meanwhile
+            return
+        except Exception as e:  # the step itself fails: requests will say so (500)
+            log.error("the warm-up failed (%s: %s); serving without it", type(e).__name__, e)
+            state.ready = True
+            return
+        state.ready = True
+        log.info("warmed up: %d step variants compiled in %.1f s", variants,
+                 time.monotonic() - began)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
+        state.ready = not config.warm_up
+        if config.warm_up:
+            asyncio.get_running_loop().run_in_executor(None, warm_up)
         log.info("serving %s", model_name)
         yield
-        counts = engine.shutdown(wait=shutdown_wait)
+        counts = getattr(app.state, "drained", None) or engine.shutdown(
+            wait=config.shutdown_timeout)
+        pool.shutdown(wait=False, cancel_futures=True)
         log.info("shut down: %d requests in flight finished, %d cancelled",
                  counts["finished"], counts["cancelled"])
 
@@ -353,5 +470,12 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: http_error})
+    guard = Middleware(protection.Guard, api_key=config.api_key,
+                       allowed_hosts=config.allowed_hosts)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[guard],
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
+    state = app.state
+    state.ready = not config.warm_up
+    state.stopping = False  # set by the server's drain: new requests get 503
+    state.drained = None
+    return app

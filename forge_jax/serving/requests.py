@@ -84,6 +84,9 @@ class Output:
       finish_reason: None while the request runs; then one of :data:`FINISH_REASONS`.
       error: the message of an ``error`` finish.
       prompt_tokens, completion_tokens: counts so far.
+      logprobs: with the request's ``sampling.logprobs`` set, one
+        :class:`~forge_jax.generation.sampling.TokenLogprob` per token of ``token_ids``;
+        else empty.
     """
 
     token_ids: tuple[int, ...]
@@ -92,6 +95,7 @@ class Output:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: tuple = ()
 
 
 class RequestStream:
@@ -180,6 +184,12 @@ class Request:
     last_token_at: float | None = None
     preemptions: int = 0
     keys: list[bytes] = dataclasses.field(default_factory=list)  # full pages' prefix keys
+    # With sampling.logprobs: a TokenLogprob per generated token.
+    logprobs: list = dataclasses.field(default_factory=list)
+    # With sampling.constraint: its grammar matcher and the bitmask (int32 [ceil(vocab/32)])
+    # of the tokens it allows next, computed on the host when the previous token arrives.
+    matcher: object | None = None
+    mask: object | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -47,7 +47,7 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
-from forge_jax.models.llama_model import Llama, LlamaConfig
+from forge_jax.models.llama_model import Linear, Llama, LlamaConfig
 
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 EXACT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1") + K_TYPES
@@ -397,6 +397,18 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
         return x
 
     c = config
+    embed = tensors.get("model.embed_tokens.weight")
+    if model.lm_head is None and embed is not None and embed.tensor_type.name in EXACT_TYPES:
+        # A tied output head read from the quantized table as it is stored (the embedding
+        # lookup reads the float table below): decode then reads the output head at the
+        # file's bits a weight, as llama.cpp does, with the same values.
+        head = nnx.eval_shape(lambda: Linear(c.hidden_size, c.vocab_size, use_bias=False,
+                                             rngs=nnx.Rngs(0), dtype=dtype,
+                                             param_dtype=param_dtype))
+        head.kernel.set_value(check("token_embd", read_tensor(embed, param_dtype,
+                                                              keep_quantized=True),
+                                    head.kernel.shape))
+        model.lm_head = nnx.data(head)
     model.embed_tokens.set_value(check("token_embd", get("model.embed_tokens.weight"),
                                        model.embed_tokens.shape))
     model.norm.weight.set_value(get("model.norm.weight"))
@@ -421,7 +433,7 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
                                                 mlp.gate_up_proj.kernel.shape))
         mlp.down_proj.kernel.set_value(check(f"{p}.down_proj", get(
             f"{p}.mlp.down_proj.weight", keep_quantized=True), mlp.down_proj.kernel.shape))
-    if model.lm_head is not None:
+    if not c.tie_word_embeddings:
         model.lm_head.kernel.set_value(check("output", get("lm_head.weight", keep_quantized=True),
                                              model.lm_head.kernel.shape))
     if tensors:

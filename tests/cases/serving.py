@@ -21,14 +21,24 @@ GEOMETRY = dict(max_batch_tokens=32, min_batch_tokens=8, max_seqs=32, num_pages=
 
 
 class LiveServer:
-    """Serves ``app`` on 127.0.0.1 (a free port) until :meth:`stop`."""
+    """Serves ``app`` on 127.0.0.1 (a free port) until :meth:`stop`: plain uvicorn, or with
+    ``options`` the server ``forge-jax serve`` runs (:func:`forge_jax.serving.server.
+    make_server`'s keywords: ``engine=``, ``max_connections=``, ``header_timeout=``...)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        from forge_jax.serving import server as serving_server
+
+        if options:
+            self.server = serving_server.make_server(app, **dict(
+                dict(shutdown_timeout=5.0), **options))
+        else:
+            self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                        lifespan="on"))
+        sock = serving_server.bind("127.0.0.1", 0)
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[sock]),
+                                       daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -56,9 +66,13 @@ def engine(model, tokenizer, **fields) -> serving.Engine:
     return serving.Engine(model, tokenizer, config)
 
 
-def serve(model, tokenizer, **kwargs) -> tuple[LiveServer, serving.Engine]:
+def serve(model, tokenizer, *, http: serving_http.HTTPConfig | None = None,
+          server: dict | None = None, **kwargs) -> tuple[LiveServer, serving.Engine]:
+    """A live server of an :func:`engine` (``kwargs``: its config's fields), the app made with
+    ``http``, the server with ``server`` (:class:`LiveServer`'s options)."""
     e = engine(model, tokenizer, **kwargs)
-    return LiveServer(serving_http.create_app(e, model_name=MODEL, tokenizer=tokenizer)), e
+    app = serving_http.create_app(e, model_name=MODEL, tokenizer=tokenizer, config=http)
+    return LiveServer(app, **(dict(server, engine=e) if server is not None else {})), e
 
 
 def greedy(model, tokenizer, prompts, max_tokens: int) -> list[list[int]]:
