@@ -80,7 +80,7 @@ def test_implementation_names_come_from_the_registry(capsys, no_model_load):
 @pytest.mark.parametrize("argv, fragments, prog", [
     (["demo", "--seed=-1"], ["--seed", "-1"], "forge-jax demo"),
     (["demo", "--seed", "x"], ["--seed", "'x'"], "forge-jax demo"),
-    (["info", "--verbose"], ["unrecognized arguments: --verbose"], "forge-jax info"),
+    (["info", "--details"], ["unrecognized arguments: --details"], "forge-jax info"),
     (["nope"], ["'nope'"], "forge-jax"),
 ])
 def test_bad_info_and_demo_flags_are_one_line(capsys, argv, fragments, prog):

@@ -4,10 +4,12 @@
 warning and source-location traces), JAX's plugin-configuration error on a machine
 without the plugin's device, and the compilation cache's ``Resetting cache at``.
 
-They are written to file descriptor 2 by C++ code as well as by Python, so the filter sits
-on the descriptor: a pipe read by a thread that passes every other line (and a partial
-line, such as chat's ``> `` prompt, as soon as it cannot be the start of a noise line) on to
-the real stderr.
+The C++ libraries write to file descriptor 2, so the filter sits on the descriptor: a pipe
+read by a thread that passes every other line (and a partial line as soon as it cannot be
+the start of a noise line) on to the real stderr. Python's ``sys.stderr`` writes to the real
+stderr itself, unfiltered and at once, so that what forge-jax prints (errors, chat's prompt,
+the progress bar) and its terminal checks (``isatty``, the same terminal as stdout) are as
+without the filter; JAX's own noise through Python's logging is filtered there.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ NOISE = re.compile(
 _STARTS = tuple("IWEF=lR")
 
 
-class _PluginErrors(logging.Filter):
-    """JAX's ``Jax plugin configuration error`` (a CUDA plugin without CUDA), with its
-    traceback."""
+class _Noise(logging.Filter):
+    """JAX's ``Jax plugin configuration error`` (a CUDA plugin without CUDA, with its
+    traceback) and the compilation cache's ``Resetting cache at``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Jax plugin configuration error")
+        return not str(record.msg).startswith(("Jax plugin configuration error",
+                                               "Resetting cache at"))
+
+
+_LOGGERS = ("jax._src.xla_bridge", "jax._src.compilation_cache")
 
 
 def _forward(read_fd: int, out_fd: int) -> None:
@@ -75,10 +81,11 @@ def filtered(enabled: bool = True) -> Iterator[None]:
     if not on_fd2:
         yield
         return
-    xla_bridge = logging.getLogger("jax._src.xla_bridge")
-    plugin_filter = _PluginErrors()
-    xla_bridge.addFilter(plugin_filter)
-    sys.stderr.flush()
+    noise = _Noise()
+    for name in _LOGGERS:
+        logging.getLogger(name).addFilter(noise)
+    original = sys.stderr
+    original.flush()
     real = os.dup(2)
     read_fd, write_fd = os.pipe()
     os.dup2(write_fd, 2)
@@ -86,12 +93,16 @@ def filtered(enabled: bool = True) -> Iterator[None]:
     thread = threading.Thread(target=_forward, args=(read_fd, real), daemon=True,
                               name="forge-jax-stderr-filter")
     thread.start()
+    sys.stderr = open(real, "w", buffering=1, encoding=original.encoding,  # noqa: SIM115
+                      errors=original.errors, closefd=False)
     try:
         yield
     finally:
         sys.stderr.flush()
+        sys.stderr = original
         os.dup2(real, 2)  # closes the pipe's last write end: the thread reads to its end
         thread.join(timeout=5)
         os.close(read_fd)
         os.close(real)
-        xla_bridge.removeFilter(plugin_filter)
+        for name in _LOGGERS:
+            logging.getLogger(name).removeFilter(noise)
