@@ -152,6 +152,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("smollm3", "SmolLM3ForCausalLM", {},
            _COMMON | {"attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval",
                       "sliding_window", "use_sliding_window", "layer_types"}, {}, "nope"),
+    # gpt-oss: attention sinks, biases on q/k/v/o, sliding and full layers alternating,
+    # YaRN; every layer a mixture of experts with gpt-oss's biased experts and clamped
+    # SwiGLU (LlamaConfig.expert_bias).
+    Family("gpt_oss", "GptOssForCausalLM",
+           {"attention_sinks": True, "expert_bias": True},
+           _COMMON | _MOE | {"attention_bias", "sliding_window", "layer_types", "swiglu_alpha",
+                             "swiglu_limit"}, {}, "every_2_first"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -196,7 +203,8 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
                 "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias",
                 "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
                 "qkv_bias", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "decoder_sparse_step", "shared_expert_intermediate_size"):
+                "decoder_sparse_step", "shared_expert_intermediate_size", "swiglu_alpha",
+                "swiglu_limit"):
         if key in fam.handled and config.get(key) is not None:
             out[key] = config[key]
     if fam.handled >= _MOE:
@@ -365,6 +373,8 @@ def _windows(config: dict, fam: Family, layers: int) -> dict[str, Any]:
         elif fam.layer_pattern == "qwen":
             first = config.get("max_window_layers", 28)
             types = [SLIDING if i >= first else FULL for i in range(layers)]
+        elif fam.layer_pattern == "every_2_first":  # gpt-oss: even layers slide
+            types = [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
         elif fam.layer_pattern == "nope":  # SmolLM3: the NoPE layers slide
             nope = _nope(config, fam, layers)["nope_layers"]
             types = [SLIDING if i in nope else FULL for i in range(layers)]

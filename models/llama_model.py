@@ -23,7 +23,7 @@ from forge_jax.models.llama_config import (  # noqa: F401  (LlamaConfig: API her
     SUPPORTED_ARCHITECTURES,
     LlamaConfig,
 )
-from forge_jax.models.llama_moe import SparseMoe
+from forge_jax.models.llama_moe import BiasedMoe, SparseMoe
 
 # --------------------------------------------------------------------------------------
 # Modules hold their weights; head_dim, RoPE and eps come with each call (the config).
@@ -220,6 +220,9 @@ class LlamaAttention(nnx.Module):
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
         self.q_norm = RMSNorm(c.head_dim, param_dtype=param_dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, param_dtype=param_dtype) if c.qk_norm else None
+        # gpt-oss: a learned logit per query head in the softmax's denominator
+        self.sinks = nnx.Param(jnp.zeros((c.num_attention_heads,), param_dtype)) if (
+            c.attention_sinks) else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any = None,
                  *, config: LlamaConfig, layer: int = 0, rows: jax.Array | None = None
@@ -257,6 +260,8 @@ class LlamaAttention(nnx.Module):
             theta, scaling = c.layer_rope(layer)
             rope = _rope if c.uses_rope(layer) else _no_rope
             k = rope(k, positions, c.rotary_dim, theta, scaling)
+            if self.sinks is not None:
+                attend = functools.partial(attend, sinks=self.sinks[...].astype(jnp.float32))
             if rows is None:
                 q = rope(q, positions, c.rotary_dim, theta, scaling)
                 o, cache = attend(q, k, v, cache)  # [batch, t, heads, head_dim]
@@ -337,7 +342,9 @@ class LlamaDecoderLayer(nnx.Module):
         sandwich = config.sandwich_norms
         self.pre_feedforward_layernorm = norm() if sandwich else None
         self.post_feedforward_layernorm = norm() if sandwich else None
-        if config.is_moe(layer):
+        if config.is_moe(layer) and config.expert_bias:
+            self.mlp = BiasedMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        elif config.is_moe(layer):
             shared = config.shared_expert_intermediate_size
             self.mlp = SparseMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                  shared_expert=None if shared is None else LlamaMLP(

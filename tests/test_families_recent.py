@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import hf_families
@@ -33,6 +34,12 @@ SEQ = 24  # longer than every window and every original context below
 def _no_attention_factor(config):
     return dataclasses.replace(config, rope_scaling=dataclasses.replace(
         config.rope_scaling, attention_factor=1.0))
+
+
+def _without_sinks(config):
+    # the sinks at -inf: a softmax without them (the config keeps its parameters)
+    return config, lambda model: [layer.self_attn.sinks.set_value(
+        jnp.full_like(layer.self_attn.sinks[...], -1e30)) for layer in model.layers]
 
 
 def _short_only(config):
@@ -72,6 +79,21 @@ CASES = {
                                             "long_factor": [1.5, 3.0, 5.0, 9.0]}),
                       "phi3", {"long_factor": _short_only,
                                "attention_factor": _no_attention_factor}),
+    # gpt-oss at gpt-oss's proportions scaled down: 8 query / 2 KV heads of 16, even
+    # layers sliding (window 6), 6 experts top-2, YaRN past an original context of 8, a
+    # SwiGLU limit the random activations reach.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=32, num_local_experts=6, num_experts_per_tok=2,
+                     sliding_window=6, swiglu_limit=1.5, pad_token_id=0,
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,
+                                      "beta_slow": 1.0, "truncate": False,
+                                      "original_max_position_embeddings": 8,
+                                      "rope_theta": 1000.0}),
+                "gpt_oss", {"attention_sinks": _without_sinks,
+                            "swiglu_limit": lambda c: dataclasses.replace(c, swiglu_limit=1e6),
+                            "sliding_window": lambda c: dataclasses.replace(
+                                c, sliding_window=None, layer_types=None)}),
 }
 BASE = dict(num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5)
 
@@ -82,7 +104,8 @@ def _checkpoint(name: str, root: pathlib.Path, tokenizer: pathlib.Path, vocab: i
     directory = root / name
     ref = save_checkpoint(directory, config_cls, model_cls,
                           {"vocab_size": vocab, **BASE, **kwargs},
-                          seed=20 + sorted(CASES).index(name), tokenizer=tokenizer)
+                          seed=20 + sorted(CASES).index(name), tokenizer=tokenizer,
+                          stds={"sinks": 1.5})
     return directory, ref
 
 
@@ -127,7 +150,11 @@ def test_family_matches_transformers(checkpoints, name):
 
     # Negative controls: each feature set back misses transformers by far.
     for field, without in CASES[name][4].items():
-        wrong = _with_config(model, without(model.config))
+        changed = without(model.config)
+        changed, edit = changed if isinstance(changed, tuple) else (changed, None)
+        wrong = _with_config(model, changed)
+        if edit is not None:
+            edit(wrong)
         miss = np.abs(forge_logits(wrong, tokens) - expected).max()
         assert miss > 50 * LOGITS_TOL.atol, (field, miss)
 
