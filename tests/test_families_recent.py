@@ -22,6 +22,7 @@ from cases import hf_families
 from cases.hf_families import LOGITS_TOL, forge_logits, hf_greedy, hf_logits, save_checkpoint
 from flax import nnx
 
+import forge_jax as fj
 from forge_jax.generation import generate
 from forge_jax.kv_cache import CacheSpec
 from forge_jax.models import llama
@@ -192,3 +193,50 @@ def test_smollm3_nope_layers_from_the_interval(hf):
         llama.LlamaConfig.from_hf(dict(raw, no_rope_layers=[1, 2]))
     raw["use_sliding_window"] = False
     assert llama.LlamaConfig.from_hf(raw).sliding_window is None
+
+
+def test_gpt_oss_mxfp4_checkpoint_loads_as_shipped(checkpoints, tmp_path):
+    """An MXFP4 gpt-oss checkpoint (the float one's experts quantized, written as gpt-oss
+    ships them: ``*_blocks`` / ``*_scales`` and a ``quantization_config``) loads with
+    MXFP4 experts; its logits and greedy tokens are transformers' with the experts
+    decoded by transformers' own MXFP4 reader."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    directory, ref, vocab = checkpoints("gpt_oss")
+    target = tmp_path / "gpt_oss_mxfp4"
+    shutil.copytree(directory, target)
+    tensors = load_file(str(directory / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = np.swapaxes(tensors.pop(name), 1, 2)  # HF [E, in, out] -> [E, out, in]
+        q = fj.quantize(jnp.asarray(w), "mxfp4")
+        e, n, k = w.shape
+        tensors[name + "_blocks"] = np.asarray(q.values).reshape(e, n, k // 32, 16)
+        tensors[name + "_scales"] = np.asarray(q.scales)
+        with torch.no_grad():  # the reference reads transformers' decoding of the bytes
+            param = ref.get_parameter(name)
+            param.copy_(convert_moe_packed_tensors(
+                torch.from_numpy(tensors[name + "_blocks"]),
+                torch.from_numpy(tensors[name + "_scales"]), dtype=torch.float32))
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (target / "config.json").write_text(json.dumps(config))
+    try:
+        model = llama.from_pretrained(target)
+        w = model.layers[0].mlp.gate_up.get_value()
+        assert isinstance(w, fj.QuantizedArray) and w.format == "mxfp4"
+        assert w.shape == (6, 64, 64) and w.values.dtype == jnp.uint8
+        tokens = _tokens(vocab, seed=5)
+        np.testing.assert_allclose(forge_logits(model, tokens), hf_logits(ref, tokens),
+                                   **LOGITS_TOL.as_kwargs())
+        prompts = [tokens[0, :12].tolist()]
+        got = generate(model, prompts, 4, eos_token_id=(), cache=CacheSpec(page_size=4))
+        assert got == [hf_greedy(ref, prompts[0], 4)]
+    finally:  # the float reference back for the other tests
+        _checkpoint.cache_clear()
