@@ -159,6 +159,18 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            {"attention_sinks": True, "expert_bias": True},
            _COMMON | _MOE | {"attention_bias", "sliding_window", "layer_types", "swiglu_alpha",
                              "swiglu_limit"}, {}, "every_2_first"),
+    # Llama 4 (text): NoPE every no_rope_layer_interval-th layer (no_rope_layers), the RoPE
+    # layers chunked (attention_chunk_size) with an L2 QK-norm, attention temperature
+    # tuning on the NoPE layers, interleaved RoPE; MoE layers (moe_layers or every
+    # interleave_moe_layer_step-th) with a sigmoid top-k router scaling the experts'
+    # input and a shared expert; dense layers of width intermediate_size_mlp.
+    Family("llama4_text", "Llama4ForCausalLM",
+           {"rope_interleaved": True, "sigmoid_router": True},
+           _COMMON | _MOE | {"attention_bias", "intermediate_size_mlp", "moe_layers",
+                             "interleave_moe_layer_step", "use_qk_norm", "no_rope_layers",
+                             "no_rope_layer_interval", "attention_chunk_size", "layer_types",
+                             "attn_temperature_tuning", "floor_scale", "attn_scale"}, {},
+           "llama4"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -223,8 +235,38 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json lacks required keys {missing}")
     out.update(_rope(config, fam))
     out.update(_nope(config, fam, out["num_hidden_layers"]))
+    if fam.model_type == "llama4_text":
+        out.update(_llama4(config, out))
+        return out
     out.update(_windows(config, fam, out["num_hidden_layers"]))
     return out
+
+
+def _llama4(config: dict, out: dict) -> dict[str, Any]:
+    """Llama 4's MoE layers, widths, chunks and attention settings."""
+    layers = out["num_hidden_layers"]
+    step = config.get("interleave_moe_layer_step", 1)
+    moe = config.get("moe_layers")
+    moe = list(range(step - 1, layers, step)) if moe is None else list(moe)
+    chunk = config.get("attention_chunk_size")
+    chunked = "chunked_attention"
+    want = [chunked if i not in out["nope_layers"] and chunk is not None else FULL
+            for i in range(layers)]
+    types = config.get("layer_types")
+    if types is not None and list(types) != want:
+        raise ValueError(f"unsupported layer_types={list(types)!r}: forge_jax chunks the RoPE "
+                         f"layers ({want!r})")
+    if config.get("intermediate_size_mlp") is None:
+        raise ValueError("config.json of model_type 'llama4_text' lacks intermediate_size_mlp")
+    return {"intermediate_size": config["intermediate_size_mlp"],
+            "moe_intermediate_size": config["intermediate_size"],
+            "shared_expert_intermediate_size": config["intermediate_size"],
+            "mlp_only_layers": tuple(i for i in range(layers) if i not in moe),
+            "qk_l2_norm": bool(config.get("use_qk_norm", True)),
+            "attention_chunk_size": chunk,
+            "attn_temperature_tuning": bool(config.get("attn_temperature_tuning", True)),
+            "floor_scale": float(config.get("floor_scale", 8192)),
+            "attn_scale": float(config.get("attn_scale", 0.1))}
 
 
 def _nope(config: dict, fam: Family, layers: int) -> dict[str, Any]:
@@ -232,7 +274,7 @@ def _nope(config: dict, fam: Family, layers: int) -> dict[str, Any]:
     (1: RoPE, 0: none) or its ``no_rope_layer_interval``."""
     if "no_rope_layers" not in fam.handled:
         return {}
-    mask = config.get("no_rope_layers")
+    mask = config.get("no_rope_layers") or None  # Llama 4 writes [] for the default
     if mask is None:
         every = config.get("no_rope_layer_interval", 4)
         if isinstance(every, bool) or not isinstance(every, int) or every <= 0:

@@ -68,6 +68,15 @@ class LlamaConfig:
       fused and interleaved with biases, a down projection with a bias, and the clamped
       SwiGLU ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g =
       min(gate, limit)`` (``swiglu_alpha``, ``swiglu_limit``).
+    * Llama 4: ``rope_interleaved`` (RoPE on adjacent pairs, the complex form),
+      ``qk_l2_norm`` (q and k divided by their RMS, no weight, after RoPE, on the RoPE
+      layers), ``attention_chunk_size`` (the RoPE layers attend within their chunk of
+      positions; the NoPE layers to everything), ``attn_temperature_tuning`` (the NoPE
+      layers' queries times ``1 + attn_scale * log1p(floor((position + 1) /
+      floor_scale))``), ``sigmoid_router``
+      (:class:`~forge_jax.models.llama_moe.ScaledInputMoe`: each token's input to its
+      top-k experts scaled by the sigmoid of the router logit, plus the shared expert
+      of width ``shared_expert_intermediate_size``, ungated).
 
     All of them are static: one compiled step serves every layer kind, the per-layer
     window and RoPE base being Python values of the unrolled layer loop.
@@ -117,6 +126,13 @@ class LlamaConfig:
     expert_bias: bool = False
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    rope_interleaved: bool = False
+    qk_l2_norm: bool = False
+    attention_chunk_size: int | None = None
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    sigmoid_router: bool = False
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -262,6 +278,10 @@ class LlamaConfig:
     def uses_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates its queries and keys (False: a NoPE layer)."""
         return layer not in self.nope_layers
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of layer ``layer`` (Llama 4's RoPE layers), or None."""
+        return self.attention_chunk_size if self.uses_rope(layer) else None
 
     def layer_rope(self, layer: int) -> tuple[float, fj.RopeScaling | None]:
         """(RoPE base, scaling) of layer ``layer``: Gemma 3's sliding layers have their

@@ -23,7 +23,7 @@ from forge_jax.models.llama_config import (  # noqa: F401  (LlamaConfig: API her
     SUPPORTED_ARCHITECTURES,
     LlamaConfig,
 )
-from forge_jax.models.llama_moe import BiasedMoe, SparseMoe
+from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
 
 # --------------------------------------------------------------------------------------
 # Modules hold their weights; head_dim, RoPE and eps come with each call (the config).
@@ -259,7 +259,13 @@ class LlamaAttention(nnx.Module):
                 k = self.k_norm(k, eps=c.rms_norm_eps, offset=c.norm_offset)
             theta, scaling = c.layer_rope(layer)
             rope = _rope if c.uses_rope(layer) else _no_rope
-            k = rope(k, positions, c.rotary_dim, theta, scaling)
+            if c.rope_interleaved and c.uses_rope(layer):
+                rope = functools.partial(_rope, interleaved=True)
+            if c.qk_l2_norm and c.uses_rope(layer):  # Llama 4: after RoPE, no weight
+                rope = functools.partial(_l2_normed, rope, eps=c.rms_norm_eps)
+            elif c.attn_temperature_tuning and not c.uses_rope(layer):
+                rope = functools.partial(_temperature_tuned, c)
+            k = rope(k, positions, c.rotary_dim, theta, scaling, key=True)
             if self.sinks is not None:
                 attend = functools.partial(attend, sinks=self.sinks[...].astype(jnp.float32))
             if rows is None:
@@ -278,18 +284,35 @@ def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index, axis=1)
 
 
-def _rope(x, positions, rotary_dim, theta, scaling):
+def _rope(x, positions, rotary_dim, theta, scaling, key=False, interleaved=False):
     """RoPE on the first ``rotary_dim`` dimensions of each head of ``x`` [b, t, heads,
-    head_dim]; the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``)."""
+    head_dim]; the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``).
+    ``interleaved``: on adjacent pairs (Llama 4)."""
     if rotary_dim == x.shape[-1]:
-        return fj.rope(x, positions, theta=theta, scaling=scaling)
+        return fj.rope(x, positions, theta=theta, scaling=scaling, interleaved=interleaved)
     rotated = fj.rope(x[..., :rotary_dim], positions, theta=theta, scaling=scaling)
     return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
 
 
-def _no_rope(x, positions, rotary_dim, theta, scaling):
+def _no_rope(x, positions, rotary_dim, theta, scaling, key=False):
     """A NoPE layer's queries and keys: unrotated."""
     return x
+
+
+def _l2_normed(rope, x, positions, rotary_dim, theta, scaling, key=False, *, eps):
+    """``rope``'s result divided by its RMS over each head (Llama 4's QK-norm)."""
+    x = rope(x, positions, rotary_dim, theta, scaling)
+    return fj.rms_norm(x, jnp.ones((x.shape[-1],), jnp.float32), eps=eps)
+
+
+def _temperature_tuned(config, x, positions, rotary_dim, theta, scaling, key=False):
+    """Llama 4's NoPE layers: queries (not keys) times ``1 + attn_scale *
+    log1p(floor((position + 1) / floor_scale))``, in float32."""
+    if key:
+        return x
+    p = positions.astype(jnp.float32)
+    scale = jnp.log1p(jnp.floor((p + 1.0) / config.floor_scale)) * config.attn_scale + 1.0
+    return (x.astype(jnp.float32) * scale[..., None, None]).astype(x.dtype)
 
 
 class LlamaMLP(nnx.Module):
@@ -344,6 +367,11 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_feedforward_layernorm = norm() if sandwich else None
         if config.is_moe(layer) and config.expert_bias:
             self.mlp = BiasedMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        elif config.is_moe(layer) and config.sigmoid_router:
+            self.mlp = ScaledInputMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                      shared_expert=LlamaMLP(
+                                          config, intermediate_size=(
+                                              config.shared_expert_intermediate_size), **kw))
         elif config.is_moe(layer):
             shared = config.shared_expert_intermediate_size
             self.mlp = SparseMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
@@ -571,6 +599,8 @@ class Llama(nnx.Module):
             # one program, so sliding and global layers compile once, together.
             kw = dict(scale=c.attention_scale, sliding_window=c.layer_window(i),
                       logits_soft_cap=c.attn_logit_softcapping)
+            if c.layer_chunk(i) is not None:  # Llama 4's chunked layers
+                kw["attention_chunk_size"] = c.layer_chunk(i)
             last = i == len(self.layers) - 1
             with jax.named_scope(f"layer_{i}"):
                 x, residual, cache = layer(x, residual, positions,

@@ -95,6 +95,26 @@ CASES = {
                             "swiglu_limit": lambda c: dataclasses.replace(c, swiglu_limit=1e6),
                             "sliding_window": lambda c: dataclasses.replace(
                                 c, sliding_window=None, layer_types=None)}),
+    # Llama 4 at Llama 4's proportions scaled down: 10 query / 2 KV heads of 16, NoPE every
+    # 2nd layer, chunks of 5 on the RoPE layers, temperature tuning that bites (floor 3),
+    # MoE on every 2nd layer (4 experts top-1, a shared expert), dense layers of their own
+    # width.
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    dict(hidden_size=80, num_attention_heads=10, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=24, intermediate_size_mlp=40,
+                         num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=4,
+                         interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                         attention_chunk_size=5, floor_scale=3, attn_scale=0.5,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+                    "llama4_text",
+                    {"attention_chunk_size": lambda c: dataclasses.replace(
+                        c, attention_chunk_size=None),
+                     "qk_l2_norm": lambda c: dataclasses.replace(c, qk_l2_norm=False),
+                     "attn_temperature_tuning": lambda c: dataclasses.replace(
+                         c, attn_temperature_tuning=False),
+                     "rope_interleaved": lambda c: dataclasses.replace(
+                         c, rope_interleaved=False)}),
 }
 BASE = dict(num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5)
 

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from forge_jax.models.llama_model import Linear, Llama
-from forge_jax.models.llama_moe import BiasedMoe, SparseMoe
+from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +100,17 @@ def hf_parameters(
         if isinstance(layer.mlp, SparseMoe):
             _experts(out, p, layer.mlp, model.config.model_type, linear)
             continue
+        mlp = "feed_forward" if model.config.model_type == "llama4_text" else "mlp"
+        if isinstance(layer.mlp, ScaledInputMoe):  # Llama 4: stacked tensors, HF's layout
+            for name, param in (("router.weight", layer.mlp.router),
+                                ("experts.gate_up_proj", layer.mlp.gate_up),
+                                ("experts.down_proj", layer.mlp.down)):
+                out[f"{p}.{mlp}.{name}"] = (param, param.shape, same, None)
+            for proj in ("gate_up_proj", "down_proj"):
+                linear(f"{p}.{mlp}.shared_expert.{proj}", getattr(layer.mlp.shared_expert, proj))
+            continue
         for proj in ("gate_up_proj", "down_proj"):
-            linear(f"{p}.mlp.{proj}", getattr(layer.mlp, proj), fused)
+            linear(f"{p}.{mlp}.{proj}", getattr(layer.mlp, proj), fused)
     if model.lm_head is not None:
         linear("lm_head", model.lm_head)
     return out
