@@ -260,3 +260,43 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_shipped(checkpoints, tmp_path):
         assert got == [hf_greedy(ref, prompts[0], 4)]
     finally:  # the float reference back for the other tests
         _checkpoint.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text"])
+def test_on_a_mesh_matches_transformers(checkpoints, name):
+    """Over tp=2 (attention heads, sinks and dense MLPs split; the experts replicated):
+    transformers' greedy tokens with both caches."""
+    directory, ref, vocab = checkpoints(name)
+    model = llama.from_pretrained(directory, mesh=fj.sharding.make_mesh("tp=2"))
+    prompts = [_tokens(vocab, seed=6)[0, :12].tolist()]
+    want = [hf_greedy(ref, prompts[0], 4)]
+    for kind in ("paged", "contiguous"):
+        spec = CacheSpec(kind=kind, page_size=4)
+        assert generate(model, prompts, 4, eos_token_id=(), cache=spec) == want, kind
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text"])
+def test_quantize_at_load_quantizes_the_experts(checkpoints, name):
+    """quantize='int8': the linear layers and the stacked experts int8 (scales per expert
+    and output channel), the routers float; logits within float32 tolerance of the float
+    model holding the dequantized weights."""
+    from forge_jax.models.checkpoints import quantize as quantize_load
+
+    directory, _, vocab = checkpoints(name)
+    model = llama.from_pretrained(directory, dtype=jnp.float32, quantize="int8")
+    experts = quantize_load.expert_kernels(model)
+    assert experts and all(isinstance(w.get_value(), fj.QuantizedArray) for w in experts)
+    assert not isinstance(model.layers[-1].mlp.router.get_value(), fj.QuantizedArray)
+    reference = llama.from_pretrained(directory, dtype=jnp.float32)
+    for mine, q in zip(quantize_load.linear_kernels(reference),
+                       quantize_load.linear_kernels(model), strict=True):
+        mine.set_value(fj.dequantize(q.get_value()))
+    change = 0.0
+    for mine, q in zip(quantize_load.expert_kernels(reference), experts, strict=True):
+        w = jnp.swapaxes(fj.dequantize(q.get_value()), 1, 2)  # [E, in, out]
+        change = max(change, float(jnp.abs(w - mine.get_value()).max()))
+        mine.set_value(w)
+    assert change > 1e-4  # the reference is not the float model
+    tokens = _tokens(vocab, seed=7)
+    np.testing.assert_allclose(forge_logits(model, tokens), forge_logits(reference, tokens),
+                               **LOGITS_TOL.as_kwargs())
