@@ -24,6 +24,7 @@ from forge_jax.models.llama_config import (  # noqa: F401  (LlamaConfig: API her
     LlamaConfig,
 )
 from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
+from forge_jax.models.llama_positions import layer_positions
 
 # --------------------------------------------------------------------------------------
 # Modules hold their weights; head_dim, RoPE and eps come with each call (the config).
@@ -258,13 +259,7 @@ class LlamaAttention(nnx.Module):
                 q = self.q_norm(q, eps=c.rms_norm_eps, offset=c.norm_offset)
                 k = self.k_norm(k, eps=c.rms_norm_eps, offset=c.norm_offset)
             theta, scaling = c.layer_rope(layer)
-            rope = _rope if c.uses_rope(layer) else _no_rope
-            if c.rope_interleaved and c.uses_rope(layer):
-                rope = functools.partial(_rope, interleaved=True)
-            if c.qk_l2_norm and c.uses_rope(layer):  # Llama 4: after RoPE, no weight
-                rope = functools.partial(_l2_normed, rope, eps=c.rms_norm_eps)
-            elif c.attn_temperature_tuning and not c.uses_rope(layer):
-                rope = functools.partial(_temperature_tuned, c)
+            rope = layer_positions(c, layer)  # RoPE, or NoPE, and Llama 4's variants
             k = rope(k, positions, c.rotary_dim, theta, scaling, key=True)
             if self.sinks is not None:
                 attend = functools.partial(attend, sinks=self.sinks[...].astype(jnp.float32))
@@ -282,37 +277,6 @@ def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
     """``x`` ``[batch, t, ...]`` at the tokens ``rows`` ``[batch, n]``: ``[batch, n, ...]``."""
     index = rows.astype(jnp.int32).reshape(rows.shape + (1,) * (x.ndim - 2))
     return jnp.take_along_axis(x, index, axis=1)
-
-
-def _rope(x, positions, rotary_dim, theta, scaling, key=False, interleaved=False):
-    """RoPE on the first ``rotary_dim`` dimensions of each head of ``x`` [b, t, heads,
-    head_dim]; the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``).
-    ``interleaved``: on adjacent pairs (Llama 4)."""
-    if rotary_dim == x.shape[-1]:
-        return fj.rope(x, positions, theta=theta, scaling=scaling, interleaved=interleaved)
-    rotated = fj.rope(x[..., :rotary_dim], positions, theta=theta, scaling=scaling)
-    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
-
-
-def _no_rope(x, positions, rotary_dim, theta, scaling, key=False):
-    """A NoPE layer's queries and keys: unrotated."""
-    return x
-
-
-def _l2_normed(rope, x, positions, rotary_dim, theta, scaling, key=False, *, eps):
-    """``rope``'s result divided by its RMS over each head (Llama 4's QK-norm)."""
-    x = rope(x, positions, rotary_dim, theta, scaling)
-    return fj.rms_norm(x, jnp.ones((x.shape[-1],), jnp.float32), eps=eps)
-
-
-def _temperature_tuned(config, x, positions, rotary_dim, theta, scaling, key=False):
-    """Llama 4's NoPE layers: queries (not keys) times ``1 + attn_scale *
-    log1p(floor((position + 1) / floor_scale))``, in float32."""
-    if key:
-        return x
-    p = positions.astype(jnp.float32)
-    scale = jnp.log1p(jnp.floor((p + 1.0) / config.floor_scale)) * config.attn_scale + 1.0
-    return (x.astype(jnp.float32) * scale[..., None, None]).astype(x.dtype)
 
 
 class LlamaMLP(nnx.Module):
