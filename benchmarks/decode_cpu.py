@@ -43,6 +43,8 @@ Usage::
     python benchmarks/decode_cpu.py --family qwen2   # the same shape as a Qwen2 (q/k/v bias)
     python benchmarks/decode_cpu.py --family qwen3_moe  # 8 experts of 512, top-2, per layer
     python benchmarks/decode_cpu.py --family qwen3_moe --quantize int8  # + int8 weights
+    python benchmarks/decode_cpu.py --family gpt_oss      # sinks, 8 biased experts, top-2
+    python benchmarks/decode_cpu.py --family llama4_text  # NoPE, chunks, top-1 + shared
 
 With ``--quantize FORMAT``, the float32 checkpoint is also loaded with
 ``from_pretrained(quantize=FORMAT)`` (linear layers and, in a mixture of experts, the
@@ -91,6 +93,17 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512,
                    "norm_topk_prob": True}),
+    # gpt-oss: attention sinks, sliding (128) and full layers alternating, every layer 8
+    # biased experts of width 512, 2 per token, clamped SwiGLU.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 512,
+                 "head_dim": None, "sliding_window": 128}),
+    # Llama 4: NoPE every 4th layer, L2 QK-norm, chunked RoPE layers; every 2nd layer 8
+    # experts of width 512, top-1 by sigmoid, plus a shared expert; dense layers 2048 wide.
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    {"num_local_experts": 8, "num_experts_per_tok": 1, "intermediate_size": 512,
+                     "intermediate_size_mlp": 2048, "interleave_moe_layer_step": 2,
+                     "head_dim": None}),
 }
 # The prefill's model: SmolLM2-135M's shape (head_dim 64), tied output head.
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -123,7 +136,7 @@ def save_checkpoints(shape: dict, directory: pathlib.Path, seed: int = 0, bf16: 
     if extra.get("head_dim", 0) is None:  # Gemma's default head_dim is 256: the shape's
         extra["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
     config = getattr(transformers, config_cls)(
-        **{"max_position_embeddings": 2048, "tie_word_embeddings": False, **shape}, **extra,
+        **{"max_position_embeddings": 2048, "tie_word_embeddings": False, **shape, **extra},
         rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = getattr(transformers, model_cls)(config).eval()
     model.save_pretrained(directory / "f32", safe_serialization=True)

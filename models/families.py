@@ -152,6 +152,25 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("smollm3", "SmolLM3ForCausalLM", {},
            _COMMON | {"attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval",
                       "sliding_window", "use_sliding_window", "layer_types"}, {}, "nope"),
+    # gpt-oss: attention sinks, biases on q/k/v/o, sliding and full layers alternating,
+    # YaRN; every layer a mixture of experts with gpt-oss's biased experts and clamped
+    # SwiGLU (LlamaConfig.expert_bias).
+    Family("gpt_oss", "GptOssForCausalLM",
+           {"attention_sinks": True, "expert_bias": True},
+           _COMMON | _MOE | {"attention_bias", "sliding_window", "layer_types", "swiglu_alpha",
+                             "swiglu_limit"}, {}, "every_2_first"),
+    # Llama 4 (text): NoPE every no_rope_layer_interval-th layer (no_rope_layers), the RoPE
+    # layers chunked (attention_chunk_size) with an L2 QK-norm, attention temperature
+    # tuning on the NoPE layers, interleaved RoPE; MoE layers (moe_layers or every
+    # interleave_moe_layer_step-th) with a sigmoid top-k router scaling the experts'
+    # input and a shared expert; dense layers of width intermediate_size_mlp.
+    Family("llama4_text", "Llama4ForCausalLM",
+           {"rope_interleaved": True, "sigmoid_router": True},
+           _COMMON | _MOE | {"attention_bias", "intermediate_size_mlp", "moe_layers",
+                             "interleave_moe_layer_step", "use_qk_norm", "no_rope_layers",
+                             "no_rope_layer_interval", "attention_chunk_size", "layer_types",
+                             "attn_temperature_tuning", "floor_scale", "attn_scale"}, {},
+           "llama4"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -203,7 +222,8 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
                 "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias",
                 "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
                 "qkv_bias", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "decoder_sparse_step", "shared_expert_intermediate_size"):
+                "decoder_sparse_step", "shared_expert_intermediate_size", "swiglu_alpha",
+                "swiglu_limit"):
         if key in fam.handled and config.get(key) is not None:
             out[key] = config[key]
     if fam.handled >= _MOE:
@@ -222,8 +242,38 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json lacks required keys {missing}")
     out.update(_rope(config, fam))
     out.update(_nope(config, fam, out["num_hidden_layers"]))
+    if fam.model_type == "llama4_text":
+        out.update(_llama4(config, out))
+        return out
     out.update(_windows(config, fam, out["num_hidden_layers"]))
     return out
+
+
+def _llama4(config: dict, out: dict) -> dict[str, Any]:
+    """Llama 4's MoE layers, widths, chunks and attention settings."""
+    layers = out["num_hidden_layers"]
+    step = config.get("interleave_moe_layer_step", 1)
+    moe = config.get("moe_layers")
+    moe = list(range(step - 1, layers, step)) if moe is None else list(moe)
+    chunk = config.get("attention_chunk_size")
+    chunked = "chunked_attention"
+    want = [chunked if i not in out["nope_layers"] and chunk is not None else FULL
+            for i in range(layers)]
+    types = config.get("layer_types")
+    if types is not None and list(types) != want:
+        raise ValueError(f"unsupported layer_types={list(types)!r}: forge_jax chunks the RoPE "
+                         f"layers ({want!r})")
+    if config.get("intermediate_size_mlp") is None:
+        raise ValueError("config.json of model_type 'llama4_text' lacks intermediate_size_mlp")
+    return {"intermediate_size": config["intermediate_size_mlp"],
+            "moe_intermediate_size": config["intermediate_size"],
+            "shared_expert_intermediate_size": config["intermediate_size"],
+            "mlp_only_layers": tuple(i for i in range(layers) if i not in moe),
+            "qk_l2_norm": bool(config.get("use_qk_norm", True)),
+            "attention_chunk_size": chunk,
+            "attn_temperature_tuning": bool(config.get("attn_temperature_tuning", True)),
+            "floor_scale": float(config.get("floor_scale", 8192)),
+            "attn_scale": float(config.get("attn_scale", 0.1))}
 
 
 def _nope(config: dict, fam: Family, layers: int) -> dict[str, Any]:
@@ -231,7 +281,7 @@ def _nope(config: dict, fam: Family, layers: int) -> dict[str, Any]:
     (1: RoPE, 0: none) or its ``no_rope_layer_interval``."""
     if "no_rope_layers" not in fam.handled:
         return {}
-    mask = config.get("no_rope_layers")
+    mask = config.get("no_rope_layers") or None  # Llama 4 writes [] for the default
     if mask is None:
         every = config.get("no_rope_layer_interval", 4)
         if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
@@ -372,6 +422,8 @@ def _windows(config: dict, fam: Family, layers: int) -> dict[str, Any]:
         elif fam.layer_pattern == "qwen":
             first = config.get("max_window_layers", 28)
             types = [SLIDING if i >= first else FULL for i in range(layers)]
+        elif fam.layer_pattern == "every_2_first":  # gpt-oss: even layers slide
+            types = [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
         elif fam.layer_pattern == "nope":  # SmolLM3: the NoPE layers slide
             nope = _nope(config, fam, layers)["nope_layers"]
             types = [SLIDING if i in nope else FULL for i in range(layers)]

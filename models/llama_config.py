@@ -61,6 +61,22 @@ class LlamaConfig:
       as well, scaled by ``sigmoid(x @ shared_expert_gate)`` (Qwen2-MoE); None: none.
     * ``nope_layers``: the layers whose queries and keys get no RoPE at all (SmolLM3's
       ``no_rope_layers`` zeros); :meth:`uses_rope`.
+    * ``attention_sinks``: each attention layer holds ``sinks`` ``[num_attention_heads]``,
+      a learned logit per query head in the softmax's denominator (gpt-oss).
+    * ``expert_bias``: gpt-oss's experts (:class:`~forge_jax.models.llama_moe.BiasedMoe`):
+      a router with a bias, top-k of the logits then a softmax over them, gate and up
+      fused and interleaved with biases, a down projection with a bias, and the clamped
+      SwiGLU ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g =
+      min(gate, limit)`` (``swiglu_alpha``, ``swiglu_limit``).
+    * Llama 4: ``rope_interleaved`` (RoPE on adjacent pairs, the complex form),
+      ``qk_l2_norm`` (q and k divided by their RMS, no weight, after RoPE, on the RoPE
+      layers), ``attention_chunk_size`` (the RoPE layers attend within their chunk of
+      positions; the NoPE layers to everything), ``attn_temperature_tuning`` (the NoPE
+      layers' queries times ``1 + attn_scale * log1p(floor((position + 1) /
+      floor_scale))``), ``sigmoid_router``
+      (:class:`~forge_jax.models.llama_moe.ScaledInputMoe`: each token's input to its
+      top-k experts scaled by the sigmoid of the router logit, plus the shared expert
+      of width ``shared_expert_intermediate_size``, ungated).
 
     All of them are static: one compiled step serves every layer kind, the per-layer
     window and RoPE base being Python values of the unrolled layer loop.
@@ -106,6 +122,17 @@ class LlamaConfig:
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int | None = None
     nope_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+    rope_interleaved: bool = False
+    qk_l2_norm: bool = False
+    attention_chunk_size: int | None = None
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    sigmoid_router: bool = False
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -171,6 +198,15 @@ class LlamaConfig:
                              f"partial_rotary_factor={self.partial_rotary_factor!r}")
         self._check_experts(set_)
         set_("nope_layers", tuple(self.nope_layers))
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {name}={value!r}")
+        if self.expert_bias and (self.num_experts == 0 or self.swiglu_alpha is None
+                                 or self.swiglu_limit is None):
+            raise ValueError(f"expert_bias (gpt-oss experts) needs num_experts > 0, swiglu_alpha "
+                             f"and swiglu_limit, got num_experts={self.num_experts}, "
+                             f"swiglu_alpha={self.swiglu_alpha}, swiglu_limit={self.swiglu_limit}")
         bad = [i for i in self.nope_layers if isinstance(i, bool) or not isinstance(i, int)
                or not 0 <= i < self.num_hidden_layers]
         if bad:
@@ -242,6 +278,10 @@ class LlamaConfig:
     def uses_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates its queries and keys (False: a NoPE layer)."""
         return layer not in self.nope_layers
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of layer ``layer`` (Llama 4's RoPE layers), or None."""
+        return self.attention_chunk_size if self.uses_rope(layer) else None
 
     def layer_rope(self, layer: int) -> tuple[float, fj.RopeScaling | None]:
         """(RoPE base, scaling) of layer ``layer``: Gemma 3's sliding layers have their

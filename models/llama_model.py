@@ -23,7 +23,8 @@ from forge_jax.models.llama_config import (  # noqa: F401  (LlamaConfig: API her
     SUPPORTED_ARCHITECTURES,
     LlamaConfig,
 )
-from forge_jax.models.llama_moe import SparseMoe
+from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
+from forge_jax.models.llama_positions import layer_positions
 
 # --------------------------------------------------------------------------------------
 # Modules hold their weights; head_dim, RoPE and eps come with each call (the config).
@@ -220,6 +221,9 @@ class LlamaAttention(nnx.Module):
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, **kw)
         self.q_norm = RMSNorm(c.head_dim, param_dtype=param_dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, param_dtype=param_dtype) if c.qk_norm else None
+        # gpt-oss: a learned logit per query head in the softmax's denominator
+        self.sinks = nnx.Param(jnp.zeros((c.num_attention_heads,), param_dtype)) if (
+            c.attention_sinks) else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any = None,
                  *, config: LlamaConfig, layer: int = 0, rows: jax.Array | None = None
@@ -255,8 +259,10 @@ class LlamaAttention(nnx.Module):
                 q = self.q_norm(q, eps=c.rms_norm_eps, offset=c.norm_offset)
                 k = self.k_norm(k, eps=c.rms_norm_eps, offset=c.norm_offset)
             theta, scaling = c.layer_rope(layer)
-            rope = _rope if c.uses_rope(layer) else _no_rope
-            k = rope(k, positions, c.rotary_dim, theta, scaling)
+            rope = layer_positions(c, layer)  # RoPE, or NoPE, and Llama 4's variants
+            k = rope(k, positions, c.rotary_dim, theta, scaling, key=True)
+            if self.sinks is not None:
+                attend = functools.partial(attend, sinks=self.sinks[...].astype(jnp.float32))
             if rows is None:
                 q = rope(q, positions, c.rotary_dim, theta, scaling)
                 o, cache = attend(q, k, v, cache)  # [batch, t, heads, head_dim]
@@ -271,20 +277,6 @@ def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
     """``x`` ``[batch, t, ...]`` at the tokens ``rows`` ``[batch, n]``: ``[batch, n, ...]``."""
     index = rows.astype(jnp.int32).reshape(rows.shape + (1,) * (x.ndim - 2))
     return jnp.take_along_axis(x, index, axis=1)
-
-
-def _rope(x, positions, rotary_dim, theta, scaling):
-    """RoPE on the first ``rotary_dim`` dimensions of each head of ``x`` [b, t, heads,
-    head_dim]; the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``)."""
-    if rotary_dim == x.shape[-1]:
-        return fj.rope(x, positions, theta=theta, scaling=scaling)
-    rotated = fj.rope(x[..., :rotary_dim], positions, theta=theta, scaling=scaling)
-    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
-
-
-def _no_rope(x, positions, rotary_dim, theta, scaling):
-    """A NoPE layer's queries and keys: unrotated."""
-    return x
 
 
 class LlamaMLP(nnx.Module):
@@ -337,7 +329,14 @@ class LlamaDecoderLayer(nnx.Module):
         sandwich = config.sandwich_norms
         self.pre_feedforward_layernorm = norm() if sandwich else None
         self.post_feedforward_layernorm = norm() if sandwich else None
-        if config.is_moe(layer):
+        if config.is_moe(layer) and config.expert_bias:
+            self.mlp = BiasedMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        elif config.is_moe(layer) and config.sigmoid_router:
+            self.mlp = ScaledInputMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                      shared_expert=LlamaMLP(
+                                          config, intermediate_size=(
+                                              config.shared_expert_intermediate_size), **kw))
+        elif config.is_moe(layer):
             shared = config.shared_expert_intermediate_size
             self.mlp = SparseMoe(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                  shared_expert=None if shared is None else LlamaMLP(
@@ -564,6 +563,8 @@ class Llama(nnx.Module):
             # one program, so sliding and global layers compile once, together.
             kw = dict(scale=c.attention_scale, sliding_window=c.layer_window(i),
                       logits_soft_cap=c.attn_logit_softcapping)
+            if c.layer_chunk(i) is not None:  # Llama 4's chunked layers
+                kw["attention_chunk_size"] = c.layer_chunk(i)
             last = i == len(self.layers) - 1
             with jax.named_scope(f"layer_{i}"):
                 x, residual, cache = layer(x, residual, positions,

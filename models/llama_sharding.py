@@ -57,7 +57,7 @@ from forge_jax import sharding as fj_sharding
 from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
 from forge_jax.models.checkpoints import hf_names as llama_hf
 from forge_jax.models.llama_model import Llama, LlamaConfig, TensorLayout
-from forge_jax.models.llama_moe import SparseMoe
+from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
 
 __all__ = ["ShardingPlan", "layout_for", "plan", "shard", "cache_shardings"]
 
@@ -77,7 +77,8 @@ def layout_for(config: LlamaConfig, tp: int) -> TensorLayout:
     if dense and config.intermediate_size % tp:
         raise ValueError(f"intermediate_size={config.intermediate_size} does not split over a "
                          f"tensor axis of {tp} devices")
-    if config.num_experts and config.num_experts % tp:
+    if config.num_experts and config.num_experts % tp and not (
+            config.expert_bias or config.sigmoid_router):  # (those experts are replicated)
         raise ValueError(f"num_experts={config.num_experts} does not split over a tensor axis "
                          f"of {tp} devices (each device holds whole experts: it must be a "
                          f"multiple of {tp})")
@@ -122,7 +123,17 @@ class ShardingPlan:
                 out[id(norm.weight)] = m.replicated()
             linear(layer.self_attn.qkv_proj, rows=True)
             linear(layer.self_attn.o_proj, rows=False)
+            if layer.self_attn.sinks is not None:  # one per query head: split with them
+                out[id(layer.self_attn.sinks)] = m.sharding(tp)
             mlp = layer.mlp
+            if isinstance(mlp, BiasedMoe | ScaledInputMoe):
+                # gpt-oss's and Llama 4's experts are replicated (not split over the mesh)
+                for _, w in nnx.iter_graph(mlp):
+                    if isinstance(w, nnx.Param):
+                        out.setdefault(id(w), m.replicated())
+                if not isinstance(mlp, ScaledInputMoe):
+                    continue
+                mlp = mlp.shared_expert
             if isinstance(mlp, SparseMoe):  # whole experts per device; the router everywhere
                 out[id(mlp.router)] = m.replicated()
                 for w in (mlp.w_gate, mlp.w_up, mlp.w_down):

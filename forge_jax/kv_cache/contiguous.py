@@ -92,7 +92,8 @@ class ContiguousKVCache(_base.KVCacheBase):
             return write_pool(self.k[layer], k), write_pool(self.v[layer], v)
 
     def attend(self, layer: int, q, *, q_positions, kv_lengths, scale=None,
-               sliding_window=None, logits_soft_cap=None, implementation=None):
+               sliding_window=None, logits_soft_cap=None, implementation=None, sinks=None,
+               attention_chunk_size=None):
         """:func:`forge_jax.attention` of ``q`` over layer ``layer``'s keys and values.
 
         Causal with explicit positions: query ``t`` of sequence ``b`` at position
@@ -107,7 +108,8 @@ class ContiguousKVCache(_base.KVCacheBase):
           q: ``[batch, t, q_heads, head_dim]``.
           q_positions: int ``[batch, t]``.
           kv_lengths: int ``[batch]``, valid tokens per sequence (the new ones included).
-          scale, sliding_window, logits_soft_cap, implementation: as in ``fj.attention``.
+          scale, sliding_window, logits_soft_cap, implementation, sinks,
+            attention_chunk_size: as in ``fj.attention``.
 
         Returns:
           ``[batch, t, q_heads, head_dim]`` in ``q.dtype``.
@@ -120,7 +122,8 @@ class ContiguousKVCache(_base.KVCacheBase):
         return attention(q, k, v, scale=scale,
                          q_positions=q_positions, kv_lengths=kv_lengths,
                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                         implementation=implementation)
+                         implementation=implementation, sinks=sinks,
+                         attention_chunk_size=attention_chunk_size)
 
 
 def _write_partition(args, config):

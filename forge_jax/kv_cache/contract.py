@@ -77,7 +77,8 @@ class KVCache(Protocol):
     def attend(self, layer: int, q: jax.Array, *, q_positions: jax.Array,
                kv_lengths: jax.Array, scale: float | None = None,
                sliding_window: int | None = None, logits_soft_cap: float | None = None,
-               implementation: str | None = None) -> jax.Array:
+               implementation: str | None = None, sinks: jax.Array | None = None,
+               attention_chunk_size: int | None = None) -> jax.Array:
         """Attention of ``q`` over layer ``layer``'s cached keys and values (after
         :meth:`write`).
 
@@ -97,8 +98,8 @@ class KVCache(Protocol):
           q: ``[batch, t, q_heads, head_dim]``; ``q_heads`` a multiple of ``kv_heads``.
           q_positions: int ``[batch, t]``.
           kv_lengths: int ``[batch]``, valid tokens per row (the new ones included).
-          scale, sliding_window, logits_soft_cap, implementation: as in
-            :func:`forge_jax.attention`.
+          scale, sliding_window, logits_soft_cap, implementation, sinks,
+            attention_chunk_size: as in :func:`forge_jax.attention`.
 
         Returns:
           ``[batch, t, q_heads, head_dim]`` in ``q.dtype``.

@@ -129,7 +129,8 @@ class PagedKVCache(_base.KVCacheBase):
         return new_k, new_v
 
     def attend(self, layer: int, q, *, q_positions, kv_lengths, scale=None,
-               sliding_window=None, logits_soft_cap=None, implementation=None):
+               sliding_window=None, logits_soft_cap=None, implementation=None, sinks=None,
+               attention_chunk_size=None):
         """:func:`forge_jax.paged_attention` of ``q`` over layer ``layer``'s pages.
 
         Same semantics as :meth:`ContiguousKVCache.attend`: query ``t`` of sequence
@@ -142,8 +143,8 @@ class PagedKVCache(_base.KVCacheBase):
           q: ``[batch, t, q_heads, head_dim]``.
           q_positions: int ``[batch, t]``.
           kv_lengths: int ``[batch]``, valid tokens per sequence (the new ones included).
-          scale, sliding_window, logits_soft_cap, implementation: as in
-            ``fj.paged_attention``.
+          scale, sliding_window, logits_soft_cap, implementation, sinks,
+            attention_chunk_size: as in ``fj.paged_attention``.
 
         Returns:
           ``[batch, t, q_heads, head_dim]`` in ``q.dtype``.
@@ -152,7 +153,8 @@ class PagedKVCache(_base.KVCacheBase):
         return paged_attention(q, self.k_pages[layer], self.v_pages[layer], self.block_tables,
                                kv_lengths, scale=scale, q_positions=q_positions,
                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                               implementation=implementation)
+                               implementation=implementation, sinks=sinks,
+                               attention_chunk_size=attention_chunk_size)
 
     def with_block_tables(self, block_tables) -> PagedKVCache:
         """The same cache with ``block_tables`` (int ``[batch, max_pages]``) replaced.

@@ -128,7 +128,8 @@ class RaggedBatchCache(_base.KVCacheBase):
                                self.slots(positions, valid))
 
     def attend(self, layer: int, q, *, q_positions, kv_lengths, scale=None,
-               sliding_window=None, logits_soft_cap=None, implementation=None):
+               sliding_window=None, logits_soft_cap=None, implementation=None, sinks=None,
+               attention_chunk_size=None):
         """``q`` ``[1, tokens, q_heads, head_dim]`` over the pages: each sequence's rows see
         its own keys causally (:func:`forge_jax.ragged_paged_attention`), the lengths and
         query spans from :attr:`metadata`; ``q_positions`` and ``kv_lengths`` (per row, see
@@ -139,5 +140,6 @@ class RaggedBatchCache(_base.KVCacheBase):
         out = ragged_paged_attention(
             q[0], self.k_pages[layer], self.v_pages[layer], m.block_tables, m.kv_lengths,
             m.cu_q_lens, m.num_seqs, scale=scale, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap, implementation=implementation)
+            logits_soft_cap=logits_soft_cap, implementation=implementation, sinks=sinks,
+            attention_chunk_size=attention_chunk_size)
         return out[None]

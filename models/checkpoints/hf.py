@@ -16,6 +16,7 @@ from flax import nnx
 from forge_jax import memory as fj_memory
 from forge_jax import targets as fj_targets
 from forge_jax.models.checkpoints import fp8 as fp8_checkpoint
+from forge_jax.models.checkpoints import mxfp4 as mxfp4_checkpoint
 from forge_jax.models.checkpoints.generation_config import (  # noqa: F401  (CheckpointError: API here too)
     CheckpointError,
     load_generation_config,
@@ -135,6 +136,11 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
     if fp8_checkpoint.quantization(raw, file) is not None:  # read as stored: see the module
         raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    if mxfp4_checkpoint.is_mxfp4(raw):  # gpt-oss's experts, read as stored
+        try:
+            raw = mxfp4_checkpoint.check_config(raw, file)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
     if eos is not None and not (_is_int(eos) or (
             isinstance(eos, list) and all(_is_int(e) for e in eos))):
@@ -226,6 +232,10 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
                          f"device: quantize={quantize!r} and mesh= are not supported with it")
     if fp8 is not None:
         quantize = "fp8"  # for the memory estimate
+    mxfp4 = mxfp4_checkpoint.is_mxfp4(json.loads((path / "config.json").read_text()))
+    if mxfp4 and (quantize is not None or mesh is not None):
+        raise ValueError(f"{path} is an MXFP4 checkpoint, loaded as it is quantized onto one "
+                         f"device: quantize={quantize!r} and mesh= are not supported with it")
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
@@ -242,6 +252,10 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     if quantize is not None and shardings is not None and fp8 is None:
         quantize_load.check_mesh(model, shardings, quantize, group_size)
     expected = hf_parameters(model)
+    packed = mxfp4_checkpoint.expert_parameters(model) if mxfp4 else {}
+    for name in packed:  # read from their _blocks and _scales instead
+        expected.pop(name, None)
+    mx_tensors: dict[str, np.ndarray] = {}
     raw = fp8_checkpoint.RawTensors()  # an fp8 checkpoint's fp8 weights and their scales
     handles: dict[str, object] = {}  # tensor name -> the open file holding it
     files: dict[str, str] = {}  # tensor name -> that file's name, for errors
@@ -258,6 +272,11 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
             for name in sorted(keys):
                 if name.endswith(_IGNORED_SUFFIXES) or (
                         name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if packed and name.endswith(mxfp4_checkpoint.SUFFIXES) and name.rsplit(
+                        "_", 1)[0] in packed:
+                    mx_tensors[name] = f.get_tensor(name)
+                    files[name] = file.name
                     continue
                 if fp8 is not None and name.endswith(fp8_checkpoint.SCALE_SUFFIX):
                     raw.add(file, name)
@@ -296,6 +315,11 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
             skip = frozenset(fp8_checkpoint.load_kernels(
                 model, expected, raw, files, fp8, quantize_load.linear_kernels(model)))
             quantize = None
+        if packed:
+            try:
+                skip = skip | mxfp4_checkpoint.load_experts(model, mx_tensors, files)
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {path}: {e}") from None
         convert = None if quantize is None else quantize_load.converters(
             model, quantize, group_size, shardings)
         fill_parameters(model, read, shardings, convert, skip)

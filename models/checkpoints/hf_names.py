@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from forge_jax.models.llama_model import Linear, Llama
-from forge_jax.models.llama_moe import SparseMoe
+from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +85,32 @@ def hf_parameters(
             out[f"{p}.{norm}.weight"] = (module.weight, module.weight.shape, same, None)
         for proj in ("qkv_proj", "o_proj"):
             linear(f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj), fused)
+        if layer.self_attn.sinks is not None:
+            sinks = layer.self_attn.sinks
+            out[f"{p}.self_attn.sinks"] = (sinks, sinks.shape, same, None)
+        if isinstance(layer.mlp, BiasedMoe):  # gpt-oss: stacked tensors, HF's layout
+            for name, param in (("router.weight", layer.mlp.router),
+                                ("router.bias", layer.mlp.router_bias),
+                                ("experts.gate_up_proj", layer.mlp.gate_up),
+                                ("experts.gate_up_proj_bias", layer.mlp.gate_up_bias),
+                                ("experts.down_proj", layer.mlp.down),
+                                ("experts.down_proj_bias", layer.mlp.down_bias)):
+                out[f"{p}.mlp.{name}"] = (param, param.shape, same, None)
+            continue
         if isinstance(layer.mlp, SparseMoe):
             _experts(out, p, layer.mlp, model.config.model_type, linear)
             continue
+        mlp = "feed_forward" if model.config.model_type == "llama4_text" else "mlp"
+        if isinstance(layer.mlp, ScaledInputMoe):  # Llama 4: stacked tensors, HF's layout
+            for name, param in (("router.weight", layer.mlp.router),
+                                ("experts.gate_up_proj", layer.mlp.gate_up),
+                                ("experts.down_proj", layer.mlp.down)):
+                out[f"{p}.{mlp}.{name}"] = (param, param.shape, same, None)
+            for proj in ("gate_up_proj", "down_proj"):
+                linear(f"{p}.{mlp}.shared_expert.{proj}", getattr(layer.mlp.shared_expert, proj))
+            continue
         for proj in ("gate_up_proj", "down_proj"):
-            linear(f"{p}.mlp.{proj}", getattr(layer.mlp, proj), fused)
+            linear(f"{p}.{mlp}.{proj}", getattr(layer.mlp, proj), fused)
     if model.lm_head is not None:
         linear("lm_head", model.lm_head)
     return out

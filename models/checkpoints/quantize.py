@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 import forge_jax as fj
 from forge_jax import quant as fj_quant
 from forge_jax.models.llama_model import Linear, Llama
-from forge_jax.models.llama_moe import SparseMoe
+from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
 
 # --quantize's choices: format and its default group size along the in axis.
 FORMATS = {"int8": None, "int4": 32, "fp8": None}
@@ -110,8 +110,13 @@ def expert_quantizer(quantize: str, group_size: int | None
 def expert_kernels(model: Llama) -> list[nnx.Param]:
     """The stacked expert weights of the model's mixture-of-experts layers (not the
     routers)."""
-    return [w for _, module in nnx.iter_graph(model) if isinstance(module, SparseMoe)
-            for w in (module.w_gate, module.w_up, module.w_down)]
+    out = []
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, SparseMoe):
+            out += [module.w_gate, module.w_up, module.w_down]
+        elif isinstance(module, BiasedMoe | ScaledInputMoe):  # gpt-oss, Llama 4
+            out += [module.gate_up, module.down]
+    return out
 
 
 def converters(model: Llama, quantize: str, group_size: int | None,

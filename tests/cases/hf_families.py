@@ -37,12 +37,13 @@ def write_tokenizer(directory: pathlib.Path) -> int:
 
 def save_checkpoint(directory: pathlib.Path, config_cls: str, model_cls: str, kwargs: dict, *,
                     seed: int, dtype: str = "float32", tokenizer: pathlib.Path | None = None,
-                    gemma_norms: bool = False):
+                    gemma_norms: bool = False, stds: dict[str, float] | None = None):
     """``model_cls(config_cls(**kwargs))`` with random weights (large enough that the
     logits are far from uniform; norms around 1, or around 0 with ``gemma_norms``, as
     Gemma stores ``weight - 1``), saved by transformers in ``dtype`` to ``directory``
     with ``tokenizer``'s files; returns transformers' float32 model loaded back from
-    the files (so the reference reads what forge_jax reads)."""
+    the files (so the reference reads what forge_jax reads). ``stds``: the standard
+    deviation of the tensors whose names end with a key (e.g. gpt-oss's ``"sinks"``)."""
     import torch
     import transformers
 
@@ -51,7 +52,10 @@ def save_checkpoint(directory: pathlib.Path, config_cls: str, model_cls: str, kw
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            std = next((v for k, v in (stds or {}).items() if name.endswith(k)), None)
+            if std is not None:
+                p.normal_(0.0, std)
+            elif name.endswith("norm.weight"):
                 p.uniform_(-0.5, 0.5) if gemma_norms else p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.25 if p.ndim > 1 else 0.1)
