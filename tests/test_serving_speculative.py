@@ -98,3 +98,12 @@ def test_metrics_report_the_acceptance(chat_model, chat_tokenizer, monkeypatch):
     # 9 tokens each: the prefill's, then 4 kept drafts and one more, then 2 and one more.
     assert "forge_jax_spec_tokens_per_step 4.0" in text
     assert f"forge_jax_spec_accepted_tokens_total {float(engine.stats.accepted_tokens)}" in text
+
+
+def test_bad_serve_speculative_flags_are_one_line(capsys, chat_checkpoint, no_model_load):
+    pytest.importorskip("uvicorn")
+    from cases.cli import assert_one_line_error, run
+
+    assert_one_line_error(run(capsys, "serve", "--checkpoint", str(chat_checkpoint),
+                              "--speculative", "ngram", "--num-speculative-tokens", "0"),
+                          "--num-speculative-tokens must be >= 1, got 0", prog="forge-jax serve")
