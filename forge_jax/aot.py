@@ -37,7 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,7 +53,9 @@ class Kernel:
 
     Attributes:
       name: the ``pallas_call``'s ``name=``.
-      calls: how many ``pallas_call`` sites of that name the traced program has.
+      calls: how many times the program launches a kernel of that name: each call site
+        once (a model's layers are unrolled: one site per layer), times the trip count
+        of every ``scan`` around it.
       flops, bytes_accessed: summed over the calls (the cost estimate's; without one,
         ``flops`` 0 and the operands' and results' bytes, ``costed`` False).
       roofline_seconds: summed predicted time at the target's peaks.
@@ -77,11 +79,27 @@ class Kernel:
 
 @dataclasses.dataclass(frozen=True)
 class Copy:
-    """A copy (or transpose) the optimized program makes outside the kernels."""
+    """A copy (or transpose) the optimized program makes outside the kernels.
+
+    Attributes:
+      op: ``copy``, ``transpose``, or the fusion's kind (``copy_fusion``...).
+      shape: the result's HLO shape (``bf16[8,1024,3,64]``).
+      bytes: the result's size.
+      source: what the program was doing: the traced operation the compiler names in the
+        instruction's metadata (``layer_3/rms_norm/convert_element_type``), without the
+        jitted function's name; ``""`` when it names none (an argument's relayout).
+    """
 
     op: str
     shape: str
     bytes: int
+    source: str = ""
+
+    @property
+    def what(self) -> str:
+        """:attr:`source` with the layer's number left out (``layer_*/rms_norm/...``),
+        so that one copy repeated by every layer reads as one kind."""
+        return re.sub(r"\blayer_\d+\b", "layer_*", self.source) or "(no source)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +157,25 @@ class Report:
             out.append(f"  kernels' roofline total: {self.roofline_seconds * 1e6:.2f} us")
         if self.copies:
             total = sum(c.bytes for c in self.copies)
-            out.append(f"  copies outside kernels: {len(self.copies)}, {_size(total)}")
-            for c in sorted(self.copies, key=lambda c: -c.bytes)[:8]:
-                out.append(f"    {c.op} {c.shape} ({_size(c.bytes)})")
+            out.append(f"  copies outside kernels: {len(self.copies)}, {_size(total)}; "
+                       f"the largest kinds (count x shape, what):")
+            for (op, shape, what), group in sorted(
+                    copy_kinds(self.copies).items(), key=lambda kv: -sum(
+                        c.bytes for c in kv[1]))[:8]:
+                out.append(f"    {len(group)} x {op} {shape} ({_size(group[0].bytes)} each): "
+                           f"{what}")
         elif self.compiled:
             out.append("  copies outside kernels: none")
         return "\n".join(out)
+
+
+def copy_kinds(copies: Sequence[Copy]) -> dict[tuple[str, str, str], list[Copy]]:
+    """The copies grouped by (op, shape, :attr:`Copy.what`): one kind repeated per layer
+    is one entry."""
+    kinds: dict[tuple[str, str, str], list[Copy]] = {}
+    for c in copies:
+        kinds.setdefault((c.op, c.shape, c.what), []).append(c)
+    return kinds
 
 
 def _opt(value, fmt=str) -> str:
@@ -266,13 +297,24 @@ KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
 def pallas_calls(jaxpr: Any) -> Iterator[Any]:
     """Every Pallas kernel equation (:data:`KERNEL_PRIMITIVES`) of a (closed) jaxpr, nested
     ones included (outside the kernels' own bodies)."""
+    for eqn, _ in kernel_launches(jaxpr):
+        yield eqn
+
+
+def kernel_launches(jaxpr: Any, times: int = 1) -> Iterator[tuple[Any, int]]:
+    """``(equation, launches)`` for every Pallas kernel equation of a (closed) jaxpr:
+    ``launches`` is how many times one run of the program launches it, the product of
+    the trip counts of the ``scan`` s around it (1 outside any; a ``while`` loop's count
+    is not known before it runs: counted once)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in KERNEL_PRIMITIVES:
-            yield eqn
+            yield eqn, times
             continue
+        inner = times * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" \
+            else times
         for sub in _subjaxprs(eqn.params):
-            yield from pallas_calls(sub)
+            yield from kernel_launches(sub, inner)
 
 
 def _nbytes(avals) -> int:
@@ -282,18 +324,20 @@ def _nbytes(avals) -> int:
 
 def _kernels(jaxpr: Any, t: targets.Target) -> list[Kernel]:
     rows: dict[str, Kernel] = {}
-    for eqn in pallas_calls(jaxpr):
+    for eqn, launches in kernel_launches(jaxpr):
         name = _compat.pallas_call_name(eqn.params)
         cost = eqn.params.get("cost_estimate")
         io = _nbytes([v.aval for v in (*eqn.invars, *eqn.outvars)])
         flops, nbytes = (cost.flops, cost.bytes_accessed) if cost is not None else (0, io)
+        flops, nbytes = flops * launches, nbytes * launches
         first = eqn.invars[0].aval if eqn.invars else None
         peak = t.peak(first.dtype if hasattr(first, "dtype") else np.float32)
         seconds = max(flops / peak, nbytes / t.memory_bandwidth)
         old = rows.get(name)
-        rows[name] = Kernel(name, 1, flops, nbytes, cost is not None, seconds) if old is None \
+        rows[name] = Kernel(name, launches, flops, nbytes, cost is not None, seconds) \
+            if old is None \
             else dataclasses.replace(
-                old, calls=old.calls + 1, flops=old.flops + flops,
+                old, calls=old.calls + launches, flops=old.flops + flops,
                 bytes_accessed=old.bytes_accessed + nbytes,
                 costed=old.costed and cost is not None,
                 roofline_seconds=old.roofline_seconds + seconds)
@@ -437,6 +481,18 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, 
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _source(op_name: str) -> str:
+    """An instruction's ``op_name`` without the jitted functions' names
+    (``jit(prefill_step)/jit(main)/layer_3/rms_norm/...`` -> ``layer_3/rms_norm/...``)."""
+    names = dict.fromkeys(  # a fused instruction's names, ";"-joined: each once
+        "/".join(p for p in name.split("/") if not re.fullmatch(r"\w*jit\(.*\)", p))
+        for name in op_name.split(";"))
+    return "; ".join(names)
+
+
 def copies(hlo_text: str) -> list[Copy]:
     """The copies and transposes of an optimized HLO module outside fusion bodies (a
     fusion counts when its name says it is one: ``copy_fusion``, ``transpose_fusion``)."""
@@ -453,6 +509,8 @@ def copies(hlo_text: str) -> list[Copy]:
         if dtype not in _BYTES:
             continue
         shape = [int(d) for d in dims.split(",") if d]
+        source = _OP_NAME.search(line)
         out.append(Copy(op if op != "fusion" else name.split(".")[0],
-                        f"{dtype}[{dims}]", int(np.prod(shape)) * _BYTES[dtype]))
+                        f"{dtype}[{dims}]", int(np.prod(shape)) * _BYTES[dtype],
+                        _source(source.group(1)) if source else ""))
     return out

@@ -82,6 +82,23 @@ def _ragged64(q, k, v, kv_lengths, q_lens):
     return out
 
 
+def _gated_delta64(q, k, v, g, beta, state):
+    """The gated delta rule token by token in float64 (l2-normalised q and k)."""
+    q, k, v, g, beta = (x.astype(np.float64) for x in (q, k, v, g, beta))
+    s = state.astype(np.float64).copy()
+    out = np.zeros(v.shape)
+    rep = v.shape[2] // k.shape[2]
+    for t in range(q.shape[1]):
+        for h in range(v.shape[2]):
+            qt, kt = q[0, t, h // rep], k[0, t, h // rep]
+            qt = qt / np.sqrt(qt @ qt + 1e-6) / math.sqrt(q.shape[-1])
+            kt = kt / np.sqrt(kt @ kt + 1e-6)
+            s[0, h] *= np.exp(g[0, t, h])
+            s[0, h] += np.outer(kt, beta[0, t, h] * (v[0, t, h] - s[0, h].T @ kt))
+            out[0, t, h] = s[0, h].T @ qt
+    return out
+
+
 def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     """Runs every check; prints one line per op; returns whether all passed."""
     dispatch.clear_selections()
@@ -223,6 +240,23 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     ref[:, :, copies[kept, 1]] = pools[:, :, copies[kept, 0]]  # every source read first
     out = fj.copy_pages(jnp.asarray(pools[0]), jnp.asarray(pools[1]), jnp.asarray(copies))
     checks.append(_check("copy_pages", jnp.stack(out), ref))
+    checks.extend(_mla_checks(rng, f32))
+
+    # Gated delta rule: 2 key heads, 4 value heads, 11 tokens in chunks of 4, from a state;
+    # the reference runs the recurrence token by token.
+    grng = np.random.default_rng(seed + 2)
+    g32 = lambda *shape: grng.standard_normal(shape).astype(np.float32)
+    qg, kg, vg, s0 = g32(1, 11, 2, 8), g32(1, 11, 2, 8), g32(1, 11, 4, 8), g32(1, 4, 8, 8)
+    gate = -np.abs(g32(1, 11, 4)) * 0.3
+    beta = 1 / (1 + np.exp(-g32(1, 11, 4)))
+    out, _ = fj.gated_delta_rule(*(jnp.asarray(x) for x in (qg, kg, vg, gate, beta)),
+                                 state=jnp.asarray(s0), chunk_size=4)
+    checks.append(_check("gated_delta_rule", out, _gated_delta64(qg, kg, vg, gate, beta, s0)))
+    xc1, wc1 = g32(2, 9, 6), g32(4, 6)
+    xx = np.concatenate([np.zeros((2, 3, 6)), xc1.astype(np.float64)], axis=1)
+    pre = sum(wc1[i].astype(np.float64) * xx[:, i:i + 9] for i in range(4))
+    checks.append(_check("causal_conv1d", fj.causal_conv1d(jnp.asarray(xc1), jnp.asarray(wc1))[0],
+                         pre / (1 + np.exp(-pre))))
 
     print_fn("  op                     implementation         error vs float64 NumPy"
              "        verdict (project tolerance)")
@@ -232,3 +266,46 @@ def run(seed: int, print_fn: Callable[[str], None] = print) -> bool:
     print_fn(f"\n{len(checks) - len(failed)}/{len(checks)} ops within tolerance"
              + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return not failed
+
+
+def _mla64(q_nope, q_pe, c, k_pe, w_uk, w_uv, positions):
+    """Multi-head latent attention of one sequence in float64, expanded: head ``h``'s keys
+    ``[c @ w_uk[:, h], k_pe]`` and values ``c @ w_uv[:, h]``; query ``t`` sees keys
+    ``j <= positions[t]``."""
+    k_nope = np.einsum("sc,chd->shd", c, w_uk)
+    v = np.einsum("sc,chd->shd", c, w_uv)
+    scale = (q_nope.shape[-1] + q_pe.shape[-1]) ** -0.5
+    logits = scale * (np.einsum("thd,shd->ths", q_nope, k_nope)
+                      + np.einsum("thd,sd->ths", q_pe, k_pe))
+    logits = np.where(np.arange(c.shape[0]) <= positions[:, None, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return np.einsum("ths,shd->thd", p / p.sum(-1, keepdims=True), v)
+
+
+def _mla_checks(rng, f32) -> list[Check]:
+    """The latent ops: a dense prefill, then the same latents written into NaN-filled pages
+    and attended by a ragged step (a prefill chunk and a decode row), weight-absorbed."""
+    heads, rank, rope, nope, v_dim, n, page = 4, 32, 8, 16, 12, 11, 4
+    q_nope, q_pe = f32(n, heads, nope), f32(n, heads, rope)
+    c, k_pe = f32(n, rank), f32(n, rope)
+    w_uk, w_uv = f32(rank, heads, nope) / rank ** 0.5, f32(rank, heads, v_dim) / rank ** 0.5
+    as64 = [x.astype(np.float64) for x in (q_nope, q_pe, c, k_pe, w_uk, w_uv)]
+    ref = _mla64(*as64, np.arange(n))
+    out = fj.mla_attention(*(jnp.asarray(x[None]) for x in (q_nope, q_pe, c, k_pe)),
+                           jnp.asarray(w_uk), jnp.asarray(w_uv))[0]
+    checks = [_check("mla_attention", out, ref)]
+    pool = jnp.full((5, page, rank + rope), jnp.nan, jnp.float32)
+    table = rng.permutation(5)[None, :3].astype(np.int32)
+    slots = (table[0, np.arange(n) // page] * page + np.arange(n) % page).astype(np.int32)
+    pool = fj.mla_paged_write(pool, jnp.asarray(c), jnp.asarray(k_pe), jnp.asarray(slots))
+    flat = np.asarray(pool, np.float64).reshape(-1, rank + rope)[slots]
+    checks.append(_check("mla_paged_write", flat, np.concatenate(as64[2:4], axis=1)))
+    # Sequence 0's last 3 tokens, sequence 1 (the first 6 of the same latents) decoding.
+    tables = np.concatenate([table, table], 0)
+    rows = np.r_[n - 3:n, 5]
+    out = fj.mla_paged_attention(
+        jnp.asarray(q_nope[rows]), jnp.asarray(q_pe[rows]), pool, jnp.asarray(w_uk),
+        jnp.asarray(w_uv), jnp.asarray(tables), jnp.asarray(np.array([n, 6], np.int32)),
+        jnp.asarray(np.array([0, 3, 4], np.int32)), 2)
+    checks.append(_check("mla_paged_attention", out, ref[rows]))
+    return checks

@@ -20,6 +20,15 @@ Formats (``format``; the static metadata beside the arrays):
   in 128 x 128 blocks, the layout of Hugging Face's fine-grained FP8 checkpoints
   (``weight`` and ``weight_scale_inv`` with ``weight_block_size``: ``values`` and
   ``scales`` as they are).
+* ``"mxfp4"`` (OCP Microscaling FP4, gpt-oss's released experts): ``values`` uint8, two
+  FP4 E2M1 codes a byte packed as int4's (element ``2j`` in the low nibble), each code
+  ``(-1)**s * 2**(e - 1) * (1 + m / 2)`` (``e`` > 0) or ``(-1)**s * m / 2`` (``e`` = 0):
+  the values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; ``scales`` uint8 E8M0
+  exponents, ``scale = 2**(byte - 127)`` (255: NaN), one per 32 values along the last
+  axis. :func:`quantize` takes each block's exponent as ``floor(log2(absmax)) - 2`` and
+  rounds to the nearest code (ties to an even mantissa), clamping at 6, as the OCP
+  specification does. gpt-oss's ``*_blocks`` ``[..., K / 32, 16]`` and ``*_scales``
+  ``[..., K / 32]`` are ``values`` (reshaped to ``[..., K / 2]``) and ``scales`` as they are.
 
 Activations (``activations``, static): ``None`` (the default) is weight-only quantization:
 a product dequantizes the weight and multiplies in the activations' float dtype (W8A16).
@@ -56,10 +65,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("int8", "int4", "fp8")
+FORMATS = ("int8", "int4", "fp8", "mxfp4")
+PACKED = ("int4", "mxfp4")  # two 4-bit values a byte along the last axis
 ACTIVATIONS = (None, "int8")  # the activations a product quantizes: none (W8A16), or int8
 _VALUE_DTYPES = {"int8": jnp.dtype(jnp.int8), "int4": jnp.dtype(jnp.uint8),
-                 "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+                 "fp8": jnp.dtype(jnp.float8_e4m3fn), "mxfp4": jnp.dtype(jnp.uint8)}
+# The FP4 E2M1 code -> its value (codes 8..15 are the negatives of 0..7).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _QMAX = {"int8": 127.0, "int4": 7.0, "fp8": float(jnp.finfo(jnp.float8_e4m3fn).max)}
 
 
@@ -116,7 +129,7 @@ class QuantizedArray:
     def shape(self) -> tuple[int, ...]:
         """The logical shape (an int4 array has twice its values' last axis)."""
         shape = tuple(self.values.shape)
-        return shape[:-1] + (shape[-1] * 2,) if self.format == "int4" else shape
+        return shape[:-1] + (shape[-1] * 2,) if self.format in PACKED else shape
 
     @property
     def ndim(self) -> int:
@@ -191,10 +204,11 @@ def check_parts(values, scales, minimums, format: str, block) -> tuple[int, ...]
     if not block or len(block) > ndim or any(b <= 0 for b in block):
         raise ValueError(f"block must be 1 to {ndim} positive ints, got {block=}")
     shape = tuple(values.shape)
-    if format == "int4":
+    if format in PACKED:
         shape = shape[:-1] + (shape[-1] * 2,)
         if block[-1] % 2:
-            raise ValueError(f"int4 blocks along the packed last axis must be even, got {block=}")
+            raise ValueError(f"{format} blocks along the packed last axis must be even, got "
+                             f"{block=}")
     full = (1,) * (ndim - len(block)) + block
     if any(n % b for n, b in zip(shape, full, strict=True)):
         raise ValueError(f"{block=} does not divide the array's shape {shape}")
@@ -205,7 +219,11 @@ def check_parts(values, scales, minimums, format: str, block) -> tuple[int, ...]
         if tuple(x.shape) != want:
             raise ValueError(f"{name}.shape={tuple(x.shape)} must be {want} for an array of "
                              f"shape {shape} in blocks of {block}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
+        if format == "mxfp4":
+            if jnp.dtype(x.dtype) != jnp.uint8:
+                raise TypeError(f"mxfp4 {name} must be uint8 E8M0 exponents, got {name}.dtype="
+                                f"{jnp.dtype(x.dtype).name}")
+        elif not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array, got {name}.dtype="
                             f"{jnp.dtype(x.dtype).name}")
     if minimums is not None and format != "int4" and format != "int8":
@@ -236,14 +254,16 @@ def quantize(w, format: str, *, group_size: int | None = None,
         along the last axis, the one a product contracts). Leading axes have blocks of
         1, so a stacked ``[experts, N, K]`` weight gets each expert its own scales (what
         :func:`forge_jax.grouped_matmul` with ``trans_w=True`` multiplies).
-      format: ``"int8"``, ``"int4"`` or ``"fp8"``.
+      format: ``"int8"``, ``"int4"``, ``"fp8"`` or ``"mxfp4"``.
       group_size: values per scale along the last axis (``int4``: 32, 64 or 128 are
-        usual; default 32); None for int8 and fp8: one scale per output channel.
+        usual; default 32; ``mxfp4``: 32, the format's); None for int8 and fp8: one
+        scale per output channel.
       block: instead of ``group_size``, the block over the trailing axes, e.g.
         ``(128, 128)`` for fp8 in Hugging Face's fine-grained layout.
       symmetric: False for int4 with a minimum per group (``x = s * q + m``, ``q`` in
         0..15); int8 and fp8 are symmetric only.
-      scale_dtype: the dtype of the scales (and minimums).
+      scale_dtype: the dtype of the scales (and minimums); mxfp4's are uint8 E8M0
+        exponents whatever it says.
       activations: None (weight-only: products multiply dequantized weights in the
         activations' dtype), or ``"int8"`` for int8 weights (W8A8: products quantize each
         row of the activations to int8, :func:`quantize_rows`, and multiply integers with
@@ -252,7 +272,9 @@ def quantize(w, format: str, *, group_size: int | None = None,
     Returns:
       A :class:`QuantizedArray` whose :func:`dequantize` approximates ``w``: each value
       within half a step (``scale / 2``) for int8 and int4, within fp8's relative
-      rounding (2**-4) of its block's scale times the value for fp8.
+      rounding (2**-4) of its block's scale times the value for fp8; for mxfp4, each
+      value rounded to the nearest FP4 value times its block's power-of-two scale
+      (values over 6 times the scale clamped to 6).
 
     Raises:
       ValueError: an unknown format, a group size or block that does not divide ``w``'s
@@ -267,14 +289,14 @@ def quantize(w, format: str, *, group_size: int | None = None,
     if not symmetric and format != "int4":
         raise ValueError(f"symmetric=False is for int4 (a minimum per group); {format} is "
                          f"symmetric")
-    if format == "int4" and w.shape[-1] % 2:
-        raise ValueError(f"int4 packs two values a byte along the last axis: "
+    if format in PACKED and w.shape[-1] % 2:
+        raise ValueError(f"{format} packs two values a byte along the last axis: "
                          f"w.shape[-1]={w.shape[-1]} is odd")
     if group_size is not None and block is not None:
         raise ValueError(f"give group_size or block, not both ({group_size=}, {block=})")
     if block is None:
         if group_size is None:
-            group_size = 32 if format == "int4" else w.shape[-1]
+            group_size = 32 if format in PACKED else w.shape[-1]
         if (isinstance(group_size, bool) or not isinstance(group_size, int)
                 or group_size <= 0 or w.shape[-1] % group_size):
             raise ValueError(f"group_size={group_size!r} must be a positive int dividing "
@@ -287,8 +309,10 @@ def quantize(w, format: str, *, group_size: int | None = None,
     full = (1,) * (w.ndim - len(block)) + block
     if any(n % b for n, b in zip(w.shape, full, strict=True)):
         raise ValueError(f"{block=} does not divide w.shape={tuple(w.shape)}")
-    if format == "int4" and full[-1] % 2:
-        raise ValueError(f"int4 groups must hold an even number of values, got {block=}")
+    if format in PACKED and full[-1] % 2:
+        raise ValueError(f"{format} groups must hold an even number of values, got {block=}")
+    if format == "mxfp4":
+        return _quantize_mxfp4(jnp.asarray(w), full, block)
     q = _quantize(jnp.asarray(w), format, full, symmetric, jnp.dtype(scale_dtype), block=block)
     return q if activations is None else dataclasses.replace(q, activations=activations)
 
@@ -322,6 +346,42 @@ def _quantize(w, format, full, symmetric, scale_dtype, *, block):
     squeeze = lambda s: None if s is None else s.reshape(
         [n // b for n, b in zip(w.shape, full, strict=True)]).astype(scale_dtype)
     return QuantizedArray(q, squeeze(scale), squeeze(minimums), format, block, dtype)
+
+
+def _quantize_mxfp4(w, full, block):
+    x = _blocked(w.astype(jnp.float32), full)  # [n0/b0, b0, n1/b1, b1, ...]
+    axes = tuple(range(1, 2 * w.ndim, 2))
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    # floor(log2(amax)) exactly, from the float32 exponent bits (a normal amax), minus
+    # E2M1's largest exponent (2); 2**-127 for a block of zeros (or of subnormals).
+    biased = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
+    exponent = jnp.clip(biased - 127 - 2, -127, 127)
+    exponent = jnp.where(amax > 0, exponent, -127)
+    v = x / e8m0_scales((exponent + 127).astype(jnp.uint8))
+    m = jnp.abs(v)
+    # Round to nearest, ties to the even mantissa: the midpoints between 0, 0.5, 1, 1.5,
+    # 2, 3, 4, 6 (a tie goes up where the upper neighbour's mantissa bit is 0).
+    code = sum((m >= t if up else m > t).astype(jnp.uint8) for t, up in (
+        (0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+        (5.0, False)))
+    code = (code | (jnp.signbit(v).astype(jnp.uint8) << 3)).reshape(w.shape)
+    scales = (exponent + 127).astype(jnp.uint8).reshape(
+        [n // b for n, b in zip(w.shape, full, strict=True)])
+    return QuantizedArray(pack_int4(code), scales, None, "mxfp4", block, jnp.dtype(w.dtype))
+
+
+def e8m0_scales(exponents: jax.Array) -> jax.Array:
+    """uint8 E8M0 exponents -> float32 ``2**(byte - 127)`` (byte 255: NaN), built from the
+    float32 bits (exact, no ``exp2``; byte 0, 2**-127, is float32's subnormal)."""
+    e = exponents.astype(jnp.int32)
+    bits = jnp.where(e == 0, 0x00400000, e << 23)
+    bits = jnp.where(e == 255, 0x7FC00000, bits)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
+
+
+def fp4_values(codes: jax.Array) -> jax.Array:
+    """uint8 FP4 E2M1 codes (0..15) -> their float32 values (:data:`FP4_VALUES`)."""
+    return jnp.asarray(FP4_VALUES, jnp.float32)[codes.astype(jnp.int32)]
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -395,8 +455,8 @@ def partition_specs(q: QuantizedArray, spec, mesh_shape: Mapping[str, int]) -> Q
                 f"a {q.format} array of shape {q.shape} in blocks of {q.block} cannot split "
                 f"axis {d} over mesh axis {axis!r} of {n} devices: {what} {b} does not divide "
                 f"the {local} values per device (choose a {what} dividing {local})")
-        if q.format == "int4" and d == q.ndim - 1 and local % 2:
-            raise ValueError(f"int4 packs two values a byte: {local} values per device along "
+        if q.format in PACKED and d == q.ndim - 1 and local % 2:
+            raise ValueError(f"{q.format} packs two values a byte: {local} values per device along "
                              f"the last axis (of {size} over {axis!r}={n}) is odd")
     children, aux = q.tree_flatten()
     specs = (P(*spec), P(*scale_spec), None if children[2] is None else P(*scale_spec))
@@ -441,7 +501,10 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 def int_values(q: QuantizedArray) -> jax.Array:
     """The values ``q`` of :class:`QuantizedArray` ``q`` in the logical shape (int8 for the
-    int formats, with int4's offset removed when symmetric; fp8 as stored)."""
+    int formats, with int4's offset removed when symmetric; fp8 as stored; mxfp4's FP4
+    values in float32)."""
+    if q.format == "mxfp4":
+        return fp4_values(unpack_int4(q.values))
     if q.format != "int4":
         return q.values
     nibbles = unpack_int4(q.values).astype(jnp.int8)
@@ -463,6 +526,10 @@ def dequantize(q: QuantizedArray, dtype=None) -> jax.Array:
         raise TypeError(f"dequantize takes a QuantizedArray, got {type(q).__name__}")
     dtype = q.dtype if dtype is None else jnp.dtype(dtype)
     full = q.full_block()
+    if q.format == "mxfp4":
+        x = _blocked(fp4_values(unpack_int4(q.values)), full)
+        x = x * _expand(e8m0_scales(q.scales), q.ndim)
+        return x.reshape(q.shape).astype(dtype)
     x = _blocked(int_values(q).astype(jnp.float32), full)
     x = x * _expand(q.scales.astype(jnp.float32), q.ndim)
     if q.minimums is not None:
@@ -477,6 +544,8 @@ def bits_per_value(format: str, *, group_size: int | None = None, columns: int |
     ``group_size`` (default: ``columns``, one scale per output channel)."""
     if format not in FORMATS:
         raise ValueError(f"unknown quantization format {format!r}; known: {', '.join(FORMATS)}")
+    if format == "mxfp4":  # an 8-bit exponent per 32 values
+        scale_bits, group_size = 8, group_size or 32
     group = group_size or columns or math.inf
     per_group = scale_bits * (1 if symmetric else 2)
-    return (4 if format == "int4" else 8) + per_group / group
+    return (4 if format in PACKED else 8) + per_group / group

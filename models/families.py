@@ -45,7 +45,8 @@ class Family:
       layer_pattern: the default ``layer_types`` rule when the file has none:
         ``"all"`` (every layer slides when ``sliding_window`` is set), ``"every_2"`` /
         ``"every_6"`` (every 2nd / 6th layer is global), ``"qwen"`` (layers from
-        ``max_window_layers`` on slide when ``use_sliding_window``).
+        ``max_window_layers`` on slide when ``use_sliding_window``), ``"nope"`` (the
+        layers without RoPE slide, when ``use_sliding_window``: SmolLM3).
     """
 
     model_type: str
@@ -78,7 +79,8 @@ IRRELEVANT = frozenset({
     "base_model_pp_plan", "keys_to_ignore_at_inference", "num_labels",
     # Training-only tensor-parallel slicing; the same maths.
     "pretraining_tp",
-    # A longrope parameter; without a longrope scaling (refused) it changes nothing.
+    # A yarn / longrope parameter (Phi-3 writes it at the top level: read there); without
+    # such a scaling it changes nothing.
     "original_max_position_embeddings",
     # Which KV cache class transformers' generate uses (Gemma's "hybrid"); ours is chosen
     # per layer from layer_types.
@@ -126,7 +128,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                       "sliding_window_pattern", "_sliding_window_pattern"},
            {"use_bidirectional_attention": (None, False)}, "every_6"),
     Family("phi3", "Phi3ForCausalLM", {"fused_checkpoint": True},
-           _COMMON | {"sliding_window", "partial_rotary_factor"}, {}),
+           _COMMON | {"sliding_window", "partial_rotary_factor",
+                      "original_max_position_embeddings"}, {}),
     # Mixtral: Mistral's attention; experts as wide as intermediate_size; the top-k weights
     # always renormalised.
     Family("mixtral", "MixtralForCausalLM", {"norm_topk_prob": True},
@@ -143,6 +146,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", {"qk_norm": True},
            _COMMON | _QWEN_MOE | {"attention_bias", "sliding_window", "use_sliding_window"},
            {"layer_types": (None,)}),
+    # SmolLM3: Llama with RoPE left out of some layers (no_rope_layers: 1 = RoPE, 0 = NoPE;
+    # by default every no_rope_layer_interval-th layer is NoPE), which slide when
+    # use_sliding_window.
+    Family("smollm3", "SmolLM3ForCausalLM", {},
+           _COMMON | {"attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval",
+                      "sliding_window", "use_sliding_window", "layer_types"}, {}, "nope"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -205,8 +214,27 @@ def config_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"config.json lacks required keys {missing}")
     out.update(_rope(config, fam))
+    out.update(_nope(config, fam, out["num_hidden_layers"]))
     out.update(_windows(config, fam, out["num_hidden_layers"]))
     return out
+
+
+def _nope(config: dict, fam: Family, layers: int) -> dict[str, Any]:
+    """nope_layers (the layers without RoPE) from SmolLM3's ``no_rope_layers`` mask
+    (1: RoPE, 0: none) or its ``no_rope_layer_interval``."""
+    if "no_rope_layers" not in fam.handled:
+        return {}
+    mask = config.get("no_rope_layers")
+    if mask is None:
+        every = config.get("no_rope_layer_interval", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise ValueError(f"no_rope_layer_interval must be a positive int, got "
+                             f"no_rope_layer_interval={every!r}")
+        mask = [int((i + 1) % every != 0) for i in range(layers)]
+    if len(mask) != layers or set(mask) - {0, 1}:
+        raise ValueError(f"no_rope_layers={list(mask)!r} must give {layers} layers, each 0 "
+                         f"(no RoPE) or 1 (RoPE)")
+    return {"nope_layers": tuple(i for i, m in enumerate(mask) if not m)}
 
 
 def _experts(config: dict, fam: Family) -> dict[str, Any]:
@@ -275,7 +303,7 @@ def _rope(config: dict, fam: Family) -> dict[str, Any]:
             rope.setdefault("rope_theta", config.get("rope_theta", default))
         if "partial_rotary_factor" in config:
             rope.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
-        theta, scaling, partial = _flat_rope(rope, default)
+        theta, scaling, partial = _flat_rope(rope, default, _context(config, fam))
         if fam.model_type == "gemma3_text":
             out["rope_local_theta"] = float(config.get("rope_local_base_freq", 10_000.0))
     if partial != 1.0:
@@ -287,8 +315,20 @@ def _rope(config: dict, fam: Family) -> dict[str, Any]:
     return out
 
 
-def _flat_rope(rope: Mapping, default_theta: float) -> tuple[float, Any, float]:
-    """(theta, RopeScaling or None, partial_rotary_factor) of one flat rope dict."""
+def _context(config: dict, fam: Family) -> dict[str, Any]:
+    """The top-level context lengths that yarn, longrope and dynamic NTK scaling read
+    (``max_position_embeddings``; Phi-3's ``original_max_position_embeddings``)."""
+    out = {"max_position_embeddings": config.get("max_position_embeddings")}
+    if fam.model_type == "phi3":
+        out["original_max_position_embeddings"] = config.get("original_max_position_embeddings")
+    return out
+
+
+def _flat_rope(rope: Mapping, default_theta: float,
+               context: Mapping[str, Any] | None = None) -> tuple[float, Any, float]:
+    """(theta, RopeScaling or None, partial_rotary_factor) of one flat rope dict;
+    ``context``: the keyword arguments of ``RopeScaling.from_hf`` for yarn, longrope
+    and dynamic NTK (the config's top-level context lengths)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in (None, "default") and "factor" in rope:
         raise ValueError(f"rope parameters {dict(rope)!r} give a factor but no rope_type")
@@ -300,7 +340,7 @@ def _flat_rope(rope: Mapping, default_theta: float) -> tuple[float, Any, float]:
     scaling_keys = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
     partial = float(rope.get("partial_rotary_factor", 1.0) or 1.0)
     theta = float(rope.get("rope_theta", default_theta))
-    return theta, fj.RopeScaling.from_hf(scaling_keys or None), partial
+    return theta, fj.RopeScaling.from_hf(scaling_keys or None, **(context or {})), partial
 
 
 # --------------------------------------------------------------------------------------
@@ -310,7 +350,8 @@ def _windows(config: dict, fam: Family, layers: int) -> dict[str, Any]:
     """sliding_window and layer_types (a tuple of ``"sliding_attention"`` /
     ``"full_attention"``, one per layer), as transformers resolves them."""
     window = config.get("sliding_window")
-    if fam.model_type.startswith("qwen") and not config.get("use_sliding_window", False):
+    if (fam.model_type.startswith("qwen") or fam.model_type == "smollm3") and not config.get(
+            "use_sliding_window", False):
         window = None  # transformers drops the window unless use_sliding_window
     if "sliding_window" not in fam.handled or window is None:
         types = config.get("layer_types")
@@ -324,6 +365,9 @@ def _windows(config: dict, fam: Family, layers: int) -> dict[str, Any]:
         elif fam.layer_pattern == "qwen":
             first = config.get("max_window_layers", 28)
             types = [SLIDING if i >= first else FULL for i in range(layers)]
+        elif fam.layer_pattern == "nope":  # SmolLM3: the NoPE layers slide
+            nope = _nope(config, fam, layers)["nope_layers"]
+            types = [SLIDING if i in nope else FULL for i in range(layers)]
         else:
             every = 2 if fam.layer_pattern == "every_2" else int(config.get(
                 "sliding_window_pattern", config.get("_sliding_window_pattern", 6)))

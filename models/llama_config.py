@@ -59,6 +59,8 @@ class LlamaConfig:
       ``intermediate_size`` (:meth:`is_moe`).
     * ``shared_expert_intermediate_size``: a dense SwiGLU expert every token goes through
       as well, scaled by ``sigmoid(x @ shared_expert_gate)`` (Qwen2-MoE); None: none.
+    * ``nope_layers``: the layers whose queries and keys get no RoPE at all (SmolLM3's
+      ``no_rope_layers`` zeros); :meth:`uses_rope`.
 
     All of them are static: one compiled step serves every layer kind, the per-layer
     window and RoPE base being Python values of the unrolled layer loop.
@@ -103,6 +105,7 @@ class LlamaConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int | None = None
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -167,6 +170,12 @@ class LlamaConfig:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
                              f"partial_rotary_factor={self.partial_rotary_factor!r}")
         self._check_experts(set_)
+        set_("nope_layers", tuple(self.nope_layers))
+        bad = [i for i in self.nope_layers if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"nope_layers={list(self.nope_layers)!r} must list layers in "
+                             f"[0, num_hidden_layers={self.num_hidden_layers}), got {bad}")
         if not (isinstance(self.rms_norm_eps, int | float) and self.rms_norm_eps > 0):
             raise ValueError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
@@ -229,6 +238,10 @@ class LlamaConfig:
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer``, or None (global attention)."""
         return self.sliding_window if self.is_sliding(layer) else None
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates its queries and keys (False: a NoPE layer)."""
+        return layer not in self.nope_layers
 
     def layer_rope(self, layer: int) -> tuple[float, fj.RopeScaling | None]:
         """(RoPE base, scaling) of layer ``layer``: Gemma 3's sliding layers have their

@@ -255,13 +255,14 @@ class LlamaAttention(nnx.Module):
                 q = self.q_norm(q, eps=c.rms_norm_eps, offset=c.norm_offset)
                 k = self.k_norm(k, eps=c.rms_norm_eps, offset=c.norm_offset)
             theta, scaling = c.layer_rope(layer)
-            k = _rope(k, positions, c.rotary_dim, theta, scaling)
+            rope = _rope if c.uses_rope(layer) else _no_rope
+            k = rope(k, positions, c.rotary_dim, theta, scaling)
             if rows is None:
-                q = _rope(q, positions, c.rotary_dim, theta, scaling)
+                q = rope(q, positions, c.rotary_dim, theta, scaling)
                 o, cache = attend(q, k, v, cache)  # [batch, t, heads, head_dim]
             else:
-                q = _rope(_take_rows(q, rows), _take_rows(positions, rows), c.rotary_dim,
-                          theta, scaling)
+                q = rope(_take_rows(q, rows), _take_rows(positions, rows), c.rotary_dim,
+                         theta, scaling)
                 o, cache = attend(q, k, v, cache, rows=rows)  # [batch, n, heads, head_dim]
             return self.o_proj(o.reshape(batch, -1, c.num_attention_heads * c.head_dim)), cache
 
@@ -279,6 +280,11 @@ def _rope(x, positions, rotary_dim, theta, scaling):
         return fj.rope(x, positions, theta=theta, scaling=scaling)
     rotated = fj.rope(x[..., :rotary_dim], positions, theta=theta, scaling=scaling)
     return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+
+def _no_rope(x, positions, rotary_dim, theta, scaling):
+    """A NoPE layer's queries and keys: unrotated."""
+    return x
 
 
 class LlamaMLP(nnx.Module):

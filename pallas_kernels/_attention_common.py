@@ -131,13 +131,15 @@ def explicit_positions(q_positions, kv_lengths, *, batch, q_len, kv_len):
     return positions, lengths
 
 
-def explicit_reference(q, k, v, positions, lengths, *, scale, causal, sliding_window,
-                       logits_soft_cap):
+def explicit_reference(q, k, v, positions, lengths, sinks=None, *, scale, causal,
+                       sliding_window, logits_soft_cap, attention_chunk_size=None):
     """:func:`forge_jax.ops.attention.attention_reference` with explicit positions and
-    lengths, the operands of the flash kernels' forward functions."""
+    lengths (and the sinks, when given), the operands of the flash kernels' forward
+    functions."""
     return attention_reference(q, k, v, scale=scale, causal=causal, q_positions=positions,
                                kv_lengths=lengths, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap)
+                               logits_soft_cap=logits_soft_cap, sinks=sinks,
+                               attention_chunk_size=attention_chunk_size)
 
 
 def flash_attention_call(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,7 +147,9 @@ def flash_attention_call(forward: Callable[..., Any]) -> Callable[..., Any]:
     positions, lengths, *, scale, causal, sliding_window, logits_soft_cap, **knobs)``.
 
     Returns ``fn(q, k, v, *, scale, causal, q_positions, kv_lengths, sliding_window,
-    logits_soft_cap, **knobs)`` (the op's arguments, the kernel's launch knobs): the call
+    logits_soft_cap, sinks=None, attention_chunk_size=None, **knobs)`` (the op's arguments,
+    the kernel's launch knobs; ``forward`` takes float32 ``sinks`` as a sixth operand and
+    ``attention_chunk_size=`` only when they are given): the call
     with the contract's explicit positions and lengths (:func:`explicit_positions`), the
     window clamped to :data:`POS_LIMIT` and the default scale, differentiable in q, k, v
     through the XLA reference's VJP (:func:`explicit_reference`, which materialises the
@@ -153,28 +157,45 @@ def flash_attention_call(forward: Callable[..., Any]) -> Callable[..., Any]:
     every gradient itself).
     """
     differentiable = with_reference_vjp(forward, explicit_reference, static=(
-        "scale", "causal", "sliding_window", "logits_soft_cap"))
+        "scale", "causal", "sliding_window", "logits_soft_cap", "attention_chunk_size"))
 
     def call(q, k, v, *, scale, causal, q_positions, kv_lengths, sliding_window,
-             logits_soft_cap, **knobs):
+             logits_soft_cap, sinks=None, attention_chunk_size=None, **knobs):
         batch, q_len, _, head_dim = q.shape
         window = None if sliding_window is None else min(int(sliding_window), POS_LIMIT)
+        # Sinks (float32, an operand: differentiated) and the chunk size reach the forward
+        # function only when given, so that kernels that read neither keep their signature.
+        extra = () if sinks is None else (jnp.asarray(sinks).astype(jnp.float32),)
+        if attention_chunk_size is not None:
+            knobs["attention_chunk_size"] = min(int(attention_chunk_size), POS_LIMIT)
         with jax.named_scope("flash_attention"):
             positions, lengths = explicit_positions(q_positions, kv_lengths, batch=batch,
                                                     q_len=q_len, kv_len=k.shape[1])
             return differentiable(
-                q, k, v, positions, lengths,
+                q, k, v, positions, lengths, *extra,
                 scale=float(head_dim ** -0.5 if scale is None else scale), causal=causal,
                 sliding_window=window, logits_soft_cap=logits_soft_cap, **knobs)
 
     return call
 
 
-def merge_splits(o, m, l_sum):
+def merge_splits(o, m, l_sum, sinks=None):
     """Combines a split-K kernel's partial results ``o [..., splits, rows, head_dim]`` and
     ``m, l_sum [..., splits, rows]`` (unnormalised float32 output, running max and sum of
     each split) with logsumexp weights: ``[..., rows, head_dim]``, normalised. A row that
-    saw no key gets zeros; NaN propagates."""
+    saw no key gets zeros; NaN propagates.
+
+    ``sinks`` (float32 ``[..., rows]``, each row's head's sink logit) join as one more
+    split that saw a single key of logit ``sink`` and value zero: they weigh in the sum
+    only (the attention sinks of :mod:`forge_jax.ops.attention`)."""
+    if sinks is not None:
+        sink = jnp.where(jnp.isposinf(sinks), jnp.nan, sinks)[..., None, :]
+        o = jnp.concatenate([o, jnp.zeros(o.shape[:-3] + (1,) + o.shape[-2:], o.dtype)], -3)
+        m = jnp.concatenate([m, jnp.broadcast_to(sink, m.shape[:-2] + (1, m.shape[-1]))], -2)
+        # A row that saw no key keeps zeros (its sink's weight meets an empty sum).
+        seen = jnp.any(l_sum > 0, axis=-2, keepdims=True) | jnp.any(m != m, axis=-2,
+                                                                     keepdims=True)
+        l_sum = jnp.concatenate([l_sum, jnp.where(seen, 1.0, 0.0)], -2)
     m_max = m.max(axis=-2)
     m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     w = jnp.exp(m - jnp.expand_dims(m_safe, -2))  # [..., splits, rows]

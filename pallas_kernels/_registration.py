@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from forge_jax import registry
+from forge_jax.ops._attention_math import extras_reason
 
 # Above XLA (0) wherever a kernel is verified; below cuDNN's 20 on a GPU.
 PRIORITY = 10
@@ -89,6 +90,8 @@ def register(
     configs: registry.ConfigsFn | None = None,
     interpret_configs: registry.ConfigsFn | None = None,
     reads_folded: bool = False,
+    reads_sinks: bool = False,
+    reads_chunks: bool = False,
 ) -> tuple[registry.Implementation, registry.Implementation]:
     """Adds ``kernel`` as ``"pallas"`` on ``backend`` and ``"pallas_<backend>_interpret"``
     (any platform, by name); returns the two records.
@@ -111,10 +114,15 @@ def register(
       interpret_configs: a few for the interpreter.
       reads_folded: the kernel reads folded page pools (:mod:`forge_jax.ops.kv_fold`,
         passed as ``fold=``); without it, calls with a folded pool are refused.
+      reads_sinks, reads_chunks: the kernel reads the attention ops' ``sinks=`` and
+        ``attention_chunk_size=`` (present in the arguments only when given); without
+        them, calls that give them are refused.
     """
     spec = _backend(backend)
     if not reads_folded:
         supports = _refusing_folded(supports)
+    if not (reads_sinks and reads_chunks):
+        supports = _refusing_extras(supports, sinks=reads_sinks, chunks=reads_chunks)
     compiled = registry.Implementation(
         op=op, name=spec.name, fn=lambda **args: kernel(**args, interpret=False),
         supports=lambda args, platform: spec.platform_reason(platform) or supports(args),
@@ -135,6 +143,12 @@ def _refusing_folded(supports):
             return (f"k_pages is folded ({args['fold']} tokens per 128-lane row, "
                     "forge_jax.ops.kv_fold): this kernel reads unfolded pages")
         return supports(args)
+    return refusing
+
+
+def _refusing_extras(supports, *, sinks, chunks):
+    def refusing(args):
+        return extras_reason(args, sinks=sinks, chunks=chunks) or supports(args)
     return refusing
 
 

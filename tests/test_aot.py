@@ -131,6 +131,17 @@ GPU_CASES = {
     "attention phi2 f32": ("attention", _attention(256, (8, 8, shapes.PHI2_HEAD_DIM), F32),
                            dict(causal=True)),
     "attention llama f32": ("attention", _attention(256, LLAMA, F32), dict(causal=True)),
+    # Attention sinks and chunked attention: gpt-oss's heads (64 / 8 of 64) with its window
+    # of 128, Llama 4's (40 / 8 of 128) with chunks (8192 in the model, 64 here).
+    "attention gptoss sinks window bf16": (
+        "attention", _attention(256, (64, 8, 64), BF16),
+        dict(causal=True, sliding_window=128, sinks=S((64,), F32))),
+    "attention llama4 chunk bf16": ("attention", _attention(256, (40, 8, 128), BF16),
+                                    dict(causal=True, attention_chunk_size=64)),
+    "paged decode gptoss sinks window bf16": ("paged_attention", _paged(
+        BF16, 4, (64, 8), 64), dict(sliding_window=128, sinks=S((64,), F32))),
+    "paged chunk llama4 chunk bf16": ("paged_attention", _paged(
+        BF16, 2, (40, 8), 128, q_len=16), dict(attention_chunk_size=64)),
 }
 TPU_CASES = {
     **KERNEL_CASES,
@@ -168,6 +179,18 @@ TPU_CASES = {
                                _paged(BF16, 2, LLAMA[:2], LLAMA[2], q_len=16), {}),
     "ragged llama bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, LLAMA[:2], LLAMA[2]),
                           {}),
+    # Attention sinks and chunked attention at gpt-oss's and Llama 4's heads.
+    "attention gptoss sinks window bf16": GPU_CASES["attention gptoss sinks window bf16"],
+    "attention llama4 chunk bf16": GPU_CASES["attention llama4 chunk bf16"],
+    "ragged gptoss sinks window bf16": ("ragged_paged_attention", _ragged(
+        BF16, 32, 4, (64, 8), 64), dict(sliding_window=128, sinks=S((64,), F32))),
+    "ragged llama4 chunk bf16": ("ragged_paged_attention", _ragged(BF16, 32, 4, (40, 8), 128),
+                                 dict(attention_chunk_size=64)),
+    "paged decode gptoss sinks window bf16": GPU_CASES["paged decode gptoss sinks window bf16"],
+    "paged chunk llama4 chunk bf16": GPU_CASES["paged chunk llama4 chunk bf16"],
+    # A chunk that is not a power of two: the chunk start by a vector remainder.
+    "ragged llama4 chunk48 f32": ("ragged_paged_attention", _ragged(F32, 32, 4, (40, 8), 128),
+                                  dict(attention_chunk_size=48)),
     # Llama-3.2-1B's decode (32/8 heads of 64): pairs of heads folded into 128 lanes.
     "attention decode llama32 bf16": ("attention", (S((1, 1, 32, 64), BF16),
                                                     S((1, 1000, 8, 64), BF16),
@@ -209,6 +232,9 @@ TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n 
 # finding to fix; a case not named here must not spill.
 KNOWN_SPILLS = {
     ("h100", "paged decode llama f32"): 4096,
+    # The chunk's mask on 80 rows of head_dim 128 (255 registers): 240 bytes; the same call
+    # without the chunk spills nothing (forge_jax.aot, JAX 0.10.2, 2026-11-28).
+    ("h100", "paged chunk llama4 chunk bf16"): 240,
 }
 
 
@@ -349,6 +375,71 @@ def test_compiled_paged_decode_holds_no_copy_of_the_page_pool(tiny_config, targe
     # The cache is donated and updated in place: no temporary or copy near a pool's size.
     assert report.memory["temp"] < pool / 8, report
     assert all(c.bytes < pool / 8 for c in report.copies), report
+
+
+# The prefill of a 256-token prompt into a cache with room for 257 tokens a sequence, and
+# into one with room for 1280: what generate's prefill does must not grow with the cache.
+# (It did: the compiled prefill attended through the paged cache's whole capacity, and
+# copied an attention mask and the gathered pages per layer: 753 copies, 8.5 GiB, for the
+# SmolLM2 shape at batch 8 and 1024 tokens on tpu-v5e.)
+@pytest.mark.parametrize("target, head_dim", [
+    pytest.param("h100", 64, marks=GPU), pytest.param("tpu-v5e", 64, marks=TPU)])
+def test_compiled_prefill_holds_no_copy_that_grows_with_the_cache(tiny_config, target,
+                                                                  head_dim):
+    config = dataclasses.replace(tiny_config, head_dim=head_dim)
+    reports, pools = [], []
+    for new_tokens in (1, 1024):
+        with fj.targets.use(target), fj.use_implementation("pallas"):
+            prefill, _ = aot_steps.abstract_steps(config, batch=4, context=256, dtype=BF16,
+                                                  new_tokens=new_tokens)
+        assert prefill.statics["empty_cache"]  # the prefill generate runs
+        reports.append(_compile_step(prefill, target)[0])
+        pools.append(aot_steps.pool_bytes(prefill))
+    assert pools[1] >= 4 * pools[0]
+    small, large = (sorted((k, len(g)) for k, g in fj.aot.copy_kinds(r.copies).items())
+                    for r in reports)
+    assert small == large, reports[1]
+    assert reports[1].memory["temp"] - reports[0].memory["temp"] < (pools[1] - pools[0]) / 8
+
+
+def test_the_report_names_each_copy_and_counts_kernels_launched_in_a_scan():
+    from jax.experimental import pallas as pl
+
+    norm = "rms_norm/convert_element_type"
+    hlo = f"""HloModule jit_prefill_step
+ENTRY %main.1 (p: f32[8,576]) -> f32[8,576] {{
+  %copy.3 = f32[8,576]{{0,1}} copy(f32[8,576]{{1,0}} %p), metadata={{op_name=\
+"jit(prefill_step)/layer_3/{norm}" source_file="x.py"}}
+  %copy.4 = f32[8,576]{{0,1}} copy(f32[8,576]{{1,0}} %p), metadata={{op_name=\
+"jit(prefill_step)/layer_12/{norm};jit(prefill_step)/layer_12/{norm}"}}
+  ROOT %transpose.1 = bf16[4,2]{{1,0}} transpose(bf16[2,4]{{1,0}} %q), dimensions={{1,0}}
+}}
+"""
+    found = fj.aot.copies(hlo)
+    assert [(c.op, c.shape, c.bytes, c.source) for c in found] == [
+        ("copy", "f32[8,576]", 8 * 576 * 4, "layer_3/rms_norm/convert_element_type"),
+        ("copy", "f32[8,576]", 8 * 576 * 4, "layer_12/rms_norm/convert_element_type"),
+        ("transpose", "bf16[4,2]", 16, "")]
+    kinds = fj.aot.copy_kinds(found)
+    assert [(k, len(g)) for k, g in kinds.items()] == [
+        (("copy", "f32[8,576]", "layer_*/rms_norm/convert_element_type"), 2),
+        (("transpose", "bf16[4,2]", "(no source)"), 1)]
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    kernel = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct((8,), F32), interpret=True,
+                            name="double")
+
+    def layers(x):  # 3 layers unrolled, each scanning the kernel 5 times; one more outside
+        for _ in range(3):
+            x, _ = jax.lax.scan(lambda c, _: (kernel(c), None), x, None, length=5)
+        return kernel(x)
+
+    jaxpr = jax.make_jaxpr(layers)(jnp.ones((8,), F32))
+    assert sorted(n for _, n in fj.aot.kernel_launches(jaxpr)) == [1, 5, 5, 5]
+    rows = fj.aot._kernels(jaxpr, fj.targets.get("h100"))
+    assert [(k.name, k.calls) for k in rows] == [("double", 16)]
 
 
 @TPU

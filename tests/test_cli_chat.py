@@ -28,7 +28,7 @@ def test_chat_reads_stdin_and_keeps_the_conversation(capsys, monkeypatch, chat_c
                                                      chat_model, chat_tokenizer):
     turns = ["Hello there!", "Tell me a story about a robot.", "/reset", "", "Hello there!"]
     rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(chat_checkpoint),
-                       "--max-new-tokens", "8", "--system", "Be brief.",
+                       "--max-new-tokens", "8", "--system", "Be brief.", "--temperature", "0",
                        stdin="\n".join(turns) + "\n")
     assert rc == 0, err
     session = ChatSession(chat_model, chat_tokenizer,

@@ -65,7 +65,9 @@ def chat(capsys, monkeypatch, *argv, stdin, stdout=None):
     if stdout is not None:
         monkeypatch.setattr("sys.stdout", stdout)
     try:
-        rc = cli.main(["chat", *argv])
+        # Greedy (the checkpoint's generation_config.json sets no do_sample, so chat would
+        # sample): the replies are compared with a greedy session's.
+        rc = cli.main(["chat", "--temperature", "0", *argv])
     except KeyboardInterrupt:  # not pytest's to handle: it would end the whole run
         pytest.fail("Ctrl-C escaped forge-jax chat as KeyboardInterrupt")
     out, err = capsys.readouterr()
@@ -218,3 +220,37 @@ def test_readline_history_on_a_terminal(chat_checkpoint):
             proc.kill()
         os.close(master)
     assert b"Traceback" not in screen, screen
+
+
+# A chat whose model load never ends on its own (a large checkpoint): it says when the load
+# has started, then waits.
+_SLOW_LOAD = """
+import sys, time
+from forge_jax import cli
+from forge_jax.models import llama
+
+def slow_load(*args, **kwargs):
+    print("loading", flush=True)
+    time.sleep(120)
+
+llama.from_pretrained = slow_load
+sys.exit(cli.main(["chat", "--checkpoint", sys.argv[1]]))
+"""
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_code_130(tmp_path):
+    checkpoint = write_checkpoint(tmp_path / "chat")
+    child = subprocess.Popen([sys.executable, "-c", _SLOW_LOAD, str(checkpoint)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        assert child.stdout.readline().strip() == "loading"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert [line for line in err.splitlines() if line.strip()][-1] == \
+        "forge-jax chat: interrupted"

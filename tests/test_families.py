@@ -215,8 +215,11 @@ REFUSALS = {
     "gemma2": ("use_bidirectional_attention", True),
     "gemma3_text": ("use_bidirectional_attention", True),
     "mistral": ("layer_types", ["full_attention", "sliding_attention"]),
-    "qwen3": ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-    "phi3": ("rope_scaling", {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+    # yarn and longrope are read (tests/test_families_recent.py); a key of another kind,
+    # or a missing one, is refused.
+    "qwen3": ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                  "low_freq_factor": 1.0}),
+    "phi3": ("rope_scaling", {"type": "longrope", "short_factor": [1.0] * 8}),
     "qwen2": ("partial_rotary_factor", 0.5),
 }
 

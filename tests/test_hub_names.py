@@ -176,3 +176,23 @@ def test_hf_hub_offline_from_the_environment(hub_cache, tmp_path):
     snapshot = hub_cache / "models--TestOrg--Tiny-Chat" / "snapshots" / V1
     assert int(out.stdout.split()[-1]) == json.loads(
         (snapshot / "config.json").read_text())["vocab_size"]
+
+
+def test_a_home_relative_path_is_expanded_for_a_directory_and_a_gguf_file(
+        tmp_path, monkeypatch):
+    from cases import gguf_files
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    directory = write_checkpoint(tmp_path / "models" / "chat")
+    weights = gguf_files.random_llama(1)
+    gguf_files.write(tmp_path / "models" / "tiny.gguf", weights, {})
+    model = llama.from_pretrained("~/models/chat")
+    np.testing.assert_array_equal(_weights(model), _weights(llama.from_pretrained(directory)))
+    assert llama.load_config(pathlib.Path("~/models/chat")) == model.config
+    assert text.load_tokenizer("~/models/chat").backend.get_vocab_size() == \
+        model.config.vocab_size
+    gguf = llama.from_pretrained("~/models/tiny.gguf")
+    assert gguf.config == llama.load_config(tmp_path / "models" / "tiny.gguf")
+    np.testing.assert_array_equal(np.asarray(gguf.embed_tokens[...]),
+                                  weights["model.embed_tokens.weight"])
+    assert llama.load_config("~/models/tiny.gguf").num_hidden_layers == 2

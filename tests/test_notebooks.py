@@ -75,6 +75,15 @@ def test_stored_notebook_has_the_outputs_of_a_run(name):
             f"{name}: no plot stored")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_stored_notebook_holds_no_development_path_and_current_commands(name):
+    text = (NOTEBOOKS / name).read_text()
+    # A reader's clone is not the machine that ran it: no worktree or home path stored.
+    assert not re.findall(r"/work/|/wt-\w+|/root/|/home/\w+", text), name
+    # huggingface_hub 1.x ships `hf`; `huggingface-cli` is gone.
+    assert "huggingface-cli" not in text, name
+
+
 def test_notebooks_download_nothing_outside_the_install_cell():
     for name in NAMES:
         nb = _read(name)

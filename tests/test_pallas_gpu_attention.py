@@ -76,7 +76,37 @@ CASES = {
                             poison=True, seed=5),
 }
 
+# Attention sinks (gpt-oss: 64 query / 8 KV heads of 64, a window on alternate layers) and
+# chunked attention (Llama 4: 40 / 8 heads of 128, chunks of 8192 scaled down to 16), NaN /
+# inf in every slot no query sees, outside the chunk included.
+GPT_OSS, LLAMA4 = (64, 8, 64), (40, 8, 128)
+
+
+def _sinks(q_heads, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(1.0, 2.0, q_heads), jnp.float32)
+
+
+CASES |= {
+    "gptoss-sinks-window-nan_unseen": AttentionCase(
+        (1, 6, 40, *GPT_OSS), BF16, dict(sliding_window=12, sinks=_sinks(64, 1)),
+        poison=True, seed=12),
+    "llama4-chunk-nan_unseen": AttentionCase(
+        (1, 5, 57, *LLAMA4), BF16, dict(attention_chunk_size=16, kv_lengths=np.array([53])),
+        poison=True, seed=13),
+    "everything-sinks-chunk-nan_unseen": AttentionCase(
+        (2, 11, 150, 6, 2, 80), F32, dict(MASKS["everything"], attention_chunk_size=32,
+                                         sinks=_sinks(6, 2)), poison=True, seed=14),
+    "non_causal-chunk-sinks": AttentionCase(
+        (2, 11, 150, 6, 2, 64), F32, dict(causal=False, attention_chunk_size=16,
+                                         sinks=_sinks(6, 3),
+                                         q_positions=MASKS["q_positions"]["q_positions"]),
+        seed=15),
+}
+
 NONFINITE_CASES = {
+    "chunk_sinks": AttentionCase((2, 5, 24, 6, 2, 64), F32,
+                                 dict(kv_lengths=np.array([24, 13]), attention_chunk_size=8,
+                                      sinks=_sinks(6, 4)), seed=6),
     "causal": AttentionCase((2, 5, 24, 6, 2, 64), F32, dict(kv_lengths=np.array([24, 13])),
                             seed=6),
     "window": AttentionCase((2, 5, 24, 6, 2, 64), BF16,
@@ -84,6 +114,9 @@ NONFINITE_CASES = {
 }
 
 GRADIENT_CASES = {
+    "sinks_chunk": AttentionCase((2, 3, 30, 6, 2, 80), F32, poison=True, seed=11,
+                                 masking=dict(kv_lengths=np.array([30, 12]),
+                                              attention_chunk_size=8, sinks=_sinks(6, 5))),
     "lengths_positions": AttentionCase(
         (2, 3, 30, 6, 2, 80), F32, poison=True, seed=11,
         masking=dict(kv_lengths=np.array([30, 12]),
@@ -158,6 +191,21 @@ def test_supported_cases_lower_for_cuda(dtype, head_dim):
             q, k, v, kv_lengths=lengths, q_positions=pos, sliding_window=7,
             logits_soft_cap=5.0),
         *args.values(), S((2,), jnp.int32), S((2, 5), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("kw", [dict(sliding_window=128), dict(attention_chunk_size=64),
+                                dict(causal=False, attention_chunk_size=64)],
+                         ids=["gptoss_window", "llama4_chunk", "non_causal_chunk"])
+def test_sinks_and_chunks_lower_for_cuda(kw):
+    heads = GPT_OSS if "sliding_window" in kw else LLAMA4
+    q, kv = S((1, 48, heads[0], heads[2]), BF16), S((1, 300, heads[1], heads[2]), BF16)
+    sinks = S((heads[0],), F32)
+    args = dict(q=q, k=kv, v=kv, sinks=sinks, **kw)
+    assert fj.dispatch.registry.registrations("attention")  # (registered on import)
+    assert flash.supports(args) is None
+    exported = _compat.export_for_cuda(
+        lambda q, k, v, s: flash.flash_attention(q, k, v, sinks=s, **kw), q, kv, kv, sinks)
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
 
 

@@ -137,6 +137,8 @@ def test_quantized_supports_and_refusals():
     assert "[groups, n, k]" in kernel.supports(dict(x=x, w=q8, trans_w=False))
     fp8 = fj.quantize(jnp.ones((4, 128, 256)), "fp8")
     assert "compute capability >= 8.9" in kernel.supports(dict(x=x, w=fp8, trans_w=True))
+    mxfp4 = fj.quantize(jnp.ones((4, 128, 256)), "mxfp4")
+    assert "not FP4 E2M1 codes" in kernel.supports(dict(x=x, w=mxfp4, trans_w=True))
     assert "trans_w=True with a float w" in kernel.supports(
         dict(x=x, w=S((4, 128, 256), jnp.bfloat16), trans_w=True))
 

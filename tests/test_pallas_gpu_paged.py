@@ -53,7 +53,18 @@ CASES = {
     "mqa-f32-16_tokens": PagedCase(8, 1, 64, 8, 16, F32, (16, 33, 90)),
 }
 
+# Sinks and chunks at gpt-oss's (64 / 8 heads of 64) and Llama 4's (40 / 8 of 128) heads;
+# every slot outside a query's chunk holds NaN / inf.
+CASES |= {
+    "gptoss-bf16-decode-sinks-window": PagedCase(64, 8, 64, 16, None, BF16, (5, 40, 150),
+                                                 window=24, sinks=True),
+    "llama4-bf16-decode-chunk": PagedCase(40, 8, 128, 16, None, BF16, (0, 40, 150), chunk=32),
+    "llama4-f32-prefill-chunk-sinks-cap": PagedCase(40, 8, 128, 16, 5, F32, (37, 9, 50),
+                                                    chunk=16, sinks=True, cap=5.0),
+}
+
 NONFINITE_CASES = {
+    "chunk-sinks-f32": PagedCase(4, 2, 64, 16, 3, F32, (30, 9, 18), chunk=8, sinks=True),
     # Three queries over two splits of four 16-slot pages, float32.
     "causal-f32": PagedCase(4, 2, 64, 16, 3, F32, (70, 21, 3)),
     # The window hides early keys from later queries; a bfloat16 cache.

@@ -104,6 +104,7 @@ def _args(a, q, **kw):
     (jnp.bfloat16, "int8", {}, 96, 128, True, "N=96 is not a multiple of 64"),
     (jnp.bfloat16, "int8", {}, 64, 96, True, "K=96 is not a multiple of 64"),
     (jnp.bfloat16, "int8", {"activations": "int8"}, 64, 128, True, "(W8A8)"),
+    (jnp.bfloat16, "mxfp4", {}, 64, 128, True, "not FP4 E2M1 codes"),
 ])
 def test_supports_rejects_with_the_reason(a_dtype, fmt, kw, n, k, trans_b, reason):
     q = fj.quantize(jnp.ones((n, k), jnp.float32), fmt, **kw)

@@ -67,7 +67,37 @@ CASES = {
         masking=dict(kv_lengths=np.array([140, 33]), logits_soft_cap=5.0)),
 }
 
+# Attention sinks (gpt-oss: 64 query / 8 KV heads of 64, pairs folded into 128 lanes, a
+# window on alternate layers) and chunked attention (Llama 4: 40 / 8 heads of 128, chunks of
+# 8192 scaled down to 64), NaN / inf in every slot no query sees, outside the chunk included.
+GPT_OSS, LLAMA4 = (64, 8, 64), (40, 8, 128)
+
+
+def _sinks(q_heads, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(1.0, 2.0, q_heads), jnp.float32)
+
+
+CASES |= {
+    "gptoss-bf16-sinks-window": AttentionCase(
+        (1, 16, 140, *GPT_OSS), BF16, poison=True, seed=12,
+        masking=dict(sliding_window=40, sinks=_sinks(64, 1))),
+    "llama4-bf16-chunk": AttentionCase(
+        (1, 16, 300, *LLAMA4), BF16, poison=True, seed=13,
+        masking=dict(attention_chunk_size=64, kv_lengths=np.array([290]))),
+    "gqa-f32-everything-sinks-chunk": AttentionCase(
+        (2, 40, 300, 4, 2, 128), F32, poison=True, seed=14,
+        masking=dict(kv_lengths=np.array([300, 170]), sliding_window=100, logits_soft_cap=5.0,
+                     attention_chunk_size=64, sinks=_sinks(4, 2))),
+    "mha-f32-non_causal-chunk-sinks": AttentionCase(
+        (2, 24, 200, 2, 2, 128), F32, seed=15,
+        masking=dict(causal=False, attention_chunk_size=64, sinks=_sinks(2, 3),
+                     q_positions=_explicit_positions(2, 2, 24, 200))),
+}
+
 NONFINITE_CASES = {
+    "chunk-sinks": AttentionCase(
+        (2, 5, 140, 4, 2, 128), F32, dict(kv_lengths=np.array([131, 9]), attention_chunk_size=8,
+                                          sinks=_sinks(4, 4)), poison=True, seed=7),
     # Chunked prefill, causal with a window across the kv block boundary (key 128): NaN/inf
     # also in every slot no query sees; the same NaNs as XLA's.
     "window-across-blocks": AttentionCase(
@@ -76,6 +106,10 @@ NONFINITE_CASES = {
 }
 
 GRADIENT_CASES = {
+    "sinks-chunk": AttentionCase(
+        (2, 16, 130, 4, 2, 128), F32, poison=True, seed=5, grad_xla_factor=0.2,
+        masking=dict(kv_lengths=np.array([130, 50]), attention_chunk_size=32,
+                     sinks=_sinks(4, 5))),
     # Gradients equal to the XLA VJP's within 1e-5.
     "lengths-window-cap": AttentionCase(
         (2, 16, 130, 4, 2, 128), F32, poison=True, seed=5, grad_xla_factor=0.2,

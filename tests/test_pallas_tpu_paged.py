@@ -50,7 +50,18 @@ CASES = {
                                                  q_dtype=F32, window=9),
 }
 
+# Sinks and chunks at gpt-oss's (64 / 8 heads of 64) and Llama 4's (40 / 8 of 128) heads;
+# every slot outside a query's chunk holds NaN / inf.
+CASES |= {
+    "gptoss-bf16-decode-sinks-window": PagedCase(64, 8, 64, 16, None, BF16, (5, 40, 64),
+                                                 window=24, sinks=True),
+    "llama4-bf16-decode-chunk": PagedCase(40, 8, 128, 16, None, BF16, (5, 40, 64), chunk=16),
+    "llama4-f32-prefill-chunk-sinks-cap": PagedCase(40, 8, 128, 16, 5, F32, (37, 9, 50),
+                                                    chunk=16, sinks=True, cap=5.0),
+}
+
 NONFINITE_CASES = {
+    "chunk-sinks-f32": PagedCase(4, 2, 128, 16, 3, F32, (30, 9, 18), chunk=8, sinks=True),
     # Three new tokens with a window.
     "window-f32": PagedCase(4, 2, 128, 16, 3, F32, (30, 9, 2), window=5),
 }

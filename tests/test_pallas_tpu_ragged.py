@@ -43,6 +43,10 @@ def _fresh_interpreter():
     _compat.reset_tpu_interpreter()
 
 
+def _sinks(q_heads, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(1.0, 2.0, q_heads), jnp.float32)
+
+
 class TestRaggedPagedAttentionPallasTpu(PallasTpu, RaggedPagedAttentionCases):
     IMPLEMENTATION = "pallas"
     INTERPRET = False
@@ -57,6 +61,14 @@ class TestRaggedPagedAttentionPallasTpu(PallasTpu, RaggedPagedAttentionCases):
                                            dict(logits_soft_cap=2.0)),
         "mixed-mha-f32-window-cap": ("mixed", "mha", jnp.float32, None, 8,
                                      dict(sliding_window=5, logits_soft_cap=3.0)),
+        # Sinks and chunks at gpt-oss's (64 / 8) and Llama 4's (40 / 8) heads; chunks of a
+        # power of two (a mask) and not (a vector remainder); NaN outside every chunk.
+        "mixed-gptoss-bf16-sinks-window": ("mixed", "gptoss", jnp.bfloat16, None, 16, dict(
+            sliding_window=8, sinks=_sinks(64, 1))),
+        "chunked_prefill-llama4-bf16-chunk": ("chunked_prefill", "llama4", jnp.bfloat16, None,
+                                              16, dict(attention_chunk_size=8)),
+        "mixed-gqa-f32-chunk12-sinks-cap": ("mixed", "gqa", jnp.float32, None, 8, dict(
+            attention_chunk_size=12, logits_soft_cap=3.0, sinks=_sinks(8, 2))),
     }
 
     def test_small_blocks_many_kv_steps_and_query_blocks(self):
@@ -124,6 +136,18 @@ def test_accepted_cases_lower_for_tpu(specs, masking):
     assert kernel_module.supports(specs) is None
     exported = _export(specs, **masking)
     assert exported.platforms == ("tpu",)
+    assert "forge_jax_tpu_ragged_paged_attention" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("chunk", [64, 48], ids=["chunk64", "chunk48"])
+def test_sinks_and_chunks_lower_for_tpu(chunk):
+    specs = _specs(dtype=jnp.bfloat16, page_size=16, q_heads=40, kv_heads=8)
+    sinks = jax.ShapeDtypeStruct((40,), jnp.float32)
+    assert kernel_module.supports(specs | dict(sinks=sinks, attention_chunk_size=chunk)) is None
+    exported = _compat.export_for_tpu(
+        lambda *a: kernel_module.ragged_paged_attention(*a[:-1], sinks=a[-1],
+                                                        attention_chunk_size=chunk),
+        *specs.values(), sinks)
     assert "forge_jax_tpu_ragged_paged_attention" in exported.mlir_module()
 
 

@@ -208,3 +208,134 @@ def test_the_cli_refuses_bad_flags_before_loading(capsys, tmp_path, no_model_loa
     result = run(capsys, "export", "--out", str(tmp_path / "out"), *argv)
     assert_one_line_error(result, *fragments, prog="forge-jax export")
     assert not pathlib.Path(tmp_path / "out").exists()
+
+
+# Three prompts of the test tokenizer's corpus (any text encodes; the models are random).
+TEXT_PROMPTS = ("The quick brown fox", "Hello there! How are", "tell me a story about")
+
+
+def _live_text(model, tokenizer, prompt):
+    from forge_jax.generation import SamplingParams
+    from forge_jax.text import api as text
+
+    return text.generate_text(model, tokenizer, prompt, max_new_tokens=NEW,
+                              sampling=SamplingParams(), cache=fj.kv_cache.CacheSpec(
+                                  kind="contiguous"))
+
+
+def _without_bos(directory: pathlib.Path) -> pathlib.Path:
+    """The checkpoint's tokenizer.json without its post-processor: it adds no BOS."""
+    file = directory / "tokenizer.json"
+    spec = json.loads(file.read_text())
+    spec["post_processor"] = None
+    file.write_text(json.dumps(spec))
+    return directory
+
+
+@pytest.mark.parametrize("adds_bos", [True, False], ids=["bos", "no-bos"])
+def test_the_programs_text_is_the_live_models_whether_the_tokenizer_adds_bos_or_not(
+        tmp_path, adds_bos):
+    from cases import chat_checkpoint
+
+    from forge_jax.text import api as text
+
+    directory = chat_checkpoint.write_checkpoint(tmp_path / "ckpt")
+    if not adds_bos:
+        _without_bos(directory)
+    model, tokenizer = llama.from_pretrained(directory), text.load_tokenizer(directory)
+    bos = model.config.bos_token_id
+    assert all((tokenizer.encode(p)[0] == bos) == adds_bos for p in TEXT_PROMPTS)
+    out = export_lib.export(model, tmp_path / "program", context=32, prompt_length=16,
+                            tokenizer=directory / "tokenizer.json")
+    program = programs.load(out)
+    live = [_live_text(model, tokenizer, p) for p in TEXT_PROMPTS]
+    assert [program.generate_text(p, NEW) for p in TEXT_PROMPTS] == live
+    if not adds_bos:  # a BOS prepended would change the answer: the test tells them apart
+        with_bos = [tokenizer.decode(generation.generate(
+            model, [[bos] + tokenizer.encode(p)], NEW, eos_token_id=())[0][:NEW])
+            for p in TEXT_PROMPTS]
+        assert with_bos != [tokenizer.decode(generation.generate(
+            model, [tokenizer.encode(p)], NEW, eos_token_id=())[0][:NEW])
+            for p in TEXT_PROMPTS]
+
+
+def _chat_gguf(path: pathlib.Path, add_bos: bool | None = None) -> pathlib.Path:
+    """A random GGUF Llama whose tokenizer (byte-level BPE, as SmolLM2's) adds no BOS (or,
+    with ``add_bos``, its ``tokenizer.ggml.add_bos_token``, as Llama 3's sets it)."""
+    from cases import chat_checkpoint, gguf_files
+
+    spec = json.loads(chat_checkpoint.build_tokenizer().to_str())["model"]
+    tokens = sorted(spec["vocab"], key=spec["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["merges"]]
+    config = dict(gguf_files.CONFIG, vocab_size=len(tokens), bos_token_id=tokens.index("<s>"),
+                  eos_token_id=tokens.index("<|im_end|>"))
+    gguf_files.write(path, gguf_files.random_llama(5, config), {"attn_q": "Q8_0"},
+                     config=config, tokenizer=dict(
+                         tokens=tokens, merges=merges,
+                         types=[3 if t in chat_checkpoint.SPECIALS else 1 for t in tokens],
+                         **({} if add_bos is None else {"add_bos_token": add_bos})))
+    return path
+
+
+@pytest.mark.parametrize("add_bos", [None, False, True])
+def test_a_gguf_bpe_tokenizer_adds_a_bos_exactly_when_its_metadata_says(tmp_path, add_bos):
+    from forge_jax.text import api as text
+
+    tokenizer = text.load_tokenizer(_chat_gguf(tmp_path / "model.gguf", add_bos))
+    bos = tokenizer.backend.token_to_id("<s>")
+    plain = tokenizer.encode("Hello there", add_special_tokens=False)
+    assert tokenizer.encode("Hello there") == ([bos] if add_bos else []) + plain
+
+
+def test_a_gguf_file_exports_with_its_own_tokenizer_in_a_fresh_process(tmp_path):
+    import os
+
+    from forge_jax.text import api as text
+
+    file = _chat_gguf(tmp_path / "model.gguf")
+    out = tmp_path / "program"
+    result = subprocess.run(
+        [sys.executable, "-m", "forge_jax.cli", "export", "--checkpoint", str(file),
+         "--out", str(out), "--context", "32"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "program"]
+    program = programs.load(out)
+    assert program.manifest["tokenizer"] == programs.TOKENIZER
+    model, tokenizer = llama.from_pretrained(file), text.load_tokenizer(file)
+    live = [_live_text(model, tokenizer, p) for p in TEXT_PROMPTS]
+    assert [program.generate_text(p, NEW) for p in TEXT_PROMPTS] == live
+
+
+def test_a_failed_export_leaves_nothing_and_a_partial_one_is_refused_in_one_line(
+        model, tmp_path, monkeypatch):
+    def disk_full(out, named_weights):
+        (out / programs.WEIGHTS).write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_lib, "_save_weights", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_lib.export(model, tmp_path / "program", context=16)
+    assert list(tmp_path.iterdir()) == []
+    # An earlier export survives a failed one over it.
+    monkeypatch.undo()
+    export_lib.export(model, tmp_path / "program", context=16)
+    monkeypatch.setattr(export_lib, "_save_weights", disk_full)
+    with pytest.raises(OSError):
+        export_lib.export(model, tmp_path / "program", context=16, batch=2)
+    assert [p.name for p in tmp_path.iterdir()] == ["program"]
+    assert programs.load(tmp_path / "program").batch == 1
+    # A directory an interrupted export (of another version, or a copy) left half-written.
+    partial = tmp_path / "partial"
+    shutil.copytree(tmp_path / "program", partial)
+    (partial / programs.MANIFEST).unlink()
+    with pytest.raises(programs.ProgramError) as e:
+        programs.load(partial)
+    assert "partial export" in str(e.value) and "\n" not in str(e.value)
+    assert "decode.jax_exported" in str(e.value)
+    # ... and export refuses to write into a directory that is not a program.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not an exported program"):
+        export_lib.export(model, tmp_path / "other", context=16)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"

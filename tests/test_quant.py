@@ -79,7 +79,7 @@ def test_matmul_matches_float64(fmt, kw, m):
     q = fj.quantize(w, fmt, **kw)
     x = normal(rng(5, m), (m, w.shape[1]), jnp.float32)
     want = np.asarray(x, np.float64) @ qref.dequantize(q).T
-    got = jax.jit(lambda x, q: fj.matmul(x, q, trans_b=True))(x, q)
+    got = jax.jit(lambda x, q: fj.matmul(x, q, trans_b=True, implementation="xla"))(x, q)
     assert got.shape == (m, w.shape[0]) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-4)
     assert fj.dispatch.last_selection("quantized_matmul").implementation == "xla"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from cases.chat_checkpoint import write_checkpoint
 
 from forge_jax import cli
 from forge_jax.generation import SamplingParams
@@ -67,9 +68,11 @@ def test_generate_command_samples_with_top_p_and_says_so(capsys, monkeypatch, ch
             "0 for greedy), top-p 0.9, seed 1") in out, out
 
 
-def test_chat_command_samples_with_top_k_and_says_so(capsys, monkeypatch, chat_checkpoint,
+def test_chat_command_samples_with_top_k_and_says_so(capsys, monkeypatch, tmp_path,
                                                      chat_model, chat_tokenizer):
-    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(chat_checkpoint),
+    # generation_config.json says greedy: a filter given still samples, at temperature 1.
+    checkpoint = write_checkpoint(tmp_path / "greedy", generation_config={"do_sample": False})
+    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(checkpoint),
                        "--max-new-tokens", "8", "--top-k", "40", "--seed", "3", "--no-stats",
                        stdin="Hello there!\n")
     assert rc == 0, err
@@ -77,6 +80,31 @@ def test_chat_command_samples_with_top_k_and_says_so(capsys, monkeypatch, chat_c
                           sampling=SamplingParams(temperature=1.0, top_k=40, seed=3))
     assert out == session.send("Hello there!") + "\n"
     assert "sampling at temperature 1 (--top-k without --temperature" in err, err
+
+
+@pytest.mark.parametrize("generation_config, sampling, says", [
+    # None of do_sample: chat samples, with llama.cpp's defaults (a small instruct model
+    # decoded greedily repeats itself).
+    (None, SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=0),
+     "sampling at temperature 0.8 (chat's default where generation_config.json sets no "
+     "do_sample; --temperature 0 for greedy), top-k 40, top-p 0.95, min-p 0.05, seed 0"),
+    ({"temperature": 0.2, "top_p": 0.9},
+     SamplingParams(temperature=0.2, top_k=40, top_p=0.9, min_p=0.05, seed=0),
+     "sampling at temperature 0.2 (chat's default"),
+    ({"do_sample": True, "temperature": 0.6},
+     SamplingParams(temperature=0.6, seed=0), "(generation_config.json's do_sample)"),
+    ({"do_sample": False}, SamplingParams(), " tokens; greedy. "),
+])
+def test_chat_samples_as_the_generation_config_says_greedy_only_when_it_says_so(
+        capsys, monkeypatch, tmp_path, chat_model, chat_tokenizer, generation_config,
+        sampling, says):
+    checkpoint = write_checkpoint(tmp_path / "ckpt", generation_config=generation_config)
+    rc, out, err = run(capsys, monkeypatch, "chat", "--checkpoint", str(checkpoint),
+                       "--max-new-tokens", "8", "--no-stats", stdin="Hello there!\n")
+    assert rc == 0, err
+    session = ChatSession(chat_model, chat_tokenizer, max_new_tokens=8, sampling=sampling)
+    assert out == session.send("Hello there!") + "\n"
+    assert says in err, err
 
 
 def test_task_run_says_how_it_decoded(capsys, monkeypatch):

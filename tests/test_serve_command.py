@@ -94,15 +94,7 @@ def test_sigterm_during_8_long_streams(chat_checkpoint):
             assert event.wait(120)
         proc.send_signal(signal.SIGTERM)
         signalled = True
-        time.sleep(0.3)
-        # Draining: the server still answers, in OpenAI's shape, that it is shutting down.
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", data=b'{"prompt": "Hi"}',
-            headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=30)
-        assert refused.value.code == 503
-        assert json.loads(refused.value.read())["error"]["code"] == "shutting_down"
+        refused = _probe(port)  # while it drains (the next test checks it without a race)
         for t in threads:
             t.join(120)
     finally:
@@ -120,12 +112,38 @@ def test_sigterm_during_8_long_streams(chat_checkpoint):
     cancelled = sum(r["finish"] == "cancelled" for r in results)
     assert f"shut down: {finished} requests in flight finished, {cancelled} cancelled" in err, err
     assert "8 running and 0 waiting get up to 2 s" in err, err
+    assert refused in (503, None), refused
 
 
-def test_a_drain_past_its_timeout_cancels_every_stream_with_a_final_chunk(
-        chat_model, chat_tokenizer, caplog):
+def _probe(port: int) -> int | None:
+    """A new request's status while the server drains: 503 in OpenAI's shape (None: the
+    server had already finished draining and closed)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=b'{"prompt": "Hi"}',
+        headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=30)
+    except urllib.error.HTTPError as e:
+        assert json.loads(e.read())["error"]["code"] == "shutting_down"
+        return e.code
+    except (urllib.error.URLError, ConnectionError):
+        return None
+    return 200
+
+
+def test_a_second_signal_cancels_every_stream_with_a_final_chunk(
+        chat_model, chat_tokenizer, caplog, monkeypatch):
+    from forge_jax.serving import batch_step
+
+    step = batch_step.ragged_step
+
+    def slow_step(*args, **kwargs):  # 100 tokens take 5 s at least: the drain lasts
+        time.sleep(0.05)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(batch_step, "ragged_step", slow_step)
     server, engine = cases.serve(chat_model, chat_tokenizer,
-                                 server=dict(shutdown_timeout=0.0))
+                                 server=dict(shutdown_timeout=600.0))
     port = int(server.url.rsplit(":", 1)[1])
     results = [{} for _ in range(4)]
     firsts = [threading.Event() for _ in range(4)]
@@ -137,7 +155,17 @@ def test_a_drain_past_its_timeout_cancels_every_stream_with_a_final_chunk(
             t.start()
         for event in firsts:
             assert event.wait(120)
-        server.server.handle_exit(signal.SIGTERM, None)  # what the signal calls
+        server.server.handle_exit(signal.SIGTERM, None)  # what the signal calls: drain
+        deadline = time.monotonic() + 30
+        while not server.server.asgi_app.state.stopping:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _probe(port) == 503  # new requests are refused in OpenAI's shape
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{server.url}/health", timeout=30)
+        assert json.loads(health.value.read()) == {"status": "shutting down"}
+        assert all(not r.get("done") for r in results)  # nothing ended yet
+        server.server.handle_exit(signal.SIGINT, None)  # and again: cancel the rest now
         for t in threads:
             t.join(120)
         server.thread.join(60)

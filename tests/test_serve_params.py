@@ -8,7 +8,9 @@ chat template raising on the messages) are 4xx while the server keeps serving.""
 
 from __future__ import annotations
 
+import copy
 import json
+import threading
 import urllib.error
 import urllib.request
 
@@ -22,16 +24,18 @@ pytest.importorskip("uvicorn")
 
 
 class CountingTokenizer:
-    """The checkpoint's tokenizer, counting the texts it encodes."""
+    """The checkpoint's tokenizer, counting the texts it encodes and naming the threads that
+    encode them."""
 
     def __init__(self, tokenizer):
-        self.inner, self.encoded = tokenizer, 0
+        self.inner, self.encoded, self.threads = tokenizer, 0, set()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def encode(self, text, **kwargs):
         self.encoded += 1
+        self.threads.add(threading.current_thread().name)
         return self.inner.encode(text, **kwargs)
 
 
@@ -180,7 +184,7 @@ def test_defaults_of_unserved_parameters_are_accepted(live):
     body = dict(CHAT, frequency_penalty=0, presence_penalty=0.0, logit_bias={}, logprobs=False,
                 response_format={"type": "text"}, tool_choice="none", store=False,
                 user="u", metadata={"k": "v"}, service_tier="auto", parallel_tool_calls=True,
-                modalities=["text"], temperature=0, stop=None, seed=None)
+                modalities=["text"], temperature=0, stop=[], seed=None)
     code, answer, _ = post(server, "chat/completions", body)
     assert code == 200, answer
     body = dict(TEXT, echo=False, suffix="", logprobs=None, best_of=1, temperature=0)
@@ -256,7 +260,8 @@ RELIABILITY = [
 ]
 
 
-@pytest.mark.parametrize("route, body, status, fragment", RELIABILITY)
+@pytest.mark.parametrize("route, body, status, fragment", RELIABILITY,
+                         ids=[case[3].split()[0] + f"-{i}" for i, case in enumerate(RELIABILITY)])
 def test_client_inputs_are_4xx_in_openai_shape(live, route, body, status, fragment):
     server, engine, _ = live
     code, answer, _ = post(server, route, body)
@@ -297,3 +302,30 @@ def test_429_says_when_to_retry(live):
         engine.max_waiting = 1024
     assert_error(answer, 429, code, "max_waiting")
     assert headers["Retry-After"] == "1"
+
+
+def test_text_is_tokenized_off_the_event_loop(live):
+    server, _, tokenizer = live
+    tokenizer.threads.clear()
+    for route, body in (("completions", TEXT), ("chat/completions", CHAT)):
+        code, answer, _ = post(server, route, body)
+        assert code == 200, answer
+    assert tokenizer.threads and all(name.startswith("forge-jax-tokenize")
+                                     for name in tokenizer.threads), tokenizer.threads
+
+
+def test_a_chat_template_raising_at_render_time_is_a_400(chat_model, chat_tokenizer):
+    from forge_jax.serving import http as serving_http
+
+    broken = copy.copy(chat_tokenizer)  # adds a number to the text: Jinja raises TypeError
+    broken.chat_template = "{% for m in messages %}{{ m.content + 1 }}{% endfor %}"
+    engine = cases.engine(chat_model, broken)
+    server = cases.LiveServer(serving_http.create_app(engine, model_name=cases.MODEL,
+                                                      tokenizer=broken))
+    try:
+        code, answer, _ = post(server, "chat/completions", CHAT)
+        assert_error(answer, 400, code, "cannot be rendered", "TypeError", param="messages")
+        code, answer, _ = post(server, "completions", dict(TEXT, temperature=0))
+        assert code == 200, answer
+    finally:
+        server.stop()

@@ -226,7 +226,7 @@ def test_a_client_that_leaves_mid_stream_is_one_log_line(live, caplog):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
     cancelled = engine.stats.finished["cancelled"]
     with caplog.at_level(logging.INFO):
-        stream = client.completions.create(model=cases.MODEL, prompt="Hello", max_tokens=60,
+        stream = client.completions.create(model=cases.MODEL, prompt="Hello", max_tokens=100,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         for chunk in stream:

@@ -108,7 +108,7 @@ CASES = {
     "cos_sin_head_dim_float": (lambda: fj.rope_cos_sin(i32(3), 8.0), ValueError, r"head_dim=8\.0"),
     "cos_sin_positions_float": (lambda: fj.rope_cos_sin(z(3), 8),
         TypeError, r"positions\.dtype=float32"),
-    "scaling_kind": (lambda: fj.RopeScaling("yarn", 2.0), ValueError, r"kind='yarn'"),
+    "scaling_kind": (lambda: fj.RopeScaling("su", 2.0), ValueError, r"kind='su'"),
     "scaling_factor": (lambda: fj.RopeScaling("linear", 0.0), ValueError, r"factor=0\.0"),
     "scaling_llama3_order": (lambda: fj.RopeScaling("llama3", 8.0, low_freq_factor=4.0,
                                                             high_freq_factor=1.0),
@@ -116,8 +116,8 @@ CASES = {
     "scaling_llama3_context": (lambda: fj.RopeScaling(
         "llama3", 8.0, original_max_position_embeddings=0),
         ValueError, r"original_max_position_embeddings=0"),
-    "scaling_from_hf": (lambda: fj.RopeScaling.from_hf({"rope_type": "yarn", "factor": 2.0}),
-        ValueError, r"'yarn'"),
+    "scaling_from_hf": (lambda: fj.RopeScaling.from_hf({"rope_type": "su", "factor": 2.0}),
+        ValueError, r"unsupported rope type 'su'"),
     "scaling_from_hf_missing": (lambda: fj.RopeScaling.from_hf({"rope_type": "llama3",
                                                                  "factor": 8.0}),
         ValueError, r"llama3 rope scaling needs \['low_freq_factor'"),
@@ -154,6 +154,13 @@ CASES = {
         ValueError, r"logits_soft_cap=inf"),
     "attn_scale_str": (lambda: fj.attention(Q, KV, KV, scale="0.1"), TypeError, r"scale='0\.1'"),
     "attn_scale_vector": (lambda: fj.attention(Q, KV, KV, scale=z(2)), TypeError, r"scale="),
+    "attn_scale_nan": (lambda: fj.attention(Q, KV, KV, scale=float("nan")),
+        ValueError, r"scale must be a finite number .*scale=nan"),
+    "attn_scale_inf": (lambda: fj.attention(Q, KV, KV, scale=-float("inf")),
+        ValueError, r"scale=-inf"),
+    "rope_negative_position": (lambda: fj.rope(z(2, 3, 1, 8), np.array([[0, 1, 2], [3, -1, 5]],
+                                                                       np.int32)),
+        ValueError, r"positions\[1, 1\]=-1 must be >= 0"),
     # embedding
     "emb_table_rank": (lambda: fj.embedding(z(4), i32(2)),
         ValueError, r"table must have rank 2.*table\.shape=\(4,\)"),
@@ -171,6 +178,25 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_raises(case):
     assert_raises_as_listed(CASES[case])
+
+
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_attention_over_no_queries_is_empty(implementation):
+    # As for an empty batch: [batch, 0, heads, head_dim], not an error from inside the op.
+    k = jax.random.normal(jax.random.key(0), (2, 5, 2, 8), F32)
+    for q in (z(2, 0, 4, 8), z(0, 3, 4, 8)):
+        out = fj.attention(q, k[:q.shape[0]], k[:q.shape[0]], implementation=implementation)
+        assert out.shape == q.shape and out.dtype == q.dtype
+
+
+def test_a_traced_negative_position_is_caught_under_debug_checks():
+    from jax.experimental import checkify
+
+    f = jax.jit(checkify.checkify(lambda x, p: fj.rope(x, p), errors=checkify.user_checks))
+    with fj.debug_checks():
+        err, _ = f(z(1, 3, 1, 8), jnp.asarray([[0, -4, 2]], jnp.int32))
+    with pytest.raises(Exception, match=r"positions \(flat index 1\)=-4 must be >= 0"):
+        err.throw()
 
 
 def test_validation_runs_before_tracing():

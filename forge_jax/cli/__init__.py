@@ -4,8 +4,8 @@ cause into one line and an exit code."""
 
 from __future__ import annotations
 
-from forge_jax.cli import chat, compile, demo, export, generate, info, serve, tune
-from forge_jax.cli._flags import Parser
+from forge_jax.cli import _noise, chat, compile, demo, export, generate, info, serve, tune
+from forge_jax.cli._flags import Parser, name_defaults
 from forge_jax.cli._run import GenerateError, UsageError, report, run_command
 
 __all__ = ["GenerateError", "UsageError", "main"]
@@ -21,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     # The order --help lists them in.
     for module in (info, demo, generate, tune, chat, serve, compile, export):
         module.add_parser(subparsers)
+    for sub in subparsers.choices.values():
+        sub.add_argument("--verbose", action="store_true",
+                         help="also show the libraries' own log lines on stderr (jaxlib's, "
+                              "the CUDA plugin's, libtpu's), which are filtered out otherwise")
+    name_defaults(parser)
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # named with the subcommand they were given to
@@ -39,4 +44,5 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "fn"):
         parser.print_help()
         return 2
-    return run_command(args.fn, args)
+    with _noise.filtered(not args.verbose):
+        return run_command(args.fn, args)

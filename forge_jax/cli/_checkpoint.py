@@ -18,7 +18,9 @@ def _tiny_dir():
 
 def add_flags(parser: argparse.ArgumentParser, *, required: bool = False, help: str) -> None:
     parser.add_argument("--checkpoint", metavar="DIR|ORG/NAME", required=required,
-                        help=help + "; or a Hugging Face Hub repository id, fetched into (with "
+                        help=help + "; or a llama.cpp GGUF file (.gguf, loaded as it is "
+                             "quantized, with its own tokenizer); or a Hugging Face Hub "
+                             "repository id, fetched into (with "
                              "HF_HUB_OFFLINE=1: read from) the huggingface_hub cache (a local "
                              "directory of that name wins)")
     parser.add_argument("--revision", default=None,
@@ -58,9 +60,13 @@ def quantize_kwargs(args: argparse.Namespace, config) -> dict:
 
 
 def checkpoint_path(args: argparse.Namespace):
-    """The local directory of ``--checkpoint`` (a Hub name resolved through the cache)."""
-    from forge_jax.models.checkpoints import hub
+    """The local directory of ``--checkpoint`` (a Hub name resolved through the cache);
+    ``--quantize`` with a GGUF file is refused here, before the file is read."""
+    from forge_jax.models.checkpoints import gguf, hub
 
+    if getattr(args, "quantize", None) and gguf.is_gguf(args.checkpoint):
+        raise UsageError(f"--quantize: {args.checkpoint} is a GGUF file, loaded as it is "
+                         f"quantized")
     return hub.resolve_checkpoint(args.checkpoint, revision=args.revision)
 
 

@@ -74,6 +74,7 @@ class CompilationCache:
 
     def __init__(self, directory):
         self.directory, self.saved, self.active = directory, None, None
+        self.steps = None  # the compiled-steps cache beside it (generation.compiled_cache)
 
     def __enter__(self):
         import jax
@@ -95,9 +96,15 @@ class CompilationCache:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         self.active = str(self.directory)
+        from forge_jax.generation import compiled_cache
+
+        self.steps = compiled_cache.use_step_cache(self.directory / "steps")
+        self.steps.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self.steps is not None:
+            self.steps.__exit__(None, None, None)
         if self.saved is not None:
             import jax
             from jax.experimental.compilation_cache import compilation_cache

@@ -19,6 +19,25 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message, prog=self.prog)
 
 
+def name_defaults(parser: argparse.ArgumentParser) -> None:
+    """Appends ``(default: X)`` to the help of each flag of ``parser``'s subcommands whose
+    help does not already name its default (a switch, a flag without a default, or one
+    whose help says "default" are left as they are), so every --help shows them."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                name_defaults(sub)
+            continue
+        if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+            continue
+        if action.default in (None, "", argparse.SUPPRESS) and not isinstance(
+                action.default, bool | int) or action.required \
+                or isinstance(action.default, bool) or "default" in action.help.lower() \
+                or str(action.default) in action.help:
+            continue
+        action.help = f"{action.help} (default: {str(action.default).replace('%', '%%')})"
+
+
 def check_implementation_env() -> None:
     """``$FORGE_JAX_IMPLEMENTATION``, when set, names a registered implementation (a typo
     there would otherwise surface as a traceback from the first op, after the model loads)."""
@@ -149,15 +168,16 @@ def sampling_params(args: argparse.Namespace, generation_config):
         raise UsageError(str(e)) from None
 
 
-def describe_sampling(args: argparse.Namespace, params, generation_config=None) -> str:
+def describe_sampling(args: argparse.Namespace, params, generation_config=None, *,
+                      why: str | None = None) -> str:
     """How the tokens are picked, in one phrase, saying why when the flags imply sampling:
     ``sampling at temperature 1 (--top-p without --temperature; --temperature 0 for
     greedy), top-p 0.9, seed 1``, or ``greedy``."""
     if params.greedy:
         words = ["greedy"]
     else:
-        why = ""
-        if args.temperature is None:
+        why = "" if why is None or args.temperature is not None else why
+        if args.temperature is None and not why:
             if generation_config is not None and generation_config.do_sample:
                 why = " (generation_config.json's do_sample)"
             else:

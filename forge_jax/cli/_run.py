@@ -37,11 +37,15 @@ def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Nam
     ``forge-jax COMMAND: error: ...`` on stderr instead of a traceback: bad input (a
     :class:`UsageError`, an unreadable or unsupported checkpoint) exits with 2, a model that
     does not fit in memory with 1. A closed stdout (``forge-jax generate | head``) stops the
-    command quietly with 1, as Unix tools do. Anything else, ``KeyboardInterrupt`` included,
-    propagates."""
+    command quietly with 1, as Unix tools do. Ctrl-C that the command does not handle itself
+    (while a model loads) is one line, ``forge-jax COMMAND: interrupted``, and exit code 130,
+    as a shell reports SIGINT. Anything else propagates."""
     prog = f"forge-jax {args.command}"
     try:
         return command(args)
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -22,7 +22,10 @@ def add_parser(subparsers) -> None:
                     "stdout; the conversation's KV cache is kept between turns, so a turn "
                     "prefills only its own tokens. /reset starts over, /help lists the "
                     "commands; Ctrl-C stops a reply; /exit, end of input (Ctrl-D) or Ctrl-C "
-                    "at the prompt ends.")
+                    "at the prompt ends. Replies are sampled as the checkpoint's "
+                    "generation_config.json says; where it sets no do_sample, at "
+                    "temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 (llama.cpp's "
+                    "defaults); greedy where it says do_sample false, or with --temperature 0.")
     _checkpoint.add_flags(chat, required=True,
                           help="a Hugging Face Llama-family directory with a chat template")
     chat.add_argument("--system", metavar="TEXT", help="a system message to start with")
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax.numpy as jnp
 
+    from forge_jax.generation import settings
     from forge_jax.kv_cache import CacheSpec
     from forge_jax.models import llama
     from forge_jax.text import api as text
@@ -94,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
                          f"tokenizer_config.json, no chat_template.jinja): use "
                          f"forge-jax generate --prompt TEXT")
     _check_template(tokenizer, args.system, path)
-    sampling = _flags.sampling_params(args, tokenizer.generation_config)
+    generation_config = settings.chat_generation_config(
+        tokenizer.generation_config, says_greedy=_says_greedy(path))
+    sampling = _flags.sampling_params(args, generation_config)
     if args.max_context is not None and args.max_context > config.max_position_embeddings:
         raise UsageError(f"--max-context {args.max_context} is beyond "
                          f"max_position_embeddings={config.max_position_embeddings} "
@@ -107,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, max_context=args.max_context, system=args.system,
             max_new_tokens=args.max_new_tokens, sampling=sampling,
             cache=CacheSpec(kv_dtype=args.kv_cache_dtype))
-        decoding = _flags.describe_sampling(args, sampling, tokenizer.generation_config)
+        decoding = _flags.describe_sampling(
+            args, sampling, generation_config,
+            why=None if generation_config is tokenizer.generation_config else
+            " (chat's default where generation_config.json sets no do_sample; --temperature "
+            "0 for greedy)")
         print(f"{describe(model, path, args)}; context {session.max_context} tokens; "
               f"{decoding}. One message per line; /help lists the commands; Ctrl-C stops a "
               f"reply; /exit or end of input (Ctrl-D) quits.", file=sys.stderr)
@@ -125,6 +135,19 @@ def run(args: argparse.Namespace) -> int:
             print("\n[interrupted]", file=sys.stderr)
             return 130
     return 0
+
+
+def _says_greedy(path) -> bool:
+    """Whether the checkpoint's generation_config.json sets ``"do_sample": false``."""
+    import json
+
+    file = path / "generation_config.json" if path.is_dir() else None
+    if file is None or not file.is_file():
+        return False
+    try:
+        return json.loads(file.read_text()).get("do_sample") is False
+    except (ValueError, AttributeError):  # load_tokenizer has reported a bad file already
+        return False
 
 
 def _check_template(tokenizer, system: str | None, path) -> None:

@@ -19,7 +19,9 @@ def add_parser(subparsers) -> None:
                     "model code.")
     _checkpoint.add_flags(export, help="a Hugging Face Llama-family directory (default: the "
                                        "embedded tiny model)")
-    export.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    export.add_argument("--out", required=True, metavar="DIR",
+                        help="the directory to write: new, empty, or an earlier export "
+                             "(replaced once the new one is complete)")
     export.add_argument("--platforms", default="cpu", metavar="A,B",
                         help="lowering platforms among cpu, cuda, rocm, tpu (default cpu); "
                              "for any but this machine's alone, every op uses XLA")
@@ -64,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         export_lib.check_targets(targets)
     except ValueError as e:
         raise UsageError(f"--targets: {e}") from None
+    try:
+        export_lib.check_out(args.out)
+    except ValueError as e:
+        raise UsageError(f"--out: {e}") from None
     config, _, tokenizer, path = _checkpoint.read_checkpoint(args)
     for flag in ("batch", "context", "prompt_length"):
         value = getattr(args, flag)
@@ -81,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     out = export_lib.export(
         model, args.out, batch=args.batch, context=context, prompt_length=args.prompt_length,
         platforms=platforms, executable=args.executable, targets=targets,
-        tokenizer=path / "tokenizer.json" if tokenizer is not None else None)
+        # A directory's tokenizer.json as it is; a GGUF file's, built from its metadata.
+        tokenizer=None if tokenizer is None else tokenizer if path.is_file()
+        else path / "tokenizer.json")
     print(f"{_checkpoint.describe(model, path, args).replace('paged cache', 'contiguous cache')}"
           f"\nwrote {out}: prefill and decode for {', '.join(platforms)}, batch {args.batch}, "
           f"context {context}" + (", with CPU executables" if args.executable else "")

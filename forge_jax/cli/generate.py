@@ -37,7 +37,9 @@ def add_parser(subparsers) -> None:
     _flags.add_speculative_flags(gen)
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print a single --prompt's completion as it is decoded (default: on)")
-    gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged")
+    gen.add_argument("--cache", choices=("paged", "contiguous"), default="paged",
+                     help="the KV cache's layout: pages of --page-size tokens or one "
+                          "contiguous block per sequence")
     _flags.add_kv_cache_flag(gen)
     gen.add_argument("--implementation", default=None,
                      help="preferred op implementation (forge_jax.use_implementation), e.g. xla")
@@ -161,6 +163,8 @@ def _parse_ids(text: str) -> list[int]:
 
 def _prompts(args, config, tokenizer, path) -> list[list[int]]:
     """The token ids of ``--prompt`` / ``--prompt-ids``, checked against the model's vocabulary."""
+    from forge_jax.generation.prompts import encode_prompt
+
     vocab = config.vocab_size
     if args.prompt_ids is not None:
         ids = _parse_ids(args.prompt_ids)
@@ -174,7 +178,7 @@ def _prompts(args, config, tokenizer, path) -> list[list[int]]:
     for i, text in enumerate(args.prompt):
         name = _prompt_name(args.prompt, i)
         try:
-            ids = tokenizer.encode(text).ids
+            ids = encode_prompt(tokenizer, text)
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise UsageError(f"{name} cannot be encoded with {path / 'tokenizer.json'}: "
                              f"{_clip(str(e))}") from None

@@ -7,7 +7,11 @@ import argparse
 
 def add_parser(subparsers) -> None:
     subparsers.add_parser(
-        "info", help="versions, devices, toolchains and implementations").set_defaults(fn=run)
+        "info", help="versions, devices, toolchains and implementations",
+        description="Prints the versions of forge_jax, JAX and jaxlib, the devices JAX sees, "
+                    "the compiler toolchains found (ptxas, libtpu), and each op's registered "
+                    "implementations with the one auto selection picks here and why."
+    ).set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

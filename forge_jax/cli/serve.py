@@ -152,7 +152,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
     with sock, _compilation_cache.compilation_cache(args):
-        model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh, **quantize)
+        try:
+            model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh,
+                                          **quantize)
+        except KeyboardInterrupt:  # Ctrl-C while the weights load: nothing to drain
+            print("forge-jax serve: interrupted while loading the model", file=sys.stderr)
+            return 130
         eos = text.eos_ids(model, tokenizer, tokenizer.generation_config) if tokenizer else None
         engine = serving.Engine(model, tokenizer, serving.EngineConfig(
             max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,

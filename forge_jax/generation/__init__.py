@@ -8,6 +8,7 @@ Modules: :mod:`~forge_jax.generation.steps` (prefill and decode steps),
 :mod:`~forge_jax.generation.sampling` (:class:`SamplingParams`, sampling on device),
 :mod:`~forge_jax.generation.settings` (the front door: a checkpoint's defaults merged with
 the caller's values, :func:`stopping` for the eos ids and the token limit),
+:mod:`~forge_jax.generation.prompts` (:func:`encode_prompt`, the BOS decision),
 :mod:`~forge_jax.generation.loop` (:func:`generate`, :func:`generate_with_stats`),
 :mod:`~forge_jax.generation.stats`, :mod:`~forge_jax.generation.abstract_steps` (the steps
 on abstract arguments, for deviceless compiles), :mod:`~forge_jax.generation.export` (writes
@@ -27,6 +28,7 @@ _HOMES = {
     **dict.fromkeys(("check_generation_fits", "check_sequence_length", "generate",
                      "generate_with_stats"), "forge_jax.generation.loop"),
     "SamplingParams": "forge_jax.generation.sampling",
+    "encode_prompt": "forge_jax.generation.prompts",
     "SpeculativeConfig": "forge_jax.generation.speculative",
     **dict.fromkeys(("DEFAULT_MAX_NEW_TOKENS", "Callbacks", "Stopping", "sampling_params",
                      "stopping"), "forge_jax.generation.settings"),

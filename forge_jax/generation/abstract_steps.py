@@ -34,22 +34,27 @@ class Step:
 
 
 def abstract_steps(config: LlamaConfig, *, batch: int, context: int, dtype: Any,
-                   page_size: int = 16) -> tuple[Step, Step]:
+                   page_size: int = 16, new_tokens: int = 1) -> tuple[Step, Step]:
     """The prefill of a ``context``-token prompt (bucketed as generate buckets it) into a
-    paged cache with room for it and one more token, and the decode step on that cache,
-    with abstract weights and cache (float ``dtype`` for both).
+    paged cache with room for it and ``new_tokens`` more, and the decode step on that
+    cache, with abstract weights and cache (float ``dtype`` for both).
+
+    The prefill is the one :func:`~forge_jax.generation.loop.generate` runs: into a new
+    cache (``empty_cache=True``), the prompt attending to itself, so that nothing it does
+    grows with the cache's capacity.
 
     Call it inside ``fj.use_implementation(...)`` to compile the steps with that
     preference (it is part of the steps' static arguments).
     """
-    for name, value in (("batch", batch), ("context", context), ("page_size", page_size)):
+    for name, value in (("batch", batch), ("context", context), ("page_size", page_size),
+                        ("new_tokens", new_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
     dtype = jnp.dtype(dtype)
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
                                          param_dtype=dtype))
     graphdef, state = nnx.split(model)
-    padded, bucket, _, max_pages = cache_plan(batch, context, 1, "paged", page_size)
+    padded, bucket, _, max_pages = cache_plan(batch, context, new_tokens, "paged", page_size)
     cache = jax.eval_shape(lambda: PagedKVCache.create(
         num_layers=config.num_hidden_layers, num_pages=padded * max_pages,
         page_size=page_size, kv_heads=model.kv_heads, head_dim=config.head_dim, dtype=dtype,
@@ -63,7 +68,7 @@ def abstract_steps(config: LlamaConfig, *, batch: int, context: int, dtype: Any,
     rows = jax.ShapeDtypeStruct((padded,), jnp.int32)
     prefill = Step("prefill", steps.prefill_step,
                    (state, cache, jax.ShapeDtypeStruct((padded, bucket), jnp.int32), rows,
-                    key, params, seen), statics)
+                    key, params, seen), {**statics, "empty_cache": True})
     decode = Step("decode", steps.decode_step,
                   (state, cache, rows, jax.ShapeDtypeStruct((padded,), jnp.bool_), key,
                    jax.ShapeDtypeStruct((), jnp.int32), params, seen), statics)

@@ -12,8 +12,10 @@ no pytree class of the model's is needed to call them.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,13 +76,17 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
            context: int | None = None, prompt_length: int | None = None,
            platforms: Sequence[str] = ("cpu",), cache_dtype=None, executable: bool = False,
            targets: Sequence[str] = (),
-           tokenizer: str | pathlib.Path | None = None) -> pathlib.Path:
+           tokenizer: str | os.PathLike | Any | None = None) -> pathlib.Path:
     """Writes ``model``'s greedy prefill and decode steps to the directory ``out`` (see
     :mod:`forge_jax.generation.exported` for its files).
 
+    The files are written into a temporary directory beside ``out``, moved into place only
+    once all of them are: a failure (an error, Ctrl-C) leaves no half-written program.
+
     Args:
       model: an unsharded :class:`Llama`.
-      out: the directory to write (created; files of an earlier export are replaced).
+      out: the directory to write (``~`` expanded): a new or empty directory, or an earlier
+        export, which is replaced whole. Any other directory is refused (ValueError).
       batch: sequences per call.
       context: KV cache positions per sequence (prompt plus new tokens); default the
         model's ``max_position_embeddings``.
@@ -97,8 +103,12 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
         kernels auto selection picks there. Such an executable runs only on that device
         kind, with the JAX and jaxlib that compiled it (:func:`forge_jax.generation.exported.load`
         refuses it elsewhere).
-      tokenizer: a ``tokenizer.json`` to copy beside the program (None: none; then the
-        program takes token ids only).
+      tokenizer: a ``tokenizer.json`` to copy beside the program, or a
+        ``tokenizers.Tokenizer`` to save there (a GGUF file's, built from its metadata;
+        a :class:`forge_jax.text.Tokenizer`'s ``backend``). None: none; then the program
+        takes token ids only. Its post-processor decides whether a text prompt starts with
+        a BOS token, for the program as for the live model
+        (:func:`forge_jax.generation.prompts.encode_prompt`).
 
     Returns:
       The directory's path.
@@ -113,8 +123,75 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
         raise ValueError(f"executable=True compiles for CPU; platforms={platforms!r} has no "
                          f"'cpu'")
     targets = check_targets(targets)
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_out(out)
+    tokenizer = _check_tokenizer(tokenizer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=PARTIAL,
+                                         dir=out.parent))
+    try:
+        _write(model, work, batch=batch, context=context, prompt_length=prompt_length,
+               platforms=platforms, cache_dtype=cache_dtype, executable=executable,
+               targets=targets, tokenizer=tokenizer)
+        _move_into_place(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return out
+
+
+PARTIAL = programs.PARTIAL  # the temporary directory's suffix, which load recognizes
+
+
+def check_out(out: str | os.PathLike) -> pathlib.Path:
+    """``out`` (``~`` expanded) if an export may write it: absent, an empty directory or
+    an earlier export (it has a ``manifest.json``); ValueError naming it otherwise."""
+    path = pathlib.Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file; give a directory to write")
+    if path.is_dir() and any(path.iterdir()) and not (path / programs.MANIFEST).is_file():
+        raise ValueError(f"out={str(out)!r} is a non-empty directory that is not an exported "
+                         f"program (no {programs.MANIFEST}); give a new or empty directory")
+    return path
+
+
+def _check_tokenizer(tokenizer):
+    """A tokenizer file's path (checked to exist) or a ``tokenizers.Tokenizer`` (a
+    :class:`forge_jax.text.Tokenizer` unwrapped to its backend), or None."""
+    if tokenizer is None:
+        return None
+    tokenizer = getattr(tokenizer, "backend", tokenizer)
+    if hasattr(tokenizer, "to_str"):
+        return tokenizer
+    if not isinstance(tokenizer, str | os.PathLike):
+        raise TypeError(f"tokenizer must be a tokenizer.json path, a tokenizers.Tokenizer or "
+                        f"None, got {tokenizer!r:.80}")
+    path = pathlib.Path(tokenizer).expanduser()
+    if not path.is_file():
+        raise ValueError(f"tokenizer={str(tokenizer)!r} is not a file")
+    return path
+
+
+def _move_into_place(work: pathlib.Path, out: pathlib.Path) -> None:
+    """Renames the complete program ``work`` to ``out``, replacing an earlier export
+    (moved aside first, then deleted)."""
+    if out.is_dir():
+        old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old",
+                                            dir=out.parent))
+        os.replace(out, old / out.name)
+        try:
+            os.replace(work, out)
+        except BaseException:
+            os.replace(old / out.name, out)
+            raise
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, out)
+
+
+def _write(model: Llama, out: pathlib.Path, *, batch, context, prompt_length, platforms,
+           cache_dtype, executable, targets, tokenizer) -> None:
+    """Writes the program's files into the directory ``out`` (the arguments checked)."""
     config = model.config
     graphdef, state = nnx.split(model)
     # XLA everywhere unless the program is for this machine's platform alone: a kernel
@@ -159,8 +236,10 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
         target_entries[target.name] = _serialize_for_target(
             target, graphdef, state_tree, cache_tree, args, out, len(weights), len(kv))
     _save_weights(out, named_weights)
-    if tokenizer is not None:
+    if isinstance(tokenizer, pathlib.Path):
         shutil.copyfile(tokenizer, out / programs.TOKENIZER)
+    elif tokenizer is not None:
+        tokenizer.save(str(out / programs.TOKENIZER))
     manifest = {
         "format": programs.FORMAT,
         "forge_jax": fj.__version__,
@@ -183,8 +262,8 @@ def export(model: Llama, out: str | pathlib.Path, *, batch: int = 1,
         target_entries["cpu"] = {"platform": "cpu", **programs.versions(), "files": cpu_files}
     if target_entries:
         manifest["executables"] = target_entries
+    # The manifest last: a directory without one is not a program (load says so).
     (out / programs.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return out
 
 
 def check_targets(names: Sequence[str]) -> tuple[targets_lib.Target, ...]:

@@ -49,6 +49,8 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER = "tokenizer.json"
 STEPS = ("prefill", "decode")
+# The suffix of the directory an export writes before it moves it into place.
+PARTIAL = ".partial"
 # The sampling parameters the steps take, in order (SamplingParams.arrays()' names).
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
@@ -199,13 +201,13 @@ class Program:
         return Tokenizer.from_file(str(self.path / name))
 
     def generate_text(self, prompt: str, max_new_tokens: int, **kwargs: Any) -> str:
-        """:meth:`generate` on ``prompt`` encoded with the saved tokenizer (with the
-        manifest's bos id first, if any), decoded back to text."""
+        """:meth:`generate` on ``prompt`` encoded with the saved tokenizer, decoded back to
+        text. The ids are the live model's (:func:`forge_jax.generation.prompts.encode_prompt`):
+        a BOS first exactly when the tokenizer adds one."""
+        from forge_jax.generation.prompts import encode_prompt
+
         tokenizer = self.tokenizer()
-        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-        bos = self.manifest.get("bos_token_id")
-        if bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
+        ids = encode_prompt(tokenizer, prompt)
         new = self.generate([ids], max_new_tokens, **kwargs)[0]
         return tokenizer.decode([t for t in new if t not in self.eos_token_ids])
 
@@ -232,10 +234,20 @@ class Program:
 
 def read_manifest(path: str | pathlib.Path) -> dict:
     """``PATH/manifest.json``, checked to be this format's."""
-    path = pathlib.Path(path)
+    path = pathlib.Path(path).expanduser()
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
+        if not path.is_dir():
+            raise ProgramError(f"{path} is not an exported program: no such "
+                               f"directory") from None
+        written = sorted(p.name for p in path.iterdir()
+                         if p.name in (WEIGHTS, TOKENIZER) or p.name.endswith(
+                             (".jax_exported", ".executable")))
+        if written or path.name.endswith(PARTIAL):
+            raise ProgramError(f"{path} is a partial export ({', '.join(written) or 'empty'}, "
+                               f"no {MANIFEST}: the export was interrupted); export it "
+                               f"again") from None
         raise ProgramError(f"{path} is not an exported program: no {MANIFEST}") from None
     except json.JSONDecodeError as e:
         raise ProgramError(f"{path / MANIFEST} is not valid JSON: {e}") from None
@@ -261,7 +273,7 @@ def load(path: str | pathlib.Path, *, executable: bool | None = None) -> Program
       ProgramError: the directory is not a program of this format, it was not exported for
         this platform, or ``executable=True`` cannot be honoured.
     """
-    path = pathlib.Path(path)
+    path = pathlib.Path(path).expanduser()
     manifest = read_manifest(path)
     platform = jax.default_backend()
     device_kind = jax.devices()[0].device_kind
@@ -328,6 +340,9 @@ def _load_weights(path: pathlib.Path, manifest: dict) -> tuple[jax.Array, ...]:
         tensors = load_file(str(path / manifest["weights"]["file"]))
     except FileNotFoundError:
         raise ProgramError(f"{path} is missing {manifest['weights']['file']}") from None
+    except Exception as e:  # safetensors raises its own SafetensorError (a truncated file)
+        raise ProgramError(f"cannot read {path / manifest['weights']['file']}: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     weights = []
     for entry in manifest["weights"]["tensors"]:
         array = tensors.get(entry["name"])

@@ -414,15 +414,13 @@ def _compile_steps(state, kv, inputs: _Inputs, statics: dict, plan: _Plan, warm_
     the only token), compiled ahead of time (cached by jit after the first call) so that
     the timings measure the steps alone. Returns ``(prefill, decode, kv)``."""
     # The cache is new: the prompts attend to themselves, not to its whole capacity.
-    prefill = prefill_step.lower(state, kv, inputs.tokens, inputs.lengths, inputs.key,
-                                 inputs.params, inputs.seen, **statics,
-                                 empty_cache=True).compile()
+    prefill = prefill_step.compiled(state, kv, inputs.tokens, inputs.lengths, inputs.key,
+                                    inputs.params, inputs.seen, **statics, empty_cache=True)
     decode = None
     if plan.max_new_tokens > 1:
         # The decode step takes the tokens the previous step sampled: shaped like `first`.
-        decode = decode_step.lower(state, kv, inputs.first, inputs.active, inputs.key,
-                                   inputs.step(1), inputs.params, inputs.seen,
-                                   **statics).compile()
+        decode = decode_step.compiled(state, kv, inputs.first, inputs.active, inputs.key,
+                                      inputs.step(1), inputs.params, inputs.seen, **statics)
     if warm_up:
         # A compiled step's first run builds its CPU matmul runtimes (XLA's YNNPACK
         # fusions, a few ms per matmul: ~0.45 s for a 30-layer model's prefill, ten decode

@@ -7,6 +7,9 @@ are resolved from the caller's values, the checkpoint's defaults and the model's
 * :func:`stopping`: the generation front door for when a sequence stops: its eos ids and
   its token limit (``max_new_tokens``). The generate loop, the text API, the chat session,
   ``forge-jax generate`` and the serving engine all ask it, so they stop alike.
+* :func:`encode_prompt` (from :mod:`forge_jax.generation.prompts`): the BOS decision, the
+  token ids a text prompt is generated from, shared by the live text API and exported
+  programs: the tokenizer's post-processor adds a BOS or none; nothing else prepends one.
 * :class:`Callbacks`: the host-side hooks of a generate call (progress, streamed tokens).
 * :func:`legacy_keywords`: the loose keywords that :class:`SamplingParams` and
   :class:`~forge_jax.kv_cache.CacheSpec` replaced, still accepted for one release with a
@@ -21,6 +24,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from forge_jax.generation.prompts import encode_prompt  # noqa: F401  (the front door's)
 from forge_jax.generation.sampling import SamplingParams
 from forge_jax.kv_cache import CacheSpec
 from forge_jax.models.checkpoints.generation_config import GenerationConfig
@@ -55,6 +59,24 @@ def sampling_params(config: GenerationConfig | None = None, *, temperature=None,
         config.min_p if min_p is None else min_p,
         config.repetition_penalty if repetition_penalty is None else repetition_penalty,
         seed=seed)
+
+
+# What a chat samples with where the checkpoint's generation_config.json says nothing of
+# sampling: llama.cpp's defaults (a small instruct model decoded greedily repeats itself).
+CHAT_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+def chat_generation_config(config: GenerationConfig | None, *,
+                           says_greedy: bool) -> GenerationConfig:
+    """The generation config a chat decodes with: ``config`` as it is when it samples
+    (``do_sample``) or when the checkpoint says greedy (``says_greedy``: its
+    generation_config.json sets ``"do_sample": false``); otherwise ``config`` sampling,
+    with :data:`CHAT_SAMPLING`'s values where it sets none."""
+    config = config or GenerationConfig()
+    if config.do_sample or says_greedy:
+        return config
+    return dataclasses.replace(config, do_sample=True, **{
+        k: v for k, v in CHAT_SAMPLING.items() if getattr(config, k) is None})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.generation import compiled_cache
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.models import llama_sharding
 from forge_jax.models.llama_model import Llama
@@ -202,3 +203,9 @@ def _placed(model: Llama, tokens, seen, logprobs=None, *, cache):
         cache = jax.lax.with_sharding_constraint(
             cache, llama_sharding.cache_shardings(cache, model.mesh))
     return (tokens, seen, cache) if logprobs is None else (tokens, seen, cache, logprobs)
+
+
+# Inside compiled_cache.use_step_cache (the CLI's commands), the steps run executables kept
+# on disk by an earlier process, untraced; elsewhere they are the jitted functions above.
+prefill_step = compiled_cache.CachedStep(prefill_step, "prefill", (*_STATIC, "empty_cache"))
+decode_step = compiled_cache.CachedStep(decode_step, "decode", _STATIC)

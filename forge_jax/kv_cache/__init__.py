@@ -12,6 +12,15 @@ Device side, pytrees implementing one contract, :class:`KVCache`
   pools are stored folded is :func:`stores_folded`'s decision, from its spec and the platform.
 * :class:`RaggedBatchCache`: a paged cache's pools seen through one packed row of many
   sequences, laid out by a :class:`RaggedMetadata` (the serving engine's step).
+* :class:`PagedLatentCache`: multi-head latent attention's cache (DeepSeek-V3): per layer
+  one pool of pages ``[num_pages, page_size, kv_lora_rank + rope_dim]`` of latents shared
+  by every head (:mod:`forge_jax.kv_cache.latent`), on the same block tables and
+  :class:`BlockManager` as a K/V pool.
+
+Linear-attention layers keep a fixed-size state per sequence instead: a
+:class:`RecurrentStatePool` (one slot per sequence, the :class:`StateCache` contract), and a
+model mixing both kinds of layers gets a :class:`HybridCache` (a KV cache over its attention
+layers, a pool over its linear ones; prefix caching refused, :data:`PREFIX_CACHING_REFUSED`).
 
 Both may be quantized (``create(..., quantize="int8")`` or ``"fp8"``): each layer's K and V
 are then int8/fp8 ``QuantizedArray`` buffers with a float32 scale per token and KV head
@@ -55,12 +64,15 @@ copy-on-write, and freeing. A decode loop with a paged cache (one layer shown)::
 
 from forge_jax.kv_cache.block_manager import BlockManager, CacheFullError, CacheUsage
 from forge_jax.kv_cache.contiguous import ContiguousKVCache
-from forge_jax.kv_cache.contract import KVCache
+from forge_jax.kv_cache.contract import KVCache, StateCache
+from forge_jax.kv_cache.latent import PagedLatentCache
 from forge_jax.kv_cache.paged import PagedKVCache, stores_folded
 from forge_jax.kv_cache.ragged import RaggedBatchCache, RaggedMetadata
+from forge_jax.kv_cache.recurrent import PREFIX_CACHING_REFUSED, HybridCache, RecurrentStatePool
 from forge_jax.kv_cache.spec import CacheSpec
 
 __all__ = [
     "BlockManager", "CacheFullError", "CacheSpec", "CacheUsage", "ContiguousKVCache", "KVCache",
-    "PagedKVCache", "RaggedBatchCache", "RaggedMetadata", "stores_folded",
+    "PagedKVCache", "PagedLatentCache", "RaggedBatchCache", "RaggedMetadata", "stores_folded",
+    "HybridCache", "PREFIX_CACHING_REFUSED", "RecurrentStatePool", "StateCache",
 ]

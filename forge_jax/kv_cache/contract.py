@@ -17,6 +17,13 @@ holding many sequences, whose layout travels in its
 :class:`~forge_jax.kv_cache.RaggedMetadata`). ``batch`` below is the cache's rows: a
 sequence each for the first two, 1 for the packed row.
 
+The latent cache of multi-head latent attention,
+:class:`~forge_jax.kv_cache.PagedLatentCache`, keeps the contract with the one shared "KV
+head" of the absorbed computation: ``write`` takes the latent as ``k`` and the RoPE key as
+``v`` (one head each), and ``attend`` takes ``q = concat(q_nope, q_pe)`` and, keyword-only,
+the heads' up-projections ``up_proj=(w_uk, w_uv)``, returning ``[batch, t, heads, v_dim]``
+(:mod:`forge_jax.kv_cache.latent`).
+
 :class:`KVCache` is a :class:`typing.Protocol` rather than an abstract base: the caches are
 frozen dataclasses registered as pytrees, and the contract is what the model may call, not
 an implementation to inherit (the shared plumbing is in ``forge_jax.kv_cache._base``); any
@@ -101,6 +108,38 @@ class KVCache(Protocol):
     def as_stored(self, x: jax.Array) -> jax.Array:
         """``x`` ``[..., head_dim]`` as the cache holds and returns it: rounded to the
         cache's dtype, or quantized and dequantized (what :meth:`attend` would read)."""
+        ...
+
+    def with_lengths(self, lengths: jax.Array) -> Self:
+        """The same cache with ``lengths`` (int ``[batch]``) replaced."""
+        ...
+
+
+@runtime_checkable
+class StateCache(Protocol):
+    """A per-layer recurrent-state cache: what a linear-attention layer (a gated delta-rule
+    layer, :func:`forge_jax.gated_delta_rule`) reads and writes instead of keys and values.
+
+    Per step and linear layer the model calls ``conv_state, state = cache.read(layer)``,
+    runs :func:`forge_jax.causal_conv1d` and :func:`forge_jax.gated_delta_rule` from those
+    states, and stores what they return with ``cache = cache.write_state(layer, conv_state,
+    state)``; ``lengths`` and ``with_lengths`` are as in :class:`KVCache`. Implemented by
+    :class:`~forge_jax.kv_cache.RecurrentStatePool` (one slot per sequence) and, for the
+    linear layers of a hybrid model, :class:`~forge_jax.kv_cache.HybridCache`.
+
+    Attributes:
+      lengths: int32 ``[batch]``, tokens in each row's sequence before this step.
+    """
+
+    lengths: jax.Array
+
+    def read(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """``(conv_state [batch, kernel - 1, conv_dim], state [batch, v_heads, dk, dv])`` of
+        layer ``layer`` for the step's rows (zeros for a row with no sequence)."""
+        ...
+
+    def write_state(self, layer: int, conv_state: jax.Array, state: jax.Array) -> Self:
+        """The cache with layer ``layer``'s states of the step's rows replaced."""
         ...
 
     def with_lengths(self, lengths: jax.Array) -> Self:

@@ -32,22 +32,27 @@ into the op's float32 math, and the result keeps the compute dtype.
   logical shape.
 """
 
+from forge_jax.ops import quantized_matmul_cpu  # noqa: F401  (registers the CPU kernel)
 from forge_jax.ops.activation import gelu_tanh_mul, silu_mul, softmax
 from forge_jax.ops.attention import attention
 from forge_jax.ops.conv import conv2d
 from forge_jax.ops.embedding import embedding
+from forge_jax.ops.gated_delta import causal_conv1d, gated_delta_gates, gated_delta_rule
 from forge_jax.ops.grouped_matmul import grouped_matmul
 from forge_jax.ops.matmul import matmul
+from forge_jax.ops.mla import mla_attention, mla_paged_attention, mla_paged_write
 from forge_jax.ops.moe import moe, moe_permute, moe_route, moe_unpermute
 from forge_jax.ops.norm import rms_norm
 from forge_jax.ops.paged import copy_pages, paged_attention, paged_gather, paged_write
 from forge_jax.ops.ragged import ragged_paged_attention
-from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin
+from forge_jax.ops.rope import RopeScaling, rope, rope_cos_sin, yarn_mscale
 
 __all__ = [
     "RopeScaling", "attention", "conv2d", "embedding", "grouped_matmul", "matmul", "rms_norm",
-    "rope", "rope_cos_sin",
+    "rope", "rope_cos_sin", "yarn_mscale",
     "silu_mul", "gelu_tanh_mul", "softmax", "moe", "moe_permute", "moe_route", "moe_unpermute",
     "copy_pages", "paged_attention", "paged_gather", "paged_write",
     "ragged_paged_attention",
+    "mla_attention", "mla_paged_attention", "mla_paged_write",
+    "causal_conv1d", "gated_delta_gates", "gated_delta_rule",
 ]

@@ -28,6 +28,33 @@ def check_masking(*, scale, sliding_window, logits_soft_cap):
     return scale, sliding_window, logits_soft_cap
 
 
+def check_extras(*, sinks, attention_chunk_size, q_heads):
+    """Validates the optional sinks (float ``[q_heads]``) and chunk size (positive int);
+    returns the ``{"sinks": ..., "attention_chunk_size": ...}`` entries of an op's
+    arguments that are given. (Absent entries keep the arguments of calls without them
+    as they were, so that a kernel that does not read them sees no new keys.)"""
+    extras = {}
+    if sinks is not None:
+        _checks.array("sinks", sinks, ndim=1, kind="float")
+        if tuple(sinks.shape) != (q_heads,):
+            raise ValueError(f"sinks must be [q_heads] = ({q_heads},), got {sinks.shape=}")
+        extras["sinks"] = sinks
+    if attention_chunk_size is not None:
+        extras["attention_chunk_size"] = _checks.positive_int(
+            "attention_chunk_size", attention_chunk_size)
+    return extras
+
+
+def extras_reason(args, *, sinks: bool = False, chunks: bool = False) -> str | None:
+    """Why an implementation that reads sinks only if ``sinks`` and the chunked mask only
+    if ``chunks`` cannot serve ``args``; None if it can."""
+    if not sinks and args.get("sinks") is not None:
+        return "sinks= (attention sinks) are not implemented in this kernel"
+    if not chunks and args.get("attention_chunk_size") is not None:
+        return "attention_chunk_size= (chunked attention) is not implemented in this kernel"
+    return None
+
+
 def check_heads(q_heads, kv_heads, q_shape, kv_shape):
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(
@@ -155,7 +182,8 @@ def exact_logits(subscripts, q, k):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def visible_mask(q_positions, kv_len, *, causal, kv_lengths, sliding_window):
+def visible_mask(q_positions, kv_len, *, causal, kv_lengths, sliding_window,
+                 attention_chunk_size=None):
     """Boolean ``[batch, q_len, kv_len]``: which keys each query may see."""
     j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
     p = q_positions.astype(jnp.int32)[:, :, None]
@@ -168,6 +196,9 @@ def visible_mask(q_positions, kv_len, *, causal, kv_lengths, sliding_window):
         # A window wider than any int32 position distance hides nothing; clamping it keeps
         # `p - window` inside int32 (positions are assumed to lie in [-2**30, 2**30)).
         mask &= j > p - min(sliding_window, 2**30)
+    if attention_chunk_size is not None:
+        # The query's own chunk (floor division: a position below 0 sits in no key's chunk).
+        mask &= (j // attention_chunk_size) == (p // attention_chunk_size)
     return mask
 
 
@@ -229,16 +260,46 @@ def weighted_values(product, mask_product, v):
     return jnp.where(hits > 0, jnp.float32(jnp.nan), out)
 
 
-def masked_probs(logits, mask, *, scale, logits_soft_cap):
+def sink_logits(sinks, shape):
+    """float32 sink logits broadcast to ``shape`` (``[..., 1]``, the rows of the logits);
+    ``sinks`` already shaped to broadcast (the query heads on their axis). A ``+inf`` sink
+    is NaN data, as a ``+inf`` logit is; ``-inf`` is no sink."""
+    sink = jnp.broadcast_to(jnp.asarray(sinks).astype(jnp.float32), shape)
+    return jnp.where(jnp.isposinf(sink), jnp.float32(jnp.nan), sink)
+
+
+def masked_probs(logits, mask, *, scale, logits_soft_cap, sinks=None):
     """float32 attention probabilities: ``softmax(cap(scale * logits))`` over the visible keys
-    (the last axis), zeros for a query that sees none. ``mask`` broadcasts to ``logits``."""
+    (the last axis), zeros for a query that sees none. ``mask`` broadcasts to ``logits``.
+
+    ``sinks``, broadcastable to ``logits.shape[:-1] + (1,)``: a logit per row that joins
+    the denominator (neither scaled nor capped) and weighs no value, so the probabilities
+    of a row sum to less than one; a row that sees no key keeps zeros."""
     logits = logits * jnp.asarray(scale, jnp.float32)
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     # A +inf logit (non-finite q or k) is NaN data in attention, not a winner (see the
     # contract); a hidden one is masked like any hidden logit.
     logits = jnp.where(jnp.isposinf(logits), jnp.float32(jnp.nan), logits)
-    return safe_softmax_f32(logits, -1, mask, posinf_wins=False)
+    if sinks is None:
+        return safe_softmax_f32(logits, -1, mask, posinf_wins=False)
+    x = jnp.where(jnp.broadcast_to(mask, logits.shape), logits, -jnp.inf)
+    sink = sink_logits(sinks, logits.shape[:-1] + (1,))
+    m = jnp.maximum(jnp.max(x, axis=-1, keepdims=True, initial=-jnp.inf), sink)
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.exp(x - shift)
+    total = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - shift)
+    return e / jnp.where(total == 0, 1.0, total)
+
+
+def sink_step(sinks, row_max):
+    """The sink's term of an online softmax (:func:`softmax_step`), after the last span of
+    keys: ``(e_sink, rescale)`` with ``total = total * rescale + e_sink`` and ``out = out *
+    rescale`` (a sink weighs no value). ``sinks`` broadcasts to ``row_max`` ``[..., 1]``."""
+    sink = sink_logits(sinks, row_max.shape)
+    m = jax.lax.stop_gradient(jnp.maximum(row_max, sink))
+    shift = jnp.where(m == -jnp.inf, jnp.float32(0), m)
+    return jnp.exp(sink - shift), jnp.exp(row_max - shift)
 
 
 def softmax_step(logits, mask, previous_max, *, scale, logits_soft_cap):

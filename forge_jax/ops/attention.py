@@ -9,6 +9,12 @@ them compute the same thing; this is the one place it is written down.
   soft-capped to ``cap * tanh(s / cap)`` when ``logits_soft_cap`` is given; softmax over the
   visible keys in float32; ``out = sum_j p_j v_j`` in float32, returned in ``q.dtype``.
   Query head ``h`` reads kv head ``h // (q_heads // kv_heads)`` (GQA/MQA).
+* **Sinks** (``sinks=``, float ``[q_heads]``, gpt-oss): the logit ``sinks[h]`` joins the
+  softmax denominator of every query of head ``h``, as it is (neither scaled nor
+  capped), and weighs no value: ``p_j = exp(s_j) / (exp(sinks[h]) + sum_visible exp(s))``.
+  A sink is visible to every query: NaN in it gives NaN in its head's outputs, ``+inf``
+  too (as a ``+inf`` logit does); ``-inf`` is no sink. A query that sees no key still
+  returns zeros.
 * **Positions: bottom-right, per sequence.** Query ``t`` of ``q_len`` sits at position
   ``p = q_positions[b, t]`` when positions are given; otherwise
   ``p = kv_lengths[b] - q_len + t`` when the sequence length is given (dense
@@ -17,10 +23,12 @@ them compute the same thing; this is the one place it is written down.
   chunked prefill continues where the cache ends. (``jax.nn.dot_product_attention``
   aligns top-left: a decode query there sees key 0 only.)
 * **Visibility.** Key ``j`` is visible to the query at ``p`` iff ``(not causal or j <= p)``
-  and ``j < kv_lengths[b]`` (when given) and ``j > p - sliding_window`` (when given). Paged
-  attention is always causal.
+  and ``j < kv_lengths[b]`` (when given) and ``j > p - sliding_window`` (when given) and
+  ``j // attention_chunk_size == p // attention_chunk_size`` (chunked attention, Llama 4,
+  when given: a query sees only the keys of its own chunk). Paged attention is always
+  causal.
 * **Invisible keys never influence the output, whatever they hold.** Slots past the
-  length of a sequence, hidden by the causal mask or outside the window may hold NaN or
+  length of a sequence, hidden by the causal mask or outside the window or chunk may hold NaN or
   inf (uninitialised or recycled cache memory): the output is the same finite result.
   Masking the logits is not enough (``0 * NaN = NaN``), so the values are masked too.
 * **Visible non-finite data propagates.** A NaN in a visible query, key or value, or
@@ -60,6 +68,7 @@ from forge_jax import _checks, dispatch, sharding
 from forge_jax.ops._attention_math import (
     all_finite,
     check_dims,
+    check_extras,
     check_heads,
     check_masking,
     default_positions,
@@ -67,6 +76,7 @@ from forge_jax.ops._attention_math import (
     finite_keys,
     hide_from_decode,
     masked_probs,
+    sink_step,
     softmax_step,
     visible_mask,
     weighted_values,
@@ -74,7 +84,8 @@ from forge_jax.ops._attention_math import (
 
 
 def _attention_args(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
-                    sliding_window=None, logits_soft_cap=None):
+                    sliding_window=None, logits_soft_cap=None, sinks=None,
+                    attention_chunk_size=None):
     _checks.array("q", q, ndim=4)
     _checks.array("k", k, ndim=4)
     _checks.array("v", v, ndim=4)
@@ -104,9 +115,14 @@ def _attention_args(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         _check_kv_length_values(kv_lengths, k.shape[1])
     scale, sliding_window, logits_soft_cap = check_masking(
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if isinstance(scale, float) and not np.isfinite(scale):  # would make every output NaN
+        raise ValueError(f"scale must be a finite number (or None: 1/sqrt(head_dim)), got "
+                         f"{scale=}")
+    extras = check_extras(sinks=sinks, attention_chunk_size=attention_chunk_size,
+                          q_heads=q.shape[2])
     return dict(q=q, k=k, v=v, scale=scale, causal=causal, q_positions=q_positions,
                 kv_lengths=kv_lengths, sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap)
+                logits_soft_cap=logits_soft_cap, **extras)
 
 
 def _check_kv_length_values(kv_lengths, kv_len):
@@ -125,7 +141,8 @@ def _check_kv_length_values(kv_lengths, kv_len):
 
 
 def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
-              sliding_window=None, logits_soft_cap=None, implementation=None):
+              sliding_window=None, logits_soft_cap=None, sinks=None, attention_chunk_size=None,
+              implementation=None):
     """Multi-head scaled dot-product attention (MHA, GQA and MQA).
 
     ``out[b, t, h] = sum_j p[b, h, t, j] * v[b, j, h // g]`` with
@@ -166,6 +183,11 @@ def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=
       sliding_window: optional positive int, keys further back than this are hidden
         (a query sees itself and the ``sliding_window - 1`` keys before it).
       logits_soft_cap: optional positive float.
+      sinks: optional float ``[q_heads]`` (attention sinks, gpt-oss): a logit per query
+        head that joins every query's softmax denominator, neither scaled nor capped, and
+        weighs no value (see the contract).
+      attention_chunk_size: optional positive int (chunked attention, Llama 4): a query
+        at ``p`` sees only keys of its own chunk, ``j // size == p // size``.
       implementation: ``None`` (auto) or a registered implementation name.
 
     Returns:
@@ -173,7 +195,10 @@ def attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=
     """
     args = _attention_args(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                            kv_lengths=kv_lengths, sliding_window=sliding_window,
-                           logits_soft_cap=logits_soft_cap)
+                           logits_soft_cap=logits_soft_cap, sinks=sinks,
+                           attention_chunk_size=attention_chunk_size)
+    if q.shape[1] == 0:  # no queries, an empty result (as for an empty batch)
+        return jnp.zeros(q.shape, q.dtype)
     return dispatch.call("attention", args, implementation)
 
 
@@ -188,6 +213,8 @@ def _attention_partition(args, config):
         specs["q_positions"] = P(b, None)
     if args["kv_lengths"] is not None:
         specs["kv_lengths"] = P(b)
+    if args.get("sinks") is not None:
+        specs["sinks"] = P(h)
     return specs, qs
 
 
@@ -203,7 +230,7 @@ KV_BLOCK = 512
 
 
 def _attend_blocks(q, k, v, *, q_positions, causal, kv_lengths, sliding_window, scale,
-                   logits_soft_cap, key_bounds):
+                   logits_soft_cap, key_bounds, sinks=None, attention_chunk_size=None):
     """Attention of several queries over finite keys and values, one block of
     ``Q_BLOCK`` queries at a time, head-major: ``[b, k, g * block, s]`` logits straight
     from the product (no relayout of the logits), an online softmax over spans of keys
@@ -232,6 +259,8 @@ def _attend_blocks(q, k, v, *, q_positions, causal, kv_lengths, sliding_window, 
         # The scale goes into the queries (q_len x head_dim products) rather than the
         # logits (q_len x kv_len): one pass over every span of logits fewer.
         qh, scale = qh * jnp.asarray(scale, jnp.float32), 1.0
+    if sinks is not None:
+        sinks = jnp.asarray(sinks).reshape(kv_heads, groups)[None, :, :, None, None]
     kh = jnp.transpose(k, (0, 2, 1, 3))  # [b, k, s, h]
     vh = jnp.transpose(v, (0, 2, 1, 3)).astype(jnp.float32)
     positions = q_positions.astype(jnp.int32)
@@ -245,10 +274,16 @@ def _attend_blocks(q, k, v, *, q_positions, causal, kv_lengths, sliding_window, 
         for lo, hi, k_span, v_span, masked in spans:
             mask = None
             if masked:  # keys lo .. hi - 1: the mask of keys 0 .. hi - lo - 1, shifted
+                # (the chunk mask compares absolute indices: shifted back by lo)
+                span_keys = jnp.arange(lo, hi, dtype=jnp.int32)
                 mask = visible_mask(
                     positions - lo, hi - lo, causal=causal, sliding_window=sliding_window,
                     kv_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32) - lo,
-                )[:, None, None]  # [b, 1, 1, n, hi - lo]
+                )
+                if attention_chunk_size is not None:
+                    mask &= ((span_keys[None, None, :] // attention_chunk_size)
+                             == (positions[:, :, None] // attention_chunk_size))
+                mask = mask[:, None, None]  # [b, 1, 1, n, hi - lo]
             logits = exact_logits("bkqh,bksh->bkqs", q2, k_span)
             e, row_max, rescale = softmax_step(
                 logits.reshape(batch, kv_heads, groups, n, hi - lo), mask, row_max,
@@ -262,6 +297,9 @@ def _attend_blocks(q, k, v, *, q_positions, causal, kv_lengths, sliding_window, 
                 total, out = span_sum, span_out
             else:
                 total, out = total * rescale + span_sum, out * rescale + span_out
+        if sinks is not None:
+            e_sink, rescale = sink_step(sinks, row_max)
+            total, out = total * rescale + e_sink, out * rescale
         return out / jnp.where(total == 0, jnp.float32(1), total)
 
     def scanned(start, count, spans):
@@ -298,7 +336,7 @@ def _attend_blocks(q, k, v, *, q_positions, causal, kv_lengths, sliding_window, 
 
 
 def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, sliding_window,
-                        logits_soft_cap):
+                        logits_soft_cap, sinks=None, attention_chunk_size=None):
     """The XLA implementation: materialises the ``[batch, heads, q_len, kv_len]`` logits
     (several queries with finite keys and values: per block of queries, see
     :func:`_attend_blocks`)."""
@@ -317,7 +355,8 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
         # exact: some K/V entry is non-finite, so hidden slots must be kept out explicitly.
         # (The mask is made inside the branch: the plain path of a prefill never needs it.)
         mask = visible_mask(q_positions, kv_len, causal=causal, kv_lengths=kv_lengths,
-                            sliding_window=sliding_window)  # [b, t, s]
+                            sliding_window=sliding_window,
+                            attention_chunk_size=attention_chunk_size)  # [b, t, s]
         bad_keys = None
         if exact and q_len == 1:
             k, v = hide_from_decode(k, v, mask[:, 0, :, None, None])
@@ -331,8 +370,10 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
         if bad_keys is not None:
             logits = jnp.where(jnp.transpose(bad_keys, (0, 2, 1))[:, :, None, None, :],
                                jnp.float32(jnp.nan), logits)
-        probs = masked_probs(logits, mask[:, None, None, :, :], scale=scale,
-                             logits_soft_cap=logits_soft_cap)  # [b, k, g, t, s]
+        probs = masked_probs(
+            logits, mask[:, None, None, :, :], scale=scale, logits_soft_cap=logits_soft_cap,
+            sinks=None if sinks is None else jnp.asarray(sinks).reshape(
+                kv_heads, groups)[None, :, :, None, None])  # [b, k, g, t, s]
         product = lambda values: jnp.einsum("bkgts,bskh->btkgh", probs, values,
                                             preferred_element_type=jnp.float32,
                                             precision=jax.lax.Precision.HIGHEST)
@@ -349,7 +390,8 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
         # Query t sits at kv_len - q_len + t and sees the keys up to it. Keys that all of a
         # block's queries see skip the mask, unless a window hides old keys or the scale
         # (not a positive number) reverses the order of the logits.
-        unmasked = sliding_window is None and isinstance(scale, float) and scale > 0
+        unmasked = (sliding_window is None and attention_chunk_size is None
+                    and isinstance(scale, float) and scale > 0)
 
         def key_bounds(start, stop):
             keys = min(kv_len, max(1, kv_len - q_len + stop))
@@ -365,7 +407,7 @@ def attention_reference(q, k, v, *, scale, causal, q_positions, kv_lengths, slid
         plain = lambda: _attend_blocks(  # noqa: E731
             q, k, v, q_positions=q_positions, causal=causal, kv_lengths=kv_lengths,
             sliding_window=sliding_window, scale=scale, logits_soft_cap=logits_soft_cap,
-            key_bounds=key_bounds)
+            key_bounds=key_bounds, sinks=sinks, attention_chunk_size=attention_chunk_size)
     # One fused check picks the plain step for finite K/V (the usual case) and returns only
     # the output, so nothing the size of K/V is copied for the check.
     out = jax.lax.cond(all_finite(k, v), plain, lambda: attend(k, v, True))

@@ -46,6 +46,7 @@ from forge_jax.ops import kv_fold, kv_quant
 from forge_jax.ops._attention_math import (
     all_finite,
     check_dims,
+    check_extras,
     check_heads,
     check_masking,
     check_table_values,
@@ -263,7 +264,8 @@ def paged_gather_xla(pages, block_tables, lengths, scales=None, fold=1):
 
 
 def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
-                          q_positions=None, sliding_window=None, logits_soft_cap=None):
+                          q_positions=None, sliding_window=None, logits_soft_cap=None,
+                          sinks=None, attention_chunk_size=None):
     _checks.array("q", q, ndim=(3, 4))
     k_pages, v_pages, scales = pool_args(k_pages, v_pages)
     check_tables(block_tables, lengths)
@@ -289,13 +291,17 @@ def _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, *, scale=N
                 f"q_positions must be [batch, q_len] = {(batch, q_len)}, got {q_positions.shape=}")
     scale, sliding_window, logits_soft_cap = check_masking(
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    extras = check_extras(sinks=sinks, attention_chunk_size=attention_chunk_size,
+                          q_heads=q_heads)
     return dict(q=q, k_pages=kv_fold.stored(k_pages), v_pages=kv_fold.stored(v_pages),
                 block_tables=block_tables, lengths=lengths, scale=scale, q_positions=q_positions,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **scales)
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **scales,
+                **extras)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q_positions=None,
-                    sliding_window=None, logits_soft_cap=None, implementation=None):
+                    sliding_window=None, logits_soft_cap=None, sinks=None,
+                    attention_chunk_size=None, implementation=None):
     """Attention of new queries over a paged KV cache (decode and chunked prefill).
 
     The same computation as :func:`forge_jax.attention` on the keys and values that
@@ -303,7 +309,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     contract in the docstring of :mod:`forge_jax.ops.attention`, which also defines the
     alignment, the NaN rules and what a kernel must do): query ``t`` of
     sequence ``b`` at absolute position ``p`` sees key ``j`` iff ``j <= p``,
-    ``j < lengths[b]`` and ``j > p - sliding_window`` (when given); logits are
+    ``j < lengths[b]``, ``j > p - sliding_window`` (when given) and ``j // c == p // c``
+    (``c = attention_chunk_size``, when given); logits are
     ``scale * q . k`` (soft-capped to ``cap * tanh(x / cap)`` when ``logits_soft_cap``
     is given), softmax and the weighted sum of values run in float32; query head ``h``
     reads kv head ``h // (q_heads // kv_heads)`` (GQA/MQA).
@@ -353,6 +360,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
       sliding_window: optional positive int; a query sees itself and the
         ``sliding_window - 1`` keys before it.
       logits_soft_cap: optional positive float.
+      sinks: optional float ``[q_heads]``, attention sinks (as :func:`forge_jax.attention`).
+      attention_chunk_size: optional positive int, chunked attention (as
+        :func:`forge_jax.attention`).
       implementation: ``None`` (auto) or a registered implementation name.
 
     Returns:
@@ -360,7 +370,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, q
     """
     args = _paged_attention_args(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                                  q_positions=q_positions, sliding_window=sliding_window,
-                                 logits_soft_cap=logits_soft_cap)
+                                 logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                 attention_chunk_size=attention_chunk_size)
     return dispatch.call("paged_attention", args, implementation)
 
 
@@ -375,6 +386,8 @@ def _paged_attention_partition(args, config):
              "lengths": P(b)}
     if args["q_positions"] is not None:
         specs["q_positions"] = P(b, None)
+    if args.get("sinks") is not None:
+        specs["sinks"] = P(h)
     return _with_scale_specs(specs, args, ps), qs
 
 
@@ -384,7 +397,8 @@ dispatch.define("paged_attention", _paged_attention_args, partition=_paged_atten
 @dispatch.register("paged_attention", "xla", priority={"cpu": 0, "gpu": 0, "tpu": 0},
                    description="gather the named pages, then dense masked attention")
 def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_positions,
-                        sliding_window, logits_soft_cap, k_scales=None, v_scales=None, fold=1):
+                        sliding_window, logits_soft_cap, k_scales=None, v_scales=None, fold=1,
+                        sinks=None, attention_chunk_size=None):
     q, lengths = jnp.asarray(q), jnp.asarray(lengths)
     if fold > 1:  # folded pools (kv_fold): read the logical view
         k_pages, v_pages = (kv_fold.unfold(jnp.asarray(x), fold) for x in (k_pages, v_pages))
@@ -399,12 +413,13 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, scale, q_
     with jax.named_scope("paged_attention"):
         out = _attend_pages(q, (k_pages, k_scales), (v_pages, v_scales), block_tables,
                             lengths, scale=scale, q_positions=q_positions,
-                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                            sinks=sinks, attention_chunk_size=attention_chunk_size)
     return out[:, 0] if decode else out
 
 
 def _attend_pages(q, k_pool, v_pool, block_tables, lengths, *, scale, q_positions,
-                  sliding_window, logits_soft_cap):
+                  sliding_window, logits_soft_cap, sinks=None, attention_chunk_size=None):
     """:func:`attention_reference` over the pages the block tables name, kept head-major.
     ``k_pool``, ``v_pool``: ``(pages, scales)``, the scales None for a float pool.
 
@@ -426,7 +441,10 @@ def _attend_pages(q, k_pool, v_pool, block_tables, lengths, *, scale, q_position
     seq = k.shape[2]
     # Slots past the length or on an entry that names no page are invisible to every query.
     mask = visible_mask(q_positions, seq, causal=True, kv_lengths=None,
-                        sliding_window=sliding_window) & named[:, None, :]  # [b, t, s]
+                        sliding_window=sliding_window,
+                        attention_chunk_size=attention_chunk_size) & named[:, None, :]  # [b, t, s]
+    if sinks is not None:
+        sinks = jnp.asarray(sinks).reshape(kv_heads, 1, groups, 1, 1)
     qg = jnp.transpose(q.reshape(batch, q_len, kv_heads, groups, head_dim), (2, 0, 3, 1, 4))
     qg = qg.reshape(kv_heads, batch, groups * q_len, head_dim)
 
@@ -441,7 +459,7 @@ def _attend_pages(q, k_pool, v_pool, block_tables, lengths, *, scale, q_position
         if bad_keys is not None:
             logits = jnp.where(bad_keys[:, :, None, None, :], jnp.float32(jnp.nan), logits)
         probs = masked_probs(logits, mask[None, :, None], scale=scale,
-                             logits_soft_cap=logits_soft_cap)  # [k, b, g, t, s]
+                             logits_soft_cap=logits_soft_cap, sinks=sinks)  # [k, b, g, t, s]
         product = lambda values: jnp.einsum(
             "kbqs,kbsh->kbqh", probs.reshape(kv_heads, batch, groups * q_len, seq), values,
             preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
@@ -554,3 +572,7 @@ def copy_pages_xla(k_pages, v_pages, copies, k_scales=None, v_scales=None, fold=
     with jax.named_scope("copy_pages"):
         pools = (k_pages, v_pages) if k_scales is None else (k_pages, v_pages, k_scales, v_scales)
         return tuple(_copy(jnp.asarray(pool), src, dst) for pool in pools)
+
+
+# The write-slot check, shared with the other ops that write pages (forge_jax.ops.mla).
+check_slot_values = _check_slot_values

@@ -33,7 +33,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
-from forge_jax.quant import QuantizedArray, dequantize, partition_specs, quantize_rows
+from forge_jax.quant import (
+    QuantizedArray,
+    dequantize,
+    e8m0_scales,
+    fp4_values,
+    partition_specs,
+    quantize_rows,
+)
 
 _FULL = jax.lax.Precision.HIGHEST
 # Values dequantized at a time: a block of rows of about 1 MiB in float32, which stays in
@@ -183,6 +190,14 @@ def _block_product(a2, values, scales, minimums, *, fmt, group, rows_per_scale, 
 
     bn = values.shape[0]
     g = scales.shape[-1]
+    if fmt == "mxfp4":  # E2M1 codes packed as int4's, E8M0 scales: decoded in the block
+        scales = e8m0_scales(scales)
+        out = 0.0
+        for half, cols in ((values & 0xF, slice(0, None, 2)), (values >> 4, slice(1, None, 2))):
+            w = fp4_values(half).reshape(bn, g, group // 2) * rows(scales)
+            out = out + jax.lax.dot_general(a2[:, cols], w.reshape(bn, -1).astype(dtype), dims,
+                                            preferred_element_type=jnp.float32, precision=_FULL)
+        return out
     if fmt == "int4":
         # The low nibbles hold the even columns and the high ones the odd columns: two
         # products against a's even and odd columns, so no interleaving copy is made.

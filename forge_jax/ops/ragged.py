@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from forge_jax import _checks, dispatch, sharding
 from forge_jax.ops import kv_fold, kv_quant
 from forge_jax.ops._attention_math import (
+    check_extras,
     check_heads,
     check_masking,
     clamp_lengths,
@@ -153,7 +154,8 @@ def _debug_checks(block_tables, kv_lengths, cu_q_lens, num_seqs, *, total_tokens
 
 
 def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
-                 scale=None, sliding_window=None, logits_soft_cap=None):
+                 scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
+                 attention_chunk_size=None):
     _checks.array("q", q, ndim=3)
     k_pages, v_pages, scales = pool_args(k_pages, v_pages)
     _checks.array("block_tables", block_tables, ndim=2, kind="int")
@@ -177,17 +179,19 @@ def _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_s
     check_heads(q.shape[1], kv_heads, q.shape, k_pages.shape)
     scale, sliding_window, logits_soft_cap = check_masking(
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    extras = check_extras(sinks=sinks, attention_chunk_size=attention_chunk_size,
+                          q_heads=q.shape[1])
     _check_values(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens=q.shape[0],
                   num_pages=num_pages, page_size=page_size)
     return dict(q=q, k_pages=kv_fold.stored(k_pages), v_pages=kv_fold.stored(v_pages),
                 block_tables=block_tables, kv_lengths=kv_lengths, cu_q_lens=cu_q_lens,
                 num_seqs=num_seqs, scale=scale, sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap, **scales)
+                logits_soft_cap=logits_soft_cap, **scales, **extras)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs, *,
-                           scale=None, sliding_window=None, logits_soft_cap=None,
-                           implementation=None):
+                           scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
+                           attention_chunk_size=None, implementation=None):
     """Attention of a ragged batch of new tokens over a paged KV cache (mixed prefill + decode).
 
     Sequence ``i < num_seqs`` owns the query rows ``cu_q_lens[i]:cu_q_lens[i + 1]``; they are
@@ -198,8 +202,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
 
     ``out[r, h] = sum_j softmax_j(cap(scale * q[r, h] . k[i, j, h // g])) * v[i, j, h // g]``
 
-    over the keys ``j`` it sees: ``j <= p``, ``j < kv_lengths[i]`` and, with a sliding
-    window, ``j > p - sliding_window``. Here ``k[i, j] = k_pages[:, block_tables[i, j //
+    over the keys ``j`` it sees: ``j <= p``, ``j < kv_lengths[i]``, with a sliding
+    window ``j > p - sliding_window``, and with chunked attention ``j // c == p // c``
+    (``c = attention_chunk_size``). Attention sinks (``sinks[h]``) join every row's
+    denominator as in :func:`forge_jax.attention`. Here ``k[i, j] = k_pages[:, block_tables[i, j //
     page_size], j % page_size]``, ``g = q_heads // kv_heads`` and ``cap(x) = logits_soft_cap
     * tanh(x / logits_soft_cap)`` when a soft cap is given. Logits, softmax and the weighted
     sum run in float32. This is :func:`forge_jax.paged_attention` of each sequence's rows,
@@ -250,6 +256,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
       sliding_window: optional positive int; a query sees itself and the
         ``sliding_window - 1`` keys before it.
       logits_soft_cap: optional positive float.
+      sinks: optional float ``[q_heads]``, attention sinks (as :func:`forge_jax.attention`).
+      attention_chunk_size: optional positive int, chunked attention (as
+        :func:`forge_jax.attention`).
       implementation: ``None`` (auto) or a registered implementation name.
 
     Returns:
@@ -257,7 +266,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
     """
     args = _ragged_args(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs,
                         scale=scale, sliding_window=sliding_window,
-                        logits_soft_cap=logits_soft_cap)
+                        logits_soft_cap=logits_soft_cap, sinks=sinks,
+                        attention_chunk_size=attention_chunk_size)
     return dispatch.call("ragged_paged_attention", args, implementation)
 
 
@@ -272,6 +282,8 @@ def _ragged_paged_attention_partition(args, config):
         specs.update(k_scales=ps, v_scales=ps)
     if isinstance(args["num_seqs"], jax.Array | np.ndarray):
         specs["num_seqs"] = P()
+    if args.get("sinks") is not None:
+        specs["sinks"] = P(h)
     return specs, P(None, h, None)
 
 
@@ -301,7 +313,8 @@ def _token_rows(block_tables, kv_lengths, cu_q_lens, num_seqs, total_tokens, cap
 
 
 def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, sliding_window,
-                 logits_soft_cap, k_scales=None, v_scales=None):
+                 logits_soft_cap, k_scales=None, v_scales=None, sinks=None,
+                 attention_chunk_size=None):
     """Each row of ``q [rows, q_heads, head_dim]`` over the pages of its own block table."""
     rows, q_heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
@@ -314,7 +327,8 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
     seq = k.shape[2]
     # Slots past the length or on an entry that names no page are invisible.
     mask = visible_mask(positions[:, None], seq, causal=True, kv_lengths=None,
-                        sliding_window=sliding_window)[:, 0] & named  # [rows, seq]
+                        sliding_window=sliding_window,
+                        attention_chunk_size=attention_chunk_size)[:, 0] & named  # [rows, seq]
     # Hidden slots may hold NaN or inf (a zero probability times NaN is still NaN): each
     # row zeroes the keys and values it does not see (the keys for the gradient of q). A
     # non-finite value it sees makes its output NaN (the attention contract), also where
@@ -328,15 +342,17 @@ def _attend_rows(q, k_pages, v_pages, tables, lengths, positions, *, scale, slid
     qg = jnp.swapaxes(q.reshape(rows, kv_heads, groups, head_dim), 0, 1)  # [k, rows, g, d]
     logits = exact_logits("krgd,krsd->krgs", qg, k)
     probs = masked_probs(logits, mask[None, :, None, :], scale=scale,
-                         logits_soft_cap=logits_soft_cap)
+                         logits_soft_cap=logits_soft_cap,
+                         sinks=None if sinks is None else jnp.asarray(sinks).reshape(
+                             kv_heads, 1, groups, 1))
     out = jnp.einsum("krgs,krsd->krgd", probs, v.astype(jnp.float32),
                      preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     out = jnp.where(seen_non_finite, jnp.float32(jnp.nan), out)
     return jnp.swapaxes(out, 0, 1).reshape(rows, q_heads, head_dim).astype(q.dtype)
 
 
-def _by_rows(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_lengths, cu_q_lens,
-             num_seqs, *, masking):
+def _by_rows(q, k_pages, v_pages, k_scales, v_scales, sinks, block_tables, kv_lengths,
+             cu_q_lens, num_seqs, *, masking):
     """The differentiable formulation (reverse and forward mode): every row over its own
     sequence's pages (:func:`_attend_rows`), in blocks of ``_ROWS_PER_STEP`` rows."""
     total_tokens, q_heads, head_dim = q.shape
@@ -345,7 +361,7 @@ def _by_rows(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_lengths, 
     tables = block_tables[seq]
     attend = lambda q, tables, lengths, positions: _attend_rows(  # noqa: E731
         q, k_pages, v_pages, tables, lengths, positions, k_scales=k_scales, v_scales=v_scales,
-        **masking)
+        sinks=sinks, **masking)
     block = _ROWS_PER_STEP
     if total_tokens <= block:
         return attend(q, tables, lengths, positions)
@@ -358,8 +374,8 @@ def _by_rows(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_lengths, 
     return out.reshape(-1, q_heads, head_dim)[:total_tokens]
 
 
-def _by_sequences(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_lengths, cu_q_lens,
-                  num_seqs, *, masking):
+def _by_sequences(q, k_pages, v_pages, k_scales, v_scales, sinks, block_tables, kv_lengths,
+                  cu_q_lens, num_seqs, *, masking):
     """The forward: each prefill chunk by blocks of ``_SEQ_BLOCK`` rows over its sequence's
     pages, the decode rows by groups of ``_DECODE_ROWS`` (each row over its own pages), both
     through :func:`forge_jax.ops.paged.paged_attention_xla` (the same masking contract);
@@ -372,7 +388,8 @@ def _by_sequences(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_leng
     n = jnp.clip(jnp.asarray(num_seqs).astype(jnp.int32), 0, max_seqs)
     q_lens = jnp.where(jnp.arange(max_seqs) < n, cu[1:] - cu[:-1], 0)  # [max_seqs]
     kv = clamp_lengths(kv_lengths, block_tables.shape[1] * k_pages.shape[2])
-    pools = dict(k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales)
+    pools = dict(k_pages=k_pages, v_pages=v_pages, k_scales=k_scales, v_scales=v_scales,
+                 sinks=sinks)
     single = (lengths > 0) & (q_lens[seq] == 1)  # [tokens]: decode rows that see a key
     out = jnp.zeros(q.shape, q.dtype)
 
@@ -433,7 +450,8 @@ def _by_sequences(q, k_pages, v_pages, k_scales, v_scales, block_tables, kv_leng
                                "decode rows each over its own; masked float32 softmax")
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens,
                                num_seqs, *, scale, sliding_window, logits_soft_cap,
-                               k_scales=None, v_scales=None, fold=1):
+                               k_scales=None, v_scales=None, fold=1, sinks=None,
+                               attention_chunk_size=None):
     q, k_pages, v_pages = map(jnp.asarray, (q, k_pages, v_pages))
     if fold > 1:  # folded pools (forge_jax.ops.kv_fold): read the logical view
         k_pages, v_pages = kv_fold.unfold(k_pages, fold), kv_fold.unfold(v_pages, fold)
@@ -442,7 +460,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu
         scale = head_dim ** -0.5
     if total_tokens == 0 or block_tables.shape[0] == 0 or k_pages.shape[1] == 0:
         return jnp.zeros(q.shape, q.dtype)  # no row can see a key
-    masking = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    masking = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                   attention_chunk_size=attention_chunk_size)
     ints = (jnp.asarray(block_tables).astype(jnp.int32), jnp.asarray(kv_lengths),
             jnp.asarray(cu_q_lens), jnp.asarray(num_seqs).astype(jnp.int32))
 
@@ -460,4 +479,11 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lengths, cu
         return attend(floats, ints), tangent
 
     with jax.named_scope("ragged_paged_attention"):
-        return attend((q, k_pages, v_pages, k_scales, v_scales), ints)
+        return attend((q, k_pages, v_pages, k_scales, v_scales, sinks), ints)
+
+
+# The ragged layout's checks, shared with the other ops that take it
+# (forge_jax.ops.mla.mla_paged_attention).
+check_num_seqs = _check_num_seqs
+check_ragged_values = _check_values
+token_rows = _token_rows

@@ -135,6 +135,11 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
         raw = await protection.read_body(request.receive, request.headers,
                                          limit=config.max_request_bytes,
                                          timeout=config.body_timeout)
+        if len(raw) < 2**16:
+            return decode_json(raw)
+        return await asyncio.get_running_loop().run_in_executor(pool, decode_json, raw)
+
+    def decode_json(raw: bytes):
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -154,6 +159,10 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                            param=where.split("[")[0], code="context_length_exceeded")
 
     def encode_chat(messages: list[dict], variables: dict) -> list[int]:
+        try:
+            text.check_messages(messages)
+        except (ValueError, TypeError) as e:  # a malformed message, named
+            raise APIError(400, str(e), param="messages") from None
         try:
             return text.encode_chat(tokenizer, messages, **variables)
         except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
@@ -225,7 +234,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                            "context_length_exceeded") from None
         except serving.QueueFull as e:
             cancel(streams)
-            if engine.stopping:
+            if engine.stopping or state.stopping:
                 raise APIError(503, "the server is shutting down", type="server_error",
                                code="shutting_down") from None
             raise APIError(429, str(e), type="rate_limit_error",
@@ -286,6 +295,9 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
     async def completions(request: Request, chat: bool):
         start = time.monotonic()
         try:
+            if engine.stopping or state.stopping:
+                raise APIError(503, "the server is shutting down", type="server_error",
+                               code="shutting_down")
             if not state.ready:
                 raise APIError(503, "the server is warming up (compiling its steps): retry "
                                     "when /health says ok", type="server_error",
@@ -407,7 +419,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
              "owned_by": "forge_jax", "max_model_len": engine.max_model_len}]})
 
     async def health(request: Request):
-        if engine.stopping:
+        if engine.stopping or state.stopping:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "warming up"}, status_code=503)
@@ -428,6 +440,8 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
         from forge_jax.serving import server
 
         began = time.monotonic()
+        log.info("warming up: compiling the step for each row bucket, greedy and sampled "
+                 "(/health says ok when done)")
         try:
             variants = server.warm_up(engine)
         except serving.QueueFull:  # shutting down meanwhile
@@ -465,5 +479,6 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     state = app.state
     state.ready = not config.warm_up
+    state.stopping = False  # set by the server's drain: new requests get 503
     state.drained = None
     return app

@@ -127,9 +127,9 @@ def choice(*values):
 
 def _stop(name, v):
     stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP or not all(
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(
             isinstance(s, str) and s for s in stops):
-        raise _bad(name, f"a non-empty string or an array of 1 to {MAX_STOP} non-empty "
+        raise _bad(name, f"a non-empty string or an array of at most {MAX_STOP} non-empty "
                          f"strings", v)
     return tuple(stops)
 

@@ -8,7 +8,8 @@ On SIGTERM or SIGINT the server keeps its connections and its listening socket w
 engine drains: new requests get 503 in OpenAI's shape, the requests in flight finish for up
 to ``shutdown_timeout`` seconds, the rest end with ``finish_reason: "cancelled"`` (streams
 get their final chunk and ``data: [DONE]``); then uvicorn closes the connections and the
-process exits with status 0. A second signal exits at once.
+process exits with status 0. A second signal cancels the requests left at once; a third
+exits without waiting for anything.
 """
 
 from __future__ import annotations
@@ -156,8 +157,7 @@ def make_server(app, *, engine, shutdown_timeout: float, max_connections: int | 
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", http=protocol_class(
             max_connections=max_connections, header_timeout=header_timeout),
-        timeout_keep_alive=keep_alive_timeout, timeout_graceful_shutdown=5,
-        h11_max_incomplete_event_size=64 * 1024)
+        timeout_keep_alive=keep_alive_timeout, timeout_graceful_shutdown=5)
     return draining_server_class()(config, app=app, engine=engine,
                                    shutdown_timeout=shutdown_timeout)
 
@@ -179,6 +179,7 @@ def draining_server_class():
             super().__init__(config)
             self.asgi_app, self.engine, self.shutdown_timeout = app, engine, shutdown_timeout
             self.drainer: threading.Thread | None = None
+            self.hurry = threading.Event()
 
         def handle_exit(self, sig, frame):
             # Not uvicorn's: it would re-raise the signal after the server stops (a
@@ -187,15 +188,29 @@ def draining_server_class():
                 self.drainer = threading.Thread(target=self.drain, name="forge-jax-drain",
                                                 daemon=True)
                 self.drainer.start()
-            else:  # a second signal: stop now
+            elif not self.hurry.is_set():  # a second signal: cancel the rest now
+                log.info("a second signal: cancelling the requests in flight")
+                self.hurry.set()
+            else:  # a third: exit at once
                 self.should_exit = self.force_exit = True
 
         def drain(self):
-            gauges = self.engine.snapshot()
+            engine, state = self.engine, self.asgi_app.state
+            before = dict(engine.stats.finished)
+            state.stopping = True  # new requests: 503 (the app checks this)
+            gauges = engine.snapshot()
             log.info("stopping: new requests are refused; %d running and %d waiting get up "
                      "to %g s to finish", gauges["running"], gauges["waiting"],
                      self.shutdown_timeout)
-            self.asgi_app.state.drained = self.engine.shutdown(wait=self.shutdown_timeout)
+            deadline = time.monotonic() + self.shutdown_timeout
+            while engine.has_work() and time.monotonic() < deadline and \
+                    not self.hurry.is_set():
+                time.sleep(0.01)
+            engine.shutdown()  # cancels what is left and stops the loop
+            after = engine.stats.finished
+            cancelled = after["cancelled"] - before["cancelled"]
+            state.drained = {"finished": sum(after.values()) - sum(before.values()) - cancelled,
+                             "cancelled": cancelled}
             deadline = time.monotonic() + 10  # their last chunks go out
             while self.server_state.tasks and time.monotonic() < deadline:
                 time.sleep(0.02)

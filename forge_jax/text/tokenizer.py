@@ -10,11 +10,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from forge_jax.generation.prompts import encode_prompt
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
 from forge_jax.models.checkpoints.generation_config import (
     load_generation_config as _read_generation_config,
 )
-from forge_jax.models.checkpoints.hub import resolve_checkpoint
+from forge_jax.models.checkpoints.hub import expand_user, resolve_checkpoint
 from forge_jax.text.chat_template import ChatTemplateError, check_messages, render_chat_template
 
 
@@ -72,10 +73,9 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` applies tokenizer.json's
-        post-processor (e.g. a leading ``<s>``), as transformers' ``tokenizer(text)`` does."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}: {text!r:.80}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        post-processor (e.g. a leading ``<s>``), as transformers' ``tokenizer(text)`` does
+        (:func:`forge_jax.generation.prompts.encode_prompt`, the one BOS decision)."""
+        return encode_prompt(self.backend, text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -117,6 +117,7 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> T
 
     from forge_jax.models.checkpoints import gguf as gguf_checkpoint
 
+    path = expand_user(path)
     if gguf_checkpoint.is_gguf(path):  # the file's own vocabulary and chat template
         return Tokenizer(**gguf_checkpoint.tokenizer_parts(path), name=str(path))
     path = resolve_checkpoint(path, revision=revision)

@@ -47,7 +47,7 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
-from forge_jax.models.llama_model import Llama, LlamaConfig
+from forge_jax.models.llama_model import Linear, Llama, LlamaConfig
 
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 EXACT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1") + K_TYPES
@@ -397,6 +397,18 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
         return x
 
     c = config
+    embed = tensors.get("model.embed_tokens.weight")
+    if model.lm_head is None and embed is not None and embed.tensor_type.name in EXACT_TYPES:
+        # A tied output head read from the quantized table as it is stored (the embedding
+        # lookup reads the float table below): decode then reads the output head at the
+        # file's bits a weight, as llama.cpp does, with the same values.
+        head = nnx.eval_shape(lambda: Linear(c.hidden_size, c.vocab_size, use_bias=False,
+                                             rngs=nnx.Rngs(0), dtype=dtype,
+                                             param_dtype=param_dtype))
+        head.kernel.set_value(check("token_embd", read_tensor(embed, param_dtype,
+                                                              keep_quantized=True),
+                                    head.kernel.shape))
+        model.lm_head = nnx.data(head)
     model.embed_tokens.set_value(check("token_embd", get("model.embed_tokens.weight"),
                                        model.embed_tokens.shape))
     model.norm.weight.set_value(get("model.norm.weight"))
@@ -421,7 +433,7 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
                                                 mlp.gate_up_proj.kernel.shape))
         mlp.down_proj.kernel.set_value(check(f"{p}.down_proj", get(
             f"{p}.mlp.down_proj.weight", keep_quantized=True), mlp.down_proj.kernel.shape))
-    if model.lm_head is not None:
+    if not c.tie_word_embeddings:
         model.lm_head.kernel.set_value(check("output", get("lm_head.weight", keep_quantized=True),
                                              model.lm_head.kernel.shape))
     if tensors:
@@ -441,7 +453,8 @@ def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     ``generation_config``.
 
     ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokenizer.ggml.tokens`` and
-    ``merges``, control tokens as special tokens. ``llama``: SentencePiece-style tokens with
+    ``merges``, control tokens as special tokens, a BOS first when
+    ``tokenizer.ggml.add_bos_token`` is set (Llama 3's). ``llama``: SentencePiece-style tokens with
     scores and types (:mod:`forge_jax.models.checkpoints.gguf_sentencepiece`). Another model is a
     CheckpointError naming it."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -473,6 +486,16 @@ def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     backend.decoder = decoders.ByteLevel()
     control = [t for t, kind in zip(tokens, types, strict=False) if kind in (3, 4)]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    # tokenizer.ggml.add_bos_token (off unless set, as llama.cpp reads a BPE vocabulary's):
+    # the post-processor adds the BOS, so that every prompt is encoded as llama.cpp does.
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if _field(reader, "tokenizer.ggml.add_bos_token") and bos is not None \
+            and 0 <= bos < len(tokens):
+        from tokenizers import processors
+
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 $B:1",
+            special_tokens=[(tokens[bos], bos)])
     return _parts(reader, tokens, backend)
 
 

@@ -25,7 +25,7 @@ from forge_jax.models.checkpoints.hf_names import (  # noqa: F401  (hf_parameter
     hf_parameters,
     hf_state_dict,
 )
-from forge_jax.models.checkpoints.hub import resolve_checkpoint
+from forge_jax.models.checkpoints.hub import expand_user, resolve_checkpoint
 from forge_jax.models.llama_model import Llama, LlamaConfig, TensorLayout
 
 # Buffers some older checkpoints carry that are not parameters (recomputed from the config).
@@ -117,6 +117,7 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
     :func:`forge_jax.models.checkpoints.hub.resolve_checkpoint`."""
     from forge_jax.models.checkpoints import gguf as gguf_checkpoint
 
+    path = expand_user(path)
     if gguf_checkpoint.is_gguf(path):
         return gguf_checkpoint.load_config(path)
     path = resolve_checkpoint(path, revision=revision)
@@ -210,6 +211,7 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     param_dtype = dtype if param_dtype is None else _float_dtype("param_dtype", param_dtype)
     from forge_jax.models.checkpoints import gguf as gguf_checkpoint
 
+    path = expand_user(path)
     if gguf_checkpoint.is_gguf(path):
         if quantize is not None or mesh is not None:
             raise ValueError(f"a GGUF file loads as it is quantized, onto one device: "

@@ -21,6 +21,15 @@ def _error(message: str) -> Exception:
     return CheckpointError(message)
 
 
+def expand_user(path: str | os.PathLike) -> str | pathlib.Path:
+    """``path`` with a leading ``~`` (or ``~user``) expanded to the home directory, as a
+    shell would (``from_pretrained("~/models/SmolLM2")``, a ``.gguf`` file alike); a string
+    stays a string (it may be a Hub name, which never starts with ``~``)."""
+    if isinstance(path, str):
+        return os.path.expanduser(path)
+    return pathlib.Path(path).expanduser()
+
+
 def is_repo_id(name: str) -> bool:
     """Whether ``name`` is a valid Hub repository id (``ORG/NAME``)."""
     from huggingface_hub.errors import HFValidationError
@@ -46,6 +55,7 @@ def resolve_checkpoint(path: str | os.PathLike, *, revision: str | None = None) 
         repository id; the repository or revision is not on the Hub; offline with the
         snapshot not cached.
     """
+    path = expand_user(path)
     local = pathlib.Path(path)
     if local.exists() or not isinstance(path, str):
         if revision is not None:

@@ -28,6 +28,7 @@ from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers t
     grouped_matmul,
     jax_nn_attention,
     jax_triton_elementwise,
+    mla_paged_attention,
     mosaic_attention,
     mosaic_paged_attention,
     mosaic_quantized_matmul,

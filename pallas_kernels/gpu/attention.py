@@ -7,8 +7,11 @@ is read once for all the group's heads, for any group size (9/3, 12/4, 14/2), wi
 padding of the group and no repeat of K/V in memory. Each program walks the K/V blocks
 with an online softmax (float32), visiting only the blocks some row can see: the loop
 bounds come from its rows' smallest and largest positions, the sequence's ``kv_lengths``
-and the sliding window. Head dims that are not a power of two (80, 96) are read and
-written with masked loads/stores of the next power of two; K/V are read in place.
+and the sliding window or chunk (``attention_chunk_size``: a row sees the keys of its own
+chunk). Attention sinks (``sinks``, one logit per query head) join each row's softmax
+sum after the last block, weighing no value. Head dims that are not a power of two (80, 96)
+are read and written with masked loads/stores of the next power of two; K/V are read in
+place.
 
 The contract is that of :func:`forge_jax.attention`: positions are explicit
 ``q_positions``, else ``kv_lengths[b] - q_len + t`` with ``kv_lengths``, else
@@ -128,11 +131,20 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
     return Config(**_common.tuned(table, device_kind, _common.dot_size(q.shape[-1])))
 
 
-def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
-            o_ref,  # output
-            *, head_dim, block_q, block_k, scale, causal, sliding_window, logits_soft_cap):
+def _floor_div(x, d: int):
+    """``floor(x / d)`` of int32 ``x`` (any sign) and a positive static ``d``
+    (``lax.div`` truncates towards zero)."""
+    x = x.astype(jnp.int32)
+    return lax.div(jnp.where(x < 0, x - jnp.int32(d - 1), x), jnp.int32(d))
+
+
+def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref, *rest,
+            head_dim, block_q, block_k, scale, causal, sliding_window, logits_soft_cap,
+            attention_chunk_size, has_sinks):
     # q_ref, o_ref [rows, head_dim_pad] (rows = q_len * group of one kv head); pos_ref [rows];
-    # len_ref [1]: valid keys of this sequence; k_ref, v_ref [kv_len, head_dim_pad].
+    # len_ref [1]: valid keys of this sequence; k_ref, v_ref [kv_len, head_dim_pad];
+    # sink_ref (with sinks) [rows]: the sink logit of each row's head.
+    sink_ref, o_ref = rest if has_sinks else (None, *rest)
     rows = q_ref.shape[0]
     kv_len, head_dim_pad = k_ref.shape
     row0 = pl.program_id(2) * block_q
@@ -152,6 +164,15 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
     if sliding_window is not None:
         key_lo = jnp.maximum(
             key_lo, jnp.min(jnp.where(row_ok, pos, POS_LIMIT)) - sliding_window + 1)
+    if attention_chunk_size is not None:
+        # A row at p sees the keys of its chunk, [c * size, (c + 1) * size), c = floor(p / size).
+        chunk = _floor_div(pos, attention_chunk_size)  # [block_q]
+        key_lo = jnp.maximum(key_lo, _floor_div(jnp.min(jnp.where(row_ok, pos, POS_LIMIT)),
+                                                attention_chunk_size) * attention_chunk_size)
+        if not causal:
+            key_hi = jnp.minimum(key_hi, (_floor_div(
+                jnp.max(jnp.where(row_ok, pos, -POS_LIMIT)), attention_chunk_size) + 1)
+                * attention_chunk_size)
 
     # float32 operands as IEEE products (Triton's default for float32 dots is TF32);
     # bfloat16/float16 products are exact in float32 anyway.
@@ -175,6 +196,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
             visible &= j[None, :] <= pos[:, None]
         if sliding_window is not None:
             visible &= j[None, :] > pos[:, None] - sliding_window
+        if attention_chunk_size is not None:
+            visible &= _floor_div(j, attention_chunk_size)[None, :] == chunk[:, None]
         s = jnp.where(visible, s, -jnp.inf)
         p, correction, m_next, l_sum = _common.online_softmax_step(s, m, l_sum)
         v = _compat.triton_load(v_ref, (keys, slice(None)), mask=kv_mask, other=0)
@@ -203,14 +226,23 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, len_ref,  # inputs
     # key_lo >= 0; a negative key_hi (every row before key 0) gives an empty loop.
     first = lax.div(key_lo, block_k)
     last = lax.div(jnp.maximum(key_hi, 0) + block_k - 1, block_k)
-    o, _, l_sum = lax.fori_loop(first, last, body, init)
+    o, m, l_sum = lax.fori_loop(first, last, body, init)
+    if has_sinks:
+        # The sink joins the denominator and weighs no value (forge_jax.ops.attention).
+        sink = _compat.triton_load(sink_ref, (rows_slice,), mask=row_ok, other=0)
+        m_next = jnp.maximum(m, sink)
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        correction = jnp.exp(m - m_safe)
+        o = correction[:, None] * o
+        l_sum = correction * l_sum + jnp.exp(sink - m_safe)
     # A row that saw no key has l_sum == 0 and o == 0: zeros. NaN stays NaN.
     o = o / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]
     _compat.triton_store(o_ref, (rows_slice, slice(None)), o.astype(o_ref.dtype), mask=q_mask)
 
 
-def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
-             block_q, block_k, num_warps, num_stages, interpret):
+def _forward(q, k, v, positions, lengths, sinks=None, *, scale, causal, sliding_window,
+             logits_soft_cap, block_q, block_k, num_warps, num_stages, interpret,
+             attention_chunk_size=None):
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -220,10 +252,16 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     row_pos = jnp.repeat(positions, group, axis=1)  # [batch, rows]
     kernel = functools.partial(
         _kernel, head_dim=head_dim, block_q=block_q, block_k=block_k, scale=scale,
-        causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        attention_chunk_size=attention_chunk_size, has_sinks=sinks is not None)
     # Blocks of head_dim_pad columns over arrays of head_dim: every access is masked.
     rows_spec = pl.BlockSpec((None, None, rows, head_dim_pad), lambda b, h, i: (b, h, 0, 0))
     kv_spec = pl.BlockSpec((None, kv_len, None, head_dim_pad), lambda b, h, i: (b, 0, h, 0))
+    extra_specs, extra = [], []
+    if sinks is not None:  # [kv_heads, rows]: row r of kv head h reads head h * group + r % group
+        extra_specs = [pl.BlockSpec((None, rows), lambda b, h, i: (h, 0))]
+        extra = [jnp.tile(sinks.reshape(kv_heads, 1, group), (1, q_len, 1)).reshape(
+            kv_heads, rows)]
     out = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, pl.cdiv(rows, block_q)),
@@ -231,6 +269,7 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
             rows_spec, kv_spec, kv_spec,
             pl.BlockSpec((None, rows), lambda b, h, i: (b, 0)),
             pl.BlockSpec((1,), lambda b, h, i: (b,)),
+            *extra_specs,
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
@@ -241,7 +280,7 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
         cost_estimate=_cost.attention(queries=batch * q_len * q_heads, keys=kv_len,
                                       head_dim=head_dim, causal=causal and q_len == kv_len,
                                       io=(qg, k, v, qg)),
-    )(qg, k, v, row_pos, lengths)
+    )(qg, k, v, row_pos, lengths, *extra)
     return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                              head_dim=head_dim)
 
@@ -251,10 +290,11 @@ _attention = _attention_common.flash_attention_call(_forward)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "causal", "sliding_window", "logits_soft_cap", "block_q", "block_k",
-    "num_warps", "num_stages", "interpret"))
+    "scale", "causal", "sliding_window", "logits_soft_cap", "attention_chunk_size", "block_q",
+    "block_k", "num_warps", "num_stages", "interpret"))
 def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
-                    sliding_window=None, logits_soft_cap=None, block_q=None, block_k=None,
+                    sliding_window=None, logits_soft_cap=None, sinks=None,
+                    attention_chunk_size=None, block_q=None, block_k=None,
                     num_warps=None, num_stages=None, interpret=False):
     """Flash attention (see :func:`forge_jax.attention` for the contract).
 
@@ -262,7 +302,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
       q: ``[batch, q_len, q_heads, head_dim]``, float32/bfloat16/float16.
       k, v: ``[batch, kv_len, kv_heads, head_dim]`` in ``q.dtype``,
         ``q_heads % kv_heads == 0``; ``head_dim <= 256``, any value.
-      scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
+      scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap, sinks,
+        attention_chunk_size: as in the op.
       block_q: query rows per program, a power of two >= 16; a row is one (query, group
         head) pair. Default from the tuning table, at most the rows of one group.
       block_k: keys per step, a power of two >= 16 (default from the tuning table).
@@ -287,7 +328,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         return jnp.zeros(q.shape, q.dtype)
     return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                       kv_lengths=kv_lengths, sliding_window=sliding_window,
-                      logits_soft_cap=logits_soft_cap, block_q=block_q, block_k=block_k,
+                      logits_soft_cap=logits_soft_cap, sinks=sinks,
+                      attention_chunk_size=attention_chunk_size, block_q=block_q, block_k=block_k,
                       num_warps=num_warps or config.num_warps,
                       num_stages=num_stages or config.num_stages, interpret=interpret)
 
@@ -315,5 +357,6 @@ def configs(args: Mapping[str, Any]) -> list[dict[str, int]]:
 
 _registration.register(
     "attention", flash_attention, backend="gpu", supports=supports, verified=VERIFIED,
+    reads_sinks=True, reads_chunks=True,
     description="flash attention, GQA groups per program, XLA-VJP backward", configs=configs,
     interpret_configs=lambda args: [dict(block_q=16, block_k=16)])

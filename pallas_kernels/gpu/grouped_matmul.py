@@ -93,6 +93,9 @@ def supports(args: Mapping[str, Any]) -> str | None:
             return ("a quantized w as [groups, k, n]: the kernel dequantizes [groups, n, k] "
                     "(trans_w=True), the layout fj.quantize gives per-channel scales and "
                     "int4 groups in")
+        if w.format == "mxfp4":
+            return ("a quantized w in mxfp4: the kernel dequantizes integer values with "
+                    "float scales, not FP4 E2M1 codes with E8M0 exponents (XLA serves it)")
         if w.format == "fp8":
             return ("a quantized w in fp8: Triton converts float8_e4m3fn only on compute "
                     "capability >= 8.9, and no GPU has compiled this kernel's fp8 path")

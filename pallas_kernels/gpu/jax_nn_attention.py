@@ -117,6 +117,11 @@ def supports(args: Mapping[str, Any], platform: str) -> str | None:
     reason = device_reason(platform)
     if reason is not None:
         return reason
+    if args.get("sinks") is not None:
+        return "sinks=: jax.nn.dot_product_attention takes no sink logits"
+    if args.get("attention_chunk_size") is not None:
+        return ("attention_chunk_size=: jax.nn.dot_product_attention's is_causal and "
+                "local_window_size cannot express a chunked mask")
     return shape_reason(args, _common.capability(backends.gpu_compute_capability()))
 
 

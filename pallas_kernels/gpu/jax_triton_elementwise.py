@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from forge_jax import _compat, registry
 from forge_jax.ops.activation import silu_mul_xla
 from forge_jax.ops.norm import rms_norm_xla
-from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.ops.rope import host_table_reason, inverse_frequencies, rope_xla
 from forge_jax.pallas_kernels import _registration
 from forge_jax.pallas_kernels._vjp import rms_norm_reference, with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
@@ -115,6 +115,9 @@ def silu_mul_supports(args: Mapping[str, Any]) -> str | None:
 def rope_supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rope` arguments."""
     x = args["x"]
+    table = host_table_reason(args.get("scaling"))
+    if table:
+        return table
     reason = _float_reason(x=x)
     if reason:
         return reason

@@ -151,6 +151,9 @@ def supports(args: Mapping[str, Any]) -> str | None:
     ``b``), else why not."""
     a, b = args["a"], args["b"]
     tcgen05 = _mosaic.mma_kind() == "tcgen05"
+    if b.format == "mxfp4":
+        return ("b.format='mxfp4': the kernel dequantizes int8, int4 and fp8, not FP4 E2M1 "
+                "codes with E8M0 exponents (XLA serves it)")
     if b.activations is not None:
         return (f"b.activations={b.activations!r} (W8A8): the kernel multiplies dequantized "
                 f"weights in the activations' dtype; XLA serves W8A8")

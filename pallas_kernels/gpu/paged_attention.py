@@ -104,19 +104,25 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
 
 def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref, *refs,
             head_dim, page_size, pages_per_compute_block, blocks_per_split, scale,
-            sliding_window, logits_soft_cap, pv_dtype, exact_range, quantized):
+            sliding_window, logits_soft_cap, pv_dtype, exact_range, quantized, chunked=False):
     # q_ref [rows, head_dim_pad]; pos_ref [rows]; lo_ref, hi_ref [1]: the keys any row of
     # this sequence sees lie in [lo, hi) (exactly the keys every row sees when exact_range);
     # tables_ref [pages], -1 where no page is named; k_ref, v_ref [num_pages, page_size,
     # head_dim_pad] (one kv head, the whole pool, read in place). Quantized pools: then
     # ks_ref, vs_ref [num_pages, page_size], a float32 scale per slot, read beside the
     # int8/fp8 values and applied in registers. Outputs: o_ref, m_ref, l_ref.
+    # Chunked attention: chunk_ref [rows] (after the scales), the first key of each row's
+    # chunk.
+    if chunked:
+        at = 2 if quantized else 0
+        chunk_ref, refs = refs[at], refs[:at] + refs[at + 1:]
     ks_ref, vs_ref, o_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     rows, head_dim_pad = q_ref.shape
     block_k = pages_per_compute_block * page_size
     split = pl.program_id(2)
     q = q_ref[...]
     pos = pos_ref[...]
+    chunk_start = chunk_ref[...] if chunked else None
     key_lo, key_hi = lo_ref[0], hi_ref[0]
     # The pool's head dim is not padded: padded columns are masked loads (zeros).
     kv_mask = jnp.broadcast_to((jnp.arange(head_dim_pad) < head_dim)[None, None, :],
@@ -158,6 +164,8 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref, *refs,
         visible = (j[None, :] <= pos[:, None]) & (j[None, :] < key_hi) & named[None, :]
         if sliding_window is not None:
             visible &= j[None, :] > pos[:, None] - sliding_window
+        if chunked:
+            visible &= j[None, :] >= chunk_start[:, None]
         # where, not a bias: keys no row may see can hold NaN or inf.
         s = jnp.where(visible, s, -jnp.inf)
         p, correction, m_next, l_sum = _common.online_softmax_step(s, m, l_sum)
@@ -198,12 +206,12 @@ def _kernel(q_ref, pos_ref, lo_ref, hi_ref, tables_ref, k_ref, v_ref, *refs,
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "logits_soft_cap", "pages_per_compute_block", "num_splits",
-    "block_rows", "num_warps", "num_stages", "interpret"))
+    "block_rows", "num_warps", "num_stages", "interpret", "attention_chunk_size"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
                     pages_per_compute_block=None, num_splits=None, block_rows=None,
                     num_warps=None, num_stages=None, interpret=False, k_scales=None,
-                    v_scales=None):
+                    v_scales=None, sinks=None, attention_chunk_size=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
@@ -216,6 +224,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
       scale, q_positions, sliding_window, logits_soft_cap: as in the op.
+      sinks, attention_chunk_size: as in the op; the sinks join in the merge of the splits,
+        the chunk masks in the kernel (its first key also bounds the blocks visited).
       pages_per_compute_block: pages per K/V block, a power of two with
         ``pages_per_compute_block * page_size >= 16`` (default from the tuning table:
         ``block_k // page_size``, at least 1). A page size that is not a power of two
@@ -266,6 +276,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             table_width=num_splits * blocks_per_split * pages_per_compute_block)
         qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad,
                                              head_dim_pad=head_dim_pad)
+        extra_specs, extra = [], []
+        if attention_chunk_size is not None:
+            size = min(int(attention_chunk_size), _attention_common.POS_LIMIT)
+            starts = jnp.floor_divide(row_pos, size) * size  # [batch, rows_pad]
+            real = jnp.arange(rows_pad)[None, :] < rows
+            key_lo = jnp.minimum(jnp.maximum(key_lo, jnp.where(
+                real, starts, _attention_common.POS_LIMIT).min(axis=1)), key_hi)
+            extra_specs.append(pl.BlockSpec((None, block_rows),
+                                            lambda b, i, s: (b, i % row_blocks)))
+            extra.append(starts)
         # Probabilities meet the values in the values' dtype when the queries share it
         # (flash-attention practice); float32 queries over a narrow cache stay float32.
         pv_dtype = k_pages.dtype if q.dtype == k_pages.dtype else jnp.float32
@@ -275,7 +295,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             _kernel, head_dim=head_dim, page_size=page_size,
             pages_per_compute_block=pages_per_compute_block, blocks_per_split=blocks_per_split,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
-            pv_dtype=pv_dtype, exact_range=q_len == 1, quantized=quantized)
+            pv_dtype=pv_dtype, exact_range=q_len == 1, quantized=quantized,
+            chunked=attention_chunk_size is not None)
         pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim_pad),
                                 lambda b, i, s: (i // row_blocks, 0, 0, 0))
         scales_spec = pl.BlockSpec((None, num_pages, page_size),
@@ -296,6 +317,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 pool_spec,
                 pool_spec,
                 *(scales_spec for _ in scales),
+                *extra_specs,
             ],
             out_specs=[
                 pl.BlockSpec((None, None, None, block_rows, head_dim_pad),
@@ -321,9 +343,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 io=(qg, tables), kv_bytes=2 * batch * kv_heads * max_pages * page_size
                 * (head_dim * k_pages.dtype.itemsize + 4 * quantized)
                 + 4 * batch * q_heads * q_len * num_splits * (head_dim_pad + 2)),
-        )(qg, row_pos, key_lo, key_hi, tables, k_pages, v_pages, *scales)
+        )(qg, row_pos, key_lo, key_hi, tables, k_pages, v_pages, *scales, *extra)
 
-        merged = _attention_common.merge_splits(o, m, l_sum)
+        row_sinks = None
+        if sinks is not None:  # [kv_heads, rows_pad]: row r reads head h * group + r % group
+            row_sinks = jnp.pad(jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group),
+                                         (1, q_len, 1)).reshape(kv_heads, rows),
+                                ((0, 0), (0, rows_pad - rows)))[None]
+        merged = _attention_common.merge_splits(o, m, l_sum, row_sinks)
         out = _attention_common.ungroup_queries(merged, q_len=q_len, q_heads=q_heads,
                                                 head_dim=head_dim)
         out = out.astype(q.dtype)
@@ -355,4 +382,5 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "paged_attention", paged_attention, backend="gpu", supports=supports, verified=VERIFIED,
+    reads_sinks=True, reads_chunks=True,
     description="flash-decoding over the block tables, split over the keys")

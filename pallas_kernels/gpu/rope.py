@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.ops.rope import host_table_reason, inverse_frequencies, rope_xla
 from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
@@ -95,6 +95,9 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rope` arguments, else why not."""
     x = args["x"]
+    table = host_table_reason(args.get("scaling"))
+    if table:
+        return table
     if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
         return f"x.dtype={jnp.dtype(x.dtype).name}; the kernel reads float32/bf16/f16"
     if x.shape[-1] > MAX_HEAD_DIM:

@@ -10,7 +10,9 @@ table lookup).
 
 from forge_jax.pallas_kernels.tpu import (  # noqa: F401  (importing registers the kernels)
     attention,
+    gated_delta,
     grouped_matmul,
+    mla_paged_attention,
     paged_attention,
     quantized_matmul,
     ragged_paged_attention,

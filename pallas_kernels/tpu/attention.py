@@ -149,10 +149,14 @@ def heads_per_block(kv_heads: int, head_dim: int) -> int:
 
 
 def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
-            q_ref, k_ref, v_ref, pos_ref,  # inputs
-            o_ref,  # output
-            m_ref, l_ref, acc_ref,  # scratch
-            *, scale, causal, sliding_window, logits_soft_cap, num_q_blocks, heads, head_dim):
+            q_ref, k_ref, v_ref, pos_ref, *refs,  # inputs, output, scratch
+            scale, causal, sliding_window, logits_soft_cap, num_q_blocks, heads, head_dim,
+            chunk_size, has_sinks):
+    # With chunked attention, chunk_ref [block_q, 1]: the first key of each query's chunk;
+    # with sinks, sink_ref [1, heads * head_dim]: each lane's head's sink logit.
+    chunk_ref = refs[0] if chunk_size else None
+    sink_ref = refs[int(bool(chunk_size))] if has_sinks else None
+    o_ref, m_ref, l_ref, acc_ref = refs[int(bool(chunk_size)) + int(has_sinks):]
     # len_ref [batch]; lo_ref, hi_ref [batch * q_blocks]: the keys any query of the block may
     # see lie in [lo, hi). q_ref, o_ref [block_q, heads * head_dim]; k_ref, v_ref [block_k,
     # heads * head_dim]: `heads` heads side by side in the lanes, query head c of the block
@@ -184,6 +188,11 @@ def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             visible &= col <= pos
         if sliding_window is not None:
             visible &= col > pos - sliding_window
+        if chunk_size:  # the query's own chunk: [start, start + size)
+            start = chunk_ref[...]  # [block_q, 1]
+            visible &= col >= start
+            if not causal:
+                visible &= col < start + chunk_size
 
         v = v_ref[...]
         v32 = v.astype(jnp.float32)
@@ -227,14 +236,27 @@ def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     @pl.when(j == pl.num_programs(3) - 1)
     def _():
         # A query that saw no key has l == 0 and acc == 0 (or NaN it must show).
-        l_sum = l_ref[0][:, :1]
-        for c in range(1, heads):
-            l_sum = jnp.where(lane_head == c, l_ref[c][:, :1], l_sum)
-        o_ref[...] = (acc_ref[...] / jnp.where(l_sum == 0, 1.0, l_sum)).astype(o_ref.dtype)
+        acc = acc_ref[...]
+        l_sum = None
+        for c in range(heads):
+            l_c = l_ref[c][:, :1]
+            if has_sinks:
+                # The sink joins the denominator and weighs no value (forge_jax.ops.attention).
+                mine = lane_head == c
+                sink = jnp.max(jnp.where(mine, sink_ref[...], -jnp.inf), axis=1,
+                               keepdims=True)  # [1, 1]
+                m_c = m_ref[c][:, :1]
+                m_next = jnp.maximum(m_c, sink)
+                m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+                correction = jnp.exp(m_c - m_safe)
+                l_c = correction * l_c + jnp.exp(sink - m_safe)
+                acc = correction * acc if heads == 1 else jnp.where(mine, correction * acc, acc)
+            l_sum = l_c if l_sum is None else jnp.where(lane_head == c, l_c, l_sum)
+        o_ref[...] = (acc / jnp.where(l_sum == 0, 1.0, l_sum)).astype(o_ref.dtype)
 
 
-def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
-             block_q, block_k, interpret):
+def _forward(q, k, v, positions, lengths, sinks=None, *, scale, causal, sliding_window,
+             logits_soft_cap, block_q, block_k, interpret, attention_chunk_size=None):
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -253,6 +275,15 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     if sliding_window is not None:
         lo = jnp.maximum(
             lo, pos_lo.reshape(batch, num_q_blocks, block_q).min(-1) - sliding_window + 1)
+    chunk_start = None
+    if attention_chunk_size is not None:
+        size = attention_chunk_size
+        chunk_start = jnp.floor_divide(positions, size) * size  # [batch, q_len]
+        starts = jnp.pad(chunk_start, ((0, 0), (0, pad)), constant_values=POS_LIMIT)
+        lo = jnp.maximum(lo, starts.reshape(batch, num_q_blocks, block_q).min(-1))
+        if not causal:
+            ends = jnp.pad(chunk_start, ((0, 0), (0, pad)), constant_values=-POS_LIMIT)
+            hi = jnp.minimum(hi, ends.reshape(batch, num_q_blocks, block_q).max(-1) + size)
     hi = jnp.maximum(hi, 0)
     lo = jnp.minimum(lo, hi)
 
@@ -291,8 +322,24 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     kernel = functools.partial(
         _kernel, scale=scale, causal=causal, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, num_q_blocks=num_q_blocks, heads=heads,
-        head_dim=head_dim)
+        head_dim=head_dim, chunk_size=attention_chunk_size or 0, has_sinks=sinks is not None)
     kv_spec = pl.BlockSpec((None, block_k, heads * head_dim), kv_index)
+    extra_specs, extra = [], []
+    if chunk_start is not None:
+        extra_specs.append(pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, *_: (b, i, 0)))
+        extra.append(chunk_start[:, :, None])
+    if sinks is not None:
+        # [programs, 1, heads * head_dim]: each lane holds its query head's sink. Program h
+        # is query head h (whole-tile heads), else group position h // head_blocks of the
+        # kv heads of block h % head_blocks.
+        h = jnp.arange(q_heads if heads == 1 else group * head_blocks)
+        lane_heads = jnp.arange(heads)
+        q_head = (h[:, None] if heads == 1 else
+                  ((h % head_blocks)[:, None] * heads + lane_heads[None, :]) * group
+                  + (h // head_blocks)[:, None])  # [programs, heads]
+        extra_specs.append(pl.BlockSpec((None, 1, heads * head_dim),
+                                        lambda b, h, i, j, *_: (h, 0, 0)))
+        extra.append(jnp.repeat(sinks.astype(jnp.float32)[q_head], head_dim, axis=1)[:, None])
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -302,6 +349,7 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
             in_specs=[
                 q_spec, kv_spec, kv_spec,
                 pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, *_: (b, i, 0)),
+                *extra_specs,
             ],
             out_specs=q_spec,
             scratch_shapes=[
@@ -321,7 +369,7 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     )(lengths, lo.reshape(-1), hi.reshape(-1), q_rows,
       k.reshape(batch, kv_len, kv_heads * head_dim),
       v.reshape(batch, kv_len, kv_heads * head_dim),
-      positions[:, :, None])
+      positions[:, :, None], *extra)
     if heads > 1:
         out = (out.reshape(batch, group, q_len, kv_heads, head_dim)
                .transpose(0, 2, 3, 1, 4))
@@ -333,10 +381,11 @@ _attention = _attention_common.flash_attention_call(_forward)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "causal", "sliding_window", "logits_soft_cap", "block_q", "block_k", "interpret"))
+    "scale", "causal", "sliding_window", "logits_soft_cap", "attention_chunk_size", "block_q",
+    "block_k", "interpret"))
 def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
-                    sliding_window=None, logits_soft_cap=None, block_q=None, block_k=None,
-                    interpret=False):
+                    sliding_window=None, logits_soft_cap=None, sinks=None,
+                    attention_chunk_size=None, block_q=None, block_k=None, interpret=False):
     """Flash attention on TPU (see :func:`forge_jax.attention` for the contract).
 
     Args:
@@ -344,7 +393,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         lanes are folded (:func:`heads_per_block`).
       k, v: ``[batch, kv_len, kv_heads, head_dim]``, float32/bfloat16 (mixed with ``q``:
         that dot runs in float32), ``q_heads % kv_heads == 0``.
-      scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
+      scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap, sinks,
+        attention_chunk_size: as in the op.
       block_q: queries per program, a multiple of the sublane tile (8 for float32, 16 for
         bfloat16); clipped to ``q_len``. Default from :data:`TUNED`.
       block_k: keys per step, a multiple of 128; clipped to ``kv_len``. Default from
@@ -364,8 +414,9 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
                                    lanes=heads_per_block(kv_heads, head_dim) * head_dim)
     return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                       kv_lengths=kv_lengths, sliding_window=sliding_window,
-                      logits_soft_cap=logits_soft_cap, block_q=block_q, block_k=block_k,
-                      interpret=interpret)
+                      logits_soft_cap=logits_soft_cap, sinks=sinks,
+                      attention_chunk_size=attention_chunk_size, block_q=block_q,
+                      block_k=block_k, interpret=interpret)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
@@ -388,5 +439,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "attention", flash_attention, backend="tpu", supports=supports, verified=VERIFIED,
+    reads_sinks=True, reads_chunks=True,
     description="flash attention, VMEM online softmax, masked kv blocks skipped, XLA-VJP "
                 "backward")

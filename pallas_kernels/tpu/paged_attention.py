@@ -112,7 +112,7 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             q_ref, pos_ref, k_hbm, v_hbm,  # inputs
             *refs,  # [ks_hbm, vs_hbm,] o_ref, k_buf, v_buf, [ks_buf, vs_buf,] sems
             pages_per_compute_block, max_pages, scale, sliding_window, logits_soft_cap,
-            exact_range, quantized, fold):
+            exact_range, quantized, fold, chunked=False, has_sinks=False):
     # tables_ref [batch * max_pages], -1 where no page is named; lo_ref, hi_ref [batch]: the
     # keys any row of sequence b sees lie in [lo, hi) (exactly the keys every row sees when
     # exact_range).
@@ -127,6 +127,12 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
     # (r + 1) * head_dim) and zeros elsewhere, so its product with a folded row is the logit
     # of the row's token r; o_ref [rows, 128] collects in lane group r the values of the
     # tokens r of the rows (the wrapper sums the groups).
+    # Chunked attention: chunk_ref [rows, 1], the first key of each row's chunk; sinks:
+    # sink_ref [rows, 1], each row's head's sink logit (both after the pools' scales).
+    at = 2 if quantized else 0
+    chunk_ref = refs[at] if chunked else None
+    sink_ref = refs[at + int(chunked)] if has_sinks else None
+    refs = refs[:at] + refs[at + int(chunked) + int(has_sinks):]
     if quantized:
         ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
         pools = ((k_hbm, k_buf, 0), (v_hbm, v_buf, 1), (ks_hbm, ks_buf, 2), (vs_hbm, vs_buf, 3))
@@ -233,6 +239,8 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
             visible = (j <= pos) & (j < hi) & named(block, key)
             if sliding_window is not None:
                 visible &= j > pos - sliding_window
+            if chunked:
+                visible &= j >= chunk_ref[...]
             # where, not a bias: keys no row may see can hold NaN or inf.
             logits.append(jnp.where(visible, s, -jnp.inf))
             visibles.append(visible)
@@ -275,17 +283,23 @@ def _kernel(tables_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
 
     init = (jnp.zeros((rows, lanes), jnp.float32),
             jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
-    o, _, l_sum = lax.fori_loop(first, last, body, init)
+    o, m, l_sum = lax.fori_loop(first, last, body, init)
+    if has_sinks:  # the sink joins the denominator and weighs no value
+        sink = sink_ref[...]  # [rows, 1]
+        m_next = jnp.maximum(m, sink)
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        correction = jnp.exp(m - m_safe)
+        o, l_sum = correction * o, correction * l_sum + jnp.exp(sink - m_safe)
     o_ref[...] = jnp.where(l_sum == 0, 0.0, o / l_sum).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "logits_soft_cap", "pages_per_compute_block", "interpret",
-    "fold"))
+    "fold", "attention_chunk_size"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
                     pages_per_compute_block=None, interpret=False, k_scales=None,
-                    v_scales=None, fold=1):
+                    v_scales=None, fold=1, sinks=None, attention_chunk_size=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
@@ -301,7 +315,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
       block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
-      scale, q_positions, sliding_window, logits_soft_cap: as in the op.
+      scale, q_positions, sliding_window, logits_soft_cap, sinks, attention_chunk_size: as
+        in the op.
       pages_per_compute_block: pages per K/V block (default from :data:`TUNED`).
       interpret: run in the TPU interpreter (any platform).
 
@@ -334,6 +349,21 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
             q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
             page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
             table_width=table_width)
+        extra_specs, extra = [], []
+        if attention_chunk_size is not None:
+            size = min(int(attention_chunk_size), _attention_common.POS_LIMIT)
+            starts = jnp.floor_divide(row_pos, size) * size  # [batch, rows_pad]
+            real = jnp.arange(rows_pad)[None, :] < rows
+            key_lo = jnp.minimum(jnp.maximum(key_lo, jnp.where(
+                real, starts, _attention_common.POS_LIMIT).min(axis=1)), key_hi)
+            extra_specs.append(pl.BlockSpec((None, rows_pad, 1), lambda b, h, *_: (b, 0, 0)))
+            extra.append(starts[..., None])
+        if sinks is not None:  # [kv_heads, rows_pad, 1]: row r reads head h * group + r % group
+            row_sinks = jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group),
+                                 (1, q_len, 1)).reshape(kv_heads, rows)
+            row_sinks = jnp.pad(row_sinks, ((0, 0), (0, rows_pad - rows)))
+            extra_specs.append(pl.BlockSpec((None, rows_pad, 1), lambda b, h, *_: (h, 0, 0)))
+            extra.append(row_sinks[..., None])
         row_pos = row_pos[..., None]  # [batch, rows_pad, 1]
         tables = tables.reshape(-1)
         qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad)
@@ -345,7 +375,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         kernel = functools.partial(
             _kernel, pages_per_compute_block=pages_per_compute_block, max_pages=table_width,
             scale=float(scale), sliding_window=window, logits_soft_cap=logits_soft_cap,
-            exact_range=q_len == 1, quantized=k_scales is not None, fold=fold)
+            exact_range=q_len == 1, quantized=k_scales is not None, fold=fold,
+            chunked=attention_chunk_size is not None, has_sinks=sinks is not None)
         buf, scales, scales_buf = _common.page_buffers(
             k_pages, k_scales, v_scales, pages=pages_per_compute_block, page_size=page_size)
         out = pl.pallas_call(
@@ -360,6 +391,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     pl.BlockSpec(memory_space=pl.ANY),
                     pl.BlockSpec(memory_space=pl.ANY),
                     *(pl.BlockSpec(memory_space=pl.ANY) for _ in scales),
+                    *extra_specs,
                 ],
                 out_specs=pl.BlockSpec((None, None, rows_pad, lanes),
                                        lambda b, h, *_: (b, h, 0, 0)),
@@ -376,7 +408,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 queries=batch * q_len * q_heads, keys=max_pages * page_size, head_dim=head_dim,
                 io=(qg, qg, tables), kv_bytes=2 * batch * kv_heads * max_pages * page_size
                 * (head_dim * k_pages.dtype.itemsize + 4 * len(scales) // 2)),
-        )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages, *scales)
+        )(tables, key_lo, key_hi, qg, row_pos, k_pages, v_pages, *scales, *extra)
         if fold > 1:  # lane group r holds the tokens r of the rows: sum them (tiny)
             out = out.reshape(batch, kv_heads, rows_pad, fold, head_dim).sum(3).astype(q.dtype)
 
@@ -425,5 +457,5 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "paged_attention", paged_attention, backend="tpu", supports=supports, verified=VERIFIED,
-    reads_folded=True,
+    reads_folded=True, reads_sinks=True, reads_chunks=True,
     description="decode over the block tables, double-buffered page copies, online softmax")

@@ -97,7 +97,8 @@ def _kernel(
     # ks_buf, vs_buf [2, pages_per_block, page_size, 1]; sems, DMA [pools, 2]: (k, v[, ks,
     # vs]) x buffer slot; m_ref, l_ref [g * block_q, 128] f32, the running max and sum
     # (lane-replicated); acc_ref [g * block_q, head_dim] f32; bad_ref [g * block_q,
-    # head_dim] f32, non-finite values seen.
+    # head_dim] f32, non-finite values seen. With sinks, sink_ref [g, 128] f32 (after the
+    # scales): the sink logit of each query head of the group, lane-replicated.
     *refs,
     scale,
     sliding_window,
@@ -106,12 +107,18 @@ def _kernel(
     num_pages,
     quantized,
     fold,
+    attention_chunk_size=None,
+    has_sinks=False,
 ):
     # Folded pools (fold > 1, forge_jax.ops.kv_fold): pages of [page_size // fold, 128] rows
     # of `fold` consecutive tokens, read as stored; q_ref is [fold * g, block_q, 128], its
     # row block r holding the queries in lane group r (zeros elsewhere), so that a product
     # with a folded row gives the logit of its token r; acc_ref, bad_ref and o_ref are
     # [.., 128]: lane group r collects the tokens r (the wrapper sums the groups).
+    sink_ref = None
+    if has_sinks:
+        at = 2 if quantized else 0
+        sink_ref, refs = refs[at], refs[:at] + refs[at + 1:]
     if quantized:
         (ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref,
          bad_ref) = refs
@@ -159,6 +166,14 @@ def _kernel(
                       & (j < (r + 1) * head_dim), 1.0, 0.0) for r in range(fold)])
         out_lane = jax.lax.broadcasted_iota(jnp.int32, (rows, lanes), 1)
 
+    def chunk_start(p):
+        # The first key of position p's chunk (positions a row sees keys from are >= 0;
+        # below 0 a row sees nothing whatever this gives).
+        c = attention_chunk_size
+        if c & (c - 1) == 0:
+            return p & ~(c - 1)  # floor for either sign
+        return p - jax.lax.rem(p, c)
+
     def in_group(r, x):  # x [rows, lanes] with the lanes of other tokens zeroed
         if fold == 1:
             return x
@@ -195,12 +210,16 @@ def _kernel(
         lo = jnp.int32(0)
         if sliding_window is not None:
             lo = jnp.maximum(first_pos - sliding_window + 1, 0)
+        if attention_chunk_size is not None:  # the first row's chunk starts the keys
+            lo = jnp.maximum(lo, chunk_start(first_pos))
         hi = jnp.minimum(last_pos + 1, kv_end)
         kb0 = jax.lax.div(lo, kv_block)  # lo >= 0
         kb1 = jnp.where((b > a) & (hi > lo), jax.lax.div(hi + kv_block - 1, kv_block), kb0)
 
         pos = kv_len - (end - row)
         in_seq = (row >= a) & (row < b)
+        if attention_chunk_size is not None:
+            pos_chunk = chunk_start(pos)
 
         @pl.when(kb1 > kb0)
         def _():
@@ -251,6 +270,8 @@ def _kernel(
                            & named(seq, kb, col + r))
                 if sliding_window is not None:
                     visible &= key > pos - sliding_window
+                if attention_chunk_size is not None:
+                    visible &= key >= pos_chunk
                 logits.append(jnp.where(visible, s, -jnp.inf))
                 visibles.append(visible)
             m_prev = m_ref[...]
@@ -291,7 +312,22 @@ def _kernel(
 
     jax.lax.fori_loop(seq_range_ref[2 * qb], seq_range_ref[2 * qb + 1] + 1, attend_sequence, ())
     total = l_ref[...][:, :1]
-    out = acc_ref[...] / jnp.where(total == 0, 1.0, total)  # a row that saw nothing has acc == 0
+    acc = acc_ref[...]
+    if has_sinks:
+        # Each row's head's sink joins the denominator and weighs no value.
+        g_row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        sinks = sink_ref[...]  # [g, 128]
+        sink = jnp.zeros((rows, 1), jnp.float32)
+        for gi in range(groups):
+            sink = jnp.where((g_row >= gi * block_q) & (g_row < (gi + 1) * block_q),
+                             sinks[gi:gi + 1, :1], sink)
+        m = m_ref[...][:, :1]
+        m_next = jnp.maximum(m, sink)
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        correction = jnp.exp(m - m_safe)
+        total = correction * total + jnp.exp(sink - m_safe)
+        acc = correction * acc
+    out = acc / jnp.where(total == 0, 1.0, total)  # a row that saw nothing has acc == 0
     out = jnp.where(bad_ref[...] > 0, jnp.float32(jnp.nan), out)
     o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
 
@@ -327,11 +363,12 @@ def supports(args):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "sliding_window", "logits_soft_cap", "block_q", "kv_block", "interpret", "fold"))
+    "scale", "sliding_window", "logits_soft_cap", "block_q", "kv_block", "interpret", "fold",
+    "attention_chunk_size"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs,
                            *, scale=None, sliding_window=None, logits_soft_cap=None,
                            block_q=None, kv_block=None, interpret=False, k_scales=None,
-                           v_scales=None, fold=1):
+                           v_scales=None, fold=1, sinks=None, attention_chunk_size=None):
     """Ragged paged attention (see :func:`forge_jax.ragged_paged_attention`) on TPU.
 
     Args:
@@ -342,7 +379,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
       kv_lengths: int ``[max_seqs]``.
       cu_q_lens: int ``[max_seqs + 1]``.
       num_seqs: int scalar (may be traced).
-      scale, sliding_window, logits_soft_cap: as for the op.
+      scale, sliding_window, logits_soft_cap, sinks, attention_chunk_size: as for the op.
       block_q: packed query rows per grid step (default: per TPU generation).
       kv_block: keys per kv step, rounded down to whole pages (default: per generation).
       interpret: run in the TPU interpreter (``True``: forge_jax's interpret params).
@@ -403,7 +440,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         _kernel, scale=float(scale), sliding_window=sliding_window,
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         pages_per_seq=pages_per_seq, num_pages=num_pages, quantized=k_scales is not None,
-        fold=fold)
+        fold=fold, attention_chunk_size=attention_chunk_size, has_sinks=sinks is not None)
+    sink_specs, sink_rows = [], []
+    if sinks is not None:  # [kv_heads, g, 128]: the group's sinks, lane-replicated
+        sink_specs = [pl.BlockSpec((None, groups, _common.LANES), lambda h, b, *_: (h, 0, 0))]
+        sink_rows = [jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv_heads, groups, 1),
+                                      (kv_heads, groups, _common.LANES))]
     buf, scales, scales_buf = _common.page_buffers(
         k_pages, k_scales, v_scales, pages=pages_per_block, page_size=page_size)
     out = pl.pallas_call(
@@ -413,7 +455,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
             grid=(kv_heads, q_blocks),
             in_specs=[q_block, pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY),
-                      *(pl.BlockSpec(memory_space=pl.ANY) for _ in scales)],
+                      *(pl.BlockSpec(memory_space=pl.ANY) for _ in scales), *sink_specs],
             out_specs=block,
             scratch_shapes=[
                 buf, buf, *(scales_buf for _ in scales),
@@ -432,7 +474,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
             io=(qt, qt, block_tables), kv_bytes=2 * max_seqs * kv_heads * pages_per_seq
             * page_size * (head_dim * k_pages.dtype.itemsize + 4 * bool(scales))),
     )(seq_range, cu, kv_lengths, block_tables.astype(jnp.int32).reshape(-1), qt, k_pages,
-      v_pages, *scales)
+      v_pages, *scales, *sink_rows)
     if fold > 1:  # lane group r holds the tokens r of the rows: sum them (small)
         out = out.reshape(kv_heads, groups, padded, fold, head_dim).sum(3).astype(q.dtype)
     return out.transpose(2, 0, 1, 3).reshape(padded, q_heads, head_dim)[:total_tokens]
@@ -440,6 +482,6 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
 
 _registration.register(
     "ragged_paged_attention", ragged_paged_attention, backend="tpu", supports=supports,
-    verified=VERIFIED, reads_folded=True,
+    verified=VERIFIED, reads_folded=True, reads_sinks=True, reads_chunks=True,
     description="grid over (kv head, query block), sequences of a block from scalar-prefetched "
                 "cu_q_lens, double-buffered page copies, online float32 softmax")

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forge_jax import _compat
-from forge_jax.ops.rope import inverse_frequencies, rope_xla
+from forge_jax.ops.rope import host_table_reason, inverse_frequencies, rope_xla
 from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
@@ -106,6 +106,9 @@ def lane_table(inv_freq: np.ndarray, width: int, *, interleaved: bool) -> np.nda
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rope` arguments, else why not."""
     x = args["x"]
+    table = host_table_reason(args.get("scaling"))
+    if table:
+        return table
     if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
         return (f"x.dtype={jnp.dtype(x.dtype).name}; the kernel is built and tested for "
                 "float32/bfloat16, the TPU inference dtypes (a policy: float16 lowers)")

@@ -130,18 +130,22 @@ class AttentionCases(ImplementationCases):
         if case.poison:
             k, v = poison_unseen(k, v, mask)
 
+        masking = as_jnp({n: x for n, x in case.masking.items() if n != "sinks"})
+        sinks = case.masking.get("sinks")  # with sinks, their gradient too
+        names = "qkv" if sinks is None else ("q", "k", "v", "sinks")
+
         def grads(implementation):
-            def loss(q, k, v):
-                out = fj.attention(q, k, v, implementation=implementation,
-                                   **as_jnp(case.masking))
+            def loss(q, k, v, sinks):
+                out = fj.attention(q, k, v, implementation=implementation, sinks=sinks,
+                                   **masking)
                 return jnp.sum(out.astype(jnp.float32) * g)
-            return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+            return jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(q, k, v, sinks)
 
         got = grads(self.IMPLEMENTATION)
-        for name, a, want in zip("qkv", got, want64, strict=True):
+        for name, a, want in zip(names, got, want64, strict=True):
             assert_close(a, want, implementation=self.IMPLEMENTATION, factor=4.0,
                          err_msg=f"d{name} against float64")
         if case.grad_xla_factor is not None:
-            for name, a, x in zip("qkv", got, grads("xla"), strict=True):
+            for name, a, x in zip(names, got, grads("xla"), strict=True):
                 assert_close(a, f64(x), implementation=self.IMPLEMENTATION,
                              factor=case.grad_xla_factor, err_msg=f"d{name} against XLA")

@@ -10,7 +10,8 @@ import forge_jax as fj
 
 # The attention ops under one jit each (compiled once per shape and masking): the masking
 # arguments and the implementation are static.
-PAGED_STATIC = ("scale", "sliding_window", "logits_soft_cap", "implementation")
+PAGED_STATIC = ("scale", "sliding_window", "logits_soft_cap", "attention_chunk_size",
+                "implementation")
 jit_attention = jax.jit(fj.attention, static_argnames=("causal", *PAGED_STATIC))
 jit_paged_attention = jax.jit(fj.paged_attention, static_argnames=PAGED_STATIC)
 jit_ragged_paged_attention = jax.jit(fj.ragged_paged_attention, static_argnames=PAGED_STATIC)

@@ -39,7 +39,7 @@ class PagedCache:
 
 def paged_cache(gen, lengths, *, page_size, kv_heads, head_dim, dtype, positions=None,
                 window=None, spare_pages=3, spare_entries=1, max_pages=None,
-                num_pages=None) -> PagedCache:
+                num_pages=None, attention_chunk_size=None) -> PagedCache:
     """Random sequences of ``lengths`` tokens on randomly permuted pages of a poisoned pool.
 
     Args:
@@ -49,6 +49,8 @@ def paged_cache(gen, lengths, *, page_size, kv_heads, head_dim, dtype, positions
         with ``window``, the slots none of them sees (before every query's window, at or
         after every query's position) are poisoned too. None: every slot before each
         sequence's length holds data.
+      attention_chunk_size: like ``window``, the slots outside every query's chunk are
+        poisoned too.
       spare_pages, spare_entries: pages no sequence owns, block-table entries past the
         longest sequence's pages (both poisoned); ``max_pages`` and ``num_pages`` fix those
         shapes instead.
@@ -63,7 +65,8 @@ def paged_cache(gen, lengths, *, page_size, kv_heads, head_dim, dtype, positions
         seen = np.arange(seq)[None, :] < lengths[:, None]
     else:
         seen = attention_mask_ref(batch, positions.shape[1], seq, q_positions=positions,
-                                  kv_lengths=lengths, sliding_window=window).any(axis=1)
+                                  kv_lengths=lengths, sliding_window=window,
+                                  attention_chunk_size=attention_chunk_size).any(axis=1)
     shape = (kv_heads, num_pages, page_size, head_dim)
     poison = lambda: gen.choice(np.array([np.nan, np.inf, -np.inf]), shape)  # noqa: E731
     k_pages, v_pages = poison(), poison()
@@ -111,7 +114,7 @@ def pages_from_dense(gen, k, v, *, num_pages, page_size):
 
 # (q_heads, kv_heads); the last two are released models' (cases.shapes).
 RAGGED_HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1), "smollm2": (9, 3),
-                "llama3": (32, 8)}
+                "llama3": (32, 8), "gptoss": (64, 8), "llama4": (40, 8)}
 
 # make_step's sequences: new tokens and cache lengths per sequence, room for max_seqs
 # sequences and total_tokens rows.
@@ -150,7 +153,7 @@ class Step:
 
 def make_step(gen, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, heads, head_dim,
               dtype, q_dtype=None, window=None, spare_pages=3, pages_per_seq=None,
-              num_pages=None) -> Step:
+              num_pages=None, attention_chunk_size=None) -> Step:
     """Random sequences on randomly permuted pages of a NaN-filled pool.
 
     Ignored sequences' block tables, lengths and ``cu_q_lens`` entries hold huge values of
@@ -184,7 +187,9 @@ def make_step(gen, q_lens, kv_lens, *, max_seqs, total_tokens, page_size, heads,
             dense_k[i, pos], dense_v[i, pos] = kv_val.astype(np.float64)
             page, off = tables[i, pos // page_size], pos % page_size
             k_clean[:, page, off], v_clean[:, page, off] = kv_val
-            hidden = q_lens[i] == 0 or (window is not None and pos <= first - window)
+            hidden = q_lens[i] == 0 or (window is not None and pos <= first - window) or (
+                attention_chunk_size is not None
+                and pos // attention_chunk_size < first // attention_chunk_size)
             if not hidden:
                 k_pages[:, page, off], v_pages[:, page, off] = kv_val
     q = gen.standard_normal((total_tokens, q_heads, head_dim))

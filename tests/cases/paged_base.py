@@ -46,6 +46,8 @@ class PagedCase:
       explicit_positions: positions passed explicitly, earlier than each sequence's end,
         the last query of sequence 0 padding (position -1, it sees nothing).
       lengths: tokens per sequence.
+      chunk: ``attention_chunk_size`` (slots outside every query's chunk poisoned too).
+      sinks: pass attention sinks (random logits, one per query head).
     """
 
     q_heads: int
@@ -59,6 +61,18 @@ class PagedCase:
     window: int | None = None
     cap: float | None = None
     explicit_positions: bool = False
+    chunk: int | None = None
+    sinks: bool = False
+
+    def extras(self):
+        """The sinks and chunk keywords of the case."""
+        kw = {}
+        if self.chunk is not None:
+            kw["attention_chunk_size"] = self.chunk
+        if self.sinks:
+            kw["sinks"] = jnp.asarray(rng(self.q_heads, 99).normal(1.0, 2.0, self.q_heads),
+                                      jnp.float32)
+        return kw
 
 
 class PagedAttentionCases(ImplementationCases):
@@ -92,20 +106,22 @@ class PagedAttentionCases(ImplementationCases):
             positions[0, -1] = -1
         cache = paged_cache(gen, lengths, positions=positions, window=case.window,
                             page_size=case.page_size, kv_heads=case.kv_heads,
-                            head_dim=case.head_dim, dtype=case.dtype)
+                            head_dim=case.head_dim, dtype=case.dtype,
+                            attention_chunk_size=case.chunk)
         shape = (batch, t, case.q_heads, case.head_dim)
         q = jnp.asarray(gen.standard_normal(shape if case.q_len else (batch, *shape[2:]))
                         .astype(np.dtype(case.q_dtype or case.dtype)))
         kw = dict(sliding_window=case.window, logits_soft_cap=case.cap,
                   scale=0.8 / case.head_dim**0.5,
-                  q_positions=jnp.asarray(positions) if case.explicit_positions else None)
+                  q_positions=jnp.asarray(positions) if case.explicit_positions else None,
+                  **case.extras())
         out = self.paged_attention(q, cache.k_pages, cache.v_pages, cache.block_tables, lengths,
                                    **kw)
         assert out.shape == q.shape and out.dtype == q.dtype
         ref = attention_ref(f64(q).reshape(shape), cache.dense_k, cache.dense_v,
                             q_positions=positions, kv_lengths=lengths,
                             sliding_window=case.window, logits_soft_cap=case.cap,
-                            scale=kw["scale"]).reshape(q.shape)
+                            scale=kw["scale"], **case.extras()).reshape(q.shape)
         assert_close(out, ref, implementation=self.IMPLEMENTATION, err_msg="against float64")
         # The XLA implementation on the same visible data (finite garbage elsewhere).
         xla = jit_paged_attention(q, cache.finite_k, cache.finite_v, cache.block_tables,
@@ -114,7 +130,8 @@ class PagedAttentionCases(ImplementationCases):
                      err_msg="against XLA")
         # A query that sees no key gives exact zeros (an empty sequence, padded positions).
         seen = attention_mask_ref(batch, t, cache.dense_k.shape[1], q_positions=positions,
-                                  kv_lengths=lengths, sliding_window=case.window).any(axis=-1)
+                                  kv_lengths=lengths, sliding_window=case.window,
+                                  attention_chunk_size=case.chunk).any(axis=-1)
         np.testing.assert_array_equal(f64(out).reshape(shape)[~seen], 0.0)
 
     @parametrize_from("NONFINITE_CASES")
@@ -128,17 +145,19 @@ class PagedAttentionCases(ImplementationCases):
         positions = default_positions(lengths, t)
         cache = paged_cache(gen, lengths, positions=positions, window=case.window,
                             page_size=case.page_size, kv_heads=case.kv_heads,
-                            head_dim=case.head_dim, dtype=case.dtype)
+                            head_dim=case.head_dim, dtype=case.dtype,
+                            attention_chunk_size=case.chunk)
         q = jnp.asarray(gen.standard_normal((batch, t, case.q_heads, case.head_dim)),
                         case.dtype)
         ref = attention_ref(f64(q), cache.dense_k, cache.dense_v, q_positions=positions,
-                            kv_lengths=lengths, sliding_window=case.window)
+                            kv_lengths=lengths, sliding_window=case.window, **case.extras())
         mask = attention_mask_ref(batch, t, cache.dense_k.shape[1], q_positions=positions,
-                                  kv_lengths=lengths, sliding_window=case.window)
+                                  kv_lengths=lengths, sliding_window=case.window,
+                                  attention_chunk_size=case.chunk)
         q, k_pages, v_pages, must_nan, must_inf = poison_per_query(
             q, cache.k_pages, cache.v_pages, mask, seed=7,
             block_tables=np.asarray(cache.block_tables))
         out = self.paged_attention(q, k_pages, v_pages, cache.block_tables, lengths,
-                                   sliding_window=case.window)
+                                   sliding_window=case.window, **case.extras())
         assert_nonfinite_exactly(out, ref, must_nan, must_inf, dtype=case.dtype,
                                  implementation=self.IMPLEMENTATION)

@@ -53,7 +53,8 @@ class RaggedPagedAttentionCases(ImplementationCases):
         gen = rng(*mix.encode(), page_size)
         window = masking.get("sliding_window")
         step = make_step(gen, **RAGGED_MIXES[mix], page_size=page_size, heads=heads,
-                         head_dim=self.HEAD_DIM, dtype=dtype, q_dtype=q_dtype, window=window)
+                         head_dim=self.HEAD_DIM, dtype=dtype, q_dtype=q_dtype, window=window,
+                         attention_chunk_size=masking.get("attention_chunk_size"))
         if mix == "mixed" and window is not None:  # slots no query sees hold NaN
             assert np.isnan(f64(step.k_pages)).sum() > np.isnan(f64(step.k_clean)).sum()
         self.check(step, dtype=q_dtype or dtype, **masking)

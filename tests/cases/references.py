@@ -193,16 +193,18 @@ def rope_ref(x, positions, *, theta=10000.0, scaling=None, interleaved=False):
 
 
 def attention_mask_ref(batch, q_len, kv_len, *, causal=True, q_positions=None,
-                       kv_lengths=None, sliding_window=None, scale=None, logits_soft_cap=None):
+                       kv_lengths=None, sliding_window=None, scale=None, logits_soft_cap=None,
+                       attention_chunk_size=None, sinks=None):
     """Boolean ``[batch, q_len, kv_len]``: key ``j`` visible to the query at position ``p``
-    iff ``(not causal or j <= p) and j < kv_lengths[b] and j > p - sliding_window``.
+    iff ``(not causal or j <= p) and j < kv_lengths[b] and j > p - sliding_window`` and,
+    with chunked attention, ``floor(j / c) == floor(p / c)``.
 
     Positions default to bottom-right alignment per sequence, ``kv_lengths[b] - q_len + t``
     (``kv_len - q_len + t`` without lengths). ``scale`` and ``logits_soft_cap`` change no
     visibility; they are taken (and ignored) so that an attention call's keywords pass as
-    they are.
+    they are (and ``sinks``, which hide nothing).
     """
-    del scale, logits_soft_cap
+    del scale, logits_soft_cap, sinks
     if q_positions is None:
         ends = (np.full(batch, kv_len) if kv_lengths is None
                 else np.asarray(kv_lengths, np.int64))
@@ -216,11 +218,15 @@ def attention_mask_ref(batch, q_len, kv_len, *, causal=True, q_positions=None,
         mask &= j < np.asarray(kv_lengths, np.int64)[:, None, None]
     if sliding_window is not None:
         mask &= j > p - sliding_window
+    if attention_chunk_size is not None:
+        mask &= np.floor_divide(j, attention_chunk_size) == np.floor_divide(
+            p, attention_chunk_size)
     return mask
 
 
 def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
-                  sliding_window=None, logits_soft_cap=None):
+                  sliding_window=None, logits_soft_cap=None, sinks=None,
+                  attention_chunk_size=None):
     """Scaled dot-product attention, float64.
 
     Args:
@@ -232,6 +238,9 @@ def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_leng
         :func:`attention_mask_ref`; positions default to bottom-right alignment per
         sequence, ``kv_lengths[b] - q_len + t`` (``kv_len - q_len + t`` without lengths).
       logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax.
+      sinks: ``[q_heads]``, attention sinks: ``exp(sinks[h])`` joins the denominator of
+        every query of head ``h`` (gpt-oss).
+      attention_chunk_size: chunked attention (:func:`attention_mask_ref`).
 
     Returns:
       float64 ``[batch, q_len, q_heads, head_dim]``; a query that sees no key gives zeros.
@@ -243,7 +252,8 @@ def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_leng
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     mask = attention_mask_ref(batch, q_len, kv_len, causal=causal, q_positions=q_positions,
-                              kv_lengths=kv_lengths, sliding_window=sliding_window)
+                              kv_lengths=kv_lengths, sliding_window=sliding_window,
+                              attention_chunk_size=attention_chunk_size)
     out = np.zeros((batch, q_len, q_heads, v.shape[-1]))
     for b in range(batch):
         for h in range(q_heads):
@@ -251,7 +261,14 @@ def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_leng
             logits = scale * (q[b, :, h, :] @ k[b, :, kh, :].T)  # [q_len, kv_len]
             if logits_soft_cap is not None:
                 logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
-            probs = softmax_ref(logits, axis=-1, where=mask[b])
+            if sinks is None:
+                probs = softmax_ref(logits, axis=-1, where=mask[b])
+            else:  # the sink as one more (always visible) logit whose probability is dropped
+                sink = np.full((q_len, 1), float(f64(sinks)[h]))
+                probs = softmax_ref(np.concatenate([logits, sink], axis=-1), axis=-1,
+                                    where=np.concatenate([mask[b], np.ones((q_len, 1), bool)],
+                                                         axis=-1))[:, :-1]
+                probs = np.where(mask[b].any(-1, keepdims=True), probs, 0.0)
             # Only visible values enter the sum (an invisible NaN must not reach it).
             vh = v[b, :, kh, :]
             for t in range(q_len):
@@ -261,11 +278,14 @@ def attention_ref(q, k, v, *, scale=None, causal=True, q_positions=None, kv_leng
 
 
 def attention_grads_ref(q, k, v, g, *, scale=None, causal=True, q_positions=None,
-                        kv_lengths=None, sliding_window=None, logits_soft_cap=None):
-    """float64 ``(dq, dk, dv)`` of ``sum(attention_ref(q, k, v) * g)``.
+                        kv_lengths=None, sliding_window=None, logits_soft_cap=None, sinks=None,
+                        attention_chunk_size=None):
+    """float64 ``(dq, dk, dv)`` of ``sum(attention_ref(q, k, v) * g)``, and ``dsinks`` as a
+    fourth entry when ``sinks`` are given.
 
     Hidden keys get zero gradients, whatever they hold (NaN included): they enter neither
-    the logits nor the weighted sum.
+    the logits nor the weighted sum. A sink weighs no value: its logit's gradient is
+    ``-p_sink * sum_j p_j dp_j`` over each query of its head.
     """
     q, k, v, g = f64(q), f64(k), f64(v), f64(g)
     batch, q_len, q_heads, head_dim = q.shape
@@ -273,8 +293,10 @@ def attention_grads_ref(q, k, v, g, *, scale=None, causal=True, q_positions=None
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     mask = attention_mask_ref(batch, q_len, kv_len, causal=causal, q_positions=q_positions,
-                              kv_lengths=kv_lengths, sliding_window=sliding_window)
+                              kv_lengths=kv_lengths, sliding_window=sliding_window,
+                              attention_chunk_size=attention_chunk_size)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    dsinks = np.zeros(q_heads)
     for b in range(batch):
         for h in range(q_heads):
             kh = h // group
@@ -285,21 +307,31 @@ def attention_grads_ref(q, k, v, g, *, scale=None, causal=True, q_positions=None
                 raw / logits_soft_cap)
             s = np.where(mask[b], s, -np.inf)
             m = s.max(-1, keepdims=True)
-            e = np.where(mask[b], np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+            if sinks is not None:
+                m = np.maximum(m, float(f64(sinks)[h]))
+            shift = np.where(np.isfinite(m), m, 0.0)
+            e = np.where(mask[b], np.exp(s - shift), 0.0)
             total = e.sum(-1, keepdims=True)
+            e_sink = 0.0
+            if sinks is not None:  # rows that see no key keep zeros
+                e_sink = np.where(mask[b].any(-1, keepdims=True),
+                                  np.exp(float(f64(sinks)[h]) - shift), 0.0)
+                total = total + e_sink
             p = e / np.where(total > 0, total, 1.0)
             dv[b, :, kh] += p.T @ g[b, :, h]
             dp = g[b, :, h] @ vv.T
             ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+            p_sink = e_sink / np.where(total > 0, total, 1.0)
+            dsinks[h] -= np.sum(p_sink * (dp * p).sum(-1, keepdims=True))
             if logits_soft_cap is not None:
                 ds = ds * (1.0 - np.tanh(raw / logits_soft_cap) ** 2)
             dq[b, :, h] = scale * ds @ kk
             dk[b, :, kh] += scale * ds.T @ q[b, :, h]
-    return dq, dk, dv
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
 def ragged_paged_attention_ref(step, *, scale=None, sliding_window=None,
-                               logits_soft_cap=None):
+                               logits_soft_cap=None, sinks=None, attention_chunk_size=None):
     """float64 ragged paged attention of a step (``cases.paged.Step``: ``q [rows, q_heads,
     head_dim]``, the dense ``[num_seqs, capacity, kv_heads, head_dim]`` keys and values of
     its sequences, ``cu_q_lens``, ``kv_lengths``, ``num_seqs``).
@@ -319,7 +351,8 @@ def ragged_paged_attention_ref(step, *, scale=None, sliding_window=None,
         out[cu[i]:cu[i + 1]] = attention_ref(
             q[None, cu[i]:cu[i + 1]], step.dense_k[i][None], step.dense_v[i][None],
             q_positions=positions[None], kv_lengths=kv[i:i + 1], scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)[0]
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            attention_chunk_size=attention_chunk_size)[0]
     return out
 
 

@@ -1,0 +1,302 @@
+"""DeepSeek-V3 (``model_type: deepseek_v3``): multi-head latent attention over the paged latent
+cache and sigmoid-routed experts, built from forge_jax's public ops.
+
+The decoder, as Hugging Face transformers' ``DeepseekV3ForCausalLM`` computes it:
+
+* **Attention (MLA).** Queries through a low-rank bottleneck (``q_a_proj``, RMS norm,
+  ``q_b_proj``; or one ``q_proj`` when ``q_lora_rank`` is None), split per head into
+  ``qk_nope_head_dim`` and ``qk_rope_head_dim`` values. Keys and values through one shared
+  latent: ``kv_a_proj_with_mqa`` gives the latent (``kv_lora_rank``, RMS-normed) and one RoPE
+  key shared by the heads. RoPE rotates interleaved pairs (``rope_interleave``), here
+  de-interleaved and rotated by :func:`forge_jax.rope`. The cache
+  (:class:`forge_jax.kv_cache.PagedLatentCache`) stores the latent and the RoPE key only, and
+  attention runs weight-absorbed through :func:`forge_jax.mla_paged_attention` with
+  ``kv_b_proj`` split into the heads' key and value up-projections.
+* **Feed-forward.** The first ``first_k_dense_replace`` layers are SwiGLU MLPs; the others
+  mixtures of experts: sigmoid scores of a float32 router, ``e_score_correction_bias`` added
+  for the choice only, group-limited top-k (the ``topk_group`` best of ``n_group`` groups,
+  a group scored by the sum of its two best experts), the chosen experts' sigmoid scores as
+  weights (renormalised with ``norm_topk_prob``) times ``routed_scaling_factor``, computed
+  by :func:`forge_jax.moe_permute`, :func:`forge_jax.grouped_matmul` and
+  :func:`forge_jax.moe_unpermute`; plus ``n_shared_experts`` shared experts (one SwiGLU MLP
+  of ``moe_intermediate_size * n_shared_experts``) for every token.
+
+RoPE may be YaRN-scaled (``rope_type: "yarn"``, :class:`forge_jax.RopeScaling`): the tables
+carry its attention factor and the softmax scale its ``mscale_all_dim`` correction
+(:func:`forge_jax.ops.mla.yarn_softmax_scale`).
+
+The weights are a pytree of arrays (:func:`load`), an argument of the jitted step, never
+constants in its program. Not yet here: FP8 block-quantized checkpoints, ``quantize=``,
+``from_pretrained``, ``generate`` and the serving engine (this module's
+:func:`generate_greedy` drives the latent cache directly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import forge_jax as fj
+from forge_jax.kv_cache import BlockManager, PagedLatentCache
+from forge_jax.ops.mla import yarn_softmax_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Config:
+    """The sizes and switches of a DeepSeek-V3 checkpoint's ``config.json`` (the names are
+    transformers')."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+    rope_scaling: fj.RopeScaling | None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale: ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor,
+        mscale_all_dim) ** 2`` with YaRN rope scaling (transformers' ``yarn_apply_mscale``);
+        the RoPE tables carry YaRN's own attention factor."""
+        s = self.rope_scaling
+        if s is None or not s.mscale_all_dim:
+            return yarn_softmax_scale(self.qk_head_dim)
+        return yarn_softmax_scale(self.qk_head_dim, s.factor, s.mscale_all_dim)
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> DeepseekV3Config:
+        """The config of a transformers ``config.json`` of ``model_type`` ``deepseek_v3``;
+        raises ValueError naming what this module does not compute."""
+        if config.get("model_type") != "deepseek_v3":
+            raise ValueError(f"not a DeepSeek-V3 config: model_type={config.get('model_type')!r}")
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "yarn"):
+            raise ValueError(f"rope_type={kind!r}: DeepSeek-V3 checkpoints use the default "
+                             "RoPE or YaRN")
+        scaling = fj.RopeScaling.from_hf(
+            {k: v for k, v in rope.items() if k != "rope_theta"},
+            max_position_embeddings=config.get("max_position_embeddings"))
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config['hidden_act']!r}: DeepSeek-V3 uses silu")
+        if config.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported (DeepSeek-V3 has none)")
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        names = [f.name for f in dataclasses.fields(cls)
+                 if f.name not in ("rope_theta", "rope_scaling")]
+        return cls(rope_theta=float(theta), rope_scaling=scaling,
+                   **{n: config[n] for n in names if n in config})
+
+
+def load_config(directory) -> DeepseekV3Config:
+    return DeepseekV3Config.from_hf(json.loads(
+        (pathlib.Path(directory) / "config.json").read_text()))
+
+
+def load(directory, dtype=jnp.float32) -> tuple[DeepseekV3Config, dict[str, Any]]:
+    """``(config, weights)`` from a transformers-written safetensors checkpoint: the weights
+    a pytree of ``dtype`` arrays (the router's in float32), ``[in, out]`` matrices, experts
+    stacked ``[experts, in, out]``, ``kv_b_proj`` split into ``w_uk [kv_lora_rank, heads,
+    nope]`` and ``w_uv [kv_lora_rank, heads, v]``."""
+    from safetensors import safe_open
+
+    directory = pathlib.Path(directory)
+    config = load_config(directory)
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "np") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+
+    def take(name, transpose=True, as_dtype=dtype):
+        x = tensors.pop(name).astype(np.float32)
+        return jnp.asarray(x.T if transpose else x, as_dtype)
+
+    heads, nope = config.num_attention_heads, config.qk_nope_head_dim
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        attn = {}
+        if config.q_lora_rank is None:
+            attn["q_proj"] = take(p + "self_attn.q_proj.weight")
+        else:
+            attn.update(q_a_proj=take(p + "self_attn.q_a_proj.weight"),
+                        q_a_norm=take(p + "self_attn.q_a_layernorm.weight", False),
+                        q_b_proj=take(p + "self_attn.q_b_proj.weight"))
+        kv_b = tensors.pop(p + "self_attn.kv_b_proj.weight").astype(np.float32)
+        kv_b = kv_b.reshape(heads, nope + config.v_head_dim, config.kv_lora_rank)
+        attn.update(kv_a_proj=take(p + "self_attn.kv_a_proj_with_mqa.weight"),
+                    kv_a_norm=take(p + "self_attn.kv_a_layernorm.weight", False),
+                    w_uk=jnp.asarray(kv_b[:, :nope].transpose(2, 0, 1), dtype),
+                    w_uv=jnp.asarray(kv_b[:, nope:].transpose(2, 0, 1), dtype),
+                    o_proj=take(p + "self_attn.o_proj.weight"))
+        layer = dict(attn=attn, input_norm=take(p + "input_layernorm.weight", False),
+                     post_norm=take(p + "post_attention_layernorm.weight", False))
+        if i < config.first_k_dense_replace:
+            layer["mlp"] = {k: take(f"{p}mlp.{k}.weight") for k in ("gate_proj", "up_proj",
+                                                                      "down_proj")}
+        else:
+            experts = range(config.n_routed_experts)
+            layer["moe"] = dict(
+                router=take(p + "mlp.gate.weight", as_dtype=jnp.float32),
+                bias=take(p + "mlp.gate.e_score_correction_bias", False, jnp.float32),
+                **{k: jnp.stack([take(f"{p}mlp.experts.{e}.{k}.weight") for e in experts])
+                   for k in ("gate_proj", "up_proj", "down_proj")},
+                shared={k: take(f"{p}mlp.shared_experts.{k}.weight")
+                        for k in ("gate_proj", "up_proj", "down_proj")})
+        layers.append(layer)
+    weights = dict(embed=take("model.embed_tokens.weight", False), layers=layers,
+                   norm=take("model.norm.weight", False))
+    weights["lm_head"] = (weights["embed"].T if config.tie_word_embeddings
+                          else take("lm_head.weight"))
+    tensors = {k: v for k, v in tensors.items() if "mtp" not in k and ".layers." not in k
+               or int(k.split(".")[2]) < config.num_hidden_layers}
+    if tensors:  # (multi-token prediction layers past num_hidden_layers are not used)
+        raise ValueError(f"unused tensors in the checkpoint: {sorted(tensors)[:5]}")
+    return config, weights
+
+
+def _mlp(x, w):
+    return fj.matmul(fj.silu_mul(fj.matmul(x, w["gate_proj"]), fj.matmul(x, w["up_proj"])),
+                     w["down_proj"])
+
+
+def route(x, router, bias, config: DeepseekV3Config):
+    """``(weights [tokens, k] float32, experts [tokens, k] int32)``: sigmoid scores, the
+    correction bias for the choice, group-limited top-k, the routed scaling factor."""
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router,
+                                    precision=jax.lax.Precision.HIGHEST))  # [t, experts]
+    choice = scores + bias
+    tokens, experts = scores.shape
+    groups = choice.reshape(tokens, config.n_group, experts // config.n_group)
+    group_scores = jax.lax.top_k(groups, 2)[0].sum(-1)  # [t, n_group]
+    _, best = jax.lax.top_k(group_scores, config.topk_group)
+    keep = jnp.zeros_like(group_scores, jnp.bool_).at[
+        jnp.arange(tokens)[:, None], best].set(True)
+    choice = jnp.where(jnp.repeat(keep, experts // config.n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, config.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+def _moe(x, w, config: DeepseekV3Config):
+    weights, ids = route(x, w["router"], w["bias"], config)
+    x_sorted, sizes, order = fj.moe_permute(x, ids, config.n_routed_experts)
+    hidden = fj.silu_mul(fj.grouped_matmul(x_sorted, w["gate_proj"], sizes),
+                         fj.grouped_matmul(x_sorted, w["up_proj"], sizes))
+    out = fj.moe_unpermute(fj.grouped_matmul(hidden, w["down_proj"], sizes), order,
+                           weights.astype(x.dtype))
+    return out + _mlp(x, w["shared"])
+
+
+def _deinterleave(x):
+    """DeepSeek's interleaved RoPE pairs ``(x0, x1), (x2, x3), ...`` as the halves
+    :func:`forge_jax.rope` rotates (``[x0, x2, ...], [x1, x3, ...]``)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def _attention(x, w, cache, layer, positions, valid, kv_lengths, config):
+    batch, t, _ = x.shape
+    heads, nope, rope = (config.num_attention_heads, config.qk_nope_head_dim,
+                         config.qk_rope_head_dim)
+    eps = config.rms_norm_eps
+    if config.q_lora_rank is None:
+        q = fj.matmul(x, w["q_proj"])
+    else:
+        q = fj.matmul(fj.rms_norm(fj.matmul(x, w["q_a_proj"]), w["q_a_norm"], eps=eps),
+                      w["q_b_proj"])
+    q = q.reshape(batch, t, heads, nope + rope)
+    kv = fj.matmul(x, w["kv_a_proj"])  # [b, t, kv_lora_rank + rope]
+    latent = fj.rms_norm(kv[..., :config.kv_lora_rank], w["kv_a_norm"], eps=eps)
+    q_pe, k_pe = q[..., nope:], kv[..., None, config.kv_lora_rank:]
+    if config.rope_interleave:
+        q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+    q_pe = fj.rope(q_pe, positions, theta=config.rope_theta, scaling=config.rope_scaling)
+    k_pe = fj.rope(k_pe, positions, theta=config.rope_theta, scaling=config.rope_scaling)
+    cache = cache.write(layer, latent[:, :, None], k_pe, positions, valid)
+    out = cache.attend(layer, jnp.concatenate([q[..., :nope], q_pe], axis=-1),
+                       q_positions=positions, kv_lengths=kv_lengths, scale=config.scale,
+                       up_proj=(w["w_uk"], w["w_uv"]))  # [b, t, heads, v_head_dim]
+    return fj.matmul(out.reshape(batch, t, -1), w["o_proj"]), cache
+
+
+def forward(weights, tokens, cache: PagedLatentCache, positions, valid, *,
+            config: DeepseekV3Config):
+    """Logits ``[batch, t, vocab]`` (float32) of ``tokens [batch, t]`` at ``positions``
+    (``valid`` False: padding, not written), and the cache with them written."""
+    kv_lengths = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), 1))
+    x = fj.embedding(weights["embed"], tokens)
+    eps = config.rms_norm_eps
+    for i, layer in enumerate(weights["layers"]):
+        h = fj.rms_norm(x, layer["input_norm"], eps=eps)
+        a, cache = _attention(h, layer["attn"], cache, i, positions, valid, kv_lengths, config)
+        x = x + a
+        h = fj.rms_norm(x, layer["post_norm"], eps=eps)
+        if "mlp" in layer:
+            x = x + _mlp(h, layer["mlp"])
+        else:
+            x = x + _moe(h.reshape(-1, h.shape[-1]), layer["moe"], config).reshape(h.shape)
+    x = fj.rms_norm(x, weights["norm"], eps=eps)
+    return fj.matmul(x, weights["lm_head"]).astype(jnp.float32), cache.with_lengths(kv_lengths)
+
+
+def generate_greedy(config: DeepseekV3Config, weights, prompts, max_new_tokens: int, *,
+                    page_size: int = 16, dtype=jnp.float32):
+    """Greedy continuations (int ``[batch, max_new_tokens]``) of equal-length ``prompts``
+    (int ``[batch, prompt_len]``) through a :class:`PagedLatentCache` whose pages a
+    :class:`BlockManager` hands out; also returns the prompt's logits."""
+    prompts = np.asarray(prompts, np.int32)
+    batch, n = prompts.shape
+    total = n + max_new_tokens
+    max_pages = -(-total // page_size)
+    manager = BlockManager(num_pages=batch * max_pages, page_size=page_size)
+    for b in range(batch):
+        manager.allocate(b, total)
+    cache = PagedLatentCache.create(
+        num_layers=config.num_hidden_layers, num_pages=batch * max_pages, page_size=page_size,
+        kv_lora_rank=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
+        block_tables=manager.block_tables(range(batch), max_pages))
+    step = jax.jit(lambda w, tok, c, pos, valid: forward(w, tok, c, pos, valid, config=config),
+                   donate_argnums=(2,))
+    positions = np.broadcast_to(np.arange(n, dtype=np.int32), (batch, n))
+    logits, cache = step(weights, prompts, cache, positions, np.ones((batch, n), bool))
+    prompt_logits = logits
+    out = []
+    token = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+    for i in range(max_new_tokens):
+        out.append(token)
+        if i == max_new_tokens - 1:
+            break
+        pos = np.full((batch, 1), n + i, np.int32)
+        logits, cache = step(weights, token[:, None], cache, pos, np.ones((batch, 1), bool))
+        token = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+    return np.stack([np.asarray(t) for t in out], 1), prompt_logits

@@ -1,0 +1,99 @@
+"""Compiled generation steps kept on disk (forge_jax/generation/compiled_cache.py): a fresh
+process that finds them runs them without tracing and gives the same tokens; one that
+finds none compiles as before; a corrupted or foreign entry is ignored with one log line.
+
+Each process is a real fresh Python (subprocess) on the repository's tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+TINY = pathlib.Path(__file__).resolve().parents[1] / "models" / "tiny"
+
+# Generates greedily and sampling inside the step cache; with "no-trace", the jitted steps
+# refuse to be traced, so every step must come from the cache. Prints a JSON line.
+SCRIPT = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING, format="LOG %(name)s %(message)s")
+from forge_jax.generation import compiled_cache, steps
+from forge_jax.models import llama
+
+class NoTrace:
+    def __getattr__(self, name):
+        raise AssertionError(f"the step was traced ({name})")
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the step was traced")
+
+if sys.argv[2] == "no-trace":
+    steps.prefill_step._jitted = NoTrace()
+    steps.decode_step._jitted = NoTrace()
+model = llama.from_pretrained(sys.argv[3])
+with compiled_cache.use_step_cache(sys.argv[1]):
+    greedy = llama.generate(model, [[1, 4, 5, 13, 6]], max_new_tokens=6, eos_token_id=())
+    sampled = llama.generate(model, [[1, 7, 8, 13, 9, 10]], max_new_tokens=5,
+                             eos_token_id=(), temperature=1.0, seed=3)
+print("RESULT " + json.dumps([greedy, sampled]))
+"""
+
+
+def _run(cache: pathlib.Path, mode: str) -> tuple[list, list[str]]:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(cache), mode, str(TINY)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    logs = [line for line in done.stderr.splitlines() if line.startswith("LOG ")]
+    return json.loads(result[len("RESULT "):]), logs
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """A cache written by a first process, and that process's tokens."""
+    cache = tmp_path_factory.mktemp("steps")
+    tokens, logs = _run(cache, "trace")
+    assert logs == []
+    return cache, tokens
+
+
+def test_a_fresh_process_runs_the_kept_steps_untraced(filled):
+    cache, tokens = filled
+    entries = sorted(p.name for p in cache.glob("*.step"))
+    # prefill and decode, greedy and sampling: four steps
+    assert len(entries) == 4 and {e.split("-")[0] for e in entries} == {"prefill", "decode"}
+    again, logs = _run(cache, "no-trace")
+    assert again == tokens and logs == []
+
+
+@pytest.mark.slow
+def test_no_cache_compiles_as_before(filled, tmp_path):
+    _, tokens = filled
+    fresh, logs = _run(tmp_path, "trace")
+    assert fresh == tokens and logs == []
+    assert len(list(tmp_path.glob("*.step"))) == 4
+
+
+@pytest.mark.parametrize("damage", ["corrupted", pytest.param("foreign", marks=pytest.mark.slow)])
+def test_a_bad_entry_is_ignored_with_one_log_line(filled, tmp_path, damage):
+    cache, tokens = filled
+    for entry in cache.glob("*.step"):
+        data = entry.read_bytes()
+        if damage == "corrupted":
+            data = data[: len(data) // 2]
+        else:  # as if written for another machine or version under this name
+            record = pickle.loads(data)
+            record["key"] = record["key"].replace("jax ", "jax 0.0.0-other ", 1)
+            data = pickle.dumps(record)
+        (tmp_path / entry.name).write_bytes(data)
+    out, logs = _run(tmp_path, "trace")
+    assert out == tokens
+    assert len(logs) == 4 and all("ignoring the compiled step" in line for line in logs), logs
+    if damage == "foreign":
+        assert all("another model, machine" in line for line in logs)
+    # rewritten: the next process loads them untraced
+    again, logs = _run(tmp_path, "no-trace")
+    assert again == tokens and logs == []

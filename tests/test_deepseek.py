@@ -1,0 +1,102 @@
+"""DeepSeek-V3 (models/deepseek.py) against Hugging Face transformers on a random-weight
+checkpoint transformers wrote: a query bottleneck (q_lora_rank), a dense first layer, routed
+experts with sigmoid scores, a random e_score_correction_bias, group-limited top-k and
+shared experts. Logits within float32 tolerance and greedy tokens identical, decoding through
+the paged latent cache."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV3Config"):
+    pytest.skip("this transformers has no DeepSeek-V3", allow_module_level=True)
+
+from cases.hf_families import hf_greedy, hf_logits  # noqa: E402
+
+from forge_jax.models import deepseek  # noqa: E402
+
+CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+              n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+              max_position_embeddings=256)
+
+
+# DeepSeek-V3's YaRN (factor 40, mscale 1, mscale_all_dim 1, original context 4096),
+# with a short original context so that the ramp lies inside the rotary dims.
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+            original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
+
+
+@pytest.fixture(scope="module", params=["default_rope", "yarn"])
+def checkpoint(tmp_path_factory, request):
+    directory = tmp_path_factory.mktemp("deepseek_v3")
+    torch.manual_seed(0)
+    kwargs = dict(CONFIG, rope_parameters=YARN) if request.param == "yarn" else CONFIG
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.25 if p.ndim > 1 else 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # steers the choice, not the weights
+                b.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    ref = transformers.DeepseekV3ForCausalLM.from_pretrained(directory,
+                                                             dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    return pathlib.Path(directory), ref
+
+
+def test_config_reads_the_checkpoint(checkpoint):
+    config = deepseek.load_config(checkpoint[0])
+    assert (config.q_lora_rank, config.kv_lora_rank, config.first_k_dense_replace,
+            config.n_group, config.topk_group) == (32, 32, 1, 4, 2)
+    if config.rope_scaling is None:
+        assert config.rope_interleave and config.scale == pytest.approx(24 ** -0.5)
+    else:  # transformers' yarn_apply_mscale: (0.1 * ln(4) + 1) ** 2
+        assert config.rope_scaling.kind == "yarn"
+        assert config.scale == pytest.approx(24 ** -0.5 * (0.1 * np.log(4) + 1) ** 2)
+        assert config.scale == pytest.approx(checkpoint[1].model.layers[0].self_attn.scaling)
+
+
+def test_logits_and_greedy_tokens_match_transformers(checkpoint):
+    directory, ref = checkpoint
+    config, weights = deepseek.load(directory)
+    prompts = np.random.default_rng(1).integers(2, CONFIG["vocab_size"], (2, 11))
+    tokens, logits = deepseek.generate_greedy(config, weights, prompts, 8, page_size=4)
+    want = hf_logits(ref, prompts)
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=2e-4, atol=2e-4)
+    for b in range(2):
+        assert tokens[b].tolist() == hf_greedy(ref, prompts[b].tolist(), 8)
+
+
+def test_router_matches_transformers(checkpoint):
+    directory, ref = checkpoint
+    config, weights = deepseek.load(directory)
+    x = np.random.default_rng(2).standard_normal((13, CONFIG["hidden_size"])).astype(np.float32)
+    moe = weights["layers"][1]["moe"]
+    w, ids = deepseek.route(x, moe["router"], moe["bias"], config)
+    with torch.no_grad():
+        _, hf_w, hf_ids = ref.model.layers[1].mlp.gate(torch.tensor(x))
+    order, hf_order = np.argsort(np.asarray(ids), 1), np.argsort(hf_ids.numpy(), 1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, 1),
+                                  np.take_along_axis(hf_ids.numpy(), hf_order, 1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, 1),
+                               np.take_along_axis(hf_w.numpy(), hf_order, 1), rtol=1e-5)
+
+
+def test_an_unknown_rope_type_is_refused_with_the_reason():
+    config = dict(CONFIG, model_type="deepseek_v3", rms_norm_eps=1e-6, norm_topk_prob=True,
+                  rope_parameters=dict(rope_type="longrope", factor=4.0, rope_theta=1e4))
+    with pytest.raises(ValueError, match="rope_type='longrope'"):
+        deepseek.DeepseekV3Config.from_hf(config)
