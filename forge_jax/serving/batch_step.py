@@ -151,12 +151,12 @@ def _draw(logits, sampling: dict, greedy: bool):
 
 def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool):
     """Speculative verification of each sequence's drafts, each with its own parameters:
-    :func:`forge_jax.generation.speculative._verify` row by row (greedy rows by argmax).
+    :func:`forge_jax.generation.speculative.verify_drafts` row by row (greedy rows by argmax).
     ``logits`` ``[s, k + 1, vocab]``, ``drafts`` ``[s, k]``, ``draft_len`` ``[s]``.
     Returns ``(out [s, k + 1], count [s])``."""
     from forge_jax.generation import speculative
 
-    argmax_out, argmax_count = speculative._verify(logits, drafts, draft_len, None, {},
+    argmax_out, argmax_count = speculative.verify_drafts(logits, drafts, draft_len, None, {},
                                                    greedy=True)
     if greedy:
         return argmax_out, argmax_count
@@ -166,7 +166,7 @@ def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool):
 
     def one(row, draft, n, key, t, k, p, m):
         params = dict(temperature=t, top_k=k, top_p=p, min_p=m)
-        out, count = speculative._verify(row[None], draft[None], n[None], key, params,
+        out, count = speculative.verify_drafts(row[None], draft[None], n[None], key, params,
                                          greedy=False)
         return out[0], count[0]
 
