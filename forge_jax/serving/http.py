@@ -165,7 +165,7 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
             raise APIError(400, str(e), param="messages") from None
         try:
             return text.encode_chat(tokenizer, messages, **variables)
-        except (ValueError, TypeError) as e:  # ChatTemplateError is a ValueError
+        except text.ChatTemplateError as e:  # no template, or it raised (raise_exception)
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # the template or the tokenizer failed on these messages
             raise APIError(400, f"these messages cannot be rendered or encoded: "
