@@ -26,9 +26,9 @@ carry its attention factor and the softmax scale its ``mscale_all_dim`` correcti
 (:func:`forge_jax.ops.mla.yarn_softmax_scale`).
 
 The weights are a pytree of arrays (:func:`load`), an argument of the jitted step, never
-constants in its program. Not yet here: FP8 block-quantized checkpoints, ``quantize=``,
-``from_pretrained``, ``generate`` and the serving engine (this module's
-:func:`generate_greedy` drives the latent cache directly).
+constants in its program; :func:`load` may quantize them (``quantize=``). Not yet here: FP8
+block-quantized checkpoints, :func:`forge_jax.generation.generate` and the serving engine
+(this module's :func:`generate_greedy` drives the latent cache directly), a mesh.
 """
 
 from __future__ import annotations
@@ -121,11 +121,18 @@ def load_config(directory) -> DeepseekV3Config:
         (pathlib.Path(directory) / "config.json").read_text()))
 
 
-def load(directory, dtype=jnp.float32) -> tuple[DeepseekV3Config, dict[str, Any]]:
+def load(directory, dtype=jnp.float32, *, quantize: str | None = None,
+         group_size: int | None = None) -> tuple[DeepseekV3Config, dict[str, Any]]:
     """``(config, weights)`` from a transformers-written safetensors checkpoint: the weights
-    a pytree of ``dtype`` arrays (the router's in float32), ``[in, out]`` matrices, experts
-    stacked ``[experts, in, out]``, ``kv_b_proj`` split into ``w_uk [kv_lora_rank, heads,
-    nope]`` and ``w_uv [kv_lora_rank, heads, v]``."""
+    a pytree of ``dtype`` arrays (the router's in float32), projections in the ``[out, in]``
+    layout, experts stacked ``[experts, out, in]``, ``kv_b_proj`` split into ``w_uk
+    [kv_lora_rank, heads, nope]`` and ``w_uv [kv_lora_rank, heads, v]``.
+
+    ``quantize``: ``"int8"``, ``"int4"`` or ``"fp8"`` stores the projections and the experts
+    as :class:`forge_jax.QuantizedArray` (:func:`forge_jax.quantize`, scales per output
+    channel, or per ``group_size`` for int4; per expert), multiplied dequantized; the
+    embedding, norms, router, the latent up-projections and the output head stay ``dtype``.
+    """
     from safetensors import safe_open
 
     directory = pathlib.Path(directory)
@@ -135,9 +142,21 @@ def load(directory, dtype=jnp.float32) -> tuple[DeepseekV3Config, dict[str, Any]
         with safe_open(path, "np") as f:
             tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
 
-    def take(name, transpose=True, as_dtype=dtype):
+    def take(name, transpose=False, as_dtype=dtype):
         x = tensors.pop(name).astype(np.float32)
         return jnp.asarray(x.T if transpose else x, as_dtype)
+
+    def proj(name):  # a projection [out, in], quantized when asked
+        w = take(name)
+        if quantize is None:
+            return w
+        return fj.quantize(w, quantize, group_size=group_size if quantize == "int4" else None)
+
+    def experts(names):
+        w = jnp.stack([take(n) for n in names])
+        if quantize is None:
+            return w
+        return fj.quantize(w, quantize, group_size=group_size if quantize == "int4" else None)
 
     heads, nope = config.num_attention_heads, config.qk_nope_head_dim
     layers = []
@@ -145,36 +164,34 @@ def load(directory, dtype=jnp.float32) -> tuple[DeepseekV3Config, dict[str, Any]
         p = f"model.layers.{i}."
         attn = {}
         if config.q_lora_rank is None:
-            attn["q_proj"] = take(p + "self_attn.q_proj.weight")
+            attn["q_proj"] = proj(p + "self_attn.q_proj.weight")
         else:
-            attn.update(q_a_proj=take(p + "self_attn.q_a_proj.weight"),
-                        q_a_norm=take(p + "self_attn.q_a_layernorm.weight", False),
-                        q_b_proj=take(p + "self_attn.q_b_proj.weight"))
+            attn.update(q_a_proj=proj(p + "self_attn.q_a_proj.weight"),
+                        q_a_norm=take(p + "self_attn.q_a_layernorm.weight"),
+                        q_b_proj=proj(p + "self_attn.q_b_proj.weight"))
         kv_b = tensors.pop(p + "self_attn.kv_b_proj.weight").astype(np.float32)
         kv_b = kv_b.reshape(heads, nope + config.v_head_dim, config.kv_lora_rank)
-        attn.update(kv_a_proj=take(p + "self_attn.kv_a_proj_with_mqa.weight"),
-                    kv_a_norm=take(p + "self_attn.kv_a_layernorm.weight", False),
+        attn.update(kv_a_proj=proj(p + "self_attn.kv_a_proj_with_mqa.weight"),
+                    kv_a_norm=take(p + "self_attn.kv_a_layernorm.weight"),
                     w_uk=jnp.asarray(kv_b[:, :nope].transpose(2, 0, 1), dtype),
                     w_uv=jnp.asarray(kv_b[:, nope:].transpose(2, 0, 1), dtype),
-                    o_proj=take(p + "self_attn.o_proj.weight"))
-        layer = dict(attn=attn, input_norm=take(p + "input_layernorm.weight", False),
-                     post_norm=take(p + "post_attention_layernorm.weight", False))
+                    o_proj=proj(p + "self_attn.o_proj.weight"))
+        layer = dict(attn=attn, input_norm=take(p + "input_layernorm.weight"),
+                     post_norm=take(p + "post_attention_layernorm.weight"))
+        mlp = ("gate_proj", "up_proj", "down_proj")
         if i < config.first_k_dense_replace:
-            layer["mlp"] = {k: take(f"{p}mlp.{k}.weight") for k in ("gate_proj", "up_proj",
-                                                                      "down_proj")}
+            layer["mlp"] = {k: proj(f"{p}mlp.{k}.weight") for k in mlp}
         else:
-            experts = range(config.n_routed_experts)
             layer["moe"] = dict(
-                router=take(p + "mlp.gate.weight", as_dtype=jnp.float32),
-                bias=take(p + "mlp.gate.e_score_correction_bias", False, jnp.float32),
-                **{k: jnp.stack([take(f"{p}mlp.experts.{e}.{k}.weight") for e in experts])
-                   for k in ("gate_proj", "up_proj", "down_proj")},
-                shared={k: take(f"{p}mlp.shared_experts.{k}.weight")
-                        for k in ("gate_proj", "up_proj", "down_proj")})
+                router=take(p + "mlp.gate.weight", True, jnp.float32),
+                bias=take(p + "mlp.gate.e_score_correction_bias", as_dtype=jnp.float32),
+                **{k: experts([f"{p}mlp.experts.{e}.{k}.weight"
+                               for e in range(config.n_routed_experts)]) for k in mlp},
+                shared={k: proj(f"{p}mlp.shared_experts.{k}.weight") for k in mlp})
         layers.append(layer)
-    weights = dict(embed=take("model.embed_tokens.weight", False), layers=layers,
-                   norm=take("model.norm.weight", False))
-    weights["lm_head"] = (weights["embed"].T if config.tie_word_embeddings
+    weights = dict(embed=take("model.embed_tokens.weight"), layers=layers,
+                   norm=take("model.norm.weight"))
+    weights["lm_head"] = (weights["embed"] if config.tie_word_embeddings
                           else take("lm_head.weight"))
     tensors = {k: v for k, v in tensors.items() if "mtp" not in k and ".layers." not in k
                or int(k.split(".")[2]) < config.num_hidden_layers}
@@ -183,9 +200,26 @@ def load(directory, dtype=jnp.float32) -> tuple[DeepseekV3Config, dict[str, Any]
     return config, weights
 
 
+def from_pretrained(path, *, revision: str | None = None, dtype=jnp.float32,
+                    quantize: str | None = None, group_size: int | None = None
+                    ) -> tuple[DeepseekV3Config, dict[str, Any]]:
+    """:func:`load` of a local checkpoint directory or a Hugging Face Hub repository id
+    (``ORG/NAME``, fetched into the ``huggingface_hub`` cache; a local directory wins)."""
+    from forge_jax.models.checkpoints.hub import resolve_checkpoint
+
+    return load(resolve_checkpoint(path, revision=revision), dtype, quantize=quantize,
+                group_size=group_size)
+
+
+def _linear(x, w):
+    """``x [..., in]`` times a projection ``w [out, in]`` (float or quantized)."""
+    out = fj.matmul(x.reshape(-1, x.shape[-1]), w, trans_b=True)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _mlp(x, w):
-    return fj.matmul(fj.silu_mul(fj.matmul(x, w["gate_proj"]), fj.matmul(x, w["up_proj"])),
-                     w["down_proj"])
+    return _linear(fj.silu_mul(_linear(x, w["gate_proj"]), _linear(x, w["up_proj"])),
+                   w["down_proj"])
 
 
 def route(x, router, bias, config: DeepseekV3Config):
@@ -211,10 +245,10 @@ def route(x, router, bias, config: DeepseekV3Config):
 def _moe(x, w, config: DeepseekV3Config):
     weights, ids = route(x, w["router"], w["bias"], config)
     x_sorted, sizes, order = fj.moe_permute(x, ids, config.n_routed_experts)
-    hidden = fj.silu_mul(fj.grouped_matmul(x_sorted, w["gate_proj"], sizes),
-                         fj.grouped_matmul(x_sorted, w["up_proj"], sizes))
-    out = fj.moe_unpermute(fj.grouped_matmul(hidden, w["down_proj"], sizes), order,
-                           weights.astype(x.dtype))
+    hidden = fj.silu_mul(fj.grouped_matmul(x_sorted, w["gate_proj"], sizes, trans_w=True),
+                         fj.grouped_matmul(x_sorted, w["up_proj"], sizes, trans_w=True))
+    out = fj.moe_unpermute(fj.grouped_matmul(hidden, w["down_proj"], sizes, trans_w=True),
+                           order, weights.astype(x.dtype))
     return out + _mlp(x, w["shared"])
 
 
@@ -230,12 +264,12 @@ def _attention(x, w, cache, layer, positions, valid, kv_lengths, config):
                          config.qk_rope_head_dim)
     eps = config.rms_norm_eps
     if config.q_lora_rank is None:
-        q = fj.matmul(x, w["q_proj"])
+        q = _linear(x, w["q_proj"])
     else:
-        q = fj.matmul(fj.rms_norm(fj.matmul(x, w["q_a_proj"]), w["q_a_norm"], eps=eps),
-                      w["q_b_proj"])
+        q = _linear(fj.rms_norm(_linear(x, w["q_a_proj"]), w["q_a_norm"], eps=eps),
+                    w["q_b_proj"])
     q = q.reshape(batch, t, heads, nope + rope)
-    kv = fj.matmul(x, w["kv_a_proj"])  # [b, t, kv_lora_rank + rope]
+    kv = _linear(x, w["kv_a_proj"])  # [b, t, kv_lora_rank + rope]
     latent = fj.rms_norm(kv[..., :config.kv_lora_rank], w["kv_a_norm"], eps=eps)
     q_pe, k_pe = q[..., nope:], kv[..., None, config.kv_lora_rank:]
     if config.rope_interleave:
@@ -246,7 +280,7 @@ def _attention(x, w, cache, layer, positions, valid, kv_lengths, config):
     out = cache.attend(layer, jnp.concatenate([q[..., :nope], q_pe], axis=-1),
                        q_positions=positions, kv_lengths=kv_lengths, scale=config.scale,
                        up_proj=(w["w_uk"], w["w_uv"]))  # [b, t, heads, v_head_dim]
-    return fj.matmul(out.reshape(batch, t, -1), w["o_proj"]), cache
+    return _linear(out.reshape(batch, t, -1), w["o_proj"]), cache
 
 
 def forward(weights, tokens, cache: PagedLatentCache, positions, valid, *,
@@ -266,7 +300,7 @@ def forward(weights, tokens, cache: PagedLatentCache, positions, valid, *,
         else:
             x = x + _moe(h.reshape(-1, h.shape[-1]), layer["moe"], config).reshape(h.shape)
     x = fj.rms_norm(x, weights["norm"], eps=eps)
-    return fj.matmul(x, weights["lm_head"]).astype(jnp.float32), cache.with_lengths(kv_lengths)
+    return _linear(x, weights["lm_head"]).astype(jnp.float32), cache.with_lengths(kv_lengths)
 
 
 def generate_greedy(config: DeepseekV3Config, weights, prompts, max_new_tokens: int, *,

@@ -157,12 +157,19 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 
 
+# Checkpoints forge_jax reads with a model of their own, not the Llama-family decoder.
+ELSEWHERE = {"deepseek_v3": "forge_jax.models.deepseek.from_pretrained"}
+
+
 def family(config: Mapping[str, Any]) -> Family:
     """The :class:`Family` of a ``config.json`` dict, from ``model_type`` and
     ``architectures`` (which must agree); ValueError naming both otherwise."""
     model_type = config.get("model_type", "llama")
     fam = FAMILIES.get(model_type)
     architectures = config.get("architectures") or ([fam.architecture] if fam else [])
+    if model_type in ELSEWHERE:
+        raise ValueError(f"model_type={model_type!r} is not a Llama-family decoder: "
+                         f"load it with {ELSEWHERE[model_type]}")
     if fam is None or any(a != fam.architecture for a in architectures):
         supported = ", ".join(f"{f.model_type} ({f.architecture})" for f in FAMILIES.values())
         raise ValueError(

@@ -28,10 +28,10 @@ def head_major(q, k, v, g, beta, lengths, *, scale, qk_l2norm, chunk):
     """The kernels' inputs (module docstring) and ``valid`` ``[batch, seq]``."""
     f32 = jnp.float32
     batch, seq = q.shape[:2]
-    valid = gated_delta._valid(lengths, batch, seq)
+    valid = gated_delta.valid_tokens(lengths, batch, seq)
     q, k, v = (x.astype(f32) for x in (q, k, v))
     if qk_l2norm:
-        q, k = gated_delta._l2norm(q), gated_delta._l2norm(k)
+        q, k = gated_delta.l2norm(q), gated_delta.l2norm(k)
     q = q * scale
     vec = valid[:, :, None, None]
     q, k, v = (jnp.where(vec, x, 0.0) for x in (q, k, v))

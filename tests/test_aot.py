@@ -117,6 +117,13 @@ KERNEL_CASES = {
     # 168 registers and 24-36 bytes spilled with 4 warps; the H100 row's 8 do not spill.
     "rope smollm prefill bf16": ("rope", (S((8, 128, SMOL[0], SMOL[2]), BF16),
                                           S((8, 128), jnp.int32)), dict(theta=shapes.SMOLLM_THETA)),
+    # RoPE scalings: yarn's multiplier on cos/sin (Qwen3's 4x over 32768), longrope's
+    # frequencies picked by the call's largest position (Phi-3.5's 96-pair tables).
+    "rope qwen3 yarn bf16": ("rope", (S((1, 64, 16, 128), BF16), S((1, 64), jnp.int32)), dict(
+        theta=1e6, scaling=fj.RopeScaling("yarn", 4.0, original_max_position_embeddings=32768))),
+    "rope phi3 longrope bf16": ("rope", (S((1, 64, 32, 96), BF16), S((1, 64), jnp.int32)), dict(
+        theta=1e4, scaling=fj.RopeScaling("longrope", 32.0, original_max_position_embeddings=4096,
+                                          short_factor=(1.0,) * 48, long_factor=(2.0,) * 48))),
     "silu_mul smollm bf16": ("silu_mul", (S((64, shapes.SMOLLM_MLP), BF16),) * 2, {}),
     "attention llama bf16": ("attention", _attention(256, LLAMA, BF16), dict(causal=True)),
     # TPU: three heads of 64 folded into one 192-lane row (once rejected: head_dim % 128).

@@ -100,3 +100,34 @@ def test_an_unknown_rope_type_is_refused_with_the_reason():
                   rope_parameters=dict(rope_type="longrope", factor=4.0, rope_theta=1e4))
     with pytest.raises(ValueError, match="rope_type='longrope'"):
         deepseek.DeepseekV3Config.from_hf(config)
+
+
+def test_quantized_int8_weights_stay_close(checkpoint):
+    import jax
+
+    import forge_jax as fj
+
+    directory, ref = checkpoint
+    config, weights = deepseek.load(directory, quantize="int8")
+    assert isinstance(weights["layers"][1]["moe"]["gate_proj"], fj.QuantizedArray)
+    assert isinstance(weights["layers"][0]["attn"]["q_a_proj"], fj.QuantizedArray)
+    prompts = np.random.default_rng(3).integers(2, CONFIG["vocab_size"], (1, 9))
+    _, logits = deepseek.generate_greedy(config, weights, prompts, 1, page_size=4)
+    # The quantized products equal float products of the dequantized weights...
+    dequantized = jax.tree.map(
+        lambda w: fj.dequantize(w) if isinstance(w, fj.QuantizedArray) else w, weights,
+        is_leaf=lambda w: isinstance(w, fj.QuantizedArray))
+    _, exact = deepseek.generate_greedy(config, dequantized, prompts, 1, page_size=4)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(exact), rtol=1e-4, atol=1e-4)
+    # ...and stay near transformers' float logits (an expert choice may flip).
+    want = hf_logits(ref, prompts)
+    assert np.abs(np.asarray(logits) - want).mean() < 0.1 * want.std()
+
+
+def test_the_llama_loader_points_to_this_model(checkpoint):
+    from forge_jax.models import llama
+
+    with pytest.raises(ValueError, match="forge_jax.models.deepseek.from_pretrained"):
+        llama.from_pretrained(checkpoint[0])
+    config, _ = deepseek.from_pretrained(checkpoint[0])
+    assert config.num_hidden_layers == CONFIG["num_hidden_layers"]

@@ -73,7 +73,7 @@ def test_without_l2norm_and_with_a_scale():
     assert_close(s, ref_s, factor=5)
 
 
-@pytest.mark.parametrize("pieces", [(37,), (5, 1, 17, 14), (1,) * 6 + (31,)])
+@pytest.mark.parametrize("pieces", [(5, 1, 17, 14), (1,) * 3 + (34,)])
 def test_prefill_in_pieces_equals_prefill_at_once(pieces):
     q, k, v, g, beta, s0 = gdn_inputs(4)
     ref_out, ref_s = gated_delta_ref(q, k, v, g, beta, state=s0)
@@ -122,7 +122,7 @@ def test_half_precision_inputs(dtype):
 
 
 def test_jit_vmap_and_grad():
-    q, k, v, g, beta, s0 = gdn_inputs(8, seq=20)
+    q, k, v, g, beta, s0 = gdn_inputs(8, seq=12)
     f = jax.jit(lambda *a: fj.gated_delta_rule(*a[:5], state=a[5], chunk_size=8))
     out, s = f(q, k, v, g, beta, s0)
     ref_out, _ = gated_delta_ref(q, k, v, g, beta, state=s0)
@@ -141,7 +141,7 @@ def test_jit_vmap_and_grad():
     w = r.standard_normal(out.shape)
 
     def loss(q_, v_):
-        return jnp.sum(fj.gated_delta_rule(q_, k, v_, g, beta, state=s0, chunk_size=8)[0] * w)
+        return jnp.sum(fj.gated_delta_rule(q_, k, v_, g, beta, state=s0, chunk_size=4)[0] * w)
 
     gq, gv = jax.grad(loss, argnums=(0, 1))(q, v)
     eps = 1e-5
@@ -162,6 +162,7 @@ def test_sharded_over_a_mesh_matches():
     assert_close(s, ref_s, factor=5)
 
 
+@pytest.mark.slow  # transformers' layer parity (tests/test_gated_deltanet_layer.py) covers it
 def test_matches_transformers_qwen3_next_functions():
     torch = pytest.importorskip("torch")
     qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases.base import ImplementationCases, PallasTpu, assert_registered_unverified
+from cases.base import ImplementationCases, PallasGpu, PallasTpu, assert_registered_unverified
 from cases.checks import assert_close
 from cases.gated_delta_references import gated_delta_ref
 
 import forge_jax as fj
+from forge_jax.pallas_kernels.gpu import gated_delta as gpu_kernel
 from forge_jax.pallas_kernels.tpu import gated_delta as tpu_kernel
 
 QWEN3_NEXT = dict(k_heads=16, v_heads=32, dk=128, dv=128)
@@ -80,8 +81,49 @@ class TestGatedDeltaPallasTpuInterpret(PallasTpu, GatedDeltaKernelCases):
     INTERPRET = True
 
 
-def test_tpu_kernel_registered_unverified():
-    assert_registered_unverified("gated_delta_rule", "tpu")
+class TestGatedDeltaPallasGpuInterpret(PallasGpu, GatedDeltaKernelCases):
+    IMPLEMENTATION = "pallas_gpu_interpret"
+    INTERPRET = True
+    CHUNK = 32
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_kernels_registered_unverified(platform):
+    assert_registered_unverified("gated_delta_rule", platform)
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(chunk_size=64), "chunk_size=64; the kernel is built for (16, 32)"),
+    (dict(dk=96), "dk=96: the kernel is built for power-of-two head dims"),
+    (dict(seq=1), "one token is a decode step"),
+])
+def test_gpu_supports_rejections(change, reason):
+    chunk = change.pop("chunk_size", 32)
+    S = jax.ShapeDtypeStruct
+    shape = dict(batch=1, seq=64, **QWEN3_NEXT)
+    shape.update(change)
+    args = dict(q=S((shape["batch"], shape["seq"], 16, shape["dk"]), jnp.bfloat16),
+                v=S((shape["batch"], shape["seq"], 32, shape["dv"]), jnp.bfloat16),
+                chunk_size=chunk)
+    assert reason in gpu_kernel.supports(args)
+
+
+@pytest.mark.target("h100")
+def test_gpu_compile_on_qwen3_next_heads():
+    """The H100 compile (deviceless) of every chunk size ``supports()`` accepts, Qwen3-Next's
+    heads: no copies outside the kernel, the spills ptxas reports bounded."""
+    S = jax.ShapeDtypeStruct
+    for dtype, chunk in ((jnp.bfloat16, 16), (jnp.float32, 32)):
+        b, t = 2, 1000
+        qk = S((b, t, 16, 128), dtype)
+        args = (qk, qk, S((b, t, 32, 128), dtype), S((b, t, 32), jnp.float32),
+                S((b, t, 32), jnp.float32), S((b, 32, 128, 128), jnp.float32))
+        report = fj.aot.compile(
+            lambda q, k, v, g, beta, s, c=chunk: fj.gated_delta_rule(
+                q, k, v, g, beta, state=s, chunk_size=c),
+            *args, target="h100", implementation="pallas")
+        assert report.compiled, (dtype, chunk, report.error)
+        assert [k.name for k in report.kernels] == ["forge_jax_gpu_gated_delta_rule"]
 
 
 @pytest.mark.parametrize("change,reason", [

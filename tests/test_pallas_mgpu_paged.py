@@ -58,9 +58,16 @@ class TestPagedAttentionMosaicGpu(MosaicGpu, PagedAttentionCases):
         "smollm2-f16-prefill-window-cap-positions": PagedCase(
             *SMOLLM2_135M_HEADS, 8, 4, F16, (13, 0, 150), window=6, cap=20.0,
             explicit_positions=True),
+        # Attention sinks (gpt-oss's 64 / 8 heads of 64, its window), joined in the merge.
+        "gptoss-bf16-decode-sinks-window": PagedCase(64, 8, 64, 16, None, BF16, (150, 0, 40),
+                                                     window=24, sinks=True),
+        "smollm2-f16-prefill-sinks-positions": PagedCase(
+            *SMOLLM2_135M_HEADS, 8, 4, F16, (13, 0, 150), window=6, sinks=True,
+            explicit_positions=True),
     }
     NONFINITE_CASES = {
         "causal-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21)),
+        "sinks-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21), sinks=True),
     }
 
 
@@ -117,6 +124,20 @@ def test_llama_decode_compiles_for_h100_with_its_cost():
     assert row.costed and kv_bytes <= row.bytes_accessed < 1.05 * kv_bytes, row
     assert row.roofline_seconds == pytest.approx(
         row.bytes_accessed / fj.targets.get("h100").memory_bandwidth)
+
+
+@NEEDS_H100
+def test_gptoss_decode_with_sinks_compiles_for_h100():
+    """gpt-oss's decode (64 / 8 heads of 64, window 128) with sinks: they join in the XLA
+    merge of the splits; the kernel is the one without them."""
+    pool = S((8, 512, 16, 64), BF16)
+    report = fj.aot.compile(fj.paged_attention, S((8, 64, 64), BF16), pool, pool,
+                            S((8, 64), jnp.int32), S((8,), jnp.int32), target="h100",
+                            implementation="mosaic_gpu", sliding_window=128,
+                            sinks=S((64,), jnp.float32))
+    assert report.compiled, report.error
+    assert [k.name for k in report.kernels] == ["forge_jax_mosaic_paged_attention"]
+    assert report.kernels[0].costed, report.kernels
 
 
 # Several query positions (a chunk of q_len tokens): the path that keeps a non-finite value

@@ -55,6 +55,9 @@ class TestPagedDecodeTcgen05(MosaicGpu, PagedAttentionCases):
         # sequence.
         "smollm2-f16-window-cap": PagedCase(*SMOLLM2_135M_HEADS, 8, None, F16, (13, 0, 150),
                                             window=70, cap=20.0),
+        # gpt-oss's heads (64 / 8 of 64) with sinks, joined in the merge of the splits.
+        "gptoss-bf16-sinks-window": PagedCase(64, 8, 64, 16, None, BF16, (150, 0, 40),
+                                              window=24, sinks=True),
     }
     # Several positions (chunked prefill) stay on Hopper: the kernel refuses them.
     test_nonfinite_reaches_only_the_queries_that_see_it = None

@@ -167,15 +167,9 @@ def test_scalings_differ_where_they_should():
     assert (inv_freq_ref(HEAD_DIM, THETA, PROPORTIONAL, 1)[16:] == 0).all()
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-@pytest.mark.parametrize("scaling", [YARN_MSCALE, LONGROPE, DYNAMIC, PROPORTIONAL],
-                         ids=["yarn_mscale", "longrope", "dynamic", "proportional"])
-def test_rope_op_applies_the_tables(scaling, interleaved):
-    g = rng(7)
-    x = normal(g, (2, 6, 3, HEAD_DIM))
-    positions = np.asarray(g.integers(0, 3 * ORIGINAL, (2, 6)))
-    out = jcall(fj.rope, x, jnp.asarray(positions, jnp.int32), theta=THETA, scaling=scaling,
-                interleaved=interleaved)
+def rope_ref64(x, positions, scaling, interleaved):
+    """float64 RoPE of ``x [batch, seq, heads, HEAD_DIM]`` with the tables of ``scaling``,
+    and the slack its float32 angles are allowed."""
     cos, sin, angles = cos_sin_ref(positions, HEAD_DIM, THETA, scaling)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x64 = f64(x)
@@ -189,11 +183,47 @@ def test_rope_op_applies_the_tables(scaling, interleaved):
     else:
         want = np.concatenate([r1, r2], axis=-1)
     slack = 4e-7 * np.abs(angles).max() * np.abs(x64).max() * 2 * attention_factor_ref(scaling)
+    return want, slack
+
+
+ROPE_KINDS = pytest.mark.parametrize(
+    "scaling", [YARN_MSCALE, LONGROPE, DYNAMIC, PROPORTIONAL],
+    ids=["yarn_mscale", "longrope", "dynamic", "proportional"])
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@ROPE_KINDS
+def test_rope_op_applies_the_tables(scaling, interleaved):
+    g = rng(7)
+    x = normal(g, (2, 6, 3, HEAD_DIM))
+    positions = np.asarray(g.integers(0, 3 * ORIGINAL, (2, 6)))
+    out = jcall(fj.rope, x, jnp.asarray(positions, jnp.int32), theta=THETA, scaling=scaling,
+                interleaved=interleaved)
+    x64 = f64(x)
+    want, slack = rope_ref64(x, positions, scaling, interleaved)
     np.testing.assert_allclose(f64(out), want, rtol=1e-5, atol=1e-5 + slack)
     if scaling.kind == "proportional":  # the pairs that do not rotate pass through exactly
         still = np.arange(HEAD_DIM) >= 32 if interleaved else (np.arange(HEAD_DIM) % 64) >= 16
         np.testing.assert_array_equal(f64(out)[..., still], x64[..., still])
         assert not np.allclose(f64(out)[..., ~still], x64[..., ~still])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@ROPE_KINDS
+def test_rope_kernels_take_the_tables(scaling, interleaved, implementation):
+    """The Pallas RoPE kernels (interpreted) read the call's frequencies (longrope's set by
+    length, dynamic NTK's base) and multiply cos/sin by the attention factor."""
+    g = rng(17)
+    x = normal(g, (2, 16, 2, HEAD_DIM))
+    for top in (ORIGINAL - 1, 3 * ORIGINAL):  # within and past the original context
+        positions = np.sort(g.integers(0, top, (2, 16)), axis=1)
+        positions[0, -1] = top
+        out = jcall(fj.rope, x, jnp.asarray(positions, jnp.int32), theta=THETA,
+                    scaling=scaling, interleaved=interleaved, implementation=implementation)
+        want, slack = rope_ref64(x, positions, scaling, interleaved)
+        np.testing.assert_allclose(f64(out), want, rtol=1e-5, atol=1e-5 + slack)
 
 
 def test_rope_scaling_under_jit_vmap_and_grad():
@@ -363,7 +393,9 @@ def test_bad_scaling_is_refused_in_one_line(name):
     assert "\n" not in str(info.value)
 
 
-def test_kernels_that_read_one_host_table_refuse_the_rest():
+def test_host_table_reasons():
+    """What a kernel that reads one host table alone could not carry (the jax-triton RoPE
+    kernel refuses with these)."""
     assert host_table_reason(None) is None and host_table_reason(PROPORTIONAL) is None
     assert host_table_reason(fj.RopeScaling("yarn", 1.0, attention_factor=1.0)) is None
     assert "attention factor 1.13863" in host_table_reason(YARN)

@@ -60,7 +60,7 @@ def _check_lengths(lengths, batch: int, seq: int) -> None:
         _checks.traced_check(~jnp.any(bad), f"lengths[{{b}}]={{n}} {rule}", b=b, n=values[b])
 
 
-def _valid(lengths, batch: int, seq: int) -> jax.Array:
+def valid_tokens(lengths, batch: int, seq: int) -> jax.Array:
     """``[batch, seq]`` bool: which tokens are real (all when ``lengths`` is None)."""
     if lengths is None:
         return jnp.ones((batch, seq), bool)
@@ -204,7 +204,8 @@ dispatch.define("gated_delta_rule", _gated_delta_rule_args,
                 partition=_gated_delta_rule_partition)
 
 
-def _l2norm(x):
+def l2norm(x):
+    """``x / sqrt(x . x + 1e-6)`` over the last axis (the FLA library's and transformers')."""
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
@@ -214,10 +215,10 @@ def _prepare(q, k, v, g, beta, state, lengths, *, scale, qk_l2norm):
     f32 = jnp.float32
     batch, seq, k_heads, dk = q.shape
     v_heads, dv = v.shape[2:]
-    valid = _valid(lengths, batch, seq)  # [batch, seq]
+    valid = valid_tokens(lengths, batch, seq)  # [batch, seq]
     q, k, v = (x.astype(f32) for x in (q, k, v))
     if qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     q = q * scale
     rep = v_heads // k_heads
     if rep > 1:
@@ -427,7 +428,7 @@ def causal_conv1d_xla(x, weight, bias, *, state, lengths, activation):
             out = out + w[i] * xx[:, i:i + seq]
         if activation == "silu":
             out = jax.nn.silu(out)
-        valid = _valid(lengths, batch, seq)
+        valid = valid_tokens(lengths, batch, seq)
         out = jnp.where(valid[:, :, None], out, 0.0).astype(x.dtype)
         n = jnp.full((batch,), seq) if lengths is None else jnp.asarray(lengths)
         # The inputs at positions n .. n + kernel - 2 of xx: the last kernel - 1 real ones.

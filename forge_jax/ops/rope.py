@@ -358,7 +358,7 @@ def inverse_frequencies(head_dim: int, theta: float = 10000.0,
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _call_inverse_frequencies(positions, head_dim, theta, scaling):
+def call_inverse_frequencies(positions, head_dim, theta, scaling):
     """float32 ``[head_dim // 2]`` frequencies of a call with these positions: the host
     table, or for longrope and dynamic, chosen or computed from ``max(positions) + 1``
     (the length transformers reads, over the whole batch)."""
@@ -425,7 +425,7 @@ def rope_cos_sin(positions, head_dim, *, theta=10000.0, scaling=None):
     _checks.array("positions", positions, kind="int")
     head_dim = _checks.positive_int("head_dim", head_dim)
     _check_rope_static(head_dim, theta, scaling)
-    inv_freq = _call_inverse_frequencies(positions, head_dim, theta, scaling)
+    inv_freq = call_inverse_frequencies(positions, head_dim, theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     attention_factor = 1.0 if scaling is None else scaling.resolved_attention_factor

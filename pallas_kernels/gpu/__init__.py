@@ -25,6 +25,7 @@
 
 from forge_jax.pallas_kernels.gpu import (  # noqa: F401  (importing registers the kernels)
     attention,
+    gated_delta,
     grouped_matmul,
     jax_nn_attention,
     jax_triton_elementwise,

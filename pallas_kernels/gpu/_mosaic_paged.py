@@ -163,11 +163,13 @@ def write_split(m, l_sum, o_smem, ml_smem, outs, *, at, out_rows: int) -> None:
 
 
 def launch(kernel, qg, row_pos, ranges, tables, k_pages, v_pages, *extra, name: str,
-           num_splits: int, out_rows: int, keys: int, kv_bytes: int, interpret: bool):
+           num_splits: int, out_rows: int, keys: int, kv_bytes: int, interpret: bool,
+           sinks=None):
     """Runs ``kernel`` over ``(items, kv_heads, num_splits)`` and merges its splits:
     ``[items, kv_heads, out_rows, head_dim]`` float32, normalised. ``extra``: more inputs
     after the pools; ``keys``: the keys of the unpadded tables; ``kv_bytes``: what the
-    programs read of the pools."""
+    programs read of the pools; ``sinks``: float32 ``[kv_heads, rows >= out_rows]``, each
+    row's sink logit, joined in the merge (:func:`_attention_common.merge_splits`)."""
     items, kv_heads, _, head_dim = qg.shape
     f32 = jnp.float32
     out_shape = (jax.ShapeDtypeStruct((items, kv_heads, num_splits, out_rows, head_dim), f32),
@@ -183,5 +185,7 @@ def launch(kernel, qg, row_pos, ranges, tables, k_pages, v_pages, *extra, name: 
         compiler_params=_compat.pallas_mosaic_gpu().CompilerParams(approx_math=True),
         interpret=interpret)
     o, m, l_sum = call(qg, row_pos, ranges, tables, k_pages, v_pages, *extra)
-    return _attention_common.merge_splits(o, m, l_sum)
+    if sinks is not None:
+        sinks = sinks[None, :, :out_rows]
+    return _attention_common.merge_splits(o, m, l_sum, sinks)
 

@@ -330,9 +330,10 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
 
 def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
            logits_soft_cap, out_rows, block_kv=None, stages=None, num_splits=None,
-           interpret=False, k_scales=None, v_scales=None, single_position=False):
+           interpret=False, k_scales=None, v_scales=None, single_position=False, sinks=None):
     """The kernel over ``items`` query blocks, splits merged: ``[items, kv_heads,
-    out_rows, head_dim]`` float32, normalised.
+    out_rows, head_dim]`` float32, normalised (with ``sinks``, float32 ``[kv_heads, rows]``
+    of each row's sink logit, joined in the merge).
 
     Args:
       qg: ``[items, kv_heads, ROWS, head_dim]``, each item's GQA rows (query-major).
@@ -381,7 +382,7 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
     return _mosaic_paged.launch(
         kernel, qg, row_pos, ranges, tables, k_pages, v_pages, *scales,
         name="forge_jax_mosaic_paged_attention", num_splits=num_splits, out_rows=out_rows,
-        keys=max_pages * page_size, kv_bytes=kv_bytes, interpret=interpret)
+        keys=max_pages * page_size, kv_bytes=kv_bytes, interpret=interpret, sinks=sinks)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -390,7 +391,7 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
                     block_kv=None, stages=None, num_splits=None, interpret=False,
-                    k_scales=None, v_scales=None, mma=None):
+                    k_scales=None, v_scales=None, mma=None, sinks=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
@@ -401,7 +402,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
       block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
-      scale, q_positions, sliding_window, logits_soft_cap: as in the op.
+      scale, q_positions, sliding_window, logits_soft_cap, sinks: as in the op (the sinks
+        join in the merge of the splits, outside the kernel).
       block_kv: keys per block (whole pages, rounded up to a multiple of 64).
       stages: key blocks in flight.
       num_splits: programs over one sequence's keys (default: enough programs for the GPU).
@@ -446,6 +448,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         knobs = dict(scale=scale, sliding_window=window, logits_soft_cap=logits_soft_cap,
                      out_rows=-(-rows // 8) * 8, block_kv=block_kv, stages=stages,
                      num_splits=num_splits, interpret=interpret)
+        if sinks is not None:  # [kv_heads, rows_pad]: row r reads head h * group + r % group
+            knobs["sinks"] = jnp.pad(
+                jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group),
+                         (1, q_len, 1)).reshape(kv_heads, rows), ((0, 0), (0, rows_pad - rows)))
         if tcgen05:
             out = mosaic_paged_attention_sm100.attend_decode(
                 qg, row_pos, ranges, tables, k_pages, v_pages, **knobs)
@@ -493,6 +499,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "paged_attention", paged_attention, backend="mosaic_gpu", supports=supports,
-    verified=VERIFIED,
+    verified=VERIFIED, reads_sinks=True,
     description="per-page TMA copies through the block tables into a WGMMA (Hopper) or "
                 "tcgen05 (Blackwell, decode) pipeline, split over the keys")

@@ -225,7 +225,7 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
 
 def attend_decode(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
                   logits_soft_cap, out_rows, block_kv=None, stages=None, num_splits=None,
-                  interpret=False):
+                  interpret=False, sinks=None):
     """The kernel over ``items`` decode queries' GQA groups, splits merged: ``[items,
     kv_heads, out_rows, head_dim]`` float32, normalised (the arguments of
     :func:`forge_jax.pallas_kernels.gpu.mosaic_paged_attention.attend`, ``qg`` padded to
@@ -248,7 +248,8 @@ def attend_decode(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, slidi
     return _mosaic_paged.launch(
         kernel, qg, row_pos, ranges, tables, k_pages, v_pages,
         name="forge_jax_mosaic_paged_attention_sm100", num_splits=num_splits,
-        out_rows=out_rows, keys=max_pages * page_size, kv_bytes=kv_bytes, interpret=interpret)
+        out_rows=out_rows, keys=max_pages * page_size, kv_bytes=kv_bytes, interpret=interpret,
+        sinks=sinks)
 
 
 def reason(*, q_len: int, group: int, quantized: bool, head_dim: int,

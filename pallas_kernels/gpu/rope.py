@@ -4,7 +4,8 @@
 ``(cdiv(tokens, block_tokens), cdiv(heads, block_heads))``: each program computes the angles
 ``position * inv_freq`` of its tokens in float32 and their cosines and sines once (no
 ``[seq, head_dim]`` table in memory; only the ``[head_dim // 2]`` inverse frequencies of
-:func:`forge_jax.ops.rope.inverse_frequencies`, which carry the scaling), then rotates the
+:func:`forge_jax.ops.rope.call_inverse_frequencies`, which carry the scaling; yarn and
+longrope multiply cos and sin by their attention factor), then rotates the
 ``(x1, x2)`` pairs of every head in its block: ``(x[i], x[i + head_dim // 2])`` for the
 rotate-half convention, ``(x[2i], x[2i + 1])`` for the interleaved (GPT-J) one. Tokens,
 heads and pairs are padded to powers of two with masked loads and stores.
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from forge_jax import _compat
-from forge_jax.ops.rope import host_table_reason, inverse_frequencies, rope_xla
+from forge_jax.ops.rope import call_inverse_frequencies, rope_xla
 from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.gpu import _common
@@ -95,9 +96,6 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rope` arguments, else why not."""
     x = args["x"]
-    table = host_table_reason(args.get("scaling"))
-    if table:
-        return table
     if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
         return f"x.dtype={jnp.dtype(x.dtype).name}; the kernel reads float32/bf16/f16"
     if x.shape[-1] > MAX_HEAD_DIM:
@@ -108,7 +106,7 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 
 def _kernel(pos_ref, inv_ref, x_ref, o_ref, *, block_tokens, block_heads, half_pad,
-            interleaved):
+            interleaved, attention_factor):
     # pos_ref [tokens]; inv_ref [head_dim // 2] float32; x_ref, o_ref [tokens, heads,
     # head_dim]: whole arrays, indexed with this program's (masked) token/head/pair indices.
     tokens, heads, head_dim = x_ref.shape
@@ -121,6 +119,8 @@ def _kernel(pos_ref, inv_ref, x_ref, o_ref, *, block_tokens, block_heads, half_p
     # float32 angles: in bfloat16, position 257 rounds to 256 and sin(257) is not sin(256).
     angle = pos.astype(jnp.float32)[:, None] * inv[None, :]  # [block_tokens, half_pad]
     cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    if attention_factor != 1.0:  # yarn / longrope: the multiplier on cos and sin
+        cos, sin = cos * attention_factor, sin * attention_factor
 
     shape = (block_tokens, block_heads, half_pad)
     t3 = jnp.broadcast_to(t[:, None, None], shape)
@@ -137,19 +137,22 @@ def _kernel(pos_ref, inv_ref, x_ref, o_ref, *, block_tokens, block_heads, half_p
 
 
 @functools.partial(jax.jit, static_argnames=("interleaved", "block_tokens", "block_heads",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret",
+                                             "attention_factor"))
 def rope_forward(x, positions, inv_freq, *, interleaved, block_tokens, block_heads,
-                 num_warps, num_stages, interpret=False):
+                 num_warps, num_stages, interpret=False, attention_factor=1.0):
     """The kernel alone (no VJP).
 
     Args:
       x: ``[batch, seq, heads, head_dim]`` float32/bfloat16/float16, head_dim even.
       positions: int ``[batch, seq]``.
-      inv_freq: float32 ``[head_dim // 2]``, :func:`forge_jax.ops.rope.inverse_frequencies`.
+      inv_freq: float32 ``[head_dim // 2]``, the call's frequencies
+        (:func:`forge_jax.ops.rope.call_inverse_frequencies`).
       interleaved: the pairing convention of :func:`forge_jax.rope`.
       block_tokens, block_heads: tokens and heads per program (powers of two).
       num_warps, num_stages: Triton launch parameters.
       interpret: run in Pallas' interpreter (any platform).
+      attention_factor: the multiplier on cos and sin (yarn, longrope; 1 otherwise).
 
     Returns:
       The rotated ``x`` (shape and dtype of ``x``).
@@ -161,7 +164,8 @@ def rope_forward(x, positions, inv_freq, *, interleaved, block_tokens, block_hea
         return jnp.zeros(x.shape, x.dtype)
     out = _common.triton_call(
         functools.partial(_kernel, block_tokens=block_tokens, block_heads=block_heads,
-                          half_pad=_common.next_pow2(head_dim // 2), interleaved=interleaved),
+                          half_pad=_common.next_pow2(head_dim // 2), interleaved=interleaved,
+                          attention_factor=float(attention_factor)),
         grid=(pl.cdiv(tokens, block_tokens), pl.cdiv(heads, block_heads)),
         out_shape=jax.ShapeDtypeStruct((tokens, heads, head_dim), x.dtype),
         num_warps=num_warps, num_stages=num_stages,
@@ -173,8 +177,12 @@ def rope_forward(x, positions, inv_freq, *, interleaved, block_tokens, block_hea
 
 
 def _rope_forward(x, positions, *, theta, scaling, interleaved, **knobs):
-    inv_freq = jnp.asarray(inverse_frequencies(x.shape[-1], theta, scaling))
-    return rope_forward(x, positions, inv_freq, interleaved=interleaved, **knobs)
+    # The call's frequencies (longrope and dynamic NTK pick or compute them from the
+    # largest position) and the scaling's multiplier on cos/sin.
+    inv_freq = call_inverse_frequencies(positions, x.shape[-1], theta, scaling)
+    factor = 1.0 if scaling is None else scaling.resolved_attention_factor
+    return rope_forward(x, positions, inv_freq, interleaved=interleaved,
+                        attention_factor=factor, **knobs)
 
 
 _rope = with_reference_vjp(_rope_forward, rope_xla, static=("theta", "scaling", "interleaved"))

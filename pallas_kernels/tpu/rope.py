@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forge_jax import _compat
-from forge_jax.ops.rope import host_table_reason, inverse_frequencies, rope_xla
+from forge_jax.ops.rope import call_inverse_frequencies, inverse_frequencies, rope_xla
 from forge_jax.pallas_kernels import _cost, _registration
 from forge_jax.pallas_kernels._vjp import with_reference_vjp
 from forge_jax.pallas_kernels.tpu import _common
@@ -93,22 +93,22 @@ def block_tokens_for(tokens: int, row: int, dtype, device_kind: str | None = Non
     return min(block, pl.cdiv(tokens, tile) * tile)
 
 
-def lane_table(inv_freq: np.ndarray, width: int, *, interleaved: bool) -> np.ndarray:
+def lane_table(inv_freq, width: int, *, interleaved: bool):
     """``[2, width]`` float32: each lane's frequency and its sign (-1 on the first lane of a
-    pair, whose partner is ``d`` lanes to the right; +1 on the second)."""
+    pair, whose partner is ``d`` lanes to the right; +1 on the second). NumPy for a host
+    table, a JAX array for frequencies computed in the call (longrope, dynamic NTK)."""
+    xp = np if isinstance(inv_freq, np.ndarray) else jnp
     head_dim = 2 * inv_freq.shape[0]
     j = np.arange(width) % head_dim
     pair, first = (j // 2, j % 2 == 0) if interleaved else (j % (head_dim // 2),
                                                               j < head_dim // 2)
-    return np.stack([inv_freq[pair], np.where(first, -1.0, 1.0)]).astype(np.float32)
+    return xp.stack([inv_freq[pair], xp.asarray(np.where(first, -1.0, 1.0))]).astype(
+        np.float32)
 
 
 def supports(args: Mapping[str, Any]) -> str | None:
     """``None`` if the kernel serves these :func:`forge_jax.rope` arguments, else why not."""
     x = args["x"]
-    table = host_table_reason(args.get("scaling"))
-    if table:
-        return table
     if jnp.dtype(x.dtype) not in _common.FLOAT_DTYPES:
         return (f"x.dtype={jnp.dtype(x.dtype).name}; the kernel is built and tested for "
                 "float32/bfloat16, the TPU inference dtypes (a policy: float16 lowers)")
@@ -119,13 +119,15 @@ def supports(args: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _kernel(pos_ref, table_ref, x_ref, o_ref, *, width, shift):
+def _kernel(pos_ref, table_ref, x_ref, o_ref, *, width, shift, attention_factor):
     # pos_ref [block_tokens, 1] float32; table_ref [2, width] float32 (frequency, sign);
     # x_ref, o_ref [block_tokens, heads * head_dim].
     freq, sign = table_ref[0:1, :], table_ref[1:2, :]  # [1, width] each
     # float32 angles: in bfloat16, position 257 rounds to 256 and sin(257) is not sin(256).
     angle = pos_ref[...] * freq  # [block_tokens, width]
     cos, sin = jnp.cos(angle), sign * jnp.sin(angle)
+    if attention_factor != 1.0:  # yarn / longrope: the multiplier on cos and sin
+        cos, sin = cos * attention_factor, sin * attention_factor
     first = jnp.broadcast_to(sign < 0, angle.shape)
     row = x_ref.shape[1]
     # Whole chunks, then the row's tail: whole heads too (width and the row are multiples
@@ -162,13 +164,18 @@ def rope_forward(x, positions, *, theta, scaling, interleaved, block_tokens, int
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
     width = chunk_width(heads, head_dim)
-    table = jnp.asarray(lane_table(inverse_frequencies(head_dim, theta, scaling), width,
-                                   interleaved=interleaved))
+    # The call's frequencies (longrope and dynamic NTK follow the largest position).
+    inv_freq = (call_inverse_frequencies(positions, head_dim, theta, scaling)
+                if scaling is not None and scaling.depends_on_length
+                else inverse_frequencies(head_dim, theta, scaling))
+    table = jnp.asarray(lane_table(inv_freq, width, interleaved=interleaved))
+    factor = 1.0 if scaling is None else scaling.resolved_attention_factor
     # Converted as the reference converts them (one rounding to float32, exact below 2**24).
     pos = positions.reshape(tokens, 1).astype(jnp.float32)
     row_spec = pl.BlockSpec((block_tokens, row), lambda i: (i, 0))
     out = pl.pallas_call(
-        functools.partial(_kernel, width=width, shift=1 if interleaved else head_dim // 2),
+        functools.partial(_kernel, width=width, shift=1 if interleaved else head_dim // 2,
+                          attention_factor=float(factor)),
         grid=(pl.cdiv(tokens, block_tokens),),
         in_specs=[pl.BlockSpec((block_tokens, 1), lambda i: (i, 0)),
                   pl.BlockSpec((2, width), lambda i: (0, 0)),
