@@ -92,7 +92,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     p /= p.sum()
     for draft in (0, 3):
         drafts = jnp.full((4000, 1), draft, jnp.int32)
-        out, count = jax.jit(spec._verify, static_argnames="greedy")(
+        out, count = jax.jit(spec.verify_drafts, static_argnames="greedy")(
             logits, drafts, jnp.ones((4000,), jnp.int32), jax.random.key(draft), params,
             greedy=False)
         first = np.asarray(out)[:, 0]

@@ -109,7 +109,7 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", choices=("ngram",), default=None,
                         help="speculative decoding: draft tokens by prompt lookup (ngram) and "
                              "verify them in one step; greedy output is unchanged (default: "
-                             "off; no streaming, no --repetition-penalty)")
+                             "off)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                         help="draft tokens per step with --speculative (default: 4)")
 
@@ -122,7 +122,7 @@ def speculative_config(args: argparse.Namespace):
     if args.num_speculative_tokens < 1:
         raise UsageError(f"--num-speculative-tokens must be >= 1, got "
                          f"{args.num_speculative_tokens}")
-    if args.repetition_penalty not in (None, 1.0):
+    if getattr(args, "repetition_penalty", None) not in (None, 1.0):
         raise UsageError("--speculative does not apply --repetition-penalty")
     from forge_jax.generation import SpeculativeConfig
 

@@ -52,6 +52,7 @@ def add_parser(subparsers) -> None:
     _flags.add_mesh_flag(serve)
     _compilation_cache.add_flags(serve)
     _flags.add_server_flags(serve)
+    _flags.add_speculative_flags(serve)
     serve.set_defaults(fn=run)
 
 
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_batch_tokens", "max_seqs", "max_pages", "page_size", "max_waiting"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    speculative = _flags.speculative_config(args)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not 0 <= args.port < 65536:
@@ -161,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
             max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
             num_pages=args.max_pages, max_model_len=max_len, max_waiting=args.max_waiting,
             prefix_caching=args.prefix_caching, eos_token_ids=eos,
-            cache=CacheSpec(page_size=args.page_size, kv_dtype=args.kv_cache_dtype)))
+            cache=CacheSpec(page_size=args.page_size, kv_dtype=args.kv_cache_dtype),
+            speculative=speculative))
         name = args.model_name or default_model_name(args.checkpoint)
         app = serving_http.create_app(
             engine, model_name=name, tokenizer=tokenizer, default_max_tokens=args.max_tokens,

@@ -83,7 +83,7 @@ def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig) -> list[int]
     return []
 
 
-def _verify(logits, drafts, draft_len, key, sampling, greedy: bool):
+def verify_drafts(logits, drafts, draft_len, key, sampling, greedy: bool):
     """The kept tokens of each row. ``logits`` float32 ``[b, k + 1, vocab]`` (after the
     last token and each draft), ``drafts`` int32 ``[b, k]``, ``draft_len`` int32 ``[b]``.
     Returns ``(tokens [b, k + 1], count [b])``: the first ``count`` tokens are the output
@@ -155,7 +155,7 @@ def verify_step(state: nnx.State, cache, tokens: jax.Array, draft_len: jax.Array
     positions = old[:, None] + offsets
     valid = active[:, None] & (offsets <= draft_len[:, None])
     logits, cache = model.forward_cached(tokens, positions, valid, cache)
-    out, count = _verify(logits.astype(jnp.float32), tokens[:, 1:], draft_len, key, sampling,
+    out, count = verify_drafts(logits.astype(jnp.float32), tokens[:, 1:], draft_len, key, sampling,
                          greedy)
     count = jnp.where(active, count, 0)
     return out, count, cache.with_lengths(old + count)

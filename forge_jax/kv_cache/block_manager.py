@@ -239,6 +239,20 @@ class BlockManager:
         seq.length = old + num_tokens
         return self._slots(seq, old, seq.length)
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Shortens ``seq_id`` to its first ``num_tokens`` tokens (at most its length),
+        releasing the pages past them (a speculative step's rejected drafts)."""
+        seq = self._get(seq_id)
+        num_tokens = _count("num_tokens", num_tokens)
+        if num_tokens > seq.length:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} of length {seq.length} "
+                             f"to {num_tokens} tokens")
+        keep = self._pages_for(num_tokens)
+        for page in seq.pages[keep:]:
+            self._release(page)
+        del seq.pages[keep:]
+        seq.length = num_tokens
+
     def fork(self, src_seq_id: Hashable, new_seq_id: Hashable) -> None:
         """Creates ``new_seq_id`` sharing all pages (and the length) of ``src_seq_id``."""
         src = self._get(src_seq_id)

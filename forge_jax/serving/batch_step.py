@@ -53,6 +53,9 @@ class StepBatch:
         int32 ``[max_seqs, ceil(vocab / 32)]`` (the grammar's allowed tokens as a bitmask,
         bit ``t % 32`` of word ``t // 32``; all ones for a free sequence).
       logprobs: whether some sequence asks for log-probabilities (the step then returns them).
+      verify: with speculative decoding (``k`` drafts at most), ``verify_rows`` int32
+        ``[max_seqs, k + 1]`` (a sequence's last known row then its draft rows, padded with
+        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without.
     """
 
     tokens: np.ndarray
@@ -69,6 +72,7 @@ class StepBatch:
     feed: np.ndarray
     extras: dict = dataclasses.field(default_factory=dict)
     logprobs: bool = False
+    verify: dict | None = None
 
     @property
     def shape_key(self) -> tuple:
@@ -76,7 +80,8 @@ class StepBatch:
         tables' shape, greedy or not, with a repetition penalty or not, the extras and
         logprobs."""
         return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
-                self.seen is not None, tuple(sorted(self.extras)), self.logprobs)
+                self.seen is not None, tuple(sorted(self.extras)), self.logprobs,
+                None if self.verify is None else self.verify["verify_rows"].shape[1])
 
 
 def adjust_logits(logits, sampling: dict, seen, extras: dict):
@@ -144,12 +149,41 @@ def _draw(logits, sampling: dict, greedy: bool):
     return jnp.where(is_greedy, argmax, drawn)
 
 
+def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool):
+    """Speculative verification of each sequence's drafts, each with its own parameters:
+    :func:`forge_jax.generation.speculative.verify_drafts` row by row (greedy rows by argmax).
+    ``logits`` ``[s, k + 1, vocab]``, ``drafts`` ``[s, k]``, ``draft_len`` ``[s]``.
+    Returns ``(out [s, k + 1], count [s])``."""
+    from forge_jax.generation import speculative
+
+    argmax_out, argmax_count = speculative.verify_drafts(logits, drafts, draft_len, None, {},
+                                                   greedy=True)
+    if greedy:
+        return argmax_out, argmax_count
+    is_greedy = sampling["temperature"] < sampling_lib.GREEDY_BELOW
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(seed), step), 1))(sampling["seed"], sampling["step"])
+
+    def one(row, draft, n, key, t, k, p, m):
+        params = dict(temperature=t, top_k=k, top_p=p, min_p=m)
+        out, count = speculative.verify_drafts(row[None], draft[None], n[None], key, params,
+                                         greedy=False)
+        return out[0], count[0]
+
+    out, count = jax.vmap(one)(logits, drafts, draft_len, keys,
+                               jnp.where(is_greedy, 1.0, sampling["temperature"]),
+                               sampling["top_k"], sampling["top_p"], sampling["min_p"])
+    return (jnp.where(is_greedy[:, None], argmax_out, out),
+            jnp.where(is_greedy, argmax_count, count))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "greedy",
                                              "implementation_key", "logprobs"),
                    donate_argnames=("cache",))
 def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict, seen,
-                last_tokens, extras: dict | None = None, *, graphdef: nnx.GraphDef | Static,
-                weights_def, greedy: bool, implementation_key=None, logprobs: bool = False):
+                last_tokens, extras: dict | None = None, verify: dict | None = None, *,
+                graphdef: nnx.GraphDef | Static, weights_def, greedy: bool,
+                implementation_key=None, logprobs: bool = False):
     """Writes and attends one packed batch, samples one token per sequence (jitted; the
     cache is donated: use the returned one).
 
@@ -168,6 +202,7 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         the previous one's tokens.
       extras: :attr:`StepBatch.extras` (None or empty: none); a fed token counts in its
         sequence's ``counts``.
+      verify: :attr:`StepBatch.verify` (None: no speculative decoding in this step).
       graphdef: static, ``nnx.split(model)[0]`` (or it in a :class:`Static`).
       weights_def: static, the tree structure of the state (``jax.tree.flatten``'s second).
       greedy: static, :attr:`StepBatch.greedy`.
@@ -178,10 +213,12 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
     Returns:
       ``(tokens, cache)``: int32 ``[max_seqs]`` (``last_tokens``' shape), the
       token drawn after each sequence's last row (meaningful for the rows that end their
-      sequence's known tokens; zeros past the step's sequences). With ``logprobs``,
-      ``((tokens, logprobs), cache)``, ``logprobs`` as
+      sequence's known tokens; zeros past the step's sequences). With ``logprobs`` or
+      ``verify``, ``((tokens, aux), cache)``: ``aux["logprobs"]`` as
       :func:`~forge_jax.generation.sampling.token_logprobs` returns it, one row per
-      sequence.
+      sequence; ``aux["out"]`` int32 ``[s, k + 1]`` and ``aux["count"]`` ``[s]``, each
+      sequence's new tokens (a speculating one's kept drafts and one more; ``tokens``
+      holds its last).
     """
     del implementation_key
     graphdef = Static.unwrap(graphdef)
@@ -203,14 +240,30 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
                               kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
                               num_seqs=batch["num_seqs"])
     tokens = fed[None]  # [1, tokens]: one packed row
+    s = batch["last_rows"].shape[0]
+    rows = batch["last_rows"]
+    if verify is not None:  # the drafts' rows too: [s + s * (k + 1)]
+        rows = jnp.concatenate([rows, verify["verify_rows"].reshape(-1)])
     logits, packed = model.forward_cached(tokens, batch["positions"][None],
                                           batch["slots"][None] >= 0,
                                           RaggedBatchCache.from_pool(cache, metadata),
-                                          logits_at=batch["last_rows"][None])
-    next_tokens = sample_rows(logits[0], sampling, seen, greedy=greedy, extras=extras,
+                                          logits_at=rows[None])
+    next_tokens = sample_rows(logits[0, :s], sampling, seen, greedy=greedy, extras=extras,
                               logprobs=logprobs)  # [s]
+    aux = {}
     if logprobs:
-        next_tokens, token_logprobs = next_tokens
+        next_tokens, aux["logprobs"] = next_tokens
+    if verify is not None:
+        k1 = verify["verify_rows"].shape[1]
+        spec_logits = logits[0, s:].reshape(s, k1, -1).astype(jnp.float32)
+        drafts = fed[verify["verify_rows"][:, 1:]]  # [s, k]
+        out, count = verify_rows(spec_logits, drafts, verify["draft_len"], sampling,
+                                 greedy=greedy)
+        speculating = verify["draft_len"] > 0
+        last = jnp.take_along_axis(out, (count - 1)[:, None], axis=1)[:, 0]
+        next_tokens = jnp.where(speculating, last, next_tokens)
+        aux["out"] = jnp.where(speculating[:, None], out, next_tokens[:, None])
+        aux["count"] = jnp.where(speculating, count, 1)
     next_tokens = jnp.zeros_like(last_tokens).at[:next_tokens.shape[0]].set(next_tokens)
     cache = packed.into_pool(cache)
     if model.mesh is not None:  # kept in their shards: the next step takes them donated
@@ -218,11 +271,9 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         k_pages, v_pages = jax.lax.with_sharding_constraint((cache.k_pages, cache.v_pages), pool)
         cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
         next_tokens = jax.lax.with_sharding_constraint(next_tokens, model.mesh.replicated())
-        if logprobs:
-            token_logprobs = jax.lax.with_sharding_constraint(token_logprobs,
-                                                              model.mesh.replicated())
-    if logprobs:
-        return (next_tokens, token_logprobs), cache
+        aux = jax.lax.with_sharding_constraint(aux, model.mesh.replicated())
+    if aux:
+        return (next_tokens, aux), cache
     return next_tokens, cache
 
 
@@ -264,10 +315,13 @@ MIN_TABLE_PAGES = 16
 
 
 def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, min_rows: int,
-                max_seqs: int, pages_per_seq: int, vocab_size: int) -> StepBatch:
+                max_seqs: int, pages_per_seq: int, vocab_size: int,
+                speculative: int = 0) -> StepBatch:
     """The :class:`StepBatch` of the engine's scheduled ``(request, new rows)`` pairs: rows
     padded to :func:`row_bucket`'s size, block tables as wide as the longest
-    sequence needs (a power of two from :data:`MIN_TABLE_PAGES`, at most ``pages_per_seq``)."""
+    sequence needs (a power of two from :data:`MIN_TABLE_PAGES`, at most ``pages_per_seq``);
+    with ``speculative`` (k drafts at most) and a request with drafts, its draft rows follow
+    its last token and :attr:`StepBatch.verify` says where they are."""
     total = sum(n for _, n in scheduled)
     rows = row_bucket(total, min_rows)
     tokens = np.zeros((rows,), np.int32)
@@ -298,7 +352,7 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
     at = 0
     for i, (r, n) in enumerate(scheduled):
         start = r.computed
-        known = r.tokens[start:start + n]
+        known = (r.tokens + r.drafts if r.drafts else r.tokens)[start:start + n]
         tokens[at:at + len(known)] = known
         if len(known) < n:  # its last row is the token the step in flight draws
             feed[at + n - 1] = r.pending_index
@@ -320,8 +374,17 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
             seen[i, r.tokens] = True  # (and a fed token, on the device)
     cu[len(scheduled) + 1:] = at
     logprobs = any(r.params.sampling.logprobs is not None for r, _ in scheduled)
+    verify = None
+    if speculative and any(r.drafts for r, _ in scheduled):
+        rows = np.repeat(last[:, None], speculative + 1, axis=1)  # [s, k + 1]
+        draft_len = np.zeros((s,), np.int32)
+        for i, (r, _) in enumerate(scheduled):
+            d = len(r.drafts)
+            rows[i, :d + 1] = np.arange(last[i] - d, last[i] + 1)
+            draft_len[i] = d
+        verify = dict(verify_rows=rows.astype(np.int32), draft_len=draft_len)
     return StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled), last, sampling,
-                     seen, greedy, feed, extras, logprobs)
+                     seen, greedy, feed, extras, logprobs, verify)
 
 
 def _extras(scheduled: list[tuple[Request, int]], s: int, vocab_size: int) -> dict:

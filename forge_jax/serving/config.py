@@ -7,6 +7,7 @@ import dataclasses
 import numbers
 import warnings
 
+from forge_jax.generation.speculative import SpeculativeConfig
 from forge_jax.kv_cache import CacheSpec
 
 
@@ -51,6 +52,11 @@ class EngineConfig:
         BENCHMARKS.md); ``kv_dtype`` ``"int8"`` or ``"fp8"`` for quantized pages, a float32
         scale per token and KV head beside them (:mod:`forge_jax.ops.kv_quant`), written,
         shared by the prefix cache, copied and freed with their pages.
+      speculative: a :class:`~forge_jax.generation.speculative.SpeculativeConfig`
+        (prompt-lookup drafts verified in the same ragged step as the other rows) or None.
+        It serves the requests without a grammar, logprobs or penalties (the others run
+        as without it); such a request decodes every other step while others share its
+        steps (its drafts need its last token on the host).
     """
 
     max_batch_tokens: int = 512
@@ -63,6 +69,7 @@ class EngineConfig:
     overlap: bool = True
     eos_token_ids: tuple[int, ...] | None = None
     cache: CacheSpec = CacheSpec()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_batch_tokens", "min_batch_tokens", "max_seqs", "num_pages",
@@ -88,6 +95,10 @@ class EngineConfig:
         if not isinstance(self.cache, CacheSpec):
             raise TypeError(f"cache must be a forge_jax.kv_cache.CacheSpec, got "
                             f"cache={self.cache!r:.80}")
+        if self.speculative is not None and not isinstance(self.speculative,
+                                                           SpeculativeConfig):
+            raise TypeError(f"speculative must be a forge_jax.generation.SpeculativeConfig "
+                            f"or None, got speculative={self.speculative!r:.80}")
         if self.cache.kind != "paged":
             raise ValueError(f"cache.kind must be 'paged' (the engine's pool is paged), got "
                              f"cache.kind={self.cache.kind!r}")

@@ -46,6 +46,7 @@ from forge_jax.generation import settings
 from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache
 from forge_jax.serving import batch_step as serving_step
 from forge_jax.serving import config as engine_config
+from forge_jax.serving import speculation
 from forge_jax.serving.batch_step import MIN_TABLE_PAGES  # noqa: F401  (the engine's API)
 from forge_jax.serving.config import EngineConfig
 from forge_jax.serving.prefix_cache import PrefixCache
@@ -185,8 +186,7 @@ class Engine:
         return stream
 
     def matcher(self, constraint):
-        """A grammar matcher of ``constraint`` (a ``Constraint``, or None: None) over this
-        engine's tokenizer and eos ids; ``ConstraintError`` for a grammar it rejects."""
+        """``constraint``'s grammar matcher here (None: None), or a ``ConstraintError``."""
         if constraint is None:
             return None
         from forge_jax.generation import constraints
@@ -195,16 +195,6 @@ class Engine:
             self._grammar_tokenizer = constraints.GrammarTokenizer(
                 self.tokenizer, self.vocab_size, sorted(self.eos))
         return constraint.matcher(self._grammar_tokenizer)
-
-    def prompt_logprobs(self, prompt: Sequence[int], k: int = 0) -> list:
-        """Each prompt token's log-probability after the ones before it and the ``k`` most
-        likely there (``echo`` with ``logprobs``): one forward pass on the caller's thread
-        (:func:`forge_jax.generation.scoring.sequence_logprobs`)."""
-        from forge_jax.generation import scoring
-
-        self.check_fits(list(prompt), RequestParams(max_tokens=1))
-        return scoring.sequence_logprobs(self.model, prompt, k, graphdef=self.graphdef,
-                                         state=self.state)
 
     def check_fits(self, prompt: Sequence[int], params: RequestParams) -> None:
         """Raises :class:`RequestRefused` for a request that could never be served."""
@@ -351,12 +341,17 @@ class Engine:
             if r.pending and (len(r.generated) + 1 >= r.params.max_tokens
                               or len(r.tokens) + 1 >= self.max_model_len):
                 continue  # the token in flight is its last
-            if r.pending and r.matcher is not None:
-                continue  # its grammar's next mask needs the token in flight: next step
+            speculates = speculation.speculates(self, r)
+            if r.pending and (r.matcher is not None or speculates):
+                continue  # its next mask or drafts need the token in flight: next step
             n = min(len(r.tokens) + r.pending - r.computed, budget)
+            r.drafts = speculation.drafts(self, r, budget) if speculates and n == 1 else []
+            n += len(r.drafts)
             if self._make_room(r, n):
                 batch.append((r, n))
                 budget -= n
+            else:
+                r.drafts = []
         for r, n in batch:
             self._note_fresh(r, n, fresh)
         # Full pages that running requests compute in a later step: a waiting request whose
@@ -378,6 +373,7 @@ class Engine:
             if not self._admit(r, budget, fresh):
                 break
             self._waiting.pop(at)
+            r.drafts = []
             self._running.append(r)
             self._running.sort(key=lambda x: x.arrival)
             n = min(len(r.tokens) - r.computed, budget)
@@ -490,15 +486,16 @@ class Engine:
             self.cache = self.cache.copy_pages(copies)
         batch = serving_step.build_batch(
             scheduled, self.manager, min_rows=self.min_batch_tokens, max_seqs=self.max_seqs,
-            pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size)
+            pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size,
+            speculative=getattr(self.config.speculative, "num_tokens", 0))
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
         out, self.cache = serving_step.ragged_step(
             self.weights, self.cache, serving_step.step_arrays(batch),
-            batch.sampling, batch.seen, self._last_tokens, batch.extras or None,
+            batch.sampling, batch.seen, self._last_tokens, batch.extras or None, batch.verify,
             graphdef=self._graphdef, weights_def=self.weights_def, greedy=batch.greedy,
             implementation_key=fj.dispatch.current_preference(), logprobs=batch.logprobs)
-        self._last_tokens = out[0] if batch.logprobs else out
+        self._last_tokens = out[0] if isinstance(out, tuple) else out
         clock.lap("dispatch")
         return out
 
@@ -510,7 +507,7 @@ class Engine:
             if r.finished:  # ended by the step before's token: this row is not used
                 continue
             self.stats.prompt_tokens += max(0, min(n, len(r.prompt) - r.computed))
-            r.computed += n
+            r.computed += n - len(r.drafts)  # drafts count once kept (when read)
             if self.prefix_cache.enabled:
                 r.cached_pages = self.prefix_cache.insert(
                     r.tokens[:r.computed], self.manager.block_table(r.id), r.cached_pages,
@@ -526,10 +523,10 @@ class Engine:
         if self._in_flight is None:
             return 0
         (tokens, drawn), self._in_flight = self._in_flight, None
-        logprobs = None
-        if isinstance(tokens, tuple):  # (tokens, their log-probabilities)
-            tokens, logprobs = jax.device_get(tokens)
-            logprobs = dict(logprobs, tokens=tokens)
+        aux = {}
+        if isinstance(tokens, tuple):  # (tokens, {their log-probabilities, verified drafts})
+            tokens, aux = jax.device_get(tokens)
+        logprobs = dict(aux["logprobs"], tokens=tokens) if "logprobs" in aux else None
         tokens = np.asarray(jax.device_get(tokens))
         clock.lap("device")
         now = time.monotonic()
@@ -538,7 +535,11 @@ class Engine:
             self.stats.recent.popleft()
         for i, r in drawn:
             r.pending = 0
-            if not r.finished:  # (cancelled meanwhile: the token is dropped)
+            if r.drafts and not r.finished:  # its kept drafts and one more
+                for token in speculation.kept(self, r, aux["out"][i, :aux["count"][i]]):
+                    if not r.finished:
+                        self._accept(r, token, now)
+            elif not r.finished:  # (cancelled meanwhile: the token is dropped)
                 k = r.params.sampling.logprobs
                 if k is not None:
                     r.logprobs.append(sampling_lib.host_logprobs(logprobs, i, k))
@@ -562,8 +563,7 @@ class Engine:
         if token in r.stop_ids(self.eos):
             reason = "stop"
         elif r.matcher is not None and not r.matcher.consume(token):
-            self._finish(r, "error", error=f"the grammar refused token {token}: "
-                                           f"{r.matcher.error}")
+            self._finish(r, "error", error=f"the grammar refused {token}: {r.matcher.error}")
             return
         elif r.matcher is not None and r.matcher.done:
             reason = "stop"  # the grammar is complete: only an eos could follow

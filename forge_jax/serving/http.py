@@ -34,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
 
+from forge_jax.generation import scoring
 from forge_jax.generation.constraints import ConstraintError
 from forge_jax.serving import engine as serving
 from forge_jax.serving import openai_features, openai_params, protection
@@ -255,7 +257,8 @@ def create_app(engine: serving.Engine, *, model_name: str, tokenizer: text.Token
             prompt_text = prompt if isinstance(prompt, str) else (
                 tokenizer.decode(ids) if tokenizer is not None else "")
             entries = None if k is None else await loop.run_in_executor(
-                pool, engine.prompt_logprobs, ids, k)
+                pool, functools.partial(scoring.sequence_logprobs, engine.model, ids, k,
+                                        graphdef=engine.graphdef, state=engine.state))
             out.append((prompt_text, entries))
         return out
 

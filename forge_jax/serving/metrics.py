@@ -63,6 +63,13 @@ class Metrics:
         yield gauge("tokens_per_second", "Tokens generated per second over the last 10 s.",
                     s.tokens_per_second())
         yield counter("preemptions", "Requests preempted (recomputed later).", s.preemptions)
+        yield counter("spec_draft_tokens", "Speculative draft tokens verified.", s.draft_tokens)
+        yield counter("spec_accepted_tokens", "Speculative draft tokens kept.",
+                      s.accepted_tokens)
+        yield gauge("spec_acceptance_rate", "Draft tokens kept over drafted (speculative "
+                    "decoding).", s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0)
+        yield gauge("spec_tokens_per_step", "Tokens per speculating sequence per step.",
+                    (s.accepted_tokens + s.verified) / s.verified if s.verified else 0.0)
         yield gauge("step_variants", "Compiled shapes of the step.", len(s.compiled))
         finished = CounterMetricFamily("forge_jax_requests_finished",
                                        "Requests finished, by reason.", labels=["reason"])

@@ -190,6 +190,8 @@ class Request:
     # of the tokens it allows next, computed on the host when the previous token arrives.
     matcher: object | None = None
     mask: object | None = None
+    # Speculative decoding: the draft tokens scheduled after its last token this step.
+    drafts: list = dataclasses.field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -268,6 +270,10 @@ class EngineStats:
     ttft: Histogram = dataclasses.field(default_factory=Histogram)  # seconds
     inter_token: Histogram = dataclasses.field(default_factory=Histogram)
     compiled: set = dataclasses.field(default_factory=set)  # StepBatch.shape_key seen
+    # Speculative decoding: drafts verified, drafts kept, and the sequences verified.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verified: int = 0
     # Host seconds per phase of the step loop (PHASES), for profiling; "device" is the time
     # spent waiting for a step's tokens after the host's own work on that step was done.
     phase_seconds: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
