@@ -108,14 +108,22 @@ def test_causal_mask_keeps_nan_of_later_tokens_out_of_earlier_queries():
     assert_close(out[0, :4], attention_ref(q, k, clean)[0, :4])
 
 
-@pytest.mark.parametrize("where", ["q", "k", "v", "scale"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_a_scale_that_is_not_finite_is_refused(scale):
+    q, k, v, lengths, _ = _case(1, 6, 1, 2, 2, 8, [6])
+    k_pages, v_pages, tables = pages_from_dense(gen, k, v, num_pages=4, page_size=PAGE)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        fj.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=scale)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        fj.paged_attention(jnp.asarray(q[:, 0]), jnp.asarray(k_pages), jnp.asarray(v_pages),
+                           jnp.asarray(tables), jnp.asarray(lengths), scale=scale)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_visible_nan_propagates(where):
     q, k, v, lengths, _ = _case(1, 6, 1, 2, 2, 8, [6])
     kwargs = {}
-    if where == "scale":
-        kwargs["scale"] = float("nan")
-    else:
-        {"q": q, "k": k, "v": v}[where][0, 0, 0, 0] = np.nan
+    {"q": q, "k": k, "v": v}[where][0, 0, 0, 0] = np.nan
     dense = np.asarray(fj.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), **kwargs))
     k_pages, v_pages, tables = pages_from_dense(gen, k, v, num_pages=4, page_size=PAGE)
     paged = np.asarray(fj.paged_attention(jnp.asarray(q[:, 0]), jnp.asarray(k_pages),
@@ -127,11 +135,9 @@ def test_visible_nan_propagates(where):
     elif where == "k":  # kv head 0 serves query head 0: its logit is NaN, so its row is NaN
         assert np.isnan(dense[0, 0, 0]).all() and np.isfinite(dense[0, 0, 1]).all()
         assert np.isnan(paged[0, 0]).all() and np.isfinite(paged[0, 1]).all()
-    elif where == "q":
+    else:
         assert np.isnan(dense[0, 0, 0]).all() and np.isfinite(dense[0, 0, 1]).all()
         assert np.isnan(paged[0, 0]).all()
-    else:
-        assert np.isnan(dense).all() and np.isnan(paged).all()
 
 
 def test_softmax_non_finite_logits():

@@ -75,8 +75,11 @@ def test_quantize_with_a_gguf_file_is_refused_before_the_file_is_read(
     from cases.cli import assert_one_line_error
     from cases.cli import run as cli_run
 
+    import forge_jax as fj
     from forge_jax.models.checkpoints import gguf
 
+    if command == "compile" and (reason := fj.targets.missing("h100")):
+        pytest.skip(f"forge-jax compile first names the missing compiler: {reason}")
     file = tmp_path / "model.gguf"
     gguf_files.write(file, gguf_files.random_llama(0), {})
 

@@ -7,6 +7,8 @@ Private to ``forge_jax.ops``: the public contract is :mod:`forge_jax.ops.attenti
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,9 @@ def check_masking(*, scale, sliding_window, logits_soft_cap):
     """Validates the static masking arguments shared by dense and paged attention."""
     if scale is not None:
         scale = _checks.number("scale", scale)
+        if not math.isfinite(scale):  # would make every output NaN
+            raise ValueError(f"scale must be a finite number (or None: 1/sqrt(head_dim)), "
+                             f"got {scale=}")
     sliding_window = _checks.positive_int("sliding_window", sliding_window, allow_none=True)
     logits_soft_cap = _checks.positive_float("logits_soft_cap", logits_soft_cap, allow_none=True)
     return scale, sliding_window, logits_soft_cap

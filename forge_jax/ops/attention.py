@@ -115,9 +115,6 @@ def _attention_args(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         _check_kv_length_values(kv_lengths, k.shape[1])
     scale, sliding_window, logits_soft_cap = check_masking(
         scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    if isinstance(scale, float) and not np.isfinite(scale):  # would make every output NaN
-        raise ValueError(f"scale must be a finite number (or None: 1/sqrt(head_dim)), got "
-                         f"{scale=}")
     extras = check_extras(sinks=sinks, attention_chunk_size=attention_chunk_size,
                           q_heads=q.shape[2])
     return dict(q=q, k=k, v=v, scale=scale, causal=causal, q_positions=q_positions,
