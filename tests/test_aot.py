@@ -403,9 +403,12 @@ def test_compiled_prefill_holds_no_copy_that_grows_with_the_cache(tiny_config, t
         reports.append(_compile_step(prefill, target)[0])
         pools.append(aot_steps.pool_bytes(prefill))
     assert pools[1] >= 4 * pools[0]
-    small, large = (sorted((k, len(g)) for k, g in fj.aot.copy_kinds(r.copies).items())
-                    for r in reports)
+    # The same copies of activations at both capacities; only copies of the step's small
+    # metadata (block tables, lengths: a few bytes a page) may follow the capacity.
+    small, large = (sorted((k, len(g)) for k, g in fj.aot.copy_kinds(
+        [c for c in r.copies if c.bytes >= 4096]).items()) for r in reports)
     assert small == large, reports[1]
+    assert max((c.bytes for c in reports[1].copies), default=0) < pools[1] / 8, reports[1]
     assert reports[1].memory["temp"] - reports[0].memory["temp"] < (pools[1] - pools[0]) / 8
 
 
