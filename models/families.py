@@ -178,6 +178,9 @@ SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 
 # Checkpoints forge_jax reads with a model of their own, not the Llama-family decoder.
 ELSEWHERE = {"deepseek_v3": "forge_jax.models.deepseek.from_pretrained"}
+# The gated delta-rule hybrids (forge_jax.models.qwen3_next).
+ELSEWHERE.update(dict.fromkeys(("qwen3_next", "qwen3_5_text"),
+                               "forge_jax.models.qwen3_next_checkpoint.from_pretrained"))
 
 
 def family(config: Mapping[str, Any]) -> Family:
