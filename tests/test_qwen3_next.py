@@ -11,6 +11,7 @@ in pieces; greedy continuations identical to transformers' ``generate``.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
@@ -42,6 +43,7 @@ CASES = {
 }
 CHUNK = 8  # the delta rule's prefill chunk: a 21-token prompt spans 3 chunks
 SEQ = 21
+MAX_LEN = 32  # every test's cache: one compiled step per input shape
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -75,15 +77,18 @@ def _hybrid(model: Qwen3Next, kind: str, batch: int, max_len: int, page_size: in
     return model.hybrid_cache(attention)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "empty_cache"))
+def _forward_cached(state, tokens, positions, valid, cache, logits_at, *, graphdef,
+                    empty_cache):
+    return nnx.merge(graphdef, state).forward_cached(
+        tokens, positions, valid, cache, logits_at=logits_at, empty_cache=empty_cache)
+
+
 def _step(model: Qwen3Next, empty_cache=False):
+    """The model's jitted cached forward (compiled once per shape for the whole module)."""
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def step(state, tokens, positions, valid, cache, logits_at):
-        return nnx.merge(graphdef, state).forward_cached(
-            tokens, positions, valid, cache, logits_at=logits_at, empty_cache=empty_cache)
-
-    return lambda *args: step(state, *args)
+    return lambda *args: _forward_cached(state, *args, graphdef=graphdef,
+                                         empty_cache=empty_cache)
 
 
 def _greedy(model: Qwen3Next, prompts: list[list[int]], steps: int, kind: str) -> list[list[int]]:
@@ -95,7 +100,7 @@ def _greedy(model: Qwen3Next, prompts: list[list[int]], steps: int, kind: str) -
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = p
     positions = np.broadcast_to(np.arange(longest, dtype=np.int32), (batch, longest))
-    cache = _hybrid(model, kind, batch, longest + steps)
+    cache = _hybrid(model, kind, batch, MAX_LEN)
     logits, cache = _step(model, empty_cache=True)(
         tokens, positions, positions < lengths[:, None], cache, lengths - 1)
     out = [np.asarray(jnp.argmax(logits, -1))]
@@ -130,7 +135,11 @@ def test_logits_match_transformers(family):
     np.testing.assert_allclose(got, want, **LOGITS_TOL.as_kwargs())
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+# The contiguous cache's runs in the slow leg (the paged ones in the default run).
+KINDS = ["paged", pytest.param("contiguous", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_cached_prefill_at_once_and_in_pieces_match_transformers(family, kind):
     """The whole prompt through the hybrid cache, then the same prompt in pieces (13 tokens,
     5, then one at a time): every position's logits are transformers'."""
@@ -141,10 +150,10 @@ def test_cached_prefill_at_once_and_in_pieces_match_transformers(family, kind):
     positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (batch, SEQ))
     step = _step(model)
     logits, cache = step(tokens, positions, np.ones_like(positions, bool),
-                         _hybrid(model, kind, batch, 32), None)
+                         _hybrid(model, kind, batch, MAX_LEN), None)
     np.testing.assert_allclose(np.asarray(logits), want, **LOGITS_TOL.as_kwargs())
     assert np.asarray(cache.lengths).tolist() == [SEQ] * batch
-    cache, pieces = _hybrid(model, kind, batch, 32), []
+    cache, pieces = _hybrid(model, kind, batch, MAX_LEN), []
     for start, stop in ((0, 13), (13, 18), (18, 19), (19, 20), (20, 21)):
         logits, cache = step(tokens[:, start:stop], positions[:, start:stop],
                              np.ones((batch, stop - start), bool), cache, None)
@@ -160,7 +169,7 @@ def test_padded_rows_leave_states_alone(family):
     want = hf_logits(ref, tokens)
     step = _step(model)
     positions = np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12))
-    cache = _hybrid(model, "paged", 2, 16)
+    cache = _hybrid(model, "paged", 2, MAX_LEN)
     # Row 1 gets only 7 tokens at first (right padding), then its last 5 alone.
     valid = np.stack([np.ones(12, bool), np.arange(12) < 7])
     logits, cache = step(tokens, positions, valid, cache, None)
@@ -175,7 +184,7 @@ def test_padded_rows_leave_states_alone(family):
     assert np.asarray(cache.lengths).tolist() == [12, 12]
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_tokens_match_transformers_generate(family, kind):
     _, _, ref, model = family
     tokens = _tokens(seed=4)
