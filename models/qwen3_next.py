@@ -41,6 +41,7 @@ from forge_jax.kv_cache import HybridCache, RecurrentStatePool
 from forge_jax.models.gated_deltanet import GatedDeltaNet
 from forge_jax.models.llama_model import Linear, LlamaMLP, Part, RMSNorm
 from forge_jax.models.llama_moe import SparseMoe
+from forge_jax.models.qwen3_next_caches import Qwen3NextCaches
 from forge_jax.models.qwen3_next_config import Qwen3NextConfig
 
 # Every RMSNorm of these families but the delta rule's scales by 1 + weight.
@@ -136,7 +137,7 @@ class Qwen3NextDecoderLayer(nnx.Module):
         return self.mlp(y), residual, cache
 
 
-class Qwen3Next(nnx.Module):
+class Qwen3Next(Qwen3NextCaches, nnx.Module):
     """A Qwen3-Next or Qwen3.5 text decoder with its output head.
 
     Args:
@@ -148,6 +149,10 @@ class Qwen3Next(nnx.Module):
 
     Attributes set after construction: ``mesh`` (None: one device) and
     ``generation_config`` (``from_pretrained``'s, or None).
+
+    It keeps the runtime's model contract (``forward_cached`` and the cache members of
+    :class:`~forge_jax.models.qwen3_next_caches.Qwen3NextCaches`), so
+    :func:`forge_jax.generation.generate` runs it with either attention cache.
     """
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
