@@ -107,7 +107,8 @@ def hf_parameters(model: Qwen3Next) -> dict[str, tuple[nnx.Param, tuple[int, ...
 
 def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dtype=None,
                     param_dtype=None, quantize: str | None = None,
-                    group_size: int | None = None, chunk_size: int = 64) -> Qwen3Next:
+                    group_size: int | None = None, chunk_size: int = 64, mesh=None,
+                    tp_axis: str = "tp", dp_axis: str = "dp") -> Qwen3Next:
     """Loads a Qwen3-Next or Qwen3.5 text checkpoint directory (or Hub id).
 
     Args:
@@ -120,6 +121,8 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         norms, routers, gates, the convolution and the delta rule's parameters stay
         ``param_dtype``.
       chunk_size: the delta rule's prefill chunk.
+      mesh, tp_axis, dp_axis: the common entry point's; these models load onto one device
+        (a mesh is refused).
 
     Raises:
       CheckpointError: an unreadable or unsupported config, a missing, mis-shaped or
@@ -131,6 +134,10 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     from forge_jax.models.checkpoints import quantize as quantize_load
 
     quantize_load.check_quantize(quantize, group_size)
+    if mesh is not None:
+        raise ValueError(f"{path}: the gated delta-rule hybrids load onto one device; mesh= is "
+                         f"not supported")
+    del tp_axis, dp_axis
     dtype = hf.default_dtype() if dtype is None else jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
     path = resolve_checkpoint(expand_user(path), revision=revision)
