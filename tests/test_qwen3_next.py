@@ -1,8 +1,6 @@
 """Qwen3-Next and Qwen3.5 text (models/qwen3_next.py) against Hugging Face transformers on
-random-weight checkpoints transformers wrote: three gated delta-rule layers, then a gated
-full-attention layer; Qwen3-Next's mixture of experts with its gated shared expert and a
-dense layer among the sparse ones (``mlp_only_layers``). Prompts are longer than the
-convolution's kernel and span several delta-rule chunks (chunk size 8).
+random-weight checkpoints transformers wrote (``cases/qwen3_next.py``). Prompts are longer
+than the convolution's kernel and span several delta-rule chunks (chunk size 8).
 
 Logits within the float32 tolerance of transformers', without a cache and through the
 hybrid cache (contiguous and paged attention caches, the state pool), prefilled at once and
@@ -19,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases.hf_families import LOGITS_TOL, hf_greedy, hf_logits, save_checkpoint
+from cases.hf_families import LOGITS_TOL, hf_greedy, hf_logits
+from cases.qwen3_next import BASE, CASES, VOCAB, write
 from flax import nnx
 
 import forge_jax as fj
@@ -29,18 +28,6 @@ from forge_jax.models import qwen3_next_checkpoint as checkpoint
 from forge_jax.models.qwen3_next import Qwen3Next
 from forge_jax.models.qwen3_next_config import Qwen3NextConfig
 
-VOCAB = 96
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256,
-            rms_norm_eps=1e-6)
-CASES = {
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        shared_expert_intermediate_size=48, mlp_only_layers=[1])),
-    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
-}
 CHUNK = 8  # the delta rule's prefill chunk: a 21-token prompt spans 3 chunks
 SEQ = 21
 MAX_LEN = 32  # every test's cache: one compiled step per input shape
@@ -49,10 +36,8 @@ MAX_LEN = 32  # every test's cache: one compiled step per input shape
 @pytest.fixture(scope="module", params=sorted(CASES))
 def family(request, tmp_path_factory, hf):
     name = request.param
-    config_cls, model_cls, extra = CASES[name]
     directory = tmp_path_factory.mktemp(name)
-    ref = save_checkpoint(directory, config_cls, model_cls, dict(BASE, **extra), seed=0,
-                          gemma_norms=True)
+    ref = write(name, directory)
     model = checkpoint.from_pretrained(directory, chunk_size=CHUNK)
     return name, pathlib.Path(directory), ref, model
 
