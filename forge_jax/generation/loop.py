@@ -9,7 +9,6 @@ shapes, creates the cache, runs the steps and times them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,9 +26,10 @@ from forge_jax.generation.sampling import SamplingParams
 from forge_jax.generation.speculative import SpeculativeConfig
 from forge_jax.generation.stats import GenerationStats
 from forge_jax.generation.steps import decode_step, prefill_step, seen_tokens, step_statics
-from forge_jax.kv_cache import BlockManager, CacheSpec, ContiguousKVCache, PagedKVCache
+from forge_jax.kv_cache import BlockManager, CacheSpec
 from forge_jax.models import llama_sharding
-from forge_jax.models.llama_model import Llama, LlamaConfig
+from forge_jax.models.llama_model import LlamaConfig
+from forge_jax.models.protocol import CausalLM
 from forge_jax.ops import kv_quant
 
 
@@ -155,16 +155,22 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
         cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
     cache_bytes = int(cache_bytes * kv_quant.bytes_per_value(kv_cache_dtype, cache_dtype,
                                                              config.head_dim))
+    _check_fits(config, cache_bytes, padded_batch, cache_len, prompt_bucket, spec.kind,
+                param_dtype, dtype, cache_dtype, kv_cache_dtype)
+
+
+def _check_fits(config, cache_bytes, padded_batch, cache_len, prompt_bucket, kind,
+                param_dtype, dtype, cache_dtype, kv_cache_dtype) -> None:
     need = fj_memory.estimate_inference_memory(
         config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
         param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype,
         kv_cache_dtype=kv_cache_dtype)
     fj_memory.check_fits(cache_bytes + need.activations,
-                         what=f"a {cache} KV cache for {padded_batch} x {cache_len} tokens "
+                         what=f"a {kind} KV cache for {padded_batch} x {cache_len} tokens "
                               f"plus activations")
 
 
-def default_eos_token_ids(model: Llama) -> tuple[int, ...]:
+def default_eos_token_ids(model: CausalLM) -> tuple[int, ...]:
     """The ids :func:`generate` stops at when not given ``eos_token_id``, as transformers'
     ``generate`` chooses them: the model's ``generation_config.json`` ids (read by
     ``from_pretrained``), else its ``config.json`` ``eos_token_id``, else none. The same
@@ -173,14 +179,14 @@ def default_eos_token_ids(model: Llama) -> tuple[int, ...]:
     return _stopping(model).eos_token_ids
 
 
-def _stopping(model: Llama, *, eos_token_id=None, max_new_tokens=None, longest_prompt=None
+def _stopping(model: CausalLM, *, eos_token_id=None, max_new_tokens=None, longest_prompt=None
               ) -> settings.Stopping:
     return settings.stopping(model.config, getattr(model, "generation_config", None),
                              eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
                              longest_prompt=longest_prompt)
 
 
-def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+def generate_with_stats(model: CausalLM, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
                         max_new_tokens: int | None = None, *,
                         sampling: SamplingParams | None = None, cache: CacheSpec | None = None,
                         eos_token_id: int | Sequence[int] | None = None,
@@ -313,7 +319,7 @@ class _Plan:
         return np.array([len(p) for p in self.prompts], np.int32)
 
 
-def _plan(model: Llama, prompts: list[list[int]], max_new_tokens: int, spec: CacheSpec, *,
+def _plan(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, spec: CacheSpec, *,
           allow_beyond_max_positions) -> _Plan:
     """Checks the lengths (ValueError naming them, before any work) and buckets the
     shapes; the prompts are checked, and ``max_new_tokens`` resolved, before."""
@@ -328,34 +334,25 @@ def _plan(model: Llama, prompts: list[list[int]], max_new_tokens: int, spec: Cac
     return _Plan(prompts, max_new_tokens, spec.kind, spec.page_size, *shapes)
 
 
-def _create_cache(model: Llama, plan: _Plan, cache_dtype, kv_cache_dtype):
-    """The KV cache for the plan, after checking that it fits (on a mesh: created in its
-    shards). A paged cache has each prompt's pages allocated up front for its prompt and
-    ``max_new_tokens``; batch padding rows hold none."""
-    config, mesh = model.config, model.mesh
-    lengths = plan.lengths
-    check_generation_fits(config, batch=plan.batch, longest_prompt=int(lengths.max()),
-                          max_new_tokens=plan.max_new_tokens,
-                          cache=CacheSpec(plan.cache, plan.page_size, cache_dtype, kv_cache_dtype),
-                          param_dtype=model.param_dtype, dtype=model.dtype, mesh=mesh)
+def _create_cache(model: CausalLM, plan: _Plan, cache_dtype, kv_cache_dtype):
+    """The model's cache for the plan (:meth:`CausalLM.create_cache`), after checking that it
+    fits (on a mesh: created in its shards). A paged cache has each prompt's pages allocated
+    up front for its prompt and ``max_new_tokens``; batch padding rows hold none."""
+    spec = CacheSpec(plan.cache, plan.page_size, cache_dtype, kv_cache_dtype)
+    num_pages = plan.padded_batch * plan.max_pages
+    sizes = dict(batch=plan.padded_batch, max_len=plan.cache_len, num_pages=num_pages)
+    _check_fits(model.config, model.cache_bytes(spec, **sizes), plan.padded_batch,
+                plan.cache_len, plan.prompt_bucket, plan.cache, model.param_dtype, model.dtype,
+                cache_dtype, kv_cache_dtype)
+    block_tables = None
     if plan.cache == "paged":
-        num_pages = plan.padded_batch * plan.max_pages
         manager = BlockManager(num_pages, plan.page_size)
         for b in range(plan.batch):
-            manager.allocate(b, int(lengths[b]) + plan.max_new_tokens)
+            manager.allocate(b, int(plan.lengths[b]) + plan.max_new_tokens)
         block_tables = np.zeros((plan.padded_batch, plan.max_pages), np.int32)
         block_tables[:plan.batch] = manager.block_tables(list(range(plan.batch)),
                                                          plan.max_pages)
-        make_cache = functools.partial(
-            PagedKVCache.create, num_layers=config.num_hidden_layers, num_pages=num_pages,
-            page_size=plan.page_size, kv_heads=model.kv_heads, head_dim=config.head_dim,
-            dtype=cache_dtype, block_tables=block_tables, quantize=kv_cache_dtype)
-    else:
-        make_cache = functools.partial(
-            ContiguousKVCache.create, num_layers=config.num_hidden_layers,
-            batch=plan.padded_batch, max_len=plan.cache_len, kv_heads=model.kv_heads,
-            head_dim=config.head_dim, dtype=cache_dtype, quantize=kv_cache_dtype)
-    return llama_sharding.create_cache(make_cache, mesh)
+    return model.create_cache(spec, **sizes, block_tables=block_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +371,7 @@ class _Inputs:
     step: Callable[[int], jax.Array]  # a decode step's number, as the steps take it
 
 
-def _place_inputs(model: Llama, plan: _Plan, sampling: SamplingParams) -> _Inputs:
+def _place_inputs(model: CausalLM, plan: _Plan, sampling: SamplingParams) -> _Inputs:
     """The padded inputs: prompts right-padded with token 0 and extra batch rows of
     length 0 (neither is written to the cache), put on the device or the mesh."""
     mesh, seed = model.mesh, sampling.seed
@@ -527,7 +524,7 @@ def _collect(outputs: list, batch: int, eos: frozenset[int]) -> list[list[int]]:
     return results
 
 
-def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+def generate(model: CausalLM, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
              max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
              cache: CacheSpec | None = None, eos_token_id: int | Sequence[int] | None = None,
              allow_beyond_max_positions: bool = False, **deprecated) -> list[list[int]]:
@@ -541,7 +538,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
     power of two) so that a later call with similar shapes reuses the compiled steps.
 
     Args:
-      model: a :class:`Llama`.
+      model: a :class:`~forge_jax.models.protocol.CausalLM` (a ``Llama``, ``DeepseekV3``, ...).
       prompts: a list of token-id lists (each non-empty, ids in ``[0, vocab_size)``), or a
         NumPy or JAX integer array ``[batch, seq]`` of equal-length prompts.
       max_new_tokens: tokens to generate per prompt (>= 0). None: the model's
