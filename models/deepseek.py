@@ -41,9 +41,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import forge_jax as fj
-from forge_jax.kv_cache import BlockManager, PagedLatentCache
+from forge_jax.kv_cache import (
+    BlockManager,
+    CacheSpec,
+    ContiguousLatentCache,
+    PagedLatentCache,
+    RaggedLatentCache,
+)
+from forge_jax.kv_cache.latent import pool_width
 from forge_jax.ops.mla import yarn_softmax_scale
 
 
@@ -76,6 +84,8 @@ class DeepseekV3Config:
     rope_interleave: bool = True
     tie_word_embeddings: bool = False
     rope_scaling: fj.RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def qk_head_dim(self) -> int:
@@ -110,9 +120,11 @@ class DeepseekV3Config:
         if config.get("attention_bias"):
             raise ValueError("attention_bias=True is not supported (DeepSeek-V3 has none)")
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        eos = config.get("eos_token_id")
+        eos = () if eos is None else tuple(int(e) for e in np.atleast_1d(eos))
         names = [f.name for f in dataclasses.fields(cls)
-                 if f.name not in ("rope_theta", "rope_scaling")]
-        return cls(rope_theta=float(theta), rope_scaling=scaling,
+                 if f.name not in ("rope_theta", "rope_scaling", "eos_token_ids")]
+        return cls(rope_theta=float(theta), rope_scaling=scaling, eos_token_ids=eos,
                    **{n: config[n] for n in names if n in config})
 
 
@@ -202,13 +214,18 @@ def load(directory, dtype=jnp.float32, *, quantize: str | None = None,
 
 def from_pretrained(path, *, revision: str | None = None, dtype=jnp.float32,
                     quantize: str | None = None, group_size: int | None = None
-                    ) -> tuple[DeepseekV3Config, dict[str, Any]]:
-    """:func:`load` of a local checkpoint directory or a Hugging Face Hub repository id
-    (``ORG/NAME``, fetched into the ``huggingface_hub`` cache; a local directory wins)."""
+                    ) -> DeepseekV3:
+    """The :class:`DeepseekV3` model of a local checkpoint directory or a Hugging Face Hub
+    repository id (``ORG/NAME``, fetched into the ``huggingface_hub`` cache; a local
+    directory wins): :func:`load`'s weights, and ``generation_config.json`` (if present) in
+    ``model.generation_config``."""
+    from forge_jax.models.checkpoints.generation_config import load_generation_config
     from forge_jax.models.checkpoints.hub import resolve_checkpoint
 
-    return load(resolve_checkpoint(path, revision=revision), dtype, quantize=quantize,
-                group_size=group_size)
+    directory = resolve_checkpoint(path, revision=revision)
+    model = DeepseekV3(*load(directory, dtype, quantize=quantize, group_size=group_size))
+    model.generation_config = load_generation_config(directory)
+    return model
 
 
 def _linear(x, w):
@@ -258,7 +275,7 @@ def _deinterleave(x):
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-def _attention(x, w, cache, layer, positions, valid, kv_lengths, config):
+def _attention(x, w, cache, layer, positions, valid, kv_lengths, config, empty_cache=False):
     batch, t, _ = x.shape
     heads, nope, rope = (config.num_attention_heads, config.qk_nope_head_dim,
                          config.qk_rope_head_dim)
@@ -277,30 +294,44 @@ def _attention(x, w, cache, layer, positions, valid, kv_lengths, config):
     q_pe = fj.rope(q_pe, positions, theta=config.rope_theta, scaling=config.rope_scaling)
     k_pe = fj.rope(k_pe, positions, theta=config.rope_theta, scaling=config.rope_scaling)
     cache = cache.write(layer, latent[:, :, None], k_pe, positions, valid)
-    out = cache.attend(layer, jnp.concatenate([q[..., :nope], q_pe], axis=-1),
-                       q_positions=positions, kv_lengths=kv_lengths, scale=config.scale,
-                       up_proj=(w["w_uk"], w["w_uv"]))  # [b, t, heads, v_head_dim]
+    if empty_cache:  # the new latents alone, as the cache holds them (key j at position j)
+        out = fj.mla_attention(q[..., :nope], q_pe, cache.as_stored(latent),
+                               cache.as_stored(k_pe[:, :, 0]), w["w_uk"], w["w_uv"],
+                               scale=config.scale, causal=True)
+    else:
+        out = cache.attend(layer, jnp.concatenate([q[..., :nope], q_pe], axis=-1),
+                           q_positions=positions, kv_lengths=kv_lengths, scale=config.scale,
+                           up_proj=(w["w_uk"], w["w_uv"]))  # [b, t, heads, v_head_dim]
     return _linear(out.reshape(batch, t, -1), w["o_proj"]), cache
+
+
+def _decoder(weights, tokens, cache, positions, valid, config, empty_cache=False):
+    """The final-normed hidden states ``[batch, t, hidden]`` and the cache with the tokens
+    written (its lengths updated)."""
+    kv_lengths = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), 1))
+    x = fj.embedding(weights["embed"], tokens)
+    eps = config.rms_norm_eps
+    for i, layer in enumerate(weights["layers"]):
+        with jax.named_scope(f"layer_{i}"):
+            h = fj.rms_norm(x, layer["input_norm"], eps=eps)
+            a, cache = _attention(h, layer["attn"], cache, i, positions, valid, kv_lengths,
+                                  config, empty_cache)
+            x = x + a
+            h = fj.rms_norm(x, layer["post_norm"], eps=eps)
+            if "mlp" in layer:
+                x = x + _mlp(h, layer["mlp"])
+            else:
+                x = x + _moe(h.reshape(-1, h.shape[-1]), layer["moe"],
+                             config).reshape(h.shape)
+    return fj.rms_norm(x, weights["norm"], eps=eps), cache.with_lengths(kv_lengths)
 
 
 def forward(weights, tokens, cache: PagedLatentCache, positions, valid, *,
             config: DeepseekV3Config):
     """Logits ``[batch, t, vocab]`` (float32) of ``tokens [batch, t]`` at ``positions``
     (``valid`` False: padding, not written), and the cache with them written."""
-    kv_lengths = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), 1))
-    x = fj.embedding(weights["embed"], tokens)
-    eps = config.rms_norm_eps
-    for i, layer in enumerate(weights["layers"]):
-        h = fj.rms_norm(x, layer["input_norm"], eps=eps)
-        a, cache = _attention(h, layer["attn"], cache, i, positions, valid, kv_lengths, config)
-        x = x + a
-        h = fj.rms_norm(x, layer["post_norm"], eps=eps)
-        if "mlp" in layer:
-            x = x + _mlp(h, layer["mlp"])
-        else:
-            x = x + _moe(h.reshape(-1, h.shape[-1]), layer["moe"], config).reshape(h.shape)
-    x = fj.rms_norm(x, weights["norm"], eps=eps)
-    return _linear(x, weights["lm_head"]).astype(jnp.float32), cache.with_lengths(kv_lengths)
+    x, cache = _decoder(weights, tokens, cache, positions, valid, config)
+    return _linear(x, weights["lm_head"]).astype(jnp.float32), cache
 
 
 def generate_greedy(config: DeepseekV3Config, weights, prompts, max_new_tokens: int, *,
@@ -334,3 +365,116 @@ def generate_greedy(config: DeepseekV3Config, weights, prompts, max_new_tokens: 
         logits, cache = step(weights, token[:, None], cache, pos, np.ones((batch, 1), bool))
         token = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
     return np.stack([np.asarray(t) for t in out], 1), prompt_logits
+
+
+class DeepseekV3(nnx.Module):
+    """DeepSeek-V3 as the runtime drives it: a :class:`forge_jax.models.protocol.CausalLM`
+    (:func:`forge_jax.generation.generate`, chat, the serving engine), its weights
+    (:func:`load`'s pytree) held as ``nnx.Param`` leaves so that ``nnx.split`` makes them
+    arguments of the jitted steps.
+
+    Its caches hold latents: ``CacheSpec(kind="paged")`` a
+    :class:`~forge_jax.kv_cache.PagedLatentCache`, ``"contiguous"`` a
+    :class:`~forge_jax.kv_cache.ContiguousLatentCache`, the engine's packed step a
+    :class:`~forge_jax.kv_cache.RaggedLatentCache` over the pool (prefix caching through the
+    block manager as for any pool). A quantized cache (``kv_dtype``) is refused: the latent
+    is stored in a float dtype.
+
+    Args:
+      config: the :class:`DeepseekV3Config`.
+      weights: :func:`load`'s pytree (float or quantized leaves).
+
+    Attributes set after construction: ``mesh`` (None: one device) and
+    ``generation_config`` (:func:`from_pretrained` reads ``generation_config.json``).
+    """
+
+    def __init__(self, config: DeepseekV3Config, weights: dict[str, Any]):
+        self.config = config
+        self.dtype = jnp.dtype(weights["embed"].dtype)
+        self.param_dtype = self.dtype
+        self.mesh = None
+        self.generation_config = None
+        self.weights = nnx.data(jax.tree.map(nnx.Param, weights))
+
+    def arrays(self) -> dict[str, Any]:
+        """The weights as :func:`load`'s pytree of arrays."""
+        return jax.tree.map(lambda p: p[...], self.weights,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def forward_cached(self, tokens, positions, valid, cache, *, logits_at=None,
+                       empty_cache: bool = False):
+        """See :meth:`forge_jax.models.protocol.CausalLM.forward_cached`; ``cache`` is one of
+        this model's latent caches."""
+        weights = self.arrays()
+        with fj.sharding.use_mesh(self.mesh):
+            hidden, cache = _decoder(weights, tokens, cache, positions.astype(jnp.int32),
+                                     valid, self.config, empty_cache)
+            if logits_at is not None and logits_at.ndim == 1:
+                hidden = jnp.take_along_axis(
+                    hidden, logits_at.astype(jnp.int32)[:, None, None], axis=1)[:, 0]
+            elif logits_at is not None:  # [batch, n]: the packed row's last tokens
+                hidden = jnp.take_along_axis(
+                    hidden, logits_at.astype(jnp.int32)[:, :, None], axis=1)
+            return _linear(hidden, weights["lm_head"]).astype(jnp.float32), cache
+
+    def _dtype(self, spec: CacheSpec):
+        if spec.kv_dtype is not None:
+            raise ValueError(f"kv_dtype={spec.kv_dtype!r}: DeepSeek-V3's latent cache is "
+                             "stored in a float dtype (CacheSpec(dtype=...)), not quantized")
+        return spec.resolved_dtype(self.dtype)
+
+    def _create(self, make):
+        if self.mesh is None:
+            return make()
+        shardings = self.cache_shardings(jax.eval_shape(make))
+        return jax.jit(make, out_shardings=shardings)()
+
+    def create_cache(self, spec: CacheSpec, *, batch: int, max_len: int,
+                     num_pages: int | None = None, block_tables=None):
+        """See :meth:`forge_jax.models.protocol.CausalLM.create_cache`."""
+        c, dtype = self.config, self._dtype(spec)
+        dims = dict(num_layers=c.num_hidden_layers, kv_lora_rank=c.kv_lora_rank,
+                    rope_dim=c.qk_rope_head_dim, dtype=dtype)
+        if spec.kind == "paged":
+            return self._create(lambda: PagedLatentCache.create(
+                num_pages=num_pages, page_size=spec.page_size, block_tables=block_tables,
+                **dims))
+        return self._create(lambda: ContiguousLatentCache.create(batch=batch, max_len=max_len,
+                                                                 **dims))
+
+    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int
+                    ) -> PagedLatentCache:
+        """See :meth:`forge_jax.models.protocol.CausalLM.create_pool`."""
+        return self.create_cache(dataclasses.replace(spec, kind="paged"), batch=0, max_len=0,
+                                 num_pages=num_pages,
+                                 block_tables=np.zeros((0, pages_per_seq), np.int32))
+
+    def packed_cache(self, pool: PagedLatentCache, metadata) -> RaggedLatentCache:
+        """See :meth:`forge_jax.models.protocol.CausalLM.packed_cache`."""
+        return RaggedLatentCache.from_pool(pool, metadata)
+
+    def cache_shardings(self, cache):
+        """See :meth:`forge_jax.models.protocol.CausalLM.cache_shardings`: the latent is
+        shared by every head, so a pool is replicated; a contiguous cache's rows split over
+        the data axis (when they divide)."""
+        mesh = self.mesh
+        shardings = jax.tree.map(lambda _: mesh.replicated(), cache)
+        if isinstance(cache, ContiguousLatentCache):
+            rows = mesh.sharding(mesh.batch_axis(cache.batch), None, None)
+            shardings = dataclasses.replace(shardings,
+                                            buffers=tuple(rows for _ in cache.buffers))
+        return shardings
+
+    def cache_bytes(self, spec: CacheSpec, *, batch: int, max_len: int,
+                    num_pages: int | None = None) -> int:
+        """See :meth:`forge_jax.models.protocol.CausalLM.cache_bytes`: one
+        ``pool_width(kv_lora_rank, rope_dim)`` vector per token and layer."""
+        c = self.config
+        width = pool_width(c.kv_lora_rank, c.qk_rope_head_dim)
+        if spec.kind == "paged":
+            slots = num_pages * spec.page_size
+        else:
+            rows = 1 if self.mesh is None or self.mesh.batch_axis(batch) is None \
+                else self.mesh.dp
+            slots = batch // rows * max_len
+        return int(c.num_hidden_layers * slots * width * jnp.dtype(self._dtype(spec)).itemsize)

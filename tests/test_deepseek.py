@@ -34,11 +34,10 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale
             original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
 
 
-@pytest.fixture(scope="module", params=["default_rope", "yarn"])
-def checkpoint(tmp_path_factory, request):
-    directory = tmp_path_factory.mktemp("deepseek_v3")
+def write_checkpoint(directory, yarn: bool):
+    """A random-weight checkpoint transformers writes, and transformers' model of it."""
     torch.manual_seed(0)
-    kwargs = dict(CONFIG, rope_parameters=YARN) if request.param == "yarn" else CONFIG
+    kwargs = dict(CONFIG, rope_parameters=YARN) if yarn else CONFIG
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -55,6 +54,11 @@ def checkpoint(tmp_path_factory, request):
     ref.generation_config.eos_token_id = None
     ref.generation_config.pad_token_id = 0
     return pathlib.Path(directory), ref
+
+
+@pytest.fixture(scope="module", params=["default_rope", "yarn"])
+def checkpoint(tmp_path_factory, request):
+    return write_checkpoint(tmp_path_factory.mktemp("deepseek_v3"), request.param == "yarn")
 
 
 def test_config_reads_the_checkpoint(checkpoint):
@@ -129,5 +133,79 @@ def test_the_llama_loader_points_to_this_model(checkpoint):
 
     with pytest.raises(ValueError, match="forge_jax.models.deepseek.from_pretrained"):
         llama.from_pretrained(checkpoint[0])
-    config, _ = deepseek.from_pretrained(checkpoint[0])
-    assert config.num_hidden_layers == CONFIG["num_hidden_layers"]
+    model = deepseek.from_pretrained(checkpoint[0])
+    assert model.config.num_hidden_layers == CONFIG["num_hidden_layers"]
+    assert model.config.max_position_embeddings == CONFIG["max_position_embeddings"]
+
+
+# The runtime drives DeepSeek-V3 through the model contract (forge_jax.models.protocol):
+# generate with each latent cache and the serving engine over the latent pool.
+
+PROMPTS = [[5, 17, 3, 44, 9, 12, 60, 2, 31, 7, 8], [11, 4, 90, 23, 6]]  # longer than a page
+
+
+@pytest.fixture(scope="module")
+def runtime_model(tmp_path_factory):
+    # YaRN, q_lora_rank, groups, a dense first layer and shared experts: every part at once.
+    directory, ref = write_checkpoint(tmp_path_factory.mktemp("deepseek_v3_yarn"), True)
+    want = [hf_greedy(ref, p, 8) for p in PROMPTS]
+    return deepseek.from_pretrained(directory), want
+
+
+def test_the_model_keeps_the_runtime_contract(runtime_model):
+    from forge_jax.models.protocol import CausalLM, ModelConfig
+
+    model, _ = runtime_model
+    assert isinstance(model, CausalLM) and isinstance(model.config, ModelConfig)
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_generate_matches_transformers_with_each_latent_cache(runtime_model, kind):
+    from forge_jax import generation
+    from forge_jax.kv_cache import CacheSpec, ContiguousLatentCache, PagedLatentCache
+
+    model, want = runtime_model
+    got, stats = generation.generate_with_stats(model, PROMPTS, 8, eos_token_id=(),
+                                                cache=CacheSpec(kind, page_size=4))
+    assert got == want
+    cls = PagedLatentCache if kind == "paged" else ContiguousLatentCache
+    # The cache holds one latent + RoPE key vector per token and layer, nothing per head.
+    c = model.config
+    slots = stats.padded_batch * (stats.cache_len if kind == "contiguous" else
+                                  -(-stats.cache_len // 4) * 4)
+    assert stats.cache_bytes == c.num_hidden_layers * slots * (
+        c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert cls.__name__ in repr(model.create_cache(CacheSpec(kind, page_size=4), batch=1,
+                                                   max_len=8, num_pages=2,
+                                                   block_tables=np.zeros((1, 2), np.int32)))
+
+
+def test_a_quantized_latent_cache_is_refused(runtime_model):
+    from forge_jax.kv_cache import CacheSpec
+
+    model, _ = runtime_model
+    with pytest.raises(ValueError, match="kv_dtype='int8'.*latent"):
+        model.create_cache(CacheSpec(kv_dtype="int8"), batch=1, max_len=8, num_pages=2,
+                           block_tables=np.zeros((1, 2), np.int32))
+
+
+def test_the_engine_matches_transformers_and_shares_latent_prefixes(runtime_model):
+    from forge_jax.kv_cache import CacheSpec
+    from forge_jax.serving import Engine, EngineConfig, RequestParams
+
+    model, want = runtime_model
+    engine = Engine(model, None, EngineConfig(max_batch_tokens=16, num_pages=32,
+                                              eos_token_ids=(), prefix_caching=True,
+                                              cache=CacheSpec(page_size=4)))
+    engine.start()
+    try:
+        params = RequestParams(max_tokens=8)
+        streams = [engine.submit(p, params) for p in PROMPTS]
+        got = [[t for out in s for t in out.token_ids] for s in streams]
+        assert got == want
+        # The same prompt again: its full pages come from the prefix cache (latent pages).
+        again = engine.submit(PROMPTS[0], params)
+        assert [t for out in again for t in out.token_ids] == want[0]
+        assert engine.prefix_cache.stats.hit_tokens >= 8
+    finally:
+        engine.shutdown()
