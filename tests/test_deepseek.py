@@ -209,3 +209,74 @@ def test_the_engine_matches_transformers_and_shares_latent_prefixes(runtime_mode
         assert engine.prefix_cache.stats.hit_tokens >= 8
     finally:
         engine.shutdown()
+
+
+def write_fp8_checkpoint(source: pathlib.Path, directory: pathlib.Path) -> dict:
+    """DeepSeek's FP8 release layout of ``source``: every linear weight of the layers but the
+    router as float8_e4m3fn with 128 x 128 ``weight_scale_inv`` blocks, the rest as stored.
+    Returns the float64 weights the file stands for."""
+    import json
+    import shutil
+
+    from cases import quant as quant_ref
+    from safetensors.torch import load_file, save_file
+
+    tensors, reference = {}, {}
+    for name, t in load_file(str(source / "model.safetensors")).items():
+        w = t.float().numpy()
+        if w.ndim == 2 and name.startswith("model.layers.") and ".mlp.gate." not in name:
+            tensors[name], tensors[name + "_scale_inv"], reference[name] = \
+                quant_ref.fp8_blocks(w)
+        else:
+            tensors[name], reference[name] = t, w.astype(np.float64)
+    directory.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = dict(
+        quant_method="fp8", activation_scheme="dynamic", fmt="e4m3",
+        weight_block_size=[128, 128], modules_to_not_convert=["lm_head"])
+    (directory / "config.json").write_text(json.dumps(config))
+    shutil.copy(source / "generation_config.json", directory)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return reference
+
+
+def test_an_fp8_checkpoint_loads_as_stored_and_matches_float64(tmp_path):
+    import jax.numpy as jnp
+
+    import forge_jax as fj
+    from forge_jax import generation
+
+    source, _ = write_checkpoint(tmp_path / "float", True)
+    reference = write_fp8_checkpoint(source, tmp_path / "fp8")
+    model = deepseek.from_pretrained(tmp_path / "fp8")
+    weights = model.arrays()
+    experts = weights["layers"][1]["moe"]["gate_proj"]
+    q_a = weights["layers"][0]["attn"]["q_a_proj"]
+    assert isinstance(experts, fj.QuantizedArray) and experts.format == "fp8"
+    assert experts.values.shape == (CONFIG["n_routed_experts"], CONFIG["moe_intermediate_size"],
+                                    CONFIG["hidden_size"])
+    assert isinstance(q_a, fj.QuantizedArray) and q_a.values.dtype == jnp.float8_e4m3fn
+    assert not isinstance(weights["layers"][1]["moe"]["router"], fj.QuantizedArray)
+    # A float64 transformers model of the weights the fp8 file stands for (written as a
+    # float64 checkpoint: transformers fuses the experts as it reads per-expert files).
+    import shutil
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "f64").mkdir()
+    shutil.copy(source / "config.json", tmp_path / "f64")
+    save_file({k: torch.from_numpy(v) for k, v in reference.items()},
+              str(tmp_path / "f64" / "model.safetensors"))
+    ref = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "f64",
+                                                             dtype=torch.float64,
+                                                             experts_implementation="eager")
+    ref = ref.eval()
+    ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
+    prompts = np.asarray([PROMPTS[0]])
+    _, logits = deepseek.generate_greedy(model.config, weights, prompts, 1, page_size=4)
+    np.testing.assert_allclose(np.asarray(logits), hf_logits(ref, prompts), rtol=2e-4,
+                               atol=2e-4)
+    assert generation.generate(model, PROMPTS, 8, eos_token_id=()) == [
+        hf_greedy(ref, p, 8) for p in PROMPTS]
+    with pytest.raises(ValueError, match="fp8 already"):
+        deepseek.from_pretrained(tmp_path / "fp8", quantize="int8")

@@ -119,7 +119,7 @@ def cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
     return padded_batch, bucket, cache_len, max_pages
 
 
-def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
+def check_generation_fits(config: LlamaConfig | CausalLM, *, batch: int, longest_prompt: int,
                           max_new_tokens: int, cache: CacheSpec | None = None,
                           param_dtype=jnp.float32, dtype=jnp.float32, mesh=None,
                           **deprecated) -> None:
@@ -128,45 +128,47 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
 
     :func:`generate` runs this check itself; it is public so that a caller can run it
     before building a large batch of prompts (the CLI does, for ``--num-problems``).
-    ``cache``: the :class:`~forge_jax.kv_cache.CacheSpec` (default ``CacheSpec()``: paged,
-    16 tokens a page, in ``dtype``; ``kv_dtype="int8"``/``"fp8"`` counts a byte per value
-    and a float32 scale per token and KV head). ``mesh`` (a
+    ``config``: a :class:`LlamaConfig`, or a model
+    (:class:`~forge_jax.models.protocol.CausalLM`: its ``cache_bytes`` counts its own cache,
+    on its own mesh). ``cache``: the :class:`~forge_jax.kv_cache.CacheSpec` (default
+    ``CacheSpec()``: paged, 16 tokens a page, in ``dtype``; ``kv_dtype="int8"``/``"fp8"``
+    counts a byte per value and a float32 scale per token and KV head). ``mesh`` (a
     :class:`forge_jax.sharding.MeshConfig`, as on a sharded model): count one device's
     share of the cache. The keywords ``page_size``, ``cache_dtype`` and ``kv_cache_dtype``
     (and ``cache`` as a kind's name) are deprecated: they go in the ``CacheSpec``.
     """
     legacy = settings.legacy_keywords("check_generation_fits", deprecated, cache=cache)
     spec = settings.cache_spec("check_generation_fits", cache, legacy)
+    model = config if isinstance(config, CausalLM) else None
+    if model is not None:
+        config, mesh = model.config, model.mesh
     cache, page_size, kv_cache_dtype = spec.kind, spec.page_size, spec.kv_dtype
     cache_dtype = spec.resolved_dtype(dtype)
     padded_batch, prompt_bucket, cache_len, max_pages = cache_plan(
         batch, longest_prompt, max_new_tokens, cache, page_size,
         batch_multiple=1 if mesh is None else mesh.dp)
-    kv_dim = config.num_key_value_heads * config.head_dim
-    if mesh is not None:  # one device's KV heads (copies included), and batch rows
-        kv_dim = llama_sharding.layout_for(config, mesh.tp).kv_repeat * kv_dim // mesh.tp
-        if cache != "paged":
-            kv_dim //= mesh.dp
-    if cache == "paged":
-        # The pool depends on the bucketed shapes only (so other prompt lengths in the same
-        # buckets reuse the compiled steps): room for every row at full length.
-        cache_bytes = 2 * config.num_hidden_layers * padded_batch * max_pages * page_size * kv_dim
+    if model is not None:
+        cache_bytes = model.cache_bytes(
+            dataclasses.replace(spec, dtype=cache_dtype), batch=padded_batch,
+            max_len=cache_len, num_pages=padded_batch * max_pages)
     else:
-        cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
-    cache_bytes = int(cache_bytes * kv_quant.bytes_per_value(kv_cache_dtype, cache_dtype,
-                                                             config.head_dim))
-    _check_fits(config, cache_bytes, padded_batch, cache_len, prompt_bucket, spec.kind,
-                param_dtype, dtype, cache_dtype, kv_cache_dtype)
-
-
-def _check_fits(config, cache_bytes, padded_batch, cache_len, prompt_bucket, kind,
-                param_dtype, dtype, cache_dtype, kv_cache_dtype) -> None:
+        kv_dim = config.num_key_value_heads * config.head_dim
+        if mesh is not None:  # one device's KV heads (copies included), and batch rows
+            kv_dim = llama_sharding.layout_for(config, mesh.tp).kv_repeat * kv_dim // mesh.tp
+            if cache != "paged":
+                kv_dim //= mesh.dp
+        # A paged pool depends on the bucketed shapes only (so other prompt lengths in the
+        # same buckets reuse the compiled steps): room for every row at full length.
+        slots = max_pages * page_size if cache == "paged" else cache_len
+        cache_bytes = int(2 * config.num_hidden_layers * padded_batch * slots * kv_dim
+                          * kv_quant.bytes_per_value(kv_cache_dtype, cache_dtype,
+                                                     config.head_dim))
     need = fj_memory.estimate_inference_memory(
         config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
         param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype,
         kv_cache_dtype=kv_cache_dtype)
     fj_memory.check_fits(cache_bytes + need.activations,
-                         what=f"a {kind} KV cache for {padded_batch} x {cache_len} tokens "
+                         what=f"a {cache} KV cache for {padded_batch} x {cache_len} tokens "
                               f"plus activations")
 
 
@@ -339,11 +341,11 @@ def _create_cache(model: CausalLM, plan: _Plan, cache_dtype, kv_cache_dtype):
     fits (on a mesh: created in its shards). A paged cache has each prompt's pages allocated
     up front for its prompt and ``max_new_tokens``; batch padding rows hold none."""
     spec = CacheSpec(plan.cache, plan.page_size, cache_dtype, kv_cache_dtype)
+    check_generation_fits(model, batch=plan.batch, longest_prompt=int(plan.lengths.max()),
+                          max_new_tokens=plan.max_new_tokens, cache=spec,
+                          param_dtype=model.param_dtype, dtype=model.dtype)
     num_pages = plan.padded_batch * plan.max_pages
     sizes = dict(batch=plan.padded_batch, max_len=plan.cache_len, num_pages=num_pages)
-    _check_fits(model.config, model.cache_bytes(spec, **sizes), plan.padded_batch,
-                plan.cache_len, plan.prompt_bucket, plan.cache, model.param_dtype, model.dtype,
-                cache_dtype, kv_cache_dtype)
     block_tables = None
     if plan.cache == "paged":
         manager = BlockManager(num_pages, plan.page_size)
