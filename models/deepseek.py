@@ -167,17 +167,33 @@ def load(directory, dtype=jnp.float32, *, quantize: str | None = None,
 
 
 def from_pretrained(path, *, revision: str | None = None, dtype=jnp.float32,
-                    quantize: str | None = None, group_size: int | None = None
-                    ) -> DeepseekV3:
+                    quantize: str | None = None, group_size: int | None = None, mesh=None,
+                    tp_axis: str = "tp", dp_axis: str = "dp") -> DeepseekV3:
     """The :class:`DeepseekV3` model of a local checkpoint directory or a Hugging Face Hub
     repository id (``ORG/NAME``, fetched into the ``huggingface_hub`` cache; a local
-    directory wins): :func:`load`'s weights, and ``generation_config.json`` (if present) in
-    ``model.generation_config``."""
+    directory wins): :func:`load`'s weights (``dtype``, ``quantize``, ``group_size``), and
+    ``generation_config.json`` (if present) in ``model.generation_config``.
+    :func:`forge_jax.models.llama.from_pretrained`, the common entry point, hands
+    ``deepseek_v3`` checkpoints here.
+
+    ``mesh``: a ``jax.sharding.Mesh`` (axes named by ``tp_axis`` and ``dp_axis``) or a
+    :class:`forge_jax.sharding.MeshConfig` to place the weights on, split as
+    :mod:`forge_jax.models.deepseek_sharding` says (``model.mesh`` then holds it); None: one
+    device."""
+    from forge_jax.models import deepseek_sharding
     from forge_jax.models.checkpoints.generation_config import load_generation_config
     from forge_jax.models.checkpoints.hub import resolve_checkpoint
 
     directory = resolve_checkpoint(path, revision=revision)
-    model = DeepseekV3(*load(directory, dtype, quantize=quantize, group_size=group_size))
+    if mesh is not None:  # refused before the weights are read
+        mesh = deepseek_sharding.mesh_config(mesh, tp_axis=tp_axis, dp_axis=dp_axis)
+        deepseek_sharding.check(load_config(directory), mesh)
+    config, weights = load(directory, dtype, quantize=quantize, group_size=group_size)
+    if mesh is not None:
+        weights = deepseek_sharding.place(
+            weights, deepseek_sharding.weight_shardings(config, weights, mesh))
+    model = DeepseekV3(config, weights)
+    model.mesh = mesh
     model.generation_config = load_generation_config(directory)
     return model
 

@@ -149,13 +149,13 @@ def runtime_model(tmp_path_factory):
     # YaRN, q_lora_rank, groups, a dense first layer and shared experts: every part at once.
     directory, ref = write_checkpoint(tmp_path_factory.mktemp("deepseek_v3_yarn"), True)
     want = [hf_greedy(ref, p, 8) for p in PROMPTS]
-    return deepseek.from_pretrained(directory), want
+    return deepseek.from_pretrained(directory), want, directory
 
 
 def test_the_model_keeps_the_runtime_contract(runtime_model):
     from forge_jax.models.protocol import CausalLM, ModelConfig
 
-    model, _ = runtime_model
+    model, _, _ = runtime_model
     assert isinstance(model, CausalLM) and isinstance(model.config, ModelConfig)
 
 
@@ -164,7 +164,7 @@ def test_generate_matches_transformers_with_each_latent_cache(runtime_model, kin
     from forge_jax import generation
     from forge_jax.kv_cache import CacheSpec, ContiguousLatentCache, PagedLatentCache
 
-    model, want = runtime_model
+    model, want, _ = runtime_model
     got, stats = generation.generate_with_stats(model, PROMPTS, 8, eos_token_id=(),
                                                 cache=CacheSpec(kind, page_size=4))
     assert got == want
@@ -183,7 +183,7 @@ def test_generate_matches_transformers_with_each_latent_cache(runtime_model, kin
 def test_a_quantized_latent_cache_is_refused(runtime_model):
     from forge_jax.kv_cache import CacheSpec
 
-    model, _ = runtime_model
+    model, _, _ = runtime_model
     with pytest.raises(ValueError, match="kv_dtype='int8'.*latent"):
         model.create_cache(CacheSpec(kv_dtype="int8"), batch=1, max_len=8, num_pages=2,
                            block_tables=np.zeros((1, 2), np.int32))
@@ -193,7 +193,7 @@ def test_the_engine_matches_transformers_and_shares_latent_prefixes(runtime_mode
     from forge_jax.kv_cache import CacheSpec
     from forge_jax.serving import Engine, EngineConfig, RequestParams
 
-    model, want = runtime_model
+    model, want, _ = runtime_model
     engine = Engine(model, None, EngineConfig(max_batch_tokens=16, num_pages=32,
                                               eos_token_ids=(), prefix_caching=True,
                                               cache=CacheSpec(page_size=4)))
@@ -280,3 +280,30 @@ def test_an_fp8_checkpoint_loads_as_stored_and_matches_float64(tmp_path):
         hf_greedy(ref, p, 8) for p in PROMPTS]
     with pytest.raises(ValueError, match="fp8 already"):
         deepseek.from_pretrained(tmp_path / "fp8", quantize="int8")
+
+
+def test_the_common_entry_point_loads_it_quantized_and_on_a_mesh(runtime_model):
+    import jax
+
+    import forge_jax as fj
+    from forge_jax import generation
+    from forge_jax.kv_cache import CacheSpec
+    from forge_jax.models import llama
+
+    _, want, directory = runtime_model
+    quantized = llama.from_pretrained(directory, dtype="float32", quantize="int8")
+    assert isinstance(quantized, deepseek.DeepseekV3)
+    assert isinstance(quantized.arrays()["layers"][1]["moe"]["down_proj"], fj.QuantizedArray)
+
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
+    sharded = llama.from_pretrained(directory, dtype="float32", mesh=mesh)
+    w = sharded.arrays()
+    assert w["layers"][0]["attn"]["q_b_proj"].sharding.spec[0] == "tp"
+    assert w["layers"][1]["moe"]["gate_proj"].sharding.spec[0] == "tp"  # by expert
+    assert w["layers"][0]["attn"]["kv_a_proj"].sharding.is_fully_replicated
+    for kind in ("paged", "contiguous"):
+        assert generation.generate(sharded, PROMPTS, 8, eos_token_id=(),
+                                   cache=CacheSpec(kind, page_size=4)) == want
+    with pytest.raises(ValueError, match="divide by 8: .*num_attention_heads"):
+        llama.from_pretrained(directory, dtype="float32",
+                              mesh=jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8]))
