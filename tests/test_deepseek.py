@@ -128,12 +128,13 @@ def test_quantized_int8_weights_stay_close(checkpoint):
     assert np.abs(np.asarray(logits) - want).mean() < 0.1 * want.std()
 
 
-def test_the_llama_loader_points_to_this_model(checkpoint):
+def test_the_llama_loader_hands_it_to_this_model(checkpoint):
     from forge_jax.models import llama
 
     with pytest.raises(ValueError, match="forge_jax.models.deepseek.from_pretrained"):
-        llama.from_pretrained(checkpoint[0])
-    model = deepseek.from_pretrained(checkpoint[0])
+        llama.load_config(checkpoint[0])  # not a Llama-family config
+    model = llama.from_pretrained(checkpoint[0], dtype="float32")
+    assert isinstance(model, deepseek.DeepseekV3)
     assert model.config.num_hidden_layers == CONFIG["num_hidden_layers"]
     assert model.config.max_position_embeddings == CONFIG["max_position_embeddings"]
 
