@@ -84,8 +84,9 @@ class Engine:
         :class:`~forge_jax.kv_cache.PagedKVCache`) of
         ``config.num_pages`` pages (never folded: its block tables are unused, ``[0,
         pages_per_seq]``; each step brings its own in a
-        :class:`~forge_jax.kv_cache.RaggedMetadata`). On a mesh the pools are split by KV
-        head over the tensor axis, as the model's.
+        :class:`~forge_jax.kv_cache.RaggedMetadata`). On a mesh the pools are placed as
+        the model's ``cache_shardings`` says (a Llama's split by KV head over the tensor
+        axis; a latent pool, shared by every head, replicated).
       manager: the :class:`~forge_jax.kv_cache.BlockManager` handing out its pages.
     """
 
