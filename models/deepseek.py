@@ -79,6 +79,9 @@ def load(directory, dtype=jnp.float32, *, quantize: str | None = None,
     float (embedding, norms, router, ``lm_head``) loads as ``dtype``. ``quantize=`` is then
     refused (the weights are quantized already).
     """
+    from forge_jax.models.checkpoints import quantize as quantize_load
+
+    quantize_load.check_quantize(quantize, group_size)  # before any tensor is read
     directory = pathlib.Path(directory)
     raw_config = json.loads((directory / "config.json").read_text())
     config = DeepseekV3Config.from_hf(raw_config)

@@ -308,3 +308,10 @@ def test_the_common_entry_point_loads_it_quantized_and_on_a_mesh(runtime_model):
     with pytest.raises(ValueError, match="divide by 8: .*num_attention_heads"):
         llama.from_pretrained(directory, dtype="float32",
                               mesh=jax.make_mesh((8,), ("tp",), devices=jax.devices()[:8]))
+
+
+def test_a_bad_quantize_is_refused_before_loading(runtime_model, monkeypatch):
+    _, _, directory = runtime_model
+    monkeypatch.setattr(deepseek.fp8, "open_files", lambda *a: pytest.fail("read the files"))
+    with pytest.raises(ValueError, match="quantize='int3' is not a format"):
+        deepseek.from_pretrained(directory, quantize="int3")
