@@ -205,9 +205,11 @@ class DeepseekV3(nnx.Module):
         return self._create(lambda: ContiguousLatentCache.create(batch=batch, max_len=max_len,
                                                                  **dims))
 
-    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int
-                    ) -> PagedLatentCache:
-        """See :meth:`forge_jax.models.protocol.CausalLM.create_pool`."""
+    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
+                    prefix_caching: bool = False) -> PagedLatentCache:
+        """See :meth:`forge_jax.models.protocol.CausalLM.create_pool`: a latent pool (its
+        pages shared freely)."""
+        del prefix_caching
         return self.create_cache(dataclasses.replace(spec, kind="paged"), batch=0, max_len=0,
                                  num_pages=num_pages,
                                  block_tables=np.zeros((0, pages_per_seq), np.int32))

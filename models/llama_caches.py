@@ -50,10 +50,11 @@ class LlamaCaches:
                 dtype=dtype, quantize=spec.kv_dtype)
         return create_cache(make, self.mesh)
 
-    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int
-                    ) -> PagedKVCache:
+    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
+                    prefix_caching: bool = False) -> PagedKVCache:
         """See :meth:`forge_jax.models.protocol.CausalLM.create_pool`: a
-        :class:`~forge_jax.kv_cache.PagedKVCache`, never folded."""
+        :class:`~forge_jax.kv_cache.PagedKVCache`, never folded (its pages shared freely)."""
+        del prefix_caching
         make = functools.partial(
             PagedKVCache.create, num_layers=self.config.num_hidden_layers,
             num_pages=num_pages, page_size=spec.page_size, kv_heads=self.kv_heads,

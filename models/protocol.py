@@ -27,8 +27,8 @@ linear-attention layer), and the runtime only passes it along, reads ``cache.len
 ``cache.nbytes``, and applies the host's page copies with ``cache.copy_pages`` (the paged
 kinds). Page ids come from a :class:`~forge_jax.kv_cache.BlockManager` whatever the pool
 holds, so prefix caching works on any paged cache (a model whose cache cannot share pages
-says so by raising from :meth:`CausalLM.create_pool` with ``spec`` asking for it: see
-:data:`forge_jax.kv_cache.PREFIX_CACHING_REFUSED`).
+says so by raising from :meth:`CausalLM.create_pool` when asked for ``prefix_caching``:
+see :data:`forge_jax.kv_cache.PREFIX_CACHING_REFUSED`).
 """
 
 from __future__ import annotations
@@ -114,11 +114,15 @@ class CausalLM(Protocol):
         cache of, a quantized format it does not store)."""
         ...
 
-    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int) -> Any:
+    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
+                    prefix_caching: bool = False) -> Any:
         """The serving engine's page pool (``spec.kind`` must be ``"paged"``): ``num_pages``
         pages, no rows of its own (each packed step brings its block tables, at most
         ``pages_per_seq`` wide), never folded; on ``self.mesh``, created in its shards.
-        It has ``copy_pages`` (the block manager's copy-on-write)."""
+        It has ``copy_pages`` (the block manager's copy-on-write). ``prefix_caching``: the
+        engine will share full pages between sequences; a model whose cache cannot (a
+        recurrent state per sequence) raises ValueError with the reason
+        (:data:`forge_jax.kv_cache.PREFIX_CACHING_REFUSED`)."""
         ...
 
     def packed_cache(self, pool: Any, metadata: RaggedMetadata) -> KVCache:

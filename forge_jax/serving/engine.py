@@ -121,7 +121,8 @@ class Engine:
         self._graphdef = serving_step.Static(self.graphdef)  # hashed once, not per dispatch
         # The model's pool (on a mesh, created in its shards), whatever its pages hold.
         cache = model.create_pool(config.cache, num_pages=config.num_pages,
-                                  pages_per_seq=self.pages_per_seq)
+                                  pages_per_seq=self.pages_per_seq,
+                                  prefix_caching=config.prefix_caching)
         self.cache = cache
         # The last step's tokens on the device, [max_seqs] (the next step may read some),
         # and the step in flight: its tokens and the (index, request) pairs that drew one.
