@@ -27,7 +27,8 @@ from forge_jax.generation.sampling import SamplingParams
 from forge_jax.generation.speculative import SpeculativeConfig
 from forge_jax.generation.stats import GenerationStats
 from forge_jax.generation.steps import decode_step, prefill_step, seen_tokens, step_statics
-from forge_jax.kv_cache import BlockManager, CacheSpec, ContiguousKVCache, PagedKVCache
+from forge_jax.kv_cache import (BlockManager, CacheSpec, ContiguousKVCache, PagedKVCache,
+                               cache_geometry)
 from forge_jax.models import llama_sharding
 from forge_jax.models.llama_model import Llama, LlamaConfig
 from forge_jax.ops import kv_quant
@@ -347,14 +348,14 @@ def _create_cache(model: Llama, plan: _Plan, cache_dtype, kv_cache_dtype):
         block_tables[:plan.batch] = manager.block_tables(list(range(plan.batch)),
                                                          plan.max_pages)
         make_cache = functools.partial(
-            PagedKVCache.create, num_layers=config.num_hidden_layers, num_pages=num_pages,
-            page_size=plan.page_size, kv_heads=model.kv_heads, head_dim=config.head_dim,
+            PagedKVCache.create, **cache_geometry(config), num_pages=num_pages,
+            page_size=plan.page_size, kv_heads=model.kv_heads,
             dtype=cache_dtype, block_tables=block_tables, quantize=kv_cache_dtype)
     else:
         make_cache = functools.partial(
-            ContiguousKVCache.create, num_layers=config.num_hidden_layers,
+            ContiguousKVCache.create, **cache_geometry(config),
             batch=plan.padded_batch, max_len=plan.cache_len, kv_heads=model.kv_heads,
-            head_dim=config.head_dim, dtype=cache_dtype, quantize=kv_cache_dtype)
+            dtype=cache_dtype, quantize=kv_cache_dtype)
     return llama_sharding.create_cache(make_cache, mesh)
 
 

@@ -43,7 +43,7 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import settings
-from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache
+from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache, cache_geometry
 from forge_jax.serving import batch_step as serving_step
 from forge_jax.serving import config as engine_config
 from forge_jax.serving import speculation
@@ -116,8 +116,8 @@ class Engine:
         self.weights, self.weights_def = jax.tree.flatten(self.state)
         self._graphdef = serving_step.Static(self.graphdef)  # hashed once, not per dispatch
         cache = PagedKVCache.create(
-            num_layers=model_config.num_hidden_layers, num_pages=config.num_pages,
-            page_size=self.page_size, kv_heads=model.kv_heads, head_dim=model_config.head_dim,
+            **cache_geometry(model_config), num_pages=config.num_pages,
+            page_size=self.page_size, kv_heads=model.kv_heads,
             dtype=config.cache.resolved_dtype(model.dtype),
             block_tables=np.zeros((0, self.pages_per_seq), np.int32),
             quantize=config.cache.kv_dtype, fold=False)

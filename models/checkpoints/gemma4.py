@@ -1,0 +1,156 @@
+"""Gemma 4 text checkpoints (``model_type: "gemma4_text"``, safetensors): the HF name of
+each parameter of a :class:`~forge_jax.models.gemma4.Gemma4` and loading one.
+:func:`forge_jax.models.checkpoints.hf.from_pretrained` hands such a directory here."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from forge_jax.models.checkpoints.generation_config import (
+    CheckpointError,
+    load_generation_config,
+)
+from forge_jax.models.gemma4 import Gemma4
+from forge_jax.models.gemma4_config import Gemma4Config
+from forge_jax.models.llama_model import Linear
+
+
+def is_gemma4(path: pathlib.Path) -> bool:
+    """Whether checkpoint directory ``path`` holds a Gemma 4 text ``config.json`` (an
+    unreadable one is left to the Llama loader's errors)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") == "gemma4_text"
+
+
+def gemma4_parameters(model: Gemma4) -> dict:
+    """HF tensor name -> (parameter, HF shape, HF array -> stored array, None), as
+    :func:`forge_jax.models.checkpoints.hf_names.hf_parameters` gives them; the experts'
+    stacked tensors (stored transposed) are :func:`expert_parameters`'."""
+    same = lambda w: w
+    out = {}
+
+    def param(name, p):
+        if p is not None:
+            out[name] = (p, p.shape, same, None)
+
+    def linear(name, lin: Linear | None):
+        if lin is not None:
+            out[f"{name}.weight"] = (lin.kernel, lin.hf_shape(), lin.kernel_from_hf, None)
+            if lin.bias is not None:
+                param(f"{name}.bias", lin.bias)
+
+    param("model.embed_tokens.weight", model.embed_tokens)
+    param("model.norm.weight", model.norm.weight)
+    param("model.embed_tokens_per_layer.weight", model.embed_tokens_per_layer)
+    linear("model.per_layer_model_projection", model.per_layer_model_projection)
+    if model.per_layer_projection_norm is not None:
+        param("model.per_layer_projection_norm.weight", model.per_layer_projection_norm.weight)
+    linear("lm_head", model.lm_head)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}"
+        for norm, module in layer.norms().items():
+            param(f"{p}.{norm}.weight", module.weight)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            linear(f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj))
+        mlp = layer.mlp
+        for part, stored, source in mlp.gate_up_proj.hf_rows():
+            out[f"{p}.mlp.{part}.weight"] = (mlp.gate_up_proj.kernel,
+                                             (int(source.max()) + 1, mlp.gate_up_proj.in_features),
+                                             mlp.gate_up_proj.kernel_from_hf, (stored, source))
+        linear(f"{p}.mlp.down_proj", mlp.down_proj)
+        linear(f"{p}.per_layer_input_gate", layer.per_layer_input_gate)
+        linear(f"{p}.per_layer_projection", layer.per_layer_projection)
+        param(f"{p}.layer_scalar", layer.layer_scalar)
+        if layer.moe is not None:
+            param(f"{p}.router.proj.weight", layer.moe.router)
+            param(f"{p}.router.scale", layer.moe.scale)
+            param(f"{p}.router.per_expert_scale", layer.moe.per_expert_scale)
+    return out
+
+
+def expert_parameters(model: Gemma4) -> dict[str, nnx.Param]:
+    """HF name -> the stacked expert parameter it fills, transposed (HF ``[E, out, in]``,
+    stored ``[E, in, out]``)."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        if layer.moe is not None:
+            out[f"model.layers.{i}.experts.gate_up_proj"] = layer.moe.gate_up
+            out[f"model.layers.{i}.experts.down_proj"] = layer.moe.down
+    return out
+
+
+def from_pretrained(path: pathlib.Path, *, dtype, param_dtype, mesh=None,
+                    quantize: str | None = None, group_size: int | None = None) -> Gemma4:
+    """Loads a Gemma 4 text checkpoint directory (already resolved) into a :class:`Gemma4`;
+    as :func:`forge_jax.models.checkpoints.hf.from_pretrained` (whose checks it shares),
+    on one device (``mesh`` is refused)."""
+    from safetensors import SafetensorError, safe_open
+
+    from forge_jax.models.checkpoints import hf
+    from forge_jax.models.checkpoints import quantize as quantize_load
+
+    file = path / "config.json"
+    try:
+        config = Gemma4Config.from_hf(json.loads(file.read_text()))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    if mesh is not None:
+        raise ValueError(f"{path}: a gemma4_text model loads onto one device; mesh= is not "
+                         f"implemented for it")
+    model = nnx.eval_shape(lambda: Gemma4(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                          param_dtype=param_dtype))
+    expected = gemma4_parameters(model)
+    experts = expert_parameters(model)
+    handles, files = {}, {}
+    with contextlib.ExitStack() as stack:
+        for f_path, _ in hf._safetensors_files(path).items():
+            try:
+                f = stack.enter_context(safe_open(f_path, framework="numpy"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"cannot read {f_path}: {e}") from None
+            for name in sorted(f.keys()):
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                if name in experts:
+                    want = experts[name].shape
+                    want = (want[0], want[2], want[1])
+                elif name in expected:
+                    want = tuple(expected[name][1])
+                else:
+                    raise CheckpointError(f"unexpected tensor {name!r} in {f_path.name}: not a "
+                                          f"parameter of a gemma4_text with this config.json")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(want):
+                    raise CheckpointError(f"tensor {name!r} in {f_path.name} has shape {shape}, "
+                                          f"expected {tuple(want)} from config.json")
+                if f.get_slice(name).get_dtype() not in ("F16", "BF16", "F32", "F64"):
+                    raise CheckpointError(f"tensor {name!r} in {f_path.name} has dtype "
+                                          f"{f.get_slice(name).get_dtype()}, expected float")
+                handles[name], files[name] = f, f_path.name
+        missing = sorted((set(expected) | set(experts)) - set(handles))
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:5]}{more}")
+
+        def read(name, index):
+            block = np.asarray(handles[name].get_slice(name)[index])
+            hf._check_finite(name, block, files[name], np.dtype(param_dtype))
+            return block
+
+        convert = None if quantize is None else quantize_load.converters(
+            model, quantize, group_size)
+        for name, p in experts.items():  # HF [E, out, in] -> stored [E, in, out]
+            value = jnp.asarray(np.swapaxes(read(name, ()), 1, 2).astype(param_dtype))
+            p.set_value(value if convert is None else convert[id(p)](value))
+        hf.fill_parameters(model, read, None, convert, frozenset(id(p) for p in experts.values()))
+    model.generation_config = load_generation_config(path)
+    return model
