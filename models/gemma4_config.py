@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import forge_jax as fj
-from forge_jax.models.families import FULL, IRRELEVANT as _IRRELEVANT, SLIDING
+from forge_jax.models.families import FULL, SLIDING
+from forge_jax.models.families import IRRELEVANT as _IRRELEVANT
 
 MODEL_TYPE = "gemma4_text"
 ARCHITECTURE = "Gemma4ForCausalLM"

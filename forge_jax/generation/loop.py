@@ -27,8 +27,8 @@ from forge_jax.generation.sampling import SamplingParams
 from forge_jax.generation.speculative import SpeculativeConfig
 from forge_jax.generation.stats import GenerationStats
 from forge_jax.generation.steps import decode_step, prefill_step, seen_tokens, step_statics
-from forge_jax.kv_cache import (BlockManager, CacheSpec, ContiguousKVCache, PagedKVCache,
-                               cache_geometry)
+from forge_jax.kv_cache import BlockManager, CacheSpec, ContiguousKVCache, PagedKVCache
+from forge_jax.kv_cache.spec import cache_geometry
 from forge_jax.models import llama_sharding
 from forge_jax.models.llama_model import Llama, LlamaConfig
 from forge_jax.ops import kv_quant
