@@ -143,7 +143,9 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
     padded_batch, prompt_bucket, cache_len, max_pages = cache_plan(
         batch, longest_prompt, max_new_tokens, cache, page_size,
         batch_multiple=1 if mesh is None else mesh.dp)
-    kv_dim = config.num_key_value_heads * config.head_dim
+    layers, kv_heads, head_dim = getattr(config, "kv_cache_geometry", None) or (
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    kv_dim = kv_heads * head_dim
     if mesh is not None:  # one device's KV heads (copies included), and batch rows
         kv_dim = llama_sharding.layout_for(config, mesh.tp).kv_repeat * kv_dim // mesh.tp
         if cache != "paged":
@@ -151,11 +153,11 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
     if cache == "paged":
         # The pool depends on the bucketed shapes only (so other prompt lengths in the same
         # buckets reuse the compiled steps): room for every row at full length.
-        cache_bytes = 2 * config.num_hidden_layers * padded_batch * max_pages * page_size * kv_dim
+        cache_bytes = 2 * layers * padded_batch * max_pages * page_size * kv_dim
     else:
-        cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
+        cache_bytes = 2 * layers * padded_batch * cache_len * kv_dim
     cache_bytes = int(cache_bytes * kv_quant.bytes_per_value(kv_cache_dtype, cache_dtype,
-                                                             config.head_dim))
+                                                             head_dim))
     need = fj_memory.estimate_inference_memory(
         config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
         param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype,
