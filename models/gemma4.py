@@ -32,8 +32,12 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax.kv_cache import KVCache
 from forge_jax.models.gemma4_config import Gemma4Config
-from forge_jax.models.llama_model import Linear, LlamaMLP, RMSNorm, _check_tokens, _normal
+from forge_jax.models.llama_model import Linear, LlamaMLP, RMSNorm
 from forge_jax.models.llama_moe import GeluExpertsMoe
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype)
 
 
 def _rms(x: jax.Array, eps: float) -> jax.Array:
@@ -172,7 +176,9 @@ class Gemma4(nnx.Module):
     def __call__(self, tokens: jax.Array, *, allow_beyond_max_positions: bool = False
                  ) -> jax.Array:
         """Full causal forward without a cache: float32 logits ``[batch, seq, vocab]``."""
-        _check_tokens(tokens, self.config.vocab_size)
+        if not (hasattr(tokens, "dtype") and jnp.issubdtype(tokens.dtype, jnp.integer)
+                and tokens.ndim == 2):
+            raise ValueError(f"tokens must be an int [batch, seq] array, got {tokens!r:.80}")
         batch, seq = tokens.shape
         if seq > self.config.max_position_embeddings and not allow_beyond_max_positions:
             raise ValueError(f"tokens.shape={tuple(tokens.shape)} has {seq} positions, beyond "

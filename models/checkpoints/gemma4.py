@@ -1,5 +1,6 @@
-"""Gemma 4 text checkpoints (``model_type: "gemma4_text"``, safetensors): the HF name of
-each parameter of a :class:`~forge_jax.models.gemma4.Gemma4` and loading one.
+"""Gemma 4 text checkpoints (``model_type: "gemma4_text"``, safetensors):
+loading one into a :class:`~forge_jax.models.gemma4.Gemma4` (the names:
+:mod:`~forge_jax.models.checkpoints.gemma4_names`).
 :func:`forge_jax.models.checkpoints.hf.from_pretrained` hands such a directory here."""
 
 from __future__ import annotations
@@ -7,18 +8,20 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from forge_jax.models.checkpoints.gemma4_names import expert_parameters, gemma4_parameters
 from forge_jax.models.checkpoints.generation_config import (
     CheckpointError,
     load_generation_config,
 )
+from forge_jax.models.checkpoints.hf_names import fill_parameters
 from forge_jax.models.gemma4 import Gemma4
 from forge_jax.models.gemma4_config import Gemma4Config
-from forge_jax.models.llama_model import Linear
 
 
 def is_gemma4(path: pathlib.Path) -> bool:
@@ -31,71 +34,16 @@ def is_gemma4(path: pathlib.Path) -> bool:
     return isinstance(raw, dict) and raw.get("model_type") == "gemma4_text"
 
 
-def gemma4_parameters(model: Gemma4) -> dict:
-    """HF tensor name -> (parameter, HF shape, HF array -> stored array, None), as
-    :func:`forge_jax.models.checkpoints.hf_names.hf_parameters` gives them; the experts'
-    stacked tensors (stored transposed) are :func:`expert_parameters`'."""
-    same = lambda w: w
-    out = {}
-
-    def param(name, p):
-        if p is not None:
-            out[name] = (p, p.shape, same, None)
-
-    def linear(name, lin: Linear | None):
-        if lin is not None:
-            out[f"{name}.weight"] = (lin.kernel, lin.hf_shape(), lin.kernel_from_hf, None)
-            if lin.bias is not None:
-                param(f"{name}.bias", lin.bias)
-
-    param("model.embed_tokens.weight", model.embed_tokens)
-    param("model.norm.weight", model.norm.weight)
-    param("model.embed_tokens_per_layer.weight", model.embed_tokens_per_layer)
-    linear("model.per_layer_model_projection", model.per_layer_model_projection)
-    if model.per_layer_projection_norm is not None:
-        param("model.per_layer_projection_norm.weight", model.per_layer_projection_norm.weight)
-    linear("lm_head", model.lm_head)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}"
-        for norm, module in layer.norms().items():
-            param(f"{p}.{norm}.weight", module.weight)
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            linear(f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj))
-        mlp = layer.mlp
-        for part, stored, source in mlp.gate_up_proj.hf_rows():
-            out[f"{p}.mlp.{part}.weight"] = (mlp.gate_up_proj.kernel,
-                                             (int(source.max()) + 1, mlp.gate_up_proj.in_features),
-                                             mlp.gate_up_proj.kernel_from_hf, (stored, source))
-        linear(f"{p}.mlp.down_proj", mlp.down_proj)
-        linear(f"{p}.per_layer_input_gate", layer.per_layer_input_gate)
-        linear(f"{p}.per_layer_projection", layer.per_layer_projection)
-        param(f"{p}.layer_scalar", layer.layer_scalar)
-        if layer.moe is not None:
-            param(f"{p}.router.proj.weight", layer.moe.router)
-            param(f"{p}.router.scale", layer.moe.scale)
-            param(f"{p}.router.per_expert_scale", layer.moe.per_expert_scale)
-    return out
-
-
-def expert_parameters(model: Gemma4) -> dict[str, nnx.Param]:
-    """HF name -> the stacked expert parameter it fills, transposed (HF ``[E, out, in]``,
-    stored ``[E, in, out]``)."""
-    out = {}
-    for i, layer in enumerate(model.layers):
-        if layer.moe is not None:
-            out[f"model.layers.{i}.experts.gate_up_proj"] = layer.moe.gate_up
-            out[f"model.layers.{i}.experts.down_proj"] = layer.moe.down
-    return out
-
-
-def from_pretrained(path: pathlib.Path, *, dtype, param_dtype, mesh=None,
-                    quantize: str | None = None, group_size: int | None = None) -> Gemma4:
-    """Loads a Gemma 4 text checkpoint directory (already resolved) into a :class:`Gemma4`;
-    as :func:`forge_jax.models.checkpoints.hf.from_pretrained` (whose checks it shares),
-    on one device (``mesh`` is refused)."""
+def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, dtype,
+                    param_dtype, mesh=None, quantize: str | None = None,
+                    group_size: int | None = None) -> Gemma4:
+    """Loads a Gemma 4 text checkpoint directory (already resolved) into a :class:`Gemma4`,
+    as :func:`forge_jax.models.checkpoints.hf.from_pretrained` loads a Llama, which calls
+    this with the directory's safetensors ``files`` (path -> tensor names or None) and
+    its ``check_finite(name, block, file, param_dtype)``; on one device (``mesh`` is
+    refused)."""
     from safetensors import SafetensorError, safe_open
 
-    from forge_jax.models.checkpoints import hf
     from forge_jax.models.checkpoints import quantize as quantize_load
 
     file = path / "config.json"
@@ -112,7 +60,7 @@ def from_pretrained(path: pathlib.Path, *, dtype, param_dtype, mesh=None,
     experts = expert_parameters(model)
     handles, files = {}, {}
     with contextlib.ExitStack() as stack:
-        for f_path, _ in hf._safetensors_files(path).items():
+        for f_path in files:
             try:
                 f = stack.enter_context(safe_open(f_path, framework="numpy"))
             except (SafetensorError, OSError) as e:
@@ -143,7 +91,7 @@ def from_pretrained(path: pathlib.Path, *, dtype, param_dtype, mesh=None,
 
         def read(name, index):
             block = np.asarray(handles[name].get_slice(name)[index])
-            hf._check_finite(name, block, files[name], np.dtype(param_dtype))
+            check_finite(name, block, files[name], np.dtype(param_dtype))
             return block
 
         convert = None if quantize is None else quantize_load.converters(
@@ -151,6 +99,6 @@ def from_pretrained(path: pathlib.Path, *, dtype, param_dtype, mesh=None,
         for name, p in experts.items():  # HF [E, out, in] -> stored [E, in, out]
             value = jnp.asarray(np.swapaxes(read(name, ()), 1, 2).astype(param_dtype))
             p.set_value(value if convert is None else convert[id(p)](value))
-        hf.fill_parameters(model, read, None, convert, frozenset(id(p) for p in experts.values()))
+        fill_parameters(model, read, None, convert, frozenset(id(p) for p in experts.values()))
     model.generation_config = load_generation_config(path)
     return model
