@@ -58,7 +58,7 @@ def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, 
                                           param_dtype=param_dtype))
     expected = gemma4_parameters(model)
     experts = expert_parameters(model)
-    handles, files = {}, {}
+    handles, file_of = {}, {}  # tensor name -> its open file, its file's name
     with contextlib.ExitStack() as stack:
         for f_path in files:
             try:
@@ -83,7 +83,7 @@ def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, 
                 if f.get_slice(name).get_dtype() not in ("F16", "BF16", "F32", "F64"):
                     raise CheckpointError(f"tensor {name!r} in {f_path.name} has dtype "
                                           f"{f.get_slice(name).get_dtype()}, expected float")
-                handles[name], files[name] = f, f_path.name
+                handles[name], file_of[name] = f, f_path.name
         missing = sorted((set(expected) | set(experts)) - set(handles))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -91,7 +91,7 @@ def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, 
 
         def read(name, index):
             block = np.asarray(handles[name].get_slice(name)[index])
-            check_finite(name, block, files[name], np.dtype(param_dtype))
+            check_finite(name, block, file_of[name], np.dtype(param_dtype))
             return block
 
         convert = None if quantize is None else quantize_load.converters(
