@@ -137,6 +137,11 @@ class Gemma4Config:
         eos = self.eos_token_id
         return () if eos is None else eos if isinstance(eos, tuple) else (eos,)
 
+    @property
+    def num_experts_per_tok(self) -> int | None:
+        """``top_k_experts`` under the Llama decoder's name for it."""
+        return self.top_k_experts
+
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
 

@@ -113,7 +113,8 @@ def default_dtype(platform: str | None = None) -> np.dtype:
 
 
 def load_config(path: str | os.PathLike, *, revision: str | None = None) -> LlamaConfig:
-    """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file).
+    """Reads ``path/config.json`` into a :class:`LlamaConfig` (a ``gemma4_text`` one into a
+    :class:`~forge_jax.models.gemma4_config.Gemma4Config`; errors name the file).
     ``path`` may be a Hub repository id (``ORG/NAME``, at ``revision``): see
     :func:`forge_jax.models.checkpoints.hub.resolve_checkpoint`."""
     from forge_jax.models.checkpoints import gguf as gguf_checkpoint
@@ -147,6 +148,9 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
         raise CheckpointError(f"{file}: eos_token_id must be an int or a list of ints, got "
                               f"{eos!r}")
     try:
+        if isinstance(raw, dict) and raw.get("model_type") == "gemma4_text":  # its own model
+            from forge_jax.models.gemma4_config import Gemma4Config
+            return Gemma4Config.from_hf(raw)
         return LlamaConfig.from_hf(raw)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{file}: {e}") from None
