@@ -25,6 +25,7 @@ from forge_jax.kv_cache import (
     PagedKVCache,
     RaggedBatchCache,
     RaggedMetadata,
+    cache_geometry,
 )
 from forge_jax.ops import kv_quant
 
@@ -40,14 +41,13 @@ class LlamaCaches:
         dtype = spec.resolved_dtype(self.dtype)
         if spec.kind == "paged":
             make = functools.partial(
-                PagedKVCache.create, num_layers=config.num_hidden_layers, num_pages=num_pages,
-                page_size=spec.page_size, kv_heads=self.kv_heads, head_dim=config.head_dim,
-                dtype=dtype, block_tables=block_tables, quantize=spec.kv_dtype)
+                PagedKVCache.create, **cache_geometry(config), num_pages=num_pages,
+                page_size=spec.page_size, kv_heads=self.kv_heads, dtype=dtype,
+                block_tables=block_tables, quantize=spec.kv_dtype)
         else:
             make = functools.partial(
-                ContiguousKVCache.create, num_layers=config.num_hidden_layers, batch=batch,
-                max_len=max_len, kv_heads=self.kv_heads, head_dim=config.head_dim,
-                dtype=dtype, quantize=spec.kv_dtype)
+                ContiguousKVCache.create, **cache_geometry(config), batch=batch,
+                max_len=max_len, kv_heads=self.kv_heads, dtype=dtype, quantize=spec.kv_dtype)
         return create_cache(make, self.mesh)
 
     def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
@@ -56,9 +56,9 @@ class LlamaCaches:
         :class:`~forge_jax.kv_cache.PagedKVCache`, never folded (its pages shared freely)."""
         del prefix_caching
         make = functools.partial(
-            PagedKVCache.create, num_layers=self.config.num_hidden_layers,
+            PagedKVCache.create, **cache_geometry(self.config),
             num_pages=num_pages, page_size=spec.page_size, kv_heads=self.kv_heads,
-            head_dim=self.config.head_dim, dtype=spec.resolved_dtype(self.dtype),
+            dtype=spec.resolved_dtype(self.dtype),
             block_tables=np.zeros((0, pages_per_seq), np.int32), quantize=spec.kv_dtype,
             fold=False)
         return create_cache(make, self.mesh)
@@ -77,15 +77,17 @@ class LlamaCaches:
         """See :meth:`forge_jax.models.protocol.CausalLM.cache_bytes`: K and V of every
         layer, one device's KV heads (copies included) and, contiguous, batch rows."""
         config, mesh = self.config, self.mesh
-        kv_dim = config.num_key_value_heads * config.head_dim
+        layers, kv_heads, head_dim = getattr(config, "kv_cache_geometry", None) or (
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        kv_dim = kv_heads * head_dim
         if mesh is not None:
             kv_dim = self.layout.kv_repeat * kv_dim // mesh.tp
             if spec.kind != "paged":
                 kv_dim //= mesh.dp
         slots = num_pages * spec.page_size if spec.kind == "paged" else batch * max_len
         per_value = kv_quant.bytes_per_value(spec.kv_dtype, spec.resolved_dtype(self.dtype),
-                                             config.head_dim)
-        return int(2 * config.num_hidden_layers * slots * kv_dim * per_value)
+                                             head_dim)
+        return int(2 * layers * slots * kv_dim * per_value)
 
 
 def cache_shardings(cache: Any, mesh: fj_sharding.MeshConfig) -> Any:

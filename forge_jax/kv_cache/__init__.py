@@ -73,11 +73,12 @@ from forge_jax.kv_cache.latent_ragged import RaggedLatentCache
 from forge_jax.kv_cache.paged import PagedKVCache, stores_folded
 from forge_jax.kv_cache.ragged import RaggedBatchCache, RaggedMetadata
 from forge_jax.kv_cache.recurrent import PREFIX_CACHING_REFUSED, HybridCache, RecurrentStatePool
-from forge_jax.kv_cache.spec import CacheSpec
+from forge_jax.kv_cache.spec import CacheSpec, cache_geometry
 
 __all__ = [
     "BlockManager", "CacheFullError", "CacheSpec", "CacheUsage", "ContiguousKVCache", "KVCache",
     "PagedKVCache", "PagedLatentCache", "RaggedBatchCache", "RaggedMetadata", "stores_folded",
     "HybridCache", "PREFIX_CACHING_REFUSED", "RecurrentStatePool", "StateCache",
     "ContiguousLatentCache", "RaggedLatentCache",
+    "cache_geometry",
 ]

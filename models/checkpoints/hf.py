@@ -114,7 +114,8 @@ def default_dtype(platform: str | None = None) -> np.dtype:
 
 
 def load_config(path: str | os.PathLike, *, revision: str | None = None) -> LlamaConfig:
-    """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file).
+    """Reads ``path/config.json`` into a :class:`LlamaConfig` (a ``gemma4_text`` one into a
+    :class:`~forge_jax.models.gemma4_config.Gemma4Config`; errors name the file).
     ``path`` may be a Hub repository id (``ORG/NAME``, at ``revision``): see
     :func:`forge_jax.models.checkpoints.hub.resolve_checkpoint`."""
     from forge_jax.models.checkpoints import gguf as gguf_checkpoint
@@ -148,6 +149,9 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
         raise CheckpointError(f"{file}: eos_token_id must be an int or a list of ints, got "
                               f"{eos!r}")
     try:
+        if isinstance(raw, dict) and raw.get("model_type") == "gemma4_text":  # its own model
+            from forge_jax.models.gemma4_config import Gemma4Config
+            return Gemma4Config.from_hf(raw)
         return LlamaConfig.from_hf(raw)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{file}: {e}") from None
@@ -234,6 +238,11 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
                              f"dtype: param_dtype={param_dtype.name} must be dtype={dtype.name}")
         return loader(path, dtype=dtype, quantize=quantize, group_size=group_size, mesh=mesh,
                       tp_axis=tp_axis, dp_axis=dp_axis)
+    from forge_jax.models.checkpoints import gemma4 as gemma4_checkpoint
+    if gemma4_checkpoint.is_gemma4(path):  # Gemma 4 text: a model of its own
+        return gemma4_checkpoint.from_pretrained(
+            path, _safetensors_files(path), _check_finite, dtype=dtype,
+            param_dtype=param_dtype, mesh=mesh, quantize=quantize, group_size=group_size)
     config = load_config(path)
     fp8 = fp8_checkpoint.quantization(json.loads((path / "config.json").read_text()),
                                       path / "config.json")
