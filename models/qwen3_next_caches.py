@@ -28,8 +28,8 @@ from forge_jax.ops import kv_quant
 
 ENGINE_REFUSED = (
     "the serving engine packs many sequences into one row, and its steps carry no "
-    "recurrent-state slot per sequence for the gated delta-rule layers: serve a Llama-family "
-    "model, or generate with forge_jax.generation.generate (" + PREFIX_CACHING_REFUSED + ")")
+    "recurrent-state slot per sequence for the gated delta-rule layers: generate with "
+    "forge_jax.generation.generate")
 
 
 class Qwen3NextCaches:
@@ -55,8 +55,11 @@ class Qwen3NextCaches:
             attention = ContiguousKVCache.create(batch=batch, max_len=max_len, **geometry)
         return self.hybrid_cache(attention)
 
-    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int) -> Any:
+    def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
+                    prefix_caching: bool = False) -> Any:
         """Refused (ValueError): see the module docstring."""
+        if prefix_caching:
+            raise ValueError(f"model_type={self.config.model_type!r}: {PREFIX_CACHING_REFUSED}")
         raise ValueError(f"model_type={self.config.model_type!r}: {ENGINE_REFUSED}")
 
     def packed_cache(self, pool: Any, metadata: Any) -> Any:
