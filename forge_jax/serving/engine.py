@@ -40,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import forge_jax as fj
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import settings
 from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache
@@ -126,6 +125,7 @@ class Engine:
             cache = dataclasses.replace(cache, k_pages=jax.device_put(cache.k_pages, pool),
                                         v_pages=jax.device_put(cache.v_pages, pool))
         self.cache = cache
+        self.draft = speculation.draft_model(self)  # a draft model's pool, or None
         # The last step's tokens on the device, [max_seqs] (the next step may read some),
         # and the step in flight: its tokens and the (index, request) pairs that drew one.
         tokens = jnp.zeros((self.max_seqs,), jnp.int32)
@@ -483,18 +483,14 @@ class Engine:
         """Builds and dispatches (asynchronously) the step; returns its tokens, [max_seqs]."""
         copies = self.manager.take_pending_copies()
         if copies.size:  # only a shared, partly filled page is copied (never here today)
-            self.cache = self.cache.copy_pages(copies)
+            self.cache = speculation.copy_pages(self, copies)  # (and the draft's pool)
         batch = serving_step.build_batch(
             scheduled, self.manager, min_rows=self.min_batch_tokens, max_seqs=self.max_seqs,
             pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size,
             speculative=getattr(self.config.speculative, "num_tokens", 0))
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
-        out, self.cache = serving_step.ragged_step(
-            self.weights, self.cache, serving_step.step_arrays(batch),
-            batch.sampling, batch.seen, self._last_tokens, batch.extras or None, batch.verify,
-            graphdef=self._graphdef, weights_def=self.weights_def, greedy=batch.greedy,
-            implementation_key=fj.dispatch.current_preference(), logprobs=batch.logprobs)
+        out, self.cache = speculation.dispatch(self, batch)  # (a draft model's steps too)
         self._last_tokens = out[0] if isinstance(out, tuple) else out
         clock.lap("dispatch")
         return out
