@@ -100,3 +100,31 @@ def test_a_draft_of_another_vocabulary_is_refused(chat_model, chat_tokenizer):
     with pytest.raises(ValueError, match="has 512 tokens, the target's 400"):
         cases.engine(chat_model, chat_tokenizer,
                      speculative=SpeculativeConfig(draft_model=Other()))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logprobs_of_speculated_tokens_are_the_targets(chat_model, chat_tokenizer, draft_model,
+                                                       sampled):
+    """A speculating request with logprobs: each token's (kept drafts and the token after
+    them) is the target model's log-softmax at its position, with the top alternatives."""
+    from cases.logprobs import check_logprobs
+
+    prompts = _prompts(chat_tokenizer, 3)
+    for draft in (chat_model, draft_model):  # drafts kept; drafts refused
+        engine = cases.engine(chat_model, chat_tokenizer,
+                              speculative=SpeculativeConfig(draft_model=draft, num_tokens=3))
+        streams = [engine.submit(p, serving.RequestParams(
+            max_tokens=9, ignore_eos=True, sampling=SamplingParams(
+                temperature=0.8 if sampled else 0.0, seed=i, logprobs=3)))
+            for i, p in enumerate(prompts)]
+        while engine.has_work():
+            engine.step()
+        assert engine.last_error is None, engine.last_error
+        assert engine.stats.draft_tokens > 0
+        assert draft is not chat_model or engine.stats.accepted_tokens > 0
+        for p, stream in zip(prompts, streams, strict=True):
+            outputs = list(stream)
+            ids = [t for o in outputs for t in o.token_ids]
+            entries = [e for o in outputs for e in o.logprobs]
+            assert len(ids) == 9
+            check_logprobs(chat_model, p, ids, entries, 3)

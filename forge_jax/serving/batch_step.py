@@ -233,7 +233,8 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
       :func:`~forge_jax.generation.sampling.token_logprobs` returns it, one row per
       sequence; ``aux["out"]`` int32 ``[s, k + 1]`` and ``aux["count"]`` ``[s]``, each
       sequence's new tokens (a speculating one's kept drafts and one more; ``tokens``
-      holds its last).
+      holds its last); with both, ``aux["verified_logprobs"]``, those of ``aux["out"]``'s
+      tokens, row ``i * (k + 1) + j`` for its ``[i, j]``.
     """
     del implementation_key
     graphdef = Static.unwrap(graphdef)
@@ -277,6 +278,9 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         out, count = verify_rows(spec_logits, drafts, verify["draft_len"], sampling,
                                  greedy=greedy, q=verify.get("q"))
         speculating = verify["draft_len"] > 0
+        if logprobs:  # of each verified row's token (a speculating sequence has no penalty)
+            aux["verified_logprobs"] = sampling_lib.token_logprobs(
+                spec_logits.reshape(s * k1, -1), out.reshape(-1))
         last = jnp.take_along_axis(out, (count - 1)[:, None], axis=1)[:, 0]
         next_tokens = jnp.where(speculating, last, next_tokens)
         aux["out"] = jnp.where(speculating[:, None], out, next_tokens[:, None])

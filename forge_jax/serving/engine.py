@@ -532,8 +532,10 @@ class Engine:
         for i, r in drawn:
             r.pending = 0
             if r.drafts and not r.finished:  # its kept drafts and one more
-                for token in speculation.kept(self, r, aux["out"][i, :aux["count"][i]]):
+                new = speculation.kept(self, r, aux["out"][i, :aux["count"][i]])
+                for j, token in enumerate(new):
                     if not r.finished:
+                        speculation.logprobs(r, aux, i, j)
                         self._accept(r, token, now)
             elif not r.finished:  # (cancelled meanwhile: the token is dropped)
                 k = r.params.sampling.logprobs

@@ -12,6 +12,7 @@ tokens and its cache, and the pages of the refused ones go back to the pool.
 
 from __future__ import annotations
 
+from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import speculative
 from forge_jax.serving.requests import Request
 
@@ -30,11 +31,11 @@ def draft_model(engine):
 def speculates(engine, r: Request) -> bool:
     """Whether ``r`` drafts tokens in ``engine`` (an :class:`~forge_jax.serving.Engine`):
     speculative decoding on, and nothing in its sampling that the verification does not
-    apply (a grammar, logprobs, penalties, a logit bias)."""
+    apply (a grammar, penalties, a logit bias): those requests are decoded one token per
+    step, as without speculative decoding."""
     p = r.params.sampling
     return engine.config.speculative is not None and r.matcher is None and (
-        p.logprobs is None and p.repetition_penalty in (None, 1.0)
-        and not p.needs_token_counts and not p.logit_bias)
+        p.repetition_penalty in (None, 1.0) and not p.needs_token_counts and not p.logit_bias)
 
 
 def drafts(engine, r: Request, budget: int) -> list[int]:
@@ -78,6 +79,18 @@ def dispatch(engine, batch):
     if engine.draft is not None:
         drafting.fill(engine, arrays, last_tokens, verify)
     return out
+
+
+def logprobs(r: Request, aux: dict, i: int, j: int) -> None:
+    """Appends to ``r.logprobs`` (if it asks for them) those of the ``j``-th new token of
+    the verified sequence ``i`` (``aux``: the step's, on the host), from the target's
+    logits at that row."""
+    k = r.params.sampling.logprobs
+    if k is None:
+        return
+    out = aux["out"]
+    arrays = dict(aux["verified_logprobs"], tokens=out.reshape(-1))
+    r.logprobs.append(sampling_lib.host_logprobs(arrays, i * out.shape[1] + j, k))
 
 
 def kept(engine, r: Request, new) -> list[int]:
