@@ -128,3 +128,30 @@ def test_logprobs_of_speculated_tokens_are_the_targets(chat_model, chat_tokenize
             entries = [e for o in outputs for e in o.logprobs]
             assert len(ids) == 9
             check_logprobs(chat_model, p, ids, entries, 3)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_warm_up_compiles_the_speculative_steps(chat_model, chat_tokenizer, draft_model,
+                                                method):
+    """The server's warm-up (before ``/health`` says ready) compiles the verifying steps,
+    greedy and sampled, so that speculating requests after it compile nothing new."""
+    from forge_jax.serving import server
+
+    config = (SpeculativeConfig(num_tokens=3) if method == "ngram"
+              else SpeculativeConfig(draft_model=draft_model, num_tokens=3))
+    engine = cases.engine(chat_model, chat_tokenizer, speculative=config).start()
+    try:
+        server.warm_up(engine)
+        verifying = {key for key in engine.stats.compiled if key[-1] == 4}  # k + 1 rows
+        assert {key[2] for key in verifying} == {True, False}
+        assert engine.stats.draft_tokens == 0  # the warm-up's counters are reset
+        before = set(engine.stats.compiled)
+        for temperature in (0.0, 0.9):
+            streams = [engine.submit(p, serving.RequestParams(
+                max_tokens=6, ignore_eos=True, sampling=SamplingParams(temperature=temperature)),
+                loop=None) for p in _prompts(chat_tokenizer, 2)]
+            for stream in streams:
+                assert len(stream.result()[0]) == 6
+        assert set(engine.stats.compiled) == before
+    finally:
+        engine.shutdown()

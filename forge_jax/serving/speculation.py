@@ -47,7 +47,11 @@ def drafts(engine, r: Request, budget: int) -> list[int]:
                       engine.max_model_len - len(r.tokens) - 1))
     if config.draft_model is not None:
         return [0] * room
-    return speculative.propose_ngram(r.tokens, config)[:room]
+    proposals = speculative.propose_ngram(r.tokens, config)[:room]
+    if not proposals and getattr(engine, "warming_up", False):
+        # (the warm-up's random prompts rarely repeat: any drafts compile the verify steps)
+        proposals = [r.tokens[-1]] * room
+    return proposals
 
 
 def copy_pages(engine, copies):
