@@ -173,8 +173,8 @@ def draw_draft(logits, key, sampling: dict, greedy: bool):
                                              "implementation_key"),
                    donate_argnames=("cache",))
 def draft_step(state: nnx.State, cache, pair: jax.Array, start: jax.Array, active: jax.Array,
-               key: jax.Array, sampling: dict, *, graphdef, greedy: bool, num_tokens: int,
-               implementation_key=None):
+               key: jax.Array, sampling: dict, end: jax.Array | None = None, *, graphdef,
+               greedy: bool, num_tokens: int, implementation_key=None):
     """``num_tokens`` draft tokens per row from a draft model, one after another (jitted;
     the draft's cache is donated).
 
@@ -189,6 +189,8 @@ def draft_step(state: nnx.State, cache, pair: jax.Array, start: jax.Array, activ
       active: bool ``[batch]``; inactive rows are not written.
       key: this step's ``jax.random`` key (unused when greedy).
       sampling: :meth:`SamplingParams.arrays`.
+      end: int32 ``[batch]``, the first position a row may not write (its cache's room;
+        the drafts drawn there are not verified); None: no bound.
       graphdef, greedy, num_tokens, implementation_key: static.
 
     Returns:
@@ -200,17 +202,23 @@ def draft_step(state: nnx.State, cache, pair: jax.Array, start: jax.Array, activ
     b = pair.shape[0]
     start = start.astype(jnp.int32)
     cache = cache.with_lengths(jnp.where(active, start, cache.lengths.astype(jnp.int32)))
+    end = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32) if end is None else end
+
+    def writes(positions):  # [b, t]
+        return active[:, None] & (positions < end[:, None])
+
     positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-    logits, cache = model.forward_cached(pair, positions, jnp.repeat(active[:, None], 2, 1),
-                                         cache, logits_at=jnp.ones((b,), jnp.int32))
+    logits, cache = model.forward_cached(pair, positions, writes(positions), cache,
+                                         logits_at=jnp.ones((b,), jnp.int32))
     keys = jax.random.split(key, num_tokens)
     token, q = draw_draft(logits, keys[0], sampling, greedy)
 
     def one(carry, xs):
         cache, token = carry
         i, key = xs
-        logits, cache = model.forward_cached(token[:, None], (start + 2 + i)[:, None],
-                                             active[:, None], cache)
+        positions = (start + 2 + i)[:, None]
+        logits, cache = model.forward_cached(token[:, None], positions, writes(positions),
+                                             cache)
         token, q = draw_draft(logits[:, 0], key, sampling, greedy)
         return (cache, token), (token, q)
 
@@ -351,11 +359,15 @@ def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int
         live = active.copy()
         live[:batch] &= ~done
         step_key = jax.random.fold_in(key, steps + 1)
+        # Drafts past a row's limit are never kept: its cache has no room for them.
+        room = np.zeros((padded_batch,), np.int32)
+        room[:batch] = [limit - len(r) - 1 for r in results]
         if drafter is None:
             tokens, draft_len = draft_arrays(histories, done, padded_batch, config)
             q = None
         else:
-            tokens, draft_len, q = drafter.propose(histories, live, step_key)
+            tokens, draft_len, q = drafter.propose(histories, live, step_key, limit)
+        draft_len = np.minimum(draft_len, np.maximum(room, 0)).astype(np.int32)
         out, count, kv = step(state, kv, jnp.asarray(tokens), jnp.asarray(draft_len),
                               jnp.asarray(live), step_key, params, q)
         out, count = np.asarray(out), np.asarray(count)
@@ -392,15 +404,17 @@ class _Drafter:
                                         **prefill_statics, empty_cache=True)
         self.key, self.params, self.k = key, params, config.num_tokens
         b = padded_batch
+        self.prompt_lengths = np.asarray(inputs.lengths)
         self.step = draft_step.lower(
             self.state, self.cache, jnp.zeros((b, 2), jnp.int32), jnp.zeros((b,), jnp.int32),
-            jnp.zeros((b,), bool), key, params, **prefill_statics,
+            jnp.zeros((b,), bool), key, params, jnp.zeros((b,), jnp.int32), **prefill_statics,
             num_tokens=self.k).compile()
         self.q_shape = jax.ShapeDtypeStruct((b, self.k, model.config.vocab_size), jnp.float32)
 
-    def propose(self, histories, live: np.ndarray, key):
+    def propose(self, histories, live: np.ndarray, key, limit: int):
         """``(tokens [b, k + 1], draft_len [b], q [b, k, vocab])`` of a :func:`verify_step`:
-        every live row drafts ``k`` tokens."""
+        every live row drafts ``k`` tokens (writing its cache up to its prompt and
+        ``limit`` new tokens, the room it has)."""
         b = live.shape[0]
         pair = np.zeros((b, 2), np.int32)
         start = np.zeros((b,), np.int32)
@@ -408,6 +422,7 @@ class _Drafter:
             pair[i], start[i] = history[-2:], len(history) - 2
         drafts, q, self.cache = self.step(self.state, self.cache, jnp.asarray(pair),
                                           jnp.asarray(start), jnp.asarray(live),
-                                          jax.random.fold_in(key, 1), self.params)
+                                          jax.random.fold_in(key, 1), self.params,
+                                          jnp.asarray(self.prompt_lengths + limit))
         tokens = jnp.concatenate([jnp.asarray(pair[:, 1:]), drafts], axis=1)
         return tokens, np.where(live, self.k, 0).astype(np.int32), q
