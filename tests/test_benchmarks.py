@@ -78,3 +78,14 @@ def test_grouped_matmul_cpu_quick_prints_the_table():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     for name in ("xla (visit loop)", "ragged_dot", "loop over groups"):
         assert name in result.stdout, result.stdout
+
+
+def test_speculative_cpu_quick_prints_the_table():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "speculative_cpu.py"), "--quick"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = result.stdout
+    for row in ("| code edit | 24 | off |", "| free text | 24 | n-gram, K=4 |"):
+        assert row in out, out
+    assert "| NO |" not in out, out  # greedy speculation gave the plain decode's tokens
