@@ -37,6 +37,7 @@ mapped, a file that is not GGUF or is cut short: the tensor cut is named) is one
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 import re
@@ -114,13 +115,37 @@ def _open_gguf(path: str | os.PathLike):
         raise CheckpointError(f"{path} is not a GGUF file (it starts with {magic!r}, not "
                               f"b'GGUF')")
     try:
-        return gguf.GGUFReader(path)
+        return _fast_reader(gguf)(path)
     except Exception as e:  # the reader raises ValueError, IndexError, ... on a short file
         cut = _cut_tensor(gguf, path)
         if cut is not None:
             raise CheckpointError(f"cannot read {path}: {cut} (truncated or corrupt?)") from None
         raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e} (truncated or "
                               f"corrupt?)") from None
+
+
+@functools.cache
+def _fast_reader(gguf):
+    """``gguf.GGUFReader`` reading its fields from a plain array over the file's memory map:
+    slicing the ``np.memmap`` itself runs Python (``memmap.__array_finalize__``) for each
+    of the hundreds of thousands of fields a vocabulary makes (4.5 s for SmolLM2's 49k
+    tokens against 1.0 s). Tensor data stay views of the map, never copies."""
+
+    class FastReader(gguf.GGUFReader):
+        _sizes: dict = {}
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if self.__dict__.get("_map") is not self.data:  # the map, as a plain array
+                self._map, self._plain = self.data, self.data.view(np.ndarray)
+            size = self._sizes.get(dtype)
+            if size is None:
+                size = self._sizes[dtype] = np.dtype(dtype).itemsize
+            count = int(count)
+            arr = self._plain[offset:offset + size * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+    return FastReader
 
 
 def _cut_tensor(gguf, path: pathlib.Path) -> str | None:
