@@ -266,7 +266,8 @@ def _quantized(kind: str, data: np.ndarray) -> fj.QuantizedArray:
             d, m, qs = _split(blocks, 2, 2, 16)
             minimums = f16(m)
         nibbles = _halves(qs).reshape(rows, -1)  # Q4_0's offset of 8 is int4's own
-        values, fmt = np.asarray(fj.quant.pack_int4(jnp.asarray(nibbles))), "int4"
+        # (packed in NumPy: a JAX op here compiles for every tensor shape at each start)
+        values, fmt = fj.quant.pack_int4(nibbles), "int4"
     else:
         if kind == "Q5_0":
             d, qh, qs = _split(blocks, 2, 4, 16)
@@ -323,7 +324,7 @@ def _k_quantized(kind: str, data: np.ndarray) -> fj.QuantizedArray:
     qs = qs.reshape(rows, -1, 4, 1, 32)
     nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(rows, -1, 8, 32)
     if qh is None:
-        values = np.asarray(fj.quant.pack_int4(jnp.asarray(nibbles.reshape(rows, -1))))
+        values = fj.quant.pack_int4(nibbles.reshape(rows, -1))
         fmt = "int4"
     else:  # the 5th bit of sub-block i's value j is bit i of byte j
         bit = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
