@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from forge_jax.generation import compiled_cache
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation.steps import Static
 from forge_jax.kv_cache import BlockManager, PagedKVCache, RaggedMetadata
@@ -294,6 +295,13 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
     if aux:
         return (next_tokens, aux), cache
     return next_tokens, cache
+
+
+# Inside compiled_cache.use_step_cache (``forge-jax serve``), the step's variants run
+# executables kept on disk by an earlier process, untraced; elsewhere it is the jitted step.
+ragged_step = compiled_cache.CachedStep(
+    ragged_step, "ragged", ("graphdef", "weights_def", "greedy", "implementation_key",
+                            "logprobs"))
 
 
 def pool_sharding(mesh, kv_heads: int):
