@@ -23,6 +23,8 @@ a TMEM tile of its own, how many non-finite values each row sees in each column;
 columns of those rows are NaN in the output. The last tile of a ``kv_len`` that is not a
 multiple of ``block_kv`` is read from ``kv_len - block_kv`` (keys already seen hidden), so
 K/V are padded only when ``kv_len < block_kv`` or ``kv_len % 8`` (TMA's row tiling).
+Chunked attention and attention sinks as in the Hopper kernel: the ranges within the rows'
+chunks, each row's own chunk hidden by selection, the sink joined after the last tile.
 
 Constraints (:func:`reason`): bfloat16/float16, q, k and v of one dtype; head_dim 64 or 128
 (three TMEM tiles: ``block_kv + 2 * head_dim`` of the 512 columns).
