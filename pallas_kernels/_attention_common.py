@@ -24,7 +24,7 @@ POS_LIMIT = 2**30
 
 
 def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, page_size,
-                 num_pages, sliding_window, table_width):
+                 num_pages, sliding_window, table_width, attention_chunk_size=None):
     """The bookkeeping of a paged attention kernel, for ``batch`` sequences.
 
     Returns ``(window, key_lo, key_hi, row_pos, tables)``:
@@ -40,7 +40,8 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
         no page for a -1 entry and hides its slots from every query (the index contract of
         :mod:`forge_jax.ops.paged`).
     Lengths outside ``[0, max_pages * page_size]`` are clamped into it, default positions
-    included.
+    included. With ``attention_chunk_size``, ``key_lo`` is at least the start of the chunk
+    of the sequence's first query (the rows' own chunks are the kernel's to mask).
     """
     batch, max_pages = block_tables.shape
     capacity = max_pages * page_size
@@ -53,6 +54,9 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
     key_hi = jnp.clip(jnp.minimum(lengths, pos.max(axis=1) + 1), 0, capacity)
     key_lo = (jnp.zeros_like(key_hi) if window is None
               else jnp.clip(pos.min(axis=1) - window + 1, 0, capacity))
+    if attention_chunk_size is not None:
+        first_chunk = chunk_bounds(pos.min(axis=1), min(int(attention_chunk_size), POS_LIMIT))[0]
+        key_lo = jnp.maximum(key_lo, jnp.clip(first_chunk, 0, capacity))
     key_lo = jnp.minimum(key_lo, key_hi)
     row_pos = jnp.pad(jnp.repeat(pos, group, axis=1), ((0, 0), (0, rows_pad - q_len * group)),
                       constant_values=-1)

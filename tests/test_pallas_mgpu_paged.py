@@ -64,10 +64,17 @@ class TestPagedAttentionMosaicGpu(MosaicGpu, PagedAttentionCases):
         "smollm2-f16-prefill-sinks-positions": PagedCase(
             *SMOLLM2_135M_HEADS, 8, 4, F16, (13, 0, 150), window=6, sinks=True,
             explicit_positions=True),
+        # Llama 4's chunks (40 / 8 heads of 128; 8192 scaled down): a decode query's chunk
+        # starts its key range, a prefill chunk's rows in two chunks are masked per row.
+        "llama4-bf16-decode-chunk": PagedCase(40, 8, 128, 16, None, BF16, (150, 0, 40),
+                                              chunk=64),
+        "llama4-f16-prefill-chunk-positions": PagedCase(40, 8, 128, 8, 4, F16, (13, 0, 150),
+                                                        chunk=16, explicit_positions=True),
     }
     NONFINITE_CASES = {
         "causal-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21)),
         "sinks-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21), sinks=True),
+        "chunk-sinks-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21), chunk=8, sinks=True),
     }
 
 

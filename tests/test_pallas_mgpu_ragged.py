@@ -36,6 +36,10 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 S = jax.ShapeDtypeStruct
 
 
+def _sinks(q_heads, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(1.0, 2.0, q_heads), jnp.float32)
+
+
 class TestRaggedPagedAttentionMosaicGpu(MosaicGpu, RaggedPagedAttentionCases):
     IMPLEMENTATION = "mosaic_gpu"
     INTERPRET = False
@@ -45,6 +49,14 @@ class TestRaggedPagedAttentionMosaicGpu(MosaicGpu, RaggedPagedAttentionCases):
         # Decode, chunked prefill and a sequence with no new token, SmolLM2's heads.
         "mixed-smollm2-bf16-window-cap": ("mixed", "smollm2", BF16, None, 8,
                                           dict(sliding_window=5, logits_soft_cap=3.0)),
+        # Sinks and chunks at gpt-oss's (64 / 8) and Llama 4's (40 / 8) heads (head_dim 64
+        # here), joined in the merge and masked per row; NaN outside every chunk.
+        "mixed-gptoss-bf16-sinks-window": ("mixed", "gptoss", BF16, None, 16, dict(
+            sliding_window=8, sinks=_sinks(64, 1))),
+        "chunked_prefill-llama4-bf16-chunk": ("chunked_prefill", "llama4", BF16, None, 16,
+                                              dict(attention_chunk_size=8)),
+        "mixed-smollm2-f16-chunk12-sinks-cap": ("mixed", "smollm2", F16, None, 8, dict(
+            attention_chunk_size=12, logits_soft_cap=3.0, sinks=_sinks(9, 2))),
     }
 
 
