@@ -123,3 +123,17 @@ def test_registered_needs_hopper_and_is_not_auto_selected_until_verified():
     assert kernel.VERIFIED == {}
     assert "mosaic_gpu" in fj.dispatch.implementations("ragged_paged_attention", "gpu")
     assert "mosaic_gpu_interpret" in fj.dispatch.implementations("ragged_paged_attention")
+
+
+@NEEDS_H100
+@pytest.mark.parametrize("heads,head_dim,extra", [
+    ((64, 8), 64, dict(sliding_window=128, sinks=S((64,), F32))),
+    ((40, 8), 128, dict(attention_chunk_size=8192)),
+], ids=["gptoss-sinks-window", "llama4-chunk"])
+def test_sinks_and_chunks_compile_for_h100_without_spills(heads, head_dim, extra):
+    specs = _specs(heads=heads, head_dim=head_dim)
+    assert kernel.supports(dict(specs, **extra)) is None
+    report, spills, registers = compile_h100(fj.ragged_paged_attention, *specs.values(),
+                                             implementation="mosaic_gpu", **extra)
+    assert report.compiled, report.error
+    assert spills == [0] and len(registers) == 1 and registers[0] < 255, (spills, registers)
