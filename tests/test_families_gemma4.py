@@ -213,3 +213,29 @@ def test_the_config_reads_transformers_defaults_and_refuses_naming_the_key(hf):
         Gemma4Config.from_hf(_raw(hf, per_layer_config={"1": {"head_dim": 32, "x": 1}}))
     with pytest.raises(ValueError, match="num_kv_shared_layers=1: a shared layer's type"):
         Gemma4Config.from_hf(_raw(hf, num_kv_shared_layers=1))
+
+
+def test_a_multimodal_checkpoint_loads_its_language_model(hf, tmp_path, tokenizer_files):
+    """A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: vision and audio towers
+    beside the language model, whose tensors are under ``model.language_model.``) loads
+    its language model; logits and greedy tokens of text prompts are transformers'."""
+    tok_dir, vocab = tokenizer_files
+    text_config = dict(BASE, vocab_size=vocab, vocab_size_per_layer_input=vocab,
+                       **CASES["all_options"])
+    kwargs = dict(text_config=text_config,
+                  vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+                  audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    output_proj_dims=32, subsampling_conv_channels=[8, 4]))
+    ref = save_checkpoint(tmp_path, "Gemma4Config", "Gemma4ForConditionalGeneration", kwargs,
+                          seed=44, tokenizer=tok_dir, stds={"router.scale": 3.0})
+    model = llama.from_pretrained(tmp_path)
+    assert isinstance(model, Gemma4) and model.config.num_kv_shared_layers == 2
+    assert llama.load_config(tmp_path) == model.config
+    tokens = _tokens(vocab, seed=3)
+    expected = hf_logits(ref, tokens)
+    np.testing.assert_allclose(forge_logits(model, tokens), expected, **LOGITS_TOL.as_kwargs())
+    assert np.abs(expected).max() > 1.0
+    prompts = [tokens[0, :13].tolist()]
+    want = [hf_greedy(ref, prompts[0], 4)]
+    assert generate(model, prompts, 4, eos_token_id=(), cache=CacheSpec(page_size=4)) == want
