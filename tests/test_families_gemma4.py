@@ -239,3 +239,15 @@ def test_a_multimodal_checkpoint_loads_its_language_model(hf, tmp_path, tokenize
     prompts = [tokens[0, :13].tolist()]
     want = [hf_greedy(ref, prompts[0], 4)]
     assert generate(model, prompts, 4, eos_token_id=(), cache=CacheSpec(page_size=4)) == want
+
+
+def test_an_exported_program_generates_transformers_tokens(checkpoints, tmp_path):
+    """The exported prefill and decode steps (a contiguous cache at the model's
+    kv_cache_geometry) give transformers' greedy tokens, loaded without the model."""
+    from forge_jax.generation import export, exported
+
+    directory, ref, vocab = checkpoints("dense")
+    export.export(llama.from_pretrained(directory), tmp_path / "program", context=32)
+    program = exported.load(tmp_path / "program")
+    prompt = _tokens(vocab, seed=4)[0, :13].tolist()
+    assert program.generate([prompt], 5) == [hf_greedy(ref, prompt, 5)]
