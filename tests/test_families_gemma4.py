@@ -251,3 +251,17 @@ def test_an_exported_program_generates_transformers_tokens(checkpoints, tmp_path
     program = exported.load(tmp_path / "program")
     prompt = _tokens(vocab, seed=4)[0, :13].tolist()
     assert program.generate([prompt], 5) == [hf_greedy(ref, prompt, 5)]
+
+
+def test_hf_state_dict_gives_back_the_checkpoint(checkpoints):
+    """``hf_state_dict`` of a loaded model holds every tensor of the file (the experts
+    transposed back to HF's ``[E, out, in]``), equal to it."""
+    from safetensors.numpy import load_file
+
+    directory, _, _ = checkpoints("all_options")
+    written = load_file(str(directory / "model.safetensors"))
+    got = llama.hf_state_dict(llama.from_pretrained(directory, dtype=jnp.float32))
+    assert set(got) == set(written) - {"lm_head.weight"}
+    for name, value in written.items():
+        if name in got:
+            np.testing.assert_array_equal(got[name], value.astype(np.float32), err_msg=name)
