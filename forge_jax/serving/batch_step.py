@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from forge_jax.generation import compiled_cache
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation.steps import Static
-from forge_jax.kv_cache import BlockManager, PagedKVCache, RaggedBatchCache, RaggedMetadata
+from forge_jax.kv_cache import BlockManager, PagedKVCache, RaggedMetadata
 from forge_jax.serving.requests import Request
 
 
@@ -264,7 +265,7 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         rows = jnp.concatenate([rows, verify["verify_rows"].reshape(-1)])
     logits, packed = model.forward_cached(tokens, batch["positions"][None],
                                           batch["slots"][None] >= 0,
-                                          RaggedBatchCache.from_pool(cache, metadata),
+                                          model.packed_cache(cache, metadata),
                                           logits_at=rows[None])
     next_tokens = sample_rows(logits[0, :s], sampling, seen, greedy=greedy, extras=extras,
                               logprobs=logprobs)  # [s]
@@ -288,14 +289,19 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
     next_tokens = jnp.zeros_like(last_tokens).at[:next_tokens.shape[0]].set(next_tokens)
     cache = packed.into_pool(cache)
     if model.mesh is not None:  # kept in their shards: the next step takes them donated
-        pool = pool_sharding(model.mesh, cache.kv_heads)
-        k_pages, v_pages = jax.lax.with_sharding_constraint((cache.k_pages, cache.v_pages), pool)
-        cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        cache = jax.lax.with_sharding_constraint(cache, model.cache_shardings(cache))
         next_tokens = jax.lax.with_sharding_constraint(next_tokens, model.mesh.replicated())
         aux = jax.lax.with_sharding_constraint(aux, model.mesh.replicated())
     if aux:
         return (next_tokens, aux), cache
     return next_tokens, cache
+
+
+# Inside compiled_cache.use_step_cache (``forge-jax serve``), the step's variants run
+# executables kept on disk by an earlier process, untraced; elsewhere it is the jitted step.
+ragged_step = compiled_cache.CachedStep(
+    ragged_step, "ragged", ("graphdef", "weights_def", "greedy", "implementation_key",
+                            "logprobs"))
 
 
 def pool_sharding(mesh, kv_heads: int):

@@ -47,6 +47,9 @@ def hf_parameters(
 
     A fused projection's parameter appears once per HF tensor it holds. Works on an
     abstract model (``nnx.eval_shape``) too: nothing is read."""
+    if getattr(model.config, "model_type", None) == "gemma4_text":  # a model of its own
+        from forge_jax.models.checkpoints.gemma4_names import gemma4_parameters
+        return gemma4_parameters(model)
     same = lambda w: w
     out = {"model.embed_tokens.weight": (model.embed_tokens, model.embed_tokens.shape, same,
                                          None),
