@@ -190,9 +190,15 @@ class Gemma4Config:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> Gemma4Config:
-        """From a ``gemma4_text`` ``config.json`` dict; ValueError naming a key forge_jax
-        does not implement (or an unknown one)."""
+        """From a ``gemma4_text`` ``config.json`` dict (or a multimodal ``gemma4`` one's
+        ``text_config``); ValueError naming a key forge_jax does not implement (or an
+        unknown one)."""
         raw = dict(config)
+        if raw.get("model_type") == "gemma4":  # a multimodal checkpoint: its language model
+            if not isinstance(raw.get("text_config"), Mapping):
+                raise ValueError(f"a gemma4 config.json needs a text_config dict, got "
+                                 f"text_config={raw.get('text_config')!r:.80}")
+            raw = dict(raw["text_config"], model_type=MODEL_TYPE)
         if raw.get("model_type") != MODEL_TYPE:
             raise ValueError(f"not a {MODEL_TYPE} config: model_type={raw.get('model_type')!r}")
         unknown = sorted(set(raw) - HANDLED - IRRELEVANT - set(REFUSED))

@@ -88,3 +88,14 @@ def test_decode_cpu_hybrid_quick_prints_the_table():
     for row in ("forge_jax, paged attention cache", "forge_jax, contiguous attention cache",
                 "HF transformers eager", "transformers' speed"):
         assert row in result.stdout, result.stdout
+
+
+def test_speculative_cpu_quick_prints_the_table():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "speculative_cpu.py"), "--quick"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = result.stdout
+    for row in ("| code edit | 24 | off |", "| free text | 24 | n-gram, K=4 |"):
+        assert row in out, out
+    assert "| NO |" not in out, out  # greedy speculation gave the plain decode's tokens

@@ -97,3 +97,47 @@ def test_a_bad_entry_is_ignored_with_one_log_line(filled, tmp_path, damage):
     # rewritten: the next process loads them untraced
     again, logs = _run(tmp_path, "no-trace")
     assert again == tokens and logs == []
+
+
+# The serving engine's step inside the step cache: with "no-trace", its jitted step refuses
+# to be traced, so every variant must come from the cache.
+ENGINE_SCRIPT = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING, format="LOG %(name)s %(message)s")
+from forge_jax import serving
+from forge_jax.generation import compiled_cache
+from forge_jax.models import llama
+from forge_jax.serving import batch_step
+
+class NoTrace:
+    def __getattr__(self, name):
+        raise AssertionError(f"the step was traced ({name})")
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the step was traced")
+
+if sys.argv[2] == "no-trace":
+    batch_step.ragged_step._jitted = NoTrace()
+model = llama.from_pretrained(sys.argv[3])
+with compiled_cache.use_step_cache(sys.argv[1]):
+    engine = serving.Engine(model, None, serving.EngineConfig(
+        max_batch_tokens=16, min_batch_tokens=8, num_pages=32, eos_token_ids=()))
+    streams = [engine.submit(p, serving.RequestParams(max_tokens=5))
+               for p in ([1, 4, 5, 13, 6], [1, 7, 8, 13, 9, 10, 11])]
+    while engine.has_work():
+        engine.step()
+print("RESULT " + json.dumps([s.result()[0] for s in streams]))
+"""
+
+
+def test_the_serving_step_is_kept_and_run_untraced(tmp_path):
+    runs = []
+    for mode in ("trace", "no-trace"):
+        done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(tmp_path), mode,
+                               str(TINY)], capture_output=True, text=True, timeout=600,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert not [line for line in done.stderr.splitlines() if line.startswith("LOG ")]
+        runs.append(next(line for line in done.stdout.splitlines() if line.startswith("RESULT ")))
+    assert any(f.name.startswith("ragged-") for f in tmp_path.iterdir())
+    tokens = json.loads(runs[0][len("RESULT "):])
+    assert runs[1] == runs[0] and all(len(t) == 5 for t in tokens)

@@ -213,3 +213,55 @@ def test_the_config_reads_transformers_defaults_and_refuses_naming_the_key(hf):
         Gemma4Config.from_hf(_raw(hf, per_layer_config={"1": {"head_dim": 32, "x": 1}}))
     with pytest.raises(ValueError, match="num_kv_shared_layers=1: a shared layer's type"):
         Gemma4Config.from_hf(_raw(hf, num_kv_shared_layers=1))
+
+
+def test_a_multimodal_checkpoint_loads_its_language_model(hf, tmp_path, tokenizer_files):
+    """A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: vision and audio towers
+    beside the language model, whose tensors are under ``model.language_model.``) loads
+    its language model; logits and greedy tokens of text prompts are transformers'."""
+    tok_dir, vocab = tokenizer_files
+    text_config = dict(BASE, vocab_size=vocab, vocab_size_per_layer_input=vocab,
+                       **CASES["all_options"])
+    kwargs = dict(text_config=text_config,
+                  vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+                  audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    output_proj_dims=32, subsampling_conv_channels=[8, 4]))
+    ref = save_checkpoint(tmp_path, "Gemma4Config", "Gemma4ForConditionalGeneration", kwargs,
+                          seed=44, tokenizer=tok_dir, stds={"router.scale": 3.0})
+    model = llama.from_pretrained(tmp_path)
+    assert isinstance(model, Gemma4) and model.config.num_kv_shared_layers == 2
+    assert llama.load_config(tmp_path) == model.config
+    tokens = _tokens(vocab, seed=3)
+    expected = hf_logits(ref, tokens)
+    np.testing.assert_allclose(forge_logits(model, tokens), expected, **LOGITS_TOL.as_kwargs())
+    assert np.abs(expected).max() > 1.0
+    prompts = [tokens[0, :13].tolist()]
+    want = [hf_greedy(ref, prompts[0], 4)]
+    assert generate(model, prompts, 4, eos_token_id=(), cache=CacheSpec(page_size=4)) == want
+
+
+def test_an_exported_program_generates_transformers_tokens(checkpoints, tmp_path):
+    """The exported prefill and decode steps (a contiguous cache at the model's
+    kv_cache_geometry) give transformers' greedy tokens, loaded without the model."""
+    from forge_jax.generation import export, exported
+
+    directory, ref, vocab = checkpoints("dense")
+    export.export(llama.from_pretrained(directory), tmp_path / "program", context=32)
+    program = exported.load(tmp_path / "program")
+    prompt = _tokens(vocab, seed=4)[0, :13].tolist()
+    assert program.generate([prompt], 5) == [hf_greedy(ref, prompt, 5)]
+
+
+def test_hf_state_dict_gives_back_the_checkpoint(checkpoints):
+    """``hf_state_dict`` of a loaded model holds every tensor of the file (the experts
+    transposed back to HF's ``[E, out, in]``), equal to it."""
+    from safetensors.numpy import load_file
+
+    directory, _, _ = checkpoints("all_options")
+    written = load_file(str(directory / "model.safetensors"))
+    got = llama.hf_state_dict(llama.from_pretrained(directory, dtype=jnp.float32))
+    assert set(got) == set(written) - {"lm_head.weight"}
+    for name, value in written.items():
+        if name in got:
+            np.testing.assert_array_equal(got[name], value.astype(np.float32), err_msg=name)

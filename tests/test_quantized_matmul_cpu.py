@@ -8,6 +8,11 @@ then (the reason, the XLA implementation serving) is tested without building."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +30,7 @@ LAYOUTS = {
     "int4-g64-f32": ("int4", 64, False, jnp.float32, 256, 512),
     "int8-channel": ("int8", None, True, jnp.float32, 200, 576),
     "int8-g16-asym": ("int8", 16, False, jnp.float32, 72, 96),
+    "q4_1-odd-groups": ("int4", 32, False, jnp.float16, 40, 96),  # 3 groups: a last one alone
 }
 
 
@@ -55,7 +61,7 @@ def _product(a, q, **kw):
                                           **kw))(a, q)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 5, 8])
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_matches_float64(layout, m):
     q = _weight(*layout)
@@ -141,3 +147,18 @@ def test_unbuildable_is_a_reason_and_xla_serves(monkeypatch, tmp_path):
     assert "no C++ compiler" in selection.rejected["cpu_kernel"]
     info = {(i.op, i.name): i for i in fj.backends.summary().implementations}
     assert info["quantized_matmul", "cpu_kernel"].reason == "no C++ compiler found"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_each_instruction_set_matches_float64(isa):
+    """The AVX2 and the portable code, built on this machine whatever it has, pass the
+    float64 comparison above (in a fresh process: a process loads one build)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, FORGE_JAX_CPU_KERNELS=isa)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+         f"{__file__}::test_matches_float64"], cwd=root, env=env, capture_output=True,
+        text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]

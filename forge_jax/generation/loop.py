@@ -238,7 +238,7 @@ def generate_with_stats(model: CausalLM, prompts: Sequence[Sequence[int]] | np.n
         raise TypeError(f"sampling must be a SamplingParams or None, got {sampling!r}")
     _check_engine_only(sampling)
     if speculative is not None:
-        speculative_lib.check(speculative, sampling, callbacks)
+        speculative_lib.check(speculative, sampling, callbacks, model)
     spec = settings.cache_spec("generate_with_stats", cache, legacy)
     prompts = _check_prompts(prompts, model.config.vocab_size)
     stop = _stopping(model, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
@@ -278,7 +278,8 @@ def generate_with_stats(model: CausalLM, prompts: Sequence[Sequence[int]] | np.n
         results = speculative_lib.decode(
             state, kv, tokens, plan.prompts, plan.padded_batch, inputs.key, inputs.params,
             limit=plan.max_new_tokens, eos=eos, config=speculative, statics=statics,
-            stats=stats, progress=callbacks.progress)
+            stats=stats, progress=callbacks.progress,
+            draft=(inputs, lambda m: _create_cache(m, plan, cache_dtype, spec.kv_dtype)))
         stats.new_tokens = sum(len(r) for r in results)
         stats.decode_tokens = stats.new_tokens - plan.batch
         return results, stats

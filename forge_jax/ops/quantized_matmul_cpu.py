@@ -39,7 +39,8 @@ portable scalar loop otherwise) into ``$XDG_CACHE_HOME/forge_jax/cpu_kernels`` (
 per source, compiler, jaxlib version and CPU), against the XLA FFI headers jaxlib ships.
 Where it cannot be built (no compiler, no headers) the implementation is unavailable with
 the reason (``forge-jax info`` shows it) and the XLA implementation serves;
-``FORGE_JAX_CPU_KERNELS=0`` turns it off.
+``FORGE_JAX_CPU_KERNELS=0`` turns it off (``=avx2`` or ``=portable`` builds the AVX2 or the
+scalar code on a machine with more).
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "forge_jax" / "cpu_kernels"
 
 
+# FORGE_JAX_CPU_KERNELS=avx2 or =portable builds for fewer instructions than the machine
+# has (each code path can be tested on one machine).
+_ISA_FLAGS = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2"]}
+
+
 def _build() -> pathlib.Path:
     """The kernel's shared library, built now if this machine has none yet."""
     cxx = _compiler()
@@ -100,7 +106,8 @@ def _build() -> pathlib.Path:
         raise RuntimeError(f"jaxlib ships no XLA FFI headers under {include}")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=False).stdout
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{include}"]
+    flags = ["-O3", "-march=native", *_ISA_FLAGS.get(os.environ.get(_ENV, ""), []),
+             "-std=c++17", "-shared", "-fPIC", f"-I{include}"]
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), cxx, version, *flags, jax.__version__,
                                     jax.lib.__version__, _cpu_flags()]).encode()).hexdigest()
     out = _cache_dir() / f"quantized_matmul_cpu-{key[:16]}.so"
@@ -173,28 +180,18 @@ def supports(args, platform: str) -> str | None:
     return None
 
 
-def _permuted(a2, fmt: str):
-    """``a`` in the order the kernel reads int4 weights: per 32 values, the 16 even ones
-    (the low nibbles) then the 16 odd ones."""
-    if fmt != "int4":
-        return a2
-    m, k = a2.shape
-    return a2.reshape(m, k // 32, 16, 2).swapaxes(-1, -2).reshape(m, k)
-
-
 def quantized_matmul_cpu(a, b, *, trans_b, alpha, beta, c, out_dtype):
     del trans_b  # always True (supports)
     lead, k = a.shape[:-1], a.shape[-1]
     a2 = a.reshape(-1, k)  # [M, K] float32
     _, group = b.full_block()
-    asum = a2.reshape(a2.shape[0], k // group, group).sum(-1)  # [M, K / group]
     scales = b.scales
     minimums = b.minimums if b.minimums is not None else scales  # (unread when symmetric)
     call = jax.ffi.ffi_call(
         _TARGET, jax.ShapeDtypeStruct((a2.shape[0], b.shape[0]), jnp.float32),
         vmap_method="sequential")
     with jax.named_scope("quantized_matmul_cpu"):
-        out = call(_permuted(a2, b.format), asum, b.values, scales, minimums,
+        out = call(a2, b.values, scales, minimums,
                    group=int(group), int4=b.format == "int4", symmetric=b.minimums is None)
     return scale_and_add(out.reshape(*lead, out.shape[-1]), alpha=alpha, beta=beta, c=c,
                          out_dtype=out_dtype)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from forge_jax.generation import compiled_cache
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation.steps import Static
 from forge_jax.kv_cache import BlockManager, PagedKVCache, RaggedMetadata
@@ -55,7 +56,10 @@ class StepBatch:
       logprobs: whether some sequence asks for log-probabilities (the step then returns them).
       verify: with speculative decoding (``k`` drafts at most), ``verify_rows`` int32
         ``[max_seqs, k + 1]`` (a sequence's last known row then its draft rows, padded with
-        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without.
+        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without. A draft model
+        adds (on the device) its ``drafts`` int32 ``[max_seqs, k]``, which replace the
+        draft rows' tokens, and their distributions ``q`` float32 ``[max_seqs, k, vocab]``
+        (:mod:`forge_jax.serving.drafting`).
     """
 
     tokens: np.ndarray
@@ -149,10 +153,11 @@ def _draw(logits, sampling: dict, greedy: bool):
     return jnp.where(is_greedy, argmax, drawn)
 
 
-def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool):
+def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool, q=None):
     """Speculative verification of each sequence's drafts, each with its own parameters:
     :func:`forge_jax.generation.speculative.verify_drafts` row by row (greedy rows by argmax).
-    ``logits`` ``[s, k + 1, vocab]``, ``drafts`` ``[s, k]``, ``draft_len`` ``[s]``.
+    ``logits`` ``[s, k + 1, vocab]``, ``drafts`` ``[s, k]``, ``draft_len`` ``[s]``, ``q``
+    ``[s, k, vocab]`` (a draft model's distributions) or None.
     Returns ``(out [s, k + 1], count [s])``."""
     from forge_jax.generation import speculative
 
@@ -164,17 +169,28 @@ def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool):
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(
         jax.random.fold_in(jax.random.key(seed), step), 1))(sampling["seed"], sampling["step"])
 
-    def one(row, draft, n, key, t, k, p, m):
+    def one(row, draft, n, key, t, k, p, m, q_row):
         params = dict(temperature=t, top_k=k, top_p=p, min_p=m)
-        out, count = speculative.verify_drafts(row[None], draft[None], n[None], key, params,
-                                         greedy=False)
+        out, count = speculative.verify_drafts(
+            row[None], draft[None], n[None], key, params, greedy=False,
+            q=None if q is None else q_row[None])
         return out[0], count[0]
 
     out, count = jax.vmap(one)(logits, drafts, draft_len, keys,
                                jnp.where(is_greedy, 1.0, sampling["temperature"]),
-                               sampling["top_k"], sampling["top_p"], sampling["min_p"])
+                               sampling["top_k"], sampling["top_p"], sampling["min_p"],
+                               draft_len if q is None else q)
     return (jnp.where(is_greedy[:, None], argmax_out, out),
             jnp.where(is_greedy, argmax_count, count))
+
+
+def packed_drafts(fed, verify):
+    """The step's packed tokens with the drafts (``verify["drafts"]``, on the device) in
+    their rows."""
+    k = verify["verify_rows"].shape[1] - 1
+    real = jnp.arange(k)[None, :] < verify["draft_len"][:, None]  # [s, k]
+    rows = jnp.where(real, verify["verify_rows"][:, 1:], fed.shape[0])  # out of range: kept
+    return fed.at[rows.reshape(-1)].set(verify["drafts"].reshape(-1), mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "greedy",
@@ -218,13 +234,16 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
       :func:`~forge_jax.generation.sampling.token_logprobs` returns it, one row per
       sequence; ``aux["out"]`` int32 ``[s, k + 1]`` and ``aux["count"]`` ``[s]``, each
       sequence's new tokens (a speculating one's kept drafts and one more; ``tokens``
-      holds its last).
+      holds its last); with both, ``aux["verified_logprobs"]``, those of ``aux["out"]``'s
+      tokens, row ``i * (k + 1) + j`` for its ``[i, j]``.
     """
     del implementation_key
     graphdef = Static.unwrap(graphdef)
     model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     feed = batch["feed"]
     fed = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch["tokens"])  # [tokens]
+    if verify is not None and "drafts" in verify:  # a draft model's, drawn on the device
+        fed = packed_drafts(fed, verify)
     extras = dict(extras or {})
     if seen is not None or extras.get("counts") is not None:
         # A fed token is its sequence's first (and only) row.
@@ -258,8 +277,11 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         spec_logits = logits[0, s:].reshape(s, k1, -1).astype(jnp.float32)
         drafts = fed[verify["verify_rows"][:, 1:]]  # [s, k]
         out, count = verify_rows(spec_logits, drafts, verify["draft_len"], sampling,
-                                 greedy=greedy)
+                                 greedy=greedy, q=verify.get("q"))
         speculating = verify["draft_len"] > 0
+        if logprobs:  # of each verified row's token (a speculating sequence has no penalty)
+            aux["verified_logprobs"] = sampling_lib.token_logprobs(
+                spec_logits.reshape(s * k1, -1), out.reshape(-1))
         last = jnp.take_along_axis(out, (count - 1)[:, None], axis=1)[:, 0]
         next_tokens = jnp.where(speculating, last, next_tokens)
         aux["out"] = jnp.where(speculating[:, None], out, next_tokens[:, None])
@@ -273,6 +295,13 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
     if aux:
         return (next_tokens, aux), cache
     return next_tokens, cache
+
+
+# Inside compiled_cache.use_step_cache (``forge-jax serve``), the step's variants run
+# executables kept on disk by an earlier process, untraced; elsewhere it is the jitted step.
+ragged_step = compiled_cache.CachedStep(
+    ragged_step, "ragged", ("graphdef", "weights_def", "greedy", "implementation_key",
+                            "logprobs"))
 
 
 def pool_sharding(mesh, kv_heads: int):

@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import forge_jax as fj
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import settings
 from forge_jax.kv_cache import BlockManager, CacheFullError
@@ -124,6 +123,7 @@ class Engine:
                                   pages_per_seq=self.pages_per_seq,
                                   prefix_caching=config.prefix_caching)
         self.cache = cache
+        self.draft = speculation.draft_model(self)  # a draft model's pool, or None
         # The last step's tokens on the device, [max_seqs] (the next step may read some),
         # and the step in flight: its tokens and the (index, request) pairs that drew one.
         tokens = jnp.zeros((self.max_seqs,), jnp.int32)
@@ -481,18 +481,14 @@ class Engine:
         """Builds and dispatches (asynchronously) the step; returns its tokens, [max_seqs]."""
         copies = self.manager.take_pending_copies()
         if copies.size:  # only a shared, partly filled page is copied (never here today)
-            self.cache = self.cache.copy_pages(copies)
+            self.cache = speculation.copy_pages(self, copies)  # (and the draft's pool)
         batch = serving_step.build_batch(
             scheduled, self.manager, min_rows=self.min_batch_tokens, max_seqs=self.max_seqs,
             pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size,
             speculative=getattr(self.config.speculative, "num_tokens", 0))
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
-        out, self.cache = serving_step.ragged_step(
-            self.weights, self.cache, serving_step.step_arrays(batch),
-            batch.sampling, batch.seen, self._last_tokens, batch.extras or None, batch.verify,
-            graphdef=self._graphdef, weights_def=self.weights_def, greedy=batch.greedy,
-            implementation_key=fj.dispatch.current_preference(), logprobs=batch.logprobs)
+        out, self.cache = speculation.dispatch(self, batch)  # (a draft model's steps too)
         self._last_tokens = out[0] if isinstance(out, tuple) else out
         clock.lap("dispatch")
         return out
@@ -534,8 +530,10 @@ class Engine:
         for i, r in drawn:
             r.pending = 0
             if r.drafts and not r.finished:  # its kept drafts and one more
-                for token in speculation.kept(self, r, aux["out"][i, :aux["count"][i]]):
+                new = speculation.kept(self, r, aux["out"][i, :aux["count"][i]])
+                for j, token in enumerate(new):
                     if not r.finished:
+                        speculation.logprobs(r, aux, i, j)
                         self._accept(r, token, now)
             elif not r.finished:  # (cancelled meanwhile: the token is dropped)
                 k = r.params.sampling.logprobs

@@ -25,13 +25,26 @@ from forge_jax.models.gemma4_config import Gemma4Config
 
 
 def is_gemma4(path: pathlib.Path) -> bool:
-    """Whether checkpoint directory ``path`` holds a Gemma 4 text ``config.json`` (an
-    unreadable one is left to the Llama loader's errors)."""
+    """Whether checkpoint directory ``path`` holds a Gemma 4 ``config.json``, text
+    (``gemma4_text``) or multimodal (``gemma4``, whose language model loads; an unreadable
+    one is left to the Llama loader's errors)."""
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(raw, dict) and raw.get("model_type") == "gemma4_text"
+    return isinstance(raw, dict) and raw.get("model_type") in ("gemma4_text", "gemma4")
+
+
+# A multimodal checkpoint's language model, under the names of the text model's.
+_LANGUAGE_MODEL = "model.language_model."
+
+
+def _text_name(stored: str, multimodal: bool) -> str | None:
+    """The text model's name of tensor ``stored``; None for the vision and audio towers
+    and their projections of a multimodal (``gemma4``) checkpoint, which are not read."""
+    if not multimodal or stored == "lm_head.weight":
+        return stored
+    return "model." + stored[len(_LANGUAGE_MODEL):] if stored.startswith(_LANGUAGE_MODEL) else None
 
 
 def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, dtype,
@@ -47,8 +60,10 @@ def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, 
     from forge_jax.models.checkpoints import quantize as quantize_load
 
     file = path / "config.json"
+    raw = json.loads(file.read_text())
+    multimodal = raw.get("model_type") == "gemma4"
     try:
-        config = Gemma4Config.from_hf(json.loads(file.read_text()))
+        config = Gemma4Config.from_hf(raw)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{file}: {e}") from None
     if mesh is not None:
@@ -58,15 +73,16 @@ def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, 
                                           param_dtype=param_dtype))
     expected = gemma4_parameters(model)
     experts = expert_parameters(model)
-    handles, file_of = {}, {}  # tensor name -> its open file, its file's name
+    handles, file_of = {}, {}  # text name -> (its open file, stored name), its file's name
     with contextlib.ExitStack() as stack:
         for f_path in files:
             try:
                 f = stack.enter_context(safe_open(f_path, framework="numpy"))
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"cannot read {f_path}: {e}") from None
-            for name in sorted(f.keys()):
-                if name == "lm_head.weight" and config.tie_word_embeddings:
+            for stored in sorted(f.keys()):
+                name = _text_name(stored, multimodal)
+                if name is None or name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
                 if name in experts:
                     want = experts[name].shape
@@ -74,23 +90,24 @@ def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, 
                 elif name in expected:
                     want = tuple(expected[name][1])
                 else:
-                    raise CheckpointError(f"unexpected tensor {name!r} in {f_path.name}: not a "
+                    raise CheckpointError(f"unexpected tensor {stored!r} in {f_path.name}: not a "
                                           f"parameter of a gemma4_text with this config.json")
-                shape = tuple(f.get_slice(name).get_shape())
+                shape = tuple(f.get_slice(stored).get_shape())
                 if shape != tuple(want):
-                    raise CheckpointError(f"tensor {name!r} in {f_path.name} has shape {shape}, "
+                    raise CheckpointError(f"tensor {stored!r} in {f_path.name} has shape {shape}, "
                                           f"expected {tuple(want)} from config.json")
-                if f.get_slice(name).get_dtype() not in ("F16", "BF16", "F32", "F64"):
-                    raise CheckpointError(f"tensor {name!r} in {f_path.name} has dtype "
-                                          f"{f.get_slice(name).get_dtype()}, expected float")
-                handles[name], file_of[name] = f, f_path.name
+                if f.get_slice(stored).get_dtype() not in ("F16", "BF16", "F32", "F64"):
+                    raise CheckpointError(f"tensor {stored!r} in {f_path.name} has dtype "
+                                          f"{f.get_slice(stored).get_dtype()}, expected float")
+                handles[name], file_of[name] = (f, stored), f_path.name
         missing = sorted((set(expected) | set(experts)) - set(handles))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:5]}{more}")
 
         def read(name, index):
-            block = np.asarray(handles[name].get_slice(name)[index])
+            f, stored = handles[name]
+            block = np.asarray(f.get_slice(stored)[index])
             check_finite(name, block, file_of[name], np.dtype(param_dtype))
             return block
 

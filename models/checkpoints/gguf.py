@@ -1,10 +1,12 @@
 """GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package
 (ggml's own reader; ``pip install gguf``), imported only when a ``.gguf`` file is opened.
 
-* The ``llama`` architecture's metadata fills a :class:`LlamaConfig`; llama.cpp's tensor
-  names map onto Hugging Face's (``blk.0.attn_q.weight`` is
+* The ``llama`` and ``smollm3`` architectures' metadata fills a :class:`LlamaConfig`;
+  llama.cpp's tensor names map onto Hugging Face's (``blk.0.attn_q.weight`` is
   ``model.layers.0.self_attn.q_proj.weight``), and the rows of ``attn_q`` and ``attn_k``,
-  which llama.cpp's converter permutes for its RoPE layout, are permuted back.
+  which llama.cpp's converter permutes for its RoPE layout, are permuted back. SmolLM3's
+  files carry no NoPE pattern: llama.cpp leaves RoPE out of every 4th layer (its fixed
+  ``n_no_rope_layer_step``, SmolLM3's ``no_rope_layer_interval``), and so does the loader.
 * Quantized linear weights stay quantized, losslessly, as :class:`forge_jax.QuantizedArray`:
   Q8_0 -> int8 (blocks of 32, float16 scales), Q4_0 -> symmetric int4, Q4_1 -> int4 with
   minimums (nibbles reordered to the packed int4 layout), Q5_0 and Q5_1 -> int8 holding the
@@ -37,6 +39,7 @@ mapped, a file that is not GGUF or is cut short: the tensor cut is named) is one
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 import re
@@ -61,6 +64,10 @@ _LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF architecture -> forge_jax family (model_type); llama.cpp writes SmolLM3 without its
+# NoPE layers, which it fixes at every 4th (SMOLLM3_NOPE_STEP).
+ARCHITECTURES = {"llama": "llama", "smollm3": "smollm3"}
+SMOLLM3_NOPE_STEP = 4
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -114,13 +121,37 @@ def _open_gguf(path: str | os.PathLike):
         raise CheckpointError(f"{path} is not a GGUF file (it starts with {magic!r}, not "
                               f"b'GGUF')")
     try:
-        return gguf.GGUFReader(path)
+        return _fast_reader(gguf)(path)
     except Exception as e:  # the reader raises ValueError, IndexError, ... on a short file
         cut = _cut_tensor(gguf, path)
         if cut is not None:
             raise CheckpointError(f"cannot read {path}: {cut} (truncated or corrupt?)") from None
         raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e} (truncated or "
                               f"corrupt?)") from None
+
+
+@functools.cache
+def _fast_reader(gguf):
+    """``gguf.GGUFReader`` reading its fields from a plain array over the file's memory map:
+    slicing the ``np.memmap`` itself runs Python (``memmap.__array_finalize__``) for each
+    of the hundreds of thousands of fields a vocabulary makes (4.5 s for SmolLM2's 49k
+    tokens against 1.0 s). Tensor data stay views of the map, never copies."""
+
+    class FastReader(gguf.GGUFReader):
+        _sizes: dict = {}
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if self.__dict__.get("_map") is not self.data:  # the map, as a plain array
+                self._map, self._plain = self.data, self.data.view(np.ndarray)
+            size = self._sizes.get(dtype)
+            if size is None:
+                size = self._sizes[dtype] = np.dtype(dtype).itemsize
+            count = int(count)
+            arr = self._plain[offset:offset + size * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+    return FastReader
 
 
 def _cut_tensor(gguf, path: pathlib.Path) -> str | None:
@@ -156,13 +187,19 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
-    """The :class:`LlamaConfig` a GGUF file's metadata describes (architecture ``llama``)."""
+    """The :class:`LlamaConfig` a GGUF file's metadata describes (an architecture of
+    :data:`ARCHITECTURES`)."""
     reader = open_gguf(path) if reader is None else reader
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; forge_jax "
-                              f"reads 'llama'")
-    get = lambda key, default=None: _field(reader, f"llama.{key}", default)
+                              f"reads {', '.join(map(repr, ARCHITECTURES))}")
+    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+    layers = int(get("block_count", 0))
+    family = {} if arch == "llama" else dict(model_type=ARCHITECTURES[arch])
+    if arch == "smollm3":
+        family["nope_layers"] = tuple(i for i in range(layers)
+                                      if (i + 1) % SMOLLM3_NOPE_STEP == 0)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise CheckpointError(f"{path}: its rope_freqs tensor (Llama 3's RoPE scaling) is not "
@@ -180,7 +217,7 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
         return LlamaConfig(
             vocab_size=int(get("vocab_size", len(tokens) if tokens else 0)),
             hidden_size=int(hidden), intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")), num_attention_heads=int(heads),
+            num_hidden_layers=layers, num_attention_heads=int(heads),
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
             head_dim=int(get("attention.key_length", hidden // heads)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -189,9 +226,9 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
             max_position_embeddings=int(get("context_length", 2048)),
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-            pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
+            pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"), **family)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: its llama metadata does not make a config: {e}") from None
+        raise CheckpointError(f"{path}: its {arch} metadata does not make a config: {e}") from None
 
 
 # --------------------------------------------------------------------------------------
@@ -241,7 +278,8 @@ def _quantized(kind: str, data: np.ndarray) -> fj.QuantizedArray:
             d, m, qs = _split(blocks, 2, 2, 16)
             minimums = f16(m)
         nibbles = _halves(qs).reshape(rows, -1)  # Q4_0's offset of 8 is int4's own
-        values, fmt = np.asarray(fj.quant.pack_int4(jnp.asarray(nibbles))), "int4"
+        # (packed in NumPy: a JAX op here compiles for every tensor shape at each start)
+        values, fmt = fj.quant.pack_int4(nibbles), "int4"
     else:
         if kind == "Q5_0":
             d, qh, qs = _split(blocks, 2, 4, 16)
@@ -298,7 +336,7 @@ def _k_quantized(kind: str, data: np.ndarray) -> fj.QuantizedArray:
     qs = qs.reshape(rows, -1, 4, 1, 32)
     nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(rows, -1, 8, 32)
     if qh is None:
-        values = np.asarray(fj.quant.pack_int4(jnp.asarray(nibbles.reshape(rows, -1))))
+        values = fj.quant.pack_int4(nibbles.reshape(rows, -1))
         fmt = "int4"
     else:  # the 5th bit of sub-block i's value j is bit i of byte j
         bit = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1

@@ -149,7 +149,7 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
         raise CheckpointError(f"{file}: eos_token_id must be an int or a list of ints, got "
                               f"{eos!r}")
     try:
-        if isinstance(raw, dict) and raw.get("model_type") == "gemma4_text":  # its own model
+        if isinstance(raw, dict) and raw.get("model_type") in ("gemma4_text", "gemma4"):
             from forge_jax.models.gemma4_config import Gemma4Config
             return Gemma4Config.from_hf(raw)
         if isinstance(raw, dict) and raw.get("model_type") in ("qwen3_next", "qwen3_5_text"):
