@@ -89,3 +89,12 @@ def test_forge_jax_generate_runs_it(tmp_path, tokenizer_files, capsys):
                        "Hello there", "--max-new-tokens", "3", "--no-stream")
     assert rc == 0, err
     assert out.strip() and "qwen3_next, 4 layers" in out + err, (out, err)
+
+
+def test_speculative_decoding_is_refused(runtime_model):
+    from forge_jax.generation.speculative import SpeculativeConfig
+
+    model, _, _ = runtime_model
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        generation.generate_with_stats(model, PROMPTS, 4, eos_token_id=(),
+                                       speculative=SpeculativeConfig())
