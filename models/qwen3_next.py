@@ -155,6 +155,11 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
     :func:`forge_jax.generation.generate` runs it with either attention cache.
     """
 
+    # The runtime's speculative decoding rolls a cache back past rejected drafts; the
+    # delta-rule states have absorbed them.
+    speculation_refused = ("the gated delta-rule layers' recurrent states cannot be rolled "
+                           "back past rejected draft tokens")
+
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
         self.config = config

@@ -80,6 +80,16 @@ def test_grouped_matmul_cpu_quick_prints_the_table():
         assert name in result.stdout, result.stdout
 
 
+def test_decode_cpu_hybrid_quick_prints_the_table():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode_cpu_hybrid.py"), "--quick"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    for row in ("forge_jax, paged attention cache", "forge_jax, contiguous attention cache",
+                "HF transformers eager", "transformers' speed"):
+        assert row in result.stdout, result.stdout
+
+
 def test_speculative_cpu_quick_prints_the_table():
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "speculative_cpu.py"), "--quick"],

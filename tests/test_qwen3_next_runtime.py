@@ -71,3 +71,30 @@ def test_the_engine_refuses_with_the_reason(runtime_model):
     with pytest.raises(ValueError, match="recurrent-state slot per sequence"):
         Engine(model, None, EngineConfig(num_pages=32, eos_token_ids=(),
                                          prefix_caching=False))
+
+
+
+def test_forge_jax_generate_runs_it(tmp_path, tokenizer_files, capsys):
+    """``forge-jax generate`` on a Qwen3-Next directory with a tokenizer: the config read as
+    the family's, the model through the common entry point."""
+    from cases import qwen3_next
+    from cases.cli import run
+
+    tokenizer_dir, vocab = tokenizer_files
+    config_cls, model_cls, extra = CASES["qwen3_next"]
+    qwen3_next.save_checkpoint(tmp_path, config_cls, model_cls,
+                               dict(qwen3_next.BASE, **extra, vocab_size=vocab), seed=0,
+                               gemma_norms=True, tokenizer=tokenizer_dir)
+    rc, out, err = run(capsys, "generate", "--checkpoint", str(tmp_path), "--prompt",
+                       "Hello there", "--max-new-tokens", "3", "--no-stream")
+    assert rc == 0, err
+    assert out.strip() and "qwen3_next, 4 layers" in out + err, (out, err)
+
+
+def test_speculative_decoding_is_refused(runtime_model):
+    from forge_jax.generation.speculative import SpeculativeConfig
+
+    model, _, _ = runtime_model
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        generation.generate_with_stats(model, PROMPTS, 4, eos_token_id=(),
+                                       speculative=SpeculativeConfig())

@@ -313,6 +313,11 @@ def check(config, sampling: sampling_lib.SamplingParams, callbacks, model=None) 
     if not isinstance(config, SpeculativeConfig):
         raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
                         f"{config!r:.80}")
+    # A model whose cache cannot drop rejected drafts (a recurrent state has absorbed them)
+    # says why in ``speculation_refused``.
+    reason = getattr(model, "speculation_refused", None)
+    if reason:
+        raise ValueError(f"speculative decoding: {reason}")
     if config.draft_model is not None and model is not None:
         check_draft(model, config.draft_model)
         if model.mesh is not None or config.draft_model.mesh is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pathlib
 
-from cases.hf_families import save_checkpoint
+from cases.hf_families import save_checkpoint  # noqa: F401  (for the tests' own sizes)
 
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=4,
