@@ -25,15 +25,18 @@ RoPE may be YaRN-scaled (``rope_type: "yarn"``, :class:`forge_jax.RopeScaling`):
 carry its attention factor and the softmax scale its ``mscale_all_dim`` correction
 (:func:`forge_jax.ops.mla.yarn_softmax_scale`).
 
-The weights are a pytree of arrays (:func:`load`), an argument of the jitted step, never
-constants in its program; :func:`load` may quantize them (``quantize=``). Not yet here: FP8
-block-quantized checkpoints, :func:`forge_jax.generation.generate` and the serving engine
-(this module's :func:`generate_greedy` drives the latent cache directly), a mesh.
+The weights are a pytree of arrays (:func:`load`), held by the NNX module
+:class:`DeepseekV3` (:mod:`forge_jax.models.deepseek_model`) as parameters, so they are
+arguments of the jitted steps, never constants in their programs. :func:`load` may quantize
+them (``quantize=``) and reads DeepSeek's FP8 block-quantized releases as stored.
+:class:`DeepseekV3` keeps the runtime's model contract
+(:class:`forge_jax.models.protocol.CausalLM`): :func:`forge_jax.generation.generate` with a
+paged or a contiguous latent cache, chat, and the serving engine over a latent page pool
+with prefix caching. The config is :mod:`forge_jax.models.deepseek_config`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -44,76 +47,10 @@ import numpy as np
 
 import forge_jax as fj
 from forge_jax.kv_cache import BlockManager, PagedLatentCache
-from forge_jax.ops.mla import yarn_softmax_scale
-
-
-@dataclasses.dataclass(frozen=True)
-class DeepseekV3Config:
-    """The sizes and switches of a DeepSeek-V3 checkpoint's ``config.json`` (the names are
-    transformers')."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    n_routed_experts: int
-    n_shared_experts: int
-    num_experts_per_tok: int
-    n_group: int
-    topk_group: int
-    routed_scaling_factor: float
-    norm_topk_prob: bool
-    first_k_dense_replace: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_interleave: bool = True
-    tie_word_embeddings: bool = False
-    rope_scaling: fj.RopeScaling | None = None
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def scale(self) -> float:
-        """The softmax scale: ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor,
-        mscale_all_dim) ** 2`` with YaRN rope scaling (transformers' ``yarn_apply_mscale``);
-        the RoPE tables carry YaRN's own attention factor."""
-        s = self.rope_scaling
-        if s is None or not s.mscale_all_dim:
-            return yarn_softmax_scale(self.qk_head_dim)
-        return yarn_softmax_scale(self.qk_head_dim, s.factor, s.mscale_all_dim)
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> DeepseekV3Config:
-        """The config of a transformers ``config.json`` of ``model_type`` ``deepseek_v3``;
-        raises ValueError naming what this module does not compute."""
-        if config.get("model_type") != "deepseek_v3":
-            raise ValueError(f"not a DeepSeek-V3 config: model_type={config.get('model_type')!r}")
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "yarn"):
-            raise ValueError(f"rope_type={kind!r}: DeepSeek-V3 checkpoints use the default "
-                             "RoPE or YaRN")
-        scaling = fj.RopeScaling.from_hf(
-            {k: v for k, v in rope.items() if k != "rope_theta"},
-            max_position_embeddings=config.get("max_position_embeddings"))
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={config['hidden_act']!r}: DeepSeek-V3 uses silu")
-        if config.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported (DeepSeek-V3 has none)")
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        names = [f.name for f in dataclasses.fields(cls)
-                 if f.name not in ("rope_theta", "rope_scaling")]
-        return cls(rope_theta=float(theta), rope_scaling=scaling,
-                   **{n: config[n] for n in names if n in config})
+from forge_jax.models.checkpoints import fp8
+from forge_jax.models.checkpoints.generation_config import CheckpointError
+from forge_jax.models.deepseek_config import DeepseekV3Config
+from forge_jax.models.deepseek_model import DeepseekV3, forward, route  # noqa: F401
 
 
 def load_config(directory) -> DeepseekV3Config:
@@ -132,31 +69,61 @@ def load(directory, dtype=jnp.float32, *, quantize: str | None = None,
     as :class:`forge_jax.QuantizedArray` (:func:`forge_jax.quantize`, scales per output
     channel, or per ``group_size`` for int4; per expert), multiplied dequantized; the
     embedding, norms, router, the latent up-projections and the output head stay ``dtype``.
-    """
-    from safetensors import safe_open
 
+    A fine-grained FP8 checkpoint (DeepSeek-V3's own release: ``quantization_config``
+    ``quant_method: "fp8"``, 128 x 128 blocks; :mod:`forge_jax.models.checkpoints.fp8`)
+    loads as stored: each ``float8_e4m3fn`` projection and expert with its
+    ``weight_scale_inv`` becomes an fp8 :class:`~forge_jax.QuantizedArray` of the file's
+    bytes (experts stacked, each its own scales); ``kv_b_proj`` is dequantized (its key and
+    value halves are the latent up-projections, read in float); what the file stores as a
+    float (embedding, norms, router, ``lm_head``) loads as ``dtype``. ``quantize=`` is then
+    refused (the weights are quantized already).
+    """
+    from forge_jax.models.checkpoints import quantize as quantize_load
+
+    quantize_load.check_quantize(quantize, group_size)  # before any tensor is read
     directory = pathlib.Path(directory)
-    config = load_config(directory)
-    tensors = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, "np") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    raw_config = json.loads((directory / "config.json").read_text())
+    config = DeepseekV3Config.from_hf(raw_config)
+    fp8_config = fp8.quantization(raw_config, directory / "config.json")
+    if fp8_config is not None and quantize is not None:
+        raise ValueError(f"quantize={quantize!r}: this checkpoint's weights are fp8 already "
+                         "(its quantization_config); load it without quantize=")
+    raw, file_of = fp8.open_files(sorted(directory.glob("*.safetensors")))
+    tensors = set(raw.names())
+
+    def array(name) -> np.ndarray:  # a float tensor, float32
+        if name not in tensors:
+            raise CheckpointError(f"{directory}: the checkpoint has no tensor {name!r}")
+        tensors.remove(name)
+        if fp8.is_fp8(raw, name):
+            raise CheckpointError(f"tensor {name!r} in {file_of[name]} is {fp8.FP8} but is not a "
+                                  "linear layer's weight; forge_jax reads fp8 linear layers only")
+        return np.asarray(raw.get(name), np.float32)
+
+    def stored_fp8(name) -> bool:
+        return fp8_config is not None and name in tensors and fp8.is_fp8(raw, name)
+
+    def fp8_kernel(name):
+        tensors.difference_update((name, name + fp8.SCALE_SUFFIX))
+        return fp8.linear_kernel(name, raw, file_of, fp8_config, dtype)
 
     def take(name, transpose=False, as_dtype=dtype):
-        x = tensors.pop(name).astype(np.float32)
+        x = array(name)
         return jnp.asarray(x.T if transpose else x, as_dtype)
 
-    def proj(name):  # a projection [out, in], quantized when asked
-        w = take(name)
+    def quantized(w):
         if quantize is None:
             return w
         return fj.quantize(w, quantize, group_size=group_size if quantize == "int4" else None)
 
+    def proj(name):  # a projection [out, in]: as stored in fp8, else quantized when asked
+        return fp8_kernel(name) if stored_fp8(name) else quantized(take(name))
+
     def experts(names):
-        w = jnp.stack([take(n) for n in names])
-        if quantize is None:
-            return w
-        return fj.quantize(w, quantize, group_size=group_size if quantize == "int4" else None)
+        if stored_fp8(names[0]):
+            return fp8.stack_kernels([fp8_kernel(n) for n in names])
+        return quantized(jnp.stack([take(n) for n in names]))
 
     heads, nope = config.num_attention_heads, config.qk_nope_head_dim
     layers = []
@@ -169,7 +136,9 @@ def load(directory, dtype=jnp.float32, *, quantize: str | None = None,
             attn.update(q_a_proj=proj(p + "self_attn.q_a_proj.weight"),
                         q_a_norm=take(p + "self_attn.q_a_layernorm.weight"),
                         q_b_proj=proj(p + "self_attn.q_b_proj.weight"))
-        kv_b = tensors.pop(p + "self_attn.kv_b_proj.weight").astype(np.float32)
+        name = p + "self_attn.kv_b_proj.weight"
+        kv_b = (np.asarray(fj.dequantize(fp8_kernel(name), jnp.float32)) if stored_fp8(name)
+                else array(name))
         kv_b = kv_b.reshape(heads, nope + config.v_head_dim, config.kv_lora_rank)
         attn.update(kv_a_proj=proj(p + "self_attn.kv_a_proj_with_mqa.weight"),
                     kv_a_norm=take(p + "self_attn.kv_a_layernorm.weight"),
@@ -193,114 +162,43 @@ def load(directory, dtype=jnp.float32, *, quantize: str | None = None,
                    norm=take("model.norm.weight"))
     weights["lm_head"] = (weights["embed"] if config.tie_word_embeddings
                           else take("lm_head.weight"))
-    tensors = {k: v for k, v in tensors.items() if "mtp" not in k and ".layers." not in k
+    tensors = {k for k in tensors if "mtp" not in k and ".layers." not in k
                or int(k.split(".")[2]) < config.num_hidden_layers}
     if tensors:  # (multi-token prediction layers past num_hidden_layers are not used)
-        raise ValueError(f"unused tensors in the checkpoint: {sorted(tensors)[:5]}")
+        raise CheckpointError(f"unused tensors in the checkpoint: {sorted(tensors)[:5]}")
     return config, weights
 
 
 def from_pretrained(path, *, revision: str | None = None, dtype=jnp.float32,
-                    quantize: str | None = None, group_size: int | None = None
-                    ) -> tuple[DeepseekV3Config, dict[str, Any]]:
-    """:func:`load` of a local checkpoint directory or a Hugging Face Hub repository id
-    (``ORG/NAME``, fetched into the ``huggingface_hub`` cache; a local directory wins)."""
+                    quantize: str | None = None, group_size: int | None = None, mesh=None,
+                    tp_axis: str = "tp", dp_axis: str = "dp") -> DeepseekV3:
+    """The :class:`DeepseekV3` model of a local checkpoint directory or a Hugging Face Hub
+    repository id (``ORG/NAME``, fetched into the ``huggingface_hub`` cache; a local
+    directory wins): :func:`load`'s weights (``dtype``, ``quantize``, ``group_size``), and
+    ``generation_config.json`` (if present) in ``model.generation_config``.
+    :func:`forge_jax.models.llama.from_pretrained`, the common entry point, hands
+    ``deepseek_v3`` checkpoints here.
+
+    ``mesh``: a ``jax.sharding.Mesh`` (axes named by ``tp_axis`` and ``dp_axis``) or a
+    :class:`forge_jax.sharding.MeshConfig` to place the weights on, split as
+    :mod:`forge_jax.models.deepseek_sharding` says (``model.mesh`` then holds it); None: one
+    device."""
+    from forge_jax.models import deepseek_sharding
+    from forge_jax.models.checkpoints.generation_config import load_generation_config
     from forge_jax.models.checkpoints.hub import resolve_checkpoint
 
-    return load(resolve_checkpoint(path, revision=revision), dtype, quantize=quantize,
-                group_size=group_size)
-
-
-def _linear(x, w):
-    """``x [..., in]`` times a projection ``w [out, in]`` (float or quantized)."""
-    out = fj.matmul(x.reshape(-1, x.shape[-1]), w, trans_b=True)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _mlp(x, w):
-    return _linear(fj.silu_mul(_linear(x, w["gate_proj"]), _linear(x, w["up_proj"])),
-                   w["down_proj"])
-
-
-def route(x, router, bias, config: DeepseekV3Config):
-    """``(weights [tokens, k] float32, experts [tokens, k] int32)``: sigmoid scores, the
-    correction bias for the choice, group-limited top-k, the routed scaling factor."""
-    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router,
-                                    precision=jax.lax.Precision.HIGHEST))  # [t, experts]
-    choice = scores + bias
-    tokens, experts = scores.shape
-    groups = choice.reshape(tokens, config.n_group, experts // config.n_group)
-    group_scores = jax.lax.top_k(groups, 2)[0].sum(-1)  # [t, n_group]
-    _, best = jax.lax.top_k(group_scores, config.topk_group)
-    keep = jnp.zeros_like(group_scores, jnp.bool_).at[
-        jnp.arange(tokens)[:, None], best].set(True)
-    choice = jnp.where(jnp.repeat(keep, experts // config.n_group, axis=1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, config.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, ids, axis=1)
-    if config.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return weights * config.routed_scaling_factor, ids.astype(jnp.int32)
-
-
-def _moe(x, w, config: DeepseekV3Config):
-    weights, ids = route(x, w["router"], w["bias"], config)
-    x_sorted, sizes, order = fj.moe_permute(x, ids, config.n_routed_experts)
-    hidden = fj.silu_mul(fj.grouped_matmul(x_sorted, w["gate_proj"], sizes, trans_w=True),
-                         fj.grouped_matmul(x_sorted, w["up_proj"], sizes, trans_w=True))
-    out = fj.moe_unpermute(fj.grouped_matmul(hidden, w["down_proj"], sizes, trans_w=True),
-                           order, weights.astype(x.dtype))
-    return out + _mlp(x, w["shared"])
-
-
-def _deinterleave(x):
-    """DeepSeek's interleaved RoPE pairs ``(x0, x1), (x2, x3), ...`` as the halves
-    :func:`forge_jax.rope` rotates (``[x0, x2, ...], [x1, x3, ...]``)."""
-    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-
-
-def _attention(x, w, cache, layer, positions, valid, kv_lengths, config):
-    batch, t, _ = x.shape
-    heads, nope, rope = (config.num_attention_heads, config.qk_nope_head_dim,
-                         config.qk_rope_head_dim)
-    eps = config.rms_norm_eps
-    if config.q_lora_rank is None:
-        q = _linear(x, w["q_proj"])
-    else:
-        q = _linear(fj.rms_norm(_linear(x, w["q_a_proj"]), w["q_a_norm"], eps=eps),
-                    w["q_b_proj"])
-    q = q.reshape(batch, t, heads, nope + rope)
-    kv = _linear(x, w["kv_a_proj"])  # [b, t, kv_lora_rank + rope]
-    latent = fj.rms_norm(kv[..., :config.kv_lora_rank], w["kv_a_norm"], eps=eps)
-    q_pe, k_pe = q[..., nope:], kv[..., None, config.kv_lora_rank:]
-    if config.rope_interleave:
-        q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
-    q_pe = fj.rope(q_pe, positions, theta=config.rope_theta, scaling=config.rope_scaling)
-    k_pe = fj.rope(k_pe, positions, theta=config.rope_theta, scaling=config.rope_scaling)
-    cache = cache.write(layer, latent[:, :, None], k_pe, positions, valid)
-    out = cache.attend(layer, jnp.concatenate([q[..., :nope], q_pe], axis=-1),
-                       q_positions=positions, kv_lengths=kv_lengths, scale=config.scale,
-                       up_proj=(w["w_uk"], w["w_uv"]))  # [b, t, heads, v_head_dim]
-    return _linear(out.reshape(batch, t, -1), w["o_proj"]), cache
-
-
-def forward(weights, tokens, cache: PagedLatentCache, positions, valid, *,
-            config: DeepseekV3Config):
-    """Logits ``[batch, t, vocab]`` (float32) of ``tokens [batch, t]`` at ``positions``
-    (``valid`` False: padding, not written), and the cache with them written."""
-    kv_lengths = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), 1))
-    x = fj.embedding(weights["embed"], tokens)
-    eps = config.rms_norm_eps
-    for i, layer in enumerate(weights["layers"]):
-        h = fj.rms_norm(x, layer["input_norm"], eps=eps)
-        a, cache = _attention(h, layer["attn"], cache, i, positions, valid, kv_lengths, config)
-        x = x + a
-        h = fj.rms_norm(x, layer["post_norm"], eps=eps)
-        if "mlp" in layer:
-            x = x + _mlp(h, layer["mlp"])
-        else:
-            x = x + _moe(h.reshape(-1, h.shape[-1]), layer["moe"], config).reshape(h.shape)
-    x = fj.rms_norm(x, weights["norm"], eps=eps)
-    return _linear(x, weights["lm_head"]).astype(jnp.float32), cache.with_lengths(kv_lengths)
+    directory = resolve_checkpoint(path, revision=revision)
+    if mesh is not None:  # refused before the weights are read
+        mesh = deepseek_sharding.mesh_config(mesh, tp_axis=tp_axis, dp_axis=dp_axis)
+        deepseek_sharding.check(load_config(directory), mesh)
+    config, weights = load(directory, dtype, quantize=quantize, group_size=group_size)
+    if mesh is not None:
+        weights = deepseek_sharding.place(
+            weights, deepseek_sharding.weight_shardings(config, weights, mesh))
+    model = DeepseekV3(config, weights)
+    model.mesh = mesh
+    model.generation_config = load_generation_config(directory)
+    return model
 
 
 def generate_greedy(config: DeepseekV3Config, weights, prompts, max_new_tokens: int, *,

@@ -176,8 +176,26 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 
 
-# Checkpoints forge_jax reads with a model of their own, not the Llama-family decoder.
+# Checkpoints forge_jax reads with a model of their own, not the Llama-family decoder: the
+# model_type -> its loader, ``loader(path, *, dtype, quantize, group_size, mesh, tp_axis,
+# dp_axis)`` returning a forge_jax.models.protocol.CausalLM. The common entry point
+# (forge_jax.models.llama.from_pretrained) hands such a checkpoint to it (loader_for).
 ELSEWHERE = {"deepseek_v3": "forge_jax.models.deepseek.from_pretrained"}
+# The gated delta-rule hybrids (forge_jax.models.qwen3_next).
+ELSEWHERE.update(dict.fromkeys(("qwen3_next", "qwen3_5_text"),
+                               "forge_jax.models.qwen3_next_checkpoint.from_pretrained"))
+
+
+def loader_for(config: Mapping[str, Any]):
+    """The loader of a ``config.json`` dict whose ``model_type`` has a model of its own
+    (:data:`ELSEWHERE`), imported; None for the Llama-family decoder's."""
+    import importlib
+
+    name = ELSEWHERE.get(config.get("model_type"))
+    if name is None:
+        return None
+    module, function = name.rsplit(".", 1)
+    return getattr(importlib.import_module(module), function)
 
 
 def family(config: Mapping[str, Any]) -> Family:

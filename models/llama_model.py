@@ -19,6 +19,7 @@ from flax import nnx
 
 import forge_jax as fj
 from forge_jax.kv_cache import KVCache
+from forge_jax.models.llama_caches import LlamaCaches
 from forge_jax.models.llama_config import (  # noqa: F401  (LlamaConfig: API here too)
     SUPPORTED_ARCHITECTURES,
     LlamaConfig,
@@ -388,7 +389,7 @@ class LlamaDecoderLayer(nnx.Module):
         return self.post_feedforward_layernorm(self.mlp(y), **kw), residual, cache
 
 
-class Llama(nnx.Module):
+class Llama(LlamaCaches, nnx.Module):
     """A Llama decoder with its output head (HF ``LlamaForCausalLM``), or a decoder of
     another family the config describes (:mod:`forge_jax.models.families`).
 

@@ -180,3 +180,52 @@ class ScaledInputMoe(nnx.Module):
             out = fj.moe_unpermute(y, order, jnp.ones(ids.shape, jnp.float32))
             out = out.astype(jnp.float32) + self.shared_expert(x2).astype(jnp.float32)
             return out.astype(self.dtype).reshape(*lead, d)
+
+
+class GeluExpertsMoe(nnx.Module):
+    """Gemma 4's mixture of experts, beside its dense MLP: ``out[t] = sum_j w[t, j] *
+    expert_{e[t, j]}(x[t])``, routed from another input ``r[t]`` (the layer's residual
+    stream): logits ``(rms(r) * scale * d ** -0.5) @ router.T``, a softmax, the
+    ``top_k`` largest renormalised to sum 1, each times ``per_expert_scale[e]``.
+
+    Weights: ``router`` ``[E, d]`` (HF's ``router.proj.weight``), ``scale`` ``[d]``,
+    ``per_expert_scale`` ``[E]``; ``gate_up`` ``[E, d, 2f]`` (gate the first ``f``
+    columns) and ``down`` ``[E, f, d]``, transposed from HF's ``[E, out, in]`` at load;
+    each expert ``gelu_tanh(x @ gate) * (x @ up) @ down``.
+    """
+
+    def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        c = config
+        e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.dtype = jnp.dtype(dtype)
+        self.top_k = c.top_k_experts
+        self.router = nnx.Param(_init(rngs, (e, d), param_dtype))
+        self.scale = nnx.Param(jnp.ones((d,), param_dtype))
+        self.per_expert_scale = nnx.Param(jnp.ones((e,), param_dtype))
+        self.gate_up = nnx.Param(_init(rngs, (e, d, 2 * f), param_dtype))
+        self.down = nnx.Param(_init(rngs, (e, f, d), param_dtype))
+
+    def __call__(self, x: jax.Array, route: jax.Array, *, eps: float) -> jax.Array:
+        """``x`` (the experts' input) and ``route`` (the router's) [..., d] -> [..., d]."""
+        with jax.named_scope("moe_mlp"):
+            lead, d = x.shape[:-1], x.shape[-1]
+            x2 = x.reshape(-1, d).astype(self.dtype)
+            r = fj.rms_norm(route.reshape(-1, d), jnp.ones((d,), jnp.float32), eps=eps)
+            r = r * self.scale[...].astype(r.dtype) * jnp.asarray(d ** -0.5, r.dtype)
+            logits = fj.matmul(r.astype(self.dtype), self.router[...].astype(self.dtype),
+                               trans_b=True, out_dtype=jnp.float32)
+            experts = self.router.shape[0]
+            weights, ids = fj.moe_route(logits, self.top_k, routing="softmax_topk",
+                                        renormalize=True)
+            weights = weights * self.per_expert_scale[...].astype(jnp.float32)[ids]
+            xs, sizes, order = fj.moe_permute(x2, ids.astype(jnp.int32), experts)
+            w_gu, w_down = self.gate_up.get_value(), self.down.get_value()
+            quantized = isinstance(w_gu, fj.QuantizedArray)
+            if not quantized:
+                w_gu, w_down = w_gu.astype(self.dtype), w_down.astype(self.dtype)
+            h = fj.grouped_matmul(xs, w_gu, sizes, trans_w=quantized)  # [tokens * k, 2f]
+            f = h.shape[-1] // 2
+            y = fj.grouped_matmul(fj.gelu_tanh_mul(h[:, :f], h[:, f:]), w_down, sizes,
+                                  trans_w=quantized)
+            out = fj.moe_unpermute(y, order, weights)
+            return out.astype(self.dtype).reshape(*lead, d)

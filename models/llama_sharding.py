@@ -54,8 +54,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from forge_jax import quant as fj_quant
 from forge_jax import sharding as fj_sharding
-from forge_jax.kv_cache import ContiguousKVCache, PagedKVCache
 from forge_jax.models.checkpoints import hf_names as llama_hf
+from forge_jax.models.llama_caches import cache_shardings, create_cache  # noqa: F401
 from forge_jax.models.llama_model import Llama, LlamaConfig, TensorLayout
 from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
 
@@ -183,36 +183,6 @@ def shard(model: Llama, mesh: Mesh | fj_sharding.MeshConfig, *, tp_axis: str = "
     sharded.mesh = p.mesh
     sharded.generation_config = model.generation_config
     return sharded
-
-
-def cache_shardings(cache: Any, mesh: fj_sharding.MeshConfig) -> Any:
-    """The sharding of every buffer of a KV cache (the same pytree, NamedSharding leaves).
-
-    Paged: pools split by KV head over the tensor axis, block tables and lengths
-    replicated. Contiguous: buffers split by batch over the data axis (when it divides)
-    and by KV head over the tensor axis; lengths replicated.
-    """
-    tp = mesh.tp_name if cache.kv_heads % mesh.tp == 0 else None
-    if isinstance(cache, PagedKVCache):
-        pool = mesh.sharding(tp, None, None, None)
-        return dataclasses.replace(
-            cache, k_pages=tuple(pool for _ in cache.k_pages),
-            v_pages=tuple(pool for _ in cache.v_pages),
-            block_tables=mesh.replicated(), lengths=mesh.replicated())
-    if isinstance(cache, ContiguousKVCache):
-        buffer = mesh.sharding(mesh.batch_axis(cache.batch), None, tp, None)
-        return dataclasses.replace(cache, k=tuple(buffer for _ in cache.k),
-                                   v=tuple(buffer for _ in cache.v), lengths=mesh.replicated())
-    raise TypeError(f"not a forge_jax KV cache: {type(cache).__name__}")
-
-
-def create_cache(make, mesh: fj_sharding.MeshConfig | None):
-    """``make()`` (a cache constructor) with every buffer created directly in its shards
-    (never whole on one device first); ``make()`` as is without a mesh."""
-    if mesh is None:
-        return make()
-    shardings = cache_shardings(jax.eval_shape(make), mesh)
-    return jax.jit(make, out_shardings=shardings)()
 
 
 def per_device_bytes(tree: Any) -> dict[Any, int]:

@@ -24,7 +24,7 @@ POS_LIMIT = 2**30
 
 
 def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, page_size,
-                 num_pages, sliding_window, table_width):
+                 num_pages, sliding_window, table_width, attention_chunk_size=None):
     """The bookkeeping of a paged attention kernel, for ``batch`` sequences.
 
     Returns ``(window, key_lo, key_hi, row_pos, tables)``:
@@ -40,7 +40,8 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
         no page for a -1 entry and hides its slots from every query (the index contract of
         :mod:`forge_jax.ops.paged`).
     Lengths outside ``[0, max_pages * page_size]`` are clamped into it, default positions
-    included.
+    included. With ``attention_chunk_size``, ``key_lo`` is at least the start of the chunk
+    of the sequence's first query (the rows' own chunks are the kernel's to mask).
     """
     batch, max_pages = block_tables.shape
     capacity = max_pages * page_size
@@ -53,6 +54,9 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
     key_hi = jnp.clip(jnp.minimum(lengths, pos.max(axis=1) + 1), 0, capacity)
     key_lo = (jnp.zeros_like(key_hi) if window is None
               else jnp.clip(pos.min(axis=1) - window + 1, 0, capacity))
+    if attention_chunk_size is not None:
+        first_chunk = chunk_bounds(pos.min(axis=1), min(int(attention_chunk_size), POS_LIMIT))[0]
+        key_lo = jnp.maximum(key_lo, jnp.clip(first_chunk, 0, capacity))
     key_lo = jnp.minimum(key_lo, key_hi)
     row_pos = jnp.pad(jnp.repeat(pos, group, axis=1), ((0, 0), (0, rows_pad - q_len * group)),
                       constant_values=-1)
@@ -63,19 +67,32 @@ def paged_ranges(q_positions, lengths, block_tables, *, q_len, group, rows_pad, 
     return window, key_lo, key_hi, row_pos, tables
 
 
+def chunk_bounds(pos, size: int):
+    """The chunk of the queries at ``pos`` (int32, any shape; chunked attention): its first
+    key ``floor(pos / size) * size`` and its end, clamped to :data:`POS_LIMIT` (int32)."""
+    lo = jnp.floor_divide(pos, size) * size
+    return lo, jnp.where(lo > POS_LIMIT - size, POS_LIMIT, lo + size)
+
+
 def key_spans(lo_pos, hi_pos, lengths, *, causal: bool, sliding_window: int | None,
-              block_kv: int):
+              block_kv: int, attention_chunk_size: int | None = None):
     """The keys of a block of query rows (XLA, before a launch), from its rows' lowest and
     highest positions ``lo_pos, hi_pos [batch, blocks]`` and ``lengths [batch]``:
     ``(t_lo, t_hi, key_lo, key_hi, all_lo, all_hi)``, its tiles of ``block_kv`` keys
     ``[t_lo, t_hi)``, the keys some row sees ``[key_lo, key_hi)`` and those every row sees
-    ``[all_lo, all_hi)`` (empty when ``lo >= hi``)."""
+    ``[all_lo, all_hi)`` (empty when ``lo >= hi``); with ``attention_chunk_size`` (at most
+    :data:`POS_LIMIT`), within the rows' chunks."""
     length = jnp.broadcast_to(lengths[:, None], lo_pos.shape)
     key_hi = jnp.minimum(length, hi_pos + 1) if causal else length
     all_hi = jnp.minimum(length, lo_pos + 1) if causal else length
     zero = jnp.zeros_like(key_hi)
     key_lo = zero if sliding_window is None else jnp.maximum(0, lo_pos - sliding_window + 1)
     all_lo = zero if sliding_window is None else jnp.maximum(0, hi_pos - sliding_window + 1)
+    if attention_chunk_size is not None:
+        (first_lo, first_hi), (last_lo, last_hi) = (chunk_bounds(p, attention_chunk_size)
+                                                    for p in (lo_pos, hi_pos))
+        key_lo, key_hi = jnp.maximum(key_lo, first_lo), jnp.minimum(key_hi, last_hi)
+        all_lo, all_hi = jnp.maximum(all_lo, last_lo), jnp.minimum(all_hi, first_hi)
     key_hi = jnp.maximum(key_hi, 0)
     key_lo = jnp.minimum(key_lo, key_hi)
     t_lo = key_lo // block_kv

@@ -7,7 +7,6 @@ settings forge_jax does not read are one clear error naming the field or tensor.
 from __future__ import annotations
 
 import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -34,19 +33,6 @@ CONFIG_PARTIAL = dict(gguf_files.CONFIG, hidden_size=160, intermediate_size=224,
                       num_attention_heads=5, num_key_value_heads=1)
 
 
-def fp8_blocks(w: np.ndarray):
-    """``w`` [out, in] -> (float8_e4m3fn torch weight, float32 torch weight_scale_inv
-    [ceil(out / 128), ceil(in / 128)], the float64 weight they stand for)."""
-    rows, cols = w.shape
-    nr, nc = math.ceil(rows / 128), math.ceil(cols / 128)
-    padded = np.zeros((nr * 128, nc * 128))
-    padded[:rows, :cols] = w
-    scale = (np.abs(padded.reshape(nr, 128, nc, 128)).max(axis=(1, 3)) / 448).astype(np.float32)
-    spread = np.repeat(np.repeat(scale.astype(np.float64), 128, 0), 128, 1)[:rows, :cols]
-    q = torch.from_numpy((w / spread).astype(np.float32)).to(torch.float8_e4m3fn)
-    return q, torch.from_numpy(scale), q.to(torch.float64).numpy() * spread
-
-
 def write_fp8(directory, config, seed=0, quant=QUANT, edit=None):
     """An fp8 checkpoint of a random Llama; returns the float64 weights it stands for."""
     from safetensors.torch import save_file
@@ -54,7 +40,7 @@ def write_fp8(directory, config, seed=0, quant=QUANT, edit=None):
     tensors, reference = {}, {}
     for name, w in gguf_files.random_llama(seed, config).items():
         if w.ndim == 2 and name.startswith("model.layers."):
-            tensors[name], tensors[name + "_scale_inv"], reference[name] = fp8_blocks(w)
+            tensors[name], tensors[name + "_scale_inv"], reference[name] = quant_ref.fp8_blocks(w)
         else:
             tensors[name], reference[name] = torch.from_numpy(w), w.astype(np.float64)
     if edit:

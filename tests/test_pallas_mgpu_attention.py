@@ -49,6 +49,16 @@ BF16, F16 = jnp.bfloat16, jnp.float16
 # block, each computing 128 of V's columns: a NaN must reach exactly its own column).
 LLAMA_GROUP = one_kv_head(LLAMA3_8B_HEADS)
 GEMMA_GROUP = one_kv_head(GEMMA2_2B_HEADS)
+# Attention sinks (gpt-oss: 64 query / 8 KV heads of 64, a window on alternate layers) and
+# chunked attention (Llama 4: 40 / 8 heads of 128, chunks of 8192 scaled down to 16).
+GPT_OSS, LLAMA4 = (64, 8, 64), (40, 8, 128)
+GPT_OSS_GROUP, LLAMA4_GROUP = one_kv_head(GPT_OSS), one_kv_head(LLAMA4)
+F32 = jnp.float32
+
+
+def _sinks(q_heads, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(1.0, 2.0, q_heads), F32)
+
 
 CASES = {
     **mosaic_nan_unseen_cases(SMOLLM2_135M_HEADS, LLAMA3_8B_HEADS),
@@ -65,6 +75,23 @@ CASES = {
         (1, 4, 104, *GEMMA_GROUP), BF16,
         dict(kv_lengths=np.array([100]), sliding_window=70, logits_soft_cap=50.0,
              q_positions=np.array([[30, 64, 98, 99]])), poison=True, seed=3),
+    # gpt-oss's sinks (one per query head of the group: rows of the CTA read different
+    # heads' sinks) with its window; NaN / +inf in every slot no query sees.
+    "gptoss-sinks-window-nan_unseen": AttentionCase(
+        (1, 6, 40, *GPT_OSS_GROUP), BF16, dict(sliding_window=12, sinks=_sinks(8, 1)),
+        poison=True, seed=12),
+    # Llama 4's chunks: queries at 48..52 see keys 48..52 only, NaN in keys 0..47 included
+    # (the CTA skips the tiles before the chunk; the chunk starts inside a tile).
+    "llama4-chunk-nan_unseen": AttentionCase(
+        (1, 5, 57, *LLAMA4_GROUP), BF16, dict(attention_chunk_size=16, kv_lengths=np.array([53])),
+        poison=True, seed=13),
+    # Chunks not causal, explicit positions across three chunks (one CTA's rows in different
+    # chunks: no tile is interior to all of them), sinks and a soft cap.
+    "non_causal-chunks-positions-sinks-nan_unseen": AttentionCase(
+        (1, 4, 150, *one_kv_head(SMOLLM2_135M_HEADS)), F16,
+        dict(causal=False, attention_chunk_size=48, sinks=_sinks(3, 3), logits_soft_cap=5.0,
+             q_positions=np.array([[-3, 50, 60, 140]]), kv_lengths=np.array([145])),
+        poison=True, seed=15),
 }
 
 NONFINITE_CASES = {
@@ -74,6 +101,9 @@ NONFINITE_CASES = {
                             dict(kv_lengths=np.array([21]), sliding_window=4), seed=6),
     "head_dim_256": AttentionCase((1, 3, 16, *GEMMA_GROUP), F16,
                                   dict(kv_lengths=np.array([14]), sliding_window=3), seed=7),
+    "chunk_sinks": AttentionCase((1, 5, 24, 6, 2, 64), BF16,
+                                 dict(kv_lengths=np.array([21]), attention_chunk_size=8,
+                                      sinks=_sinks(6, 4)), seed=6),
 }
 
 GRADIENT_CASES = {
@@ -109,6 +139,30 @@ class TestAttentionMosaicGpuInterpret(TestAttentionMosaicGpu):
         # no barrier between them) without raising (0.12's raises); every test's kernel must
         # have none.
         assert _mosaic.races_found() is False
+
+
+@pytest.mark.slow
+def test_sink_values_nan_inf_and_no_keys():
+    """A NaN or +inf sink makes its head's outputs NaN, a -inf sink is no sink, and a query
+    that sees no key still returns zeros (sequence 1 has no keys; a sink is visible to
+    every query, so its NaN heads stay NaN), as the XLA implementation computes them (the
+    contract of forge_jax.ops.attention)."""
+    sinks = _sinks(8, 5).at[1].set(jnp.nan).at[2].set(jnp.inf).at[3].set(-jnp.inf)
+    q, k, v, mask = AttentionCase((2, 3, 40, *GPT_OSS_GROUP), BF16,
+                                  dict(kv_lengths=np.array([37, 0]))).inputs()
+    masking = dict(kv_lengths=jnp.array([37, 0]), sinks=sinks)
+    out = np.asarray(fj.attention(q, k, v, implementation="mosaic_gpu_interpret", **masking),
+                     np.float64)
+    assert _mosaic.races_found() is False
+    xla = np.asarray(fj.attention(q, k, v, implementation="xla", **masking), np.float64)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(xla))
+    assert np.isnan(out[0, :, 1:3]).all() and not np.isnan(out[0, :, [0, *range(3, 8)]]).any()
+    np.testing.assert_array_equal(np.delete(out[1], [1, 2], axis=1), 0.0)
+    plain = np.asarray(fj.attention(q, k, v, implementation="xla",
+                                    kv_lengths=masking["kv_lengths"]), np.float64)
+    np.testing.assert_allclose(out[0, :, 3], plain[0, :, 3], rtol=2e-2, atol=2e-2)
+    finite = ~np.isnan(xla)
+    np.testing.assert_allclose(out[finite], xla[finite], rtol=2e-2, atol=2e-2)
 
 
 def _racy(x_ref, o_ref, smem):
@@ -212,6 +266,18 @@ COMPILE_CASES = {
                                            dict(sliding_window=50, logits_soft_cap=50.0)),
     "gemma2-256-decode-f16": ((3, 1, 8, 256), (3, 4096, 4, 256), F16, {}),
     "head_dim_512-rejected": ((1, 100, 32, 512), (1, 296, 8, 512), BF16, {}),
+    # Sinks (gpt-oss) and chunks (Llama 4's 8192), and both with every option at 256.
+    "gptoss-prefill-sinks-window-bf16": ((1, 100, 64, 64), (1, 296, 8, 64), BF16,
+                                         dict(sliding_window=128, sinks=True)),
+    "gptoss-decode-sinks-window-bf16": ((3, 1, 64, 64), (3, 4096, 8, 64), BF16,
+                                        dict(sliding_window=128, sinks=True)),
+    "llama4-prefill-chunk-bf16": ((1, 100, 40, 128), (1, 296, 8, 128), BF16,
+                                  dict(attention_chunk_size=8192)),
+    "llama4-decode-chunk-sinks-f16": ((3, 1, 40, 128), (3, 4096, 8, 128), F16,
+                                      dict(attention_chunk_size=8192, sinks=True)),
+    "gemma2-256-chunk-sinks-window-cap-bf16": ((1, 100, 8, 256), (1, 296, 4, 256), BF16,
+                                               dict(attention_chunk_size=64, sinks=True,
+                                                    sliding_window=50, logits_soft_cap=50.0)),
 }
 
 
@@ -220,13 +286,17 @@ COMPILE_CASES = {
 def test_h100_compile(case):
     q_shape, kv_shape, dtype, masking = case
     q, kv = S(q_shape, dtype), S(kv_shape, dtype)
-    reason = mosaic.supports(dict(q=q, k=kv, v=kv))
+    masking = dict(masking)
+    sinks = S((q_shape[2],), F32) if masking.pop("sinks", False) else None
+    extras = {} if sinks is None else dict(sinks=sinks)
+    reason = mosaic.supports(dict(q=q, k=kv, v=kv, **masking, **extras))
 
-    def fn(q, k, v, lengths):
-        return mosaic.flash_attention(q, k, v, kv_lengths=lengths, **masking)
+    def fn(q, k, v, lengths, sinks):
+        return mosaic.flash_attention(q, k, v, kv_lengths=lengths, sinks=sinks, **masking)
 
     with _mosaic.ptxas_report() as lines:
-        report = fj.aot.compile(fn, q, kv, kv, S((q_shape[0],), jnp.int32), target="h100")
+        report = fj.aot.compile(fn, q, kv, kv, S((q_shape[0],), jnp.int32), sinks,
+                                target="h100")
     if reason is None:
         assert report.compiled, report.error
         (kernel,) = report.kernels

@@ -64,10 +64,17 @@ class TestPagedAttentionMosaicGpu(MosaicGpu, PagedAttentionCases):
         "smollm2-f16-prefill-sinks-positions": PagedCase(
             *SMOLLM2_135M_HEADS, 8, 4, F16, (13, 0, 150), window=6, sinks=True,
             explicit_positions=True),
+        # Llama 4's chunks (40 / 8 heads of 128; 8192 scaled down): a decode query's chunk
+        # starts its key range, a prefill chunk's rows in two chunks are masked per row.
+        "llama4-bf16-decode-chunk": PagedCase(40, 8, 128, 16, None, BF16, (150, 0, 40),
+                                              chunk=64),
+        "llama4-f16-prefill-chunk-positions": PagedCase(40, 8, 128, 8, 4, F16, (13, 0, 150),
+                                                        chunk=16, explicit_positions=True),
     }
     NONFINITE_CASES = {
         "causal-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21)),
         "sinks-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21), sinks=True),
+        "chunk-sinks-bf16": PagedCase(4, 2, 64, 16, 3, BF16, (70, 21), chunk=8, sinks=True),
     }
 
 
@@ -247,3 +254,27 @@ def test_traced_out_of_range_entries_read_nothing_and_lengths_clamp():
     out = run(q, k, v, tables, lengths, implementation="mosaic_gpu_interpret")
     xla = run(q, k, v, tables, lengths, implementation="xla")
     assert_close(out, f64(xla), dtype=BF16, implementation="mosaic_gpu_interpret")
+
+
+# Llama 4's chunks (40 / 8 heads of 128, chunks of 8192): decode (the chunk starts the key
+# range; the single-position kernel unchanged) and a prefill chunk of 12 tokens (the chunk
+# masked per row), with gpt-oss's sinks beside them.
+CHUNK_COMPILES = {"llama4-decode-chunk": (None, {}),
+                  "llama4-prefill-chunk-sinks": (12, dict(sinks=S((40,), jnp.float32)))}
+
+
+@NEEDS_H100
+@pytest.mark.parametrize("name", CHUNK_COMPILES)
+def test_chunks_compile_for_h100_without_spills(name):
+    q_len, extra = CHUNK_COMPILES[name]
+    pool = S((8, 512, 16, 128), BF16)
+    q = S((8, 40, 128) if q_len is None else (8, q_len, 40, 128), BF16)
+    args = (q, pool, pool, S((8, 64), jnp.int32), S((8,), jnp.int32))
+    assert kernel.supports(dict(q=q, k_pages=pool, v_pages=pool, attention_chunk_size=8192,
+                                **extra)) is None
+    report, spills, registers = compile_h100(fj.paged_attention, *args,
+                                             implementation="mosaic_gpu",
+                                             attention_chunk_size=8192, **extra)
+    assert report.compiled, report.error
+    assert [k.name for k in report.kernels] == ["forge_jax_mosaic_paged_attention"]
+    assert spills == [0] and len(registers) == 1 and registers[0] < 255, (spills, registers)

@@ -58,6 +58,10 @@ class TestPagedDecodeTcgen05(MosaicGpu, PagedAttentionCases):
         # gpt-oss's heads (64 / 8 of 64) with sinks, joined in the merge of the splits.
         "gptoss-bf16-sinks-window": PagedCase(64, 8, 64, 16, None, BF16, (150, 0, 40),
                                               window=24, sinks=True),
+        # Llama 4's chunks (40 / 8 heads of 128; 8192 scaled down to 64): a decode query's
+        # chunk starts its key range (the kernel is the one without chunks).
+        "llama4-bf16-decode-chunk": PagedCase(40, 8, 128, 16, None, BF16, (150, 0, 40),
+                                              chunk=64),
     }
     # Several positions (chunked prefill) stay on Hopper: the kernel refuses them.
     test_nonfinite_reaches_only_the_queries_that_see_it = None

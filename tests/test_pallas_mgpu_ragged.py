@@ -36,6 +36,10 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 S = jax.ShapeDtypeStruct
 
 
+def _sinks(q_heads, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(1.0, 2.0, q_heads), jnp.float32)
+
+
 class TestRaggedPagedAttentionMosaicGpu(MosaicGpu, RaggedPagedAttentionCases):
     IMPLEMENTATION = "mosaic_gpu"
     INTERPRET = False
@@ -45,6 +49,14 @@ class TestRaggedPagedAttentionMosaicGpu(MosaicGpu, RaggedPagedAttentionCases):
         # Decode, chunked prefill and a sequence with no new token, SmolLM2's heads.
         "mixed-smollm2-bf16-window-cap": ("mixed", "smollm2", BF16, None, 8,
                                           dict(sliding_window=5, logits_soft_cap=3.0)),
+        # Sinks and chunks at gpt-oss's (64 / 8) and Llama 4's (40 / 8) heads (head_dim 64
+        # here), joined in the merge and masked per row; NaN outside every chunk.
+        "mixed-gptoss-bf16-sinks-window": ("mixed", "gptoss", BF16, None, 16, dict(
+            sliding_window=8, sinks=_sinks(64, 1))),
+        "chunked_prefill-llama4-bf16-chunk": ("chunked_prefill", "llama4", BF16, None, 16,
+                                              dict(attention_chunk_size=8)),
+        "mixed-smollm2-f16-chunk12-sinks-cap": ("mixed", "smollm2", F16, None, 8, dict(
+            attention_chunk_size=12, logits_soft_cap=3.0, sinks=_sinks(9, 2))),
     }
 
 
@@ -111,3 +123,17 @@ def test_registered_needs_hopper_and_is_not_auto_selected_until_verified():
     assert kernel.VERIFIED == {}
     assert "mosaic_gpu" in fj.dispatch.implementations("ragged_paged_attention", "gpu")
     assert "mosaic_gpu_interpret" in fj.dispatch.implementations("ragged_paged_attention")
+
+
+@NEEDS_H100
+@pytest.mark.parametrize("heads,head_dim,extra", [
+    ((64, 8), 64, dict(sliding_window=128, sinks=S((64,), F32))),
+    ((40, 8), 128, dict(attention_chunk_size=8192)),
+], ids=["gptoss-sinks-window", "llama4-chunk"])
+def test_sinks_and_chunks_compile_for_h100_without_spills(heads, head_dim, extra):
+    specs = _specs(heads=heads, head_dim=head_dim)
+    assert kernel.supports(dict(specs, **extra)) is None
+    report, spills, registers = compile_h100(fj.ragged_paged_attention, *specs.values(),
+                                             implementation="mosaic_gpu", **extra)
+    assert report.compiled, report.error
+    assert spills == [0] and len(registers) == 1 and registers[0] < 255, (spills, registers)

@@ -269,3 +269,34 @@ def test_every_tpu_kernel_has_a_table_serving_every_generation():
     assert tpu_common.tuned(kernel.TUNED, "TPU v9 unknown") == kernel.TUNED["default"]
     rms_norm_tuned = importlib.import_module("forge_jax.pallas_kernels.tpu.rms_norm").TUNED
     assert tpu_common.tuned(rms_norm_tuned, "interpret") == rms_norm_tuned["default"]
+
+
+# id -> (q_heads, kv_heads, q_len, kv_len, head_dim, dtype, masking): the TPU compile
+# (libtpu's Mosaic, not only the lowering above) of folded heads on one bfloat16 query row
+# (decode), where Mosaic once refused the select that zeroes the other heads' lanes ("Not
+# implemented: Sublane broadcast"), and of gpt-oss's sinks and Llama 4's chunks.
+TPU_COMPILES = {
+    "smollm2-decode-bf16": (9, 3, 1, 1000, 64, BF16, {}),
+    "smollm2-prefill-bf16": (9, 3, 300, 1000, 64, BF16, dict(sliding_window=64)),
+    "phi2-decode-bf16": (32, 32, 1, 1000, 80, BF16, {}),
+    "gptoss-decode-sinks-window-bf16": (64, 8, 1, 4096, 64, BF16,
+                                        dict(sliding_window=128, sinks=True)),
+    "gptoss-prefill-sinks-window-bf16": (64, 8, 256, 1024, 64, BF16,
+                                         dict(sliding_window=128, sinks=True)),
+    "llama4-prefill-chunk-bf16": (40, 8, 256, 1024, 128, BF16, dict(attention_chunk_size=8192)),
+}
+
+
+@pytest.mark.target("tpu-v5e")
+@pytest.mark.parametrize("name", TPU_COMPILES)
+def test_compiles_for_tpu_v5e(name):
+    q_heads, kv_heads, q_len, kv_len, head_dim, dtype, masking = TPU_COMPILES[name]
+    masking = dict(masking)
+    sinks = S((q_heads,), F32) if masking.pop("sinks", False) else None
+    q, k, v = _shapes(q_heads, kv_heads, q_len, kv_len, head_dim, dtype, batch=1)
+    assert kernel.supports(_args((q, k, v), **masking)) is None
+    report = fj.aot.compile(
+        lambda q, k, v, s: kernel.flash_attention(q, k, v, sinks=s, **masking), q, k, v, sinks,
+        target="tpu-v5e")
+    assert report.compiled, report.error
+    assert [k.name for k in report.kernels] == ["forge_jax_tpu_flash_attention"], report.kernels

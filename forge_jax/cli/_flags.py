@@ -110,23 +110,90 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: draft tokens by prompt lookup (ngram) and "
                              "verify them in one step; greedy output is unchanged (default: "
                              "off)")
+    parser.add_argument("--draft-checkpoint", default=None, metavar="DIR",
+                        help="speculative decoding with a draft model: a smaller checkpoint "
+                             "of the same tokenizer (directory, Hub id or .gguf) drafts the "
+                             "tokens, verified in one step; greedy output is unchanged, "
+                             "sampled output distributed as without it (default: none)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                        help="draft tokens per step with --speculative (default: 4)")
+                        help="draft tokens per step with --speculative or --draft-checkpoint "
+                             "(default: 4)")
 
 
 def speculative_config(args: argparse.Namespace):
-    """The ``SpeculativeConfig`` of ``--speculative`` (None without it); a one-line error
-    for a bad ``--num-speculative-tokens``."""
-    if args.speculative is None:
+    """The ``SpeculativeConfig`` of ``--speculative`` or ``--draft-checkpoint`` (None
+    without; with a draft checkpoint, None until :func:`load_draft` has loaded it into
+    ``args.draft_model``); a one-line error for a bad ``--num-speculative-tokens`` or both
+    ways of drafting at once."""
+    draft = getattr(args, "draft_checkpoint", None)
+    if args.speculative is None and draft is None:
         return None
+    if args.speculative is not None and draft is not None:
+        raise UsageError(f"--speculative {args.speculative} and --draft-checkpoint are two "
+                         f"ways to draft tokens: give one")
+    flag = "--speculative" if draft is None else "--draft-checkpoint"
     if args.num_speculative_tokens < 1:
         raise UsageError(f"--num-speculative-tokens must be >= 1, got "
                          f"{args.num_speculative_tokens}")
     if getattr(args, "repetition_penalty", None) not in (None, 1.0):
-        raise UsageError("--speculative does not apply --repetition-penalty")
+        raise UsageError(f"{flag} does not apply --repetition-penalty")
+    if draft is not None and getattr(args, "mesh", None) is not None:
+        raise UsageError("--draft-checkpoint runs on one device; it does not combine with "
+                         "--mesh")
     from forge_jax.generation import SpeculativeConfig
 
+    if draft is not None:
+        model = getattr(args, "draft_model", None)
+        return None if model is None else SpeculativeConfig(
+            draft_model=model, num_tokens=args.num_speculative_tokens)
     return SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens)
+
+
+def check_draft_checkpoint(args: argparse.Namespace, config, tokenizer=None) -> None:
+    """A one-line error, before any weights load, unless ``--draft-checkpoint`` (if given)
+    can draft for the target of ``config`` (its ``LlamaConfig``): the same vocabulary size
+    and, given the target's ``tokenizer``, the same tokens at the same ids."""
+    if getattr(args, "draft_checkpoint", None) is None:
+        return
+    from forge_jax.generation import speculative
+    from forge_jax.models import llama
+
+    def fail(e):
+        return UsageError(f"--draft-checkpoint {args.draft_checkpoint}: {e}")
+
+    try:
+        draft_config = llama.load_config(args.draft_checkpoint)
+    except Exception as e:  # a missing directory, an unreadable config.json
+        raise fail(e) from None
+    vocabularies = None
+    if tokenizer is not None:
+        from forge_jax.text import api as text
+
+        try:
+            theirs = text.load_tokenizer(args.draft_checkpoint)
+        except Exception as e:
+            raise fail(e) from None
+        vocabularies = {"target": getattr(tokenizer, "backend", tokenizer).get_vocab(),
+                        "draft": theirs.backend.get_vocab()}
+
+    from types import SimpleNamespace
+
+    try:  # the configs alone: no weights loaded yet
+        speculative.check_draft(SimpleNamespace(config=config),
+                                SimpleNamespace(config=draft_config), vocabularies)
+    except ValueError as e:
+        raise fail(e) from None
+
+
+def load_draft(args: argparse.Namespace, model) -> None:
+    """Loads ``--draft-checkpoint`` (nothing without it; checked before by
+    :func:`check_draft_checkpoint`) into ``args.draft_model``, in the target ``model``'s
+    dtype, for :func:`speculative_config`."""
+    if getattr(args, "draft_checkpoint", None) is None:
+        return
+    from forge_jax.models import llama
+
+    args.draft_model = llama.from_pretrained(args.draft_checkpoint, dtype=model.dtype)
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:

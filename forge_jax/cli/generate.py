@@ -95,8 +95,10 @@ def run(args: argparse.Namespace) -> int:
         args.show = SHOW if args.show is None else args.show
         _check_task(task, config, args, path, mesh)
     quantize = quantize_kwargs(args, config)
+    _flags.check_draft_checkpoint(args, config, tokenizer)
     model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype), mesh=mesh, **quantize)
     print(describe(model, path, args))
+    _flags.load_draft(args, model)
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     progress = _ProgressLine(sys.stderr, enabled=show)
     context = contextlib.nullcontext()

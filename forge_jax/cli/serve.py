@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     mesh = _flags.mesh_from_flag(args, config)
     quantize = _checkpoint.quantize_kwargs(args, config)
     tokenizer = _tokenizer(path, text)
+    _flags.check_draft_checkpoint(args, config, tokenizer)
     _compilation_cache.check(args)
     try:  # the port, before the model loads
         sock = serving_server.bind(args.host, args.port)
@@ -159,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
             print("forge-jax serve: interrupted while loading the model", file=sys.stderr)
             return 130
         eos = text.eos_ids(model, tokenizer, tokenizer.generation_config) if tokenizer else None
+        _flags.load_draft(args, model)
+        speculative = _flags.speculative_config(args) or speculative
         engine = serving.Engine(model, tokenizer, serving.EngineConfig(
             max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
             num_pages=args.max_pages, max_model_len=max_len, max_waiting=args.max_waiting,

@@ -30,7 +30,7 @@ from forge_jax import targets as targets_lib
 from forge_jax.generation import exported as programs
 from forge_jax.generation import loop as generation
 from forge_jax.generation import steps
-from forge_jax.kv_cache import ContiguousKVCache
+from forge_jax.kv_cache import ContiguousKVCache, cache_geometry
 from forge_jax.models.llama_model import Llama
 
 KEY_IMPL = "threefry2x32"
@@ -200,8 +200,7 @@ def _write(model: Llama, out: pathlib.Path, *, batch, context, prompt_length, pl
     with fj.use_implementation(None if here_only else "xla"):
         statics = steps.step_statics(graphdef, greedy=True)
     cache = ContiguousKVCache.create(
-        num_layers=config.num_hidden_layers, batch=batch, max_len=context,
-        kv_heads=model.kv_heads, head_dim=config.head_dim,
+        **cache_geometry(config), batch=batch, max_len=context, kv_heads=model.kv_heads,
         dtype=model.dtype if cache_dtype is None else cache_dtype)
     named_weights = jax.tree_util.tree_flatten_with_path(state)[0]
     state_tree = jax.tree_util.tree_structure(state)

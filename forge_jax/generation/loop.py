@@ -9,7 +9,6 @@ shapes, creates the cache, runs the steps and times them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,9 +26,10 @@ from forge_jax.generation.sampling import SamplingParams
 from forge_jax.generation.speculative import SpeculativeConfig
 from forge_jax.generation.stats import GenerationStats
 from forge_jax.generation.steps import decode_step, prefill_step, seen_tokens, step_statics
-from forge_jax.kv_cache import BlockManager, CacheSpec, ContiguousKVCache, PagedKVCache
+from forge_jax.kv_cache import BlockManager, CacheSpec
 from forge_jax.models import llama_sharding
-from forge_jax.models.llama_model import Llama, LlamaConfig
+from forge_jax.models.llama_model import LlamaConfig
+from forge_jax.models.protocol import CausalLM
 from forge_jax.ops import kv_quant
 
 
@@ -119,7 +119,7 @@ def cache_plan(batch: int, longest_prompt: int, max_new_tokens: int, cache: str,
     return padded_batch, bucket, cache_len, max_pages
 
 
-def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: int,
+def check_generation_fits(config: LlamaConfig | CausalLM, *, batch: int, longest_prompt: int,
                           max_new_tokens: int, cache: CacheSpec | None = None,
                           param_dtype=jnp.float32, dtype=jnp.float32, mesh=None,
                           **deprecated) -> None:
@@ -128,33 +128,41 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
 
     :func:`generate` runs this check itself; it is public so that a caller can run it
     before building a large batch of prompts (the CLI does, for ``--num-problems``).
-    ``cache``: the :class:`~forge_jax.kv_cache.CacheSpec` (default ``CacheSpec()``: paged,
-    16 tokens a page, in ``dtype``; ``kv_dtype="int8"``/``"fp8"`` counts a byte per value
-    and a float32 scale per token and KV head). ``mesh`` (a
+    ``config``: a :class:`LlamaConfig`, or a model
+    (:class:`~forge_jax.models.protocol.CausalLM`: its ``cache_bytes`` counts its own cache,
+    on its own mesh). ``cache``: the :class:`~forge_jax.kv_cache.CacheSpec` (default
+    ``CacheSpec()``: paged, 16 tokens a page, in ``dtype``; ``kv_dtype="int8"``/``"fp8"``
+    counts a byte per value and a float32 scale per token and KV head). ``mesh`` (a
     :class:`forge_jax.sharding.MeshConfig`, as on a sharded model): count one device's
     share of the cache. The keywords ``page_size``, ``cache_dtype`` and ``kv_cache_dtype``
     (and ``cache`` as a kind's name) are deprecated: they go in the ``CacheSpec``.
     """
     legacy = settings.legacy_keywords("check_generation_fits", deprecated, cache=cache)
     spec = settings.cache_spec("check_generation_fits", cache, legacy)
+    model = config if isinstance(config, CausalLM) else None
+    if model is not None:
+        config, mesh = model.config, model.mesh
     cache, page_size, kv_cache_dtype = spec.kind, spec.page_size, spec.kv_dtype
     cache_dtype = spec.resolved_dtype(dtype)
     padded_batch, prompt_bucket, cache_len, max_pages = cache_plan(
         batch, longest_prompt, max_new_tokens, cache, page_size,
         batch_multiple=1 if mesh is None else mesh.dp)
-    kv_dim = config.num_key_value_heads * config.head_dim
-    if mesh is not None:  # one device's KV heads (copies included), and batch rows
-        kv_dim = llama_sharding.layout_for(config, mesh.tp).kv_repeat * kv_dim // mesh.tp
-        if cache != "paged":
-            kv_dim //= mesh.dp
-    if cache == "paged":
-        # The pool depends on the bucketed shapes only (so other prompt lengths in the same
-        # buckets reuse the compiled steps): room for every row at full length.
-        cache_bytes = 2 * config.num_hidden_layers * padded_batch * max_pages * page_size * kv_dim
+    if model is not None:
+        cache_bytes = model.cache_bytes(
+            dataclasses.replace(spec, dtype=cache_dtype), batch=padded_batch,
+            max_len=cache_len, num_pages=padded_batch * max_pages)
     else:
-        cache_bytes = 2 * config.num_hidden_layers * padded_batch * cache_len * kv_dim
-    cache_bytes = int(cache_bytes * kv_quant.bytes_per_value(kv_cache_dtype, cache_dtype,
-                                                             config.head_dim))
+        kv_dim = config.num_key_value_heads * config.head_dim
+        if mesh is not None:  # one device's KV heads (copies included), and batch rows
+            kv_dim = llama_sharding.layout_for(config, mesh.tp).kv_repeat * kv_dim // mesh.tp
+            if cache != "paged":
+                kv_dim //= mesh.dp
+        # A paged pool depends on the bucketed shapes only (so other prompt lengths in the
+        # same buckets reuse the compiled steps): room for every row at full length.
+        slots = max_pages * page_size if cache == "paged" else cache_len
+        cache_bytes = int(2 * config.num_hidden_layers * padded_batch * slots * kv_dim
+                          * kv_quant.bytes_per_value(kv_cache_dtype, cache_dtype,
+                                                     config.head_dim))
     need = fj_memory.estimate_inference_memory(
         config, batch=padded_batch, max_len=cache_len, prefill_len=prompt_bucket,
         param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype,
@@ -164,7 +172,7 @@ def check_generation_fits(config: LlamaConfig, *, batch: int, longest_prompt: in
                               f"plus activations")
 
 
-def default_eos_token_ids(model: Llama) -> tuple[int, ...]:
+def default_eos_token_ids(model: CausalLM) -> tuple[int, ...]:
     """The ids :func:`generate` stops at when not given ``eos_token_id``, as transformers'
     ``generate`` chooses them: the model's ``generation_config.json`` ids (read by
     ``from_pretrained``), else its ``config.json`` ``eos_token_id``, else none. The same
@@ -173,14 +181,14 @@ def default_eos_token_ids(model: Llama) -> tuple[int, ...]:
     return _stopping(model).eos_token_ids
 
 
-def _stopping(model: Llama, *, eos_token_id=None, max_new_tokens=None, longest_prompt=None
+def _stopping(model: CausalLM, *, eos_token_id=None, max_new_tokens=None, longest_prompt=None
               ) -> settings.Stopping:
     return settings.stopping(model.config, getattr(model, "generation_config", None),
                              eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
                              longest_prompt=longest_prompt)
 
 
-def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+def generate_with_stats(model: CausalLM, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
                         max_new_tokens: int | None = None, *,
                         sampling: SamplingParams | None = None, cache: CacheSpec | None = None,
                         eos_token_id: int | Sequence[int] | None = None,
@@ -230,7 +238,7 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
         raise TypeError(f"sampling must be a SamplingParams or None, got {sampling!r}")
     _check_engine_only(sampling)
     if speculative is not None:
-        speculative_lib.check(speculative, sampling, callbacks)
+        speculative_lib.check(speculative, sampling, callbacks, model)
     spec = settings.cache_spec("generate_with_stats", cache, legacy)
     prompts = _check_prompts(prompts, model.config.vocab_size)
     stop = _stopping(model, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens,
@@ -270,7 +278,8 @@ def generate_with_stats(model: Llama, prompts: Sequence[Sequence[int]] | np.ndar
         results = speculative_lib.decode(
             state, kv, tokens, plan.prompts, plan.padded_batch, inputs.key, inputs.params,
             limit=plan.max_new_tokens, eos=eos, config=speculative, statics=statics,
-            stats=stats, progress=callbacks.progress)
+            stats=stats, progress=callbacks.progress,
+            draft=(inputs, lambda m: _create_cache(m, plan, cache_dtype, spec.kv_dtype)))
         stats.new_tokens = sum(len(r) for r in results)
         stats.decode_tokens = stats.new_tokens - plan.batch
         return results, stats
@@ -313,7 +322,7 @@ class _Plan:
         return np.array([len(p) for p in self.prompts], np.int32)
 
 
-def _plan(model: Llama, prompts: list[list[int]], max_new_tokens: int, spec: CacheSpec, *,
+def _plan(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, spec: CacheSpec, *,
           allow_beyond_max_positions) -> _Plan:
     """Checks the lengths (ValueError naming them, before any work) and buckets the
     shapes; the prompts are checked, and ``max_new_tokens`` resolved, before."""
@@ -328,34 +337,25 @@ def _plan(model: Llama, prompts: list[list[int]], max_new_tokens: int, spec: Cac
     return _Plan(prompts, max_new_tokens, spec.kind, spec.page_size, *shapes)
 
 
-def _create_cache(model: Llama, plan: _Plan, cache_dtype, kv_cache_dtype):
-    """The KV cache for the plan, after checking that it fits (on a mesh: created in its
-    shards). A paged cache has each prompt's pages allocated up front for its prompt and
-    ``max_new_tokens``; batch padding rows hold none."""
-    config, mesh = model.config, model.mesh
-    lengths = plan.lengths
-    check_generation_fits(config, batch=plan.batch, longest_prompt=int(lengths.max()),
-                          max_new_tokens=plan.max_new_tokens,
-                          cache=CacheSpec(plan.cache, plan.page_size, cache_dtype, kv_cache_dtype),
-                          param_dtype=model.param_dtype, dtype=model.dtype, mesh=mesh)
+def _create_cache(model: CausalLM, plan: _Plan, cache_dtype, kv_cache_dtype):
+    """The model's cache for the plan (:meth:`CausalLM.create_cache`), after checking that it
+    fits (on a mesh: created in its shards). A paged cache has each prompt's pages allocated
+    up front for its prompt and ``max_new_tokens``; batch padding rows hold none."""
+    spec = CacheSpec(plan.cache, plan.page_size, cache_dtype, kv_cache_dtype)
+    check_generation_fits(model, batch=plan.batch, longest_prompt=int(plan.lengths.max()),
+                          max_new_tokens=plan.max_new_tokens, cache=spec,
+                          param_dtype=model.param_dtype, dtype=model.dtype)
+    num_pages = plan.padded_batch * plan.max_pages
+    sizes = dict(batch=plan.padded_batch, max_len=plan.cache_len, num_pages=num_pages)
+    block_tables = None
     if plan.cache == "paged":
-        num_pages = plan.padded_batch * plan.max_pages
         manager = BlockManager(num_pages, plan.page_size)
         for b in range(plan.batch):
-            manager.allocate(b, int(lengths[b]) + plan.max_new_tokens)
+            manager.allocate(b, int(plan.lengths[b]) + plan.max_new_tokens)
         block_tables = np.zeros((plan.padded_batch, plan.max_pages), np.int32)
         block_tables[:plan.batch] = manager.block_tables(list(range(plan.batch)),
                                                          plan.max_pages)
-        make_cache = functools.partial(
-            PagedKVCache.create, num_layers=config.num_hidden_layers, num_pages=num_pages,
-            page_size=plan.page_size, kv_heads=model.kv_heads, head_dim=config.head_dim,
-            dtype=cache_dtype, block_tables=block_tables, quantize=kv_cache_dtype)
-    else:
-        make_cache = functools.partial(
-            ContiguousKVCache.create, num_layers=config.num_hidden_layers,
-            batch=plan.padded_batch, max_len=plan.cache_len, kv_heads=model.kv_heads,
-            head_dim=config.head_dim, dtype=cache_dtype, quantize=kv_cache_dtype)
-    return llama_sharding.create_cache(make_cache, mesh)
+    return model.create_cache(spec, **sizes, block_tables=block_tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +374,7 @@ class _Inputs:
     step: Callable[[int], jax.Array]  # a decode step's number, as the steps take it
 
 
-def _place_inputs(model: Llama, plan: _Plan, sampling: SamplingParams) -> _Inputs:
+def _place_inputs(model: CausalLM, plan: _Plan, sampling: SamplingParams) -> _Inputs:
     """The padded inputs: prompts right-padded with token 0 and extra batch rows of
     length 0 (neither is written to the cache), put on the device or the mesh."""
     mesh, seed = model.mesh, sampling.seed
@@ -527,7 +527,7 @@ def _collect(outputs: list, batch: int, eos: frozenset[int]) -> list[list[int]]:
     return results
 
 
-def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+def generate(model: CausalLM, prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
              max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
              cache: CacheSpec | None = None, eos_token_id: int | Sequence[int] | None = None,
              allow_beyond_max_positions: bool = False, **deprecated) -> list[list[int]]:
@@ -541,7 +541,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]] | np.ndarray | jax.A
     power of two) so that a later call with similar shapes reuses the compiled steps.
 
     Args:
-      model: a :class:`Llama`.
+      model: a :class:`~forge_jax.models.protocol.CausalLM` (a ``Llama``, ``DeepseekV3``, ...).
       prompts: a list of token-id lists (each non-empty, ids in ``[0, vocab_size)``), or a
         NumPy or JAX integer array ``[batch, seq]`` of equal-length prompts.
       max_new_tokens: tokens to generate per prompt (>= 0). None: the model's

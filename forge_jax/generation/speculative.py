@@ -1,5 +1,6 @@
 """Speculative decoding for :func:`forge_jax.generation.generate_with_stats`: prompt-lookup
-(n-gram) drafts, verified by the model in one step, the accepted ones kept.
+(n-gram) drafts or a smaller draft model's, verified by the model in one step, the accepted
+ones kept.
 
 Each step the host proposes up to ``num_tokens`` draft tokens per sequence: the tokens that
 followed the latest earlier occurrence of the sequence's last ``n`` tokens (``n`` from
@@ -17,6 +18,13 @@ agrees with:
   ``p`` with ``d`` removed and renormalised (the residual ``max(p - q, 0)`` for the draft's
   one-hot ``q``); after all are kept a bonus token is drawn from the last ``p``. Each token
   is then distributed as the target model's.
+
+With a draft model (``SpeculativeConfig(draft_model=...)``, a smaller model of the same
+vocabulary with a KV cache of its own) the drafts are drawn from the draft's distribution
+``q`` (the same temperature and filters; its argmax when greedy), ``num_tokens`` of them one
+after another (:func:`draft_step`); a draft ``d`` is kept with probability
+``min(1, p(d) / q(d))`` and the token at the first rejection is drawn from the residual
+``max(p - q, 0)`` renormalised, which again leaves every token distributed as the target's.
 
 The cache is written for every row; a sequence's length is then set to its kept tokens, so
 the rejected drafts' keys and values are never read (the next step overwrites them).
@@ -36,7 +44,7 @@ from flax import nnx
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation.steps import Static
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +52,29 @@ class SpeculativeConfig:
     """How :func:`~forge_jax.generation.generate_with_stats` drafts and verifies tokens.
 
     Attributes:
-      method: ``"ngram"`` (prompt lookup).
+      method: ``"ngram"`` (prompt lookup) or ``"draft"`` (a draft model); None (the
+        default): ``"draft"`` when ``draft_model`` is given, else ``"ngram"``.
       num_tokens: draft tokens per step at most (K >= 1); a step then verifies K + 1 rows
         per sequence and yields 1 to K + 1 tokens.
-      max_ngram, min_ngram: the suffix lengths looked up, longest first.
+      max_ngram, min_ngram: the suffix lengths looked up, longest first (``"ngram"``).
+      draft_model: with ``"draft"``, the draft model: any model ``from_pretrained`` loads
+        whose vocabulary is the target's (:func:`check_draft`), usually a much smaller one
+        of the same family.
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_tokens: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
+    draft_model: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.draft_model is None else "draft")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError(f"method='draft' takes a draft_model and only it does, got "
+                             f"method={self.method!r} and draft_model="
+                             f"{type(self.draft_model).__name__}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got method={self.method!r}")
         for name in ("num_tokens", "max_ngram", "min_ngram"):
@@ -83,9 +102,11 @@ def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig) -> list[int]
     return []
 
 
-def verify_drafts(logits, drafts, draft_len, key, sampling, greedy: bool):
+def verify_drafts(logits, drafts, draft_len, key, sampling, greedy: bool, q=None):
     """The kept tokens of each row. ``logits`` float32 ``[b, k + 1, vocab]`` (after the
-    last token and each draft), ``drafts`` int32 ``[b, k]``, ``draft_len`` int32 ``[b]``.
+    last token and each draft), ``drafts`` int32 ``[b, k]``, ``draft_len`` int32 ``[b]``;
+    ``q`` float32 ``[b, k, vocab]``, the distribution each draft was drawn from (a draft
+    model's), or None for deterministic drafts (prompt lookup: a one-hot ``q``).
     Returns ``(tokens [b, k + 1], count [b])``: the first ``count`` tokens are the output
     (``count - 1`` kept drafts and one more)."""
     b, k1, vocab = logits.shape
@@ -107,14 +128,26 @@ def verify_drafts(logits, drafts, draft_len, key, sampling, greedy: bool):
     accept_key, draw_key = jax.random.split(key)
     p_draft = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]  # [b, k]
     u = jax.random.uniform(accept_key, (b, k))
-    keep = (u < p_draft) & real
+    if q is None:
+        keep = (u < p_draft) & real
+    else:  # kept with probability min(1, p(d) / q(d))
+        q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [b, k]
+        keep = (u * q_draft < p_draft) & real
     kept = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)  # [b]
     # The distribution of the token after the kept drafts: the residual where a draft was
     # rejected there, the target itself after the last real draft (or none).
     at = jnp.take_along_axis(filtered, kept[:, None, None], axis=1)[:, 0]  # [b, vocab]
     rejected = kept < draft_len
-    draft_at = jnp.take_along_axis(drafts, jnp.minimum(kept, k - 1)[:, None], axis=1)[:, 0]
-    residual = at.at[jnp.arange(b), draft_at].set(-jnp.inf)
+    if q is None:
+        draft_at = jnp.take_along_axis(drafts, jnp.minimum(kept, k - 1)[:, None], axis=1)[:, 0]
+        residual = at.at[jnp.arange(b), draft_at].set(-jnp.inf)
+    else:
+        p_at = jnp.take_along_axis(probs, kept[:, None, None], axis=1)[:, 0]  # [b, vocab]
+        q_at = jnp.take_along_axis(q, jnp.minimum(kept, k - 1)[:, None, None], axis=1)[:, 0]
+        rest = jnp.maximum(p_at - q_at, 0.0)
+        # (p == q to the last bit leaves no residual, and no rejection to draw it for)
+        residual = jnp.where(jnp.sum(rest, axis=-1, keepdims=True) > 0,
+                             jnp.log(rest), at)
     final_logits = jnp.where(rejected[:, None], residual, at)
     final = jax.random.categorical(draw_key, final_logits, axis=-1).astype(jnp.int32)
     out = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [b, k + 1]
@@ -122,11 +155,103 @@ def verify_drafts(logits, drafts, draft_len, key, sampling, greedy: bool):
     return out, kept + 1
 
 
+def draw_draft(logits, key, sampling: dict, greedy: bool):
+    """A draft model's token per row of ``logits`` ``[b, vocab]`` and the distribution it
+    was drawn from (float32 ``[b, vocab]``; with ``greedy``, the argmax and a one-hot)."""
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        token = sampling_lib.sample(logits, None, temperature=0.0)
+        return token, jax.nn.one_hot(token, logits.shape[-1], dtype=jnp.float32)
+    filtered = sampling_lib.filter_logits(
+        logits - jnp.max(logits, axis=-1, keepdims=True), temperature=sampling["temperature"],
+        top_k=sampling["top_k"], top_p=sampling["top_p"], min_p=sampling["min_p"])
+    token = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    return token, jax.nn.softmax(filtered, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "num_tokens",
+                                             "implementation_key"),
+                   donate_argnames=("cache",))
+def draft_step(state: nnx.State, cache, pair: jax.Array, start: jax.Array, active: jax.Array,
+               key: jax.Array, sampling: dict, end: jax.Array | None = None, *, graphdef,
+               greedy: bool, num_tokens: int, implementation_key=None):
+    """``num_tokens`` draft tokens per row from a draft model, one after another (jitted;
+    the draft's cache is donated).
+
+    Args:
+      state: the draft model's weights, ``nnx.split(draft)[1]``.
+      cache: the draft's KV cache, holding each row's tokens before ``start`` (what it
+        holds from ``start`` on is rewritten).
+      pair: int32 ``[batch, 2]``: each row's token before the last and its last token, at
+        positions ``start`` and ``start + 1`` (the one before is written again: after a
+        step that kept every draft, the draft has not seen the last of them).
+      start: int32 ``[batch]``.
+      active: bool ``[batch]``; inactive rows are not written.
+      key: this step's ``jax.random`` key (unused when greedy).
+      sampling: :meth:`SamplingParams.arrays`.
+      end: int32 ``[batch]``, the first position a row may not write (its cache's room;
+        the drafts drawn there are not verified); None: no bound.
+      graphdef, greedy, num_tokens, implementation_key: static.
+
+    Returns:
+      ``(drafts, q, cache)``: int32 ``[batch, num_tokens]``, float32 ``[batch, num_tokens,
+      vocab]`` (the distribution each was drawn from), and the draft's cache.
+    """
+    del implementation_key
+    model = nnx.merge(Static.unwrap(graphdef), state)
+    b = pair.shape[0]
+    start = start.astype(jnp.int32)
+    cache = cache.with_lengths(jnp.where(active, start, cache.lengths.astype(jnp.int32)))
+    end = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32) if end is None else end
+
+    def writes(positions):  # [b, t]
+        return active[:, None] & (positions < end[:, None])
+
+    positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+    logits, cache = model.forward_cached(pair, positions, writes(positions), cache,
+                                         logits_at=jnp.ones((b,), jnp.int32))
+    keys = jax.random.split(key, num_tokens)
+    token, q = draw_draft(logits, keys[0], sampling, greedy)
+
+    def one(carry, xs):
+        cache, token = carry
+        i, key = xs
+        positions = (start + 2 + i)[:, None]
+        logits, cache = model.forward_cached(token[:, None], positions, writes(positions),
+                                             cache)
+        token, q = draw_draft(logits[:, 0], key, sampling, greedy)
+        return (cache, token), (token, q)
+
+    (cache, _), (tokens, qs) = jax.lax.scan(
+        one, (cache, token), (jnp.arange(num_tokens - 1, dtype=jnp.int32), keys[1:]))
+    drafts = jnp.concatenate([token[:, None], tokens.T], axis=1)  # [b, k]
+    q = jnp.concatenate([q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)  # [b, k, vocab]
+    return drafts, q, cache
+
+
+def check_draft(target, draft, tokenizers=None) -> None:
+    """ValueError (one line, naming both) unless ``draft`` can draft for ``target``: the
+    same vocabulary size and, given ``tokenizers`` (``{"target": vocab, "draft": vocab}``,
+    token -> id dicts), the same tokens at the same ids."""
+    sizes = target.config.vocab_size, draft.config.vocab_size
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"the draft model's vocabulary has {sizes[1]} tokens, the target's "
+                         f"{sizes[0]}: a draft model must share the target's tokenizer")
+    if tokenizers is None:
+        return
+    mine, theirs = tokenizers["target"], tokenizers["draft"]
+    differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])
+    if differ:
+        shown = ", ".join(f"{token!r}={i}" for token, i in differ[:4])
+        raise ValueError(f"the draft model's tokenizer differs from the target's in "
+                         f"{len(differ)} (token, id) pairs, e.g. {shown}")
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "implementation_key"),
                    donate_argnames=("cache",))
 def verify_step(state: nnx.State, cache, tokens: jax.Array, draft_len: jax.Array,
-                active: jax.Array, key: jax.Array, sampling: dict, *, graphdef, greedy: bool,
-                implementation_key=None):
+                active: jax.Array, key: jax.Array, sampling: dict, q=None, *, graphdef,
+                greedy: bool, implementation_key=None):
     """Runs each row's last token and its drafts through the model and keeps the drafts it
     agrees with (jitted; the cache is donated).
 
@@ -139,6 +264,8 @@ def verify_step(state: nnx.State, cache, tokens: jax.Array, draft_len: jax.Array
       active: bool ``[batch]``; inactive rows are not written and keep their length.
       key: this step's ``jax.random`` key (unused when greedy).
       sampling: :meth:`SamplingParams.arrays` (the repetition penalty is not applied).
+      q: float32 ``[batch, k, vocab]``, the distributions a draft model drew the drafts
+        from (:func:`draft_step`), or None (prompt lookup's deterministic drafts).
       graphdef, greedy, implementation_key: static, as :func:`~forge_jax.generation.steps.
         step_statics` gives them.
 
@@ -155,8 +282,8 @@ def verify_step(state: nnx.State, cache, tokens: jax.Array, draft_len: jax.Array
     positions = old[:, None] + offsets
     valid = active[:, None] & (offsets <= draft_len[:, None])
     logits, cache = model.forward_cached(tokens, positions, valid, cache)
-    out, count = verify_drafts(logits.astype(jnp.float32), tokens[:, 1:], draft_len, key, sampling,
-                         greedy)
+    out, count = verify_drafts(logits.astype(jnp.float32), tokens[:, 1:], draft_len, key,
+                               sampling, greedy, q)
     count = jnp.where(active, count, 0)
     return out, count, cache.with_lengths(old + count)
 
@@ -179,11 +306,16 @@ def draft_arrays(histories: Sequence[Sequence[int]], done: np.ndarray, batch: in
     return tokens, lengths
 
 
-def check(config, sampling: sampling_lib.SamplingParams, callbacks) -> None:
-    """TypeError/ValueError for a ``generate`` call speculative decoding cannot serve."""
+def check(config, sampling: sampling_lib.SamplingParams, callbacks, model=None) -> None:
+    """TypeError/ValueError for a ``generate`` call (of ``model``) speculative decoding
+    cannot serve."""
     if not isinstance(config, SpeculativeConfig):
         raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
                         f"{config!r:.80}")
+    if config.draft_model is not None and model is not None:
+        check_draft(model, config.draft_model)
+        if model.mesh is not None or config.draft_model.mesh is not None:
+            raise ValueError("speculative decoding with a draft model does not run on a mesh")
     refused = [name for name, given in (
         ("repetition_penalty", sampling.repetition_penalty not in (None, 1.0)),
         ("logprobs", sampling.logprobs is not None),
@@ -194,11 +326,13 @@ def check(config, sampling: sampling_lib.SamplingParams, callbacks) -> None:
 
 def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int, key,
            params: dict, *, limit: int, eos: frozenset[int], config: SpeculativeConfig,
-           statics: dict, stats, progress=None) -> list[list[int]]:
+           statics: dict, stats, progress=None, draft=None) -> list[list[int]]:
     """``generate``'s steps after its prefill's ``first`` tokens (int ``[padded_batch]``),
     until every prompt has ``limit`` new tokens or an eos; counts the steps, their time
     and the drafts in ``stats`` (a :class:`~forge_jax.generation.GenerationStats`).
-    Returns each prompt's new tokens."""
+    ``draft``: with a draft model, ``(inputs, make_cache)``: the prefill's inputs and a
+    function giving a model its empty cache for the plan. Returns each prompt's new
+    tokens."""
     import time
 
     batch = len(prompts)
@@ -206,27 +340,39 @@ def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int
     done = np.array([r[-1] in eos or len(r) >= limit for r in results])
     active = np.arange(padded_batch) < batch
     statics = {k: v for k, v in statics.items() if k != "logprobs"}
-    step = verify_step
+    k1 = config.num_tokens + 1
+    step, drafter = verify_step, None
     if not done.all():  # compiled ahead, so that the decode time is the steps' alone
         begin = time.perf_counter()
-        k1 = config.num_tokens + 1
+        if config.draft_model is not None:
+            drafter = _Drafter(config, draft, key, params, statics, padded_batch)
+        q = None if drafter is None else drafter.q_shape
         step = verify_step.lower(
             state, kv, jnp.zeros((padded_batch, k1), jnp.int32),
-            jnp.zeros((padded_batch,), jnp.int32), jnp.asarray(active), key, params,
+            jnp.zeros((padded_batch,), jnp.int32), jnp.asarray(active), key, params, q,
             **statics).compile()
         stats.compile_seconds += time.perf_counter() - begin
     steps = 0
     start = time.perf_counter()
     while not done.all():
         histories = [list(p) + r for p, r in zip(prompts, results, strict=True)]
-        tokens, draft_len = draft_arrays(histories, done, padded_batch, config)
         live = active.copy()
         live[:batch] &= ~done
+        step_key = jax.random.fold_in(key, steps + 1)
+        # Drafts past a row's limit are never kept: its cache has no room for them.
+        room = np.zeros((padded_batch,), np.int32)
+        room[:batch] = [limit - len(r) - 1 for r in results]
+        if drafter is None:
+            tokens, draft_len = draft_arrays(histories, done, padded_batch, config)
+            q = None
+        else:
+            tokens, draft_len, q = drafter.propose(histories, live, step_key, limit)
+        draft_len = np.minimum(draft_len, np.maximum(room, 0)).astype(np.int32)
         out, count, kv = step(state, kv, jnp.asarray(tokens), jnp.asarray(draft_len),
-                              jnp.asarray(live), jax.random.fold_in(key, steps + 1), params)
+                              jnp.asarray(live), step_key, params, q)
         out, count = np.asarray(out), np.asarray(count)
         steps += 1
-        stats.draft_tokens += int(draft_len[:batch][~done].sum())
+        stats.draft_tokens += int(np.asarray(draft_len)[:batch][~done].sum())
         for b in np.flatnonzero(~done):
             new = [int(t) for t in out[b, :count[b]]]
             stats.accepted_tokens += len(new) - 1
@@ -239,3 +385,44 @@ def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int
             progress(min(limit, max(len(r) for r in results)), limit)
     stats.decode_steps, stats.decode_seconds = steps, time.perf_counter() - start
     return results
+
+
+class _Drafter:
+    """A draft model's cache (prefilled with the prompts) and its compiled
+    :func:`draft_step`, for :func:`decode`."""
+
+    def __init__(self, config: SpeculativeConfig, draft, key, params: dict, statics: dict,
+                 padded_batch: int):
+        from forge_jax.generation.steps import prefill_step, step_statics
+
+        inputs, make_cache = draft
+        model = config.draft_model
+        graphdef, self.state = nnx.split(model)
+        prefill_statics = step_statics(graphdef, statics["greedy"])
+        _, _, self.cache = prefill_step(self.state, make_cache(model), inputs.tokens,
+                                        inputs.lengths, key, params, inputs.seen,
+                                        **prefill_statics, empty_cache=True)
+        self.key, self.params, self.k = key, params, config.num_tokens
+        b = padded_batch
+        self.prompt_lengths = np.asarray(inputs.lengths)
+        self.step = draft_step.lower(
+            self.state, self.cache, jnp.zeros((b, 2), jnp.int32), jnp.zeros((b,), jnp.int32),
+            jnp.zeros((b,), bool), key, params, jnp.zeros((b,), jnp.int32), **prefill_statics,
+            num_tokens=self.k).compile()
+        self.q_shape = jax.ShapeDtypeStruct((b, self.k, model.config.vocab_size), jnp.float32)
+
+    def propose(self, histories, live: np.ndarray, key, limit: int):
+        """``(tokens [b, k + 1], draft_len [b], q [b, k, vocab])`` of a :func:`verify_step`:
+        every live row drafts ``k`` tokens (writing its cache up to its prompt and
+        ``limit`` new tokens, the room it has)."""
+        b = live.shape[0]
+        pair = np.zeros((b, 2), np.int32)
+        start = np.zeros((b,), np.int32)
+        for i, history in enumerate(histories):
+            pair[i], start[i] = history[-2:], len(history) - 2
+        drafts, q, self.cache = self.step(self.state, self.cache, jnp.asarray(pair),
+                                          jnp.asarray(start), jnp.asarray(live),
+                                          jax.random.fold_in(key, 1), self.params,
+                                          jnp.asarray(self.prompt_lengths + limit))
+        tokens = jnp.concatenate([jnp.asarray(pair[:, 1:]), drafts], axis=1)
+        return tokens, np.where(live, self.k, 0).astype(np.int32), q

@@ -28,8 +28,7 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax.generation import compiled_cache
 from forge_jax.generation import sampling as sampling_lib
-from forge_jax.models import llama_sharding
-from forge_jax.models.llama_model import Llama
+from forge_jax.models.protocol import CausalLM
 
 
 def _sample(logits, key, sampling, seen, greedy, logprobs=0):
@@ -115,8 +114,9 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
     """Prefills new tokens into a KV cache and samples the first token after them (jitted;
     ``cache`` is donated: use the returned one).
 
-    Row ``b``'s new tokens continue its cache: they take positions ``cache.lengths[b]``
-    onwards (0 for a new cache; the conversation so far in a chat).
+    ``graphdef`` is a :class:`~forge_jax.models.protocol.CausalLM`'s (any model the
+    runtime takes). Row ``b``'s new tokens continue its cache: they take positions
+    ``cache.lengths[b]`` onwards (0 for a new cache; the conversation so far in a chat).
 
     Args:
       state: the model's weights, ``nnx.split(model)[1]``.
@@ -134,8 +134,9 @@ def prefill_step(state: nnx.State, cache, tokens: jax.Array, lengths: jax.Array,
       empty_cache: static; True when ``cache`` holds no token yet (``cache.lengths``
         all 0: :func:`~forge_jax.generation.loop.generate`'s prefill). The tokens then
         attend to themselves alone rather than to the cache's whole capacity (see
-        :meth:`Llama.forward_cached`): the same result, a fraction of the work when the
-        cache is much longer than the prompt. Left False, any cache works.
+        :meth:`~forge_jax.models.protocol.CausalLM.forward_cached`): the same result, a
+        fraction of the work when the cache is much longer than the prompt. Left False,
+        any cache works.
 
       logprobs: static (:func:`step_statics`); > 0 adds the tokens' log-probabilities.
 
@@ -191,7 +192,7 @@ def decode_step(state: nnx.State, cache, tokens: jax.Array, active: jax.Array,
                                    greedy, logprobs), cache=cache)
 
 
-def _placed(model: Llama, tokens, seen, logprobs=None, *, cache):
+def _placed(model: CausalLM, tokens, seen, logprobs=None, *, cache):
     """On a mesh: the sampled tokens, ``seen`` and the log-probabilities replicated (every
     process can read them) and the cache kept in its shardings (so the next step takes it
     donated, with no recompile). Returns ``(tokens, seen, cache)``, and the
@@ -200,8 +201,7 @@ def _placed(model: Llama, tokens, seen, logprobs=None, *, cache):
         replicated = model.mesh.replicated()
         tokens, seen, logprobs = jax.lax.with_sharding_constraint(
             (tokens, seen, logprobs), replicated)
-        cache = jax.lax.with_sharding_constraint(
-            cache, llama_sharding.cache_shardings(cache, model.mesh))
+        cache = jax.lax.with_sharding_constraint(cache, model.cache_shardings(cache))
     return (tokens, seen, cache) if logprobs is None else (tokens, seen, cache, logprobs)
 
 

@@ -15,7 +15,9 @@ Device side, pytrees implementing one contract, :class:`KVCache`
 * :class:`PagedLatentCache`: multi-head latent attention's cache (DeepSeek-V3): per layer
   one pool of pages ``[num_pages, page_size, kv_lora_rank + rope_dim]`` of latents shared
   by every head (:mod:`forge_jax.kv_cache.latent`), on the same block tables and
-  :class:`BlockManager` as a K/V pool.
+  :class:`BlockManager` as a K/V pool; :class:`ContiguousLatentCache` keeps one
+  ``[batch, max_len, width]`` latent buffer per layer instead, and
+  :class:`RaggedLatentCache` is a latent pool's packed view (the serving engine's step).
 
 Linear-attention layers keep a fixed-size state per sequence instead: a
 :class:`RecurrentStatePool` (one slot per sequence, the :class:`StateCache` contract), and a
@@ -66,13 +68,17 @@ from forge_jax.kv_cache.block_manager import BlockManager, CacheFullError, Cache
 from forge_jax.kv_cache.contiguous import ContiguousKVCache
 from forge_jax.kv_cache.contract import KVCache, StateCache
 from forge_jax.kv_cache.latent import PagedLatentCache
+from forge_jax.kv_cache.latent_contiguous import ContiguousLatentCache
+from forge_jax.kv_cache.latent_ragged import RaggedLatentCache
 from forge_jax.kv_cache.paged import PagedKVCache, stores_folded
 from forge_jax.kv_cache.ragged import RaggedBatchCache, RaggedMetadata
 from forge_jax.kv_cache.recurrent import PREFIX_CACHING_REFUSED, HybridCache, RecurrentStatePool
-from forge_jax.kv_cache.spec import CacheSpec
+from forge_jax.kv_cache.spec import CacheSpec, cache_geometry
 
 __all__ = [
     "BlockManager", "CacheFullError", "CacheSpec", "CacheUsage", "ContiguousKVCache", "KVCache",
     "PagedKVCache", "PagedLatentCache", "RaggedBatchCache", "RaggedMetadata", "stores_folded",
     "HybridCache", "PREFIX_CACHING_REFUSED", "RecurrentStatePool", "StateCache",
+    "ContiguousLatentCache", "RaggedLatentCache",
+    "cache_geometry",
 ]

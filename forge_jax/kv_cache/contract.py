@@ -17,8 +17,14 @@ holding many sequences, whose layout travels in its
 :class:`~forge_jax.kv_cache.RaggedMetadata`). ``batch`` below is the cache's rows: a
 sequence each for the first two, 1 for the packed row.
 
-The latent cache of multi-head latent attention,
-:class:`~forge_jax.kv_cache.PagedLatentCache`, keeps the contract with the one shared "KV
+Which cache a model keeps is the model's choice: it creates its caches itself
+(``create_cache``, ``create_pool`` and ``packed_cache`` of the model contract,
+``forge_jax.models.protocol.CausalLM``), and the runtime only passes them along.
+
+The latent caches of multi-head latent attention,
+:class:`~forge_jax.kv_cache.PagedLatentCache` (and its contiguous and packed counterparts,
+:class:`~forge_jax.kv_cache.ContiguousLatentCache` and
+:class:`~forge_jax.kv_cache.RaggedLatentCache`), keep the contract with the one shared "KV
 head" of the absorbed computation: ``write`` takes the latent as ``k`` and the RoPE key as
 ``v`` (one head each), and ``attend`` takes ``q = concat(q_nope, q_pe)`` and, keyword-only,
 the heads' up-projections ``up_proj=(w_uk, w_uv)``, returning ``[batch, t, heads, v_dim]``

@@ -53,6 +53,23 @@ class RaggedMetadata:
         return jnp.searchsorted(ends, row, side="right").astype(jnp.int32)
 
 
+def packed_slots(metadata: RaggedMetadata, page_size: int, positions, valid) -> jax.Array:
+    """int32 ``[tokens]``: the pool slot of each token of a packed row (``positions``,
+    ``valid`` ``[1, tokens]``) laid out by ``metadata``, ``-1`` where it is not written:
+    padding (``valid`` False or past the step's sequences), a negative position, or one
+    beyond its sequence's block table. Any paged pool's packed view writes through it."""
+    positions = jnp.asarray(positions, jnp.int32)[0]  # [tokens]
+    m = metadata
+    tables = jnp.asarray(m.block_tables, jnp.int32)  # [max_seqs, pages_per_seq]
+    seq = m.sequence_of_rows(positions.shape[0])
+    index = positions // page_size
+    keep = (valid[0] & (seq < m.num_seqs) & (positions >= 0)
+            & (index < tables.shape[1]))
+    page = tables[jnp.clip(seq, 0, tables.shape[0] - 1),
+                  jnp.clip(index, 0, tables.shape[1] - 1)]
+    return jnp.where(keep, page * page_size + positions % page_size, -1)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RaggedBatchCache(_base.KVCacheBase):
@@ -105,16 +122,7 @@ class RaggedBatchCache(_base.KVCacheBase):
         ``valid`` ``[1, tokens]``), ``-1`` where it is not written: padding (``valid``
         False or past the step's sequences), a negative position, or one beyond its
         sequence's block table."""
-        positions = jnp.asarray(positions, jnp.int32)[0]  # [tokens]
-        m = self.metadata
-        tables = jnp.asarray(m.block_tables, jnp.int32)  # [max_seqs, pages_per_seq]
-        seq = m.sequence_of_rows(positions.shape[0])
-        index = positions // self.page_size
-        keep = (valid[0] & (seq < m.num_seqs) & (positions >= 0)
-                & (index < tables.shape[1]))
-        page = tables[jnp.clip(seq, 0, tables.shape[0] - 1),
-                      jnp.clip(index, 0, tables.shape[1] - 1)]
-        return jnp.where(keep, page * self.page_size + positions % self.page_size, -1)
+        return packed_slots(self.metadata, self.page_size, positions, valid)
 
     def _kv(self):
         return self.k_pages, self.v_pages

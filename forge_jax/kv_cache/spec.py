@@ -57,3 +57,14 @@ class CacheSpec:
     def resolved_dtype(self, compute_dtype: Any) -> jnp.dtype:
         """The cache's float dtype: :attr:`dtype`, else the model's ``compute_dtype``."""
         return jnp.dtype(compute_dtype if self.dtype is None else self.dtype)
+
+
+def cache_geometry(config: Any) -> dict[str, int]:
+    """``num_layers`` and ``head_dim`` of a model's KV cache, as the caches' ``create``
+    takes them: a slot per layer at the config's ``head_dim``; or, for a config with a
+    ``kv_cache_geometry`` ``(layers, kv_heads, head_dim)`` (Gemma 4: its shared layers
+    hold no slot, its two head widths are stored in the wider), that one's."""
+    geometry = getattr(config, "kv_cache_geometry", None)
+    if geometry is None:
+        return {"num_layers": config.num_hidden_layers, "head_dim": config.head_dim}
+    return {"num_layers": geometry[0], "head_dim": geometry[2]}

@@ -22,7 +22,7 @@ from flax import nnx
 from forge_jax.generation import compiled_cache
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation.steps import Static
-from forge_jax.kv_cache import BlockManager, PagedKVCache, RaggedBatchCache, RaggedMetadata
+from forge_jax.kv_cache import BlockManager, PagedKVCache, RaggedMetadata
 from forge_jax.serving.requests import Request
 
 
@@ -56,7 +56,10 @@ class StepBatch:
       logprobs: whether some sequence asks for log-probabilities (the step then returns them).
       verify: with speculative decoding (``k`` drafts at most), ``verify_rows`` int32
         ``[max_seqs, k + 1]`` (a sequence's last known row then its draft rows, padded with
-        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without.
+        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without. A draft model
+        adds (on the device) its ``drafts`` int32 ``[max_seqs, k]``, which replace the
+        draft rows' tokens, and their distributions ``q`` float32 ``[max_seqs, k, vocab]``
+        (:mod:`forge_jax.serving.drafting`).
     """
 
     tokens: np.ndarray
@@ -150,10 +153,11 @@ def _draw(logits, sampling: dict, greedy: bool):
     return jnp.where(is_greedy, argmax, drawn)
 
 
-def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool):
+def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool, q=None):
     """Speculative verification of each sequence's drafts, each with its own parameters:
     :func:`forge_jax.generation.speculative.verify_drafts` row by row (greedy rows by argmax).
-    ``logits`` ``[s, k + 1, vocab]``, ``drafts`` ``[s, k]``, ``draft_len`` ``[s]``.
+    ``logits`` ``[s, k + 1, vocab]``, ``drafts`` ``[s, k]``, ``draft_len`` ``[s]``, ``q``
+    ``[s, k, vocab]`` (a draft model's distributions) or None.
     Returns ``(out [s, k + 1], count [s])``."""
     from forge_jax.generation import speculative
 
@@ -165,17 +169,28 @@ def verify_rows(logits, drafts, draft_len, sampling: dict, *, greedy: bool):
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(
         jax.random.fold_in(jax.random.key(seed), step), 1))(sampling["seed"], sampling["step"])
 
-    def one(row, draft, n, key, t, k, p, m):
+    def one(row, draft, n, key, t, k, p, m, q_row):
         params = dict(temperature=t, top_k=k, top_p=p, min_p=m)
-        out, count = speculative.verify_drafts(row[None], draft[None], n[None], key, params,
-                                         greedy=False)
+        out, count = speculative.verify_drafts(
+            row[None], draft[None], n[None], key, params, greedy=False,
+            q=None if q is None else q_row[None])
         return out[0], count[0]
 
     out, count = jax.vmap(one)(logits, drafts, draft_len, keys,
                                jnp.where(is_greedy, 1.0, sampling["temperature"]),
-                               sampling["top_k"], sampling["top_p"], sampling["min_p"])
+                               sampling["top_k"], sampling["top_p"], sampling["min_p"],
+                               draft_len if q is None else q)
     return (jnp.where(is_greedy[:, None], argmax_out, out),
             jnp.where(is_greedy, argmax_count, count))
+
+
+def packed_drafts(fed, verify):
+    """The step's packed tokens with the drafts (``verify["drafts"]``, on the device) in
+    their rows."""
+    k = verify["verify_rows"].shape[1] - 1
+    real = jnp.arange(k)[None, :] < verify["draft_len"][:, None]  # [s, k]
+    rows = jnp.where(real, verify["verify_rows"][:, 1:], fed.shape[0])  # out of range: kept
+    return fed.at[rows.reshape(-1)].set(verify["drafts"].reshape(-1), mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "greedy",
@@ -219,13 +234,16 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
       :func:`~forge_jax.generation.sampling.token_logprobs` returns it, one row per
       sequence; ``aux["out"]`` int32 ``[s, k + 1]`` and ``aux["count"]`` ``[s]``, each
       sequence's new tokens (a speculating one's kept drafts and one more; ``tokens``
-      holds its last).
+      holds its last); with both, ``aux["verified_logprobs"]``, those of ``aux["out"]``'s
+      tokens, row ``i * (k + 1) + j`` for its ``[i, j]``.
     """
     del implementation_key
     graphdef = Static.unwrap(graphdef)
     model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     feed = batch["feed"]
     fed = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch["tokens"])  # [tokens]
+    if verify is not None and "drafts" in verify:  # a draft model's, drawn on the device
+        fed = packed_drafts(fed, verify)
     extras = dict(extras or {})
     if seen is not None or extras.get("counts") is not None:
         # A fed token is its sequence's first (and only) row.
@@ -247,7 +265,7 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         rows = jnp.concatenate([rows, verify["verify_rows"].reshape(-1)])
     logits, packed = model.forward_cached(tokens, batch["positions"][None],
                                           batch["slots"][None] >= 0,
-                                          RaggedBatchCache.from_pool(cache, metadata),
+                                          model.packed_cache(cache, metadata),
                                           logits_at=rows[None])
     next_tokens = sample_rows(logits[0, :s], sampling, seen, greedy=greedy, extras=extras,
                               logprobs=logprobs)  # [s]
@@ -259,8 +277,11 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         spec_logits = logits[0, s:].reshape(s, k1, -1).astype(jnp.float32)
         drafts = fed[verify["verify_rows"][:, 1:]]  # [s, k]
         out, count = verify_rows(spec_logits, drafts, verify["draft_len"], sampling,
-                                 greedy=greedy)
+                                 greedy=greedy, q=verify.get("q"))
         speculating = verify["draft_len"] > 0
+        if logprobs:  # of each verified row's token (a speculating sequence has no penalty)
+            aux["verified_logprobs"] = sampling_lib.token_logprobs(
+                spec_logits.reshape(s * k1, -1), out.reshape(-1))
         last = jnp.take_along_axis(out, (count - 1)[:, None], axis=1)[:, 0]
         next_tokens = jnp.where(speculating, last, next_tokens)
         aux["out"] = jnp.where(speculating[:, None], out, next_tokens[:, None])
@@ -268,9 +289,7 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
     next_tokens = jnp.zeros_like(last_tokens).at[:next_tokens.shape[0]].set(next_tokens)
     cache = packed.into_pool(cache)
     if model.mesh is not None:  # kept in their shards: the next step takes them donated
-        pool = pool_sharding(model.mesh, cache.kv_heads)
-        k_pages, v_pages = jax.lax.with_sharding_constraint((cache.k_pages, cache.v_pages), pool)
-        cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        cache = jax.lax.with_sharding_constraint(cache, model.cache_shardings(cache))
         next_tokens = jax.lax.with_sharding_constraint(next_tokens, model.mesh.replicated())
         aux = jax.lax.with_sharding_constraint(aux, model.mesh.replicated())
     if aux:

@@ -17,8 +17,10 @@ pages donated)::
         print(out.text, end="")
     engine.shutdown()
 
-The engine's pools are one :class:`forge_jax.kv_cache.PagedKVCache` (its spec is the
-config's ``cache``); pages come from a :class:`forge_jax.kv_cache.BlockManager`; full pages
+The engine's pools are the model's (:meth:`~forge_jax.models.protocol.CausalLM.create_pool`:
+a :class:`forge_jax.kv_cache.PagedKVCache` for a Llama, a
+:class:`forge_jax.kv_cache.PagedLatentCache` for DeepSeek-V3; its spec is the config's
+``cache``); pages come from a :class:`forge_jax.kv_cache.BlockManager`; full pages
 stay in the :class:`~forge_jax.serving.prefix_cache.PrefixCache` after their request ends and are
 evicted (least recently used) only when the pool needs them. When the pool runs out, the
 newest running request is preempted: its pages are freed and it is requeued, to be
@@ -40,10 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import forge_jax as fj
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import settings
-from forge_jax.kv_cache import BlockManager, CacheFullError, PagedKVCache
+from forge_jax.kv_cache import BlockManager, CacheFullError
 from forge_jax.serving import batch_step as serving_step
 from forge_jax.serving import config as engine_config
 from forge_jax.serving import speculation
@@ -78,11 +79,13 @@ class Engine:
 
     Attributes:
       config: the :class:`EngineConfig` it was built with.
-      cache: the page pools, a :class:`~forge_jax.kv_cache.PagedKVCache` of
+      cache: the page pools (the model's ``create_pool``; for a Llama a
+        :class:`~forge_jax.kv_cache.PagedKVCache`) of
         ``config.num_pages`` pages (never folded: its block tables are unused, ``[0,
         pages_per_seq]``; each step brings its own in a
-        :class:`~forge_jax.kv_cache.RaggedMetadata`). On a mesh the pools are split by KV
-        head over the tensor axis, as the model's.
+        :class:`~forge_jax.kv_cache.RaggedMetadata`). On a mesh the pools are placed as
+        the model's ``cache_shardings`` says (a Llama's split by KV head over the tensor
+        axis; a latent pool, shared by every head, replicated).
       manager: the :class:`~forge_jax.kv_cache.BlockManager` handing out its pages.
     """
 
@@ -115,17 +118,12 @@ class Engine:
         # The weights as a flat list: a step's dispatch then flattens a list, not the state.
         self.weights, self.weights_def = jax.tree.flatten(self.state)
         self._graphdef = serving_step.Static(self.graphdef)  # hashed once, not per dispatch
-        cache = PagedKVCache.create(
-            num_layers=model_config.num_hidden_layers, num_pages=config.num_pages,
-            page_size=self.page_size, kv_heads=model.kv_heads, head_dim=model_config.head_dim,
-            dtype=config.cache.resolved_dtype(model.dtype),
-            block_tables=np.zeros((0, self.pages_per_seq), np.int32),
-            quantize=config.cache.kv_dtype, fold=False)
-        if model.mesh is not None:  # the pools split by KV head over the tensor axis
-            pool = serving_step.pool_sharding(model.mesh, model.kv_heads)
-            cache = dataclasses.replace(cache, k_pages=jax.device_put(cache.k_pages, pool),
-                                        v_pages=jax.device_put(cache.v_pages, pool))
+        # The model's pool (on a mesh, created in its shards), whatever its pages hold.
+        cache = model.create_pool(config.cache, num_pages=config.num_pages,
+                                  pages_per_seq=self.pages_per_seq,
+                                  prefix_caching=config.prefix_caching)
         self.cache = cache
+        self.draft = speculation.draft_model(self)  # a draft model's pool, or None
         # The last step's tokens on the device, [max_seqs] (the next step may read some),
         # and the step in flight: its tokens and the (index, request) pairs that drew one.
         tokens = jnp.zeros((self.max_seqs,), jnp.int32)
@@ -483,18 +481,14 @@ class Engine:
         """Builds and dispatches (asynchronously) the step; returns its tokens, [max_seqs]."""
         copies = self.manager.take_pending_copies()
         if copies.size:  # only a shared, partly filled page is copied (never here today)
-            self.cache = self.cache.copy_pages(copies)
+            self.cache = speculation.copy_pages(self, copies)  # (and the draft's pool)
         batch = serving_step.build_batch(
             scheduled, self.manager, min_rows=self.min_batch_tokens, max_seqs=self.max_seqs,
             pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size,
             speculative=getattr(self.config.speculative, "num_tokens", 0))
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
-        out, self.cache = serving_step.ragged_step(
-            self.weights, self.cache, serving_step.step_arrays(batch),
-            batch.sampling, batch.seen, self._last_tokens, batch.extras or None, batch.verify,
-            graphdef=self._graphdef, weights_def=self.weights_def, greedy=batch.greedy,
-            implementation_key=fj.dispatch.current_preference(), logprobs=batch.logprobs)
+        out, self.cache = speculation.dispatch(self, batch)  # (a draft model's steps too)
         self._last_tokens = out[0] if isinstance(out, tuple) else out
         clock.lap("dispatch")
         return out
@@ -536,8 +530,10 @@ class Engine:
         for i, r in drawn:
             r.pending = 0
             if r.drafts and not r.finished:  # its kept drafts and one more
-                for token in speculation.kept(self, r, aux["out"][i, :aux["count"][i]]):
+                new = speculation.kept(self, r, aux["out"][i, :aux["count"][i]])
+                for j, token in enumerate(new):
                     if not r.finished:
+                        speculation.logprobs(r, aux, i, j)
                         self._accept(r, token, now)
             elif not r.finished:  # (cancelled meanwhile: the token is dropped)
                 k = r.params.sampling.logprobs

@@ -127,7 +127,8 @@ def warm_up(engine, *, seed: int = 0) -> int:
     """Compiles the engine's step for each row bucket, greedy and sampled, by running short
     requests of random tokens through it (the engine must be started); then resets its
     counters and the prefix cache's, so that ``/metrics`` counts clients' requests only (the
-    warm-up's pages stay cached until evicted). Returns the number of compiled variants."""
+    warm-up's pages stay cached until evicted); with speculative decoding, its steps too
+    (:func:`_warm_up_speculation`). Returns the number of compiled variants."""
     rng = np.random.default_rng(seed)
     rows, buckets = engine.min_batch_tokens, []
     while rows <= engine.max_batch_tokens:
@@ -142,11 +143,39 @@ def warm_up(engine, *, seed: int = 0) -> int:
                 continue
             prompt = rng.integers(0, engine.vocab_size, length).tolist()
             engine.submit(prompt, params, loop=None).result()
+    if engine.config.speculative is not None:
+        _warm_up_speculation(engine, rng, seed)
     compiled = engine.stats.compiled
     engine.stats = EngineStats()
     engine.stats.compiled = compiled
     engine.prefix_cache.stats = type(engine.prefix_cache.stats)()
     return len(compiled)
+
+
+def _warm_up_speculation(engine, rng, seed: int) -> None:
+    """Compiles the speculative steps (verification, and a draft model's steps) for 1, 2,
+    4, ... concurrent speculating requests, as many as a step holds, greedy and sampled
+    (prompt lookup drafts the last token while ``engine.warming_up``: any drafts compile
+    the same steps)."""
+    k = engine.config.speculative.num_tokens
+    engine.warming_up = True
+    try:
+        for temperature in (0.0, 1.0):
+            params = RequestParams(max_tokens=k + 2, seed=seed, ignore_eos=True,
+                                   sampling=SamplingParams(temperature=temperature))
+            n = 1
+            while n <= engine.max_seqs and n * (k + 1) <= engine.max_batch_tokens:
+                length = min(8, engine.max_model_len - k - 2)
+                if length < 1 or n * -(-(length + k + 2) // engine.page_size) > \
+                        engine.manager.num_pages:
+                    break
+                streams = [engine.submit(rng.integers(0, engine.vocab_size, length).tolist(),
+                                         params, loop=None) for _ in range(n)]
+                for stream in streams:
+                    stream.result()
+                n *= 2
+    finally:
+        engine.warming_up = False
 
 
 def make_server(app, *, engine, shutdown_timeout: float, max_connections: int | None = None,

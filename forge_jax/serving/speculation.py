@@ -1,35 +1,100 @@
 """The serving engine's speculative decoding (its ``EngineConfig.speculative``): which
 requests draft tokens, their prompt-lookup drafts, and what a verified step gives back.
 
-A speculating request's last token and its drafts are rows of the same ragged step as the
-other requests' (:func:`forge_jax.serving.batch_step.ragged_step` verifies them, as
+The drafts are prompt lookup's (drawn on the host) or a draft model's
+(:mod:`forge_jax.serving.drafting`: drawn on the device just before the step; the host
+schedules their rows and holds placeholders). A speculating request's last token and its
+drafts are rows of the same ragged step as the other requests'
+(:func:`forge_jax.serving.batch_step.ragged_step` verifies them, as
 :mod:`forge_jax.generation.speculative` does for ``generate``); the kept drafts enter its
 tokens and its cache, and the pages of the refused ones go back to the pool.
 """
 
 from __future__ import annotations
 
+from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import speculative
 from forge_jax.serving.requests import Request
+
+
+def draft_model(engine):
+    """The :class:`~forge_jax.serving.drafting.DraftModel` of ``engine``'s speculative
+    config (None without a draft model)."""
+    config = engine.config.speculative
+    if config is None or config.draft_model is None:
+        return None
+    from forge_jax.serving import drafting
+
+    return drafting.DraftModel.create(engine, config.draft_model)
 
 
 def speculates(engine, r: Request) -> bool:
     """Whether ``r`` drafts tokens in ``engine`` (an :class:`~forge_jax.serving.Engine`):
     speculative decoding on, and nothing in its sampling that the verification does not
-    apply (a grammar, logprobs, penalties, a logit bias)."""
+    apply (a grammar, penalties, a logit bias): those requests are decoded one token per
+    step, as without speculative decoding."""
     p = r.params.sampling
     return engine.config.speculative is not None and r.matcher is None and (
-        p.logprobs is None and p.repetition_penalty in (None, 1.0)
-        and not p.needs_token_counts and not p.logit_bias)
+        p.repetition_penalty in (None, 1.0) and not p.needs_token_counts and not p.logit_bias)
 
 
 def drafts(engine, r: Request, budget: int) -> list[int]:
     """Prompt-lookup drafts after ``r``'s last token, within its ``max_tokens``, the
-    context and the step's token ``budget`` (its last token takes one)."""
+    context and the step's token ``budget`` (its last token takes one); with a draft model,
+    as many placeholders (0) as fit, for the drafts it draws on the device."""
     config = engine.config.speculative
-    room = min(config.num_tokens, budget - 1, r.params.max_tokens - len(r.generated) - 1,
-               engine.max_model_len - len(r.tokens) - 1)
-    return speculative.propose_ngram(r.tokens, config)[:max(room, 0)]
+    room = max(0, min(config.num_tokens, budget - 1, r.params.max_tokens - len(r.generated) - 1,
+                      engine.max_model_len - len(r.tokens) - 1))
+    if config.draft_model is not None:
+        return [0] * room
+    proposals = speculative.propose_ngram(r.tokens, config)[:room]
+    if not proposals and getattr(engine, "warming_up", False):
+        # (the warm-up's random prompts rarely repeat: any drafts compile the verify steps)
+        proposals = [r.tokens[-1]] * room
+    return proposals
+
+
+def copy_pages(engine, copies):
+    """Applies page copies to a draft model's pool; returns the engine's cache, copied."""
+    if engine.draft is not None:
+        engine.draft.pool = engine.draft.pool.copy_pages(copies)
+    return engine.cache.copy_pages(copies)
+
+
+def dispatch(engine, batch):
+    """Dispatches ``engine``'s step of ``batch`` (a
+    :class:`~forge_jax.serving.batch_step.StepBatch`): with a draft model, its drafts
+    proposed before and the step's rows written into its pool after. Returns
+    ``ragged_step``'s output."""
+    import forge_jax as fj
+    from forge_jax.serving import batch_step
+
+    arrays = batch_step.step_arrays(batch)
+    last_tokens, verify = engine._last_tokens, batch.verify
+    if engine.draft is not None:
+        from forge_jax.serving import drafting
+
+        verify = drafting.propose(engine, batch)
+    out = batch_step.ragged_step(
+        engine.weights, engine.cache, arrays, batch.sampling, batch.seen, last_tokens,
+        batch.extras or None, verify, graphdef=engine._graphdef,
+        weights_def=engine.weights_def, greedy=batch.greedy, logprobs=batch.logprobs,
+        implementation_key=fj.dispatch.current_preference())
+    if engine.draft is not None:
+        drafting.fill(engine, arrays, last_tokens, verify)
+    return out
+
+
+def logprobs(r: Request, aux: dict, i: int, j: int) -> None:
+    """Appends to ``r.logprobs`` (if it asks for them) those of the ``j``-th new token of
+    the verified sequence ``i`` (``aux``: the step's, on the host), from the target's
+    logits at that row."""
+    k = r.params.sampling.logprobs
+    if k is None:
+        return
+    out = aux["out"]
+    arrays = dict(aux["verified_logprobs"], tokens=out.reshape(-1))
+    r.logprobs.append(sampling_lib.host_logprobs(arrays, i * out.shape[1] + j, k))
 
 
 def kept(engine, r: Request, new) -> list[int]:

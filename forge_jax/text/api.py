@@ -35,7 +35,7 @@ from forge_jax.generation.settings import (  # noqa: F401  (the text API's names
 )
 from forge_jax.kv_cache import CacheSpec
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
-from forge_jax.models.llama_model import Llama
+from forge_jax.models.protocol import CausalLM
 from forge_jax.text.chat_template import (
     ROLES,
     ChatTemplateError,
@@ -58,7 +58,7 @@ __all__ = [
     "default_max_new_tokens", "encode_chat", "eos_ids", "generate_ids", "generate_text",
     "load_generation_config", "load_tokenizer", "render_chat_template",
 ]
-def eos_ids(model: Llama, tokenizer: Tokenizer | None, config: GenerationConfig | None,
+def eos_ids(model: CausalLM, tokenizer: Tokenizer | None, config: GenerationConfig | None,
             eos: int | Sequence[int] | None = None) -> tuple[int, ...]:
     """The ids that end a sequence: ``eos`` (the caller's) if given, else
     generation_config.json's, else config.json's, else the tokenizer's eos token
@@ -93,7 +93,7 @@ def _sampling(function: str, sampling, config, legacy: settings.Legacy) -> Sampl
     return sampling
 
 
-def generate_ids(model: Llama, tokenizer: Tokenizer | None, prompts: Sequence[Sequence[int]], *,
+def generate_ids(model: CausalLM, tokenizer: Tokenizer | None, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
                  generation_config: GenerationConfig | None = None,
@@ -143,7 +143,7 @@ def generate_ids(model: Llama, tokenizer: Tokenizer | None, prompts: Sequence[Se
 
 
 
-def generate_text(model: Llama, tokenizer: Tokenizer, prompts: str | Sequence[str], *,
+def generate_text(model: CausalLM, tokenizer: Tokenizer, prompts: str | Sequence[str], *,
                   max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
                   eos_token_id: int | Sequence[int] | None = None,
                   generation_config: GenerationConfig | None = None,
@@ -153,7 +153,7 @@ def generate_text(model: Llama, tokenizer: Tokenizer, prompts: str | Sequence[st
     """Continues text prompts: encode, :func:`~forge_jax.generation.generate`, decode.
 
     Args:
-      model: a :class:`~forge_jax.models.llama.Llama`.
+      model: a :class:`~forge_jax.models.protocol.CausalLM` (a ``Llama``, ``DeepseekV3``, ...).
       tokenizer: from :func:`load_tokenizer` on the same checkpoint.
       prompts: a string, or a list of strings (a batch, of any lengths).
       max_new_tokens: per prompt; default: generation_config.json's, else 256 capped at
@@ -206,7 +206,7 @@ def generate_text(model: Llama, tokenizer: Tokenizer, prompts: str | Sequence[st
     return texts[0] if single else texts
 
 
-def chat(model: Llama, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
+def chat(model: CausalLM, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
          max_new_tokens: int | None = None, sampling: SamplingParams | None = None,
          eos_token_id: int | Sequence[int] | None = None,
          generation_config: GenerationConfig | None = None,

@@ -49,9 +49,9 @@ from forge_jax.generation import loop as generation
 from forge_jax.generation import settings
 from forge_jax.generation import steps as steps_lib
 from forge_jax.generation.sampling import SamplingParams
-from forge_jax.kv_cache import CacheSpec, PagedKVCache
+from forge_jax.kv_cache import CacheSpec
 from forge_jax.models.checkpoints.generation_config import GenerationConfig
-from forge_jax.models.llama_model import Llama
+from forge_jax.models.protocol import CausalLM
 from forge_jax.text.chat_template import ChatTemplateError, check_messages
 from forge_jax.text.streaming import TextStreamer
 from forge_jax.text.tokenizer import Tokenizer, encode_chat
@@ -120,7 +120,7 @@ class ChatSession:
     does (the reply so far is kept).
 
     Args:
-      model: a :class:`~forge_jax.models.llama.Llama`.
+      model: a :class:`~forge_jax.models.protocol.CausalLM` (a ``Llama``, ``DeepseekV3``, ...).
       tokenizer: a :class:`~forge_jax.text.Tokenizer` with a chat template.
       max_context: tokens the conversation may hold (prompt and replies); default the
         model's ``max_position_embeddings``, at most 4096. The cache for all of them is
@@ -148,7 +148,7 @@ class ChatSession:
       forge_jax.text.api.ChatTemplateError: the tokenizer has no chat template.
     """
 
-    def __init__(self, model: Llama, tokenizer: Tokenizer, *, max_context: int | None = None,
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, *, max_context: int | None = None,
                  cache: CacheSpec | None = None, prefill_chunk: int = 32,
                  system: str | None = None, max_new_tokens: int | None = None,
                  sampling: SamplingParams | None = None,
@@ -197,7 +197,7 @@ class ChatSession:
         self.max_context = max_context
         self.cache_spec = cache
         generation.check_generation_fits(
-            config, batch=1, longest_prompt=max_context - 1, max_new_tokens=1, cache=cache,
+            model, batch=1, longest_prompt=max_context - 1, max_new_tokens=1, cache=cache,
             param_dtype=model.param_dtype, dtype=model.dtype)
         self._cache = self._new_cache()
         self._graphdef, self._state = nnx.split(model)
@@ -211,15 +211,14 @@ class ChatSession:
         self.last_turn = TurnStats()
         self.reset()
 
-    def _new_cache(self) -> PagedKVCache:
-        config = self.model.config
+    def _new_cache(self):
+        """The model's paged cache of one row, its pages in order
+        (:meth:`~forge_jax.models.protocol.CausalLM.create_cache`)."""
         spec = self.cache_spec
         pages = -(-self.max_context // spec.page_size)
-        return PagedKVCache.create(
-            num_layers=config.num_hidden_layers, num_pages=pages, page_size=spec.page_size,
-            kv_heads=self.model.kv_heads, head_dim=config.head_dim,
-            dtype=spec.resolved_dtype(self.model.dtype),
-            block_tables=np.arange(pages, dtype=np.int32)[None], quantize=spec.kv_dtype)
+        return self.model.create_cache(
+            spec, batch=1, max_len=pages * spec.page_size, num_pages=pages,
+            block_tables=np.arange(pages, dtype=np.int32)[None])
 
     @property
     def page_size(self) -> int:

@@ -215,3 +215,61 @@ def load_kernels(model, expected: dict, raw: RawTensors, file_of: dict[str, str]
         param = params[key]
         param.set_value(kernel(tuple(param.shape), parts, raw, file_of, param.dtype))
     return set(by_param)
+
+
+# Models with loaders of their own (DeepSeek-V3) read fp8 tensors one weight at a time.
+
+def open_files(files) -> tuple[RawTensors, dict[str, str]]:
+    """Every tensor of the safetensors ``files``, read through a memory map, and the file
+    name holding each (for the messages)."""
+    raw, file_of = RawTensors(), {}
+    for file in files:
+        file = pathlib.Path(file)
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name in header:
+            if name != "__metadata__":
+                raw.add(file, name)
+                file_of[name] = file.name
+    return raw, file_of
+
+
+def is_fp8(raw: RawTensors, name: str) -> bool:
+    """Whether tensor ``name`` is stored as ``F8_E4M3``."""
+    _, info, _ = raw._where[name]
+    return info["dtype"] == FP8
+
+
+def linear_kernel(name: str, raw: RawTensors, file_of: dict[str, str], config: Fp8Config,
+                  dtype) -> fj.QuantizedArray:
+    """The fp8 kernel ``[out, in]`` of one linear layer's ``weight`` ``name`` and its
+    ``weight_scale_inv`` (CheckpointError naming the tensor: no scales, or a module
+    ``modules_to_not_convert`` lists)."""
+    if name + SCALE_SUFFIX not in raw:
+        raise CheckpointError(f"tensor {name!r} in {file_of[name]} is {FP8} but the "
+                              f"checkpoint has no {name + SCALE_SUFFIX!r}")
+    module = name.rsplit(".", 1)[0]
+    if _skipped(module, config.not_converted):
+        raise CheckpointError(
+            f"tensor {name!r} in {file_of[name]} is {FP8}, but quantization_config."
+            f"modules_to_not_convert={list(config.not_converted)} lists {module!r}")
+    shape = tuple(raw.get(name).shape)
+    if len(shape) != 2:
+        raise CheckpointError(f"tensor {name!r} in {file_of[name]} is {FP8} of shape {shape}; "
+                              f"forge_jax reads fp8 linear layers [out, in] only")
+    return kernel(shape, [(name, None)], raw, file_of, dtype)
+
+
+def stack_kernels(kernels: list[fj.QuantizedArray]) -> fj.QuantizedArray:
+    """Experts' fp8 kernels ``[out, in]`` as one ``[experts, out, in]`` kernel (each its own
+    scales), their blocks brought to the finest row block among them (exact: a coarser
+    block's scale repeated)."""
+    rows = min(k.block[0] for k in kernels)
+    cols = {k.block[1] for k in kernels}
+    if len(cols) != 1 or {tuple(k.values.shape) for k in kernels} != {kernels[0].values.shape}:
+        raise CheckpointError(f"experts of one layer differ in shape or column blocks: "
+                              f"{sorted({tuple(k.values.shape) for k in kernels})}, {sorted(cols)}")
+    scales = [np.repeat(np.asarray(k.scales), k.block[0] // rows, axis=0) for k in kernels]
+    return fj.quant.from_parts(np.stack([np.asarray(k.values) for k in kernels]),
+                               np.stack(scales), format="fp8", block=(rows, cols.pop()),
+                               dtype=kernels[0].dtype)

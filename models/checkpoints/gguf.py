@@ -1,10 +1,12 @@
 """GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package
 (ggml's own reader; ``pip install gguf``), imported only when a ``.gguf`` file is opened.
 
-* The ``llama`` architecture's metadata fills a :class:`LlamaConfig`; llama.cpp's tensor
-  names map onto Hugging Face's (``blk.0.attn_q.weight`` is
+* The ``llama`` and ``smollm3`` architectures' metadata fills a :class:`LlamaConfig`;
+  llama.cpp's tensor names map onto Hugging Face's (``blk.0.attn_q.weight`` is
   ``model.layers.0.self_attn.q_proj.weight``), and the rows of ``attn_q`` and ``attn_k``,
-  which llama.cpp's converter permutes for its RoPE layout, are permuted back.
+  which llama.cpp's converter permutes for its RoPE layout, are permuted back. SmolLM3's
+  files carry no NoPE pattern: llama.cpp leaves RoPE out of every 4th layer (its fixed
+  ``n_no_rope_layer_step``, SmolLM3's ``no_rope_layer_interval``), and so does the loader.
 * Quantized linear weights stay quantized, losslessly, as :class:`forge_jax.QuantizedArray`:
   Q8_0 -> int8 (blocks of 32, float16 scales), Q4_0 -> symmetric int4, Q4_1 -> int4 with
   minimums (nibbles reordered to the packed int4 layout), Q5_0 and Q5_1 -> int8 holding the
@@ -63,6 +65,10 @@ _LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF architecture -> forge_jax family (model_type); llama.cpp writes SmolLM3 without its
+# NoPE layers, which it fixes at every 4th (SMOLLM3_NOPE_STEP).
+ARCHITECTURES = {"llama": "llama", "smollm3": "smollm3"}
+SMOLLM3_NOPE_STEP = 4
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -182,13 +188,19 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
-    """The :class:`LlamaConfig` a GGUF file's metadata describes (architecture ``llama``)."""
+    """The :class:`LlamaConfig` a GGUF file's metadata describes (an architecture of
+    :data:`ARCHITECTURES`)."""
     reader = open_gguf(path) if reader is None else reader
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; forge_jax "
-                              f"reads 'llama'")
-    get = lambda key, default=None: _field(reader, f"llama.{key}", default)
+                              f"reads {', '.join(map(repr, ARCHITECTURES))}")
+    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+    layers = int(get("block_count", 0))
+    family = {} if arch == "llama" else dict(model_type=ARCHITECTURES[arch])
+    if arch == "smollm3":
+        family["nope_layers"] = tuple(i for i in range(layers)
+                                      if (i + 1) % SMOLLM3_NOPE_STEP == 0)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise CheckpointError(f"{path}: its rope_freqs tensor (Llama 3's RoPE scaling) is not "
@@ -206,7 +218,7 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
         return LlamaConfig(
             vocab_size=int(get("vocab_size", len(tokens) if tokens else 0)),
             hidden_size=int(hidden), intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")), num_attention_heads=int(heads),
+            num_hidden_layers=layers, num_attention_heads=int(heads),
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
             head_dim=int(get("attention.key_length", hidden // heads)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -215,9 +227,9 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
             max_position_embeddings=int(get("context_length", 2048)),
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-            pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
+            pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"), **family)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: its llama metadata does not make a config: {e}") from None
+        raise CheckpointError(f"{path}: its {arch} metadata does not make a config: {e}") from None
 
 
 # --------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 
 from forge_jax import memory as fj_memory
 from forge_jax import targets as fj_targets
+from forge_jax.models import families
 from forge_jax.models.checkpoints import fp8 as fp8_checkpoint
 from forge_jax.models.checkpoints import mxfp4 as mxfp4_checkpoint
 from forge_jax.models.checkpoints.abstract import abstract_llama
@@ -113,7 +114,8 @@ def default_dtype(platform: str | None = None) -> np.dtype:
 
 
 def load_config(path: str | os.PathLike, *, revision: str | None = None) -> LlamaConfig:
-    """Reads ``path/config.json`` into a :class:`LlamaConfig` (errors name the file).
+    """Reads ``path/config.json`` into a :class:`LlamaConfig` (a ``gemma4_text`` one into a
+    :class:`~forge_jax.models.gemma4_config.Gemma4Config`; errors name the file).
     ``path`` may be a Hub repository id (``ORG/NAME``, at ``revision``): see
     :func:`forge_jax.models.checkpoints.hub.resolve_checkpoint`."""
     from forge_jax.models.checkpoints import gguf as gguf_checkpoint
@@ -147,6 +149,9 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
         raise CheckpointError(f"{file}: eos_token_id must be an int or a list of ints, got "
                               f"{eos!r}")
     try:
+        if isinstance(raw, dict) and raw.get("model_type") in ("gemma4_text", "gemma4"):
+            from forge_jax.models.gemma4_config import Gemma4Config
+            return Gemma4Config.from_hf(raw)
         return LlamaConfig.from_hf(raw)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{file}: {e}") from None
@@ -198,7 +203,9 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
 
     Returns:
       A :class:`Llama` holding the checkpoint's weights, with ``generation_config.json``
-      (if present) in ``model.generation_config``.
+      (if present) in ``model.generation_config``; for a ``model_type`` with a model of its
+      own (:data:`forge_jax.models.families.ELSEWHERE`: ``deepseek_v3``), that model, from
+      its loader given the same ``dtype``, ``quantize``, ``group_size`` and ``mesh``.
 
     Raises:
       CheckpointError (a ValueError): unreadable or unsupported config, missing
@@ -224,6 +231,18 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
                              f"quantize={quantize!r} and mesh= are not supported with {path}")
         return gguf_checkpoint.from_gguf(path, dtype=dtype, param_dtype=param_dtype)
     path = resolve_checkpoint(path, revision=revision)
+    loader = _loader_elsewhere(path)
+    if loader is not None:  # a family with a model of its own (DeepSeek-V3)
+        if param_dtype != dtype:
+            raise ValueError(f"{path} loads a model whose weights are stored in its compute "
+                             f"dtype: param_dtype={param_dtype.name} must be dtype={dtype.name}")
+        return loader(path, dtype=dtype, quantize=quantize, group_size=group_size, mesh=mesh,
+                      tp_axis=tp_axis, dp_axis=dp_axis)
+    from forge_jax.models.checkpoints import gemma4 as gemma4_checkpoint
+    if gemma4_checkpoint.is_gemma4(path):  # Gemma 4 text: a model of its own
+        return gemma4_checkpoint.from_pretrained(
+            path, _safetensors_files(path), _check_finite, dtype=dtype,
+            param_dtype=param_dtype, mesh=mesh, quantize=quantize, group_size=group_size)
     config = load_config(path)
     fp8 = fp8_checkpoint.quantization(json.loads((path / "config.json").read_text()),
                                       path / "config.json")
@@ -326,3 +345,14 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         model.mesh = plan.mesh
     model.generation_config = load_generation_config(path)
     return model
+
+
+def _loader_elsewhere(path: pathlib.Path):
+    """The loader of a checkpoint whose ``model_type`` has a model of its own
+    (:func:`forge_jax.models.families.loader_for`), else None (an unreadable config.json is
+    :func:`load_config`'s to report)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return families.loader_for(raw) if isinstance(raw, dict) else None

@@ -47,6 +47,9 @@ def hf_parameters(
 
     A fused projection's parameter appears once per HF tensor it holds. Works on an
     abstract model (``nnx.eval_shape``) too: nothing is read."""
+    if getattr(model.config, "model_type", None) == "gemma4_text":  # a model of its own
+        from forge_jax.models.checkpoints.gemma4_names import gemma4_parameters
+        return gemma4_parameters(model)
     same = lambda w: w
     out = {"model.embed_tokens.weight": (model.embed_tokens, model.embed_tokens.shape, same,
                                          None),
@@ -219,4 +222,8 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
         if stored.shape != tuple(hf_shape) or not np.array_equal(convert(stored), stored):
             raise ValueError(f"cannot convert {name} of shape {stored.shape} to HF's {hf_shape}")
         out[name] = stored
+    if getattr(model.config, "model_type", None) == "gemma4_text":  # its experts, transposed
+        from forge_jax.models.checkpoints.gemma4_names import expert_parameters
+        for name, param in expert_parameters(model).items():
+            out[name] = np.ascontiguousarray(np.swapaxes(np.asarray(param[...], np.float32), 1, 2))
     return out

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 import forge_jax as fj
 from forge_jax import quant as fj_quant
 from forge_jax.models.llama_model import Linear, Llama
-from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
+from forge_jax.models.llama_moe import BiasedMoe, GeluExpertsMoe, ScaledInputMoe, SparseMoe
 
 # --quantize's choices: format and its default group size along the in axis.
 FORMATS = {"int8": None, "int4": 32, "fp8": None}
@@ -114,8 +114,8 @@ def expert_kernels(model: Llama) -> list[nnx.Param]:
     for _, module in nnx.iter_graph(model):
         if isinstance(module, SparseMoe):
             out += [module.w_gate, module.w_up, module.w_down]
-        elif isinstance(module, BiasedMoe | ScaledInputMoe):  # gpt-oss, Llama 4
-            out += [module.gate_up, module.down]
+        elif isinstance(module, BiasedMoe | ScaledInputMoe | GeluExpertsMoe):
+            out += [module.gate_up, module.down]  # gpt-oss, Llama 4, Gemma 4
     return out
 
 

@@ -116,11 +116,12 @@ def named_keys(key, entries: Sequence[Any], start, *, page_size: int, block_kv: 
 
 def masked_logits(s, pos, *, start, key_lo, key_hi, entries: Sequence[Any], layout,
                   sliding_window: int | None, logits_soft_cap: float | None, page_size: int,
-                  block_kv: int, interpret: bool):
+                  block_kv: int, interpret: bool, attention_chunk_size: int | None = None):
     """Kernel code: the scaled logits ``s [rows, block_kv]`` of the key block at ``start``
     capped (``logits_soft_cap``) and hidden (``-inf``) where a row does not see the key:
     past its position ``pos [rows]``, outside ``[key_lo, key_hi)``, the window or the pages
-    the block's ``entries`` name. Returns ``(s, visible)``."""
+    the block's ``entries`` name, or (``attention_chunk_size``) before its chunk. Returns
+    ``(s, visible)``."""
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     rows = s.shape[0]
@@ -129,6 +130,10 @@ def masked_logits(s, pos, *, start, key_lo, key_hi, entries: Sequence[Any], layo
     visible = (key <= row_pos) & (key >= key_lo) & (key < key_hi)
     if sliding_window is not None:
         visible &= key > row_pos - sliding_window
+    if attention_chunk_size is not None:  # causal: the chunk's end is past the row's key
+        rem = lax.rem(pos, attention_chunk_size)  # truncates: floor(pos / size) * size below
+        first = pos - jnp.where(rem < 0, rem + attention_chunk_size, rem)
+        visible &= key >= lax.broadcast_in_dim(first, (rows, block_kv), [0])
     visible &= named_keys(key, entries, start, page_size=page_size, block_kv=block_kv)
     return jnp.where(visible, s, -jnp.inf), visible
 

@@ -118,10 +118,13 @@ def supports(args: Mapping[str, Any], platform: str) -> str | None:
     if reason is not None:
         return reason
     if args.get("sinks") is not None:
-        return "sinks=: jax.nn.dot_product_attention takes no sink logits"
+        return ("sinks=: jax.nn.dot_product_attention (JAX 0.10 to 0.12) takes no sink "
+                "logits (joining them through its return_residual logsumexp is not "
+                "implemented in this record)")
     if args.get("attention_chunk_size") is not None:
         return ("attention_chunk_size=: jax.nn.dot_product_attention's is_causal and "
-                "local_window_size cannot express a chunked mask")
+                "local_window_size cannot express a chunked mask; only a mask= array can, a "
+                "[batch, q_len, kv_len] tensor this record does not build")
     return shape_reason(args, _common.capability(backends.gpu_compute_capability()))
 
 

@@ -36,7 +36,11 @@ tile: a consumer copies its V tile with non-finite values zeroed (``0 * NaN`` is
 zero probability does not hide a NaN value) and a 0/1 tile of where they were, and a second
 WGMMA ``visible @ nonfinite`` marks NaN exactly the output columns of the rows that see
 one. So NaN/inf a row may not see never reaches it, NaN it sees propagates; interior tiles
-(every key visible to every row) take the fast path.
+(every key visible to every row) take the fast path. Chunked attention
+(``attention_chunk_size``) narrows the ranges to the rows' chunks and hides, per row, the
+keys outside its own; attention sinks (``sinks``, a logit per query head) reach the CTA as
+one float32 per row (its head's, copied with the positions) and join each row's softmax
+after the last tile, as one more key of value zero (a NaN or ``+inf`` sink gives NaN).
 
 K/V are read in place (``[batch, kv_len, kv_heads, head_dim]``, one strided TMA per tile);
 the last tile of a ``kv_len`` that is not a multiple of ``block_kv`` is read from
@@ -157,7 +161,7 @@ def shared_memory_bytes(head_dim: int, dtype: Any, config: Config) -> int:
 
 
 def _ranges(positions, lengths, *, rows_pad, group, block_q, block_kv, causal,
-            sliding_window):
+            sliding_window, attention_chunk_size=None):
     """Per warpgroup's rows, int32 ``[batch, rows_pad // (2 block_q), 2, 32]``:
     ``(cta_lo, cta_hi, own_lo, own_hi, key_lo, key_hi, all_lo, all_hi)``: the tile steps
     of the CTA (the union of its two warpgroups'), those of this warpgroup, the keys some
@@ -170,7 +174,7 @@ def _ranges(positions, lengths, *, rows_pad, group, block_q, block_kv, causal,
     lo_pos, hi_pos = blocks.min(axis=-1), blocks.max(axis=-1)
     own_lo, own_hi, key_lo, key_hi, all_lo, all_hi = _attention_common.key_spans(
         lo_pos, hi_pos, lengths, causal=causal, sliding_window=sliding_window,
-        block_kv=block_kv)
+        block_kv=block_kv, attention_chunk_size=attention_chunk_size)
     pairs = lambda x: x.reshape(batch, -1, _CONSUMERS)  # noqa: E731
     own_lo, own_hi = pairs(own_lo), pairs(own_hi)
     empty = own_hi <= own_lo
@@ -188,16 +192,19 @@ def _ranges(positions, lengths, *, rows_pad, group, block_q, block_kv, causal,
     return info.astype(jnp.int32), row_pos.astype(jnp.int32)
 
 
-def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
-            o_ref,  # output (GMEM)
-            qo_smem, k_smem, v_smem, clean_smem, pos_smem, info_smem,  # scratch (SMEM)
-            q_bar, pos_bar, info_bar, k_bar, v_bar, k_free, v_free, schedule,  # barriers
-            *, scale, causal, sliding_window, logits_soft_cap, block_q, block_kv, stages,
-            block_d, ping_pong, interpret):
+def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, *refs, scale, causal, sliding_window,
+            logits_soft_cap, block_q, block_kv, stages, block_d, ping_pong, interpret,
+            attention_chunk_size=None, has_sinks=False):
     # q_ref, o_ref [batch, kv_heads, rows_pad, head_dim]; k_ref, v_ref [batch, kv_len,
     # kv_heads, head_dim]; pos_ref [batch, rows_pad]; info_ref [batch, pairs, 2, _INFO]
-    # (see _ranges). Warpgroups 0 and 1 compute, warpgroup 2 loads K and V's columns
-    # [cols * block_d, (cols + 1) * block_d).
+    # (see _ranges); with sinks, sink_ref [kv_heads, rows_pad] f32, each row's head's sink
+    # logit times log2(e), and its scratch sink_smem. Warpgroups 0 and 1
+    # compute, warpgroup 2 loads K and V's columns [cols * block_d, (cols + 1) * block_d).
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    (o_ref,  # output (GMEM)
+     qo_smem, k_smem, v_smem, clean_smem, pos_smem, info_smem,  # scratch (SMEM)
+     q_bar, pos_bar, info_bar, k_bar, v_bar, k_free, v_free, schedule,  # barriers
+     *sink_scratch) = refs
     plgpu = _compat.pallas_mosaic_gpu()
     head = lax.axis_index("heads")
     columns = pl.ds(lax.axis_index("cols") * block_d, block_d)
@@ -265,13 +272,24 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
                                 q_bar.at[wg])
         plgpu.copy_gmem_to_smem(pos_ref.at[batch, pl.ds(row0, block_q)], pos_smem.at[wg],
                                 pos_bar.at[wg])
+        if has_sinks:  # (the positions' barrier counts both copies)
+            (sink_smem,) = sink_scratch
+            plgpu.copy_gmem_to_smem(sink_ref.at[head, pl.ds(row0, block_q)], sink_smem.at[wg],
+                                    pos_bar.at[wg])
         cta_lo, cta_hi, own_lo, own_hi, key_lo, key_hi, all_lo, all_hi = read_info(wg, wg)
         plgpu.barrier_wait(q_bar.at[wg])
         plgpu.barrier_wait(pos_bar.at[wg])
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        # The rows' positions, [block_q] (the interpreter has no rule for plgpu.load).
-        pos = (pos_smem[wg] if interpret
-               else _compat.mosaic_gpu_load(pos_smem.at[wg], layout=row_layout))
+
+        def rows(smem):  # [block_q] (the interpreter has no rule for plgpu.load)
+            return (smem[wg] if interpret
+                    else _compat.mosaic_gpu_load(smem.at[wg], layout=row_layout))
+
+        pos = rows(pos_smem)  # the rows' positions
+        if attention_chunk_size is not None:
+            # The first key of each row's chunk, floor(pos / size) * size (rem truncates).
+            rem = lax.rem(pos, attention_chunk_size)
+            chunk_lo = pos - jnp.where(rem < 0, rem + attention_chunk_size, rem)
 
         def wait_only(step, carry):
             # A tile of the CTA this warpgroup does not need: keep the barriers' phases
@@ -306,6 +324,9 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
                 visible &= key <= row
             if sliding_window is not None:
                 visible &= key > row - sliding_window
+            if attention_chunk_size is not None:
+                first = lax.broadcast_in_dim(chunk_lo, (block_q, block_kv), [0])
+                visible &= (key >= first) & (key - first < attention_chunk_size)
             s = jnp.where(visible, s * _LOG2E, -jnp.inf)
             m_next = jnp.maximum(m, s.max(axis=1))
             # A row that has seen no key yet keeps m = -inf; exp2(-inf - 0) = 0.
@@ -354,8 +375,18 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
         acc, m, l_sum = lax.fori_loop(own_lo, own_hi, step_fn, (acc, m, l_sum))
         lax.fori_loop(own_hi, cta_hi, wait_only, None)
         pl.when(wg == 0)(take_turn)
-        # A row that saw no key has l_sum == 0 and acc == 0: zeros. NaN stays NaN.
-        l_sum = jnp.where(l_sum > 0, l_sum, 1.0)
+        if has_sinks:
+            # The sink joins the denominator and weighs no value (forge_jax.ops.attention):
+            # one more key of logit `sink` (+inf gives NaN, as exp2(inf - inf) does).
+            sink = rows(sink_smem)
+            m_next = jnp.maximum(m, sink)
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            correction = jnp.exp2(m - m_safe)
+            acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+            l_sum = l_sum * correction + jnp.exp2(sink - m_safe)
+        # A row that saw no key has l_sum == 0 and acc == 0 (with a sink, l_sum > 0): zeros.
+        # NaN stays NaN.
+        l_sum = jnp.where(l_sum == 0, 1.0, l_sum)  # NaN (a +inf sink) stays NaN
         out = acc / lax.broadcast_in_dim(l_sum, acc.shape, [0])
         # The output's staging tile: Q's, or with V's columns split the boundary tile
         # (block_kv == block_q then), which a TMA copies whole.
@@ -397,8 +428,9 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref,  # inputs (GMEM)
             plgpu.barrier_wait(v_free.at[slot])
 
 
-def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
-             block_q, block_kv, stages, block_d, ping_pong, interpret):
+def _forward(q, k, v, positions, lengths, sinks=None, *, scale, causal, sliding_window,
+             logits_soft_cap, block_q, block_kv, stages, block_d, ping_pong, interpret,
+             attention_chunk_size=None):
     plgpu = _compat.pallas_mosaic_gpu()
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -415,7 +447,13 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
     qg = _attention_common.group_queries(q, kv_heads, rows_pad=rows_pad)
     info, row_pos = _ranges(positions, lengths, rows_pad=rows_pad, group=group,
                             block_q=block_q, block_kv=block_kv, causal=causal,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window,
+                            attention_chunk_size=attention_chunk_size)
+    extra = []
+    if sinks is not None:  # [kv_heads, rows_pad]: row r of kv head h is head h * group + r % group
+        row_sinks = jnp.tile(sinks.reshape(kv_heads, 1, group), (1, q_len, 1))
+        row_sinks = row_sinks.reshape(kv_heads, rows) * _LOG2E  # the kernel's base 2
+        extra.append(jnp.pad(row_sinks, ((0, 0), (0, rows_pad - rows))))
     swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = [
         plgpu.SMEM((_CONSUMERS, block_q, head_dim), q.dtype, **swizzled),
@@ -425,7 +463,7 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
         plgpu.SMEM((_CONSUMERS, block_q), jnp.int32),
         plgpu.SMEM((_CONSUMERS + 1, _INFO), jnp.int32),
         plgpu.Barrier(num_barriers=_CONSUMERS),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_arrivals=1 + (sinks is not None), num_barriers=_CONSUMERS),
         plgpu.Barrier(num_barriers=_CONSUMERS + 1),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
@@ -433,10 +471,13 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS),  # the consumers' schedule (ping-pong)
     ]
+    if sinks is not None:
+        scratch.append(plgpu.SMEM((_CONSUMERS, block_q), jnp.float32))
     body = functools.partial(
         _kernel, scale=scale, causal=causal, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, block_q=block_q, block_kv=block_kv, stages=stages,
-        block_d=block_d, ping_pong=ping_pong, interpret=interpret)
+        block_d=block_d, ping_pong=ping_pong, interpret=interpret,
+        attention_chunk_size=attention_chunk_size, has_sinks=sinks is not None)
     splits = head_dim // block_d
     cost = _cost.attention(queries=batch * q_len * q_heads, keys=kv_len, head_dim=head_dim,
                            causal=causal and q_len == kv_len, io=(qg, k, v, qg))
@@ -451,7 +492,7 @@ def _forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logi
             compiler_params=plgpu.CompilerParams(approx_math=True),
             grid=(kv_heads, splits, rows_pad // (_CONSUMERS * block_q), batch),
             grid_names=("heads", "cols", "rows", "batch"), num_threads=_CONSUMERS + 1,
-            thread_name="wg")(qg, k, v, row_pos, info)
+            thread_name="wg")(qg, k, v, row_pos, info, *extra)
     return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                              head_dim=head_dim)
 
@@ -462,11 +503,12 @@ _attention_sm100 = _attention_common.flash_attention_call(mosaic_attention_sm100
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "causal", "sliding_window", "logits_soft_cap", "block_q", "block_kv", "stages",
-    "block_d", "ping_pong", "interpret", "mma"))
+    "scale", "causal", "sliding_window", "logits_soft_cap", "attention_chunk_size", "block_q",
+    "block_kv", "stages", "block_d", "ping_pong", "interpret", "mma"))
 def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_lengths=None,
-                    sliding_window=None, logits_soft_cap=None, block_q=None, block_kv=None,
-                    stages=None, block_d=None, ping_pong=None, interpret=False, mma=None):
+                    sliding_window=None, logits_soft_cap=None, sinks=None,
+                    attention_chunk_size=None, block_q=None, block_kv=None, stages=None,
+                    block_d=None, ping_pong=None, interpret=False, mma=None):
     """Flash attention on Hopper+ (see :func:`forge_jax.attention` for the contract).
 
     Args:
@@ -474,7 +516,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         (:func:`supports`, checked by dispatch, not here: other cases fail to compile).
       k, v: ``[batch, kv_len, kv_heads, head_dim]`` in ``q.dtype``,
         ``q_heads % kv_heads == 0``.
-      scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap: as in the op.
+      scale, causal, q_positions, kv_lengths, sliding_window, logits_soft_cap, sinks,
+        attention_chunk_size: as in the op.
       block_q: query rows per consumer warpgroup (64: one WGMMA tile).
       block_kv: keys per tile, a multiple of 64.
       stages: K/V tiles in flight (>= 2).
@@ -491,6 +534,7 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
       ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; differentiable in q, k, v.
     """
     mma = mma or _mosaic.mma_kind()
+    extras = dict(sinks=sinks, attention_chunk_size=attention_chunk_size)
     if mma == "tcgen05":
         if q.size == 0 or k.shape[1] == 0:
             return jnp.zeros(q.shape, q.dtype)
@@ -498,7 +542,8 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
                  if x is not None}
         return _attention_sm100(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                                 kv_lengths=kv_lengths, sliding_window=sliding_window,
-                                logits_soft_cap=logits_soft_cap, interpret=interpret, **knobs)
+                                logits_soft_cap=logits_soft_cap, interpret=interpret, **extras,
+                                **knobs)
     if mma != "wgmma":
         raise ValueError(f"mma={mma!r}: 'wgmma' (Hopper) or 'tcgen05' (Blackwell)")
     config = dataclasses.replace(
@@ -518,7 +563,7 @@ def flash_attention(q, k, v, *, scale=None, causal=True, q_positions=None, kv_le
         return jnp.zeros(q.shape, q.dtype)
     return _attention(q, k, v, scale=scale, causal=causal, q_positions=q_positions,
                       kv_lengths=kv_lengths, sliding_window=sliding_window,
-                      logits_soft_cap=logits_soft_cap, block_q=config.block_q,
+                      logits_soft_cap=logits_soft_cap, **extras, block_q=config.block_q,
                       block_kv=config.block_kv, stages=config.stages, block_d=columns,
                       ping_pong=config.ping_pong, interpret=interpret)
 
@@ -551,6 +596,7 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "attention", flash_attention, backend="mosaic_gpu", supports=supports, verified=VERIFIED,
+    reads_sinks=True, reads_chunks=True,
     description="flash attention (FA3: TMA producer, two WGMMA consumers; Blackwell: one "
                 "warpgroup, tcgen05 into TMEM), GQA rows per CTA, XLA-VJP backward",
     interpret_configs=lambda args: [])

@@ -23,6 +23,8 @@ a TMEM tile of its own, how many non-finite values each row sees in each column;
 columns of those rows are NaN in the output. The last tile of a ``kv_len`` that is not a
 multiple of ``block_kv`` is read from ``kv_len - block_kv`` (keys already seen hidden), so
 K/V are padded only when ``kv_len < block_kv`` or ``kv_len % 8`` (TMA's row tiling).
+Chunked attention and attention sinks as in the Hopper kernel: the ranges within the rows'
+chunks, each row's own chunk hidden by selection, the sink joined after the last tile.
 
 Constraints (:func:`reason`): bfloat16/float16, q, k and v of one dtype; head_dim 64 or 128
 (three TMEM tiles: ``block_kv + 2 * head_dim`` of the 512 columns).
@@ -69,7 +71,7 @@ def reason(*, dtypes, head_dim: int) -> str | None:
     return None
 
 
-def _ranges(row_pos, lengths, *, causal, sliding_window, block_kv):
+def _ranges(row_pos, lengths, *, causal, sliding_window, block_kv, attention_chunk_size=None):
     """Per program (128 rows), int32 ``[batch, blocks, 8]``: first and last tile, the keys
     some row sees ``[key_lo, key_hi)`` and those every row sees ``[all_lo, all_hi)``."""
     batch, rows_pad = row_pos.shape
@@ -77,16 +79,19 @@ def _ranges(row_pos, lengths, *, causal, sliding_window, block_kv):
     lo_pos, hi_pos = blocks.min(axis=-1), blocks.max(axis=-1)
     t_lo, t_hi, key_lo, key_hi, all_lo, all_hi = _attention_common.key_spans(
         lo_pos, hi_pos, lengths, causal=causal, sliding_window=sliding_window,
-        block_kv=block_kv)
+        block_kv=block_kv, attention_chunk_size=attention_chunk_size)
     zero = jnp.zeros_like(key_hi)
     info = jnp.stack([t_lo, t_hi, key_lo, key_hi, all_lo, all_hi, zero, zero], axis=-1)
     return info.astype(jnp.int32)
 
 
-def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sliding_window,
-            logits_soft_cap, block_kv, stages, interpret):
+def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, *refs, scale, causal, sliding_window,
+            logits_soft_cap, block_kv, stages, interpret, attention_chunk_size=None,
+            has_sinks=False):
     # q_ref, o_ref [batch, kv_heads, rows_pad, head_dim]; k_ref, v_ref [batch, kv_len,
-    # kv_heads, head_dim]; pos_ref [batch, rows_pad]; info_ref [batch, blocks, 8].
+    # kv_heads, head_dim]; pos_ref [batch, rows_pad]; info_ref [batch, blocks, 8]; with
+    # sinks, sink_ref [kv_heads, rows_pad] f32: each row's head's sink logit.
+    sink_ref, o_ref = refs if has_sinks else (None, *refs)
     plgpu = _compat.pallas_mosaic_gpu()
     b, h, blk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
     kv_len, head_dim = k_ref.shape[1], k_ref.shape[3]
@@ -120,6 +125,10 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
         plgpu.commit_tmem()
         plgpu.barrier_wait(q_bar.at[0])
         pos = cast(pos_smem[...], row_layout)
+        if attention_chunk_size is not None:
+            # The first key of each row's chunk, floor(pos / size) * size (rem truncates).
+            rem = lax.rem(pos, attention_chunk_size)
+            chunk_lo = pos - jnp.where(rem < 0, rem + attention_chunk_size, rem)
 
         def mma(acc, a, b_ref, accumulate):
             plgpu.tcgen05_mma(acc, a, b_ref, mma_bar.at[0], accumulate=accumulate)
@@ -144,6 +153,9 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
                 visible &= key <= row
             if sliding_window is not None:
                 visible &= key > row - sliding_window
+            if attention_chunk_size is not None:
+                first = lax.broadcast_in_dim(chunk_lo, (ROWS, block_kv), [0])
+                visible &= (key >= first) & (key - first < attention_chunk_size)
             s = jnp.where(visible, s, -jnp.inf)
             p, alpha, m_next, l_next = _mosaic.online_softmax(s, m_prev, l_prev)
             p_smem[...] = p.astype(dtype)
@@ -181,10 +193,12 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
         return lax.fori_loop(0, steps, step_fn,
                              _mosaic.softmax_init(ROWS, row_layout, interpret=interpret))
 
-    def program(q_smem, pos_smem, q_bar, s_tmem, o_tmem, hits_tmem):
+    def program(q_smem, pos_smem, q_bar, s_tmem, o_tmem, hits_tmem, *sink_smem):
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar.at[0])
         plgpu.copy_gmem_to_smem(pos_ref.at[b, rows], pos_smem, q_bar.at[0])
-        _, l_sum = pl.run_scoped(
+        if has_sinks:
+            plgpu.copy_gmem_to_smem(sink_ref.at[h, rows], sink_smem[0], q_bar.at[0])
+        m, l_sum = pl.run_scoped(
             functools.partial(pipeline, q_smem, pos_smem, q_bar, s_tmem, o_tmem, hits_tmem),
             _mosaic.swizzled_smem((stages, block_kv, head_dim), dtype),
             _mosaic.swizzled_smem((stages, block_kv, head_dim), dtype),
@@ -196,6 +210,16 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
             plgpu.Barrier(num_arrivals=1, num_barriers=1, orders_tensor_core=True))
         # A row that saw no key has l_sum == 0 and O == 0: zeros. NaN stays NaN.
         inv = jnp.where(l_sum > 0, 1.0 / jnp.where(l_sum > 0, l_sum, 1.0), 0.0)
+        if has_sinks:
+            # The sink joins the denominator and weighs no value (forge_jax.ops.attention):
+            # one more key of logit `sink`; NaN or +inf in it gives NaN (exp(inf - inf)),
+            # also in a row that saw no key.
+            sink = cast(sink_smem[0][...], row_layout)
+            m_next = jnp.maximum(m, sink)
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            correction = jnp.exp2((m - m_safe) * _mosaic.LOG2E)
+            l_sum = l_sum * correction + jnp.exp2((sink - m_safe) * _mosaic.LOG2E)
+            inv = correction / jnp.where(l_sum == 0, 1.0, l_sum)
 
         @pl.when(steps > 0)
         def _():
@@ -208,21 +232,27 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, info_ref, o_ref, *, scale, causal, sli
 
         @pl.when(steps == 0)
         def _():
-            q_smem[...] = cast(jnp.zeros(q_smem.shape, jnp.float32), tmem_layout).astype(dtype)
+            zeros = cast(jnp.zeros(q_smem.shape, jnp.float32), tmem_layout)
+            if has_sinks:  # NaN where the sink is (inv - inv: 0, or NaN)
+                zeros = zeros + lax.broadcast_in_dim(inv - inv, zeros.shape, [0])
+            q_smem[...] = zeros.astype(dtype)
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(program, _mosaic.swizzled_smem((ROWS, q_ref.shape[-1]), dtype),
-                  plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_arrivals=2, num_barriers=1),
+                  plgpu.SMEM((ROWS,), jnp.int32),
+                  plgpu.Barrier(num_arrivals=2 + has_sinks, num_barriers=1),
                   plgpu.TMEM((ROWS, block_kv), jnp.float32),
                   plgpu.TMEM((ROWS, q_ref.shape[-1]), jnp.float32),
-                  plgpu.TMEM((ROWS, q_ref.shape[-1]), jnp.float32))
+                  plgpu.TMEM((ROWS, q_ref.shape[-1]), jnp.float32),
+                  *[plgpu.SMEM((ROWS,), jnp.float32)] * has_sinks)
 
 
-def forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logits_soft_cap,
-            block_kv=BLOCK_KV, stages=STAGES, interpret=False):
+def forward(q, k, v, positions, lengths, sinks=None, *, scale, causal, sliding_window,
+            logits_soft_cap, block_kv=BLOCK_KV, stages=STAGES, interpret=False,
+            attention_chunk_size=None):
     """The kernel on explicit ``positions [batch, q_len]`` and ``lengths [batch]``
     (:func:`forge_jax.pallas_kernels._attention_common.flash_attention_call` supplies them
     and the VJP): ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``."""
@@ -239,11 +269,17 @@ def forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logit
     row_pos = jnp.pad(row_pos, ((0, 0), (0, rows_pad - q_len * group)), mode="edge")
     row_pos = row_pos.astype(jnp.int32)
     info = _ranges(row_pos, lengths, causal=causal, sliding_window=sliding_window,
-                   block_kv=block_kv)
+                   block_kv=block_kv, attention_chunk_size=attention_chunk_size)
+    extra = []
+    if sinks is not None:  # [kv_heads, rows_pad]: row r of kv head h is head h * group + r % group
+        row_sinks = jnp.tile(sinks.reshape(kv_heads, 1, group), (1, q_len, 1))
+        extra.append(jnp.pad(row_sinks.reshape(kv_heads, q_len * group),
+                             ((0, 0), (0, rows_pad - q_len * group))))
     body = functools.partial(
         _kernel, scale=float(scale), causal=causal, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, block_kv=block_kv, stages=stages,
-        interpret=interpret)
+        interpret=interpret, attention_chunk_size=attention_chunk_size,
+        has_sinks=sinks is not None)
     cost = _cost.attention(queries=batch * q_len * q_heads, keys=kv_len, head_dim=head_dim,
                            causal=causal and q_len == kv_len, io=(qg, k, v, qg))
     call = _mosaic.mesh_kernel(
@@ -252,6 +288,6 @@ def forward(q, k, v, positions, lengths, *, scale, causal, sliding_window, logit
         cost_estimate=cost, name=NAME,
         compiler_params=_compat.pallas_mosaic_gpu().CompilerParams(approx_math=True),
         interpret=interpret)
-    out = call(qg, k, v, row_pos, info)
+    out = call(qg, k, v, row_pos, info, *extra)
     return _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                              head_dim=head_dim)

@@ -124,7 +124,7 @@ def default_config(args: Mapping[str, Any], device_kind: str | None = None) -> C
 def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM)
             *refs, scale, sliding_window, logits_soft_cap, page_size, block_kv, stages,
             blocks_per_split, num_pages, out_rows, quantized, gathered_scales, interpret,
-            single_position=False):
+            single_position=False, attention_chunk_size=None):
     # q_ref [items, kv_heads, ROWS, head_dim]; pos_ref [items, ROWS] (-1: padding row);
     # range_ref [items, 4]: key_lo, key_hi (the keys some row sees lie in [lo, hi)) and
     # whether every row sits at one position; tables_ref [items, table_width], -1 where no
@@ -147,7 +147,9 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
     masked_logits = functools.partial(
         _mosaic_paged.masked_logits, key_lo=key_lo, key_hi=key_hi, layout=plgpu.Layout.WGMMA,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, page_size=page_size,
-        block_kv=block_kv, interpret=interpret)
+        block_kv=block_kv, interpret=interpret,
+        # One position: the chunk starts at key_lo (the ranges'), nothing to mask per row.
+        attention_chunk_size=None if single_position else attention_chunk_size)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -330,7 +332,8 @@ def _kernel(q_ref, pos_ref, range_ref, tables_ref, k_ref, v_ref,  # inputs (GMEM
 
 def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_window,
            logits_soft_cap, out_rows, block_kv=None, stages=None, num_splits=None,
-           interpret=False, k_scales=None, v_scales=None, single_position=False, sinks=None):
+           interpret=False, k_scales=None, v_scales=None, single_position=False, sinks=None,
+           attention_chunk_size=None):
     """The kernel over ``items`` query blocks, splits merged: ``[items, kv_heads,
     out_rows, head_dim]`` float32, normalised (with ``sinks``, float32 ``[kv_heads, rows]``
     of each row's sink logit, joined in the merge).
@@ -345,6 +348,8 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
         dtype, or int8/fp8 values with
       k_scales, v_scales: float32 ``[kv_heads, num_pages, page_size, 1]``, a scale per slot.
       out_rows: rows written back per item (the used rows, rounded up to 8).
+      attention_chunk_size: each row sees the keys of its own chunk only (``ranges`` start
+        at the chunk of the item's first row).
     """
     items, kv_heads, _, head_dim = qg.shape
     _, num_pages, page_size, _ = k_pages.shape
@@ -378,7 +383,8 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
         logits_soft_cap=logits_soft_cap, page_size=page_size, block_kv=block_kv,
         stages=stages, blocks_per_split=blocks_per_split, num_pages=num_pages,
         out_rows=out_rows, quantized=quantized, gathered_scales=gathered_scales,
-        interpret=interpret, single_position=single_position)
+        interpret=interpret, single_position=single_position,
+        attention_chunk_size=attention_chunk_size)
     return _mosaic_paged.launch(
         kernel, qg, row_pos, ranges, tables, k_pages, v_pages, *scales,
         name="forge_jax_mosaic_paged_attention", num_splits=num_splits, out_rows=out_rows,
@@ -387,11 +393,12 @@ def attend(qg, row_pos, ranges, tables, k_pages, v_pages, *, scale, sliding_wind
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "logits_soft_cap", "block_kv", "stages", "num_splits",
-    "interpret", "mma"))
+    "interpret", "mma", "attention_chunk_size"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                     q_positions=None, sliding_window=None, logits_soft_cap=None,
                     block_kv=None, stages=None, num_splits=None, interpret=False,
-                    k_scales=None, v_scales=None, mma=None, sinks=None):
+                    k_scales=None, v_scales=None, mma=None, sinks=None,
+                    attention_chunk_size=None):
     """Paged attention (see :func:`forge_jax.paged_attention` for the contract).
 
     Args:
@@ -402,8 +409,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
       block_tables: int ``[batch, max_pages]``; entries past a sequence's pages may hold
         anything.
       lengths: int ``[batch]``, tokens in the cache per sequence, new ones included.
-      scale, q_positions, sliding_window, logits_soft_cap, sinks: as in the op (the sinks
-        join in the merge of the splits, outside the kernel).
+      scale, q_positions, sliding_window, logits_soft_cap, sinks, attention_chunk_size: as
+        in the op (the sinks join in the merge of the splits, outside the kernel; a decode
+        query's chunk is the start of its key range).
       block_kv: keys per block (whole pages, rounded up to a multiple of 64).
       stages: key blocks in flight.
       num_splits: programs over one sequence's keys (default: enough programs for the GPU).
@@ -440,7 +448,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
         window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
             q_positions, lengths, block_tables, q_len=q_len, group=group, rows_pad=rows_pad,
             page_size=page_size, num_pages=num_pages, sliding_window=sliding_window,
-            table_width=block_tables.shape[1])
+            table_width=block_tables.shape[1], attention_chunk_size=attention_chunk_size)
         one_position = jnp.full((batch,), 1 if q_len == 1 else 0, jnp.int32)
         ranges = jnp.stack([key_lo, key_hi, one_position, jnp.zeros_like(key_lo)], axis=1)
         compute = q.dtype if k_scales is not None else k_pages.dtype
@@ -457,7 +465,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
                 qg, row_pos, ranges, tables, k_pages, v_pages, **knobs)
         else:
             out = attend(qg, row_pos, ranges, tables, k_pages, v_pages, k_scales=k_scales,
-                         v_scales=v_scales, single_position=q_len == 1, **knobs)
+                         v_scales=v_scales, single_position=q_len == 1,
+                         attention_chunk_size=attention_chunk_size, **knobs)
         out = _attention_common.ungroup_queries(out, q_len=q_len, q_heads=q_heads,
                                                 head_dim=head_dim).astype(q.dtype)
     return out[:, 0] if decode else out
@@ -499,6 +508,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "paged_attention", paged_attention, backend="mosaic_gpu", supports=supports,
-    verified=VERIFIED, reads_sinks=True,
+    verified=VERIFIED, reads_sinks=True, reads_chunks=True,
     description="per-page TMA copies through the block tables into a WGMMA (Hopper) or "
                 "tcgen05 (Blackwell, decode) pipeline, split over the keys")

@@ -79,11 +79,12 @@ def items_of(cu_q_lens, kv_lengths, num_seqs, *, total_tokens: int, block_q: int
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "logits_soft_cap", "block_kv", "stages", "num_splits",
-    "interpret"))
+    "interpret", "attention_chunk_size"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lens, num_seqs,
                            *, scale=None, sliding_window=None, logits_soft_cap=None,
                            block_kv=None, stages=None, num_splits=None, interpret=False,
-                           k_scales=None, v_scales=None):
+                           k_scales=None, v_scales=None, sinks=None,
+                           attention_chunk_size=None):
     """Ragged paged attention (see :func:`forge_jax.ragged_paged_attention` for the contract).
 
     Args:
@@ -94,7 +95,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
       block_tables: int ``[max_seqs, pages_per_seq]``.
       kv_lengths: int ``[max_seqs]``; cu_q_lens: int ``[max_seqs + 1]``; num_seqs: int
         scalar (may be traced).
-      scale, sliding_window, logits_soft_cap: as in the op.
+      scale, sliding_window, logits_soft_cap, sinks, attention_chunk_size: as in the op
+        (the sinks join in the merge of the splits; each row's chunk is masked in the
+        kernel, the item's first chunk starts its key range).
       block_kv, stages, num_splits: the paged kernel's launch knobs.
       interpret: run in the Mosaic GPU interpreter (any platform).
 
@@ -125,7 +128,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
         window, key_lo, key_hi, row_pos, tables = _attention_common.paged_ranges(
             positions, lengths, block_tables[seq], q_len=block_q, group=group,
             rows_pad=paged.ROWS, page_size=page_size, num_pages=num_pages,
-            sliding_window=sliding_window, table_width=pages_per_seq)
+            sliding_window=sliding_window, table_width=pages_per_seq,
+            attention_chunk_size=attention_chunk_size)
         row_valid = jnp.pad(jnp.repeat(valid, group, axis=1),
                             ((0, 0), (0, paged.ROWS - block_q * group)))
         row_pos = jnp.where(row_valid, row_pos, -1)
@@ -136,11 +140,18 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, cu_q_l
                            fill_value=0)  # [items, block_q, q_heads, head_dim]
         qg = _attention_common.group_queries(q_items, kv_heads, rows_pad=paged.ROWS)
         out_rows = -(-block_q * group // 8) * 8
+        extras = {}
+        if sinks is not None:  # [kv_heads, ROWS]: row r of every item is head h * group + r % group
+            extras["sinks"] = jnp.pad(
+                jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, 1, group),
+                         (1, block_q, 1)).reshape(kv_heads, block_q * group),
+                ((0, 0), (0, paged.ROWS - block_q * group)))
         out = paged.attend(qg, row_pos, ranges, tables, k_pages, v_pages, scale=scale,
                            sliding_window=window, logits_soft_cap=logits_soft_cap,
                            out_rows=out_rows, block_kv=block_kv, stages=stages,
                            num_splits=num_splits, interpret=interpret, k_scales=k_scales,
-                           v_scales=v_scales)
+                           v_scales=v_scales, attention_chunk_size=attention_chunk_size,
+                           **extras)
         out = _attention_common.ungroup_queries(out, q_len=block_q, q_heads=q_heads,
                                                 head_dim=head_dim)
         # Each packed row belongs to one item at most; rows of none stay zero.
@@ -170,6 +181,6 @@ def supports(args: Mapping[str, Any]) -> str | None:
 
 _registration.register(
     "ragged_paged_attention", ragged_paged_attention, backend="mosaic_gpu", supports=supports,
-    verified=VERIFIED,
+    verified=VERIFIED, reads_sinks=True, reads_chunks=True,
     description="per-sequence query blocks of a mixed batch in one launch of the paged "
                 "Mosaic kernel")

@@ -201,7 +201,9 @@ def _kernel(len_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
         acc = acc_ref[...]
         for c in range(heads):
             mine = lane_head == c
-            qc = q if heads == 1 else jnp.where(mine, q, jnp.zeros((), q.dtype))
+            # (The other heads' lanes are zeroed in float32: on one bfloat16 row, half a
+            # packed sublane, Mosaic refuses the select, "Not implemented: Sublane broadcast".)
+            qc = q if heads == 1 else jnp.where(mine, q.astype(jnp.float32), 0.0).astype(q.dtype)
             s = lax.dot_general(qc, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
                                 preferred_element_type=jnp.float32) * scale  # [block_q, block_k]
             if logits_soft_cap is not None:

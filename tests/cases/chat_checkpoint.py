@@ -49,8 +49,10 @@ def build_tokenizer():
 
 
 def write_checkpoint(directory: pathlib.Path, *, chat_template: bool = True,
-                     generation_config: dict | None = None, seed: int = 0) -> pathlib.Path:
-    """Writes the checkpoint to ``directory``; returns it."""
+                     generation_config: dict | None = None, seed: int = 0,
+                     sizes: dict | None = None) -> pathlib.Path:
+    """Writes the checkpoint to ``directory`` (``sizes``: config.json entries replaced, e.g.
+    a smaller draft model of the same vocabulary); returns it."""
     directory.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     tok.save(str(directory / "tokenizer.json"))
@@ -69,6 +71,7 @@ def write_checkpoint(directory: pathlib.Path, *, chat_template: bool = True,
                   max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
                   tie_word_embeddings=False, bos_token_id=tok.token_to_id("<s>"),
                   eos_token_id=eos, torch_dtype="float32")
+    config.update(sizes or {})
     (directory / "config.json").write_text(json.dumps(config))
     if generation_config is not None:
         (directory / "generation_config.json").write_text(json.dumps(generation_config))

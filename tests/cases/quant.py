@@ -77,3 +77,20 @@ def w8a8_error_bound(a, q) -> np.ndarray:
     most ``sa / 2 * sum_k |W[n, k]|`` (``[..., N]``)."""
     _, sa = quantize_rows(a)
     return sa / 2 * np.abs(dequantize(q)).sum(axis=-1)
+
+
+def fp8_blocks(w: np.ndarray):
+    """``w`` [out, in] -> (float8_e4m3fn torch weight, float32 torch weight_scale_inv
+    [ceil(out / 128), ceil(in / 128)], the float64 weight they stand for)."""
+    import math
+
+    import torch
+
+    rows, cols = w.shape
+    nr, nc = math.ceil(rows / 128), math.ceil(cols / 128)
+    padded = np.zeros((nr * 128, nc * 128))
+    padded[:rows, :cols] = w
+    scale = (np.abs(padded.reshape(nr, 128, nc, 128)).max(axis=(1, 3)) / 448).astype(np.float32)
+    spread = np.repeat(np.repeat(scale.astype(np.float64), 128, 0), 128, 1)[:rows, :cols]
+    q = torch.from_numpy((w / spread).astype(np.float32)).to(torch.float8_e4m3fn)
+    return q, torch.from_numpy(scale), q.to(torch.float64).numpy() * spread

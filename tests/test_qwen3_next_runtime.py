@@ -1,0 +1,73 @@
+"""The runtime drives Qwen3-Next and Qwen3.5 text through the model contract
+(``forge_jax.models.protocol``): the common entry point loads them, ``generate`` runs them with
+each attention cache (the delta-rule layers on the state pool) and matches transformers'
+greedy tokens; the serving engine refuses them with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cases.hf_families import hf_greedy
+from cases.qwen3_next import CASES, write
+
+from forge_jax import generation
+from forge_jax.kv_cache import CacheSpec, HybridCache
+from forge_jax.models import llama
+from forge_jax.models import qwen3_next_checkpoint as checkpoint
+from forge_jax.models.qwen3_next import Qwen3Next
+
+# Longer than the convolution's kernel, and than a chunk of 8; of different lengths (the
+# shorter right-padded in the prefill).
+PROMPTS = [[5, 17, 3, 44, 9, 12, 60, 2, 31, 7, 8, 70, 33, 21, 19, 4, 4, 80, 1, 6],
+           [11, 4, 90, 23, 6, 50, 12, 2, 41, 3]]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def runtime_model(request, tmp_path_factory, hf):
+    directory = tmp_path_factory.mktemp(request.param)
+    ref = write(request.param, directory)
+    want = [hf_greedy(ref, p, 8) for p in PROMPTS]
+    return checkpoint.from_pretrained(directory, chunk_size=8), want, directory
+
+
+def test_the_common_entry_point_loads_it(runtime_model):
+    from forge_jax.models.protocol import CausalLM, ModelConfig
+
+    model, _, directory = runtime_model
+    loaded = llama.from_pretrained(directory)
+    assert isinstance(loaded, Qwen3Next) and loaded.config.model_type == model.config.model_type
+    assert isinstance(model, CausalLM) and isinstance(model.config, ModelConfig)
+    with pytest.raises(ValueError, match="one device"):
+        llama.from_pretrained(directory, mesh=object())
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_generate_matches_transformers_with_each_cache(runtime_model, kind):
+    model, want, _ = runtime_model
+    got, stats = generation.generate_with_stats(model, PROMPTS, 8, eos_token_id=(),
+                                                cache=CacheSpec(kind, page_size=4))
+    assert got == want
+    cache = model.create_cache(CacheSpec(kind, page_size=4), batch=stats.padded_batch,
+                               max_len=stats.cache_len,
+                               num_pages=stats.padded_batch * (-(-stats.cache_len // 4)),
+                               block_tables=np.zeros((stats.padded_batch, -(-stats.cache_len
+                                                                             // 4)), np.int32))
+    assert isinstance(cache, HybridCache) and stats.cache_bytes == cache.nbytes
+
+
+def test_generate_stops_at_eos(runtime_model):
+    model, want, _ = runtime_model
+    eos = want[0][3]
+    got = generation.generate(model, PROMPTS[:1], 8, eos_token_id=eos)
+    assert got == [want[0][:want[0].index(eos) + 1]]
+
+
+def test_the_engine_refuses_with_the_reason(runtime_model):
+    from forge_jax.serving import Engine, EngineConfig
+
+    model, _, _ = runtime_model
+    with pytest.raises(ValueError, match="cannot be shared page by page"):
+        Engine(model, None, EngineConfig(num_pages=32, eos_token_ids=()))
+    with pytest.raises(ValueError, match="recurrent-state slot per sequence"):
+        Engine(model, None, EngineConfig(num_pages=32, eos_token_ids=(),
+                                         prefix_caching=False))
