@@ -65,6 +65,11 @@ def test_the_target_as_its_own_draft_keeps_every_draft(chat_model, chat_tokenize
     s = engine.stats
     assert engine.prefix_cache.stats.hit_tokens > 0
     assert s.draft_tokens > 0 and s.accepted_tokens == s.draft_tokens
+    from forge_jax.serving.metrics import Metrics
+
+    text = Metrics(engine).render()  # /metrics, as for prompt lookup
+    assert "forge_jax_spec_acceptance_rate 1.0" in text
+    assert f"forge_jax_spec_draft_tokens_total {float(s.draft_tokens)}" in text
     # Sampled, p equals q up to rounding: nearly every draft is kept.
     engine = cases.engine(chat_model, chat_tokenizer,
                           speculative=SpeculativeConfig(draft_model=chat_model, num_tokens=4))

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from forge_jax.generation import compiled_cache
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation.steps import Static
 
@@ -347,10 +348,10 @@ def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int
         if config.draft_model is not None:
             drafter = _Drafter(config, draft, key, params, statics, padded_batch)
         q = None if drafter is None else drafter.q_shape
-        step = verify_step.lower(
+        step = verify_step.compiled(
             state, kv, jnp.zeros((padded_batch, k1), jnp.int32),
             jnp.zeros((padded_batch,), jnp.int32), jnp.asarray(active), key, params, q,
-            **statics).compile()
+            **statics)
         stats.compile_seconds += time.perf_counter() - begin
     steps = 0
     start = time.perf_counter()
@@ -405,10 +406,10 @@ class _Drafter:
         self.key, self.params, self.k = key, params, config.num_tokens
         b = padded_batch
         self.prompt_lengths = np.asarray(inputs.lengths)
-        self.step = draft_step.lower(
+        self.step = draft_step.compiled(
             self.state, self.cache, jnp.zeros((b, 2), jnp.int32), jnp.zeros((b,), jnp.int32),
             jnp.zeros((b,), bool), key, params, jnp.zeros((b,), jnp.int32), **prefill_statics,
-            num_tokens=self.k).compile()
+            num_tokens=self.k)
         self.q_shape = jax.ShapeDtypeStruct((b, self.k, model.config.vocab_size), jnp.float32)
 
     def propose(self, histories, live: np.ndarray, key, limit: int):
@@ -426,3 +427,11 @@ class _Drafter:
                                           jnp.asarray(self.prompt_lengths + limit))
         tokens = jnp.concatenate([jnp.asarray(pair[:, 1:]), drafts], axis=1)
         return tokens, np.where(live, self.k, 0).astype(np.int32), q
+
+
+# Kept on disk (and in this process) inside ``compiled_cache.use_step_cache``, as the
+# generation steps are: a later call of the same shapes does not compile them again.
+verify_step = compiled_cache.CachedStep(verify_step, "verify",
+                                        ("graphdef", "greedy", "implementation_key"))
+draft_step = compiled_cache.CachedStep(draft_step, "draft",
+                                       ("graphdef", "greedy", "num_tokens", "implementation_key"))

@@ -53,10 +53,11 @@ class EngineConfig:
         scale per token and KV head beside them (:mod:`forge_jax.ops.kv_quant`), written,
         shared by the prefix cache, copied and freed with their pages.
       speculative: a :class:`~forge_jax.generation.speculative.SpeculativeConfig`
-        (prompt-lookup drafts verified in the same ragged step as the other rows) or None.
-        It serves the requests without a grammar, logprobs or penalties (the others run
-        as without it); such a request decodes every other step while others share its
-        steps (its drafts need its last token on the host).
+        (prompt-lookup drafts, or a draft model's with ``draft_model=``, verified in the
+        same ragged step as the other rows) or None. It serves the requests without a
+        grammar, penalties or a logit bias (the others run as without it; logprobs are
+        served); such a request decodes every other step while others share its steps
+        (its drafts need its last token on the host).
     """
 
     max_batch_tokens: int = 512

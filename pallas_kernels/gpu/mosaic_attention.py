@@ -36,11 +36,9 @@ tile: a consumer copies its V tile with non-finite values zeroed (``0 * NaN`` is
 zero probability does not hide a NaN value) and a 0/1 tile of where they were, and a second
 WGMMA ``visible @ nonfinite`` marks NaN exactly the output columns of the rows that see
 one. So NaN/inf a row may not see never reaches it, NaN it sees propagates; interior tiles
-(every key visible to every row) take the fast path. Chunked attention
-(``attention_chunk_size``) narrows the ranges to the rows' chunks and hides, per row, the
-keys outside its own; attention sinks (``sinks``, a logit per query head) reach the CTA as
-one float32 per row (its head's, copied with the positions) and join each row's softmax
-after the last tile, as one more key of value zero (a NaN or ``+inf`` sink gives NaN).
+(every key visible to every row) take the fast path. Chunks narrow the ranges to the rows'
+chunks and hide, per row, the keys outside its own; a sink (a float32 per row, its head's,
+copied with the positions) joins each row's softmax after the last tile as a key of value 0.
 
 K/V are read in place (``[batch, kv_len, kv_heads, head_dim]``, one strided TMA per tile);
 the last tile of a ``kv_len`` that is not a multiple of ``block_kv`` is read from
