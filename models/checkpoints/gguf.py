@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.models.checkpoints.abstract import ShapeOnlyRngs, abstract_llama
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
 from forge_jax.models.llama_model import Linear, Llama, LlamaConfig
 
@@ -436,8 +437,7 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
     tensors = {}
     for t in reader.tensors:
         tensors[hf_name(t.name)] = t
-    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                         param_dtype=param_dtype))
+    model = abstract_llama(config, dtype=dtype, param_dtype=param_dtype)
 
     def get(name, *, keep_quantized=False, heads=None):
         if name not in tensors:
@@ -461,7 +461,7 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
         # lookup reads the float table below): decode then reads the output head at the
         # file's bits a weight, as llama.cpp does, with the same values.
         head = nnx.eval_shape(lambda: Linear(c.hidden_size, c.vocab_size, use_bias=False,
-                                             rngs=nnx.Rngs(0), dtype=dtype,
+                                             rngs=ShapeOnlyRngs(), dtype=dtype,
                                              param_dtype=param_dtype))
         head.kernel.set_value(check("token_embd", read_tensor(embed, param_dtype,
                                                               keep_quantized=True),

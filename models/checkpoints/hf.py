@@ -11,13 +11,13 @@ import pathlib
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can read it)
 import numpy as np
-from flax import nnx
 
 from forge_jax import memory as fj_memory
 from forge_jax import targets as fj_targets
 from forge_jax.models import families
 from forge_jax.models.checkpoints import fp8 as fp8_checkpoint
 from forge_jax.models.checkpoints import mxfp4 as mxfp4_checkpoint
+from forge_jax.models.checkpoints.abstract import abstract_llama
 from forge_jax.models.checkpoints.generation_config import (  # noqa: F401  (CheckpointError: API here too)
     CheckpointError,
     load_generation_config,
@@ -268,8 +268,7 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     fj_memory.check_fits(weights, what=f"the weights of {path} in {param_dtype.name}"
                          + ("" if plan is None else f" per device of {plan.mesh.describe()}"))
     layout = TensorLayout() if plan is None else plan.layout
-    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                         param_dtype=param_dtype, layout=layout))
+    model = abstract_llama(config, dtype=dtype, param_dtype=param_dtype, layout=layout)
     shardings = None if plan is None else plan.param_shardings(model)
     if quantize is not None and shardings is not None and fp8 is None:
         quantize_load.check_mesh(model, shardings, quantize, group_size)
