@@ -223,9 +223,12 @@ def test_readline_history_on_a_terminal(chat_checkpoint):
 
 
 # A chat whose model load never ends on its own (a large checkpoint): it says when the load
-# has started, then waits.
+# has started, then waits. Ctrl-C reaches it as in a terminal: a process started in the
+# background of a non-interactive shell (a CI runner's `cmd &`) inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler.
 _SLOW_LOAD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from forge_jax import cli
 from forge_jax.models import llama
 
