@@ -101,6 +101,18 @@ def read_checkpoint(args: argparse.Namespace):
     return config, raw, tokenizer, path
 
 
+def require_llama(config, path, command: str) -> None:
+    """Refuses, in one line naming the model type, a model of its own family (DeepSeek-V3,
+    Gemma 4, Qwen3-Next): ``command`` (export, compile) builds Llama-family steps only."""
+    from forge_jax.models.llama_config import LlamaConfig
+
+    if not isinstance(config, LlamaConfig):
+        kind = getattr(config, "model_type", None) or _MODEL_TYPES.get(type(config).__name__,
+                                                                        type(config).__name__)
+        raise UsageError(f"{path} is a {kind} model; {command} builds Llama-family models "
+                         f"only (generate, chat and serve run it)")
+
+
 _MODEL_TYPES = {"DeepseekV3Config": "deepseek_v3"}  # configs without a model_type field
 
 
