@@ -1,0 +1,108 @@
+"""DeepSeek-V3, a model of its own (not a LlamaConfig), through ``forge-jax generate``,
+``chat`` and ``serve`` on a random checkpoint transformers wrote: the tokens each command
+gives equal those of :func:`forge_jax.generation.generate` in Python; ``export`` and
+``compile`` (Llama-family steps only) refuse it in one line naming the model type."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from cases.cli import assert_one_line_error, run
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV3Config"):
+    pytest.skip("this transformers has no DeepSeek-V3", allow_module_level=True)
+
+from cases.hf_families import save_checkpoint  # noqa: E402
+from test_deepseek import CONFIG  # noqa: E402
+
+from forge_jax import generation  # noqa: E402
+from forge_jax.models import deepseek  # noqa: E402
+from forge_jax.serving import server as serving_server  # noqa: E402
+from forge_jax.text import api as text  # noqa: E402
+
+PROMPT = [5, 17, 3, 44, 9]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer_files):
+    tokenizer, vocab = tokenizer_files
+    directory = tmp_path_factory.mktemp("deepseek_v3")
+    save_checkpoint(directory, "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(CONFIG, vocab_size=vocab), seed=0, tokenizer=tokenizer)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return deepseek.from_pretrained(checkpoint)
+
+
+def _ids(line_start: str, out: str) -> list[int]:
+    [line] = [line for line in out.splitlines() if line.startswith(line_start)]
+    return [int(t) for t in re.findall(r"-?\d+", line.split(":", 1)[1])]
+
+
+def test_generate_gives_the_python_tokens(capsys, checkpoint, model):
+    rc, out, err = run(capsys, "generate", "--checkpoint", str(checkpoint), "--prompt-ids",
+                       ",".join(map(str, PROMPT)), "--max-new-tokens", "6",
+                       "--no-compilation-cache")
+    assert rc == 0, err
+    assert f"{checkpoint}: deepseek_v3, 3 layers, hidden 64, 8 experts (top 2)" in out
+    [want] = generation.generate(model, [PROMPT], 6, eos_token_id=())
+    assert _ids("generated ids:", out) == want
+
+
+def test_chat_gives_the_python_reply(capsys, monkeypatch, checkpoint, model):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n"))
+    rc, out, err = run(capsys, "chat", "--checkpoint", str(checkpoint), "--max-new-tokens",
+                       "5", "--no-stats", "--no-compilation-cache")
+    assert rc == 0, err
+    tokenizer = text.load_tokenizer(checkpoint)
+    want = text.chat(model, tokenizer, [{"role": "user", "content": "hello there"}],
+                     max_new_tokens=5)
+    reply = want if isinstance(want, str) else want.text
+    assert reply.strip() and reply.strip() in out, (reply, out)
+
+
+def test_serve_answers_one_request_with_the_python_tokens(capsys, monkeypatch, checkpoint,
+                                                          model):
+    from cases import serving as cases
+
+    built = []
+    monkeypatch.setattr(serving_server, "run",
+                        lambda app, sock, **kw: built.append((app, kw["engine"])))
+    rc, _, err = run(capsys, "serve", "--checkpoint", str(checkpoint), "--port", "0",
+                     "--max-pages", "32", "--page-size", "4", "--max-model-len", "64",
+                     "--no-warm-up", "--no-compilation-cache")
+    assert rc == 0, err
+    assert "deepseek_v3, 3 layers" in err
+    [(app, _)] = built
+    with capsys.disabled():
+        server = cases.LiveServer(app)
+    try:
+        import json
+        import urllib.request
+
+        body = json.dumps({"model": checkpoint.name, "prompt": PROMPT, "max_tokens": 6,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"{server.url}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choice = json.loads(response.read())["choices"][0]
+    finally:
+        server.stop()
+    [want] = generation.generate(model, [PROMPT], 6, eos_token_id=())
+    assert choice["token_ids"] == want, choice
+
+
+@pytest.mark.parametrize("command", [["export", "--out", "OUT"], ["compile", "--target", "h100"]])
+def test_export_and_compile_refuse_it_naming_the_model_type(capsys, tmp_path, checkpoint,
+                                                            command):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in command]
+    assert_one_line_error(run(capsys, *argv, "--checkpoint", str(checkpoint)),
+                          "is a deepseek_v3 model", f"{command[0]} builds Llama-family",
+                          prog=f"forge-jax {command[0]}")
