@@ -19,7 +19,6 @@ from test_deepseek import CONFIG  # noqa: E402
 
 from forge_jax import generation  # noqa: E402
 from forge_jax.models import deepseek  # noqa: E402
-from forge_jax.serving import server as serving_server  # noqa: E402
 from forge_jax.text import api as text  # noqa: E402
 
 PROMPT = [5, 17, 3, 44, 9]
@@ -68,33 +67,42 @@ def test_chat_gives_the_python_reply(capsys, monkeypatch, checkpoint, model):
     assert len(session.tokenizer.encode(reply)) > 0 and out == f"{reply}\n", (reply, out)
 
 
-def test_serve_answers_one_request_with_the_python_tokens(capsys, monkeypatch, checkpoint,
-                                                          model):
-    from cases import serving as cases
+def test_serve_answers_one_request_with_the_python_tokens(checkpoint, model):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
 
-    built = []
-    monkeypatch.setattr(serving_server, "run",
-                        lambda app, sock, **kw: built.append((app, kw["engine"])))
-    rc, _, err = run(capsys, "serve", "--checkpoint", str(checkpoint), "--port", "0",
-                     "--max-pages", "32", "--page-size", "4", "--max-model-len", "64",
-                     "--no-warm-up", "--no-compilation-cache")
-    assert rc == 0, err
-    assert "deepseek_v3, 3 layers" in err
-    [(app, _)] = built
-    with capsys.disabled():
-        server = cases.LiveServer(app)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "forge_jax.cli", "serve", "--checkpoint", str(checkpoint),
+         "--port", str(port), "--max-pages", "32", "--page-size", "4", "--max-model-len",
+         "64", "--no-warm-up", "--no-compilation-cache"],
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:
-        import json
-        import urllib.request
-
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.2)
         body = json.dumps({"model": checkpoint.name, "prompt": PROMPT, "max_tokens": 6,
                            "temperature": 0, "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"{server.url}/v1/completions", body,
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             choice = json.loads(response.read())["choices"][0]
     finally:
-        server.stop()
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert "deepseek_v3, 3 layers" in err and "Traceback" not in err, err
     [want] = generation.generate(model, [PROMPT], 6, eos_token_id=())
     assert choice["token_ids"] == want, choice
 
