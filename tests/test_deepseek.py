@@ -130,9 +130,10 @@ def test_quantized_int8_weights_stay_close(checkpoint):
 
 def test_the_llama_loader_hands_it_to_this_model(checkpoint):
     from forge_jax.models import llama
+    from forge_jax.models.deepseek_config import DeepseekV3Config
 
-    with pytest.raises(ValueError, match="forge_jax.models.deepseek.from_pretrained"):
-        llama.load_config(checkpoint[0])  # not a Llama-family config
+    config = llama.load_config(checkpoint[0])  # its own config, as the CLI reads it
+    assert isinstance(config, DeepseekV3Config) and config.n_routed_experts == 8
     model = llama.from_pretrained(checkpoint[0], dtype="float32")
     assert isinstance(model, deepseek.DeepseekV3)
     assert model.config.num_hidden_layers == CONFIG["num_hidden_layers"]

@@ -101,6 +101,21 @@ def read_checkpoint(args: argparse.Namespace):
     return config, raw, tokenizer, path
 
 
+def require_llama(config, path, command: str) -> None:
+    """Refuses, in one line naming the model type, a model of its own family (DeepSeek-V3,
+    Gemma 4, Qwen3-Next): ``command`` (export, compile) builds Llama-family steps only."""
+    from forge_jax.models.llama_config import LlamaConfig
+
+    if not isinstance(config, LlamaConfig):
+        kind = getattr(config, "model_type", None) or _MODEL_TYPES.get(type(config).__name__,
+                                                                        type(config).__name__)
+        raise UsageError(f"{path} is a {kind} model; {command} builds Llama-family models "
+                         f"only (generate, chat and serve run it)")
+
+
+_MODEL_TYPES = {"DeepseekV3Config": "deepseek_v3"}  # configs without a model_type field
+
+
 def describe(model, path, args: argparse.Namespace) -> str:
     """``DIR: llama, 2 layers, hidden 64, ... M parameters, float32, paged cache`` (the
     family: config.json's model_type), and the mesh it is sharded over, if any."""
@@ -116,10 +131,16 @@ def describe(model, path, args: argparse.Namespace) -> str:
                                 is_leaf=lambda v: isinstance(v, nnx.Variable))
     params = sum(math.prod(v.get_value().shape) for v in variables)  # quantized: logical
     quantized = getattr(args, "quantize", None)
-    return (f"{path}: {c.model_type}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-            f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, "
-            + (f"{c.num_experts} experts (top {c.num_experts_per_tok}), " if c.num_experts
-               else "") + "vocab "
+    # Beyond the model contract (protocol.ModelConfig) every field is optional.
+    kind = getattr(c, "model_type", None) or _MODEL_TYPES.get(type(c).__name__, type(c).__name__)
+    heads, kv_heads = (getattr(c, "num_attention_heads", None),
+                       getattr(c, "num_key_value_heads", None))
+    experts = getattr(c, "num_experts", None) or getattr(c, "n_routed_experts", None)
+    return (f"{path}: {kind}, {c.num_hidden_layers} layers, "
+            + (f"hidden {c.hidden_size}, " if getattr(c, "hidden_size", None) else "")
+            + (f"{heads} heads / {kv_heads} KV heads, " if heads and kv_heads else "")
+            + (f"{experts} experts (top {c.num_experts_per_tok}), " if experts else "")
+            + "vocab "
             f"{c.vocab_size}, {params / 1e6:.2f} M parameters "
             f"({quantize_load.parameter_bytes(model) / 1e6:.1f} MB"
             + (f", {quantized} linear layers" if quantized else "") + f"), {args.dtype}, "

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if reason is not None:
         raise UsageError(f"cannot compile for {target.name}: {reason}")
     config, _, _, path = read_checkpoint(args)
+    _checkpoint.require_llama(config, path, "compile")
     with fj.targets.use(target):
         _flags.resolve_dtype(args)
         with fj.use_implementation(args.implementation):

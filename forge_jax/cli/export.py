@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"--out: {e}") from None
     config, _, tokenizer, path = _checkpoint.read_checkpoint(args)
+    _checkpoint.require_llama(config, path, "export")
     for flag in ("batch", "context", "prompt_length"):
         value = getattr(args, flag)
         if value is not None and value <= 0:

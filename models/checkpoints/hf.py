@@ -155,6 +155,9 @@ def load_config(path: str | os.PathLike, *, revision: str | None = None) -> Llam
         if isinstance(raw, dict) and raw.get("model_type") in ("qwen3_next", "qwen3_5_text"):
             from forge_jax.models.qwen3_next_config import Qwen3NextConfig  # its own model
             return Qwen3NextConfig.from_hf(raw)
+        if isinstance(raw, dict) and raw.get("model_type") == "deepseek_v3":
+            from forge_jax.models.deepseek_config import DeepseekV3Config  # its own model
+            return DeepseekV3Config.from_hf(raw)
         return LlamaConfig.from_hf(raw)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{file}: {e}") from None
