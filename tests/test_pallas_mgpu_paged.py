@@ -277,4 +277,6 @@ def test_chunks_compile_for_h100_without_spills(name):
                                              attention_chunk_size=8192, **extra)
     assert report.compiled, report.error
     assert [k.name for k in report.kernels] == ["forge_jax_mosaic_paged_attention"]
-    assert spills == [0] and len(registers) == 1 and registers[0] < 255, (spills, registers)
+    # No spills; the registers may reach the cap (255: JAX 0.12's Mosaic GPU compiler gives the
+    # prefill case with sinks 255 where 0.10's gives 220, still without a spill).
+    assert spills == [0] and len(registers) == 1 and registers[0] <= 255, (spills, registers)
