@@ -35,6 +35,7 @@ from forge_jax.models.gemma4_config import Gemma4Config
 from forge_jax.models.llama_caches import LlamaCaches
 from forge_jax.models.llama_model import Linear, LlamaMLP, RMSNorm
 from forge_jax.models.llama_moe import GeluExpertsMoe
+from forge_jax.models.output_head import output_logits
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -266,15 +267,5 @@ class Gemma4(LlamaCaches, nnx.Module):
         return self.norm(x, eps=c.rms_norm_eps), cache
 
     def _logits(self, hidden):
-        with jax.named_scope("lm_head"):
-            if self.lm_head is not None:
-                logits = self.lm_head(hidden, out_dtype=jnp.float32)
-            else:
-                lead = hidden.shape[:-1]
-                table = self.embed_tokens[...].astype(self.dtype)
-                logits = fj.matmul(hidden.reshape(-1, hidden.shape[-1]), table, trans_b=True,
-                                   out_dtype=jnp.float32).reshape(*lead, table.shape[0])
-            cap = self.config.final_logit_softcapping
-            if cap is not None:
-                logits = cap * jnp.tanh(logits / cap)
-            return logits
+        return output_logits(hidden, self.lm_head, self.embed_tokens, self.dtype,
+                             self.config.final_logit_softcapping)

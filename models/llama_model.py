@@ -26,6 +26,7 @@ from forge_jax.models.llama_config import (  # noqa: F401  (LlamaConfig: API her
 )
 from forge_jax.models.llama_moe import BiasedMoe, ScaledInputMoe, SparseMoe
 from forge_jax.models.llama_positions import layer_positions
+from forge_jax.models.output_head import check_tokens, output_logits
 
 # --------------------------------------------------------------------------------------
 # Modules hold their weights; head_dim, RoPE and eps come with each call (the config).
@@ -449,7 +450,7 @@ class Llama(LlamaCaches, nnx.Module):
         Returns:
           float32 logits ``[batch, seq, vocab_size]``.
         """
-        _check_tokens(tokens, self.config.vocab_size)
+        check_tokens(tokens, self.config.vocab_size)
         batch, seq = tokens.shape
         if seq > self.config.max_position_embeddings and not allow_beyond_max_positions:
             raise ValueError(
@@ -577,22 +578,5 @@ class Llama(LlamaCaches, nnx.Module):
 
     def _logits(self, hidden):
         """hidden ``[..., hidden_size]`` -> float32 logits ``[..., vocab]``."""
-        with jax.named_scope("lm_head"):
-            if self.lm_head is not None:
-                logits = self.lm_head(hidden, out_dtype=jnp.float32)
-            else:
-                lead = hidden.shape[:-1]
-                table = self.embed_tokens[...].astype(self.dtype)  # [vocab, hidden]
-                logits = fj.matmul(hidden.reshape(-1, hidden.shape[-1]), table, trans_b=True,
-                                   out_dtype=jnp.float32).reshape(*lead, table.shape[0])
-            cap = self.config.final_logit_softcapping
-            if cap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32
-                logits = cap * jnp.tanh(logits / cap)
-            return logits
-
-
-def _check_tokens(tokens, vocab_size):
-    if not hasattr(tokens, "dtype") or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must be an int array, got {tokens!r:.80}")
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [batch, seq], got tokens.shape={tokens.shape}")
+        return output_logits(hidden, self.lm_head, self.embed_tokens, self.dtype,
+                             self.config.final_logit_softcapping)

@@ -41,6 +41,7 @@ from forge_jax.kv_cache import HybridCache, RecurrentStatePool
 from forge_jax.models.gated_deltanet import GatedDeltaNet
 from forge_jax.models.llama_model import Linear, LlamaMLP, Part, RMSNorm
 from forge_jax.models.llama_moe import SparseMoe
+from forge_jax.models.output_head import check_tokens, output_logits
 from forge_jax.models.qwen3_next_caches import Qwen3NextCaches
 from forge_jax.models.qwen3_next_config import Qwen3NextConfig
 
@@ -206,7 +207,7 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Full causal forward without a cache: int32 ``tokens [batch, seq]`` (token ``t``
         at position ``t``) -> float32 logits ``[batch, seq, vocab_size]``."""
-        _check_tokens(tokens, self.config.vocab_size)
+        check_tokens(tokens, self.config.vocab_size)
         batch, seq = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
 
@@ -275,17 +276,4 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
 
     def _logits(self, hidden):
         """hidden ``[..., hidden_size]`` -> float32 logits ``[..., vocab]``."""
-        with jax.named_scope("lm_head"):
-            if self.lm_head is not None:
-                return self.lm_head(hidden, out_dtype=jnp.float32)
-            lead = hidden.shape[:-1]
-            table = self.embed_tokens[...].astype(self.dtype)  # [vocab, hidden]
-            return fj.matmul(hidden.reshape(-1, hidden.shape[-1]), table, trans_b=True,
-                             out_dtype=jnp.float32).reshape(*lead, table.shape[0])
-
-
-def _check_tokens(tokens, vocab_size):
-    if not hasattr(tokens, "dtype") or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must be an int array, got {tokens!r:.80}")
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [batch, seq], got tokens.shape={tokens.shape}")
+        return output_logits(hidden, self.lm_head, self.embed_tokens, self.dtype)
