@@ -31,6 +31,8 @@ LAYOUTS = {
     "int8-channel": ("int8", None, True, jnp.float32, 200, 576),
     "int8-g16-asym": ("int8", 16, False, jnp.float32, 72, 96),
     "q4_1-odd-groups": ("int4", 32, False, jnp.float16, 40, 96),  # 3 groups: a last one alone
+    # 21 groups: at one row, two pairs of four-group blocks, a block alone, a group alone
+    "q4_1-odd-blocks": ("int4", 32, False, jnp.float16, 48, 672),
 }
 
 

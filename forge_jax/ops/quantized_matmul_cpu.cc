@@ -17,10 +17,13 @@
 //
 // One loop for every instruction set: `Lanes` is AVX-512, AVX2 or portable scalar code,
 // whichever the machine has (built at first use by forge_jax.ops.quantized_matmul_cpu with
-// the machine's C++ compiler and -march=native). The loop is bound by its instructions,
-// not by memory (a hot weight runs as fast as a cold one), so the AVX-512 int4 expansion
-// avoids the byte-widening shuffles and the integer-to-float conversions: 2.1-2.2 ns a
-// group of 32 on one core of this repository's AMD EPYC (Zen 4) host, 2.6-2.8 before.
+// the machine's C++ compiler and -march=native). The AVX-512 int4 expansion avoids the
+// byte-widening shuffles and the integer-to-float conversions (and, at one row of
+// activations, expands four groups a load): 1.8-1.9 ns a group of 32 on one core of this
+// repository's AMD EPYC (Zen 4) host with the weight in cache. One core streaming a weight
+// from memory runs 5-20% slower than that, and two cores together are bound by the
+// memory's bandwidth (a decode step reads 96.5 MB of SmolLM2-135M's Q4_1 GGUF): hence
+// the prefetching a few rows ahead (benchmarks/quantized_matmul_cpu_kernel.py).
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -85,6 +88,7 @@ struct Problem {
   int64_t m, n, k, group;
   bool int4;
   bool symmetric;
+  bool block4 = false;  // a in Lanes::Block4's order in whole blocks of four groups
   const float* a;      // [m, k]; for int4 in the order Lanes::Int4 expands each 32 values
   const float* asum;   // [m, k / group]: sums of a per group (for the minimums' term)
   const uint8_t* values;
@@ -144,10 +148,47 @@ struct Lanes {
     w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
   }
+  // Four groups of 32 int4 (64 bytes) at once, for one row of activations: one load and
+  // immediate shifts instead of Int4's four broadcasts and per-lane shifts (1.73 against
+  // 2.0 ns a group on one core). Lane i of the J-th vector holds nibble J of the 32-bit
+  // word i: element 8 i + J of the 128, in group i / 4.
+  static constexpr bool kBlock4 = true;
+  static constexpr int Block4Element(int slot) { return 8 * (slot % 16) + slot / 16; }
+  template <int J>
+  static V Nibble(__m512i words) {
+    const __m512 table = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    if constexpr (J == 0) {
+      return _mm512_permutexvar_ps(words, table);
+    } else {
+      return _mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * J), table);
+    }
+  }
+  // Lane i holds the scale of group i / 4 of the four at sc.
+  static V GroupScales(const float* sc) {
+    const __m512i index = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_loadu_ps(sc)));
+  }
+  // One block: the sum over its 128 values of a * q, each group's part times its scale,
+  // added to total (x: the activations in Block4Element's order).
+  static void Block4(const uint8_t* q, const float* x, const float* sc, V& total) {
+    const __m512i words = _mm512_loadu_si512(q);
+    V v = Fma(Load(x), Nibble<0>(words), Zero());
+    v = Fma(Load(x + 16), Nibble<1>(words), v);
+    v = Fma(Load(x + 32), Nibble<2>(words), v);
+    v = Fma(Load(x + 48), Nibble<3>(words), v);
+    v = Fma(Load(x + 64), Nibble<4>(words), v);
+    v = Fma(Load(x + 80), Nibble<5>(words), v);
+    v = Fma(Load(x + 96), Nibble<6>(words), v);
+    v = Fma(Load(x + 112), Nibble<7>(words), v);
+    total = Fma(v, GroupScales(sc), total);
+  }
 };
 #elif defined(__AVX2__)
 struct Lanes {
   using V = __m256;
+  static constexpr bool kBlock4 = false;  // (Block4: AVX-512 only)
+  static constexpr int Block4Element(int slot) { return slot; }
+  static void Block4(const uint8_t*, const float*, const float*, V&) {}
   static constexpr int kWidth = 8;
   static V Zero() { return _mm256_setzero_ps(); }
   static V Load(const float* x) { return _mm256_loadu_ps(x); }
@@ -182,6 +223,9 @@ struct Lanes {
 #else
 struct Lanes {  // portable: one float a lane
   using V = float;
+  static constexpr bool kBlock4 = false;  // (Block4: AVX-512 only)
+  static constexpr int Block4Element(int slot) { return slot; }
+  static void Block4(const uint8_t*, const float*, const float*, V&) {}
   static constexpr int kWidth = 1;
   static V Zero() { return 0.0f; }
   static V Load(const float* x) { return *x; }
@@ -242,6 +286,21 @@ void Tile(const Problem& p, int64_t n, int64_t m0, const float* sc, const float*
     for (int r = 0; r < MT; ++r) total[r] = Lanes::Fma(v[r], s, total[r]);
   };
   int64_t g = 0;
+  if constexpr (MT == 1 && kInt4 && kGroup == 32 && Lanes::kBlock4) {
+    if (p.block4) {
+      const float* x = p.a + m0 * p.k;
+      V b0 = Lanes::Zero(), b1 = Lanes::Zero();
+      for (; g + 8 <= groups; g += 8) {
+        Lanes::Block4(row + g * 16, x + g * 32, sc + g, b0);
+        Lanes::Block4(row + g * 16 + 64, x + g * 32 + 128, sc + g + 4, b1);
+      }
+      if (g + 4 <= groups) {
+        Lanes::Block4(row + g * 16, x + g * 32, sc + g, b0);
+        g += 4;
+      }
+      acc[0][0] = Lanes::Fma(b1, Lanes::Set(1.0f), b0);  // the rest goes on adding to it
+    }
+  }
   for (; g + 2 <= groups; g += 2) {
     add_group(g, acc[0]);
     add_group(g + 1, acc[1]);
@@ -261,12 +320,39 @@ void Tile(const Problem& p, int64_t n, int64_t m0, const float* sc, const float*
   }
 }
 
+// A decode step streams every weight from memory once (96.5 MB a token for SmolLM2-135M's
+// Q4_1 GGUF, far over the caches), so the weight's rows are asked for a few rows ahead of
+// the loop: one thread streamed a 3072 x 576 Q4_1 weight from memory 5-10% faster so,
+// costing about 5% where the weight is in cache (benchmarks/quantized_matmul_cpu_kernel.py).
+constexpr int64_t kPrefetchRows = 8;
+
+inline void Prefetch(const void* at, int64_t bytes) {
+#if defined(__x86_64__) || defined(_M_X64)
+  const char* p = static_cast<const char*>(at);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+#else
+  (void)at;
+  (void)bytes;
+#endif
+}
+
 // Weight rows [n0, n1) against rows [m0, m0 + MT) of a; sc and mn: room for a row's
 // scales and minimums as float32.
 template <int MT, bool kInt4>
 void Rows(const Problem& p, int64_t n0, int64_t n1, int64_t m0, float* sc, float* mn) {
   const int64_t groups = p.k / p.group;
+  const int64_t row_bytes = p.int4 ? p.k / 2 : p.k;
+  const int64_t param_bytes = groups * (p.scales.half ? 2 : 4);
   for (int64_t n = n0; n < n1; ++n) {
+    if (n + kPrefetchRows < n1) {
+      Prefetch(p.values + (n + kPrefetchRows) * row_bytes, row_bytes);
+      Prefetch(static_cast<const char*>(p.scales.data) + (n + kPrefetchRows) * param_bytes,
+               param_bytes);
+      if (!p.symmetric) {
+        Prefetch(static_cast<const char*>(p.minimums.data) + (n + kPrefetchRows) * param_bytes,
+                 param_bytes);
+      }
+    }
     RowParams(p.scales, n * groups, groups, sc);
     if (!p.symmetric) RowParams(p.minimums, n * groups, groups, mn);
     if (p.group == 32) {
@@ -290,15 +376,15 @@ void Block(const Problem& p, int64_t n0, int64_t n1, int64_t m0, int64_t mt, flo
   }
 }
 
-void Chunk(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t groups = p.k / p.group;
-  std::vector<float> sbuf(groups), mbuf(groups);
+// Weight rows [n0, n1) against every row of a; sc and mn: room for a row's scales and
+// minimums (k / group floats each).
+void Chunk(const Problem& p, int64_t n0, int64_t n1, float* sc, float* mn) {
   for (int64_t m0 = 0; m0 < p.m; m0 += kRowTile) {
     const int64_t mt = std::min<int64_t>(kRowTile, p.m - m0);
     if (p.int4) {
-      Block<true>(p, n0, n1, m0, mt, sbuf.data(), mbuf.data());
+      Block<true>(p, n0, n1, m0, mt, sc, mn);
     } else {
-      Block<false>(p, n0, n1, m0, mt, sbuf.data(), mbuf.data());
+      Block<false>(p, n0, n1, m0, mt, sc, mn);
     }
   }
 }
@@ -314,8 +400,11 @@ struct Shared {
 };
 
 void Work(Shared& s) {
+  const int64_t groups = s.p.k / s.p.group;
+  std::vector<float> params(2 * groups);
   for (int64_t i; (i = s.next.fetch_add(1)) < s.chunks;) {
-    Chunk(s.p, i * s.chunk, std::min(s.p.n, (i + 1) * s.chunk));
+    Chunk(s.p, i * s.chunk, std::min(s.p.n, (i + 1) * s.chunk), params.data(),
+          params.data() + groups);
     s.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -334,9 +423,17 @@ void Prepare(Shared& s, const float* a) {
   p.a = a;
   if (!p.int4) return;
   s.a.resize(p.m * p.k);
-  int element[32];
+  int element[32], block[128];
   for (int j = 0; j < 32; ++j) element[j] = Lanes::Int4Element(j);
-  for (int64_t b = 0; b < p.m * p.k; b += 32) {
+  for (int j = 0; j < 128; ++j) block[j] = Lanes::Block4Element(j);
+  // One row of a (decode at batch 1) with groups of 32: whole blocks of four groups in
+  // Block4's order (Tile reads them so), the rest in Int4's.
+  p.block4 = Lanes::kBlock4 && p.m == 1 && p.group == 32;
+  const int64_t blocked = p.block4 ? p.k / 128 * 128 : 0;
+  for (int64_t b = 0; b < blocked; b += 128) {
+    for (int j = 0; j < 128; ++j) s.a[b + j] = a[b + block[j]];
+  }
+  for (int64_t b = blocked; b < p.m * p.k; b += 32) {
     for (int j = 0; j < 32; ++j) s.a[b + j] = a[b + element[j]];
   }
   p.a = s.a.data();
@@ -369,22 +466,31 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::AnyBuffer va
   p.out = out->typed_data();
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // About 64 KiB of weight a chunk: small enough to balance, large enough that claiming one
-  // costs nothing next to it.
+  // About 16 KiB of weight a chunk (1-2 us of one core): a helper that the pool wakes late
+  // (tens of microseconds, more on a loaded host) still finds a share of a small product
+  // left, and the threads finish within a chunk of each other; claiming one (an atomic
+  // add) costs little next to it. (64 KiB chunks left the helper nothing in half of a
+  // decode step's products: the caller had claimed all of them before it woke.)
   const int64_t row_bytes = int4 ? p.k / 2 : p.k;
-  shared->chunk = std::max<int64_t>(8, (64 << 10) / std::max<int64_t>(1, row_bytes));
+  shared->chunk = std::max<int64_t>(4, (16 << 10) / std::max<int64_t>(1, row_bytes));
   shared->chunks = (p.n + shared->chunk - 1) / shared->chunk;
   const int64_t helpers = std::min<int64_t>(threads, shared->chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) {
     pool.Schedule([shared] { Work(*shared); });
   }
   Work(*shared);
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) {
+  // Waits only for chunks a helper is running (at most a chunk's time); past a few
+  // microseconds the helper has likely been preempted (a loaded host), and yielding gives
+  // it the core back rather than spinning against it.
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->chunks;
+       ++spins) {
 #if defined(__x86_64__) || defined(_M_X64)
-    _mm_pause();
-#else
-    std::this_thread::yield();
+    if (spins < 2048) {
+      _mm_pause();
+      continue;
+    }
 #endif
+    std::this_thread::yield();
   }
   return ffi::Error::Success();
 }
