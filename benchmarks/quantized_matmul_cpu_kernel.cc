@@ -87,11 +87,15 @@ void Bandwidth(int threads) {
       pool.emplace_back([&, i] {
         const uint8_t* p = buffer.data();
 #if defined(__AVX512F__)
-        __m512i sum = _mm512_setzero_si512();
-        for (size_t o = i * (n / threads); o < (i + 1) * (n / threads); o += 64) {
-          sum = _mm512_add_epi64(sum, _mm512_loadu_si512(p + o));
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+        for (size_t o = i * (n / threads); o < (i + 1) * (n / threads); o += 256) {
+          s0 = _mm512_add_epi64(s0, _mm512_loadu_si512(p + o));
+          s1 = _mm512_add_epi64(s1, _mm512_loadu_si512(p + o + 64));
+          s2 = _mm512_add_epi64(s2, _mm512_loadu_si512(p + o + 128));
+          s3 = _mm512_add_epi64(s3, _mm512_loadu_si512(p + o + 192));
         }
-        sums[i] = _mm512_reduce_add_epi64(sum);
+        sums[i] = _mm512_reduce_add_epi64(
+            _mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3)));
 #else
         uint64_t sum = 0;
         for (size_t o = i * (n / threads); o < (i + 1) * (n / threads); o += 64) {
