@@ -19,11 +19,11 @@
 // whichever the machine has (built at first use by forge_jax.ops.quantized_matmul_cpu with
 // the machine's C++ compiler and -march=native). The AVX-512 int4 expansion avoids the
 // byte-widening shuffles and the integer-to-float conversions (and, at one row of
-// activations, expands four groups a load): 1.8-1.9 ns a group of 32 on one core of this
-// repository's AMD EPYC (Zen 4) host with the weight in cache. One core streaming a weight
-// from memory runs 5-20% slower than that, and two cores together are bound by the
-// memory's bandwidth (a decode step reads 96.5 MB of SmolLM2-135M's Q4_1 GGUF): hence
-// the prefetching a few rows ahead (benchmarks/quantized_matmul_cpu_kernel.py).
+// activations, expands four groups a load): 1.4-1.9 ns a group of 32 on one core of this
+// repository's AMD EPYC (Zen 4) host with the weight in cache. A decode step streams its
+// weights from memory (96.5 MB for SmolLM2-135M's Q4_1 GGUF), 5-20% slower than from
+// cache on one core: hence the prefetching a few rows ahead
+// (benchmarks/quantized_matmul_cpu_kernel.py).
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
