@@ -109,14 +109,20 @@ class GatedDeltaNet(nnx.Module):
         z = self.in_proj_z(x).reshape(batch, t, c.v_heads, c.v_head_dim)
         g, beta = fj.gated_delta_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log[...],
                                        self.dt_bias[...])
+        if cache is not None:  # one row per sequence (a packed row's sequences gathered)
+            mixed, g, beta = (cache.to_sequences(a) for a in (mixed, g, beta))
+            lengths = cache.sequence_lengths(lengths)
+        seqs, span = mixed.shape[:2]
         mixed, conv_state = fj.causal_conv1d(mixed, self.conv_weight[...],
                                              state=conv_state, lengths=lengths)
         q, k, v = jnp.split(mixed, [c.key_dim, 2 * c.key_dim], axis=-1)
         out, state = fj.gated_delta_rule(
-            q.reshape(batch, t, c.k_heads, c.k_head_dim),
-            k.reshape(batch, t, c.k_heads, c.k_head_dim),
-            v.reshape(batch, t, c.v_heads, c.v_head_dim), g, beta, state=state,
+            q.reshape(seqs, span, c.k_heads, c.k_head_dim),
+            k.reshape(seqs, span, c.k_heads, c.k_head_dim),
+            v.reshape(seqs, span, c.v_heads, c.v_head_dim), g, beta, state=state,
             lengths=lengths, chunk_size=c.chunk_size)
+        if cache is not None:
+            out = cache.from_sequences(out, t)  # [batch, t, v_heads, v_head_dim]
         # The gated RMSNorm: weight * norm(out) rounded to the compute dtype, times silu(z)
         # in float32 (transformers' Qwen3NextRMSNormGated).
         normed = fj.rms_norm(out, self.norm_weight[...], eps=c.rms_norm_eps)

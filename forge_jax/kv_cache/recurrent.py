@@ -174,6 +174,20 @@ class RecurrentStatePool:
         return dataclasses.replace(self, lengths=_base.lengths_array("lengths", lengths,
                                                                        self.batch))
 
+    # Row b of the step is one sequence: the layer runs its ops on the rows as they are.
+    def to_sequences(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[batch, t, ...]`` as the layer's per-sequence ops take it: unchanged."""
+        return x
+
+    def from_sequences(self, y: jax.Array, tokens: int) -> jax.Array:
+        """The inverse of :meth:`to_sequences`: ``y`` unchanged."""
+        del tokens
+        return y
+
+    def sequence_lengths(self, lengths) -> jax.Array:
+        """Each sequence's real tokens: the rows' ``lengths`` (int ``[batch]``)."""
+        return lengths
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -265,3 +279,28 @@ class HybridCache:
     def write_state(self, layer: int, conv_state, state) -> HybridCache:
         lin = self.linear.write_state(self._index(layer, "linear"), conv_state, state)
         return dataclasses.replace(self, linear=lin)
+
+    def to_sequences(self, x: jax.Array) -> jax.Array:
+        return self.linear.to_sequences(x)
+
+    def from_sequences(self, y: jax.Array, tokens: int) -> jax.Array:
+        return self.linear.from_sequences(y, tokens)
+
+    def sequence_lengths(self, lengths) -> jax.Array:
+        return self.linear.sequence_lengths(lengths)
+
+    # The serving engine's pool (a paged attention pool and a state pool) and its packed view.
+    @property
+    def max_sequences(self) -> int:
+        """The sequences the state pool holds at once (one slot each): the most a serving
+        engine over this pool may run together."""
+        return self.linear.num_slots
+
+    def copy_pages(self, copies) -> HybridCache:
+        """The attention pool's page copies (the block manager's copy-on-write)."""
+        return dataclasses.replace(self, attention=self.attention.copy_pages(copies))
+
+    def into_pool(self, pool: HybridCache) -> HybridCache:
+        """``pool`` (the engine's) holding this packed view's written pages and states."""
+        return dataclasses.replace(pool, attention=self.attention.into_pool(pool.attention),
+                                   linear=self.linear.into_pool(pool.linear))
