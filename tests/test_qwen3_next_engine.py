@@ -57,6 +57,16 @@ def test_concurrent_requests_give_transformers_greedy_tokens(served):
     model, want = served
     engine = _engine(model)
     assert engine.state_slots.capacity == 2 and engine.cache.max_sequences == 2
+    slots = {}  # request id -> the slots it ran in
+    assign = engine.state_slots.assign
+
+    def recording(scheduled, manager):
+        out = assign(scheduled, manager)
+        for (r, _), slot in zip(scheduled, out, strict=True):
+            slots.setdefault(r.id, set()).add(slot)
+        return out
+
+    engine.state_slots.assign = recording
     params = RequestParams(max_tokens=NEW_TOKENS)
     streams = [engine.submit(PROMPTS[0], params)]
     engine.step()
@@ -71,7 +81,9 @@ def test_concurrent_requests_give_transformers_greedy_tokens(served):
     assert max(running) <= 2
     got = [[t for out in s for t in out.token_ids] for s in streams]
     assert got == want
-    assert len(engine.state_slots) == 0  # every slot back
+    # Each request kept one slot; four requests over two slots: the later took finished ones'.
+    assert sorted(len(v) for v in slots.values()) == [1] * 4
+    assert set().union(*slots.values()) == {0, 1}
 
 
 def test_prefix_caching_is_refused_with_the_reason(served):
@@ -179,6 +191,7 @@ def test_forge_jax_serve_answers_as_generate(tmp_path, tokenizer_files, capsys, 
     config_cls, model_cls, extra = CASES["qwen3_5_text"]
     save_checkpoint(tmp_path, config_cls, model_cls, dict(BASE, **extra, vocab_size=vocab),
                     seed=0, gemma_norms=True, tokenizer=tokenizer_dir)
+    capsys.readouterr()  # (transformers' progress bars)
     flags = ["--max-pages", "32", "--page-size", "4", "--max-model-len", "64",
              "--max-batch-tokens", "16", "--no-warm-up", "--no-compilation-cache"]
     assert_one_line_error(run(capsys, "serve", "--checkpoint", str(tmp_path), "--port", "0",
