@@ -7,7 +7,10 @@ Per token: projections to ``q, k`` (``k_heads`` of ``dk``), ``v`` and the output
 convolution with SiLU over ``[q | k | v]``; the gated delta rule from the layer's state; an
 RMSNorm of each head's output times ``silu(z)``; the output projection. With a
 :class:`~forge_jax.kv_cache.contract.StateCache` the layer reads its states from the cache
-and writes back what the ops return, so a sequence continues across calls.
+and writes back what the ops return, so a sequence continues across calls; the convolution
+and the delta rule run on one row per sequence as the cache lays them out (the serving
+engine's packed row gathered per sequence, ``to_sequences``), the projections on the step's
+rows as they come.
 
 The weights are stored as Qwen3.5 names them (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
 ``in_proj_a``: plain ``[q | k | v]`` and per-head rows); Qwen3-Next's fused, key-head-grouped
