@@ -86,6 +86,21 @@ def test_concurrent_requests_give_transformers_greedy_tokens(served):
     assert set().union(*slots.values()) == {0, 1}
 
 
+def test_a_preempted_request_restarts_from_zero_states(served):
+    """A pool too small for the two longest requests at once: the newer is preempted, its
+    slot freed, and it is recomputed from its prompt (position 0: zero states) later."""
+    from forge_jax.serving import RequestParams
+
+    model, want = served
+    engine = _engine(model, num_pages=14)
+    params = RequestParams(max_tokens=NEW_TOKENS)
+    streams = [engine.submit(p, params) for p in PROMPTS[:2]]
+    while engine.has_work():
+        engine.step()
+    assert engine.stats.preemptions > 0
+    assert [[t for out in s for t in out.token_ids] for s in streams] == want[:2]
+
+
 def test_prefix_caching_is_refused_with_the_reason(served):
     model, _ = served
     with pytest.raises(ValueError, match="cannot be shared page by page") as e:

@@ -87,12 +87,12 @@ class StepBatch:
     @property
     def shape_key(self) -> tuple:
         """What selects a compiled variant of :func:`ragged_step`: the token rows, the block
-        tables' shape, greedy or not, with a repetition penalty or not, the extras and
-        logprobs."""
+        tables' shape, greedy or not, with a repetition penalty or not, the extras,
+        logprobs, the per-sequence state grid and the verified rows."""
         return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
                 self.seen is not None, tuple(sorted(self.extras)), self.logprobs,
-                None if self.verify is None else self.verify["verify_rows"].shape[1],
-                None if self.state is None else self.state["segment_rows"].shape)
+                None if self.state is None else self.state["segment_rows"].shape,
+                None if self.verify is None else self.verify["verify_rows"].shape[1])
 
 
 def adjust_logits(logits, sampling: dict, seen, extras: dict):
