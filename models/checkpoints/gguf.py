@@ -1,7 +1,8 @@
 """GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package
 (ggml's own reader; ``pip install gguf``), imported only when a ``.gguf`` file is opened.
 
-* The ``llama`` and ``smollm3`` architectures' metadata fills a :class:`LlamaConfig`;
+* The ``llama`` and ``smollm3`` architectures' metadata fills a :class:`LlamaConfig`
+  (``gpt-oss``: :mod:`forge_jax.models.checkpoints.gguf_gpt_oss`, MXFP4 experts);
   llama.cpp's tensor names map onto Hugging Face's (``blk.0.attn_q.weight`` is
   ``model.layers.0.self_attn.q_proj.weight``), and the rows of ``attn_q`` and ``attn_k``,
   which llama.cpp's converter permutes for its RoPE layout, are permuted back. SmolLM3's
@@ -67,7 +68,7 @@ _LAYER = {
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF architecture -> forge_jax family (model_type); llama.cpp writes SmolLM3 without its
 # NoPE layers, which it fixes at every 4th (SMOLLM3_NOPE_STEP).
-ARCHITECTURES = {"llama": "llama", "smollm3": "smollm3"}
+ARCHITECTURES = {"llama": "llama", "smollm3": "smollm3", "gpt-oss": "gpt_oss"}
 SMOLLM3_NOPE_STEP = 4
 
 
@@ -195,6 +196,10 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; forge_jax "
                               f"reads {', '.join(map(repr, ARCHITECTURES))}")
+    if arch == "gpt-oss":  # its own reader: experts, sinks, YaRN
+        from forge_jax.models.checkpoints import gguf_gpt_oss
+
+        return gguf_gpt_oss.load_config(path, reader)
     get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
     layers = int(get("block_count", 0))
     family = {} if arch == "llama" else dict(model_type=ARCHITECTURES[arch])
@@ -433,6 +438,10 @@ def _fuse(parts: list, param_dtype):
 def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
     """Loads a llama-architecture GGUF file (see the module docstring)."""
     reader = open_gguf(path)
+    if _field(reader, "general.architecture") == "gpt-oss":
+        from forge_jax.models.checkpoints import gguf_gpt_oss
+
+        return gguf_gpt_oss.from_gguf(path, reader, dtype=dtype, param_dtype=param_dtype)
     config = load_config(path, reader)
     tensors = {}
     for t in reader.tensors:

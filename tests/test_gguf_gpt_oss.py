@@ -1,0 +1,172 @@
+"""gpt-oss GGUF files (llama.cpp's ``gpt-oss`` architecture): a transformers-written random
+gpt-oss checkpoint, its experts quantized to MXFP4 by ggml's quantizer, converted into a
+GGUF file the way llama.cpp's converter does (``tests/cases/gguf_gpt_oss.py``), loads
+through ``llama.from_pretrained(path.gguf)`` with MXFP4 experts (no float copy) and gives
+the logits and greedy tokens of the same weights loaded from safetensors; the experts'
+values are ggml's own decoding of the file's bytes; negative controls (gate/up left
+de-interleaved, YaRN's correction range rounded as llama.cpp rounds it) miss."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import gguf_gpt_oss
+from cases.hf_families import LOGITS_TOL, forge_logits, save_checkpoint
+from flax import nnx
+
+import forge_jax as fj
+from forge_jax.generation import generate
+from forge_jax.kv_cache import CacheSpec
+from forge_jax.models import llama
+
+gguf = pytest.importorskip("gguf", reason="GGUF tests need the gguf package (pip install gguf)")
+
+# gpt-oss scaled down (as in tests/test_families_recent.py): 8 query / 2 KV heads of 16,
+# even layers sliding (window 6), 6 experts top-2, YaRN past an original context of 8; the
+# SwiGLU limit is gpt-oss's 7 (llama.cpp compiles it in), reached by large expert biases.
+CONFIG = dict(vocab_size=96, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+              head_dim=16, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2,
+              num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+              sliding_window=6, swiglu_limit=7.0, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2,
+              rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,
+                               "beta_slow": 1.0, "truncate": False,
+                               "original_max_position_embeddings": 8, "rope_theta": 1000.0})
+SEQ = 20  # past the window and the original context
+
+
+@functools.cache
+def _mxfp4_checkpoint(root: pathlib.Path) -> pathlib.Path:
+    save_checkpoint(root / "float", "GptOssConfig", "GptOssForCausalLM", CONFIG, seed=7,
+                    stds={"sinks": 1.5, "gate_up_proj_bias": 4.0})
+    gguf_gpt_oss.mxfp4_checkpoint(root / "float", root / "mxfp4")
+    return root / "mxfp4"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf, tmp_path_factory):
+    return _mxfp4_checkpoint(tmp_path_factory.mktemp("gpt_oss_gguf"))
+
+
+def _reference(checkpoint, stored, directory):
+    """The MXFP4 checkpoint with its float tensors as the GGUF file stores them."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(checkpoint, directory)
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    tensors.update(stored)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return llama.from_pretrained(directory, dtype=jnp.float32)
+
+
+def _tokens(seed=0):
+    return np.random.default_rng(seed).integers(3, CONFIG["vocab_size"], (2, SEQ)).astype(
+        np.int32)
+
+
+def _with(model, config=None, **params):
+    """A copy of ``model`` (its config replaced) with parameters replaced by name."""
+    copy = nnx.merge(*nnx.split(model))
+    if config is not None:
+        copy.config = config
+    for path, value in params.items():
+        layer, name = path.split(".")
+        getattr(copy.layers[int(layer)].mlp, name).set_value(value)
+    return copy
+
+
+@pytest.mark.parametrize("types,fused", [({}, False), ({"attn_q": "Q8_0", "attn_k": "Q8_0",
+                                                         "attn_v": "Q8_0", "output": "Q8_0"},
+                                                        True)], ids=["f32", "q8_0-fused"])
+def test_gpt_oss_gguf_matches_safetensors(checkpoint, tmp_path, types, fused):
+    file = tmp_path / "gpt-oss.gguf"
+    stored = gguf_gpt_oss.write(file, checkpoint, types, fuse_gate_up=fused)
+    ref = _reference(checkpoint, stored, tmp_path / "reference")
+    model = llama.from_pretrained(file, dtype=jnp.float32)
+    assert model.config == ref.config
+    c = model.config
+    assert c.model_type == "gpt_oss" and c.rope_scaling.kind == "yarn"
+    assert c.layer_types == ("sliding_attention", "full_attention")
+
+    # The experts load as MXFP4, the file's codes and scales, which ggml decodes to the
+    # same numbers.
+    reader = gguf.GGUFReader(file)
+    by_name = {t.name: t for t in reader.tensors}
+    for i, layer in enumerate(model.layers):
+        gate_up, down = layer.mlp.gate_up.get_value(), layer.mlp.down.get_value()
+        for w in (gate_up, down):
+            assert isinstance(w, fj.QuantizedArray) and w.format == "mxfp4"
+            assert w.values.dtype == jnp.uint8 and w.nbytes * 8 == np.prod(w.shape) * 4.25
+        want_down = _ggml(by_name[f"blk.{i}.ffn_down_exps.weight"])
+        np.testing.assert_array_equal(np.asarray(fj.dequantize(down)), want_down)
+        if fused:
+            both = _ggml(by_name[f"blk.{i}.ffn_gate_up_exps.weight"])
+            gate, up = np.split(both, 2, axis=1)
+        else:
+            gate = _ggml(by_name[f"blk.{i}.ffn_gate_exps.weight"])
+            up = _ggml(by_name[f"blk.{i}.ffn_up_exps.weight"])
+        got = np.asarray(fj.dequantize(gate_up))
+        np.testing.assert_array_equal(got[:, ::2], gate)
+        np.testing.assert_array_equal(got[:, 1::2], up)
+        np.testing.assert_array_equal(np.asarray(gate_up.values),
+                                      np.asarray(ref.layers[i].mlp.gate_up.get_value().values))
+    if types:
+        assert model.lm_head.kernel.get_value().format == "int8"
+
+    tokens = _tokens()
+    want = forge_logits(ref, tokens)
+    np.testing.assert_allclose(forge_logits(model, tokens), want, **LOGITS_TOL.as_kwargs())
+    assert np.abs(want).max() > 1.0
+    prompts = [tokens[0, :13].tolist(), tokens[1, :11].tolist()]
+    expected = generate(ref, prompts, 5, eos_token_id=(), cache=CacheSpec(page_size=4))
+    for kind in ("paged", "contiguous"):
+        spec = CacheSpec(kind=kind, page_size=4)
+        assert generate(model, prompts, 5, eos_token_id=(), cache=spec) == expected, kind
+
+    if fused:
+        return
+    # Negative controls. Gate and up left as the converter splits them (gate rows, then up
+    # rows), not interleaved again:
+    def split_rows(q):
+        e, n = q.shape[:2]
+        swap = lambda a: np.asarray(a).reshape(e, n // 2, 2, -1).swapaxes(1, 2).reshape(
+            a.shape)
+        return fj.quant.from_parts(swap(q.values), swap(q.scales), format="mxfp4",
+                                   block=q.block)
+    wrong = _with(model, **{f"{i}.gate_up": split_rows(layer.mlp.gate_up.get_value())
+                            for i, layer in enumerate(model.layers)})
+    miss = np.abs(forge_logits(wrong, tokens) - want).max()
+    assert miss > 50 * LOGITS_TOL.atol, miss
+    # YaRN's correction range rounded to whole dimensions (llama.cpp's RoPE, transformers'
+    # default): gpt-oss's is not.
+    rounded = dataclasses.replace(c, rope_scaling=dataclasses.replace(c.rope_scaling,
+                                                                      truncate=True))
+    miss = np.abs(forge_logits(_with(model, rounded), tokens) - want).max()
+    assert miss > 50 * LOGITS_TOL.atol, miss
+
+
+def _ggml(tensor) -> np.ndarray:
+    """ggml's own decoding of an MXFP4 GGUF tensor, ``[experts, out, in]`` float32."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+
+
+def test_transform_nibble_layout_is_ggml_order():
+    """The converter's repacking (ported step by step) turns gpt-oss's byte layout into
+    the one ggml's MXFP4 quantizer writes: the helper's round trip is exact."""
+    w = np.random.default_rng(0).normal(0, 1, (2, 3, 64)).astype(np.float32)
+    ggml = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+    blocks, scales = gguf_gpt_oss.hf_from_ggml(ggml)
+    np.testing.assert_array_equal(gguf_gpt_oss.repack_mxfp4(blocks, scales), ggml)
+    # and forge_jax's decoding of the gpt-oss layout is ggml's of its own
+    from forge_jax.models.checkpoints import gguf_gpt_oss as loader
+
+    np.testing.assert_array_equal(np.asarray(fj.dequantize(loader.mxfp4(ggml))),
+                                  gguf.quants.dequantize(ggml, gguf.GGMLQuantizationType.MXFP4))
