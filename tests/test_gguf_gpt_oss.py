@@ -4,12 +4,14 @@ GGUF file the way llama.cpp's converter does (``tests/cases/gguf_gpt_oss.py``), 
 through ``llama.from_pretrained(path.gguf)`` with MXFP4 experts (no float copy) and gives
 the logits and greedy tokens of the same weights loaded from safetensors; the experts'
 values are ggml's own decoding of the file's bytes; negative controls (gate/up left
-de-interleaved, YaRN's correction range rounded as llama.cpp rounds it) miss."""
+de-interleaved, YaRN's correction range rounded as llama.cpp rounds it, no SwiGLU clamp)
+miss."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pathlib
 
 import jax.numpy as jnp
@@ -124,14 +126,14 @@ def test_gpt_oss_gguf_matches_safetensors(checkpoint, tmp_path, types, fused):
     want = forge_logits(ref, tokens)
     np.testing.assert_allclose(forge_logits(model, tokens), want, **LOGITS_TOL.as_kwargs())
     assert np.abs(want).max() > 1.0
+    if fused:  # the greedy tokens and the negative controls once, with the split tensors
+        return
     prompts = [tokens[0, :13].tolist(), tokens[1, :11].tolist()]
     expected = generate(ref, prompts, 5, eos_token_id=(), cache=CacheSpec(page_size=4))
     for kind in ("paged", "contiguous"):
         spec = CacheSpec(kind=kind, page_size=4)
         assert generate(model, prompts, 5, eos_token_id=(), cache=spec) == expected, kind
 
-    if fused:
-        return
     # Negative controls. Gate and up left as the converter splits them (gate rows, then up
     # rows), not interleaved again:
     def split_rows(q):
@@ -149,6 +151,12 @@ def test_gpt_oss_gguf_matches_safetensors(checkpoint, tmp_path, types, fused):
     rounded = dataclasses.replace(c, rope_scaling=dataclasses.replace(c.rope_scaling,
                                                                       truncate=True))
     miss = np.abs(forge_logits(_with(model, rounded), tokens) - want).max()
+    assert miss > 50 * LOGITS_TOL.atol, miss
+    # The SwiGLU clamp (gpt-oss's limit 7, not in the file) bites: without it the logits miss.
+    unclamped = _with(model)
+    for layer in unclamped.layers:
+        layer.mlp.limit = 1e6
+    miss = np.abs(forge_logits(unclamped, tokens) - want).max()
     assert miss > 50 * LOGITS_TOL.atol, miss
 
 
@@ -170,3 +178,54 @@ def test_transform_nibble_layout_is_ggml_order():
 
     np.testing.assert_array_equal(np.asarray(fj.dequantize(loader.mxfp4(ggml))),
                                   gguf.quants.dequantize(ggml, gguf.GGMLQuantizationType.MXFP4))
+
+
+# Texts where the splits differ: case changes inside a word, digit runs, contractions in
+# capitals, punctuation with newlines and slashes, runs of spaces.
+SAMPLES = ["HelloWorld and CamelCaseWords", "1234567 + 89 = 1234656", "DON'T stop, we're HERE",
+           "path/to/file.txt\n\nnext\tline  with   spaces",
+           "\u00c9COLE na\u00efve caf\u00e9 \U0001f642!",
+           "<|start|>user<|message|>Hi there<|end|>"]
+CORPUS = SAMPLES[:5] * 3 + ["the quick brown fox jumps over the lazy dog 0123456789",
+                            "It's a TEST of o200k's splitting, isn't it? 42/7\n"]
+
+
+@pytest.mark.parametrize("pre", ["gpt-4o", "llama-bpe"])
+def test_bpe_tokenizer_splits_as_tokenizer_ggml_pre_says(tmp_path, pre):
+    """A byte-level BPE vocabulary trained behind gpt-oss's o200k split (or Llama 3's),
+    written into a GGUF file as llama.cpp writes it (``tokenizer.ggml.pre``), encodes as
+    the original ``tokenizers`` tokenizer; with GPT-2's split (no ``pre``) it does not."""
+    from cases import gguf_files
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from forge_jax.models.checkpoints import gguf_pretokenizers
+    from forge_jax.text import api as text
+
+    original = Tokenizer(models.BPE())
+    original.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(gguf_pretokenizers.SPLITS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    original.decoder = decoders.ByteLevel()
+    specials = ["<|start|>", "<|message|>", "<|end|>"]
+    original.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=420, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(original.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    config = dict(gguf_files.CONFIG, vocab_size=len(tokens))
+    files = {}
+    for name, split in (("file", pre), ("gpt2", None)):
+        files[name] = tmp_path / f"{name}.gguf"
+        gguf_files.write(files[name], gguf_files.random_llama(0, config), {}, config=config,
+                         tokenizer=dict(tokens=tokens, merges=merges, pre=split,
+                                        types=[3 if t in specials else 1 for t in tokens]))
+    tok = text.load_tokenizer(files["file"])
+    gpt2 = text.load_tokenizer(files["gpt2"])
+    differ = 0
+    for sample in SAMPLES:
+        want = original.encode(sample, add_special_tokens=False).ids
+        assert tok.backend.encode(sample, add_special_tokens=False).ids == want, sample
+        assert tok.decode(want, skip_special_tokens=False) == sample
+        differ += gpt2.backend.encode(sample, add_special_tokens=False).ids != want
+    assert differ >= 2, differ  # the split is read, not GPT-2's by chance

@@ -520,13 +520,15 @@ def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     ``generation_config``.
 
     ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokenizer.ggml.tokens`` and
-    ``merges``, control tokens as special tokens, a BOS first when
-    ``tokenizer.ggml.add_bos_token`` is set (Llama 3's). ``llama``: SentencePiece-style tokens with
-    scores and types (:mod:`forge_jax.models.checkpoints.gguf_sentencepiece`). Another model is a
+    ``merges``, split first as ``tokenizer.ggml.pre`` says
+    (:mod:`~forge_jax.models.checkpoints.gguf_pretokenizers`: o200k, Llama 3's), control
+    tokens as special tokens, a BOS first when ``tokenizer.ggml.add_bos_token`` is set
+    (Llama 3's). ``llama``: SentencePiece-style tokens with scores and types
+    (:mod:`forge_jax.models.checkpoints.gguf_sentencepiece`). Another model is a
     CheckpointError naming it."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    from forge_jax.models.checkpoints import gguf_sentencepiece
+    from forge_jax.models.checkpoints import gguf_pretokenizers, gguf_sentencepiece
 
     reader = open_gguf(path)
     kind = _field(reader, "tokenizer.ggml.model")
@@ -549,7 +551,7 @@ def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges],
                                    ignore_merges=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.pre_tokenizer = gguf_pretokenizers.pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
     control = [t for t, kind in zip(tokens, types, strict=False) if kind in (3, 4)]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
