@@ -229,3 +229,53 @@ def test_bpe_tokenizer_splits_as_tokenizer_ggml_pre_says(tmp_path, pre):
         assert tok.decode(want, skip_special_tokens=False) == sample
         differ += gpt2.backend.encode(sample, add_special_tokens=False).ids != want
     assert differ >= 2, differ  # the split is read, not GPT-2's by chance
+
+
+def _metadata_file(path, *, experts=True, rope=None):
+    """A gpt-oss GGUF file of metadata only (no tensors): enough for ``load_config``."""
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    for name, value in (("block_count", 2), ("context_length", 128), ("embedding_length", 64),
+                        ("feed_forward_length", 32), ("head_count", 8), ("head_count_kv", 2),
+                        ("key_length", 16), ("layer_norm_rms_eps", 1e-5), ("vocab_size", 96),
+                        ("sliding_window", 6), ("expert_feed_forward_length", 32),
+                        ("rope_freq_base", 1000.0)):
+        getattr(w, f"add_{name}")(value)
+    if experts:
+        w.add_expert_count(6)
+        w.add_expert_used_count(2)
+    for name, value in (rope or {}).items():
+        getattr(w, f"add_rope_scaling_{name}")(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(rope={"type": gguf.RopeScalingType.LINEAR, "factor": 2.0}),
+     "gpt-oss.rope.scaling.type='linear' is not supported"),
+    (dict(rope={"type": gguf.RopeScalingType.YARN, "factor": 4.0, "orig_ctx_len": 8,
+                "yarn_attn_factor": 2.0}),
+     "gpt-oss.rope.scaling.yarn_attn_factor=2.0 is not supported (only 1.0)"),
+    (dict(rope={"type": gguf.RopeScalingType.YARN, "factor": 4.0}),
+     "needs gpt-oss.rope.scaling.factor and gpt-oss.rope.scaling.original_context_length"),
+    (dict(experts=False), "metadata lacks the keys for ['num_local_experts', "
+                          "'num_experts_per_tok']")])
+def test_gpt_oss_metadata_refusals_name_the_key(tmp_path, kwargs, fragment):
+    file = _metadata_file(tmp_path / "meta.gguf", **kwargs)
+    with pytest.raises(llama.CheckpointError) as e:
+        llama.load_config(file)
+    assert "\n" not in str(e.value) and fragment in str(e.value), str(e.value)
+
+
+def test_gpt_oss_metadata_config(tmp_path):
+    """The metadata alone: YaRN with llama.cpp's beta defaults, gpt-oss's clamp, even layers
+    sliding."""
+    file = _metadata_file(tmp_path / "meta.gguf", rope={
+        "type": gguf.RopeScalingType.YARN, "factor": 32.0, "orig_ctx_len": 4096})
+    c = llama.load_config(file)
+    assert (c.rope_scaling.kind, c.rope_scaling.factor, c.rope_scaling.beta_fast,
+            c.rope_scaling.beta_slow, c.rope_scaling.truncate) == ("yarn", 32.0, 32.0, 1.0, False)
+    assert (c.swiglu_alpha, c.swiglu_limit, c.rms_norm_eps) == (1.702, 7.0, 1e-5)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (6, 2, 32)
+    assert c.layer_types == ("sliding_attention", "full_attention") and c.sliding_window == 6
