@@ -43,20 +43,22 @@ SEQ = 20  # past the window and the original context
 
 
 @functools.cache
-def _mxfp4_checkpoint(root: pathlib.Path) -> pathlib.Path:
+def _checkpoints(root: pathlib.Path) -> pathlib.Path:
+    """``root`` holding ``float`` (transformers-written) and ``mxfp4`` (its experts in
+    MXFP4) checkpoints."""
     save_checkpoint(root / "float", "GptOssConfig", "GptOssForCausalLM", CONFIG, seed=7,
                     stds={"sinks": 1.5, "gate_up_proj_bias": 4.0})
     gguf_gpt_oss.mxfp4_checkpoint(root / "float", root / "mxfp4")
-    return root / "mxfp4"
+    return root
 
 
 @pytest.fixture(scope="module")
-def checkpoint(hf, tmp_path_factory):
-    return _mxfp4_checkpoint(tmp_path_factory.mktemp("gpt_oss_gguf"))
+def checkpoints(hf, tmp_path_factory):
+    return _checkpoints(tmp_path_factory.mktemp("gpt_oss_gguf"))
 
 
 def _reference(checkpoint, stored, directory):
-    """The MXFP4 checkpoint with its float tensors as the GGUF file stores them."""
+    """``checkpoint`` with its float tensors as the GGUF file stores them."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
@@ -87,7 +89,8 @@ def _with(model, config=None, **params):
 @pytest.mark.parametrize("types,fused", [({}, False), ({"attn_q": "Q8_0", "attn_k": "Q8_0",
                                                          "attn_v": "Q8_0", "output": "Q8_0"},
                                                         True)], ids=["f32", "q8_0-fused"])
-def test_gpt_oss_gguf_matches_safetensors(checkpoint, tmp_path, types, fused):
+def test_gpt_oss_gguf_matches_safetensors(checkpoints, tmp_path, types, fused):
+    checkpoint = checkpoints / "mxfp4"
     file = tmp_path / "gpt-oss.gguf"
     stored = gguf_gpt_oss.write(file, checkpoint, types, fuse_gate_up=fused)
     ref = _reference(checkpoint, stored, tmp_path / "reference")
@@ -158,6 +161,28 @@ def test_gpt_oss_gguf_matches_safetensors(checkpoint, tmp_path, types, fused):
         layer.mlp.limit = 1e6
     miss = np.abs(forge_logits(unclamped, tokens) - want).max()
     assert miss > 50 * LOGITS_TOL.atol, miss
+
+
+def test_gpt_oss_gguf_with_quantized_float_experts(checkpoints, tmp_path):
+    """A gpt-oss converted from float experts (a dequantized gpt-oss), its experts then
+    quantized Q8_0 as llama.cpp's quantize does: they load as int8 ``[experts, out, in]``,
+    gate and up interleaved again, and give the logits of the same weights from
+    safetensors."""
+    file = tmp_path / "gpt-oss-q8_0.gguf"
+    stored = gguf_gpt_oss.write(file, checkpoints / "float", dict.fromkeys(
+        ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), "Q8_0"))
+    ref = _reference(checkpoints / "float", stored, tmp_path / "reference")
+    model = llama.from_pretrained(file, dtype=jnp.float32)
+    for layer, ref_layer in zip(model.layers, ref.layers, strict=True):
+        for got, want in ((layer.mlp.gate_up, ref_layer.mlp.gate_up),
+                          (layer.mlp.down, ref_layer.mlp.down)):
+            q = got.get_value()
+            assert isinstance(q, fj.QuantizedArray) and q.format == "int8"
+            np.testing.assert_array_equal(np.asarray(fj.dequantize(q)),
+                                          np.swapaxes(np.asarray(want.get_value()), 1, 2))
+    tokens = _tokens(seed=1)
+    np.testing.assert_allclose(forge_logits(model, tokens), forge_logits(ref, tokens),
+                               **LOGITS_TOL.as_kwargs())
 
 
 def _ggml(tensor) -> np.ndarray:

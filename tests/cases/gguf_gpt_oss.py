@@ -81,10 +81,11 @@ def mxfp4_checkpoint(source: pathlib.Path, target: pathlib.Path) -> dict[str, np
 
 def write(path: pathlib.Path, checkpoint: pathlib.Path, types: dict[str, str] | None = None,
           *, fuse_gate_up: bool = False) -> dict[str, np.ndarray]:
-    """Converts the MXFP4 checkpoint directory ``checkpoint`` into the GGUF file ``path``;
-    ``types``: the GGUF type of 2-D float tensors by llama.cpp role (``"attn_q"``, ...;
-    default F32); ``fuse_gate_up``: the converter's ``--fuse-gate-up-exps``. Returns the
-    non-expert tensors (HF names) as the file stores them, in float32."""
+    """Converts the checkpoint directory ``checkpoint`` (MXFP4 experts, or float ones as
+    the converter writes a dequantized gpt-oss) into the GGUF file ``path``; ``types``: the
+    GGUF type of the float weights by llama.cpp role (``"attn_q"``, ``"ffn_gate_exps"``,
+    ...; default F32); ``fuse_gate_up``: the converter's ``--fuse-gate-up-exps`` (MXFP4
+    experts). Returns the float tensors (HF names) as the file stores them, in float32."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -126,12 +127,13 @@ def write(path: pathlib.Path, checkpoint: pathlib.Path, types: dict[str, str] | 
     def add(gname, hname, x):
         x = np.ascontiguousarray(x)
         role = gname.split(".")[-2]
-        kind = types.get(role, "F32") if x.ndim == 2 and not gname.endswith(".bias") else "F32"
+        kind = types.get(role, "F32") if x.ndim >= 2 and not gname.endswith(".bias") else "F32"
         data = gguf.quants.quantize(x.astype(np.float32), T[kind])
         w.add_tensor(gname, data, raw_dtype=T[kind])
+        back = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float32).reshape(x.shape)
         if hname is not None:
-            stored[hname] = np.asarray(gguf.quants.dequantize(data, T[kind]), np.float32
-                                       ).reshape(x.shape)
+            stored[hname] = back
+        return back
 
     for name, x in tensors.items():
         if name in _TOP:
@@ -151,6 +153,15 @@ def write(path: pathlib.Path, checkpoint: pathlib.Path, types: dict[str, str] | 
             else:
                 add(f"{p}.ffn_gate_exps.bias", None, x[..., ::2])
                 add(f"{p}.ffn_up_exps.bias", None, x[..., 1::2])
+        elif rest == "mlp.experts.gate_up_proj":  # float experts [E, in, out]: the rows split
+            rows = np.swapaxes(x, 1, 2)
+            gate = add(f"{p}.ffn_gate_exps.weight", None, rows[:, ::2])
+            up = add(f"{p}.ffn_up_exps.weight", None, rows[:, 1::2])
+            both = np.stack([gate, up], axis=2).reshape(rows.shape)
+            stored[name] = np.ascontiguousarray(np.swapaxes(both, 1, 2))
+        elif rest == "mlp.experts.down_proj":
+            down = add(f"{p}.ffn_down_exps.weight", None, np.swapaxes(x, 1, 2))
+            stored[name] = np.ascontiguousarray(np.swapaxes(down, 1, 2))
         elif rest == "mlp.experts.down_proj_scales":
             w.add_tensor(f"{p}.ffn_down_exps.weight",
                          repack_mxfp4(tensors[name.replace("_scales", "_blocks")], x),
