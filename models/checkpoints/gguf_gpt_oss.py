@@ -36,9 +36,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import forge_jax as fj
-from forge_jax.models.checkpoints import gguf as base
 from forge_jax.models.checkpoints.abstract import abstract_llama
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
+from forge_jax.models.checkpoints.gguf_reader import field
+from forge_jax.models.checkpoints.gguf_tensors import (
+    EXACT_TYPES,
+    FLOAT_TYPES,
+    fuse,
+    halves,
+    map_rows,
+    quantized,
+    read_tensor,
+)
 from forge_jax.models.llama_model import Llama, LlamaConfig
 
 ARCH = "gpt-oss"
@@ -54,8 +63,8 @@ _ATTENTION = {"attn_q": "q", "attn_k": "k", "attn_v": "v"}
 
 def load_config(path: str | os.PathLike, reader) -> LlamaConfig:
     """The :class:`LlamaConfig` of a ``gpt-oss`` GGUF file's metadata."""
-    get = lambda key, default=None: base._field(reader, f"{ARCH}.{key}", default)
-    tokens = base._field(reader, "tokenizer.ggml.tokens")
+    get = lambda key, default=None: field(reader, f"{ARCH}.{key}", default)
+    tokens = field(reader, "tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
     heads = get("attention.head_count")
     hidden = get("embedding_length")
@@ -71,9 +80,9 @@ def load_config(path: str | os.PathLike, reader) -> LlamaConfig:
         sliding_window=get("attention.sliding_window"), attention_bias=True,
         max_position_embeddings=get("context_length"), swiglu_alpha=SWIGLU_ALPHA,
         swiglu_limit=SWIGLU_LIMIT, tie_word_embeddings="output.weight" not in names,
-        bos_token_id=base._field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=base._field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=base._field(reader, "tokenizer.ggml.padding_token_id"),
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=field(reader, "tokenizer.ggml.padding_token_id"),
         rope_parameters=_rope(path, get))
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "num_local_experts", "num_experts_per_tok", "intermediate_size",
@@ -130,7 +139,7 @@ def mxfp4(data: np.ndarray) -> fj.QuantizedArray:
     size, per_block = MXFP4_BLOCK
     blocks = data.reshape(*data.shape[:-1], -1, size)  # [..., K / 32, 17]
     scales, qs = blocks[..., 0], blocks[..., 1:]
-    values = fj.quant.pack_int4(base._halves(qs)).reshape(*data.shape[:-1], -1)
+    values = fj.quant.pack_int4(halves(qs)).reshape(*data.shape[:-1], -1)
     return fj.quant.from_parts(values, np.ascontiguousarray(scales), format="mxfp4",
                                block=(per_block,))
 
@@ -151,24 +160,14 @@ def read_experts(tensor, param_dtype):
                                   f"bytes of shape {data.shape}, not rows of whole 17-byte "
                                   f"blocks of 32 values")
         return mxfp4(data)
-    if kind in base.FLOAT_TYPES:
-        return base.read_tensor(tensor, param_dtype, keep_quantized=False)
-    if kind not in base.EXACT_TYPES:
-        known = ", ".join(("MXFP4",) + base.FLOAT_TYPES + base.EXACT_TYPES)
+    if kind in FLOAT_TYPES:
+        return read_tensor(tensor, param_dtype, keep_quantized=False)
+    if kind not in EXACT_TYPES:
+        known = ", ".join(("MXFP4",) + FLOAT_TYPES + EXACT_TYPES)
         raise CheckpointError(f"GGUF tensor {tensor.name!r} has type {kind}, which forge_jax "
                               f"does not read for experts (it reads {known})")
-    q = base._quantized(kind, data.reshape(shape[0] * shape[1], -1))
-    return _rows(q, lambda a: a.reshape(*shape[:2], -1))
-
-
-def _rows(x, fn):
-    """``fn`` applied to an array or to each of a QuantizedArray's arrays."""
-    if isinstance(x, fj.QuantizedArray):
-        return fj.quant.from_parts(
-            fn(np.asarray(x.values)), fn(np.asarray(x.scales)),
-            None if x.minimums is None else fn(np.asarray(x.minimums)), format=x.format,
-            block=x.block)
-    return jnp.asarray(fn(np.asarray(x)))
+    q = quantized(kind, data.reshape(shape[0] * shape[1], -1))
+    return map_rows(q, lambda a: a.reshape(*shape[:2], -1))
 
 
 def interleave(gate, up):
@@ -203,7 +202,7 @@ def from_gguf(path: str | os.PathLike, reader, *, dtype, param_dtype) -> Llama:
         return tensors.pop(name)
 
     def get(name, *, keep_quantized=False):
-        return base.read_tensor(take(name), param_dtype, keep_quantized=keep_quantized)
+        return read_tensor(take(name), param_dtype, keep_quantized=keep_quantized)
 
     def put(param, name, x):
         want = tuple(param.shape)
@@ -224,7 +223,7 @@ def from_gguf(path: str | os.PathLike, reader, *, dtype, param_dtype) -> Llama:
             get(f"{p}.post_attention_norm.weight"))
         attn, moe = layer.self_attn, layer.mlp
         qkv = [get(f"{p}.{n}.weight", keep_quantized=True) for n in _ATTENTION]
-        put(attn.qkv_proj.kernel, f"{p}.attn_qkv", base._fuse(qkv, param_dtype))
+        put(attn.qkv_proj.kernel, f"{p}.attn_qkv", fuse(qkv, param_dtype))
         put(attn.qkv_proj.bias, f"{p}.attn_qkv.bias",
             jnp.concatenate([get(f"{p}.{n}.bias") for n in _ATTENTION]))
         put(attn.o_proj.kernel, f"{p}.attn_output", get(f"{p}.attn_output.weight",
@@ -261,12 +260,12 @@ def _gate_up(p, tensors, take, param_dtype, width):
     if fused not in tensors:
         gate = read_experts(take(f"{p}.ffn_gate_exps.weight"), param_dtype)
         up = read_experts(take(f"{p}.ffn_up_exps.weight"), param_dtype)
-        read = lambda n: base.read_tensor(take(n), param_dtype, keep_quantized=False)
+        read = lambda n: read_tensor(take(n), param_dtype, keep_quantized=False)
         return (gate, up, read(f"{p}.ffn_gate_exps.bias"), read(f"{p}.ffn_up_exps.bias"))
     both = read_experts(take(fused), param_dtype)
-    bias = base.read_tensor(take(f"{p}.ffn_gate_up_exps.bias"), param_dtype,
+    bias = read_tensor(take(f"{p}.ffn_gate_up_exps.bias"), param_dtype,
                             keep_quantized=False)
-    half = lambda x, s: _rows(x, lambda a: a[:, s])
+    half = lambda x, s: map_rows(x, lambda a: a[:, s])
     return (half(both, slice(0, width)), half(both, slice(width, None)),
             bias[:, :width], bias[:, width:])
 
