@@ -165,12 +165,12 @@ def test_gpt_oss_gguf_matches_safetensors(checkpoints, tmp_path, types, fused):
 
 def test_gpt_oss_gguf_with_quantized_float_experts(checkpoints, tmp_path):
     """A gpt-oss converted from float experts (a dequantized gpt-oss), its experts then
-    quantized Q8_0 as llama.cpp's quantize does: they load as int8 ``[experts, out, in]``,
-    gate and up interleaved again, and give the logits of the same weights from
-    safetensors."""
+    quantized as llama.cpp's quantize does (gate Q8_0, up Q4_0, down Q8_0): they load as int8
+    ``[experts, out, in]`` (up's int4 widened into gate's layout, exactly), gate and up
+    interleaved again, and give the logits of the same weights from safetensors."""
     file = tmp_path / "gpt-oss-q8_0.gguf"
-    stored = gguf_gpt_oss.write(file, checkpoints / "float", dict.fromkeys(
-        ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), "Q8_0"))
+    stored = gguf_gpt_oss.write(file, checkpoints / "float", {
+        "ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0"})
     ref = _reference(checkpoints / "float", stored, tmp_path / "reference")
     model = llama.from_pretrained(file, dtype=jnp.float32)
     for layer, ref_layer in zip(model.layers, ref.layers, strict=True):

@@ -45,6 +45,7 @@ from forge_jax.models.checkpoints.gguf_tensors import (
     fuse,
     halves,
     map_rows,
+    one_layout,
     quantized,
     read_tensor,
 )
@@ -176,11 +177,16 @@ def interleave(gate, up):
     QuantizedArrays of one layout (rows are independent in every GGUF type)."""
     pair = lambda g, u: np.stack([np.asarray(g), np.asarray(u)], axis=2).reshape(
         g.shape[0], 2 * g.shape[1], *g.shape[2:])
-    if isinstance(gate, fj.QuantizedArray) != isinstance(up, fj.QuantizedArray) or (
-            isinstance(gate, fj.QuantizedArray) and (gate.format, gate.block, gate.minimums is None)
-            != (up.format, up.block, up.minimums is None)):
-        raise CheckpointError("the experts' gate and up tensors are stored in different types; "
-                              "forge_jax loads them as one interleaved tensor")
+    layout = lambda q: (q.format, q.block, q.minimums is None)
+    both = isinstance(gate, fj.QuantizedArray) + isinstance(up, fj.QuantizedArray)
+    if both == 2 and layout(gate) != layout(up):  # e.g. Q4_K beside Q6_K: one exact layout
+        gate, up = one_layout([gate, up]) or (gate, up)
+    if both == 1 or (both == 2 and layout(gate) != layout(up)):
+        kind = lambda x: (f"{x.format} in blocks of {x.block}"
+                          if isinstance(x, fj.QuantizedArray) else "floats")
+        raise CheckpointError(f"the experts' gate ({kind(gate)}) and up ({kind(up)}) have no "
+                              f"common exact layout; forge_jax loads them as one interleaved "
+                              f"tensor")
     if isinstance(gate, fj.QuantizedArray):
         return fj.quant.from_parts(
             pair(gate.values, up.values), pair(gate.scales, up.scales),

@@ -161,7 +161,7 @@ def map_rows(x, fn):
     return jnp.asarray(fn(np.asarray(x)))
 
 
-def _one_layout(parts: list[fj.QuantizedArray]) -> list[fj.QuantizedArray] | None:
+def one_layout(parts: list[fj.QuantizedArray]) -> list[fj.QuantizedArray] | None:
     """Quantized parts of different int layouts in one they all fit exactly: int8 values
     (int4's widened), the smallest group (a larger one's scales repeated), minimums if any
     part has them (zero for those without), scales in the widest dtype; None where there is
@@ -189,7 +189,7 @@ def fuse(parts: list, param_dtype):
     one exactly (:func:`_one_layout`), else dequantized to ``param_dtype``."""
     q = [p for p in parts if isinstance(p, fj.QuantizedArray)]
     if len(q) == len(parts) and len({(p.format, p.block, p.minimums is None) for p in q}) > 1:
-        q = _one_layout(q) or []
+        q = one_layout(q) or []
     if len(q) == len(parts):
         # float16 and float32 scales (Q4_1 beside Q4_K) meet in float32, exactly
         scale_dtype = np.result_type(*(np.dtype(p.scales.dtype) for p in q))
