@@ -215,7 +215,7 @@ def test_forge_jax_serve_answers_as_generate(tmp_path, tokenizer_files, capsys, 
              "--max-batch-tokens", "16", "--no-warm-up", "--no-compilation-cache"]
     assert_one_line_error(run(capsys, "serve", "--checkpoint", str(tmp_path), "--port", "0",
                               *flags), "cannot be shared page by page",
-                          prog="forge-jax serve")
+                          "(--no-prefix-caching)", prog="forge-jax serve")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

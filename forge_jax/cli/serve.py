@@ -170,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
                 cache=CacheSpec(page_size=args.page_size, kv_dtype=args.kv_cache_dtype),
                 speculative=speculative))
         except ValueError as e:  # the model refuses a setting (prefix caching, speculation)
-            raise UsageError(str(e)) from None
+            hint = " (--no-prefix-caching)" if args.prefix_caching and \
+                "prefix_caching=False" in str(e) else ""
+            raise UsageError(f"{e}{hint}") from None
         name = args.model_name or default_model_name(args.checkpoint)
         app = serving_http.create_app(
             engine, model_name=name, tokenizer=tokenizer, default_max_tokens=args.max_tokens,
