@@ -5,9 +5,10 @@ sequence carries a fixed-size state per layer, the ``[v_heads, dk, dv]`` delta-r
 and the last ``kernel - 1`` inputs of its short convolution (:func:`forge_jax.causal_conv1d`).
 :class:`RecurrentStatePool` holds those for ``num_slots`` sequences, one slot each, and maps
 the rows of a step to slots (``slots[b]``; ``-1`` for an idle row, which reads zeros and
-writes nothing): generate gives row ``b`` slot ``b``, a serving engine gives each request a
-slot for its lifetime and clears it (:meth:`RecurrentStatePool.reset`) when a new request
-takes it.
+writes nothing): generate gives row ``b`` slot ``b``; the serving engine gives each running
+request a slot and names it in each packed step's metadata, where the packed view
+(:class:`~forge_jax.kv_cache.RaggedStatePool`) reads zeros for a sequence starting at
+position 0, so a slot changes hands without :meth:`RecurrentStatePool.reset`.
 
 :class:`HybridCache` is the cache of a model whose layers use different caches (Qwen3-Next:
 three linear-attention layers, then one full-attention layer): a
