@@ -141,15 +141,16 @@ def main():
                     units[figure] = unit
                     keep = max if unit == "GB/s" else min
                     best[name, figure] = keep(best.get((name, figure), value), value)
-    names = list(builds)
-    print(f"\n| best of {args.rounds} rounds | " + " | ".join(names)
-          + (" | ratio |" if len(names) > 1 else " |"))
-    print("|---|" + "---|" * (len(names) + (len(names) > 1)))
-    for figure, unit in units.items():
-        values = [best[n, figure] for n in names]
-        ratio = f" | {values[0] / values[1]:.3f}" if len(values) > 1 else ""
-        print(f"| {figure} ({unit}) | " + " | ".join(f"{v:.3f}" for v in values) + ratio + " |")
-        if args.decode:
+        names = list(builds)
+        print(f"\n| best of {args.rounds} rounds | " + " | ".join(names)
+              + (" | ratio |" if len(names) > 1 else " |"))
+        print("|---|" + "---|" * (len(names) + (len(names) > 1)))
+        for figure, unit in units.items():
+            values = [best[n, figure] for n in names]
+            ratio = f" | {values[0] / values[1]:.3f}" if len(values) > 1 else ""
+            print(f"| {figure} ({unit}) | " + " | ".join(f"{v:.3f}" for v in values) + ratio
+                  + " |")
+        if args.decode:  # (inside: the other version's source is in tmp)
             _decode(sources, args.gguf, args.rounds)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
