@@ -480,31 +480,23 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::AnyBuffer va
   p.out = out->typed_data();
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // About 16 KiB of weight a chunk (1-2 us of one core): a helper that the pool wakes late
-  // (tens of microseconds, more on a loaded host) still finds a share of a small product
-  // left, and the threads finish within a chunk of each other; claiming one (an atomic
-  // add) costs little next to it. (64 KiB chunks left the helper nothing in half of a
-  // decode step's products: the caller had claimed all of them before it woke.)
+  // About 64 KiB of weight a chunk: small enough to balance, large enough that claiming one
+  // costs nothing next to it. (16 KiB chunks, and a waiting caller that yields, measured no
+  // faster a decode step: benchmarks/quantized_matmul_cpu_kernel.py --decode.)
   const int64_t row_bytes = int4 ? p.k / 2 : p.k;
-  shared->chunk = std::max<int64_t>(4, (16 << 10) / std::max<int64_t>(1, row_bytes));
+  shared->chunk = std::max<int64_t>(8, (64 << 10) / std::max<int64_t>(1, row_bytes));
   shared->chunks = (p.n + shared->chunk - 1) / shared->chunk;
   const int64_t helpers = std::min<int64_t>(threads, shared->chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) {
     pool.Schedule([shared] { Work(*shared); });
   }
   Work(*shared);
-  // Waits only for chunks a helper is running (at most a chunk's time); past a few
-  // microseconds the helper has likely been preempted (a loaded host), and yielding gives
-  // it the core back rather than spinning against it.
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->chunks;
-       ++spins) {
+  while (shared->done.load(std::memory_order_acquire) < shared->chunks) {
 #if defined(__x86_64__) || defined(_M_X64)
-    if (spins < 2048) {
-      _mm_pause();
-      continue;
-    }
-#endif
+    _mm_pause();
+#else
     std::this_thread::yield();
+#endif
   }
   return ffi::Error::Success();
 }
