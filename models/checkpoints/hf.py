@@ -248,7 +248,8 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     if gemma4_checkpoint.is_gemma4(path):  # Gemma 4 text: a model of its own
         return gemma4_checkpoint.from_pretrained(
             path, _safetensors_files(path), _check_finite, dtype=dtype,
-            param_dtype=param_dtype, mesh=mesh, quantize=quantize, group_size=group_size)
+            param_dtype=param_dtype, mesh=mesh, tp_axis=tp_axis, dp_axis=dp_axis,
+            quantize=quantize, group_size=group_size)
     config = load_config(path)
     fp8 = fp8_checkpoint.quantization(json.loads((path / "config.json").read_text()),
                                       path / "config.json")
