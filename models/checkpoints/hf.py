@@ -259,9 +259,9 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     if fp8 is not None:
         quantize = "fp8"  # for the memory estimate
     mxfp4 = mxfp4_checkpoint.is_mxfp4(json.loads((path / "config.json").read_text()))
-    if mxfp4 and (quantize is not None or mesh is not None):
-        raise ValueError(f"{path} is an MXFP4 checkpoint, loaded as it is quantized onto one "
-                         f"device: quantize={quantize!r} and mesh= are not supported with it")
+    if mxfp4 and quantize is not None:
+        raise ValueError(f"{path} is an MXFP4 checkpoint, loaded as it is quantized: "
+                         f"quantize={quantize!r} is not supported with it")
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
@@ -342,7 +342,8 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
             quantize = None
         if packed:
             try:
-                skip = skip | mxfp4_checkpoint.load_experts(model, mx_tensors, files)
+                skip = skip | mxfp4_checkpoint.load_experts(model, mx_tensors, files,
+                                                            shardings)
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {path}: {e}") from None
         convert = None if quantize is None else quantize_load.converters(
