@@ -303,6 +303,8 @@ def test_on_a_mesh_generates_the_unsharded_tokens(checkpoints, mesh):
             s.data.nbytes for buf in (cache.k_pages + cache.v_pages if kind == "paged"
                                       else cache.k + cache.v)
             for s in buf.addressable_shards if s.device == jax.devices()[0])
+    if tp == 4:  # the serving engine's packed steps over the sharded pool
+        assert _engine_tokens(model, directory, prompts, 5) == want
     # The dense model (biases, an untied head) sharded in memory computes the same logits.
     dense = llama.from_pretrained(checkpoints("dense")[0])
     sharded = gemma4_sharding.shard(dense, fj.sharding.make_mesh(mesh))
@@ -328,3 +330,17 @@ def test_a_mesh_the_sizes_do_not_split_over_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"\{'num_experts': 3\}"):
         gemma4_sharding.layout_for(dataclasses.replace(
             config, num_experts=3, top_k_experts=1, moe_intermediate_size=8), 2)
+
+
+def test_quantized_on_a_mesh_matches_one_device(checkpoints):
+    """quantize='int8' over tp=2: the linear layers split with their scales, the experts by
+    expert; logits within float32 tolerance of the same quantized model on one device."""
+    directory, _, vocab = checkpoints("all_options")
+    one = llama.from_pretrained(directory, quantize="int8")
+    model = llama.from_pretrained(directory, quantize="int8", mesh=fj.sharding.make_mesh("tp=2"))
+    w = model.layers[0].moe.gate_up.get_value()
+    assert isinstance(w, fj.QuantizedArray) and w.spec[0] == "tp"
+    assert {s.data.shape[0] for s in w.values.addressable_shards} == {2}
+    tokens = _tokens(vocab, seed=6)
+    np.testing.assert_allclose(forge_logits(model, tokens), forge_logits(one, tokens),
+                               **LOGITS_TOL.as_kwargs())

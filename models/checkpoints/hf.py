@@ -203,7 +203,7 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         ``param_dtype``. None: as stored. With ``mesh``, each kernel is quantized
         whole, then split as its float form would be, the scales with their values
         (int4 groups must not straddle devices: refused with the numbers); quantized
-        experts are not split over a mesh (refused).
+        experts split by expert, their scales with them.
       group_size: int4's values per scale along the in axis (default 32); int8 and fp8
         default to one scale per output channel.
 
