@@ -344,3 +344,23 @@ def test_quantized_on_a_mesh_matches_one_device(checkpoints):
     tokens = _tokens(vocab, seed=6)
     np.testing.assert_allclose(forge_logits(model, tokens), forge_logits(one, tokens),
                                **LOGITS_TOL.as_kwargs())
+
+
+def test_cli_generates_on_a_mesh(checkpoints, capsys):
+    """``forge-jax generate --mesh dp=2,tp=2`` gives the unsharded model's tokens; a mesh the
+    heads do not split over is one line naming the number, before the weights load."""
+    import re
+
+    from cases.cli import assert_one_line_error, run
+
+    directory, _, vocab = checkpoints("all_options")
+    prompt = _tokens(vocab, seed=8)[0, :9].tolist()
+    want = generate(llama.from_pretrained(directory), [prompt], 4, eos_token_id=())[0]
+    rc, out, err = run(capsys, "generate", "--checkpoint", str(directory), "--prompt-ids",
+                       ",".join(map(str, prompt)), "--max-new-tokens", "4", "--mesh", "dp=2,tp=2",
+                       "--no-compilation-cache")
+    assert rc == 0, err
+    [line] = [ln for ln in out.splitlines() if ln.startswith("generated ids:")]
+    assert [int(t) for t in re.findall(r"-?\d+", line.split(":", 1)[1])] == want
+    assert_one_line_error(run(capsys, "generate", "--checkpoint", str(directory), "--prompt-ids",
+                              "1,2,3", "--mesh", "tp=8"), "'num_attention_heads': 4")

@@ -287,11 +287,16 @@ def mesh_from_flag(args: argparse.Namespace, config):
     import jax
 
     from forge_jax import sharding
-    from forge_jax.models import llama_sharding
+    from forge_jax.models import gemma4_sharding, llama_sharding
+    from forge_jax.models.gemma4_config import Gemma4Config
+    from forge_jax.models.llama_config import LlamaConfig
 
     try:
         mesh = sharding.MeshConfig(sharding.make_mesh(args.mesh))
-        llama_sharding.layout_for(config, mesh.tp)
+        if isinstance(config, Gemma4Config):
+            gemma4_sharding.layout_for(config, mesh.tp)
+        elif isinstance(config, LlamaConfig):  # (other models' loaders check their own)
+            llama_sharding.layout_for(config, mesh.tp)
     except ValueError as e:
         hint = ""
         if "available" in str(e) and jax.default_backend() == "cpu":
