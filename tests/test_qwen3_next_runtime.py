@@ -91,6 +91,27 @@ def test_forge_jax_generate_runs_it(tmp_path, tokenizer_files, capsys):
     assert out.strip() and "qwen3_next, 4 layers" in out + err, (out, err)
 
 
+def test_forge_jax_generate_quantized_gives_the_python_tokens(runtime_model, capsys):
+    """``forge-jax generate --quantize int4 --group-size 8``: the ids of Python's
+    ``generate`` on the model ``from_pretrained(quantize=, group_size=)`` loads; a group
+    that does not divide the delta-rule layers' value width (32) is refused first."""
+    import re
+
+    from cases.cli import assert_one_line_error, run
+
+    _, _, directory = runtime_model
+    args = ("generate", "--checkpoint", str(directory), "--prompt-ids",
+            ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "5", "--no-compilation-cache",
+            "--quantize", "int4")
+    rc, out, err = run(capsys, *args, "--group-size", "8")
+    assert rc == 0, err
+    [line] = [x for x in out.splitlines() if x.startswith("generated ids:")]
+    quantized = llama.from_pretrained(directory, quantize="int4", group_size=8)
+    [want] = generation.generate(quantized, PROMPTS[:1], 5, eos_token_id=())
+    assert [int(t) for t in re.findall(r"-?\d+", line.split(":", 1)[1])] == want
+    assert_one_line_error(run(capsys, *args, "--group-size", "64"), "--group-size 64", "32")
+
+
 def test_speculative_decoding_is_refused(runtime_model):
     from forge_jax.generation.speculative import SpeculativeConfig
 
