@@ -37,7 +37,7 @@ def test_the_common_entry_point_loads_it(runtime_model):
     loaded = llama.from_pretrained(directory)
     assert isinstance(loaded, Qwen3Next) and loaded.config.model_type == model.config.model_type
     assert isinstance(model, CausalLM) and isinstance(model.config, ModelConfig)
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(TypeError, match="mesh must be"):
         llama.from_pretrained(directory, mesh=object())
 
 
