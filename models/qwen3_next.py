@@ -24,12 +24,12 @@ The cache of a step is a :class:`~forge_jax.kv_cache.HybridCache`: the attention
 model's layer index. :meth:`Qwen3Next.forward_cached` has the signature and the contract of
 :meth:`forge_jax.models.llama_model.Llama.forward_cached`. Checkpoints load with
 :func:`forge_jax.models.qwen3_next_checkpoint.from_pretrained`, on one device or on a mesh
-(:class:`Qwen3NextLayout`, :mod:`forge_jax.models.qwen3_next_sharding`).
+(:class:`~forge_jax.models.qwen3_next_sharding.Qwen3NextLayout`,
+:mod:`forge_jax.models.qwen3_next_sharding`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -46,26 +46,12 @@ from forge_jax.models.llama_moe import SparseMoe
 from forge_jax.models.output_head import check_tokens, output_logits
 from forge_jax.models.qwen3_next_caches import Qwen3NextCaches
 from forge_jax.models.qwen3_next_config import Qwen3NextConfig
+from forge_jax.models.qwen3_next_sharding import Qwen3NextLayout
 
 # Every RMSNorm of these families but the delta rule's scales by 1 + weight.
 _OFFSET = 1.0
 _ONE_DEVICE = TensorLayout()
-
-
-@dataclasses.dataclass(frozen=True)
-class Qwen3NextLayout:
-    """How the weights are laid out for tensor parallelism
-    (:func:`forge_jax.models.qwen3_next_sharding.plan` gives it for a mesh).
-
-    Attributes:
-      attention: the gated full-attention layers' and the MLPs' layout (fused rows stored
-        group by group, KV heads copied ``kv_repeat`` times), as the Llama family's.
-      linear_groups: the groups the delta-rule layers' ``[q | k | v]`` rows and
-        convolution channels are stored in (1: not split, the layers replicated).
-    """
-
-    attention: TensorLayout = _ONE_DEVICE
-    linear_groups: int = 1
+_ONE_DEVICE_LAYOUT = Qwen3NextLayout()
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -130,7 +116,7 @@ class Qwen3NextDecoderLayer(nnx.Module):
     the residual stream."""
 
     def __init__(self, config: Qwen3NextConfig, layer: int, *, rngs: nnx.Rngs, dtype,
-                 param_dtype, layout: Qwen3NextLayout = Qwen3NextLayout()):
+                 param_dtype, layout: Qwen3NextLayout = _ONE_DEVICE_LAYOUT):
         c = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         tp = dict(kw, layout=layout.attention)
@@ -172,8 +158,9 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
       dtype: the compute dtype of activations (weights are cast to it at use; the delta
         rule's state is float32 whatever it is).
       param_dtype: the storage dtype of the weights.
-      layout: the weights' layout for a tensor axis (:class:`Qwen3NextLayout`; the
-        default: one device).
+      layout: the weights' layout for a tensor axis
+        (:class:`~forge_jax.models.qwen3_next_sharding.Qwen3NextLayout`; the default: one
+        device).
 
     Attributes set after construction: ``mesh`` (None: one device) and
     ``generation_config`` (``from_pretrained``'s, or None).
@@ -189,7 +176,7 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
                            "back past rejected draft tokens")
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, layout: Qwen3NextLayout = Qwen3NextLayout()):
+                 param_dtype=jnp.float32, layout: Qwen3NextLayout = _ONE_DEVICE_LAYOUT):
         self.config = config
         self.layout = layout
         self.dtype = jnp.dtype(dtype)

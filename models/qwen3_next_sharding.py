@@ -50,15 +50,32 @@ from forge_jax.kv_cache import HybridCache, RecurrentStatePool
 from forge_jax.models import llama_caches
 from forge_jax.models.llama_model import TensorLayout
 from forge_jax.models.llama_moe import SparseMoe
-from forge_jax.models.qwen3_next import Qwen3Next, Qwen3NextLayout
 from forge_jax.models.qwen3_next_config import Qwen3NextConfig
 
-__all__ = ["LINEAR_REPLICATED", "Qwen3NextShardingPlan", "cache_shardings", "plan"]
+__all__ = ["LINEAR_REPLICATED", "Qwen3NextLayout", "Qwen3NextShardingPlan", "cache_shardings",
+           "plan"]
 
 LINEAR_REPLICATED = (
     "linear_num_key_heads does not divide by the tensor axis: a key head's delta-rule state "
     "cannot be split, and its value heads read its q and k, so the gated delta-rule layers "
     "are replicated on every device")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3NextLayout:
+    """How the weights are laid out for tensor parallelism
+    (:func:`plan` gives it for a mesh; :class:`~forge_jax.models.qwen3_next.Qwen3Next`
+    takes it).
+
+    Attributes:
+      attention: the gated full-attention layers' and the MLPs' layout (fused rows stored
+        group by group, KV heads copied ``kv_repeat`` times), as the Llama family's.
+      linear_groups: the groups the delta-rule layers' ``[q | k | v]`` rows and
+        convolution channels are stored in (1: not split, the layers replicated).
+    """
+
+    attention: TensorLayout = TensorLayout()
+    linear_groups: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +100,9 @@ class Qwen3NextShardingPlan:
         return f"linear_num_key_heads={self.config.linear.k_heads}, tp={self.mesh.tp}: " \
                f"{LINEAR_REPLICATED}"
 
-    def param_shardings(self, model: Qwen3Next) -> dict[int, NamedSharding]:
-        """id(parameter) -> its sharding, for every parameter of ``model`` (built with
-        :attr:`layout`)."""
+    def param_shardings(self, model: Any) -> dict[int, NamedSharding]:
+        """id(parameter) -> its sharding, for every parameter of ``model`` (a
+        :class:`~forge_jax.models.qwen3_next.Qwen3Next` built with :attr:`layout`)."""
         m, tp = self.mesh, self.mesh.tp_name
         rows, cols, none = m.sharding(tp, None), m.sharding(None, tp), m.replicated()
         vocab = rows if self.config.vocab_size % m.tp == 0 else none

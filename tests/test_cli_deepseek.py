@@ -72,6 +72,21 @@ def test_generate_quantized_gives_the_python_tokens(capsys, checkpoint):
                           "--group-size 24", "[32, 64, 96]")
 
 
+def test_generate_on_a_mesh_gives_the_python_tokens(capsys, checkpoint, model):
+    """``--mesh dp=2,tp=2`` (conftest's CPU devices): checked by DeepSeek-V3's own sharding
+    rules before loading (a tensor axis wider than the heads refused in one line), the
+    tokens of the one-device model."""
+    args = ("generate", "--checkpoint", str(checkpoint), "--prompt-ids",
+            ",".join(map(str, PROMPT)), "--max-new-tokens", "6", "--no-compilation-cache")
+    assert_one_line_error(run(capsys, *args, "--mesh", "tp=8"), "--mesh tp=8",
+                          "{'num_attention_heads': 4}")
+    rc, out, err = run(capsys, *args, "--mesh", "dp=2,tp=2")
+    assert rc == 0, err
+    assert "sharded over dp=2 x tp=2" in out, out
+    [want] = generation.generate(model, [PROMPT], 6, eos_token_id=())
+    assert _ids("generated ids:", out) == want
+
+
 def test_chat_gives_the_python_reply(capsys, monkeypatch, checkpoint, model):
     import io
 

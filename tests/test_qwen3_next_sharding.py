@@ -106,3 +106,28 @@ def test_quantized_on_a_mesh(family):
     one = checkpoint.from_pretrained(directory, quantize="int8", chunk_size=8)
     want = generation.generate(one, PROMPTS, NEW, eos_token_id=())
     assert generation.generate(model, PROMPTS, NEW, eos_token_id=()) == want
+
+
+def test_forge_jax_generate_checks_the_mesh_by_the_family_rules(family, capsys):
+    """``--mesh tp=8``: refused in one line naming the heads, before loading."""
+    from cases.cli import assert_one_line_error, run
+
+    _, directory, _ = family
+    assert_one_line_error(run(capsys, "generate", "--checkpoint", str(directory), "--prompt-ids",
+                              "1,2,3", "--mesh", "tp=8"),
+                          "--mesh tp=8", "{'num_attention_heads': 4")
+
+
+@pytest.mark.slow
+def test_forge_jax_generate_on_a_mesh_gives_the_tokens(family, capsys):
+    import re
+
+    from cases.cli import run
+
+    _, directory, want = family
+    rc, out, err = run(capsys, "generate", "--checkpoint", str(directory), "--prompt-ids",
+                       ",".join(map(str, PROMPTS[0])), "--max-new-tokens", str(NEW), "--mesh",
+                       "dp=2,tp=2", "--no-compilation-cache")
+    assert rc == 0, err
+    [line] = [x for x in out.splitlines() if x.startswith("generated ids:")]
+    assert [int(t) for t in re.findall(r"-?\d+", line.split(":", 1)[1])] == want[0]
