@@ -91,6 +91,8 @@ def test_forge_jax_generate_runs_it(tmp_path, tokenizer_files, capsys):
     assert out.strip() and "qwen3_next, 4 layers" in out + err, (out, err)
 
 
+@pytest.mark.parametrize("runtime_model", ["qwen3_next", pytest.param(
+    "qwen3_5_text", marks=pytest.mark.slow)], indirect=True)
 def test_forge_jax_generate_quantized_gives_the_python_tokens(runtime_model, capsys):
     """``forge-jax generate --quantize int4 --group-size 8``: the ids of Python's
     ``generate`` on the model ``from_pretrained(quantize=, group_size=)`` loads; a group

@@ -40,11 +40,16 @@ def _spec(param) -> P:
     return param.get_value().sharding.spec
 
 
-# One cache kind per mesh in the default run, the other two with the slow tests.
-@pytest.mark.parametrize("shape, kind", [
-    ((2, 2), "paged"), ((1, 4), "contiguous"),
-    pytest.param((2, 2), "contiguous", marks=pytest.mark.slow),
-    pytest.param((1, 4), "paged", marks=pytest.mark.slow)])
+def _cases():
+    """(family, mesh shape, cache kind): both layouts of the delta-rule layers and both
+    caches in the default run, every other combination with the slow tests."""
+    default = {("qwen3_next", (2, 2), "paged"), ("qwen3_5_text", (1, 4), "contiguous")}
+    return [case if case in default else pytest.param(*case, marks=pytest.mark.slow)
+            for case in ((name, shape, kind) for name in sorted(CASES)
+                         for shape in ((2, 2), (1, 4)) for kind in ("paged", "contiguous"))]
+
+
+@pytest.mark.parametrize("family, shape, kind", _cases(), indirect=["family"])
 def test_generate_on_a_mesh_matches_transformers(family, shape, kind):
     name, directory, want = family
     model = llama.from_pretrained(directory, mesh=_mesh(shape), dtype="float32")
@@ -87,6 +92,9 @@ def test_sizes_that_do_not_split_are_refused_before_reading(family):
         checkpoint.from_pretrained(directory, mesh=object())
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", pytest.param("qwen3_5_text",
+                                                                 marks=pytest.mark.slow)],
+                         indirect=True)
 def test_quantized_on_a_mesh(family):
     """int8 on a 2x2 mesh: the dense Qwen3.5 gives the tokens of the same int8 model on one
     device (its kernels split with their scales); Qwen3-Next's quantized experts are refused
