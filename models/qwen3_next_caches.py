@@ -71,22 +71,27 @@ class Qwen3NextCaches:
         """See :meth:`forge_jax.models.protocol.CausalLM.create_pool`: a
         :class:`~forge_jax.kv_cache.HybridCache` of a page pool over the attention layers
         (never folded) and a state pool of ``max_seqs`` slots (required: one per sequence
-        the engine runs at once). ``prefix_caching`` is refused (ValueError,
-        :data:`~forge_jax.kv_cache.PREFIX_CACHING_REFUSED`)."""
+        the engine runs at once; on a mesh, created in its shards). ``prefix_caching`` is
+        refused (ValueError, :data:`~forge_jax.kv_cache.PREFIX_CACHING_REFUSED`)."""
         if prefix_caching:
             raise ValueError(f"model_type={self.config.model_type!r}: {PREFIX_CACHING_REFUSED}")
         if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
             raise ValueError(f"model_type={self.config.model_type!r} keeps a recurrent state "
                              f"per sequence: create_pool needs max_seqs (an int >= 1, the "
                              f"sequences run at once), got max_seqs={max_seqs!r}")
-        self._one_device()
         c = self.config
-        attention = PagedKVCache.create(
-            num_layers=self.num_attention_layers, kv_heads=self.kv_heads, head_dim=c.head_dim,
-            dtype=spec.resolved_dtype(self.dtype), quantize=spec.kv_dtype,
-            num_pages=num_pages, page_size=spec.page_size,
-            block_tables=np.zeros((0, pages_per_seq), np.int32), fold=False)
-        return self.hybrid_cache(attention, num_slots=max_seqs)
+
+        def make():
+            return self.hybrid_cache(PagedKVCache.create(
+                num_layers=self.num_attention_layers, kv_heads=self.kv_heads,
+                head_dim=c.head_dim, dtype=spec.resolved_dtype(self.dtype),
+                quantize=spec.kv_dtype, num_pages=num_pages, page_size=spec.page_size,
+                block_tables=np.zeros((0, pages_per_seq), np.int32), fold=False),
+                num_slots=max_seqs)
+
+        if self.mesh is None:
+            return make()
+        return jax.jit(make, out_shardings=self.cache_shardings(jax.eval_shape(make)))()
 
     def packed_cache(self, pool: HybridCache, metadata: RaggedMetadata) -> HybridCache:
         """See :meth:`forge_jax.models.protocol.CausalLM.packed_cache`: the attention pages
@@ -126,8 +131,3 @@ class Qwen3NextCaches:
             state //= mesh.tp if self.layout.linear_groups > 1 else 1
             state //= mesh.dp if mesh.batch_axis(batch) else 1
         return int(kv + linear_layers * batch * state)
-
-    def _one_device(self) -> None:
-        if self.mesh is not None:
-            raise ValueError(f"model_type={self.config.model_type!r}: the serving engine runs "
-                             f"it on one device (generate runs it on a mesh)")

@@ -84,6 +84,27 @@ def test_generate_on_a_mesh_matches_transformers(family, shape, kind):
         if jnp.issubdtype(leaf.dtype, jnp.floating) for s in leaf.addressable_shards[:1])
 
 
+@pytest.mark.parametrize("family, shape", [
+    ("qwen3_5_text", (2, 2)), pytest.param("qwen3_5_text", (1, 4), marks=pytest.mark.slow),
+    pytest.param("qwen3_next", (2, 2), marks=pytest.mark.slow)], indirect=["family"])
+def test_the_engine_on_a_mesh_matches_transformers(family, shape):
+    """The serving engine over the sharded model: two state slots (split over dp=2 on the
+    2x2 mesh) for the two requests, the 20-token prompt prefilled in two chunks."""
+    from forge_jax.serving import Engine, EngineConfig, RequestParams
+
+    _, directory, want = family
+    model = checkpoint.from_pretrained(directory, chunk_size=8, mesh=_mesh(shape))
+    engine = Engine(model, None, EngineConfig(
+        max_batch_tokens=16, num_pages=32, max_seqs=2, eos_token_ids=(), prefix_caching=False,
+        cache=CacheSpec(page_size=4)))
+    state = engine.cache.linear.state[0]
+    assert tuple(state.sharding.spec)[:2] == (("dp", "tp") if shape == (2, 2) else (None, None))
+    streams = [engine.submit(p, RequestParams(max_tokens=NEW)) for p in PROMPTS]
+    while engine.has_work():
+        engine.step()
+    assert [[t for out in s for t in out.token_ids] for s in streams] == want
+
+
 def test_sizes_that_do_not_split_are_refused_before_reading(family):
     _, directory, _ = family
     with pytest.raises(ValueError, match=r"divide by 8: \{'num_attention_heads': 4"):
