@@ -28,7 +28,8 @@ family's, :mod:`forge_jax.models.llama_sharding`):
 * The embedding and the output head split over the vocabulary when it divides by ``T``.
 
 Data parallelism over ``dp`` replicates the weights; the batch, a contiguous K/V cache's
-rows and the state pool's slots split across it (when they divide). The caches
+rows and the state pool's slots (``generate``'s rows, or the serving engine's sequences)
+split across it (when they divide). The caches
 (:func:`cache_shardings`): the attention layers' K/V by KV head over ``tp`` as the Llama
 family's; the state pool's delta-rule states by value head and its conv states by channel,
 over ``tp`` where the delta-rule layers split.
