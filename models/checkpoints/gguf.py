@@ -29,7 +29,10 @@
   with minimums, 12 bits a weight). A part stored as floats makes the projection floats
   (``param_dtype``).
 * The tokenizer (``gpt2`` byte-level BPE and SentencePiece-style ``llama`` vocabularies)
-  and the chat template come from the file's metadata (:func:`tokenizer_parts`).
+  and the chat template come from the file's metadata
+  (:mod:`forge_jax.models.checkpoints.gguf_tokenizer`).
+* Inside :func:`~forge_jax.models.checkpoints.gguf_cache.use_gguf_cache` a file's metadata,
+  tokenizer and converted weights are kept on disk and read back by a later process.
 
 Anything else (another architecture, a tensor type not listed, a tensor name not
 mapped, a file that is not GGUF or is cut short: the tensor cut is named) is one
@@ -50,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
+from forge_jax.models.checkpoints import gguf_cache
 from forge_jax.models.checkpoints.abstract import ShapeOnlyRngs, abstract_llama
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
 from forge_jax.models.llama_model import Linear, Llama, LlamaConfig
@@ -182,30 +186,47 @@ def _cut_tensor(gguf, path: pathlib.Path) -> str | None:
     return None
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
     """The :class:`LlamaConfig` a GGUF file's metadata describes (an architecture of
-    :data:`ARCHITECTURES`)."""
-    reader = open_gguf(path) if reader is None else reader
-    arch = _field(reader, "general.architecture")
+    :data:`ARCHITECTURES`); inside :func:`~forge_jax.models.checkpoints.gguf_cache.use_gguf_cache`
+    the metadata is read from (and kept in) the cache."""
+    meta = None if reader is not None else gguf_cache.get(path, "metadata")
+    if meta is None:
+        meta = _metadata(open_gguf(path) if reader is None else reader)
+        gguf_cache.put(path, "metadata", meta)
+    return _config(path, meta)
+
+
+def _metadata(reader) -> dict[str, Any]:
+    """What a config is made from: the file's fields but its arrays (of those, the length,
+    under ``"#" + key``) and, under ``"#tensors"``, its tensors' names."""
+    import gguf
+
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            meta["#" + key] = len(field.data)
+        else:
+            meta[key] = field.contents()
+    meta["#tensors"] = [t.name for t in reader.tensors]
+    return meta
+
+
+def _config(path, meta: dict[str, Any]) -> LlamaConfig:
+    arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; forge_jax "
                               f"reads {', '.join(map(repr, ARCHITECTURES))}")
-    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     layers = int(get("block_count", 0))
     family = {} if arch == "llama" else dict(model_type=ARCHITECTURES[arch])
     if arch == "smollm3":
         family["nope_layers"] = tuple(i for i in range(layers)
                                       if (i + 1) % SMOLLM3_NOPE_STEP == 0)
-    names = {t.name for t in reader.tensors}
+    names = set(meta.get("#tensors", ()))
     if "rope_freqs.weight" in names:
         raise CheckpointError(f"{path}: its rope_freqs tensor (Llama 3's RoPE scaling) is not "
                               f"supported in GGUF files yet")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     scaling = None
@@ -216,7 +237,7 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     try:
         return LlamaConfig(
-            vocab_size=int(get("vocab_size", len(tokens) if tokens else 0)),
+            vocab_size=int(get("vocab_size", meta.get("#tokenizer.ggml.tokens", 0))),
             hidden_size=int(hidden), intermediate_size=int(get("feed_forward_length")),
             num_hidden_layers=layers, num_attention_heads=int(heads),
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
@@ -225,9 +246,9 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
             rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
             tie_word_embeddings="output.weight" not in names,
             max_position_embeddings=int(get("context_length", 2048)),
-            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-            pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"), **family)
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"), **family)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: its {arch} metadata does not make a config: {e}") from None
 
@@ -431,13 +452,23 @@ def _fuse(parts: list, param_dtype):
 
 
 def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
-    """Loads a llama-architecture GGUF file (see the module docstring)."""
-    reader = open_gguf(path)
-    config = load_config(path, reader)
-    tensors = {}
-    for t in reader.tensors:
-        tensors[hf_name(t.name)] = t
-    model = abstract_llama(config, dtype=dtype, param_dtype=param_dtype)
+    """Loads a llama-architecture GGUF file (see the module docstring); inside
+    :func:`~forge_jax.models.checkpoints.gguf_cache.use_gguf_cache` the converted weights are
+    read from (and kept in) the cache."""
+    config = load_config(path)
+    name = jnp.dtype(param_dtype).name
+    weights = gguf_cache.load_weights(path, name)
+    if weights is None:
+        weights = _read_weights(path, open_gguf(path), config, param_dtype)
+        gguf_cache.save_weights(path, name, weights)
+    return _assemble(path, config, weights, dtype=dtype, param_dtype=param_dtype)
+
+
+def _read_weights(path, reader, config: LlamaConfig, param_dtype) -> dict[str, Any]:
+    """The file's tensors in the layout the model reads, by the model's names: q/k rows
+    permuted back, q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``), a tied quantized
+    output head (``lm_head.weight``) read from the embedding table as stored."""
+    tensors = {hf_name(t.name): t for t in reader.tensors}
 
     def get(name, *, keep_quantized=False, heads=None):
         if name not in tensors:
@@ -448,123 +479,74 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
             x = _rows(x, lambda a: _unpermute(a, heads))
         return x
 
-    def check(name, x, shape):
-        if tuple(x.shape) != tuple(shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(x.shape)}, "
-                                  f"expected {tuple(shape)} from its metadata")
-        return x
-
-    c = config
+    c, out = config, {}
     embed = tensors.get("model.embed_tokens.weight")
-    if model.lm_head is None and embed is not None and embed.tensor_type.name in EXACT_TYPES:
+    if c.tie_word_embeddings and embed is not None and embed.tensor_type.name in EXACT_TYPES:
         # A tied output head read from the quantized table as it is stored (the embedding
         # lookup reads the float table below): decode then reads the output head at the
         # file's bits a weight, as llama.cpp does, with the same values.
-        head = nnx.eval_shape(lambda: Linear(c.hidden_size, c.vocab_size, use_bias=False,
-                                             rngs=ShapeOnlyRngs(), dtype=dtype,
-                                             param_dtype=param_dtype))
-        head.kernel.set_value(check("token_embd", read_tensor(embed, param_dtype,
-                                                              keep_quantized=True),
-                                    head.kernel.shape))
-        model.lm_head = nnx.data(head)
-    model.embed_tokens.set_value(check("token_embd", get("model.embed_tokens.weight"),
-                                       model.embed_tokens.shape))
-    model.norm.weight.set_value(get("model.norm.weight"))
-    for i, layer in enumerate(model.layers):
+        out["lm_head.weight"] = read_tensor(embed, param_dtype, keep_quantized=True)
+    out["model.embed_tokens.weight"] = get("model.embed_tokens.weight")
+    out["model.norm.weight"] = get("model.norm.weight")
+    for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}"
-        layer.input_layernorm.weight.set_value(get(f"{p}.input_layernorm.weight"))
-        layer.post_attention_layernorm.weight.set_value(
-            get(f"{p}.post_attention_layernorm.weight"))
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [get(f"{p}.self_attn.q_proj.weight", keep_quantized=True,
-                   heads=c.num_attention_heads),
-               get(f"{p}.self_attn.k_proj.weight", keep_quantized=True,
-                   heads=c.num_key_value_heads),
-               get(f"{p}.self_attn.v_proj.weight", keep_quantized=True)]
-        attn.qkv_proj.kernel.set_value(check(f"{p}.qkv", _fuse(qkv, param_dtype),
-                                             attn.qkv_proj.kernel.shape))
-        attn.o_proj.kernel.set_value(check(f"{p}.o_proj", get(
-            f"{p}.self_attn.o_proj.weight", keep_quantized=True), attn.o_proj.kernel.shape))
-        gate_up = [get(f"{p}.mlp.gate_proj.weight", keep_quantized=True),
-                   get(f"{p}.mlp.up_proj.weight", keep_quantized=True)]
-        mlp.gate_up_proj.kernel.set_value(check(f"{p}.gate_up", _fuse(gate_up, param_dtype),
-                                                mlp.gate_up_proj.kernel.shape))
-        mlp.down_proj.kernel.set_value(check(f"{p}.down_proj", get(
-            f"{p}.mlp.down_proj.weight", keep_quantized=True), mlp.down_proj.kernel.shape))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}.{norm}.weight"] = get(f"{p}.{norm}.weight")
+        out[f"{p}.self_attn.qkv_proj.weight"] = _fuse(
+            [get(f"{p}.self_attn.q_proj.weight", keep_quantized=True,
+                 heads=c.num_attention_heads),
+             get(f"{p}.self_attn.k_proj.weight", keep_quantized=True,
+                 heads=c.num_key_value_heads),
+             get(f"{p}.self_attn.v_proj.weight", keep_quantized=True)], param_dtype)
+        out[f"{p}.self_attn.o_proj.weight"] = get(f"{p}.self_attn.o_proj.weight",
+                                                  keep_quantized=True)
+        out[f"{p}.mlp.gate_up_proj.weight"] = _fuse(
+            [get(f"{p}.mlp.gate_proj.weight", keep_quantized=True),
+             get(f"{p}.mlp.up_proj.weight", keep_quantized=True)], param_dtype)
+        out[f"{p}.mlp.down_proj.weight"] = get(f"{p}.mlp.down_proj.weight",
+                                               keep_quantized=True)
     if not c.tie_word_embeddings:
-        model.lm_head.kernel.set_value(check("output", get("lm_head.weight", keep_quantized=True),
-                                             model.lm_head.kernel.shape))
+        out["lm_head.weight"] = get("lm_head.weight", keep_quantized=True)
     if tensors:
         raise CheckpointError(f"{path}: unexpected tensors {sorted(tensors)[:5]} for a Llama "
                               f"with this metadata")
+    return out
+
+
+def _assemble(path, config: LlamaConfig, weights: dict[str, Any], *, dtype,
+              param_dtype) -> Llama:
+    """The Llama holding ``weights`` (:func:`_read_weights`' names), each shape checked."""
+    model = abstract_llama(config, dtype=dtype, param_dtype=param_dtype)
+
+    def put(variable, name, label):
+        if name not in weights:
+            raise CheckpointError(f"{path} lacks the tensor {name!r}")
+        x = weights[name]
+        if tuple(x.shape) != tuple(variable.shape):
+            raise CheckpointError(f"{path}: tensor {label!r} has shape {tuple(x.shape)}, "
+                                  f"expected {tuple(variable.shape)} from its metadata")
+        variable.set_value(x)
+
+    c = config
+    if model.lm_head is None and "lm_head.weight" in weights:
+        head = nnx.eval_shape(lambda: Linear(c.hidden_size, c.vocab_size, use_bias=False,
+                                             rngs=ShapeOnlyRngs(), dtype=dtype,
+                                             param_dtype=param_dtype))
+        put(head.kernel, "lm_head.weight", "token_embd")
+        model.lm_head = nnx.data(head)
+    put(model.embed_tokens, "model.embed_tokens.weight", "token_embd")
+    model.norm.weight.set_value(weights["model.norm.weight"])
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}"
+        layer.input_layernorm.weight.set_value(weights[f"{p}.input_layernorm.weight"])
+        layer.post_attention_layernorm.weight.set_value(
+            weights[f"{p}.post_attention_layernorm.weight"])
+        attn, mlp = layer.self_attn, layer.mlp
+        put(attn.qkv_proj.kernel, f"{p}.self_attn.qkv_proj.weight", f"{p}.qkv")
+        put(attn.o_proj.kernel, f"{p}.self_attn.o_proj.weight", f"{p}.o_proj")
+        put(mlp.gate_up_proj.kernel, f"{p}.mlp.gate_up_proj.weight", f"{p}.gate_up")
+        put(mlp.down_proj.kernel, f"{p}.mlp.down_proj.weight", f"{p}.down_proj")
+    if not c.tie_word_embeddings:
+        put(model.lm_head.kernel, "lm_head.weight", "output")
     model.generation_config = GenerationConfig(eos_token_id=c.eos_token_ids)
     return model
-
-
-# --------------------------------------------------------------------------------------
-# Tokenizer
-
-
-def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
-    """The pieces of a GGUF file's tokenizer, for :func:`forge_jax.text.api.load_tokenizer`:
-    ``backend`` (a ``tokenizers.Tokenizer``), ``special_tokens``, ``chat_template`` and
-    ``generation_config``.
-
-    ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokenizer.ggml.tokens`` and
-    ``merges``, control tokens as special tokens, a BOS first when
-    ``tokenizer.ggml.add_bos_token`` is set (Llama 3's). ``llama``: SentencePiece-style tokens with
-    scores and types (:mod:`forge_jax.models.checkpoints.gguf_sentencepiece`). Another model is a
-    CheckpointError naming it."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    from forge_jax.models.checkpoints import gguf_sentencepiece
-
-    reader = open_gguf(path)
-    kind = _field(reader, "tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
-        raise CheckpointError(f"{path}: its tokenizer model {kind!r} (tokenizer.ggml.model) is "
-                              f"not supported; forge_jax builds 'gpt2' (byte-level BPE) and "
-                              f"'llama' (SentencePiece) vocabularies from GGUF files")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "llama":
-        get = lambda name: _field(reader, f"tokenizer.ggml.{name}")
-        flag = lambda name, default: bool(default if get(name) is None else get(name))
-        backend = gguf_sentencepiece.tokenizer(
-            tokens, get("scores"), types, unk_id=get("unknown_token_id"),
-            bos_id=get("bos_token_id"), eos_id=get("eos_token_id"),
-            add_bos=flag("add_bos_token", True), add_eos=flag("add_eos_token", False),
-            add_space_prefix=flag("add_space_prefix", True))
-        return _parts(reader, tokens, backend)
-    merges = _field(reader, "tokenizer.ggml.merges") or []
-    vocab = {t: i for i, t in enumerate(tokens)}
-    backend = Tokenizer(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges],
-                                   ignore_merges=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
-    control = [t for t, kind in zip(tokens, types, strict=False) if kind in (3, 4)]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    # tokenizer.ggml.add_bos_token (off unless set, as llama.cpp reads a BPE vocabulary's):
-    # the post-processor adds the BOS, so that every prompt is encoded as llama.cpp does.
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    if _field(reader, "tokenizer.ggml.add_bos_token") and bos is not None \
-            and 0 <= bos < len(tokens):
-        from tokenizers import processors
-
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 $B:1",
-            special_tokens=[(tokens[bos], bos)])
-    return _parts(reader, tokens, backend)
-
-
-def _parts(reader, tokens: list[str], backend) -> dict[str, Any]:
-    special = {}
-    for name in ("bos", "eos", "unknown", "padding"):
-        i = _field(reader, f"tokenizer.ggml.{name}_token_id")
-        if i is not None and 0 <= i < len(tokens):
-            special[{"unknown": "unk_token", "padding": "pad_token"}.get(
-                name, f"{name}_token")] = tokens[i]
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return dict(backend=backend, special_tokens=special,
-                chat_template=_field(reader, "tokenizer.chat_template"),
-                generation_config=GenerationConfig(eos_token_id=() if eos is None else (eos,)))
