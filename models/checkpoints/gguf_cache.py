@@ -249,13 +249,39 @@ def load_weights(file: str | os.PathLike, dtype: str) -> dict[str, Any] | None:
         logger.warning("ignoring the kept GGUF conversion %s: its size or checksum is not the "
                        "one recorded (a corrupted file)", where)
         return None
-    from safetensors.numpy import load
-
     try:
-        return _from_arrays(load(data), record["layouts"])
-    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+        return _from_arrays(_views(data), record["layouts"])
+    except Exception as e:  # noqa: BLE001  (any entry that does not rebuild is not trusted)
         logger.warning("ignoring the kept GGUF conversion %s: %s", where, e)
         return None
+
+
+# safetensors' dtype names (the ones a conversion writes)
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+           "U16": "uint16", "U32": "uint32", "BOOL": "bool"}
+
+
+def _views(data: bytes) -> dict[str, np.ndarray]:
+    """The arrays of safetensors bytes ``data`` as read-only views of it, not copies (the
+    bytes are checked against their CRC-32 first; a header or an extent that does not fit
+    them is a ValueError)."""
+    import jax.numpy as jnp  # bfloat16's NumPy dtype
+
+    (n,) = np.frombuffer(data, np.uint64, 1)
+    header = json.loads(data[8:8 + int(n)])
+    base, out = 8 + int(n), {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = jnp.dtype(_DTYPES[info["dtype"]])
+        lo, hi = (base + int(i) for i in info["data_offsets"])
+        count = int(np.prod(info["shape"], dtype=np.int64))
+        if not base <= lo <= hi <= len(data) or hi - lo != count * dtype.itemsize:
+            raise ValueError(f"tensor {name!r}'s extent {info['data_offsets']} does not fit "
+                             f"its shape {info['shape']} and the file")
+        out[name] = np.frombuffer(data, dtype, count, lo).reshape(info["shape"])
+    return out
 
 
 def _to_arrays(weights: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -278,18 +304,20 @@ def _to_arrays(weights: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str
 
 
 def _from_arrays(arrays: dict[str, np.ndarray], layouts: dict[str, Any]) -> dict[str, Any]:
-    import jax.numpy as jnp
+    import jax
 
     import forge_jax as fj
 
+    names = sorted(arrays)
+    on_device = dict(zip(names, jax.device_put([arrays[k] for k in names]), strict=True))
     out = {}
     for k, layout in layouts.items():
         if layout is None:
-            out[k] = jnp.asarray(arrays[k])
+            out[k] = on_device[k]
         else:
             out[k] = fj.quant.from_parts(
-                arrays[f"{k}:values"], arrays[f"{k}:scales"],
-                arrays[f"{k}:minimums"] if layout["minimums"] else None,
+                on_device[f"{k}:values"], on_device[f"{k}:scales"],
+                on_device[f"{k}:minimums"] if layout["minimums"] else None,
                 format=layout["format"], block=tuple(layout["block"]),
-                dtype=jnp.dtype(layout["dtype"]))
+                dtype=jax.numpy.dtype(layout["dtype"]))
     return out
