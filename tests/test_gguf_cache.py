@@ -205,3 +205,26 @@ def test_a_corrupted_entry_or_tokenizer_is_never_trusted(tmp_path, fresh, caplog
     assert config == llama.load_config(file)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "unreadable" in warnings[0], warnings
+
+
+def test_chat_twice_on_a_gguf_file_reads_it_once(tmp_path, fresh, monkeypatch, capsys):
+    import io
+
+    from forge_jax import cli
+
+    file = _write(tmp_path / "m.gguf")
+
+    def chat():
+        monkeypatch.setattr("sys.stdin", io.StringIO("Hello there!\n"))
+        rc = cli.main(["chat", "--checkpoint", str(file), "--compilation-cache",
+                       str(tmp_path / "cache"), "--max-new-tokens", "6", "--temperature", "0"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        return out
+
+    first = chat()
+    assert {p.name for p in next((tmp_path / "cache" / "gguf").iterdir()).iterdir()} == {
+        "entry.json", "tokenizer.json", "weights-float32.safetensors"}
+    _forget()
+    _no_gguf_reads(monkeypatch)
+    assert chat() == first and first.strip()
