@@ -63,6 +63,11 @@ def gguf_cache(args: argparse.Namespace):
     from forge_jax.models.checkpoints import gguf_cache as kept
 
     directory = compilation_cache_dir(args)
+    if directory is not None:
+        try:
+            (directory / "gguf").mkdir(parents=True, exist_ok=True)
+        except OSError:  # no cache: `check` names the problem
+            directory = None
     return kept.use_gguf_cache(None if directory is None else directory / "gguf")
 
 
