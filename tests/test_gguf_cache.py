@@ -16,8 +16,7 @@ import pytest
 from cases import chat_checkpoint, gguf_files
 
 from forge_jax.models import llama
-from forge_jax.models.checkpoints import gguf as gguf_checkpoint
-from forge_jax.models.checkpoints import gguf_cache
+from forge_jax.models.checkpoints import gguf_cache, gguf_reader
 from forge_jax.text import api as text
 
 pytest.importorskip("gguf", reason="GGUF tests need the gguf package (pip install gguf)")
@@ -51,7 +50,7 @@ def _forget():
     """What this process remembers of files and entries (a new process remembers none)."""
     gguf_cache._ENTRIES.clear()
     gguf_cache._identity.cache_clear()
-    gguf_checkpoint._LAST_READER.clear()
+    gguf_reader._LAST_READER.clear()
 
 
 def _load(file):
@@ -85,7 +84,7 @@ def _no_gguf_reads(monkeypatch):
     def refuse(path):
         raise AssertionError(f"the GGUF file {path} was read")
 
-    monkeypatch.setattr(gguf_checkpoint, "_open_gguf", refuse)
+    monkeypatch.setattr(gguf_reader, "_open_gguf", refuse)
 
 
 @pytest.fixture

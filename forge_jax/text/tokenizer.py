@@ -119,9 +119,7 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> T
 
     path = expand_user(path)
     if gguf_checkpoint.is_gguf(path):  # the file's own vocabulary and chat template
-        from forge_jax.models.checkpoints import gguf_tokenizer
-
-        return Tokenizer(**gguf_tokenizer.tokenizer_parts(path), name=str(path))
+        return Tokenizer(**gguf_checkpoint.tokenizer_parts(path), name=str(path))
     path = resolve_checkpoint(path, revision=revision)
     file = path / "tokenizer.json"
     if not file.is_file():
