@@ -56,7 +56,10 @@ class StepBatch:
       logprobs: whether some sequence asks for log-probabilities (the step then returns them).
       verify: with speculative decoding (``k`` drafts at most), ``verify_rows`` int32
         ``[max_seqs, k + 1]`` (a sequence's last known row then its draft rows, padded with
-        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without. A draft model
+        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without. With a
+        constrained sequence among the drafting ones, ``masks`` int32 ``[max_seqs, k + 1,
+        ceil(vocab / 32)]``: each verify row's grammar bitmask (the state after the drafts
+        before it; all ones for a free sequence), applied before verification. A draft model
         adds (on the device) its ``drafts`` int32 ``[max_seqs, k]``, which replace the
         draft rows' tokens, and their distributions ``q`` float32 ``[max_seqs, k, vocab]``
         (:mod:`forge_jax.serving.drafting`).
@@ -81,10 +84,11 @@ class StepBatch:
     @property
     def shape_key(self) -> tuple:
         """What selects a compiled variant of :func:`ragged_step`: the token rows, the block
-        tables' shape, greedy or not, with a repetition penalty or not, the extras and
-        logprobs."""
+        tables' shape, greedy or not, with a repetition penalty or not, the extras,
+        logprobs, grammar masks on the verify rows and the verify rows per sequence."""
         return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
                 self.seen is not None, tuple(sorted(self.extras)), self.logprobs,
+                self.verify is not None and "masks" in self.verify,
                 None if self.verify is None else self.verify["verify_rows"].shape[1])
 
 
@@ -276,7 +280,13 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         k1 = verify["verify_rows"].shape[1]
         spec_logits = logits[0, s:].reshape(s, k1, -1).astype(jnp.float32)
         drafts = fed[verify["verify_rows"][:, 1:]]  # [s, k]
-        out, count = verify_rows(spec_logits, drafts, verify["draft_len"], sampling,
+        masked = spec_logits
+        if "masks" in verify:  # each row by the grammar's state after the drafts before it
+            words = verify["masks"].shape[-1]
+            allowed = allowed_tokens(verify["masks"].reshape(s * k1, words),
+                                     spec_logits.shape[-1]).reshape(spec_logits.shape)
+            masked = jnp.where(allowed, spec_logits, -jnp.inf)
+        out, count = verify_rows(masked, drafts, verify["draft_len"], sampling,
                                  greedy=greedy, q=verify.get("q"))
         speculating = verify["draft_len"] > 0
         if logprobs:  # of each verified row's token (a speculating sequence has no penalty)
@@ -410,8 +420,23 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
             rows[i, :d + 1] = np.arange(last[i] - d, last[i] + 1)
             draft_len[i] = d
         verify = dict(verify_rows=rows.astype(np.int32), draft_len=draft_len)
+        if any(r.drafts and r.mask is not None for r, _ in scheduled):
+            verify["masks"] = _verify_masks(scheduled, s, speculative, vocab_size)
     return StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled), last, sampling,
                      seen, greedy, feed, extras, logprobs, verify)
+
+
+def _verify_masks(scheduled: list[tuple[Request, int]], s: int, k: int,
+                  vocab_size: int) -> np.ndarray:
+    """The grammar's bitmask at each verify row, int32 ``[s, k + 1, ceil(vocab / 32)]``: a
+    constrained sequence's mask after its last token, then after each of its drafts (all
+    ones for a free sequence and past the drafts)."""
+    masks = np.full((s, k + 1, -(-vocab_size // 32)), -1, np.int32)
+    for i, (r, _) in enumerate(scheduled):
+        if r.drafts and r.mask is not None:
+            masks[i, 0] = r.mask
+            masks[i, 1:len(r.drafts) + 1] = r.draft_masks
+    return masks
 
 
 def _extras(scheduled: list[tuple[Request, int]], s: int, vocab_size: int) -> dict:
