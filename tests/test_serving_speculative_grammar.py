@@ -129,8 +129,8 @@ def test_grammar_drafts_cut_where_the_grammar_refuses(chat_tokenizer):
 
 
 def test_sampled_constrained_requests_stay_valid(chat_model, chat_tokenizer):
-    prompts = [chat_tokenizer.encode(t) for t in TEXTS] * 2
-    schemas = [ROWS, PERSON, ROWS] * 2
+    prompts = [chat_tokenizer.encode(t) for t in TEXTS]
+    schemas = [ROWS, PERSON, ROWS]
     engine = cases.engine(chat_model, chat_tokenizer,
                           speculative=SpeculativeConfig(num_tokens=4))
     got = _run(engine, prompts, schemas, temperature=1.0, top_p=0.95)
