@@ -58,6 +58,16 @@ class SpeculativeConfig:
       num_tokens: draft tokens per step at most (K >= 1); a step then verifies K + 1 rows
         per sequence and yields 1 to K + 1 tokens.
       max_ngram, min_ngram: the suffix lengths looked up, longest first (``"ngram"``).
+        ``min_ngram=1`` (the default) proposes after any repeated token. It is kept
+        because in ``generate`` every verify step has K + 1 rows per sequence whether it
+        drafts or not, so a proposal costs nothing and a shorter match only adds kept
+        tokens: on SmolLM2-135M-Instruct (greedy, K=4) the tokens per step with
+        ``min_ngram`` 1 / 2 / 3 were 4.20 / 4.20 / 3.71 on a code edit, 1.66 / 1.43 / 1.31
+        on a summary quoting its input and 1.29 / 1.15 / 1.09 on free text (the share of
+        drafts kept rises with it, 16% / 22% / 38% on free text, the tokens per step do
+        not). sglang also starts at 1 (its n-gram cache weighs matches by frequency);
+        vLLM's 5 is, its code says, arbitrary. In the serving engine each draft is a row
+        of the step: where rows cost (a CPU), a larger ``min_ngram`` drafts less.
       draft_model: with ``"draft"``, the draft model: any model ``from_pretrained`` loads
         whose vocabulary is the target's (:func:`check_draft`), usually a much smaller one
         of the same family.
