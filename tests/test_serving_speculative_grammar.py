@@ -194,12 +194,22 @@ def draft_model(tmp_path_factory):
             num_key_value_heads=1)))
 
 
-def test_with_a_draft_model_constrained_requests_decode_one_token_a_step(
+def test_with_a_draft_model_constrained_requests_take_the_grammars_drafts(
         chat_model, chat_tokenizer, draft_model, reference):
+    """Beside requests the draft model drafts for, a constrained request's drafts are the
+    grammar's, from the host (with a one-hot ``q``): greedy output as without speculation,
+    sampled output valid."""
     prompts, schemas, want = reference
     engine = cases.engine(chat_model, chat_tokenizer, speculative=SpeculativeConfig(
-        draft_model=draft_model, num_tokens=2))
-    got = _run(engine, prompts[:1], schemas[:1])
-    assert got[0][0] == want[0][0]
-    assert engine.stats.not_speculating == {speculation.GRAMMAR_WITH_DRAFT_MODEL}
-    assert engine.stats.draft_tokens == 0 and engine.last_error is None
+        draft_model=draft_model, num_tokens=3))
+    free = engine.submit(prompts[2], serving.RequestParams(max_tokens=12, ignore_eos=True))
+    got = _run(engine, prompts[:2], schemas[:2])
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in want[:2]]
+    assert free.result()[0] == cases.greedy(chat_model, chat_tokenizer, prompts[2:], 12)[0]
+    s = engine.stats
+    assert engine.last_error is None and not s.not_speculating
+    assert 0 < s.accepted_tokens < s.draft_tokens  # the random draft's are mostly refused
+    sampled = _run(engine, prompts[:2], schemas[:2], temperature=1.0)
+    _validate(sampled, schemas[:2])
+    assert engine.last_error is None
+    assert engine.manager.usage().used_pages == len(engine.prefix_cache)

@@ -59,10 +59,12 @@ class StepBatch:
         its last row) and ``draft_len`` int32 ``[max_seqs]``; None without. With a
         constrained sequence among the drafting ones, ``masks`` int32 ``[max_seqs, k + 1,
         ceil(vocab / 32)]``: each verify row's grammar bitmask (the state after the drafts
-        before it; all ones for a free sequence), applied before verification. A draft model
-        adds (on the device) its ``drafts`` int32 ``[max_seqs, k]``, which replace the
-        draft rows' tokens, and their distributions ``q`` float32 ``[max_seqs, k, vocab]``
-        (:mod:`forge_jax.serving.drafting`).
+        before it; all ones for a free sequence), applied before verification, and
+        ``host_drafts`` bool ``[max_seqs]``, the constrained sequences (their drafts are
+        the grammar's, from the host). A draft model adds (on the device) its ``drafts``
+        int32 ``[max_seqs, k]``, which replace the draft rows' tokens (but the host's), and
+        their distributions ``q`` float32 ``[max_seqs, k, vocab]`` (one-hot for the host's
+        drafts; :mod:`forge_jax.serving.drafting`).
     """
 
     tokens: np.ndarray
@@ -422,6 +424,9 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
         verify = dict(verify_rows=rows.astype(np.int32), draft_len=draft_len)
         if any(r.drafts and r.mask is not None for r, _ in scheduled):
             verify["masks"] = _verify_masks(scheduled, s, speculative, vocab_size)
+            verify["host_drafts"] = np.array(  # (a draft model keeps these sequences' drafts)
+                [bool(r.drafts) and r.mask is not None for r, _ in scheduled]
+                + [False] * (s - len(scheduled)))
     return StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled), last, sampling,
                      seen, greedy, feed, extras, logprobs, verify)
 

@@ -33,10 +33,6 @@ def draft_model(engine):
 
 
 # Why a request decodes one token per step in a speculating engine.
-GRAMMAR_WITH_DRAFT_MODEL = (
-    "a constrained request decodes one token per step with a draft model: the grammar's "
-    "mask after each draft needs the drafts on the host before the step, and the draft "
-    "model draws them on the device")
 PENALTIES = ("a request with a repetition, presence or frequency penalty or a logit bias "
              "decodes one token per step: the verification does not apply them")
 
@@ -47,8 +43,6 @@ def not_speculating(engine, r: Request) -> str | None:
     p = r.params.sampling
     if p.repetition_penalty not in (None, 1.0) or p.needs_token_counts or p.logit_bias:
         return PENALTIES
-    if r.matcher is not None and engine.draft is not None:
-        return GRAMMAR_WITH_DRAFT_MODEL
     return None
 
 
@@ -56,7 +50,7 @@ def speculates(engine, r: Request) -> bool:
     """Whether ``r`` drafts tokens in ``engine``: speculative decoding on and nothing in its
     sampling that the verification cannot apply (:func:`not_speculating`; the reason is
     logged once per engine). A grammar is applied: each verified row is masked by the
-    grammar's state after the drafts before it (:func:`drafts`)."""
+    grammar's state after the drafts before it (:func:`grammar_drafts`)."""
     if engine.config.speculative is None:
         return False
     reason = not_speculating(engine, r)
@@ -69,15 +63,17 @@ def speculates(engine, r: Request) -> bool:
 def drafts(engine, r: Request, budget: int) -> list[int]:
     """Prompt-lookup drafts after ``r``'s last token, within its ``max_tokens``, the
     context and the step's token ``budget`` (its last token takes one); with a draft model,
-    as many placeholders (0) as fit, for the drafts it draws on the device."""
+    as many placeholders (0) as fit, for the drafts it draws on the device. A constrained
+    request's drafts are the grammar's (:func:`grammar_drafts`), drawn on the host with or
+    without a draft model: the mask of each verify row needs them before the step."""
     config = engine.config.speculative
     room = max(0, min(config.num_tokens, budget - 1, r.params.max_tokens - len(r.generated) - 1,
                       engine.max_model_len - len(r.tokens) - 1))
+    if r.matcher is not None:
+        return grammar_drafts(r, speculative.propose_ngram(r.tokens, config)[:room], room)
     if config.draft_model is not None:
         return [0] * room
     proposals = speculative.propose_ngram(r.tokens, config)[:room]
-    if r.matcher is not None:
-        return grammar_drafts(r, proposals, room)
     if not proposals and getattr(engine, "warming_up", False):
         # (the warm-up's random prompts rarely repeat: any drafts compile the verify steps)
         proposals = [r.tokens[-1]] * room
