@@ -206,10 +206,11 @@ class DeepseekV3(nnx.Module):
                                                                  **dims))
 
     def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
-                    prefix_caching: bool = False) -> PagedLatentCache:
+                    prefix_caching: bool = False,
+                    max_seqs: int | None = None) -> PagedLatentCache:
         """See :meth:`forge_jax.models.protocol.CausalLM.create_pool`: a latent pool (its
         pages shared freely)."""
-        del prefix_caching
+        del prefix_caching, max_seqs
         return self.create_cache(dataclasses.replace(spec, kind="paged"), batch=0, max_len=0,
                                  num_pages=num_pages,
                                  block_tables=np.zeros((0, pages_per_seq), np.int32))

@@ -7,7 +7,10 @@ Per token: projections to ``q, k`` (``k_heads`` of ``dk``), ``v`` and the output
 convolution with SiLU over ``[q | k | v]``; the gated delta rule from the layer's state; an
 RMSNorm of each head's output times ``silu(z)``; the output projection. With a
 :class:`~forge_jax.kv_cache.contract.StateCache` the layer reads its states from the cache
-and writes back what the ops return, so a sequence continues across calls.
+and writes back what the ops return, so a sequence continues across calls; the convolution
+and the delta rule run on one row per sequence as the cache lays them out (the serving
+engine's packed row gathered per sequence, ``to_sequences``), the projections on the step's
+rows as they come.
 
 The weights are stored as Qwen3.5 names them (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
 ``in_proj_a``: plain ``[q | k | v]`` and per-head rows); Qwen3-Next's fused, key-head-grouped
@@ -109,14 +112,20 @@ class GatedDeltaNet(nnx.Module):
         z = self.in_proj_z(x).reshape(batch, t, c.v_heads, c.v_head_dim)
         g, beta = fj.gated_delta_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log[...],
                                        self.dt_bias[...])
+        if cache is not None:  # one row per sequence (a packed row's sequences gathered)
+            mixed, g, beta = (cache.to_sequences(a) for a in (mixed, g, beta))
+            lengths = cache.sequence_lengths(lengths)
+        seqs, span = mixed.shape[:2]
         mixed, conv_state = fj.causal_conv1d(mixed, self.conv_weight[...],
                                              state=conv_state, lengths=lengths)
         q, k, v = jnp.split(mixed, [c.key_dim, 2 * c.key_dim], axis=-1)
         out, state = fj.gated_delta_rule(
-            q.reshape(batch, t, c.k_heads, c.k_head_dim),
-            k.reshape(batch, t, c.k_heads, c.k_head_dim),
-            v.reshape(batch, t, c.v_heads, c.v_head_dim), g, beta, state=state,
+            q.reshape(seqs, span, c.k_heads, c.k_head_dim),
+            k.reshape(seqs, span, c.k_heads, c.k_head_dim),
+            v.reshape(seqs, span, c.v_heads, c.v_head_dim), g, beta, state=state,
             lengths=lengths, chunk_size=c.chunk_size)
+        if cache is not None:
+            out = cache.from_sequences(out, t)  # [batch, t, v_heads, v_head_dim]
         # The gated RMSNorm: weight * norm(out) rounded to the compute dtype, times silu(z)
         # in float32 (transformers' Qwen3NextRMSNormGated).
         normed = fj.rms_norm(out, self.norm_weight[...], eps=c.rms_norm_eps)

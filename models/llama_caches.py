@@ -51,10 +51,11 @@ class LlamaCaches:
         return create_cache(make, self.mesh)
 
     def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
-                    prefix_caching: bool = False) -> PagedKVCache:
+                    prefix_caching: bool = False,
+                    max_seqs: int | None = None) -> PagedKVCache:
         """See :meth:`forge_jax.models.protocol.CausalLM.create_pool`: a
         :class:`~forge_jax.kv_cache.PagedKVCache`, never folded (its pages shared freely)."""
-        del prefix_caching
+        del prefix_caching, max_seqs
         make = functools.partial(
             PagedKVCache.create, **cache_geometry(self.config),
             num_pages=num_pages, page_size=spec.page_size, kv_heads=self.kv_heads,

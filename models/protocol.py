@@ -115,14 +115,18 @@ class CausalLM(Protocol):
         ...
 
     def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
-                    prefix_caching: bool = False) -> Any:
+                    prefix_caching: bool = False, max_seqs: int | None = None) -> Any:
         """The serving engine's page pool (``spec.kind`` must be ``"paged"``): ``num_pages``
         pages, no rows of its own (each packed step brings its block tables, at most
         ``pages_per_seq`` wide), never folded; on ``self.mesh``, created in its shards.
         It has ``copy_pages`` (the block manager's copy-on-write). ``prefix_caching``: the
         engine will share full pages between sequences; a model whose cache cannot (a
         recurrent state per sequence) raises ValueError with the reason
-        (:data:`forge_jax.kv_cache.PREFIX_CACHING_REFUSED`)."""
+        (:data:`forge_jax.kv_cache.PREFIX_CACHING_REFUSED`). ``max_seqs``: the most sequences
+        the engine runs at once; a model keeping a state per sequence holds that many slots
+        and says so in the pool's ``max_sequences`` (the engine then admits no more, and
+        each packed step's metadata carries every sequence's ``state_slots``), the others
+        ignore it."""
         ...
 
     def packed_cache(self, pool: Any, metadata: RaggedMetadata) -> KVCache:

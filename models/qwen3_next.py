@@ -196,7 +196,7 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
         state pool of ``num_slots`` slots (default: the attention cache's rows, row ``b`` on
         slot ``b``), conv states in the compute dtype, delta-rule states in ``state_dtype``."""
         lin = self.config.linear
-        batch = attention.batch
+        batch = attention.batch or None  # (an engine's pool has no rows: one per slot)
         pool = RecurrentStatePool.create(
             num_layers=self.config.kinds.count("linear"),
             num_slots=batch if num_slots is None else num_slots, conv_kernel=lin.conv_kernel,
@@ -234,13 +234,14 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
             position is ``cache.lengths[b]``).
           valid: bool ``[batch, t]``, True on each row's first ``n_b`` tokens.
           cache: a :class:`~forge_jax.kv_cache.HybridCache` (:meth:`hybrid_cache`).
-          logits_at: optional int32 ``[batch]``: logits only at these indices of ``t``.
+          logits_at: optional int32 ``[batch]`` (or ``[batch, n]``, n per row: the serving
+            engine's packed row): logits only at these indices of ``t``.
           empty_cache: static; True promises the cache holds no token yet: the attention
             layers then attend over the new tokens alone with ``fj.attention``.
 
         Returns:
-          ``(logits, cache)``: float32 ``[batch, t, vocab]`` (``[batch, vocab]`` with
-          ``logits_at``) and the updated cache.
+          ``(logits, cache)``: float32 ``[batch, t, vocab]`` (``[batch, vocab]`` or
+          ``[batch, n, vocab]`` with ``logits_at``) and the updated cache.
         """
         positions = positions.astype(jnp.int32)
         new_lengths = jnp.maximum(cache.lengths.astype(jnp.int32),
@@ -256,7 +257,10 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
 
         hidden, cache = self._layers(tokens, positions, lambda i: functools.partial(attend, i),
                                      cache, lengths)
-        if logits_at is not None:
+        if logits_at is not None and logits_at.ndim == 2:  # n per row (a packed row's)
+            hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, :, None],
+                                         axis=1)  # [batch, n, hidden]
+        elif logits_at is not None:
             hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None],
                                          axis=1)[:, 0]  # [batch, hidden]
         return self._logits(hidden), cache.with_lengths(new_lengths)

@@ -6,9 +6,16 @@ layers only (:class:`~forge_jax.kv_cache.PagedKVCache` or
 :class:`~forge_jax.kv_cache.ContiguousKVCache`, quantized as the
 :class:`~forge_jax.kv_cache.CacheSpec`'s ``kv_dtype`` says) and a
 :class:`~forge_jax.kv_cache.RecurrentStatePool` over the delta-rule layers, row ``b`` of the
-step on slot ``b``. The serving engine's packed row of many sequences is refused: its step
-carries no recurrent-state slot per sequence, and prefix caching cannot share a recurrent
-state by pages (:data:`~forge_jax.kv_cache.PREFIX_CACHING_REFUSED`).
+step on slot ``b``.
+
+The serving engine's pool (:meth:`Qwen3NextCaches.create_pool`) is a
+:class:`~forge_jax.kv_cache.HybridCache` too: a page pool over the attention layers and a
+state pool of one slot per sequence the engine runs at once; its packed view
+(:meth:`Qwen3NextCaches.packed_cache`) attends through the pages with ragged paged attention
+(:class:`~forge_jax.kv_cache.RaggedBatchCache`) and runs the delta-rule layers per sequence
+of the packed row, each from its slot (:class:`~forge_jax.kv_cache.RaggedStatePool`, the
+slots in the step's metadata). Prefix caching is refused: a recurrent state cannot be shared
+by pages (:data:`~forge_jax.kv_cache.PREFIX_CACHING_REFUSED`).
 """
 
 from __future__ import annotations
@@ -23,13 +30,11 @@ from forge_jax.kv_cache import (
     ContiguousKVCache,
     HybridCache,
     PagedKVCache,
+    RaggedBatchCache,
+    RaggedMetadata,
+    RaggedStatePool,
 )
 from forge_jax.ops import kv_quant
-
-ENGINE_REFUSED = (
-    "the serving engine packs many sequences into one row, and its steps carry no "
-    "recurrent-state slot per sequence for the gated delta-rule layers: generate with "
-    "forge_jax.generation.generate")
 
 
 class Qwen3NextCaches:
@@ -56,15 +61,35 @@ class Qwen3NextCaches:
         return self.hybrid_cache(attention)
 
     def create_pool(self, spec: CacheSpec, *, num_pages: int, pages_per_seq: int,
-                    prefix_caching: bool = False) -> Any:
-        """Refused (ValueError): see the module docstring."""
+                    prefix_caching: bool = False, max_seqs: int | None = None) -> HybridCache:
+        """See :meth:`forge_jax.models.protocol.CausalLM.create_pool`: a
+        :class:`~forge_jax.kv_cache.HybridCache` of a page pool over the attention layers
+        (never folded) and a state pool of ``max_seqs`` slots (required: one per sequence
+        the engine runs at once). ``prefix_caching`` is refused (ValueError,
+        :data:`~forge_jax.kv_cache.PREFIX_CACHING_REFUSED`)."""
         if prefix_caching:
             raise ValueError(f"model_type={self.config.model_type!r}: {PREFIX_CACHING_REFUSED}")
-        raise ValueError(f"model_type={self.config.model_type!r}: {ENGINE_REFUSED}")
+        if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
+            raise ValueError(f"model_type={self.config.model_type!r} keeps a recurrent state "
+                             f"per sequence: create_pool needs max_seqs (an int >= 1, the "
+                             f"sequences run at once), got max_seqs={max_seqs!r}")
+        self._one_device()
+        c = self.config
+        attention = PagedKVCache.create(
+            num_layers=self.num_attention_layers, kv_heads=self.kv_heads, head_dim=c.head_dim,
+            dtype=spec.resolved_dtype(self.dtype), quantize=spec.kv_dtype,
+            num_pages=num_pages, page_size=spec.page_size,
+            block_tables=np.zeros((0, pages_per_seq), np.int32), fold=False)
+        return self.hybrid_cache(attention, num_slots=max_seqs)
 
-    def packed_cache(self, pool: Any, metadata: Any) -> Any:
-        """Refused (ValueError): see the module docstring."""
-        raise ValueError(f"model_type={self.config.model_type!r}: {ENGINE_REFUSED}")
+    def packed_cache(self, pool: HybridCache, metadata: RaggedMetadata) -> HybridCache:
+        """See :meth:`forge_jax.models.protocol.CausalLM.packed_cache`: the attention pages
+        as a :class:`~forge_jax.kv_cache.RaggedBatchCache`, the states as a
+        :class:`~forge_jax.kv_cache.RaggedStatePool` (``metadata`` must carry
+        ``state_slots`` and ``segment_rows``)."""
+        return HybridCache(attention=RaggedBatchCache.from_pool(pool.attention, metadata),
+                           linear=RaggedStatePool.from_pool(pool.linear, metadata),
+                           kinds=pool.kinds)
 
     def cache_shardings(self, cache: Any) -> Any:
         """Refused (ValueError): these models run on one device."""

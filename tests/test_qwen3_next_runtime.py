@@ -1,7 +1,7 @@
 """The runtime drives Qwen3-Next and Qwen3.5 text through the model contract
 (``forge_jax.models.protocol``): the common entry point loads them, ``generate`` runs them with
 each attention cache (the delta-rule layers on the state pool) and matches transformers'
-greedy tokens; the serving engine refuses them with the reason."""
+greedy tokens (the serving engine: ``tests/test_qwen3_next_engine.py``)."""
 
 from __future__ import annotations
 
@@ -60,18 +60,6 @@ def test_generate_stops_at_eos(runtime_model):
     eos = want[0][3]
     got = generation.generate(model, PROMPTS[:1], 8, eos_token_id=eos)
     assert got == [want[0][:want[0].index(eos) + 1]]
-
-
-def test_the_engine_refuses_with_the_reason(runtime_model):
-    from forge_jax.serving import Engine, EngineConfig
-
-    model, _, _ = runtime_model
-    with pytest.raises(ValueError, match="cannot be shared page by page"):
-        Engine(model, None, EngineConfig(num_pages=32, eos_token_ids=()))
-    with pytest.raises(ValueError, match="recurrent-state slot per sequence"):
-        Engine(model, None, EngineConfig(num_pages=32, eos_token_ids=(),
-                                         prefix_caching=False))
-
 
 
 def test_forge_jax_generate_runs_it(tmp_path, tokenizer_files, capsys):

@@ -162,12 +162,17 @@ def run(args: argparse.Namespace) -> int:
         eos = text.eos_ids(model, tokenizer, tokenizer.generation_config) if tokenizer else None
         _flags.load_draft(args, model)
         speculative = _flags.speculative_config(args) or speculative
-        engine = serving.Engine(model, tokenizer, serving.EngineConfig(
-            max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
-            num_pages=args.max_pages, max_model_len=max_len, max_waiting=args.max_waiting,
-            prefix_caching=args.prefix_caching, eos_token_ids=eos,
-            cache=CacheSpec(page_size=args.page_size, kv_dtype=args.kv_cache_dtype),
-            speculative=speculative))
+        try:
+            engine = serving.Engine(model, tokenizer, serving.EngineConfig(
+                max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs,
+                num_pages=args.max_pages, max_model_len=max_len, max_waiting=args.max_waiting,
+                prefix_caching=args.prefix_caching, eos_token_ids=eos,
+                cache=CacheSpec(page_size=args.page_size, kv_dtype=args.kv_cache_dtype),
+                speculative=speculative))
+        except ValueError as e:  # the model refuses a setting (prefix caching, speculation)
+            hint = " (--no-prefix-caching)" if args.prefix_caching and \
+                "prefix_caching=False" in str(e) else ""
+            raise UsageError(f"{e}{hint}") from None
         name = args.model_name or default_model_name(args.checkpoint)
         app = serving_http.create_app(
             engine, model_name=name, tokenizer=tokenizer, default_max_tokens=args.max_tokens,

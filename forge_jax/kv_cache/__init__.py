@@ -22,7 +22,8 @@ Device side, pytrees implementing one contract, :class:`KVCache`
 Linear-attention layers keep a fixed-size state per sequence instead: a
 :class:`RecurrentStatePool` (one slot per sequence, the :class:`StateCache` contract), and a
 model mixing both kinds of layers gets a :class:`HybridCache` (a KV cache over its attention
-layers, a pool over its linear ones; prefix caching refused, :data:`PREFIX_CACHING_REFUSED`).
+layers, a pool over its linear ones; prefix caching refused, :data:`PREFIX_CACHING_REFUSED`);
+:class:`RaggedStatePool` is a state pool's packed view (the serving engine's step).
 
 Both may be quantized (``create(..., quantize="int8")`` or ``"fp8"``): each layer's K and V
 are then int8/fp8 ``QuantizedArray`` buffers with a float32 scale per token and KV head
@@ -73,6 +74,7 @@ from forge_jax.kv_cache.latent_ragged import RaggedLatentCache
 from forge_jax.kv_cache.paged import PagedKVCache, stores_folded
 from forge_jax.kv_cache.ragged import RaggedBatchCache, RaggedMetadata
 from forge_jax.kv_cache.recurrent import PREFIX_CACHING_REFUSED, HybridCache, RecurrentStatePool
+from forge_jax.kv_cache.recurrent_ragged import RaggedStatePool
 from forge_jax.kv_cache.spec import CacheSpec, cache_geometry
 
 __all__ = [
@@ -80,5 +82,6 @@ __all__ = [
     "PagedKVCache", "PagedLatentCache", "RaggedBatchCache", "RaggedMetadata", "stores_folded",
     "HybridCache", "PREFIX_CACHING_REFUSED", "RecurrentStatePool", "StateCache",
     "ContiguousLatentCache", "RaggedLatentCache",
+    "RaggedStatePool",
     "cache_geometry",
 ]

@@ -130,9 +130,14 @@ class StateCache(Protocol):
     Per step and linear layer the model calls ``conv_state, state = cache.read(layer)``,
     runs :func:`forge_jax.causal_conv1d` and :func:`forge_jax.gated_delta_rule` from those
     states, and stores what they return with ``cache = cache.write_state(layer, conv_state,
-    state)``; ``lengths`` and ``with_lengths`` are as in :class:`KVCache`. Implemented by
-    :class:`~forge_jax.kv_cache.RecurrentStatePool` (one slot per sequence) and, for the
-    linear layers of a hybrid model, :class:`~forge_jax.kv_cache.HybridCache`.
+    state)``; ``lengths`` and ``with_lengths`` are as in :class:`KVCache`. The ops run per
+    sequence: the layer hands them ``cache.to_sequences(x)`` with
+    ``cache.sequence_lengths(lengths)`` and maps their outputs back with
+    ``cache.from_sequences(y, t)`` (the identity where row ``b`` is a sequence; a gather
+    into one row per sequence for the packed row of the serving engine). Implemented by
+    :class:`~forge_jax.kv_cache.RecurrentStatePool` (one slot per sequence), its packed view
+    :class:`~forge_jax.kv_cache.RaggedStatePool` and, for the linear layers of a hybrid
+    model, :class:`~forge_jax.kv_cache.HybridCache`.
 
     Attributes:
       lengths: int32 ``[batch]``, tokens in each row's sequence before this step.
@@ -141,12 +146,27 @@ class StateCache(Protocol):
     lengths: jax.Array
 
     def read(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """``(conv_state [batch, kernel - 1, conv_dim], state [batch, v_heads, dk, dv])`` of
-        layer ``layer`` for the step's rows (zeros for a row with no sequence)."""
+        """``(conv_state [seqs, kernel - 1, conv_dim], state [seqs, v_heads, dk, dv])`` of
+        layer ``layer`` for the step's sequences (zeros for one with no state yet)."""
         ...
 
     def write_state(self, layer: int, conv_state: jax.Array, state: jax.Array) -> Self:
-        """The cache with layer ``layer``'s states of the step's rows replaced."""
+        """The cache with layer ``layer``'s states of the step's sequences replaced."""
+        ...
+
+    def to_sequences(self, x: jax.Array) -> jax.Array:
+        """The step's tokens ``x`` ``[batch, t, ...]`` as one row per sequence ``[seqs,
+        span, ...]`` (right-padded), what :meth:`read`'s states go with."""
+        ...
+
+    def from_sequences(self, y: jax.Array, tokens: int) -> jax.Array:
+        """Per-sequence outputs ``y`` ``[seqs, span, ...]`` back in the step's rows
+        ``[batch, tokens, ...]``."""
+        ...
+
+    def sequence_lengths(self, lengths: jax.Array) -> jax.Array:
+        """int ``[seqs]``, the real tokens of each sequence of :meth:`to_sequences`, from the
+        rows' ``lengths`` (int ``[batch]``)."""
         ...
 
     def with_lengths(self, lengths: jax.Array) -> Self:

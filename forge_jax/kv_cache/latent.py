@@ -200,12 +200,7 @@ class PagedLatentCache:
           ``[batch, t, heads, v_dim]`` in ``q.dtype``.
         """
         layer = _base.layer_index(layer, self.num_layers)
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise ValueError(f"a latent cache takes no sliding_window or logits_soft_cap, got "
-                             f"{sliding_window=}, {logits_soft_cap=}")
-        if up_proj is None or len(up_proj) != 2:
-            raise ValueError("a latent cache's attend needs up_proj=(w_uk, w_uv), the heads' "
-                             f"key and value up-projections, got {up_proj=!r:.80}")
+        check_attend_options(sliding_window, logits_soft_cap, up_proj)
         _checks.array("q", q, ndim=4)
         batch, t, heads, width = q.shape
         if batch != self.batch or width <= self.rope_dim:
@@ -266,6 +261,16 @@ class PagedLatentCache:
             new_a, new_b = copy_pages(a[None], b[None], copies)
             copied += [new_a[0], new_b[0]]
         return dataclasses.replace(self, pages=tuple(copied[:self.num_layers]))
+
+
+def check_attend_options(sliding_window, logits_soft_cap, up_proj) -> None:
+    """Refuses the options a latent cache's ``attend`` cannot honour, and a missing ``up_proj``."""
+    if sliding_window is not None or logits_soft_cap is not None:
+        raise ValueError(f"a latent cache takes no sliding_window or logits_soft_cap, got "
+                         f"{sliding_window=}, {logits_soft_cap=}")
+    if up_proj is None or len(up_proj) != 2:
+        raise ValueError("a latent cache's attend needs up_proj=(w_uk, w_uv), the heads' "
+                         f"key and value up-projections, got {up_proj=!r:.80}")
 
 
 def _block_tables(block_tables) -> jax.Array:

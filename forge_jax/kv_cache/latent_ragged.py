@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from forge_jax import _checks
 from forge_jax.kv_cache import _base
-from forge_jax.kv_cache.latent import PagedLatentCache
+from forge_jax.kv_cache.latent import PagedLatentCache, check_attend_options
 from forge_jax.kv_cache.ragged import RaggedMetadata, packed_slots
 from forge_jax.ops.mla import mla_paged_attention, mla_paged_write
 
@@ -102,12 +102,7 @@ class RaggedLatentCache:
         ``kv_lengths`` are not read, as for any packed cache). Returns ``[1, tokens, heads,
         v_dim]``."""
         layer = _base.layer_index(layer, self.num_layers)
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise ValueError(f"a latent cache takes no sliding_window or logits_soft_cap, got "
-                             f"{sliding_window=}, {logits_soft_cap=}")
-        if up_proj is None or len(up_proj) != 2:
-            raise ValueError("a latent cache's attend needs up_proj=(w_uk, w_uv), the heads' "
-                             f"key and value up-projections, got {up_proj=!r:.80}")
+        check_attend_options(sliding_window, logits_soft_cap, up_proj)
         _checks.array("q", q, ndim=4)
         width = q.shape[3]
         m = self.metadata

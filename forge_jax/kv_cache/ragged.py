@@ -38,12 +38,21 @@ class RaggedMetadata:
       kv_lengths: int32 ``[max_seqs]``, tokens in the cache after this step, per sequence.
       cu_q_lens: int32 ``[max_seqs + 1]``, non-decreasing, ``cu_q_lens[0] == 0``.
       num_seqs: int32 scalar, the sequences in the step.
+      state_slots: for a model whose layers keep a state per sequence (a
+        :class:`~forge_jax.kv_cache.RaggedStatePool`), int32 ``[seqs]``: sequence ``s``'s
+        slot in the state pool, ``-1`` for none; None otherwise.
+      segment_rows: with ``state_slots``, int32 ``[seqs, span]``: the packed row of new token
+        ``i`` of sequence ``s``, ``-1`` past its new tokens (the grid the per-sequence layers
+        gather the packed row into: ``seqs >= num_seqs``, ``span`` at least the longest
+        sequence's new tokens); None otherwise.
     """
 
     block_tables: jax.Array
     kv_lengths: jax.Array
     cu_q_lens: jax.Array
     num_seqs: jax.Array
+    state_slots: jax.Array | None = None
+    segment_rows: jax.Array | None = None
 
     def sequence_of_rows(self, rows: int) -> jax.Array:
         """int32 ``[rows]``: the sequence each row of the packed row belongs to

@@ -5,9 +5,10 @@ sequence carries a fixed-size state per layer, the ``[v_heads, dk, dv]`` delta-r
 and the last ``kernel - 1`` inputs of its short convolution (:func:`forge_jax.causal_conv1d`).
 :class:`RecurrentStatePool` holds those for ``num_slots`` sequences, one slot each, and maps
 the rows of a step to slots (``slots[b]``; ``-1`` for an idle row, which reads zeros and
-writes nothing): generate gives row ``b`` slot ``b``, a serving engine gives each request a
-slot for its lifetime and clears it (:meth:`RecurrentStatePool.reset`) when a new request
-takes it.
+writes nothing): generate gives row ``b`` slot ``b``; the serving engine gives each running
+request a slot and names it in each packed step's metadata, where the packed view
+(:class:`~forge_jax.kv_cache.RaggedStatePool`) reads zeros for a sequence starting at
+position 0, so a slot changes hands without :meth:`RecurrentStatePool.reset`.
 
 :class:`HybridCache` is the cache of a model whose layers use different caches (Qwen3-Next:
 three linear-attention layers, then one full-attention layer): a
@@ -174,6 +175,20 @@ class RecurrentStatePool:
         return dataclasses.replace(self, lengths=_base.lengths_array("lengths", lengths,
                                                                        self.batch))
 
+    # Row b of the step is one sequence: the layer runs its ops on the rows as they are.
+    def to_sequences(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[batch, t, ...]`` as the layer's per-sequence ops take it: unchanged."""
+        return x
+
+    def from_sequences(self, y: jax.Array, tokens: int) -> jax.Array:
+        """The inverse of :meth:`to_sequences`: ``y`` unchanged."""
+        del tokens
+        return y
+
+    def sequence_lengths(self, lengths) -> jax.Array:
+        """Each sequence's real tokens: the rows' ``lengths`` (int ``[batch]``)."""
+        return lengths
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -265,3 +280,28 @@ class HybridCache:
     def write_state(self, layer: int, conv_state, state) -> HybridCache:
         lin = self.linear.write_state(self._index(layer, "linear"), conv_state, state)
         return dataclasses.replace(self, linear=lin)
+
+    def to_sequences(self, x: jax.Array) -> jax.Array:
+        return self.linear.to_sequences(x)
+
+    def from_sequences(self, y: jax.Array, tokens: int) -> jax.Array:
+        return self.linear.from_sequences(y, tokens)
+
+    def sequence_lengths(self, lengths) -> jax.Array:
+        return self.linear.sequence_lengths(lengths)
+
+    # The serving engine's pool (a paged attention pool and a state pool) and its packed view.
+    @property
+    def max_sequences(self) -> int:
+        """The sequences the state pool holds at once (one slot each): the most a serving
+        engine over this pool may run together."""
+        return self.linear.num_slots
+
+    def copy_pages(self, copies) -> HybridCache:
+        """The attention pool's page copies (the block manager's copy-on-write)."""
+        return dataclasses.replace(self, attention=self.attention.copy_pages(copies))
+
+    def into_pool(self, pool: HybridCache) -> HybridCache:
+        """``pool`` (the engine's) holding this packed view's written pages and states."""
+        return dataclasses.replace(pool, attention=self.attention.into_pool(pool.attention),
+                                   linear=self.linear.into_pool(pool.linear))

@@ -65,6 +65,11 @@ class StepBatch:
         int32 ``[max_seqs, k]``, which replace the draft rows' tokens (but the host's), and
         their distributions ``q`` float32 ``[max_seqs, k, vocab]`` (one-hot for the host's
         drafts; :mod:`forge_jax.serving.drafting`).
+      state: for a model keeping a state per sequence, ``state_slots`` int32 ``[seqs]``
+        (each sequence's slot, ``-1`` past the step's) and ``segment_rows`` int32 ``[seqs,
+        span]`` (the rows of each sequence's new tokens, ``-1`` past them; ``seqs`` and
+        ``span`` powers of two): the :class:`~forge_jax.kv_cache.RaggedMetadata` fields of
+        the same names. None otherwise.
     """
 
     tokens: np.ndarray
@@ -82,14 +87,17 @@ class StepBatch:
     extras: dict = dataclasses.field(default_factory=dict)
     logprobs: bool = False
     verify: dict | None = None
+    state: dict | None = None
 
     @property
     def shape_key(self) -> tuple:
         """What selects a compiled variant of :func:`ragged_step`: the token rows, the block
         tables' shape, greedy or not, with a repetition penalty or not, the extras,
-        logprobs, grammar masks on the verify rows and the verify rows per sequence."""
+        logprobs, the per-sequence state grid, grammar masks on the verify rows and the
+        verified rows."""
         return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
                 self.seen is not None, tuple(sorted(self.extras)), self.logprobs,
+                None if self.state is None else self.state["segment_rows"].shape,
                 self.verify is not None and "masks" in self.verify,
                 None if self.verify is None else self.verify["verify_rows"].shape[1])
 
@@ -263,7 +271,8 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
                 was_fed.astype(jnp.float32))
     metadata = RaggedMetadata(block_tables=batch["block_tables"],
                               kv_lengths=batch["kv_lengths"], cu_q_lens=batch["cu_q_lens"],
-                              num_seqs=batch["num_seqs"])
+                              num_seqs=batch["num_seqs"], state_slots=batch.get("state_slots"),
+                              segment_rows=batch.get("segment_rows"))
     tokens = fed[None]  # [1, tokens]: one packed row
     s = batch["last_rows"].shape[0]
     rows = batch["last_rows"]
@@ -328,7 +337,7 @@ def step_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
     return dict(tokens=batch.tokens, positions=batch.positions, slots=batch.slots,
                 block_tables=batch.block_tables, kv_lengths=batch.kv_lengths,
                 cu_q_lens=batch.cu_q_lens, num_seqs=np.int32(batch.num_seqs),
-                last_rows=batch.last_rows, feed=batch.feed)
+                last_rows=batch.last_rows, feed=batch.feed, **(batch.state or {}))
 
 
 def pow2_at_least(n: int, low: int) -> int:
@@ -355,12 +364,14 @@ MIN_TABLE_PAGES = 16
 
 def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, min_rows: int,
                 max_seqs: int, pages_per_seq: int, vocab_size: int,
-                speculative: int = 0) -> StepBatch:
+                speculative: int = 0, state_slots=None) -> StepBatch:
     """The :class:`StepBatch` of the engine's scheduled ``(request, new rows)`` pairs: rows
     padded to :func:`row_bucket`'s size, block tables as wide as the longest
     sequence needs (a power of two from :data:`MIN_TABLE_PAGES`, at most ``pages_per_seq``);
     with ``speculative`` (k drafts at most) and a request with drafts, its draft rows follow
-    its last token and :attr:`StepBatch.verify` says where they are."""
+    its last token and :attr:`StepBatch.verify` says where they are; with ``state_slots``
+    (the engine's :class:`~forge_jax.serving.state_slots.StateSlots`) keeping a state per
+    sequence, :attr:`StepBatch.state` names each sequence's slot and rows."""
     total = sum(n for _, n in scheduled)
     rows = row_bucket(total, min_rows)
     tokens = np.zeros((rows,), np.int32)
@@ -415,20 +426,39 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
     logprobs = any(r.params.sampling.logprobs is not None for r, _ in scheduled)
     verify = None
     if speculative and any(r.drafts for r, _ in scheduled):
-        rows = np.repeat(last[:, None], speculative + 1, axis=1)  # [s, k + 1]
+        verify_rows = np.repeat(last[:, None], speculative + 1, axis=1)  # [s, k + 1]
         draft_len = np.zeros((s,), np.int32)
         for i, (r, _) in enumerate(scheduled):
             d = len(r.drafts)
-            rows[i, :d + 1] = np.arange(last[i] - d, last[i] + 1)
+            verify_rows[i, :d + 1] = np.arange(last[i] - d, last[i] + 1)
             draft_len[i] = d
-        verify = dict(verify_rows=rows.astype(np.int32), draft_len=draft_len)
+        verify = dict(verify_rows=verify_rows.astype(np.int32), draft_len=draft_len)
         if any(r.drafts and r.mask is not None for r, _ in scheduled):
             verify["masks"] = _verify_masks(scheduled, s, speculative, vocab_size)
             verify["host_drafts"] = np.array(  # (a draft model keeps these sequences' drafts)
                 [bool(r.drafts) and r.mask is not None for r, _ in scheduled]
                 + [False] * (s - len(scheduled)))
+    state = _state(scheduled, cu, s, rows, manager, state_slots)
     return StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled), last, sampling,
-                     seen, greedy, feed, extras, logprobs, verify)
+                     seen, greedy, feed, extras, logprobs, verify, state)
+
+
+def _state(scheduled, cu: np.ndarray, s: int, rows: int, manager: BlockManager,
+           state_slots) -> dict | None:
+    """:attr:`StepBatch.state` (None when the model keeps no state per sequence): the grid
+    is a power of two of sequences (at most ``s``) by a power of two of rows (at most
+    ``rows``), as small as holds the step's sequences and its longest one's new rows."""
+    slots = None if state_slots is None else state_slots.assign(scheduled, manager)
+    if slots is None:
+        return None
+    seqs = min(s, pow2_at_least(len(scheduled), 1))
+    span = min(rows, pow2_at_least(max(n for _, n in scheduled), 1))
+    state_slots = np.full((seqs,), -1, np.int32)
+    state_slots[:len(slots)] = slots
+    segment_rows = np.full((seqs, span), -1, np.int32)
+    for i, (_, n) in enumerate(scheduled):
+        segment_rows[i, :n] = np.arange(cu[i], cu[i] + n)
+    return dict(state_slots=state_slots, segment_rows=segment_rows)
 
 
 def _verify_masks(scheduled: list[tuple[Request, int]], s: int, k: int,

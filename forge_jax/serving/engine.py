@@ -63,6 +63,7 @@ from forge_jax.serving.requests import (  # noqa: F401  (the engine's API)
     RequestRefused,
     RequestStream,
 )
+from forge_jax.serving.state_slots import StateSlots
 
 
 class Engine:
@@ -120,9 +121,10 @@ class Engine:
         self._graphdef = serving_step.Static(self.graphdef)  # hashed once, not per dispatch
         # The model's pool (on a mesh, created in its shards), whatever its pages hold.
         cache = model.create_pool(config.cache, num_pages=config.num_pages,
-                                  pages_per_seq=self.pages_per_seq,
+                                  pages_per_seq=self.pages_per_seq, max_seqs=config.max_seqs,
                                   prefix_caching=config.prefix_caching)
         self.cache = cache
+        self.state_slots = StateSlots.of(cache)  # a model's state slot per running sequence
         self.draft = speculation.draft_model(self)  # a draft model's pool, or None
         # The last step's tokens on the device, [max_seqs] (the next step may read some),
         # and the step in flight: its tokens and the (index, request) pairs that drew one.
@@ -363,7 +365,8 @@ class Engine:
         # After a preemption the pool is short: admit nothing new (nor the preempted) now.
         at = 0
         while (at < len(self._waiting) and budget and len(batch) < self.max_seqs
-               and self.stats.preemptions == preemptions):
+               and self.stats.preemptions == preemptions
+               and self.state_slots.room(len(self._running))):
             r = self._waiting[at]
             if r.pending or in_flight and admission.next_prefix_key(self, r, fresh) in in_flight:
                 at += 1
@@ -414,7 +417,8 @@ class Engine:
         batch = serving_step.build_batch(
             scheduled, self.manager, min_rows=self.min_batch_tokens, max_seqs=self.max_seqs,
             pages_per_seq=self.pages_per_seq, vocab_size=self.vocab_size,
-            speculative=getattr(self.config.speculative, "num_tokens", 0))
+            speculative=getattr(self.config.speculative, "num_tokens", 0),
+            state_slots=self.state_slots)
         self.stats.compiled.add(batch.shape_key)
         clock.lap("build")
         out, self.cache = speculation.dispatch(self, batch)  # (a draft model's steps too)

@@ -25,6 +25,11 @@ def draft_model(engine):
     """The :class:`~forge_jax.serving.drafting.DraftModel` of ``engine``'s speculative
     config (None without a draft model)."""
     config = engine.config.speculative
+    # A model whose cache cannot drop rejected drafts (a recurrent state has absorbed them)
+    # says why in ``speculation_refused``.
+    reason = getattr(engine.model, "speculation_refused", None)
+    if config is not None and reason:
+        raise ValueError(f"speculative decoding: {reason}")
     if config is None or config.draft_model is None:
         return None
     from forge_jax.serving import drafting

@@ -106,6 +106,8 @@ def write(path: pathlib.Path, weights: dict[str, np.ndarray], types: dict[str, s
         writer.add_token_list(tokenizer["tokens"])
         if "merges" in tokenizer:
             writer.add_token_merges(tokenizer["merges"])
+        if tokenizer.get("pre"):
+            writer.add_tokenizer_pre(tokenizer["pre"])
         if "scores" in tokenizer:
             writer.add_token_scores(tokenizer["scores"])
         writer.add_token_types(tokenizer["types"])
