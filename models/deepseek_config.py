@@ -58,6 +58,18 @@ class DeepseekV3Config:
             return yarn_softmax_scale(self.qk_head_dim)
         return yarn_softmax_scale(self.qk_head_dim, s.factor, s.mscale_all_dim)
 
+    @property
+    def quantized_in_features(self) -> frozenset[int]:
+        """The in features of the weights ``quantize=`` quantizes (the projections, the
+        dense MLPs, the routed and shared experts): an int4 group must divide each."""
+        ins = {self.hidden_size, self.num_attention_heads * self.v_head_dim,
+               self.moe_intermediate_size, self.moe_intermediate_size * self.n_shared_experts}
+        if self.q_lora_rank is not None:
+            ins.add(self.q_lora_rank)
+        if self.first_k_dense_replace:
+            ins.add(self.intermediate_size)
+        return frozenset(ins)
+
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> DeepseekV3Config:
         """The config of a transformers ``config.json`` of ``model_type`` ``deepseek_v3``;

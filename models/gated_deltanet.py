@@ -15,7 +15,12 @@ rows as they come.
 The weights are stored as Qwen3.5 names them (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
 ``in_proj_a``: plain ``[q | k | v]`` and per-head rows); Qwen3-Next's fused, key-head-grouped
 ``in_proj_qkvz`` and ``in_proj_ba`` are reordered into them when loaded
-(:func:`load_hf`).
+(:func:`load_hf`). For tensor parallelism over ``groups`` devices
+(:mod:`forge_jax.models.qwen3_next_sharding`) the ``[q | k | v]`` rows of ``in_proj_qkv``,
+and the convolution's channels with them, are stored group by group (``[q_0 k_0 v_0 | q_1
+k_1 v_1 | ...]``, :class:`~forge_jax.models.llama_model.Linear`'s layout), so that an even
+split gives each device whole key heads and their value heads; the convolution is per
+channel, so it runs on that order as well as on the plain one.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 import forge_jax as fj
-from forge_jax.models.llama_model import Linear
+from forge_jax.models.llama_model import Linear, Part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +80,21 @@ class GatedDeltaNetConfig:
 
 
 class GatedDeltaNet(nnx.Module):
-    """One gated delta-rule layer (module docstring)."""
+    """One gated delta-rule layer (module docstring); ``groups``: the tensor-parallel
+    groups its ``[q | k | v]`` rows and convolution channels are stored in (1: one device),
+    a divisor of the key heads."""
 
     def __init__(self, config: GatedDeltaNetConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, groups: int = 1):
         self.config = config
         c = config
+        if groups < 1 or c.k_heads % groups:
+            raise ValueError(f"linear_num_key_heads={c.k_heads} does not split into "
+                             f"{groups=} groups")
         lin = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.in_proj_qkv = Linear(c.hidden_size, c.conv_dim, **lin)
+        self.in_proj_qkv = Linear(c.hidden_size, c.conv_dim, parts=(
+            Part("q", c.key_dim, c.k_head_dim), Part("k", c.key_dim, c.k_head_dim),
+            Part("v", c.value_dim, c.v_head_dim)), groups=groups, **lin)
         self.in_proj_z = Linear(c.hidden_size, c.value_dim, **lin)
         self.in_proj_b = Linear(c.hidden_size, c.v_heads, **lin)
         self.in_proj_a = Linear(c.hidden_size, c.v_heads, **lin)
@@ -118,7 +130,7 @@ class GatedDeltaNet(nnx.Module):
         seqs, span = mixed.shape[:2]
         mixed, conv_state = fj.causal_conv1d(mixed, self.conv_weight[...],
                                              state=conv_state, lengths=lengths)
-        q, k, v = jnp.split(mixed, [c.key_dim, 2 * c.key_dim], axis=-1)
+        q, k, v = self.in_proj_qkv.split(mixed)  # the stored order -> [q], [k], [v]
         out, state = fj.gated_delta_rule(
             q.reshape(seqs, span, c.k_heads, c.k_head_dim),
             k.reshape(seqs, span, c.k_heads, c.k_head_dim),
@@ -135,6 +147,16 @@ class GatedDeltaNet(nnx.Module):
         if cache is not None:
             cache = cache.write_state(layer, conv_state, state)
         return y, cache
+
+
+def stored_channels(module: GatedDeltaNet) -> np.ndarray:
+    """Stored channel -> channel of the plain ``[q | k | v]`` order, for ``in_proj_qkv``'s
+    rows and the convolution's channels (the identity with one group)."""
+    lin, out, start = module.in_proj_qkv, np.empty(module.config.conv_dim, np.int64), 0
+    for part, (_, stored, source) in zip(lin.parts, lin.hf_rows(), strict=True):
+        out[stored] = start + source
+        start += part.rows
+    return out
 
 
 def load_hf(module: GatedDeltaNet, weights: Mapping[str, np.ndarray], prefix: str) -> None:
@@ -163,11 +185,13 @@ def load_hf(module: GatedDeltaNet, weights: Mapping[str, np.ndarray], prefix: st
         b, a = flat(b), flat(a)
     else:
         qkv, z, b, a = (weights[prefix + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a"))
+    order = stored_channels(module)
+    qkv = np.asarray(qkv)[order]
     for linear, w in ((module.in_proj_qkv, qkv), (module.in_proj_z, z), (module.in_proj_b, b),
                       (module.in_proj_a, a), (module.out_proj,
                                               weights[prefix + "out_proj.weight"])):
         put(linear.kernel, Linear.kernel_from_hf(np.asarray(w)))
-    put(module.conv_weight, np.asarray(weights[prefix + "conv1d.weight"])[:, 0, :].T)
+    put(module.conv_weight, np.asarray(weights[prefix + "conv1d.weight"])[order, 0, :].T)
     put(module.dt_bias, weights[prefix + "dt_bias"])
     put(module.A_log, weights[prefix + "A_log"])
     put(module.norm_weight, weights[prefix + "norm.weight"])

@@ -33,9 +33,11 @@ import forge_jax as fj
 from forge_jax.kv_cache import KVCache
 from forge_jax.models.gemma4_config import Gemma4Config
 from forge_jax.models.llama_caches import LlamaCaches
-from forge_jax.models.llama_model import Linear, LlamaMLP, RMSNorm
+from forge_jax.models.llama_model import Linear, LlamaMLP, RMSNorm, TensorLayout
 from forge_jax.models.llama_moe import GeluExpertsMoe
 from forge_jax.models.output_head import output_logits
+
+_ONE_DEVICE = TensorLayout()  # the layout of an unsharded model
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -93,13 +95,14 @@ class Gemma4Attention(nnx.Module):
 class Gemma4DecoderLayer(nnx.Module):
     """``h += norm(attn(norm(h))); h += norm(mlp(norm(h)) [+ moe]); h += ple(h); h *= s``."""
 
-    def __init__(self, c: Gemma4Config, layer: int, *, rngs, dtype, param_dtype):
+    def __init__(self, c: Gemma4Config, layer: int, *, rngs, dtype, param_dtype,
+                 layout: TensorLayout = _ONE_DEVICE):
         norm = functools.partial(RMSNorm, c.hidden_size, param_dtype=param_dtype)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = Gemma4Attention(c, layer, rngs=rngs, dtype=dtype,
                                          param_dtype=param_dtype)
-        self.mlp = LlamaMLP(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+        self.mlp = LlamaMLP(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout,
                             intermediate_size=c.mlp_width(layer))
         moe = bool(c.num_experts)
         self.moe = GeluExpertsMoe(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype) if (
@@ -147,20 +150,23 @@ class Gemma4DecoderLayer(nnx.Module):
 
 class Gemma4(LlamaCaches, nnx.Module):
     """Gemma 4 text with its output head. Attributes as :class:`Llama`'s (``config``,
-    ``dtype``, ``param_dtype``, ``mesh`` (None: one device), ``generation_config``); its
-    caches are the Llama's (:class:`~forge_jax.models.llama_caches.LlamaCaches`) at
-    :attr:`Gemma4Config.kv_cache_geometry`, so it keeps the model contract
+    ``dtype``, ``param_dtype``, ``layout``, ``mesh`` (None: one device),
+    ``generation_config``); its caches are the Llama's
+    (:class:`~forge_jax.models.llama_caches.LlamaCaches`) at
+    :attr:`Gemma4Config.kv_cache_geometry` (its KV heads ``layout.kv_repeat`` times over
+    on a mesh: :mod:`forge_jax.models.gemma4_sharding`), so it keeps the model contract
     (:class:`forge_jax.models.protocol.CausalLM`)."""
 
     def __init__(self, config: Gemma4Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, layout: TensorLayout = _ONE_DEVICE):
         c = self.config = config
         self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
+        self.layout = layout
         self.mesh = None
         self.generation_config = None
         self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), param_dtype))
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.layers = nnx.List([Gemma4DecoderLayer(c, i, **kw)
+        self.layers = nnx.List([Gemma4DecoderLayer(c, i, **kw, layout=layout)
                                 for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, param_dtype=param_dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(
@@ -175,8 +181,9 @@ class Gemma4(LlamaCaches, nnx.Module):
 
     @property
     def kv_heads(self) -> int:
-        """KV heads in the KV cache (the larger of the two layer types')."""
-        return self.config.kv_cache_geometry[1]
+        """KV heads in the KV cache: the larger of the two layer types', times
+        ``layout.kv_repeat``."""
+        return self.config.kv_cache_geometry[1] * self.layout.kv_repeat
 
     def __call__(self, tokens: jax.Array, *, allow_beyond_max_positions: bool = False
                  ) -> jax.Array:
@@ -206,7 +213,7 @@ class Gemma4(LlamaCaches, nnx.Module):
         results); ``cache`` has :attr:`Gemma4Config.kv_cache_geometry`: layer ``i``
         writes slot ``i`` and a shared layer attends to its source layer's slot."""
         c = self.config
-        _, heads, width = c.kv_cache_geometry
+        heads, width = self.kv_heads, c.kv_cache_geometry[2]
         new_lengths = jnp.maximum(
             cache.lengths.astype(jnp.int32),
             jnp.max(jnp.where(valid, positions.astype(jnp.int32) + 1, 0), axis=1))
@@ -252,9 +259,17 @@ class Gemma4(LlamaCaches, nnx.Module):
         return ((proj + ids.reshape(proj.shape)) * jnp.asarray(2.0 ** -0.5, self.dtype))
 
     def _layers(self, tokens, positions, attend, cache):
+        # On a mesh, the ops run per shard there (forge_jax.sharding); the model is the same.
+        with fj.sharding.use_mesh(self.mesh):
+            return self._decoder_layers(tokens, positions, attend, cache)
+
+    def _decoder_layers(self, tokens, positions, attend, cache):
         c = self.config
         x = fj.embedding(self.embed_tokens[...], tokens).astype(self.dtype)
         x = x * jnp.asarray(c.hidden_size ** 0.5, self.dtype)  # rounded to the dtype, as HF
+        if self.mesh is not None:  # the batch rows stay on their data-axis shard throughout
+            rows = self.mesh.batch_axis(tokens.shape[0])
+            x = jax.lax.with_sharding_constraint(x, self.mesh.sharding(rows, None, None))
         per_layer = None if self.embed_tokens_per_layer is None else (
             self._per_layer_inputs(tokens, x))
         for i, layer in enumerate(self.layers):

@@ -174,6 +174,16 @@ class Gemma4Config:
         kind = self.layer_types[layer]
         return max(i for i in range(self.first_shared_layer) if self.layer_types[i] == kind)
 
+    @property
+    def quantized_in_features(self) -> frozenset[int]:
+        """The in features of the weights ``quantize=`` quantizes (every projection, MLP,
+        expert and per-layer-input projection): an int4 group must divide each."""
+        layers = range(self.num_hidden_layers)
+        ins = {self.hidden_size, *(self.mlp_width(i) for i in layers),
+               *(self.num_attention_heads * self.layer_head_dim(i) for i in layers)}
+        ins |= {n for n in (self.moe_intermediate_size, self.hidden_size_per_layer_input) if n}
+        return frozenset(ins)
+
     def mlp_width(self, layer: int) -> int:
         double = self.use_double_wide_mlp and self.is_shared(layer)
         return self.intermediate_size * (2 if double else 1)

@@ -24,7 +24,8 @@ devices and ``T`` divides by ``num_key_value_heads``, each KV head is stored
 A mixture of experts' layers split by expert over the tensor axis (expert parallelism:
 each device holds ``num_experts / T`` whole experts, multiplies the tokens routed to
 them, and the partial products are summed over the axis, ``fj.grouped_matmul``'s
-partition rule); ``num_experts`` must divide by ``T``. The router is replicated; a shared
+partition rule); ``num_experts`` must divide by ``T``. So do gpt-oss's (with their
+biases, and MXFP4 experts as loaded) and Llama 4's. The router is replicated; a shared
 expert splits like the dense MLP (its width must divide by ``T``).
 
 Data parallelism over the data axis ``dp``: weights are replicated across it; the batch
@@ -77,8 +78,7 @@ def layout_for(config: LlamaConfig, tp: int) -> TensorLayout:
     if dense and config.intermediate_size % tp:
         raise ValueError(f"intermediate_size={config.intermediate_size} does not split over a "
                          f"tensor axis of {tp} devices")
-    if config.num_experts and config.num_experts % tp and not (
-            config.expert_bias or config.sigmoid_router):  # (those experts are replicated)
+    if config.num_experts and config.num_experts % tp:
         raise ValueError(f"num_experts={config.num_experts} does not split over a tensor axis "
                          f"of {tp} devices (each device holds whole experts: it must be a "
                          f"multiple of {tp})")
@@ -127,11 +127,13 @@ class ShardingPlan:
                 out[id(layer.self_attn.sinks)] = m.sharding(tp)
             mlp = layer.mlp
             if isinstance(mlp, BiasedMoe | ScaledInputMoe):
-                # gpt-oss's and Llama 4's experts are replicated (not split over the mesh)
-                for _, w in nnx.iter_graph(mlp):
-                    if isinstance(w, nnx.Param):
-                        out.setdefault(id(w), m.replicated())
-                if not isinstance(mlp, ScaledInputMoe):
+                # gpt-oss's and Llama 4's experts as SparseMoe's: whole experts per device
+                # (their biases with them), the router everywhere
+                out[id(mlp.router)] = m.replicated()
+                out[id(mlp.gate_up)] = out[id(mlp.down)] = m.sharding(tp, None, None)
+                if isinstance(mlp, BiasedMoe):
+                    out[id(mlp.router_bias)] = m.replicated()
+                    out[id(mlp.gate_up_bias)] = out[id(mlp.down_bias)] = m.sharding(tp, None)
                     continue
                 mlp = mlp.shared_expert
             if isinstance(mlp, SparseMoe):  # whole experts per device; the router everywhere

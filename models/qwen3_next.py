@@ -23,7 +23,9 @@ The cache of a step is a :class:`~forge_jax.kv_cache.HybridCache`: the attention
 :class:`~forge_jax.kv_cache.KVCache` and the linear layers' state pool, addressed by the
 model's layer index. :meth:`Qwen3Next.forward_cached` has the signature and the contract of
 :meth:`forge_jax.models.llama_model.Llama.forward_cached`. Checkpoints load with
-:func:`forge_jax.models.qwen3_next_checkpoint.from_pretrained`.
+:func:`forge_jax.models.qwen3_next_checkpoint.from_pretrained`, on one device or on a mesh
+(:class:`~forge_jax.models.qwen3_next_sharding.Qwen3NextLayout`,
+:mod:`forge_jax.models.qwen3_next_sharding`).
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax.kv_cache import HybridCache, RecurrentStatePool
 from forge_jax.models.gated_deltanet import GatedDeltaNet
-from forge_jax.models.llama_model import Linear, LlamaMLP, Part, RMSNorm
+from forge_jax.models.llama_model import Linear, LlamaMLP, Part, RMSNorm, TensorLayout
 from forge_jax.models.llama_moe import SparseMoe
 from forge_jax.models.output_head import check_tokens, output_logits
 from forge_jax.models.qwen3_next_caches import Qwen3NextCaches
 from forge_jax.models.qwen3_next_config import Qwen3NextConfig
+from forge_jax.models.qwen3_next_sharding import Qwen3NextLayout
 
 # Every RMSNorm of these families but the delta rule's scales by 1 + weight.
 _OFFSET = 1.0
+_ONE_DEVICE = TensorLayout()
+_ONE_DEVICE_LAYOUT = Qwen3NextLayout()
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -67,12 +72,16 @@ class GatedAttention(nnx.Module):
     ``qkv_proj`` fuses HF's ``q_proj`` (``[heads * 2 * head_dim, hidden]``: per head its
     query rows, then its gate rows), ``k_proj`` and ``v_proj`` into one product."""
 
-    def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
+                 layout: TensorLayout = _ONE_DEVICE):
         c = config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.qkv_proj = Linear(c.hidden_size, 2 * q + 2 * kv, parts=(
-            Part("q_proj", 2 * q), Part("k_proj", kv), Part("v_proj", kv)), **kw)
+        r = layout.kv_repeat  # each KV head stored r times (a tensor axis wider than them)
+        kv_part = functools.partial(Part, rows=kv, unit=c.head_dim, repeat=r)
+        self.qkv_proj = Linear(c.hidden_size, 2 * q + 2 * kv * r, parts=(
+            Part("q_proj", 2 * q), kv_part("k_proj"), kv_part("v_proj")),
+            groups=layout.groups, **kw)
         self.o_proj = Linear(q, c.hidden_size, **kw)
         self.q_norm = RMSNorm(c.head_dim, param_dtype=param_dtype)
         self.k_norm = RMSNorm(c.head_dim, param_dtype=param_dtype)
@@ -90,8 +99,8 @@ class GatedAttention(nnx.Module):
             qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
             qg = qg.reshape(batch, t, heads, 2 * hd)
             q, gate = qg[..., :hd], qg[..., hd:]  # [b, t, heads, hd] each
-            k = k.reshape(batch, t, c.num_key_value_heads, hd)
-            v = v.reshape(batch, t, c.num_key_value_heads, hd)
+            k = k.reshape(batch, t, -1, hd)  # the layout's KV heads (copies included)
+            v = v.reshape(batch, t, -1, hd)
             q = _rope(self.q_norm(q, eps=c.rms_norm_eps, offset=_OFFSET), positions, c)
             k = _rope(self.k_norm(k, eps=c.rms_norm_eps, offset=_OFFSET), positions, c)
             o, cache = attend(q, k, v, cache)  # [b, t, heads, hd]
@@ -107,16 +116,18 @@ class Qwen3NextDecoderLayer(nnx.Module):
     the residual stream."""
 
     def __init__(self, config: Qwen3NextConfig, layer: int, *, rngs: nnx.Rngs, dtype,
-                 param_dtype):
+                 param_dtype, layout: Qwen3NextLayout = _ONE_DEVICE_LAYOUT):
         c = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.linear_attn = GatedDeltaNet(c.linear, **kw) if c.is_linear(layer) else None
-        self.self_attn = None if c.is_linear(layer) else GatedAttention(c, **kw)
+        tp = dict(kw, layout=layout.attention)
+        self.linear_attn = GatedDeltaNet(c.linear, groups=layout.linear_groups, **kw) if (
+            c.is_linear(layer)) else None
+        self.self_attn = None if c.is_linear(layer) else GatedAttention(c, **tp)
         if c.is_moe(layer):
-            shared = LlamaMLP(c, intermediate_size=c.shared_expert_intermediate_size, **kw)
+            shared = LlamaMLP(c, intermediate_size=c.shared_expert_intermediate_size, **tp)
             self.mlp = SparseMoe(c, shared_expert=shared, **kw)
         else:
-            self.mlp = LlamaMLP(c, **kw)
+            self.mlp = LlamaMLP(c, **tp)
         self.input_layernorm = RMSNorm(c.hidden_size, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, param_dtype=param_dtype)
 
@@ -147,6 +158,9 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
       dtype: the compute dtype of activations (weights are cast to it at use; the delta
         rule's state is float32 whatever it is).
       param_dtype: the storage dtype of the weights.
+      layout: the weights' layout for a tensor axis
+        (:class:`~forge_jax.models.qwen3_next_sharding.Qwen3NextLayout`; the default: one
+        device).
 
     Attributes set after construction: ``mesh`` (None: one device) and
     ``generation_config`` (``from_pretrained``'s, or None).
@@ -162,8 +176,9 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
                            "back past rejected draft tokens")
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, layout: Qwen3NextLayout = _ONE_DEVICE_LAYOUT):
         self.config = config
+        self.layout = layout
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.mesh = None
@@ -171,8 +186,8 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
         c = config
         self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), param_dtype))
         self.layers = nnx.List([
-            Qwen3NextDecoderLayer(c, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-            for i in range(c.num_hidden_layers)])
+            Qwen3NextDecoderLayer(c, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                  layout=layout) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, param_dtype=param_dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(
             c.hidden_size, c.vocab_size, use_bias=False, rngs=rngs, dtype=dtype,
@@ -180,8 +195,9 @@ class Qwen3Next(Qwen3NextCaches, nnx.Module):
 
     @property
     def kv_heads(self) -> int:
-        """KV heads in the attention layers' cache."""
-        return self.config.num_key_value_heads
+        """KV heads in the attention layers' cache (copies included, on a mesh wider than
+        the KV heads)."""
+        return self.config.num_key_value_heads * self.layout.attention.kv_repeat
 
     @property
     def num_attention_layers(self) -> int:

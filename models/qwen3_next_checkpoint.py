@@ -23,6 +23,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors c
 import numpy as np
 from flax import nnx
 
+from forge_jax import sharding as fj_sharding
 from forge_jax.models import gated_deltanet
 from forge_jax.models.checkpoints.generation_config import CheckpointError, load_generation_config
 from forge_jax.models.checkpoints.hub import expand_user, resolve_checkpoint
@@ -61,11 +62,11 @@ def hf_parameters(model: Qwen3Next) -> dict[str, tuple[nnx.Param, tuple[int, ...
         if not lin.parts:
             out[f"{prefix}.{name}.weight"] = (lin.kernel, lin.hf_shape(), whole)
             return
-        for part, stored, source in lin.hf_rows():
+        for part, (name, stored, source) in zip(lin.parts, lin.hf_rows(), strict=True):
             def put(value, array, stored=stored, source=source):
-                array[stored] = value[source]
+                array[stored] = value[source]  # (KV heads copied on a wide tensor axis)
                 return array
-            out[f"{prefix}.{part}.weight"] = (lin.kernel, (len(source), lin.in_features), put)
+            out[f"{prefix}.{name}.weight"] = (lin.kernel, (part.rows, lin.in_features), put)
 
     def mlp(prefix: str, module):
         linear(prefix, "gate_up_proj", module.gate_up_proj)
@@ -121,8 +122,11 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         norms, routers, gates, the convolution and the delta rule's parameters stay
         ``param_dtype``.
       chunk_size: the delta rule's prefill chunk.
-      mesh, tp_axis, dp_axis: the common entry point's; these models load onto one device
-        (a mesh is refused).
+      mesh, tp_axis, dp_axis: a ``jax.sharding.Mesh`` (axes named by ``tp_axis`` and
+        ``dp_axis``) or a :class:`forge_jax.sharding.MeshConfig` to load the model sharded
+        over, as :mod:`forge_jax.models.qwen3_next_sharding` says (sizes that do not split
+        are refused before any tensor is read; each tensor is placed in its shards as its
+        layer loads); ``model.mesh`` then holds it. None: one device.
 
     Raises:
       CheckpointError: an unreadable or unsupported config, a missing, mis-shaped or
@@ -130,21 +134,25 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     """
     from safetensors import safe_open
 
+    from forge_jax.models import qwen3_next_sharding
     from forge_jax.models.checkpoints import hf
     from forge_jax.models.checkpoints import quantize as quantize_load
 
     quantize_load.check_quantize(quantize, group_size)
-    if mesh is not None:
-        raise ValueError(f"{path}: the gated delta-rule hybrids load onto one device; mesh= is "
-                         f"not supported")
-    del tp_axis, dp_axis
     dtype = hf.default_dtype() if dtype is None else jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
     path = resolve_checkpoint(expand_user(path), revision=revision)
     config = load_config(path, chunk_size=chunk_size)
-    model = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                             param_dtype=param_dtype))
-    convert = {} if quantize is None else quantize_load.converters(model, quantize, group_size)
+    plan = None if mesh is None else qwen3_next_sharding.plan(config, mesh, tp_axis=tp_axis,
+                                                              dp_axis=dp_axis)
+    model = nnx.eval_shape(lambda: Qwen3Next(
+        config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
+        **({} if plan is None else dict(layout=plan.layout))))
+    shardings = None if plan is None else plan.param_shardings(model)
+    if quantize is not None and shardings is not None:
+        quantize_load.check_mesh(model, shardings, quantize, group_size)
+    convert = {} if quantize is None else quantize_load.converters(model, quantize, group_size,
+                                                                   shardings)
     files = sorted(pathlib.Path(path).glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path} holds no *.safetensors file")
@@ -153,21 +161,32 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         for file in files:
             f = stack.enter_context(safe_open(file, framework="numpy"))
             handles.update(dict.fromkeys(f.keys(), f))
-        used = _fill(model, handles, convert, path)
+        used = _fill(model, handles, convert, path, shardings or {})
     unused = sorted(n for n in set(handles) - used if not n.startswith("mtp.")
                     and not (n == "lm_head.weight" and config.tie_word_embeddings))
     if unused:
         raise CheckpointError(f"unexpected tensor {unused[0]!r} in {path}: not a parameter of a "
                               f"{config.model_type} model with this config.json")
     model.generation_config = load_generation_config(path)
+    model.mesh = None if plan is None else plan.mesh
     return model
 
 
-def _fill(model: Qwen3Next, handles: dict, convert: dict, path) -> set[str]:
+def _fill(model: Qwen3Next, handles: dict, convert: dict, path, shardings: dict) -> set[str]:
     """Sets every parameter of ``model`` (abstract) from the open files ``handles`` (tensor
     name -> file), one layer at a time, quantizing a layer's kernels (``convert``: id ->
-    function) once it is read; returns the names read."""
+    function, which places them on a mesh) once it is read, and placing the others as
+    ``shardings`` (id -> NamedSharding; empty: one device) says; returns the names read."""
     used: set[str] = set()
+
+    def place(param: nnx.Param, value) -> None:
+        if id(param) in convert:
+            value = convert[id(param)](jnp.asarray(value, param.dtype))
+        elif id(param) in shardings:
+            value = fj_sharding.put(np.asarray(value, param.dtype), shardings[id(param)])
+        else:
+            value = jnp.asarray(value, param.dtype)
+        param.set_value(value)
 
     def tensor(name: str, shape=None) -> np.ndarray:
         if name not in handles:
@@ -189,8 +208,7 @@ def _fill(model: Qwen3Next, handles: dict, convert: dict, path) -> set[str]:
             held = arrays.get(id(param), (param, np.zeros(param.shape, np.float32)))[1]
             arrays[id(param)] = (param, put(tensor(name, shape), held))
         for param, array in arrays.values():
-            value = jnp.asarray(array, param.dtype)
-            param.set_value(convert[id(param)](value) if id(param) in convert else value)
+            place(param, array)
         module = model.layers[layer].linear_attn if layer >= 0 else None
         if module is not None:
             prefix = f"model.layers.{layer}.linear_attn."
@@ -201,9 +219,9 @@ def _fill(model: Qwen3Next, handles: dict, convert: dict, path) -> set[str]:
                 raise CheckpointError(f"checkpoint {path} is missing tensor {e}") from None
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {path}: {e}") from None
-            for _, sub in nnx.iter_graph(module):
-                if isinstance(sub, Linear) and id(sub.kernel) in convert:
-                    sub.kernel.set_value(convert[id(sub.kernel)](sub.kernel.get_value()))
+            for _, param in nnx.iter_graph(module):  # as load_hf set them: one device
+                if isinstance(param, nnx.Param):
+                    place(param, param.get_value())
     return used
 
 

@@ -171,6 +171,23 @@ class Qwen3NextConfig:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
+    @property
+    def quantized_in_features(self) -> frozenset[int]:
+        """The in features of the weights ``quantize=`` quantizes (attention and delta-rule
+        projections, MLPs, experts, shared experts, an untied ``lm_head``): an int4 group
+        must divide each."""
+        n = self.num_hidden_layers
+        ins = {self.hidden_size}
+        if LINEAR in self.layer_types:
+            ins.add(self.linear.value_dim)
+        if FULL in self.layer_types:
+            ins.add(self.num_attention_heads * self.head_dim)
+        if any(not self.is_moe(i) for i in range(n)):
+            ins.add(self.intermediate_size)
+        if any(self.is_moe(i) for i in range(n)):
+            ins |= {self.moe_intermediate_size, self.shared_expert_intermediate_size}
+        return frozenset(ins)
+
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], *, chunk_size: int = 64) -> Qwen3NextConfig:
         """From a Hugging Face ``config.json`` dict; ``chunk_size``: the delta rule's prefill

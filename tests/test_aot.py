@@ -96,6 +96,7 @@ def _folded(args):
 
 LLAMA = shapes.LLAMA3_8B_HEADS
 SMOL = shapes.SMOLLM2_135M_HEADS
+GEMMA4 = shapes.GEMMA4_HEADS
 
 
 def _attention(q_len, heads, dtype):
@@ -150,6 +151,23 @@ GPU_CASES = {
     "paged chunk llama4 chunk bf16": ("paged_attention", _paged(
         BF16, 2, (40, 8), 128, q_len=16), dict(attention_chunk_size=64)),
 }
+# Gemma 4's head_dim 512 (its full layers' width, and its KV cache's): every attention
+# kernel supports() accepts there, unscaled as Gemma 4 calls them, its window scaled down.
+GEMMA4_CASES = {
+    "attention gemma4 512 window bf16": ("attention", _attention(256, GEMMA4, BF16),
+                                         dict(causal=True, scale=1.0, sliding_window=128)),
+    "attention gemma4 512 f32": ("attention", _attention(256, GEMMA4, F32),
+                                 dict(causal=True, scale=1.0)),
+    "paged decode gemma4 512 bf16": ("paged_attention", _paged(BF16, 4, GEMMA4[:2], 512),
+                                     dict(scale=1.0)),
+    "paged decode gemma4 512 f32": ("paged_attention", _paged(F32, 4, GEMMA4[:2], 512),
+                                    dict(scale=1.0)),
+    "paged chunk gemma4 512 window bf16": ("paged_attention", _paged(
+        BF16, 2, GEMMA4[:2], 512, q_len=16), dict(scale=1.0, sliding_window=128)),
+    "paged chunk gemma4 512 f32": ("paged_attention", _paged(
+        F32, 2, GEMMA4[:2], 512, q_len=16), dict(scale=1.0)),
+}
+GPU_CASES |= GEMMA4_CASES
 TPU_CASES = {
     **KERNEL_CASES,
     # 9 x 64 = 576 lanes, not a multiple of 128: once rejected, it compiles (the kernel's
@@ -203,6 +221,11 @@ TPU_CASES = {
                                                     S((1, 1000, 8, 64), BF16),
                                                     S((1, 1000, 8, 64), BF16)),
                                       dict(causal=True)),
+    **GEMMA4_CASES,
+    "ragged gemma4 512 window bf16": ("ragged_paged_attention", _ragged(
+        BF16, 32, 4, GEMMA4[:2], 512), dict(scale=1.0, sliding_window=128)),
+    "ragged gemma4 512 f32": ("ragged_paged_attention", _ragged(F32, 32, 4, GEMMA4[:2], 512),
+                              dict(scale=1.0)),
 }
 
 # Compiled for a100 only (the Triton path of quantized_matmul is Ampere's; Hopper has the
@@ -227,13 +250,15 @@ GPU_CASES_A100 = {**GPU_CASES, **A100_CASES}
 # decode shapes), compiled again for a100 (the Triton lowering's Ampere path) and tpu-v6e.
 SWEEP = [("h100", n) for n in sorted(GPU_CASES)] + [("a100", n) for n in (
     "rms_norm residual f32", "rope smollm prefill bf16", "silu_mul smollm bf16",
-    "attention smollm bf16", "attention llama bf16", "paged decode smollm bf16", *A100_CASES)]
+    "attention smollm bf16", "attention llama bf16", "paged decode smollm bf16", *A100_CASES,
+    "attention gemma4 512 window bf16", "attention gemma4 512 f32", "paged decode gemma4 512 f32",
+    "paged chunk gemma4 512 window bf16")]
 TPU_SWEEP = [("tpu-v5e", n) for n in sorted(TPU_CASES)] + [("tpu-v6e", n) for n in (
     "rms_norm residual f32", "rope smollm bf16", "silu_mul smollm bf16", "attention llama bf16",
     "attention smollm bf16", "paged decode smollm bf16", "paged decode llama f32",
     "ragged smollm bf16", "paged chunk llama bf16", "paged decode smollm bf16 folded",
     "paged chunk smollm f32 folded", "ragged smollm bf16 folded", "ragged smollm f32 folded",
-    "w8a8 decode smollm down")]
+    "w8a8 decode smollm down", "attention gemma4 512 window bf16", "ragged gemma4 512 window bf16")]
 
 # Register spills ptxas reports, by (target, case): bytes spilled, at most. Each is a
 # finding to fix; a case not named here must not spill.

@@ -53,6 +53,40 @@ def test_generate_gives_the_python_tokens(capsys, checkpoint, model):
     assert _ids("generated ids:", out) == want
 
 
+def test_generate_quantized_gives_the_python_tokens(capsys, checkpoint):
+    """``--quantize int4 --group-size 16``: the ids of Python's ``generate`` on the model
+    ``from_pretrained(quantize=, group_size=)`` loads; a group size that does not divide
+    DeepSeek-V3's own in features (the latent ranks, the experts') is refused first."""
+    from forge_jax.models import llama
+
+    args = ("generate", "--checkpoint", str(checkpoint), "--prompt-ids",
+            ",".join(map(str, PROMPT)), "--max-new-tokens", "6", "--no-compilation-cache",
+            "--quantize", "int4")
+    rc, out, err = run(capsys, *args, "--group-size", "16")
+    assert rc == 0, err
+    assert "int4 linear layers" in out, out
+    quantized = llama.from_pretrained(checkpoint, quantize="int4", group_size=16)
+    [want] = generation.generate(quantized, [PROMPT], 6, eos_token_id=())
+    assert _ids("generated ids:", out) == want
+    assert_one_line_error(run(capsys, *args, "--group-size", "24"),
+                          "--group-size 24", "[32, 64, 96]")
+
+
+def test_generate_on_a_mesh_gives_the_python_tokens(capsys, checkpoint, model):
+    """``--mesh dp=2,tp=2`` (conftest's CPU devices): checked by DeepSeek-V3's own sharding
+    rules before loading (a tensor axis wider than the heads refused in one line), the
+    tokens of the one-device model."""
+    args = ("generate", "--checkpoint", str(checkpoint), "--prompt-ids",
+            ",".join(map(str, PROMPT)), "--max-new-tokens", "6", "--no-compilation-cache")
+    assert_one_line_error(run(capsys, *args, "--mesh", "tp=8"), "--mesh tp=8",
+                          "{'num_attention_heads': 4}")
+    rc, out, err = run(capsys, *args, "--mesh", "dp=2,tp=2")
+    assert rc == 0, err
+    assert "sharded over dp=2 x tp=2" in out, out
+    [want] = generation.generate(model, [PROMPT], 6, eos_token_id=())
+    assert _ids("generated ids:", out) == want
+
+
 def test_chat_gives_the_python_reply(capsys, monkeypatch, checkpoint, model):
     import io
 

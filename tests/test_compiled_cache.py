@@ -141,3 +141,39 @@ def test_the_serving_step_is_kept_and_run_untraced(tmp_path):
     assert any(f.name.startswith("ragged-") for f in tmp_path.iterdir())
     tokens = json.loads(runs[0][len("RESULT "):])
     assert runs[1] == runs[0] and all(len(t) == 5 for t in tokens)
+
+
+# A step compiled while JAX's persistent compilation cache already holds it: JAX hands back
+# the executable it loaded from there, which serializes without its functions' code
+# (XLA:CPU: "Function compare_convert_fusion not found" at the kept step's first run), so a
+# step to keep must be compiled afresh.
+JAX_CACHE_SCRIPT = """
+import functools, sys
+import jax, jax.numpy as jnp
+from forge_jax.generation import compiled_cache
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def f(x, y, *, k):
+    return (jnp.tanh(x @ y) > 0.1).astype(jnp.float32).sum(-1) * k + jnp.exp(x).mean()
+
+x, y = jnp.linspace(-1, 1, 64 * 64).reshape(64, 64), jnp.linspace(1, -2, 64 * 64).reshape(64, 64)
+want = f(x, y, k=3)  # now in JAX's persistent cache
+jax.clear_caches()
+step = compiled_cache.CachedStep(f, "f", ("k",))
+with compiled_cache.use_step_cache(sys.argv[2]):
+    assert (step(x, y, k=3) == want).all()  # compiled (JAX's cache would have it) and kept
+    compiled_cache._LOADED.clear()
+    assert (step(x, y, k=3) == want).all()  # the kept executable, loaded and run
+print("OK")
+"""
+
+
+def test_a_step_in_jax_s_own_cache_is_compiled_afresh_to_be_kept(tmp_path):
+    done = subprocess.run([sys.executable, "-c", JAX_CACHE_SCRIPT, str(tmp_path / "jax"),
+                           str(tmp_path / "steps")], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+    assert len(list((tmp_path / "steps").glob("f-*.step"))) == 1

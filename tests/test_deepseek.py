@@ -213,6 +213,39 @@ def test_the_engine_matches_transformers_and_shares_latent_prefixes(runtime_mode
         engine.shutdown()
 
 
+# 2x2 in the default run; 1x4 (every device on the tensor axis: one head and two experts
+# each) with the slow tests.
+@pytest.mark.parametrize("shape", [(2, 2), pytest.param((1, 4), marks=pytest.mark.slow)])
+def test_the_engine_on_a_mesh_matches_transformers(runtime_model, shape):
+    """The serving engine over a sharded model: the latent pool replicated (every head reads
+    the one latent), the weights split by head and expert; greedy tokens equal transformers'
+    (as the one-device engine's do), a repeated prompt served from the prefix cache."""
+    import jax
+
+    from forge_jax.kv_cache import CacheSpec
+    from forge_jax.models import llama
+    from forge_jax.serving import Engine, EngineConfig, RequestParams
+
+    _, want, directory = runtime_model
+    mesh = jax.make_mesh(shape, ("dp", "tp"), devices=jax.devices()[:4])
+    model = llama.from_pretrained(directory, dtype="float32", mesh=mesh)
+    engine = Engine(model, None, EngineConfig(max_batch_tokens=16, num_pages=32,
+                                              eos_token_ids=(), prefix_caching=True,
+                                              cache=CacheSpec(page_size=4)))
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(engine.cache))
+    engine.start()
+    try:
+        params = RequestParams(max_tokens=8)
+        streams = [engine.submit(p, params) for p in PROMPTS]
+        assert [[t for out in s for t in out.token_ids] for s in streams] == want
+        again = engine.submit(PROMPTS[0], params)
+        assert [t for out in again for t in out.token_ids] == want[0]
+        assert engine.prefix_cache.stats.hit_tokens >= 8
+    finally:
+        engine.shutdown()
+    assert model.arrays()["layers"][1]["moe"]["gate_proj"].sharding.spec[0] == "tp"
+
+
 def write_fp8_checkpoint(source: pathlib.Path, directory: pathlib.Path) -> dict:
     """DeepSeek's FP8 release layout of ``source``: every linear weight of the layers but the
     router as float8_e4m3fn with 128 x 128 ``weight_scale_inv`` blocks, the rest as stored.

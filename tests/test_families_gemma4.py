@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -265,3 +266,102 @@ def test_hf_state_dict_gives_back_the_checkpoint(checkpoints):
     for name, value in written.items():
         if name in got:
             np.testing.assert_array_equal(got[name], value.astype(np.float32), err_msg=name)
+
+
+# --------------------------------------------------------------------------------------
+# On a mesh
+
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "tp=4"])
+def test_on_a_mesh_generates_the_unsharded_tokens(checkpoints, mesh):
+    """All options over a 2x2 and a 1x4 mesh. tp=4: the cache's 2 KV heads each stored
+    twice, the sliding layers' k/v projections (2 heads) replicated, one expert per device.
+    Logits within float32 tolerance of the unsharded model's, greedy tokens through
+    ``generate`` with both caches transformers' (as the unsharded model's,
+    test_gemma4_matches_transformers); on 1 x 4 through the serving engine too, on 2 x 2 the
+    dense model sharded in memory (``gemma4_sharding.shard``)."""
+    from forge_jax.models import gemma4_sharding
+
+    directory, ref, vocab = checkpoints("all_options")
+    one = llama.from_pretrained(directory)
+    model = llama.from_pretrained(directory, mesh=fj.sharding.make_mesh(mesh))
+    tp = model.mesh.tp
+    assert model.kv_heads == max(2, tp) and model.layout.kv_repeat == max(1, tp // 2)
+    layer = model.layers[1]  # a full layer: q 4 x 32 rows, the experts 4
+    assert {s.data.shape for s in layer.self_attn.q_proj.kernel[...].addressable_shards} == {
+        (4 * 32 // tp, 64)}
+    assert {s.data.shape for s in layer.moe.down[...].addressable_shards} == {(4 // tp, 16, 64)}
+    tokens = _tokens(vocab, seed=5)
+    np.testing.assert_allclose(forge_logits(model, tokens), forge_logits(one, tokens),
+                               **LOGITS_TOL.as_kwargs())
+    prompts = [tokens[0, :13].tolist(), tokens[1, :11].tolist()]
+    want = [hf_greedy(ref, p, 5) for p in prompts]
+    for kind in ("paged", "contiguous"):
+        spec = CacheSpec(kind=kind, page_size=4)
+        assert generate(model, prompts, 5, eos_token_id=(), cache=spec) == want, (mesh, kind)
+        cache = model.create_cache(spec, batch=2, max_len=32, num_pages=16,
+                                   block_tables=np.zeros((2, 8), np.int32))
+        assert model.cache_bytes(spec, batch=2, max_len=32, num_pages=16) == sum(
+            s.data.nbytes for buf in (cache.k_pages + cache.v_pages if kind == "paged"
+                                      else cache.k + cache.v)
+            for s in buf.addressable_shards if s.device == jax.devices()[0])
+    if tp == 4:  # the serving engine's packed steps over the sharded pool
+        assert _engine_tokens(model, directory, prompts, 5) == want
+    else:  # the dense model (biases, an untied head) sharded in memory: the same logits
+        dense = llama.from_pretrained(checkpoints("dense")[0])
+        sharded = gemma4_sharding.shard(dense, fj.sharding.make_mesh(mesh))
+        np.testing.assert_allclose(forge_logits(sharded, tokens), forge_logits(dense, tokens),
+                                   **LOGITS_TOL.as_kwargs())
+
+
+def test_a_mesh_the_sizes_do_not_split_over_is_refused_with_the_numbers():
+    from forge_jax.models import gemma4_sharding
+
+    config = Gemma4Config(vocab_size=64, hidden_size=32, intermediate_size=48,
+                          num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=3,
+                          head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                          layer_types=(S, F), sliding_window=4)
+    assert gemma4_sharding.layout_for(config, 3).kv_repeat == 1
+    assert gemma4_sharding.layout_for(dataclasses.replace(
+        config, num_key_value_heads=2), 4).kv_repeat == 2
+    with pytest.raises(ValueError, match=r"divide by 8: \{'num_attention_heads': 12\}"):
+        gemma4_sharding.layout_for(config, 8)
+    with pytest.raises(ValueError, match=r"holds 3 KV heads .* neither split over a tensor "
+                                         r"axis of 4 devices nor divide it"):
+        gemma4_sharding.layout_for(config, 4)
+    with pytest.raises(ValueError, match=r"\{'num_experts': 3\}"):
+        gemma4_sharding.layout_for(dataclasses.replace(
+            config, num_experts=3, top_k_experts=1, moe_intermediate_size=8), 2)
+
+
+def test_quantized_on_a_mesh_matches_one_device(checkpoints):
+    """quantize='int8' over tp=2: the linear layers split with their scales, the experts by
+    expert; logits within float32 tolerance of the same quantized model on one device."""
+    directory, _, vocab = checkpoints("all_options")
+    one = llama.from_pretrained(directory, quantize="int8")
+    model = llama.from_pretrained(directory, quantize="int8", mesh=fj.sharding.make_mesh("tp=2"))
+    w = model.layers[0].moe.gate_up.get_value()
+    assert isinstance(w, fj.QuantizedArray) and w.spec[0] == "tp"
+    assert {s.data.shape[0] for s in w.values.addressable_shards} == {2}
+    tokens = _tokens(vocab, seed=6)
+    np.testing.assert_allclose(forge_logits(model, tokens), forge_logits(one, tokens),
+                               **LOGITS_TOL.as_kwargs())
+
+
+def test_cli_generates_on_a_mesh(checkpoints, capsys):
+    """``forge-jax generate --mesh dp=2,tp=2`` gives the unsharded model's tokens; a mesh the
+    heads do not split over is one line naming the number, before the weights load."""
+    import re
+
+    from cases.cli import assert_one_line_error, run
+
+    directory, _, vocab = checkpoints("all_options")
+    prompt = _tokens(vocab, seed=8)[0, :9].tolist()
+    want = generate(llama.from_pretrained(directory), [prompt], 4, eos_token_id=())[0]
+    rc, out, err = run(capsys, "generate", "--checkpoint", str(directory), "--prompt-ids",
+                       ",".join(map(str, prompt)), "--max-new-tokens", "4", "--mesh", "dp=2,tp=2",
+                       "--no-compilation-cache")
+    assert rc == 0, err
+    [line] = [ln for ln in out.splitlines() if ln.startswith("generated ids:")]
+    assert [int(t) for t in re.findall(r"-?\d+", line.split(":", 1)[1])] == want
+    assert_one_line_error(run(capsys, "generate", "--checkpoint", str(directory), "--prompt-ids",
+                              "1,2,3", "--mesh", "tp=8"), "'num_attention_heads': 4")

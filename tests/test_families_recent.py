@@ -256,18 +256,39 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_shipped(checkpoints, tmp_path):
         np.testing.assert_allclose(forge_logits(model, tokens), hf_logits(ref, tokens),
                                    **LOGITS_TOL.as_kwargs())
         prompts = [tokens[0, :12].tolist()]
+        want = [hf_greedy(ref, prompts[0], 4)]
         got = generate(model, prompts, 4, eos_token_id=(), cache=CacheSpec(page_size=4))
-        assert got == [hf_greedy(ref, prompts[0], 4)]
+        assert got == want
+        # Over dp=2 x tp=2: the MXFP4 experts split by expert (3 of 6 a device, the scales
+        # with their blocks), multiplied per shard.
+        sharded = llama.from_pretrained(target, mesh=fj.sharding.make_mesh("dp=2,tp=2"))
+        w = sharded.layers[0].mlp.gate_up.get_value()
+        assert isinstance(w, fj.QuantizedArray) and w.spec[0] == "tp"
+        assert {s.data.shape for s in w.values.addressable_shards} == {(3, 64, 32)}
+        assert {s.data.shape for s in w.scales.addressable_shards} == {(3, 64, 2)}
+        np.testing.assert_allclose(forge_logits(sharded, tokens), hf_logits(ref, tokens),
+                                   **LOGITS_TOL.as_kwargs())
+        for kind in ("paged", "contiguous"):
+            spec = CacheSpec(kind=kind, page_size=4)
+            assert generate(sharded, prompts, 4, eos_token_id=(), cache=spec) == want, kind
     finally:  # the float reference back for the other tests
         _checkpoint.cache_clear()
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "llama4_text"])
 def test_on_a_mesh_matches_transformers(checkpoints, name):
-    """Over tp=2 (attention heads, sinks and dense MLPs split; the experts replicated):
-    transformers' greedy tokens with both caches."""
+    """Over tp=2 (attention heads, sinks and dense MLPs split; the experts split by expert,
+    gpt-oss's biases with them, as Mixtral's): transformers' greedy tokens with both
+    caches."""
     directory, ref, vocab = checkpoints(name)
     model = llama.from_pretrained(directory, mesh=fj.sharding.make_mesh("tp=2"))
+    moe = model.layers[-1].mlp
+    experts = moe.down.shape[0]
+    assert {s.data.shape[0] for s in moe.down[...].addressable_shards} == {experts // 2}
+    assert {s.data.shape[0] for s in moe.gate_up[...].addressable_shards} == {experts // 2}
+    if name == "gpt_oss":
+        assert {s.data.shape for s in moe.gate_up_bias[...].addressable_shards} == {
+            (experts // 2, moe.gate_up.shape[2])}
     prompts = [_tokens(vocab, seed=6)[0, :12].tolist()]
     want = [hf_greedy(ref, prompts[0], 4)]
     for kind in ("paged", "contiguous"):

@@ -42,14 +42,21 @@ def hf_layer(family):
     return layer
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
-def test_layer_matches_transformers_at_once_and_in_pieces(family):
+# groups=2: the [q | k | v] rows and conv channels stored by key-head group, as for a
+# tensor axis of 2 (forge_jax.models.qwen3_next_sharding), here on one device (slow: the
+# mesh tests of tests/test_qwen3_next_sharding.py run that layout by default).
+@pytest.mark.parametrize("family, groups", [
+    ("qwen3_next", 1), ("qwen3_5_text", 1),
+    pytest.param("qwen3_next", 2, marks=pytest.mark.slow)])
+def test_layer_matches_transformers_at_once_and_in_pieces(family, groups):
     layer = hf_layer(family)
     x = np.random.default_rng(1).standard_normal((2, 21, 48)).astype(np.float32)
     with torch.no_grad():
         ref = layer(torch.from_numpy(x)).double().numpy()
     config = gdn.GatedDeltaNetConfig.from_hf(SIZES, chunk_size=8)
-    ours = gdn.GatedDeltaNet(config, rngs=nnx.Rngs(0))
+    ours = gdn.GatedDeltaNet(config, rngs=nnx.Rngs(0), groups=groups)
+    if groups > 1:  # not the plain order: key head 0's k right after its q
+        assert gdn.stored_channels(ours)[16:32].tolist() == list(range(32, 48))
     gdn.load_hf(ours, {k: v.detach().numpy() for k, v in layer.state_dict().items()}, "")
     y, _ = ours(jnp.asarray(x))
     assert_close(y, ref, factor=10)
@@ -67,3 +74,6 @@ def test_layer_matches_transformers_at_once_and_in_pieces(family):
 def test_config_rejects_ungrouped_heads():
     with pytest.raises(ValueError, match="must be a multiple of linear_num_key_heads=3"):
         gdn.GatedDeltaNetConfig.from_hf({**SIZES, "linear_num_key_heads": 3})
+    config = gdn.GatedDeltaNetConfig.from_hf(SIZES)
+    with pytest.raises(ValueError, match="linear_num_key_heads=2 does not split into groups=4"):
+        gdn.GatedDeltaNet(config, rngs=nnx.Rngs(0), groups=4)

@@ -137,3 +137,37 @@ def test_runs_per_shard_on_a_mesh(groups, mesh, split, implementation):
         dispatch.unregister("grouped_matmul", "spy")
     assert seen == [(groups // 4, 16, 8) if split == "groups" else (groups, 16, 4)]
     assert_close(out, grouped_matmul_ref(x, w, sizes))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "mxfp4"])
+def test_a_quantized_w_placed_by_group_runs_per_shard(fmt):
+    """A quantized ``w`` (``[groups, n, k]``, ``trans_w``) placed split by group over the
+    tensor axis: each device multiplies its 2 of 8 groups with their scales, the partial
+    products summed; equal to the float64 product of the dequantized weight. Placed
+    replicated, it does not split."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sizes = (5, 0, 1, 9, 0, 3, 2, 4)
+    x, w, group_sizes = gmm_inputs(sizes, 64, 16, jnp.float32)
+    q = fj.quantize(jnp.swapaxes(w, 1, 2), fmt)  # [groups, n, k], scales per group
+    ref = grouped_matmul_ref(x, jnp.swapaxes(fj.dequantize(q), 1, 2), sizes)
+    mesh = sharding.make_mesh("tp=4")
+    impl = dispatch.implementations("grouped_matmul", "cpu")["xla"]
+    for spec, local in ((P("tp", None, None), 2), (P(), 8)):
+        seen = []
+
+        @dispatch.register("grouped_matmul", "spy", replace=True)
+        def spy(seen=seen, **args):
+            seen.append((args["w"].shape, args["w"].scales.shape[0]))
+            return impl.fn(**args)
+
+        placed = fj.quant.place(q, NamedSharding(mesh, spec))
+        try:
+            with sharding.use_mesh(mesh):
+                out = jax.jit(functools.partial(fj.grouped_matmul, trans_w=True,
+                                                implementation="spy"))(x, placed, group_sizes)
+        finally:
+            dispatch.unregister("grouped_matmul", "spy")
+        assert seen == [((local, 16, 64), local)], spec
+        assert_close(out, ref)

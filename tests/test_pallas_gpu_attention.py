@@ -24,7 +24,7 @@ from cases.calls import as_jnp, case_id, jcall
 from cases.checks import assert_close, assert_close_nan
 from cases.inputs import poison_unseen, random_qkv
 from cases.references import attention_mask_ref, attention_ref, f64
-from cases.shapes import LLAMA3_8B_HEADS, PHI2_HEAD_DIM, SMOLLM2_135M_HEADS
+from cases.shapes import GEMMA4_HEADS, LLAMA3_8B_HEADS, PHI2_HEAD_DIM, SMOLLM2_135M_HEADS
 
 import forge_jax as fj
 from forge_jax import _compat
@@ -96,6 +96,13 @@ CASES |= {
     "everything-sinks-chunk-nan_unseen": AttentionCase(
         (2, 11, 150, 6, 2, 80), F32, dict(MASKS["everything"], attention_chunk_size=32,
                                          sinks=_sinks(6, 2)), poison=True, seed=14),
+    # Gemma 4's head_dim 512 (8 / 4 heads), a window, NaN where no query looks.
+    "gemma4-512-window-nan_unseen": AttentionCase(
+        (1, 7, 40, *GEMMA4_HEADS), BF16, dict(sliding_window=12), poison=True,
+        seed=16),
+    "gemma4-512-f32-decode": AttentionCase(
+        (2, 1, 40, *GEMMA4_HEADS), F32, dict(kv_lengths=np.array([40, 9])),
+        poison=True, seed=17),
     "non_causal-chunk-sinks": AttentionCase(
         (2, 11, 150, 6, 2, 64), F32, dict(causal=False, attention_chunk_size=16,
                                          sinks=_sinks(6, 3),
@@ -238,8 +245,8 @@ def test_float32_dots_are_ieee_not_tf32(monkeypatch, capsys):
     (jnp.int8, jnp.int8, 64, "q.dtype=int8"),
     (np.float64, np.float64, 64, "q.dtype=float64"),
     (jnp.bfloat16, jnp.float32, 64, "equal operand types"),
-    (jnp.float32, jnp.float32, 512, "head_dim=512"),
-], ids=["int8", "float64", "mixed", "head_dim_512"])
+    (jnp.float32, jnp.float32, 1024, "head_dim=1024"),
+], ids=["int8", "float64", "mixed", "head_dim_1024"])
 def test_supports_rejects(q_dtype, kv_dtype, head_dim, reason):
     args = dict(q=S((1, 4, 2, head_dim), q_dtype), k=S((1, 8, 2, head_dim), kv_dtype),
                 v=S((1, 8, 2, head_dim), kv_dtype))

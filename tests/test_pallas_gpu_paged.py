@@ -29,7 +29,7 @@ from cases.paged import (
 )
 from cases.paged_base import PagedAttentionCases, PagedCase
 from cases.references import attention_ref, f64
-from cases.shapes import LLAMA3_8B_HEADS, PHI2_HEAD_DIM, SMOLLM2_135M_HEADS
+from cases.shapes import GEMMA4_HEADS, LLAMA3_8B_HEADS, PHI2_HEAD_DIM, SMOLLM2_135M_HEADS
 
 import forge_jax as fj
 from forge_jax import _compat
@@ -61,6 +61,10 @@ CASES |= {
     "llama4-bf16-decode-chunk": PagedCase(40, 8, 128, 16, None, BF16, (0, 40, 150), chunk=32),
     "llama4-f32-prefill-chunk-sinks-cap": PagedCase(40, 8, 128, 16, 5, F32, (37, 9, 50),
                                                     chunk=16, sinks=True, cap=5.0),
+    # Gemma 4's KV cache width (head_dim 512, 8 / 4 heads): decode and 5 new tokens.
+    "gemma4-512-bf16-decode-window": PagedCase(*GEMMA4_HEADS, 16, None, BF16, (3, 40, 21),
+                                               window=24),
+    "gemma4-512-f32-prefill": PagedCase(*GEMMA4_HEADS, 8, 5, F32, (9, 30)),
 }
 
 NONFINITE_CASES = {
@@ -151,7 +155,7 @@ def test_page_size_not_power_of_two_is_rejected_and_fails_lowering(page_size):
 
 @pytest.mark.parametrize("shapes,match", [
     (paged_attention_specs(8, 2, 64, 16, 17, BF16), "q_len=17 > 16"),
-    (paged_attention_specs(8, 2, 512, 16, None, BF16), "head_dim=512 > 256"),
+    (paged_attention_specs(8, 2, 1024, 16, None, BF16), "head_dim=1024 > 512"),
     (paged_attention_specs(8, 2, 64, 16, None, jnp.float64, BF16), "k_pages.dtype=float64"),
     (paged_attention_specs(8, 2, 64, 16, None, BF16, jnp.float64), "q.dtype=float64"),
 ], ids=["q_len", "head_dim", "pages_f64", "q_f64"])

@@ -16,6 +16,8 @@ architecture).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +111,21 @@ def test_supports_on_blackwell():
         assert "bfloat16 or float16, q, k and v alike" in mosaic.supports(args)
     with pytest.raises(ValueError, match="mma='mfma'"):
         mosaic.flash_attention(*(jnp.ones((1, 8, 2, 64), BF16),) * 3, mma="mfma")
+
+
+@pytest.mark.target("b200")
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_wider_heads_are_refused_and_fail_the_b200_compile(head_dim):
+    """Gemma 2's 256 and Gemma 4's 512 (8 / 4 heads): refused, and the b200 compile of the
+    kernel forced past supports() fails on shared memory (330820 and 625732 bytes)."""
+    q, kv = S((1, 256, 8, head_dim), BF16), S((1, 256, 4, head_dim), BF16)
+    with fj.targets.use("b200"):
+        assert f"head_dim={head_dim}: the Blackwell kernel takes" in mosaic.supports(
+            dict(q=q, k=kv, v=kv))
+    report = fj.aot.compile(lambda q, k, v: mosaic.flash_attention(q, k, v, mma="tcgen05"),
+                            q, kv, kv, target="b200")
+    assert not report.compiled and "exceeds available shared memory" in report.error
+    assert int(re.search(r"smem_bytes=(\d+)", report.error).group(1)) > 232448
 
 
 _B200_COMPILES = """

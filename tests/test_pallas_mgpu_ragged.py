@@ -109,7 +109,12 @@ def test_step_compiles_for_h100_without_spills(heads, head_dim, dtype):
     (_specs(heads=(130, 2)), "q_heads // kv_heads = 65 > 64"),
     # The several-positions path spills registers past 128 (the paged kernel's tests show it).
     (_specs(heads=(16, 8), head_dim=256, tokens=8), "head_dim=256 with several query"),
-], ids=["float32", "mixed_dtypes", "page_size", "head_dim", "group", "head_dim_256"])
+    # Gemma 4's 512: one stage of its blocks overflows shared memory (the paged kernel's
+    # lowering shows it).
+    (_specs(heads=(8, 4), head_dim=512, tokens=8), "head_dim=512 is not a multiple of 64 up "
+                                                   "to 256"),
+], ids=["float32", "mixed_dtypes", "page_size", "head_dim", "group", "head_dim_256",
+        "head_dim_512"])
 def test_rejections_name_the_reason_and_dispatch_refuses(specs, match):
     """The paged kernel's limits (its tests show the lowering fail on the compile limits), and
     a GQA group wider than one tile."""

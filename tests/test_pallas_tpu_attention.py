@@ -65,6 +65,10 @@ CASES = {
     "mha-f32-head_dim64-cap": AttentionCase(
         (2, 24, 140, 4, 4, 64), F32, poison=True, seed=10,
         masking=dict(kv_lengths=np.array([140, 33]), logits_soft_cap=5.0)),
+    # Gemma 4's head_dim 512 (8 / 4 heads: its full layers and its KV cache's width).
+    "gemma4-bf16-head_dim512-window": AttentionCase(
+        (1, 20, 150, 8, 4, 512), BF16, poison=True, seed=11,
+        masking=dict(kv_lengths=np.array([150]), sliding_window=40)),
 }
 
 # Attention sinks (gpt-oss: 64 query / 8 KV heads of 64, pairs folded into 128 lanes, a

@@ -28,7 +28,7 @@ from cases.paged import (
 )
 from cases.paged_base import PagedAttentionCases, PagedCase
 from cases.references import attention_ref, f64
-from cases.shapes import LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
+from cases.shapes import GEMMA4_HEADS, LLAMA3_8B_HEADS, SMOLLM2_135M_HEADS
 
 import forge_jax as fj
 from forge_jax import _compat
@@ -58,6 +58,10 @@ CASES |= {
     "llama4-bf16-decode-chunk": PagedCase(40, 8, 128, 16, None, BF16, (5, 40, 64), chunk=16),
     "llama4-f32-prefill-chunk-sinks-cap": PagedCase(40, 8, 128, 16, 5, F32, (37, 9, 50),
                                                     chunk=16, sinks=True, cap=5.0),
+    # Gemma 4's KV cache width (head_dim 512, 8 / 4 heads): decode and 5 new tokens.
+    "gemma4-512-bf16-decode-window": PagedCase(*GEMMA4_HEADS, 16, None, BF16, (3, 40, 21),
+                                               window=24),
+    "gemma4-512-f32-prefill": PagedCase(*GEMMA4_HEADS, 16, 5, F32, (9, 30)),
 }
 
 NONFINITE_CASES = {

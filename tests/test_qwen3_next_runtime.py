@@ -37,7 +37,7 @@ def test_the_common_entry_point_loads_it(runtime_model):
     loaded = llama.from_pretrained(directory)
     assert isinstance(loaded, Qwen3Next) and loaded.config.model_type == model.config.model_type
     assert isinstance(model, CausalLM) and isinstance(model.config, ModelConfig)
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(TypeError, match="mesh must be"):
         llama.from_pretrained(directory, mesh=object())
 
 
@@ -77,6 +77,29 @@ def test_forge_jax_generate_runs_it(tmp_path, tokenizer_files, capsys):
                        "Hello there", "--max-new-tokens", "3", "--no-stream")
     assert rc == 0, err
     assert out.strip() and "qwen3_next, 4 layers" in out + err, (out, err)
+
+
+@pytest.mark.parametrize("runtime_model", ["qwen3_next", pytest.param(
+    "qwen3_5_text", marks=pytest.mark.slow)], indirect=True)
+def test_forge_jax_generate_quantized_gives_the_python_tokens(runtime_model, capsys):
+    """``forge-jax generate --quantize int4 --group-size 8``: the ids of Python's
+    ``generate`` on the model ``from_pretrained(quantize=, group_size=)`` loads; a group
+    that does not divide the delta-rule layers' value width (32) is refused first."""
+    import re
+
+    from cases.cli import assert_one_line_error, run
+
+    _, _, directory = runtime_model
+    args = ("generate", "--checkpoint", str(directory), "--prompt-ids",
+            ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "5", "--no-compilation-cache",
+            "--quantize", "int4")
+    rc, out, err = run(capsys, *args, "--group-size", "8")
+    assert rc == 0, err
+    [line] = [x for x in out.splitlines() if x.startswith("generated ids:")]
+    quantized = llama.from_pretrained(directory, quantize="int4", group_size=8)
+    [want] = generation.generate(quantized, PROMPTS[:1], 5, eos_token_id=())
+    assert [int(t) for t in re.findall(r"-?\d+", line.split(":", 1)[1])] == want
+    assert_one_line_error(run(capsys, *args, "--group-size", "64"), "--group-size 64", "32")
 
 
 def test_speculative_decoding_is_refused(runtime_model):

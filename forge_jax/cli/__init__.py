@@ -4,7 +4,19 @@ cause into one line and an exit code."""
 
 from __future__ import annotations
 
-from forge_jax.cli import _noise, chat, compile, demo, export, generate, info, serve, tune
+# _flax_import first: it imports flax (see there) before any command's module does.
+from forge_jax.cli import (
+    _flax_import,  # noqa: F401
+    _noise,
+    chat,
+    compile,
+    demo,
+    export,
+    generate,
+    info,
+    serve,
+    tune,
+)
 from forge_jax.cli._flags import Parser, name_defaults
 from forge_jax.cli._run import GenerateError, UsageError, report, run_command
 

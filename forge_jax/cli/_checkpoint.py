@@ -48,15 +48,26 @@ def quantize_kwargs(args: argparse.Namespace, config) -> dict:
         raise UsageError(f"--quantize: {args.checkpoint} is a GGUF file, loaded as it is "
                          f"quantized")
     if group is not None:
-        ins = {config.hidden_size, config.intermediate_size,
-               config.num_attention_heads * config.head_dim}
-        if config.num_experts:  # the experts' (and a shared expert's) in features too
-            ins |= {n for n in (config.moe_intermediate_size,
-                                config.shared_expert_intermediate_size) if n}
+        ins = _quantized_in_features(config)
         if group <= 0 or group % 2 or any(n % group for n in ins):
             raise UsageError(f"--group-size {group} must be a positive even number dividing "
                              f"the layers' in features {sorted(ins)}")
     return {"quantize": quantize, "group_size": group}
+
+
+def _quantized_in_features(config) -> set[int]:
+    """The in features of the weights ``--quantize`` quantizes: a family of its own says
+    (``config.quantized_in_features``: DeepSeek-V3, Gemma 4, the delta-rule hybrids); the
+    Llama family's from its sizes."""
+    own = getattr(config, "quantized_in_features", None)
+    if own is not None:
+        return set(own)
+    ins = {config.hidden_size, config.intermediate_size,
+           config.num_attention_heads * config.head_dim}
+    if config.num_experts:  # the experts' (and a shared expert's) in features too
+        ins |= {n for n in (config.moe_intermediate_size,
+                            config.shared_expert_intermediate_size) if n}
+    return ins
 
 
 def checkpoint_path(args: argparse.Namespace):

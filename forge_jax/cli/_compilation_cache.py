@@ -57,6 +57,20 @@ def check(args: argparse.Namespace) -> None:
                          f"--no-compilation-cache") from None
 
 
+def gguf_cache(args: argparse.Namespace):
+    """Where a GGUF file's conversion (metadata, tokenizer, weights) is kept for this run,
+    as a context manager: the compilation cache's ``gguf`` folder (none without one)."""
+    from forge_jax.models.checkpoints import gguf_cache as kept
+
+    directory = compilation_cache_dir(args)
+    if directory is not None:
+        try:
+            (directory / "gguf").mkdir(parents=True, exist_ok=True)
+        except OSError:  # no cache: `check` names the problem
+            directory = None
+    return kept.use_gguf_cache(None if directory is None else directory / "gguf")
+
+
 def compilation_cache(args: argparse.Namespace) -> CompilationCache:
     """The cache the flags ask for, as a context manager: ``with compilation_cache(args):``."""
     return CompilationCache(compilation_cache_dir(args))
@@ -75,6 +89,7 @@ class CompilationCache:
     def __init__(self, directory):
         self.directory, self.saved, self.active = directory, None, None
         self.steps = None  # the compiled-steps cache beside it (generation.compiled_cache)
+        self.gguf = None  # and a GGUF file's conversion (models.checkpoints.gguf_cache)
 
     def __enter__(self):
         import jax
@@ -100,9 +115,15 @@ class CompilationCache:
 
         self.steps = compiled_cache.use_step_cache(self.directory / "steps")
         self.steps.__enter__()
+        from forge_jax.models.checkpoints import gguf_cache
+
+        self.gguf = gguf_cache.use_gguf_cache(self.directory / "gguf")
+        self.gguf.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self.gguf is not None:
+            self.gguf.__exit__(None, None, None)
         if self.steps is not None:
             self.steps.__exit__(None, None, None)
         if self.saved is not None:

@@ -287,11 +287,10 @@ def mesh_from_flag(args: argparse.Namespace, config):
     import jax
 
     from forge_jax import sharding
-    from forge_jax.models import llama_sharding
 
     try:
         mesh = sharding.MeshConfig(sharding.make_mesh(args.mesh))
-        llama_sharding.layout_for(config, mesh.tp)
+        _check_mesh(config, mesh)
     except ValueError as e:
         hint = ""
         if "available" in str(e) and jax.default_backend() == "cpu":
@@ -299,6 +298,29 @@ def mesh_from_flag(args: argparse.Namespace, config):
                     "XLA_FLAGS=--xla_force_host_platform_device_count=N")
         raise UsageError(f"--mesh {args.mesh}: {e}{hint}") from None
     return mesh
+
+
+def _check_mesh(config, mesh) -> None:
+    """ValueError if ``config``'s model does not split over ``mesh``: each family with a model
+    of its own by its own sharding rules, the Llama family's by its layout."""
+    from forge_jax.models import (
+        deepseek_sharding,
+        gemma4_sharding,
+        llama_sharding,
+        qwen3_next_sharding,
+    )
+    from forge_jax.models.deepseek_config import DeepseekV3Config
+    from forge_jax.models.gemma4_config import Gemma4Config
+    from forge_jax.models.qwen3_next_config import Qwen3NextConfig
+
+    if isinstance(config, DeepseekV3Config):
+        deepseek_sharding.check(config, mesh)
+    elif isinstance(config, Qwen3NextConfig):
+        qwen3_next_sharding.plan(config, mesh)
+    elif isinstance(config, Gemma4Config):
+        gemma4_sharding.layout_for(config, mesh.tp)
+    else:
+        llama_sharding.layout_for(config, mesh.tp)
 
 
 API_KEY_ENV = "FORGE_JAX_API_KEY"

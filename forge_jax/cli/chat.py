@@ -90,9 +90,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--system is empty ({args.system!r}): give the system message's "
                          f"text, or leave --system out")
     _flags.resolve_dtype(args)
-    path = _checkpoint.checkpoint_path(args)
-    config = llama.load_config(path)
-    tokenizer = text.load_tokenizer(path)
+    _compilation_cache.check(args)
+    with _compilation_cache.gguf_cache(args):  # a GGUF file's config and tokenizer, kept
+        path = _checkpoint.checkpoint_path(args)
+        config = llama.load_config(path)
+        tokenizer = text.load_tokenizer(path)
     if not tokenizer.chat_template:
         raise UsageError(f"{path} has no chat template (no 'chat_template' in "
                          f"tokenizer_config.json, no chat_template.jinja): use "
@@ -105,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-context {args.max_context} is beyond "
                          f"max_position_embeddings={config.max_position_embeddings} "
                          f"of {path}")
-    _compilation_cache.check(args)
     with _compilation_cache.compilation_cache(args):
         model = llama.from_pretrained(path, dtype=jnp.dtype(args.dtype),
                                       **quantize_kwargs(args, config))

@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     # only config.json and tokenizer.json (prompt ids, lengths, the task's memory).
     _check_flags(args)
     _flags.resolve_dtype(args)
-    config, raw, tokenizer, path = read_checkpoint(args)
+    with _compilation_cache.gguf_cache(args):  # a GGUF file's config and tokenizer, kept
+        config, raw, tokenizer, path = read_checkpoint(args)
     task = tasks.task_from_config(raw)
     mesh = _flags.mesh_from_flag(args, config)
     prompts = None

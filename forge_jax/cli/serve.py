@@ -135,16 +135,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     path = _checkpoint.checkpoint_path(args)
-    config = llama.load_config(path)
+    _compilation_cache.check(args)
+    with _compilation_cache.gguf_cache(args):  # a GGUF file's config, kept
+        config = llama.load_config(path)
     max_len = args.max_model_len or min(config.max_position_embeddings, 4096)
     if not 2 <= max_len <= config.max_position_embeddings:
         raise UsageError(f"--max-model-len must be in [2, max_position_embeddings="
                          f"{config.max_position_embeddings}], got {max_len}")
     mesh = _flags.mesh_from_flag(args, config)
     quantize = _checkpoint.quantize_kwargs(args, config)
-    tokenizer = _tokenizer(path, text)
+    with _compilation_cache.gguf_cache(args):  # and its tokenizer
+        tokenizer = _tokenizer(path, text)
     _flags.check_draft_checkpoint(args, config, tokenizer)
-    _compilation_cache.check(args)
     try:  # the port, before the model loads
         sock = serving_server.bind(args.host, args.port)
     except OSError as e:

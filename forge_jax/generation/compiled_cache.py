@@ -162,12 +162,33 @@ class CachedStep:
                 return _load(file, text, treedef)
             except Exception as e:  # noqa: BLE001  (any bad entry is ignored, never trusted)
                 logger.warning("ignoring the compiled step %s: %s", file, e)
-        compiled = self._jitted.lower(*args, **kwargs, **statics).compile()
+        with _without_jax_cache():
+            compiled = self._jitted.lower(*args, **kwargs, **statics).compile()
         try:
             _save(file, text, compiled)
         except Exception as e:  # noqa: BLE001  (an unserializable step still runs)
             logger.info("could not keep the compiled step %s: %s", file, e)
         return compiled
+
+
+@contextlib.contextmanager
+def _without_jax_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache off for a step that will be kept: an executable
+    JAX loaded from that cache serializes without its functions' code (XLA:CPU, jaxlib
+    0.10: the kept step fails at its first run with ``Function compare_convert_fusion not
+    found``), so a step to keep is compiled afresh."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once whether the cache is used
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 def _prepare_kernels() -> None:

@@ -237,6 +237,21 @@ class Matcher:
         then in error, :attr:`error`)."""
         return bool(self._ll.consume_token(int(token)))
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, in order, the grammar allows from here (not consumed)."""
+        return int(self._ll.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here (the canonical tokens of the only bytes
+        it allows next, e.g. a JSON key's quotes and name; none: ``[]``)."""
+        return [int(t) for t in self._ll.compute_ff_tokens()]
+
+    def rollback(self, n: int) -> None:
+        """Undoes the last ``n`` consumed tokens (speculative drafts the model refused)."""
+        if n and not self._ll.rollback(int(n)):
+            raise RuntimeError(f"the grammar matcher could not roll back {n} tokens: "
+                               f"{self._ll.get_error()}")
+
     @property
     def done(self) -> bool:
         """Whether the grammar allows nothing more (only an eos token)."""

@@ -215,9 +215,10 @@ def generate_with_stats(model: CausalLM, prompts: Sequence[Sequence[int]] | np.n
     ``speculative`` (a :class:`~forge_jax.generation.speculative.SpeculativeConfig`):
     draft ``num_tokens`` tokens per step by prompt lookup and verify them in one step
     (:mod:`forge_jax.generation.speculative`): greedy output is the same, sampled output is
-    distributed as without it; the statistics count the drafted and accepted tokens. It
-    takes neither a repetition penalty nor ``logprobs`` nor ``on_tokens``, and the cache
-    holds ``num_tokens`` more positions (the last step's drafts).
+    distributed as without it; the statistics count the drafted and accepted tokens, and
+    ``logprobs`` are each kept token's from the model's logits at the row that drew it. It
+    takes neither a repetition penalty nor ``on_tokens``, and the cache holds
+    ``num_tokens`` more positions (the last step's drafts).
 
     The other arguments are :func:`generate`'s, and so are its deprecated keywords
     (plus ``progress`` and ``on_tokens``, now in ``callbacks``).
@@ -278,7 +279,7 @@ def generate_with_stats(model: CausalLM, prompts: Sequence[Sequence[int]] | np.n
         results = speculative_lib.decode(
             state, kv, tokens, plan.prompts, plan.padded_batch, inputs.key, inputs.params,
             limit=plan.max_new_tokens, eos=eos, config=speculative, statics=statics,
-            stats=stats, progress=callbacks.progress,
+            stats=stats, progress=callbacks.progress, logprobs=sampling.logprobs,
             draft=(inputs, lambda m: _create_cache(m, plan, cache_dtype, spec.kv_dtype)))
         stats.new_tokens = sum(len(r) for r in results)
         stats.decode_tokens = stats.new_tokens - plan.batch

@@ -58,6 +58,16 @@ class SpeculativeConfig:
       num_tokens: draft tokens per step at most (K >= 1); a step then verifies K + 1 rows
         per sequence and yields 1 to K + 1 tokens.
       max_ngram, min_ngram: the suffix lengths looked up, longest first (``"ngram"``).
+        ``min_ngram=1`` (the default) proposes after any repeated token. It is kept
+        because in ``generate`` every verify step has K + 1 rows per sequence whether it
+        drafts or not, so a proposal costs nothing and a shorter match only adds kept
+        tokens: on SmolLM2-135M-Instruct (greedy, K=4) the tokens per step with
+        ``min_ngram`` 1 / 2 / 3 were 4.20 / 4.20 / 3.71 on a code edit, 1.66 / 1.43 / 1.31
+        on a summary quoting its input and 1.29 / 1.15 / 1.09 on free text (the share of
+        drafts kept rises with it, 16% / 22% / 38% on free text, the tokens per step do
+        not). sglang also starts at 1 (its n-gram cache weighs matches by frequency);
+        vLLM's 5 is, its code says, arbitrary. In the serving engine each draft is a row
+        of the step: where rows cost (a CPU), a larger ``min_ngram`` drafts less.
       draft_model: with ``"draft"``, the draft model: any model ``from_pretrained`` loads
         whose vocabulary is the target's (:func:`check_draft`), usually a much smaller one
         of the same family.
@@ -248,11 +258,12 @@ def check_draft(target, draft, tokenizers=None) -> None:
                          f"{len(differ)} (token, id) pairs, e.g. {shown}")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "implementation_key"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "implementation_key",
+                                             "logprobs"),
                    donate_argnames=("cache",))
 def verify_step(state: nnx.State, cache, tokens: jax.Array, draft_len: jax.Array,
                 active: jax.Array, key: jax.Array, sampling: dict, q=None, *, graphdef,
-                greedy: bool, implementation_key=None):
+                greedy: bool, implementation_key=None, logprobs: int = 0):
     """Runs each row's last token and its drafts through the model and keeps the drafts it
     agrees with (jitted; the cache is donated).
 
@@ -267,13 +278,17 @@ def verify_step(state: nnx.State, cache, tokens: jax.Array, draft_len: jax.Array
       sampling: :meth:`SamplingParams.arrays` (the repetition penalty is not applied).
       q: float32 ``[batch, k, vocab]``, the distributions a draft model drew the drafts
         from (:func:`draft_step`), or None (prompt lookup's deterministic drafts).
-      graphdef, greedy, implementation_key: static, as :func:`~forge_jax.generation.steps.
-        step_statics` gives them.
+      graphdef, greedy, implementation_key, logprobs: static, as
+        :func:`~forge_jax.generation.steps.step_statics` gives them.
 
     Returns:
       ``(out, count, cache)``: int32 ``[batch, k + 1]`` and ``[batch]``, the first
       ``count`` of ``out`` being each row's new tokens (1 to ``k + 1``); the cache holding
-      the last token and the kept drafts (its lengths advanced by ``count``).
+      the last token and the kept drafts (its lengths advanced by ``count``). With
+      ``logprobs`` > 0, a fourth: :func:`~forge_jax.generation.sampling.token_logprobs`'
+      dict of ``out``'s tokens, row ``b * (k + 1) + j`` for ``out[b, j]``, each from the
+      model's logits at the row that drew it (the distribution after the tokens before
+      it), so that a kept draft's is what one-token decoding would have reported.
     """
     del implementation_key
     model = nnx.merge(Static.unwrap(graphdef), state)
@@ -286,7 +301,11 @@ def verify_step(state: nnx.State, cache, tokens: jax.Array, draft_len: jax.Array
     out, count = verify_drafts(logits.astype(jnp.float32), tokens[:, 1:], draft_len, key,
                                sampling, greedy, q)
     count = jnp.where(active, count, 0)
-    return out, count, cache.with_lengths(old + count)
+    cache = cache.with_lengths(old + count)
+    if logprobs:
+        return out, count, cache, sampling_lib.token_logprobs(
+            logits.reshape(b * k1, -1), out.reshape(-1), logprobs)
+    return out, count, cache
 
 
 def draft_arrays(histories: Sequence[Sequence[int]], done: np.ndarray, batch: int,
@@ -324,7 +343,6 @@ def check(config, sampling: sampling_lib.SamplingParams, callbacks, model=None) 
             raise ValueError("speculative decoding with a draft model does not run on a mesh")
     refused = [name for name, given in (
         ("repetition_penalty", sampling.repetition_penalty not in (None, 1.0)),
-        ("logprobs", sampling.logprobs is not None),
         ("on_tokens", callbacks.on_tokens is not None)) if given]
     if refused:
         raise ValueError(f"speculative decoding does not take {', '.join(refused)}")
@@ -332,20 +350,30 @@ def check(config, sampling: sampling_lib.SamplingParams, callbacks, model=None) 
 
 def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int, key,
            params: dict, *, limit: int, eos: frozenset[int], config: SpeculativeConfig,
-           statics: dict, stats, progress=None, draft=None) -> list[list[int]]:
-    """``generate``'s steps after its prefill's ``first`` tokens (int ``[padded_batch]``),
-    until every prompt has ``limit`` new tokens or an eos; counts the steps, their time
-    and the drafts in ``stats`` (a :class:`~forge_jax.generation.GenerationStats`).
-    ``draft``: with a draft model, ``(inputs, make_cache)``: the prefill's inputs and a
-    function giving a model its empty cache for the plan. Returns each prompt's new
+           statics: dict, stats, progress=None, draft=None,
+           logprobs: int | None = None) -> list[list[int]]:
+    """``generate``'s steps after its prefill's ``first`` tokens (int ``[padded_batch]``;
+    with ``statics["logprobs"]``, ``(tokens, their token_logprobs dict)``), until every
+    prompt has ``limit`` new tokens or an eos; counts the steps, their time and the drafts
+    in ``stats`` (a :class:`~forge_jax.generation.GenerationStats`). ``draft``: with a
+    draft model, ``(inputs, make_cache)``: the prefill's inputs and a function giving a
+    model its empty cache for the plan. With ``logprobs`` (alternatives per token, as
+    :attr:`SamplingParams.logprobs`), ``stats.logprobs`` gets each returned token's
+    :class:`~forge_jax.generation.sampling.TokenLogprob`. Returns each prompt's new
     tokens."""
     import time
 
     batch = len(prompts)
+    first_logprobs = None
+    if isinstance(first, tuple):
+        first, first_logprobs = first
     results = [[int(t)] for t in np.asarray(first)[:batch]]
+    entries = None
+    if logprobs is not None:
+        host = dict(jax.device_get(first_logprobs), tokens=np.asarray(first))
+        entries = [[sampling_lib.host_logprobs(host, b, logprobs)] for b in range(batch)]
     done = np.array([r[-1] in eos or len(r) >= limit for r in results])
     active = np.arange(padded_batch) < batch
-    statics = {k: v for k, v in statics.items() if k != "logprobs"}
     k1 = config.num_tokens + 1
     step, drafter = verify_step, None
     if not done.all():  # compiled ahead, so that the decode time is the steps' alone
@@ -374,22 +402,28 @@ def decode(state, kv, first, prompts: Sequence[Sequence[int]], padded_batch: int
         else:
             tokens, draft_len, q = drafter.propose(histories, live, step_key, limit)
         draft_len = np.minimum(draft_len, np.maximum(room, 0)).astype(np.int32)
-        out, count, kv = step(state, kv, jnp.asarray(tokens), jnp.asarray(draft_len),
-                              jnp.asarray(live), step_key, params, q)
+        out, count, kv, *lp = step(state, kv, jnp.asarray(tokens), jnp.asarray(draft_len),
+                                   jnp.asarray(live), step_key, params, q)
         out, count = np.asarray(out), np.asarray(count)
+        if entries is not None:
+            host = dict(jax.device_get(lp[0]), tokens=out.reshape(-1))
         steps += 1
         stats.draft_tokens += int(np.asarray(draft_len)[:batch][~done].sum())
         for b in np.flatnonzero(~done):
             new = [int(t) for t in out[b, :count[b]]]
             stats.accepted_tokens += len(new) - 1
-            for t in new:
+            for j, t in enumerate(new):
                 results[b].append(t)
+                if entries is not None:
+                    entries[b].append(sampling_lib.host_logprobs(host, b * k1 + j, logprobs))
                 if t in eos or len(results[b]) >= limit:
                     done[b] = True
                     break
         if progress is not None:
             progress(min(limit, max(len(r) for r in results)), limit)
     stats.decode_steps, stats.decode_seconds = steps, time.perf_counter() - start
+    if entries is not None:
+        stats.logprobs = entries
     return results
 
 
@@ -437,6 +471,7 @@ class _Drafter:
 # Kept on disk (and in this process) inside ``compiled_cache.use_step_cache``, as the
 # generation steps are: a later call of the same shapes does not compile them again.
 verify_step = compiled_cache.CachedStep(verify_step, "verify",
-                                        ("graphdef", "greedy", "implementation_key"))
+                                        ("graphdef", "greedy", "implementation_key",
+                                         "logprobs"))
 draft_step = compiled_cache.CachedStep(draft_step, "draft",
                                        ("graphdef", "greedy", "num_tokens", "implementation_key"))

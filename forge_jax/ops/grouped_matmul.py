@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import _checks, dispatch, sharding
-from forge_jax.quant import QuantizedArray, dequantize
+from forge_jax.quant import QuantizedArray, dequantize, partition_specs
 
 # float32 operands as IEEE products on every platform (see forge_jax.ops.matmul).
 _FULL = jax.lax.Precision.HIGHEST
@@ -111,8 +111,9 @@ def grouped_matmul(x, w, group_sizes, *, trans_w=False, implementation=None):
     refused. Quantized weights are for inference: there is no gradient through a
     quantized ``w`` (NotImplementedError when one is asked for), and the Pallas GPU
     kernel dequantizes int8/int4 in registers (by name), the TPU kernel refuses it (the
-    XLA implementation runs), as both refuse a float ``w`` with ``trans_w``; nothing
-    splits over a mesh.
+    XLA implementation runs), as both refuse a float ``w`` with ``trans_w``. On a mesh a
+    quantized ``w`` splits by group where :func:`forge_jax.quant.place` put it so (its
+    ``spec`` naming the tensor axis first), else not at all.
 
     Args:
       x: ``[m, k]`` float32/float16/bfloat16, rows sorted by group.
@@ -132,11 +133,18 @@ def grouped_matmul(x, w, group_sizes, *, trans_w=False, implementation=None):
 
 
 def _grouped_matmul_partition(args, config):
-    """Groups over the tensor axis (partial products summed over it), else ``n``; a
-    quantized ``w`` does not split (quantized weights are not sharded)."""
+    """Groups over the tensor axis (partial products summed over it), else ``n``. A
+    quantized ``w`` splits as it was placed (its ``spec``): by group over the tensor axis,
+    each group's scales with its values (:func:`forge_jax.quant.partition_specs`); one not
+    placed that way does not split."""
     w = args["w"]
     if isinstance(w, QuantizedArray):
-        return {"x": P(), "w": P(), "group_starts": P(), "group_ends": P()}, P()
+        groups = w.spec[0] if w.spec else None
+        if groups is None or groups != config.tp_name or any(w.spec[1:]):
+            return {"x": P(), "w": P(), "group_starts": P(), "group_ends": P()}, P()
+        specs = partition_specs(w, P(groups, None, None), config.mesh.shape)
+        return ({"x": P(), "w": specs, "group_starts": P(groups), "group_ends": P(groups)},
+                sharding.Summed(P(), groups))
     groups = sharding.divisible(config, config.tp_name, w.shape[0])
     if groups is not None:
         return ({"x": P(), "w": P(groups, None, None), "group_starts": P(groups),

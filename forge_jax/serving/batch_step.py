@@ -56,10 +56,15 @@ class StepBatch:
       logprobs: whether some sequence asks for log-probabilities (the step then returns them).
       verify: with speculative decoding (``k`` drafts at most), ``verify_rows`` int32
         ``[max_seqs, k + 1]`` (a sequence's last known row then its draft rows, padded with
-        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without. A draft model
-        adds (on the device) its ``drafts`` int32 ``[max_seqs, k]``, which replace the
-        draft rows' tokens, and their distributions ``q`` float32 ``[max_seqs, k, vocab]``
-        (:mod:`forge_jax.serving.drafting`).
+        its last row) and ``draft_len`` int32 ``[max_seqs]``; None without. With a
+        constrained sequence among the drafting ones, ``masks`` int32 ``[max_seqs, k + 1,
+        ceil(vocab / 32)]``: each verify row's grammar bitmask (the state after the drafts
+        before it; all ones for a free sequence), applied before verification, and
+        ``host_drafts`` bool ``[max_seqs]``, the constrained sequences (their drafts are
+        the grammar's, from the host). A draft model adds (on the device) its ``drafts``
+        int32 ``[max_seqs, k]``, which replace the draft rows' tokens (but the host's), and
+        their distributions ``q`` float32 ``[max_seqs, k, vocab]`` (one-hot for the host's
+        drafts; :mod:`forge_jax.serving.drafting`).
       state: for a model keeping a state per sequence, ``state_slots`` int32 ``[seqs]``
         (each sequence's slot, ``-1`` past the step's) and ``segment_rows`` int32 ``[seqs,
         span]`` (the rows of each sequence's new tokens, ``-1`` past them; ``seqs`` and
@@ -88,10 +93,12 @@ class StepBatch:
     def shape_key(self) -> tuple:
         """What selects a compiled variant of :func:`ragged_step`: the token rows, the block
         tables' shape, greedy or not, with a repetition penalty or not, the extras,
-        logprobs, the per-sequence state grid and the verified rows."""
+        logprobs, the per-sequence state grid, grammar masks on the verify rows and the
+        verified rows."""
         return (self.tokens.shape[0], self.block_tables.shape, self.greedy,
                 self.seen is not None, tuple(sorted(self.extras)), self.logprobs,
                 None if self.state is None else self.state["segment_rows"].shape,
+                self.verify is not None and "masks" in self.verify,
                 None if self.verify is None else self.verify["verify_rows"].shape[1])
 
 
@@ -284,7 +291,13 @@ def ragged_step(weights: list, cache: PagedKVCache, batch: dict, sampling: dict,
         k1 = verify["verify_rows"].shape[1]
         spec_logits = logits[0, s:].reshape(s, k1, -1).astype(jnp.float32)
         drafts = fed[verify["verify_rows"][:, 1:]]  # [s, k]
-        out, count = verify_rows(spec_logits, drafts, verify["draft_len"], sampling,
+        masked = spec_logits
+        if "masks" in verify:  # each row by the grammar's state after the drafts before it
+            words = verify["masks"].shape[-1]
+            allowed = allowed_tokens(verify["masks"].reshape(s * k1, words),
+                                     spec_logits.shape[-1]).reshape(spec_logits.shape)
+            masked = jnp.where(allowed, spec_logits, -jnp.inf)
+        out, count = verify_rows(masked, drafts, verify["draft_len"], sampling,
                                  greedy=greedy, q=verify.get("q"))
         speculating = verify["draft_len"] > 0
         if logprobs:  # of each verified row's token (a speculating sequence has no penalty)
@@ -413,13 +426,18 @@ def build_batch(scheduled: list[tuple[Request, int]], manager: BlockManager, *, 
     logprobs = any(r.params.sampling.logprobs is not None for r, _ in scheduled)
     verify = None
     if speculative and any(r.drafts for r, _ in scheduled):
-        rows = np.repeat(last[:, None], speculative + 1, axis=1)  # [s, k + 1]
+        verify_rows = np.repeat(last[:, None], speculative + 1, axis=1)  # [s, k + 1]
         draft_len = np.zeros((s,), np.int32)
         for i, (r, _) in enumerate(scheduled):
             d = len(r.drafts)
-            rows[i, :d + 1] = np.arange(last[i] - d, last[i] + 1)
+            verify_rows[i, :d + 1] = np.arange(last[i] - d, last[i] + 1)
             draft_len[i] = d
-        verify = dict(verify_rows=rows.astype(np.int32), draft_len=draft_len)
+        verify = dict(verify_rows=verify_rows.astype(np.int32), draft_len=draft_len)
+        if any(r.drafts and r.mask is not None for r, _ in scheduled):
+            verify["masks"] = _verify_masks(scheduled, s, speculative, vocab_size)
+            verify["host_drafts"] = np.array(  # (a draft model keeps these sequences' drafts)
+                [bool(r.drafts) and r.mask is not None for r, _ in scheduled]
+                + [False] * (s - len(scheduled)))
     state = _state(scheduled, cu, s, rows, manager, state_slots)
     return StepBatch(tokens, positions, slots, tables, kv, cu, len(scheduled), last, sampling,
                      seen, greedy, feed, extras, logprobs, verify, state)
@@ -441,6 +459,19 @@ def _state(scheduled, cu: np.ndarray, s: int, rows: int, manager: BlockManager,
     for i, (_, n) in enumerate(scheduled):
         segment_rows[i, :n] = np.arange(cu[i], cu[i] + n)
     return dict(state_slots=state_slots, segment_rows=segment_rows)
+
+
+def _verify_masks(scheduled: list[tuple[Request, int]], s: int, k: int,
+                  vocab_size: int) -> np.ndarray:
+    """The grammar's bitmask at each verify row, int32 ``[s, k + 1, ceil(vocab / 32)]``: a
+    constrained sequence's mask after its last token, then after each of its drafts (all
+    ones for a free sequence and past the drafts)."""
+    masks = np.full((s, k + 1, -(-vocab_size // 32)), -1, np.int32)
+    for i, (r, _) in enumerate(scheduled):
+        if r.drafts and r.mask is not None:
+            masks[i, 0] = r.mask
+            masks[i, 1:len(r.drafts) + 1] = r.draft_masks
+    return masks
 
 
 def _extras(scheduled: list[tuple[Request, int]], s: int, vocab_size: int) -> dict:

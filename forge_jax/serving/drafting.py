@@ -12,7 +12,9 @@ proposes them (:func:`propose_step`): from each speculating sequence's last toke
 tokens one after another, each drawn from the draft's distribution with the sequence's own
 sampling parameters; the tokens and their distributions stay on the device and go into the
 target's step (:func:`forge_jax.serving.batch_step.ragged_step`), whose verification keeps
-a draft ``d`` with probability ``min(1, p(d) / q(d))``.
+a draft ``d`` with probability ``min(1, p(d) / q(d))``. A constrained sequence keeps the
+drafts its grammar gave on the host (:func:`forge_jax.serving.speculation.grammar_drafts`),
+with a one-hot ``q``.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ class DraftModel:
                                              "implementation_key", "k"),
                    donate_argnames=("pool",))
 def propose_step(weights: list, pool: PagedKVCache, tokens, positions, block_tables,
-                 draft_len, num_seqs, sampling: dict, *, graphdef, weights_def, greedy: bool,
-                 k: int, implementation_key=None):
+                 draft_len, num_seqs, sampling: dict, host=None, *, graphdef, weights_def,
+                 greedy: bool, k: int, implementation_key=None):
     """``k`` drafts per sequence from the draft model (jitted; its pool donated).
 
     Args:
@@ -88,6 +90,9 @@ def propose_step(weights: list, pool: PagedKVCache, tokens, positions, block_tab
       draft_len: int32 ``[s]``: the drafts a sequence takes (0: none; it writes nothing).
       num_seqs: int32 scalar, the step's sequences.
       sampling: :class:`~forge_jax.serving.batch_step.StepBatch`'s ``sampling`` arrays.
+      host: None, or ``(drafts int32 [s, k], rows bool [s])``: the sequences whose drafts
+        came from the host (a grammar's) keep them, with a one-hot ``q`` (what the draft
+        model writes for them is rewritten by :func:`fill_step`).
       graphdef, weights_def, greedy, k, implementation_key: static.
 
     Returns:
@@ -129,7 +134,13 @@ def propose_step(weights: list, pool: PagedKVCache, tokens, positions, block_tab
         return (packed.into_pool(pool), drawn), (drawn, q)
 
     (pool, _), (drafts, q) = jax.lax.scan(one, (pool, tokens), jnp.arange(k, dtype=jnp.int32))
-    return drafts.T, jnp.swapaxes(q, 0, 1), pool
+    drafts, q = drafts.T, jnp.swapaxes(q, 0, 1)  # [s, k], [s, k, vocab]
+    if host is not None:
+        host_drafts, rows = host
+        drafts = jnp.where(rows[:, None], host_drafts, drafts)
+        q = jnp.where(rows[:, None, None], jax.nn.one_hot(host_drafts, q.shape[-1],
+                                                          dtype=q.dtype), q)
+    return drafts, q, pool
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "weights_def", "implementation_key"),
@@ -163,10 +174,13 @@ def propose(engine, batch) -> dict | None:
     if verify is None:
         return None
     first = verify["verify_rows"][:, 0]  # each sequence's last known row
+    host = None
+    if "host_drafts" in verify:  # a grammar's drafts, already in the step's tokens
+        host = (batch.tokens[verify["verify_rows"][:, 1:]], verify["host_drafts"])
     drafts, q, draft.pool = propose_step(
         draft.weights, draft.pool, batch.tokens[first], batch.positions[first],
         batch.block_tables, verify["draft_len"], np.int32(batch.num_seqs), batch.sampling,
-        **draft.statics(batch.greedy), k=verify["verify_rows"].shape[1] - 1)
+        host, **draft.statics(batch.greedy), k=verify["verify_rows"].shape[1] - 1)
     return dict(verify, drafts=drafts, q=q)
 
 

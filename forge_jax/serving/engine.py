@@ -45,9 +45,9 @@ from flax import nnx
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import settings
 from forge_jax.kv_cache import BlockManager, CacheFullError
+from forge_jax.serving import admission, speculation
 from forge_jax.serving import batch_step as serving_step
 from forge_jax.serving import config as engine_config
-from forge_jax.serving import speculation
 from forge_jax.serving.batch_step import MIN_TABLE_PAGES  # noqa: F401  (the engine's API)
 from forge_jax.serving.config import EngineConfig
 from forge_jax.serving.prefix_cache import PrefixCache
@@ -353,14 +353,14 @@ class Engine:
             else:
                 r.drafts = []
         for r, n in batch:
-            self._note_fresh(r, n, fresh)
+            admission.note_fresh(self, r, n, fresh)
         # Full pages that running requests compute in a later step: a waiting request whose
         # prefix continues into one of them waits until it is cached, rather than computing
         # it again (a burst sharing a system prompt prefills it once).
         in_flight = set()
         for r in self._running:
             if r.computed < len(r.prompt):
-                in_flight.update(self._uncomputed_keys(r))
+                in_flight.update(admission.uncomputed_keys(self, r))
         in_flight.difference_update(fresh)
         # After a preemption the pool is short: admit nothing new (nor the preempted) now.
         at = 0
@@ -368,10 +368,10 @@ class Engine:
                and self.stats.preemptions == preemptions
                and self.state_slots.room(len(self._running))):
             r = self._waiting[at]
-            if r.pending or in_flight and self._next_prefix_key(r, fresh) in in_flight:
+            if r.pending or in_flight and admission.next_prefix_key(self, r, fresh) in in_flight:
                 at += 1
                 continue
-            if not self._admit(r, budget, fresh):
+            if not admission.admit(self, r, budget, fresh):
                 break
             self._waiting.pop(at)
             r.drafts = []
@@ -380,40 +380,10 @@ class Engine:
             n = min(len(r.tokens) - r.computed, budget)
             batch.append((r, n))
             budget -= n
-            self._note_fresh(r, n, fresh)
-            in_flight.update(self._uncomputed_keys(r))
+            admission.note_fresh(self, r, n, fresh)
+            in_flight.update(admission.uncomputed_keys(self, r))
             in_flight.difference_update(fresh)
         return batch
-
-    def _note_fresh(self, r: Request, n: int, fresh: dict[bytes, int]) -> None:
-        """Adds the full pages of known tokens that ``n`` new rows of ``r`` complete."""
-        if not self.prefix_cache.enabled:
-            return
-        first = r.computed // self.page_size
-        done = min(r.computed + n, len(r.tokens)) // self.page_size
-        if done > first:
-            table = self.manager.block_table(r.id)
-            keys = r.page_keys(self.page_size, done)
-            fresh.update((keys[i], int(table[i])) for i in range(first, done))
-
-    def _uncomputed_keys(self, r: Request) -> list[bytes]:
-        """The prefix-cache keys of ``r``'s full pages not computed yet."""
-        if not self.prefix_cache.enabled:
-            return []
-        full = len(r.tokens) // self.page_size
-        return r.page_keys(self.page_size, full)[r.computed // self.page_size:]
-
-    def _prefix_keys(self, r: Request) -> list[bytes]:
-        """The keys of the full pages a lookup of ``r`` may reuse (as ``PrefixCache.lookup``:
-        its last token is always computed)."""
-        return r.page_keys(self.page_size, (len(r.tokens) - 1) // self.page_size)
-
-    def _next_prefix_key(self, r: Request, fresh: dict[bytes, int]) -> bytes | None:
-        """The key of the first full page of ``r``'s prefix that is neither cached nor
-        computed in this step (None: none)."""
-        cached = self.prefix_cache.pages
-        return next((k for k in self._prefix_keys(r) if k not in cached and k not in fresh),
-                    None)
 
     def _make_room(self, r: Request, n: int) -> bool:
         """Appends ``n`` tokens' room to running request ``r``, evicting cached pages and then
@@ -429,47 +399,6 @@ class Engine:
                 self._preempt(victim)
                 if victim is r:
                     return False
-
-    def _admit(self, r: Request, budget: int, fresh: dict[bytes, int]) -> bool:
-        """Allocates a waiting request's cached prefix (continued by the ``fresh`` pages
-        this step computes) and first chunk, if the pool allows (evicting cached pages,
-        never preempting)."""
-        tokens = r.tokens
-        cached = self.prefix_cache.lookup(tokens)
-        pages = list(cached)
-        if fresh:  # the prefix continues into pages an earlier row of this step fills
-            for key in self._prefix_keys(r)[len(pages):]:
-                if key not in fresh:
-                    break
-                pages.append(fresh[key])
-        shared = len(pages) - len(cached)
-        for page in pages:  # held across the eviction below, which takes only unheld pages
-            self.manager.hold(page)
-        try:
-            computed = len(pages) * self.page_size
-            n = min(len(tokens) - computed, budget)
-            need = -(-(computed + n) // self.page_size) - len(pages)
-            free = self.manager.usage().free_pages
-            if need > free:
-                self.prefix_cache.evict(need - free)
-            if need > self.manager.usage().free_pages:
-                stats = self.prefix_cache.stats  # not admitted: the lookup did not count
-                stats.queried_tokens -= len(tokens)
-                stats.hit_tokens -= len(cached) * self.page_size
-                stats.reused_pages -= len(cached)
-                return False
-            self.manager.allocate(r.id, computed, prefix_pages=pages)
-            self.manager.append(r.id, n)
-        finally:
-            for page in pages:
-                self.manager.release(page)
-        stats = self.prefix_cache.stats  # shared in this step: reused as a cached page is
-        stats.hit_tokens += shared * self.page_size
-        stats.reused_pages += shared
-        # The pages shared in this step enter the cache when their own request's rows are
-        # booked; this request's booking then finds them there.
-        r.computed, r.cached_pages = computed, len(cached)
-        return True
 
     def _preempt(self, r: Request) -> None:
         self.manager.free(r.id)

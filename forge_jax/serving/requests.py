@@ -192,6 +192,8 @@ class Request:
     mask: object | None = None
     # Speculative decoding: the draft tokens scheduled after its last token this step.
     drafts: list = dataclasses.field(default_factory=list)
+    # With a grammar too: the bitmask after each draft (the matcher rolled back after them).
+    draft_masks: list = dataclasses.field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -274,6 +276,8 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verified: int = 0
+    # Why some requests decoded one token per step (each reason logged once).
+    not_speculating: set = dataclasses.field(default_factory=set)
     # Host seconds per phase of the step loop (PHASES), for profiling; "device" is the time
     # spent waiting for a step's tokens after the host's own work on that step was done.
     phase_seconds: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))

@@ -12,9 +12,13 @@ tokens and its cache, and the pages of the refused ones go back to the pool.
 
 from __future__ import annotations
 
+import logging
+
 from forge_jax.generation import sampling as sampling_lib
 from forge_jax.generation import speculative
 from forge_jax.serving.requests import Request
+
+log = logging.getLogger("forge_jax.serve")
 
 
 def draft_model(engine):
@@ -33,23 +37,45 @@ def draft_model(engine):
     return drafting.DraftModel.create(engine, config.draft_model)
 
 
-def speculates(engine, r: Request) -> bool:
-    """Whether ``r`` drafts tokens in ``engine`` (an :class:`~forge_jax.serving.Engine`):
-    speculative decoding on, and nothing in its sampling that the verification does not
-    apply (a grammar, penalties, a logit bias): those requests are decoded one token per
-    step, as without speculative decoding."""
+# Why a request decodes one token per step in a speculating engine.
+PENALTIES = ("a request with a repetition, presence or frequency penalty or a logit bias "
+             "decodes one token per step: the verification does not apply them")
+
+
+def not_speculating(engine, r: Request) -> str | None:
+    """Why ``r`` does not draft tokens in ``engine`` (an :class:`~forge_jax.serving.Engine`
+    whose config has ``speculative``), or None: it does."""
     p = r.params.sampling
-    return engine.config.speculative is not None and r.matcher is None and (
-        p.repetition_penalty in (None, 1.0) and not p.needs_token_counts and not p.logit_bias)
+    if p.repetition_penalty not in (None, 1.0) or p.needs_token_counts or p.logit_bias:
+        return PENALTIES
+    return None
+
+
+def speculates(engine, r: Request) -> bool:
+    """Whether ``r`` drafts tokens in ``engine``: speculative decoding on and nothing in its
+    sampling that the verification cannot apply (:func:`not_speculating`; the reason is
+    logged once per engine). A grammar is applied: each verified row is masked by the
+    grammar's state after the drafts before it (:func:`grammar_drafts`)."""
+    if engine.config.speculative is None:
+        return False
+    reason = not_speculating(engine, r)
+    if reason is not None and reason not in engine.stats.not_speculating:
+        engine.stats.not_speculating.add(reason)
+        log.info("speculative decoding: %s", reason)
+    return reason is None
 
 
 def drafts(engine, r: Request, budget: int) -> list[int]:
     """Prompt-lookup drafts after ``r``'s last token, within its ``max_tokens``, the
     context and the step's token ``budget`` (its last token takes one); with a draft model,
-    as many placeholders (0) as fit, for the drafts it draws on the device."""
+    as many placeholders (0) as fit, for the drafts it draws on the device. A constrained
+    request's drafts are the grammar's (:func:`grammar_drafts`), drawn on the host with or
+    without a draft model: the mask of each verify row needs them before the step."""
     config = engine.config.speculative
     room = max(0, min(config.num_tokens, budget - 1, r.params.max_tokens - len(r.generated) - 1,
                       engine.max_model_len - len(r.tokens) - 1))
+    if r.matcher is not None:
+        return grammar_drafts(r, speculative.propose_ngram(r.tokens, config)[:room], room)
     if config.draft_model is not None:
         return [0] * room
     proposals = speculative.propose_ngram(r.tokens, config)[:room]
@@ -57,6 +83,28 @@ def drafts(engine, r: Request, budget: int) -> list[int]:
         # (the warm-up's random prompts rarely repeat: any drafts compile the verify steps)
         proposals = [r.tokens[-1]] * room
     return proposals
+
+
+def grammar_drafts(r: Request, proposals: list[int], room: int) -> list[int]:
+    """The drafts of a constrained request ``r``: the longest prefix of ``proposals`` its
+    grammar allows, or the tokens the grammar forces from here (a JSON key's quotes and
+    name: jump-forward decoding's tokens, verified as drafts) where those are more. Sets
+    ``r.draft_masks``, the grammar's mask after each draft, for the verify step's rows;
+    the matcher is rolled back to ``r``'s last token (the kept drafts are consumed when
+    they are read)."""
+    matcher = r.matcher
+    drafts = proposals[:matcher.valid_prefix(proposals)]
+    forced = matcher.forced()[:room]
+    if len(forced) > len(drafts):
+        drafts = forced
+    r.draft_masks = []
+    for token in drafts:
+        if not matcher.consume(token):
+            raise RuntimeError(f"the grammar refused draft {token} it had allowed: "
+                               f"{matcher.error}")
+        r.draft_masks.append(matcher.mask())
+    matcher.rollback(len(drafts))
+    return drafts
 
 
 def copy_pages(engine, copies):
@@ -111,7 +159,7 @@ def kept(engine, r: Request, new) -> list[int]:
     stats.draft_tokens += len(r.drafts)
     stats.accepted_tokens += len(new) - 1
     stats.verified += 1
-    r.drafts = []
+    r.drafts, r.draft_masks = [], []
     if r.id in engine.manager:  # still running
         r.computed += len(new) - 1
         engine.manager.truncate(r.id, r.computed)

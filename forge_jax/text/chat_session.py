@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from forge_jax.generation import compiled_cache, settings
 from forge_jax.generation import loop as generation
-from forge_jax.generation import settings
 from forge_jax.generation import steps as steps_lib
 from forge_jax.generation.sampling import SamplingParams
 from forge_jax.kv_cache import CacheSpec
@@ -265,16 +265,23 @@ class ChatSession:
         if self._cache is None or _deleted(self._cache):
             self._cache, self.cached_tokens = self._new_cache(), []
 
-    def _warm_up(self, decode: bool) -> float:
+    def _warm_up(self, decode: bool, run: bool = True) -> float:
         """The steps' first runs in this session, on nothing: compiling them if new to the
         process, and building their per-executable runtimes (a compiled step's first run
         costs several of its later runs on a CPU). Returns the seconds (0.0: nothing
-        to do)."""
+        to do). ``run=False``: where the steps are kept on disk
+        (:mod:`forge_jax.generation.compiled_cache`), the prefill is only loaded, and its
+        first run is the turn's own (one prefill fewer before a start's first token)."""
         self._check_cache()
         if self._warm["prefill"] and (self._warm["decode"] or not decode):
             return 0.0
         start = time.perf_counter()
         seen = jnp.zeros((1, self.model.config.vocab_size), bool)
+        if not self._warm["prefill"] and not run and compiled_cache.active_directory():
+            steps_lib.prefill_step.compiled(
+                self._state, self._cache, jnp.zeros((1, self.prefill_chunk), jnp.int32),
+                jnp.zeros((1,), jnp.int32), self.key, self._params, seen, **self._statics)
+            self._warm["prefill"] = True
         if not self._warm["prefill"]:
             tokens = jnp.zeros((1, self.prefill_chunk), jnp.int32)
             first, _, self._cache = steps_lib.prefill_step(
@@ -289,6 +296,18 @@ class ChatSession:
             jax.block_until_ready(first)
             self._warm["decode"] = True
         return time.perf_counter() - start
+
+    def _warm_decode(self, cache, token, key):
+        """The decode step's first run, on the turn's cache with no row active (nothing
+        written) and a ``seen`` of its own (the step donates it): (its seconds, the
+        cache)."""
+        start = time.perf_counter()
+        _, _, cache = steps_lib.decode_step(
+            self._state, cache, token, jnp.zeros((1,), bool), key, jnp.asarray(1, jnp.int32),
+            self._params, jnp.zeros((1, self.model.config.vocab_size), bool), **self._statics)
+        jax.block_until_ready(cache.lengths)
+        self._warm["decode"] = True
+        return time.perf_counter() - start, cache
 
     def send(self, content: str, *, on_text: Callable[[str], None] | None = None,
              max_new_tokens: int | None = None) -> str:
@@ -336,7 +355,8 @@ class ChatSession:
 
     def _turn(self, messages, ids, max_new, capped, render_seconds) -> Iterator[str]:
         stats = TurnStats(prompt_tokens=len(ids))
-        stats.compile_seconds = self._warm_up(decode=max_new > 1)
+        # Only the prefill before the first token; the decode step is made ready after it.
+        stats.compile_seconds = self._warm_up(decode=False, run=False)
         start = time.perf_counter() - render_seconds  # the turn's start, compiling aside
         # At least the last prompt token is prefilled: its logits give the first token.
         reused = min(_common_prefix(self.cached_tokens, ids), len(ids) - 1)
@@ -375,9 +395,12 @@ class ChatSession:
             seen = first_seen
             done = take(int(np.asarray(first)[0]))
             stats.first_token_seconds = time.perf_counter() - start
-            decode_start = time.perf_counter()
             yield from pieces
             pieces.clear()
+            if not done and max_new > 1 and not self._warm["decode"]:
+                warm, cache = self._warm_decode(cache, first, key)
+                stats.compile_seconds += warm
+            decode_start = time.perf_counter()
             newest, i = first, 1
             active = jnp.ones((1,), bool)
             while not done and i < max_new:

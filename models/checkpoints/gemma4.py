@@ -22,6 +22,7 @@ from forge_jax.models.checkpoints.generation_config import (
 from forge_jax.models.checkpoints.hf_names import fill_parameters
 from forge_jax.models.gemma4 import Gemma4
 from forge_jax.models.gemma4_config import Gemma4Config
+from forge_jax.models.llama_model import TensorLayout
 
 
 def is_gemma4(path: pathlib.Path) -> bool:
@@ -48,15 +49,19 @@ def _text_name(stored: str, multimodal: bool) -> str | None:
 
 
 def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, dtype,
-                    param_dtype, mesh=None, quantize: str | None = None,
-                    group_size: int | None = None) -> Gemma4:
+                    param_dtype, mesh=None, tp_axis: str = "tp", dp_axis: str = "dp",
+                    quantize: str | None = None, group_size: int | None = None) -> Gemma4:
     """Loads a Gemma 4 text checkpoint directory (already resolved) into a :class:`Gemma4`,
     as :func:`forge_jax.models.checkpoints.hf.from_pretrained` loads a Llama, which calls
     this with the directory's safetensors ``files`` (path -> tensor names or None) and
-    its ``check_finite(name, block, file, param_dtype)``; on one device (``mesh`` is
-    refused)."""
+    its ``check_finite(name, block, file, param_dtype)``. With ``mesh`` (axes named by
+    ``tp_axis`` and ``dp_axis``) each device receives its shard
+    (:mod:`forge_jax.models.gemma4_sharding`); sizes that do not split are refused before
+    anything is read."""
     from safetensors import SafetensorError, safe_open
 
+    from forge_jax import sharding as fj_sharding
+    from forge_jax.models import gemma4_sharding
     from forge_jax.models.checkpoints import quantize as quantize_load
 
     file = path / "config.json"
@@ -66,11 +71,16 @@ def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, 
         config = Gemma4Config.from_hf(raw)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{file}: {e}") from None
+    layout, shardings = TensorLayout(), None
     if mesh is not None:
-        raise ValueError(f"{path}: a gemma4_text model loads onto one device; mesh= is not "
-                         f"implemented for it")
+        mesh = gemma4_sharding.mesh_config(mesh, tp_axis=tp_axis, dp_axis=dp_axis)
+        layout = gemma4_sharding.layout_for(config, mesh.tp)
     model = nnx.eval_shape(lambda: Gemma4(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                          param_dtype=param_dtype))
+                                          param_dtype=param_dtype, layout=layout))
+    if mesh is not None:
+        shardings = gemma4_sharding.param_shardings(model, mesh)
+        if quantize is not None:
+            quantize_load.check_mesh(model, shardings, quantize, group_size)
     expected = gemma4_parameters(model)
     experts = expert_parameters(model)
     handles, file_of = {}, {}  # text name -> (its open file, stored name), its file's name
@@ -112,10 +122,17 @@ def from_pretrained(path: pathlib.Path, files: dict, check_finite: Callable, *, 
             return block
 
         convert = None if quantize is None else quantize_load.converters(
-            model, quantize, group_size)
+            model, quantize, group_size, shardings)
         for name, p in experts.items():  # HF [E, out, in] -> stored [E, in, out]
-            value = jnp.asarray(np.swapaxes(read(name, ()), 1, 2).astype(param_dtype))
-            p.set_value(value if convert is None else convert[id(p)](value))
-        fill_parameters(model, read, None, convert, frozenset(id(p) for p in experts.values()))
+            value = np.swapaxes(read(name, ()), 1, 2).astype(param_dtype)
+            if convert is not None:
+                p.set_value(convert[id(p)](jnp.asarray(value)))
+            elif shardings is not None:
+                p.set_value(fj_sharding.put(value, shardings[id(p)]))
+            else:
+                p.set_value(jnp.asarray(value))
+        fill_parameters(model, read, shardings, convert,
+                        frozenset(id(p) for p in experts.values()))
+    model.mesh = mesh
     model.generation_config = load_generation_config(path)
     return model

@@ -31,6 +31,8 @@
   (``param_dtype``).
 * The tokenizer (``gpt2`` byte-level BPE and SentencePiece-style ``llama`` vocabularies)
   and the chat template come from the file's metadata (:func:`tokenizer_parts`).
+* Inside :func:`~forge_jax.models.checkpoints.gguf_cache.use_gguf_cache` a file's metadata,
+  tokenizer and converted weights are kept on disk and read back by a later process.
 
 Anything else (another architecture, a tensor type not listed, a tensor name not
 mapped, a file that is not GGUF or is cut short: the tensor cut is named) is one
@@ -43,9 +45,11 @@ import os
 import re
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from forge_jax.models.checkpoints import gguf_cache
 from forge_jax.models.checkpoints.abstract import ShapeOnlyRngs, abstract_llama
 from forge_jax.models.checkpoints.generation_config import CheckpointError, GenerationConfig
 from forge_jax.models.checkpoints.gguf_reader import field, open_gguf
@@ -83,27 +87,50 @@ def hf_name(name: str) -> str:
 
 def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
     """The :class:`LlamaConfig` a GGUF file's metadata describes (an architecture of
-    :data:`ARCHITECTURES`)."""
-    reader = open_gguf(path) if reader is None else reader
-    arch = field(reader, "general.architecture")
+    :data:`ARCHITECTURES`); inside :func:`~forge_jax.models.checkpoints.gguf_cache.use_gguf_cache`
+    the metadata is read from (and kept in) the cache."""
+    meta = None if reader is not None else gguf_cache.get(path, "metadata")
+    if meta is None:
+        reader = open_gguf(path) if reader is None else reader
+        meta = _metadata(reader)
+        gguf_cache.put(path, "metadata", meta)
+    if meta.get("general.architecture") == "gpt-oss":  # its own reader: experts, sinks, YaRN
+        from forge_jax.models.checkpoints import gguf_gpt_oss
+
+        return gguf_gpt_oss.load_config(path, open_gguf(path) if reader is None else reader)
+    return _config(path, meta)
+
+
+def _metadata(reader) -> dict[str, Any]:
+    """What a config is made from: the file's fields but its arrays (of those, the length,
+    under ``"#" + key``) and, under ``"#tensors"``, its tensors' names."""
+    import gguf
+
+    meta: dict[str, Any] = {}
+    for key, value in reader.fields.items():
+        if value.types and value.types[0] == gguf.GGUFValueType.ARRAY:
+            meta["#" + key] = len(value.data)
+        else:
+            meta[key] = value.contents()
+    meta["#tensors"] = [t.name for t in reader.tensors]
+    return meta
+
+
+def _config(path, meta: dict[str, Any]) -> LlamaConfig:
+    arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; forge_jax "
                               f"reads {', '.join(map(repr, ARCHITECTURES))}")
-    if arch == "gpt-oss":  # its own reader: experts, sinks, YaRN
-        from forge_jax.models.checkpoints import gguf_gpt_oss
-
-        return gguf_gpt_oss.load_config(path, reader)
-    get = lambda key, default=None: field(reader, f"{arch}.{key}", default)
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     layers = int(get("block_count", 0))
     family = {} if arch == "llama" else dict(model_type=ARCHITECTURES[arch])
     if arch == "smollm3":
         family["nope_layers"] = tuple(i for i in range(layers)
                                       if (i + 1) % SMOLLM3_NOPE_STEP == 0)
-    names = {t.name for t in reader.tensors}
+    names = set(meta.get("#tensors", ()))
     if "rope_freqs.weight" in names:
         raise CheckpointError(f"{path}: its rope_freqs tensor (Llama 3's RoPE scaling) is not "
                               f"supported in GGUF files yet")
-    tokens = field(reader, "tokenizer.ggml.tokens")
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     scaling = None
@@ -114,7 +141,7 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     try:
         return LlamaConfig(
-            vocab_size=int(get("vocab_size", len(tokens) if tokens else 0)),
+            vocab_size=int(get("vocab_size", meta.get("#tokenizer.ggml.tokens", 0))),
             hidden_size=int(hidden), intermediate_size=int(get("feed_forward_length")),
             num_hidden_layers=layers, num_attention_heads=int(heads),
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
@@ -123,9 +150,9 @@ def load_config(path: str | os.PathLike, reader=None) -> LlamaConfig:
             rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
             tie_word_embeddings="output.weight" not in names,
             max_position_embeddings=int(get("context_length", 2048)),
-            bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
-            pad_token_id=field(reader, "tokenizer.ggml.padding_token_id"), **family)
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"), **family)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: its {arch} metadata does not make a config: {e}") from None
 
@@ -143,17 +170,28 @@ def _unpermute(x: np.ndarray, heads: int) -> np.ndarray:
 
 
 def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
-    """Loads a llama-architecture GGUF file (see the module docstring)."""
-    reader = open_gguf(path)
-    if field(reader, "general.architecture") == "gpt-oss":
+    """Loads a llama-architecture GGUF file (see the module docstring); inside
+    :func:`~forge_jax.models.checkpoints.gguf_cache.use_gguf_cache` the converted weights are
+    read from (and kept in) the cache."""
+    config = load_config(path)
+    if config.model_type == ARCHITECTURES["gpt-oss"]:
         from forge_jax.models.checkpoints import gguf_gpt_oss
 
-        return gguf_gpt_oss.from_gguf(path, reader, dtype=dtype, param_dtype=param_dtype)
-    config = load_config(path, reader)
-    tensors = {}
-    for t in reader.tensors:
-        tensors[hf_name(t.name)] = t
-    model = abstract_llama(config, dtype=dtype, param_dtype=param_dtype)
+        return gguf_gpt_oss.from_gguf(path, open_gguf(path), dtype=dtype,
+                                      param_dtype=param_dtype)
+    name = jnp.dtype(param_dtype).name
+    weights = gguf_cache.load_weights(path, name)
+    if weights is None:
+        weights = _read_weights(path, open_gguf(path), config, param_dtype)
+        gguf_cache.save_weights(path, name, weights)
+    return _assemble(path, config, weights, dtype=dtype, param_dtype=param_dtype)
+
+
+def _read_weights(path, reader, config: LlamaConfig, param_dtype) -> dict[str, Any]:
+    """The file's tensors in the layout the model reads, by the model's names: q/k rows
+    permuted back, q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``), a tied quantized
+    output head (``lm_head.weight``) read from the embedding table as stored."""
+    tensors = {hf_name(t.name): t for t in reader.tensors}
 
     def get(name, *, keep_quantized=False, heads=None):
         if name not in tensors:
@@ -164,55 +202,75 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
             x = map_rows(x, lambda a: _unpermute(a, heads))
         return x
 
-    def check(name, x, shape):
-        if tuple(x.shape) != tuple(shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(x.shape)}, "
-                                  f"expected {tuple(shape)} from its metadata")
-        return x
-
-    c = config
+    c, out = config, {}
     embed = tensors.get("model.embed_tokens.weight")
-    if model.lm_head is None and embed is not None and embed.tensor_type.name in EXACT_TYPES:
+    if c.tie_word_embeddings and embed is not None and embed.tensor_type.name in EXACT_TYPES:
         # A tied output head read from the quantized table as it is stored (the embedding
         # lookup reads the float table below): decode then reads the output head at the
         # file's bits a weight, as llama.cpp does, with the same values.
-        head = nnx.eval_shape(lambda: Linear(c.hidden_size, c.vocab_size, use_bias=False,
-                                             rngs=ShapeOnlyRngs(), dtype=dtype,
-                                             param_dtype=param_dtype))
-        head.kernel.set_value(check("token_embd", read_tensor(embed, param_dtype,
-                                                              keep_quantized=True),
-                                    head.kernel.shape))
-        model.lm_head = nnx.data(head)
-    model.embed_tokens.set_value(check("token_embd", get("model.embed_tokens.weight"),
-                                       model.embed_tokens.shape))
-    model.norm.weight.set_value(get("model.norm.weight"))
-    for i, layer in enumerate(model.layers):
+        out["lm_head.weight"] = read_tensor(embed, param_dtype, keep_quantized=True)
+    out["model.embed_tokens.weight"] = get("model.embed_tokens.weight")
+    out["model.norm.weight"] = get("model.norm.weight")
+    for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}"
-        layer.input_layernorm.weight.set_value(get(f"{p}.input_layernorm.weight"))
-        layer.post_attention_layernorm.weight.set_value(
-            get(f"{p}.post_attention_layernorm.weight"))
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [get(f"{p}.self_attn.q_proj.weight", keep_quantized=True,
-                   heads=c.num_attention_heads),
-               get(f"{p}.self_attn.k_proj.weight", keep_quantized=True,
-                   heads=c.num_key_value_heads),
-               get(f"{p}.self_attn.v_proj.weight", keep_quantized=True)]
-        attn.qkv_proj.kernel.set_value(check(f"{p}.qkv", fuse(qkv, param_dtype),
-                                             attn.qkv_proj.kernel.shape))
-        attn.o_proj.kernel.set_value(check(f"{p}.o_proj", get(
-            f"{p}.self_attn.o_proj.weight", keep_quantized=True), attn.o_proj.kernel.shape))
-        gate_up = [get(f"{p}.mlp.gate_proj.weight", keep_quantized=True),
-                   get(f"{p}.mlp.up_proj.weight", keep_quantized=True)]
-        mlp.gate_up_proj.kernel.set_value(check(f"{p}.gate_up", fuse(gate_up, param_dtype),
-                                                mlp.gate_up_proj.kernel.shape))
-        mlp.down_proj.kernel.set_value(check(f"{p}.down_proj", get(
-            f"{p}.mlp.down_proj.weight", keep_quantized=True), mlp.down_proj.kernel.shape))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}.{norm}.weight"] = get(f"{p}.{norm}.weight")
+        out[f"{p}.self_attn.qkv_proj.weight"] = fuse(
+            [get(f"{p}.self_attn.q_proj.weight", keep_quantized=True,
+                 heads=c.num_attention_heads),
+             get(f"{p}.self_attn.k_proj.weight", keep_quantized=True,
+                 heads=c.num_key_value_heads),
+             get(f"{p}.self_attn.v_proj.weight", keep_quantized=True)], param_dtype)
+        out[f"{p}.self_attn.o_proj.weight"] = get(f"{p}.self_attn.o_proj.weight",
+                                                  keep_quantized=True)
+        out[f"{p}.mlp.gate_up_proj.weight"] = fuse(
+            [get(f"{p}.mlp.gate_proj.weight", keep_quantized=True),
+             get(f"{p}.mlp.up_proj.weight", keep_quantized=True)], param_dtype)
+        out[f"{p}.mlp.down_proj.weight"] = get(f"{p}.mlp.down_proj.weight",
+                                               keep_quantized=True)
     if not c.tie_word_embeddings:
-        model.lm_head.kernel.set_value(check("output", get("lm_head.weight", keep_quantized=True),
-                                             model.lm_head.kernel.shape))
+        out["lm_head.weight"] = get("lm_head.weight", keep_quantized=True)
     if tensors:
         raise CheckpointError(f"{path}: unexpected tensors {sorted(tensors)[:5]} for a Llama "
                               f"with this metadata")
+    return out
+
+
+def _assemble(path, config: LlamaConfig, weights: dict[str, Any], *, dtype,
+              param_dtype) -> Llama:
+    """The Llama holding ``weights`` (:func:`_read_weights`' names), each shape checked."""
+    model = abstract_llama(config, dtype=dtype, param_dtype=param_dtype)
+
+    def put(variable, name, label):
+        if name not in weights:
+            raise CheckpointError(f"{path} lacks the tensor {name!r}")
+        x = weights[name]
+        if tuple(x.shape) != tuple(variable.shape):
+            raise CheckpointError(f"{path}: tensor {label!r} has shape {tuple(x.shape)}, "
+                                  f"expected {tuple(variable.shape)} from its metadata")
+        variable.set_value(x)
+
+    c = config
+    if model.lm_head is None and "lm_head.weight" in weights:
+        head = nnx.eval_shape(lambda: Linear(c.hidden_size, c.vocab_size, use_bias=False,
+                                             rngs=ShapeOnlyRngs(), dtype=dtype,
+                                             param_dtype=param_dtype))
+        put(head.kernel, "lm_head.weight", "token_embd")
+        model.lm_head = nnx.data(head)
+    put(model.embed_tokens, "model.embed_tokens.weight", "token_embd")
+    model.norm.weight.set_value(weights["model.norm.weight"])
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}"
+        layer.input_layernorm.weight.set_value(weights[f"{p}.input_layernorm.weight"])
+        layer.post_attention_layernorm.weight.set_value(
+            weights[f"{p}.post_attention_layernorm.weight"])
+        attn, mlp = layer.self_attn, layer.mlp
+        put(attn.qkv_proj.kernel, f"{p}.self_attn.qkv_proj.weight", f"{p}.qkv")
+        put(attn.o_proj.kernel, f"{p}.self_attn.o_proj.weight", f"{p}.o_proj")
+        put(mlp.gate_up_proj.kernel, f"{p}.mlp.gate_up_proj.weight", f"{p}.gate_up")
+        put(mlp.down_proj.kernel, f"{p}.mlp.down_proj.weight", f"{p}.down_proj")
+    if not c.tie_word_embeddings:
+        put(model.lm_head.kernel, "lm_head.weight", "output")
     model.generation_config = GenerationConfig(eos_token_id=c.eos_token_ids)
     return model
 
@@ -224,7 +282,39 @@ def from_gguf(path: str | os.PathLike, *, dtype, param_dtype) -> Llama:
 def tokenizer_parts(path: str | os.PathLike) -> dict[str, Any]:
     """The pieces of a GGUF file's tokenizer, for :func:`forge_jax.text.api.load_tokenizer`:
     ``backend`` (a ``tokenizers.Tokenizer``), ``special_tokens``, ``chat_template`` and
-    ``generation_config``.
+    ``generation_config`` (how: :func:`_convert_tokenizer`). Inside
+    :func:`~forge_jax.models.checkpoints.gguf_cache.use_gguf_cache` they are read from (and
+    kept in) the cache, the tokenizer as ``tokenizer.json``."""
+    parts = _kept_tokenizer(path)
+    if parts is None:
+        parts = _convert_tokenizer(path)
+        gguf_cache.put(path, "tokenizer", {
+            "special_tokens": parts["special_tokens"], "chat_template": parts["chat_template"],
+            "eos_token_id": list(parts["generation_config"].eos_token_id)}, extra_files=[
+            ("tokenizer.json", parts["backend"].to_str().encode())])
+    return parts
+
+
+def _kept_tokenizer(path) -> dict[str, Any] | None:
+    info = gguf_cache.get(path, "tokenizer")
+    data = None if not isinstance(info, dict) else gguf_cache.read_file(path, "tokenizer.json")
+    if data is None:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return dict(backend=Tokenizer.from_str(data.decode()),
+                    special_tokens=dict(info["special_tokens"]),
+                    chat_template=info["chat_template"],
+                    generation_config=GenerationConfig(
+                        eos_token_id=tuple(int(i) for i in info["eos_token_id"])))
+    except Exception as e:  # noqa: BLE001  (tokenizers raises its own error types)
+        gguf_cache.logger.warning("ignoring the kept GGUF tokenizer of %s: %s", path, e)
+        return None
+
+
+def _convert_tokenizer(path: str | os.PathLike) -> dict[str, Any]:
+    """A GGUF file's tokenizer from its metadata.
 
     ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE from ``tokenizer.ggml.tokens`` and
     ``merges``, split first as ``tokenizer.ggml.pre`` says

@@ -203,7 +203,7 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
         ``param_dtype``. None: as stored. With ``mesh``, each kernel is quantized
         whole, then split as its float form would be, the scales with their values
         (int4 groups must not straddle devices: refused with the numbers); quantized
-        experts are not split over a mesh (refused).
+        experts split by expert, their scales with them.
       group_size: int4's values per scale along the in axis (default 32); int8 and fp8
         default to one scale per output channel.
 
@@ -248,7 +248,8 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     if gemma4_checkpoint.is_gemma4(path):  # Gemma 4 text: a model of its own
         return gemma4_checkpoint.from_pretrained(
             path, _safetensors_files(path), _check_finite, dtype=dtype,
-            param_dtype=param_dtype, mesh=mesh, quantize=quantize, group_size=group_size)
+            param_dtype=param_dtype, mesh=mesh, tp_axis=tp_axis, dp_axis=dp_axis,
+            quantize=quantize, group_size=group_size)
     config = load_config(path)
     fp8 = fp8_checkpoint.quantization(json.loads((path / "config.json").read_text()),
                                       path / "config.json")
@@ -258,9 +259,9 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
     if fp8 is not None:
         quantize = "fp8"  # for the memory estimate
     mxfp4 = mxfp4_checkpoint.is_mxfp4(json.loads((path / "config.json").read_text()))
-    if mxfp4 and (quantize is not None or mesh is not None):
-        raise ValueError(f"{path} is an MXFP4 checkpoint, loaded as it is quantized onto one "
-                         f"device: quantize={quantize!r} and mesh= are not supported with it")
+    if mxfp4 and quantize is not None:
+        raise ValueError(f"{path} is an MXFP4 checkpoint, loaded as it is quantized: "
+                         f"quantize={quantize!r} is not supported with it")
     plan = None if mesh is None else llama_sharding.plan(config, mesh, tp_axis=tp_axis,
                                                          dp_axis=dp_axis)
     weights = fj_memory.estimate_inference_memory(config, batch=1, max_len=1,
@@ -341,7 +342,8 @@ def from_pretrained(path: str | os.PathLike, *, revision: str | None = None, dty
             quantize = None
         if packed:
             try:
-                skip = skip | mxfp4_checkpoint.load_experts(model, mx_tensors, files)
+                skip = skip | mxfp4_checkpoint.load_experts(model, mx_tensors, files,
+                                                            shardings)
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {path}: {e}") from None
         convert = None if quantize is None else quantize_load.converters(

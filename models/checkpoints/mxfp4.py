@@ -46,10 +46,12 @@ def expert_parameters(model) -> dict[str, tuple[Any, tuple[int, ...]]]:
     return out
 
 
-def load_experts(model, tensors: dict[str, np.ndarray], file_of: dict[str, str]) -> set[int]:
+def load_experts(model, tensors: dict[str, np.ndarray], file_of: dict[str, str],
+                 shardings=None) -> set[int]:
     """Sets each expert parameter from its ``_blocks`` and ``_scales`` (``tensors``: HF
-    name -> array); returns the ids of the parameters set. CheckpointError-style
-    ValueError naming a missing or mis-shaped tensor."""
+    name -> array), on a mesh placed as ``shardings`` (id(parameter) -> NamedSharding)
+    says, the scales with their values; returns the ids of the parameters set.
+    CheckpointError-style ValueError naming a missing or mis-shaped tensor."""
     done = set()
     for name, (param, (e, n, k)) in expert_parameters(model).items():
         missing = [name + s for s in SUFFIXES if name + s not in tensors]
@@ -62,8 +64,9 @@ def load_experts(model, tensors: dict[str, np.ndarray], file_of: dict[str, str])
                 f"{name}_blocks {blocks.shape} {blocks.dtype} and _scales {scales.shape} "
                 f"{scales.dtype} in {file_of.get(name + '_blocks')} must be uint8 "
                 f"{(e, n, k // 32, 16)} and {(e, n, k // 32)} for this config.json")
-        param.set_value(fj.quant.from_parts(jnp.asarray(blocks.reshape(e, n, k // 2)),
-                                            jnp.asarray(scales), format="mxfp4", block=(32,),
-                                            dtype=param.dtype))
+        q = fj.quant.from_parts(jnp.asarray(blocks.reshape(e, n, k // 2)),
+                                jnp.asarray(scales), format="mxfp4", block=(32,),
+                                dtype=param.dtype)
+        param.set_value(q if shardings is None else fj.quant.place(q, shardings[id(param)]))
         done.add(id(param))
     return done

@@ -20,8 +20,9 @@ values and scales are placed split as the float kernel would be
 (:mod:`forge_jax.models.llama_sharding`): column-parallel kernels over their output
 channels with their scales, row-parallel ones over their input channels, a
 per-output-channel scale then on every device and int4's groups split with the values
-(refused where a group would straddle two devices). Quantized experts are not split over
-a mesh: a mixture of experts with ``quantize=`` and a mesh is refused.
+(refused where a group would straddle two devices). Quantized experts split by expert as
+their float form does, each expert's scales with it (``fj.grouped_matmul`` multiplies each
+device's experts where they lie).
 """
 
 from __future__ import annotations
@@ -79,12 +80,7 @@ def check_mesh(model: Llama, shardings: dict[int, NamedSharding], quantize: str,
     """Raises ValueError, before anything is read, if a quantized kernel of ``model``
     (abstract) cannot split as ``shardings`` says: int4 groups cut by the split of a
     row-parallel kernel's in features (naming the kernel, the group size and each
-    device's share), or if the model has quantized experts, which are not split over a
-    mesh."""
-    if expert_kernels(model):
-        raise ValueError(f"quantize={quantize!r} on a mesh: a mixture of experts' quantized "
-                         f"expert weights are not split over a mesh; load it on one device "
-                         f"or without quantize=")
+    device's share). Experts split by expert, which cuts no block."""
     for path, module in nnx.iter_graph(model):
         if not isinstance(module, Linear):
             continue
@@ -99,11 +95,13 @@ def check_mesh(model: Llama, shardings: dict[int, NamedSharding], quantize: str,
             raise ValueError(f"quantize={quantize!r} on this mesh: {name}: {e}") from None
 
 
-def expert_quantizer(quantize: str, group_size: int | None
+def expert_quantizer(quantize: str, group_size: int | None,
+                     sharding: NamedSharding | None = None
                      ) -> Callable[[jax.Array], fj.QuantizedArray]:
     """The function that quantizes one stacked expert weight, given in the model's
-    ``[experts, in, out]`` layout, into ``[experts, out, in]`` with scales per expert."""
-    convert = quantizer(quantize, group_size)
+    ``[experts, in, out]`` layout, into ``[experts, out, in]`` with scales per expert, then,
+    with ``sharding`` (split by expert), places it on its mesh."""
+    convert = quantizer(quantize, group_size, sharding)
     return lambda stacked: convert(jax.numpy.swapaxes(stacked, 1, 2))
 
 
@@ -122,12 +120,13 @@ def expert_kernels(model: Llama) -> list[nnx.Param]:
 def converters(model: Llama, quantize: str, group_size: int | None,
                shardings: dict[int, NamedSharding] | None = None) -> dict[int, Callable]:
     """id(parameter) -> the function quantizing it, for every kernel ``quantize=`` covers:
-    the linear layers' (placed as ``shardings`` says, on a mesh) and the experts' (one
-    device only: :func:`check_mesh` refuses them on a mesh)."""
+    the linear layers' and the experts' (each placed as ``shardings`` says, on a mesh)."""
     out = {id(k): quantizer(quantize, group_size,
                             None if shardings is None else shardings[id(k)])
            for k in linear_kernels(model)}
-    out.update({id(k): expert_quantizer(quantize, group_size) for k in expert_kernels(model)})
+    out.update({id(k): expert_quantizer(quantize, group_size,
+                                        None if shardings is None else shardings[id(k)])
+                for k in expert_kernels(model)})
     return out
 
 

@@ -54,7 +54,7 @@ pl = _compat.pallas()
 # Where this kernel was compiled, checked and measured faster than XLA: none yet.
 VERIFIED: dict[str, str] = {}
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # Gemma 4's full layers (and its KV cache's width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,7 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
         64: dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
         128: dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
         256: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
+        512: dict(block_q=32, block_k=16, num_warps=8, num_stages=2),
     },
     "H100": {
         # 8 warps: with 4, ptxas spills 28 bytes at head_dim 64 (255 registers; compiled
@@ -86,6 +87,9 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
         64: dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
         128: dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
         256: dict(block_q=64, block_k=32, num_warps=8, num_stages=2),
+        # head_dim 512 (Gemma 4): 201 registers, no spill; blocks of 32 x 32 spill 24 bytes
+        # (255 registers) (forge_jax.aot, JAX 0.10.2, 2026-11-28).
+        512: dict(block_q=32, block_k=16, num_warps=8, num_stages=2),
     },
     "A100": {
         # 8 warps at head_dim 64 too: with 4, JAX 0.12's ptxas spills 4 bytes in bfloat16
@@ -95,11 +99,13 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
         # registers; forge_jax.aot, JAX 0.10.2, 2026-11-25); with 8, 254 and no spill.
         128: dict(block_q=64, block_k=64, num_warps=8, num_stages=2),
         256: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
+        512: dict(block_q=32, block_k=16, num_warps=8, num_stages=2),
     },
     "L4": {
         64: dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
         128: dict(block_q=64, block_k=32, num_warps=4, num_stages=2),
         256: dict(block_q=32, block_k=32, num_warps=4, num_stages=1),
+        512: dict(block_q=16, block_k=16, num_warps=8, num_stages=1),
     },
 }
 
@@ -109,15 +115,19 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
 # limit exceeded: requested 262656, available: 232448") and spill 20-47 KB at 64 and 256.
 # These, checked by compiling for the targets (tests/test_aot.py; JAX 0.10.2, 2026-11-25),
 # compile on H100 without spills up to head_dim 128 (896 bytes spilled at 256), on A100
-# (1076 bytes at 256) and in an L4's 99 KiB (552 bytes at 128, none at 256).
+# (1076 bytes at 256) and in an L4's 99 KiB (552 bytes at 128, none at 256). At head_dim
+# 512, blocks of 16 x 16 with one stage: 245 registers, no spill on H100 (32 x 16 spills
+# 1272 bytes, 32 x 32 needs 266368 bytes of shared memory; JAX 0.10.2, 2026-11-28).
 TUNED_FLOAT32: Mapping[str, Mapping[int, Mapping[str, int]]] = {
     "default": {
         128: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
         256: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
+        512: dict(block_q=16, block_k=16, num_warps=8, num_stages=1),
     },
     "L4": {
         128: dict(block_q=32, block_k=32, num_warps=8, num_stages=2),
         256: dict(block_q=32, block_k=16, num_warps=8, num_stages=1),
+        512: dict(block_q=16, block_k=16, num_warps=8, num_stages=1),
     },
 }
 

@@ -67,7 +67,8 @@ def reason(*, dtypes, head_dim: int) -> str | None:
                 "bfloat16 or float16, q, k and v alike")
     if head_dim not in HEAD_DIMS:
         return (f"head_dim={head_dim}: the Blackwell kernel takes {HEAD_DIMS} (its three TMEM "
-                "tiles, S, O and the non-finite counts, share 512 columns)")
+                "tiles, S, O and the non-finite counts, share 512 columns; at 256 and 512 its "
+                "shared memory tiles alone exceed the 227 KiB the b200 compile allows)")
     return None
 
 

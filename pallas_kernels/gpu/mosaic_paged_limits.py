@@ -72,8 +72,12 @@ def layout_reason(*, q_dtype, kv_dtype, head_dim: int, page_size: int, block_kv:
         return (f"q.dtype={jnp.dtype(q_dtype).name} differs from "
                 f"k_pages.dtype={jnp.dtype(kv_dtype).name}: both WGMMA operands take one dtype")
     if head_dim % 64 or head_dim > MAX_TMA:
+        need = smem_bytes(head_dim=head_dim, block_kv=block_kv, stages=1, quantized=quantized)
+        wide = "" if need <= SMEM_LIMIT else (
+            f"; at this width even one key/value block in flight needs {need} bytes of shared "
+            f"memory, more than {SMEM_LIMIT} (the H100 lowering refuses it: Gemma 4's 512)")
         return (f"head_dim={head_dim} is not a multiple of 64 up to {MAX_TMA} (the 128-byte "
-                "swizzle of WGMMA operands; <= 256 elements per TMA copy)")
+                f"swizzle of WGMMA operands; <= 256 elements per TMA copy){wide}")
     if page_size % 8 or page_size > MAX_TMA or (64 % page_size and page_size % 64):
         return (f"page_size={page_size} must be a multiple of 8 up to {MAX_TMA} that divides "
                 "64 or is a multiple of 64 (whole pages per 64-key block, 8-row tiles, <= 256 "

@@ -51,7 +51,7 @@ pl = _compat.pallas()
 VERIFIED: dict[str, str] = {}
 
 MAX_Q_LEN = 16  # decode and short chunks; longer prefill belongs to the dense kernel
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # Gemma 4's full layers (and its KV cache's width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,16 +81,23 @@ TUNED: Mapping[str, Mapping[int, Mapping[str, int]]] = {
         64: dict(block_k=64, max_splits=16, block_rows=64, num_warps=4, num_stages=2),
         128: dict(block_k=64, max_splits=16, block_rows=64, num_warps=4, num_stages=2),
         256: dict(block_k=32, max_splits=16, block_rows=32, num_warps=8, num_stages=2),
+        512: dict(block_k=16, max_splits=16, block_rows=16, num_warps=8, num_stages=1),
     },
     "H100": {
         64: dict(block_k=64, max_splits=32, block_rows=64, num_warps=4, num_stages=3),
         128: dict(block_k=64, max_splits=32, block_rows=64, num_warps=4, num_stages=3),
         256: dict(block_k=32, max_splits=32, block_rows=32, num_warps=8, num_stages=2),
+        # head_dim 512 (Gemma 4): float32 decode 101 registers, 16 query positions 223, no
+        # spill; the 256 row spills 5056 bytes in float32 and its 16 positions need 266376
+        # bytes of shared memory; with two stages float32 spills 8 KiB (forge_jax.aot, JAX
+        # 0.10.2, 2026-11-28).
+        512: dict(block_k=16, max_splits=32, block_rows=16, num_warps=8, num_stages=1),
     },
     "L4": {
         64: dict(block_k=64, max_splits=8, block_rows=64, num_warps=4, num_stages=2),
         128: dict(block_k=32, max_splits=8, block_rows=32, num_warps=4, num_stages=2),
         256: dict(block_k=16, max_splits=8, block_rows=16, num_warps=4, num_stages=1),
+        512: dict(block_k=16, max_splits=8, block_rows=16, num_warps=8, num_stages=1),
     },
 }
 

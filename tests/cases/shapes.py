@@ -10,6 +10,9 @@ import forge_jax as fj
 LLAMA3_8B_HEADS = (32, 8, 128)  # Llama 3 / 3.1 8B: groups of 4
 SMOLLM2_135M_HEADS = (9, 3, 64)  # SmolLM / SmolLM2 135M: groups of 3, odd head count
 GEMMA2_2B_HEADS = (8, 4, 256)  # Gemma 2 2B: groups of 2, head_dim 256 (window, soft cap)
+# Gemma 4 (transformers' default config): the full layers' head_dim 512, which is also the
+# width of its KV cache (the sliding layers' 256 zero-padded into it), unscaled attention.
+GEMMA4_HEADS = (8, 4, 512)
 
 # Head dims besides 64 and 128.
 PHI2_HEAD_DIM = 80
