@@ -35,8 +35,8 @@ family's; the state pool's delta-rule states by value head and its conv states b
 over ``tp`` where the delta-rule layers split.
 
 Quantized kernels (``from_pretrained(quantize=..., mesh=...)``) are split with their scales
-(:func:`forge_jax.quant.place`); quantized experts are not split over a mesh (a mixture of
-experts with ``quantize=`` and a mesh is refused, as for the Llama family).
+(:func:`forge_jax.quant.place`); quantized experts split by expert with their scales, as the
+Llama family's.
 """
 
 from __future__ import annotations

@@ -117,16 +117,11 @@ def test_sizes_that_do_not_split_are_refused_before_reading(family):
                                                                  marks=pytest.mark.slow)],
                          indirect=True)
 def test_quantized_on_a_mesh(family):
-    """int8 on a 2x2 mesh: the dense Qwen3.5 gives the tokens of the same int8 model on one
-    device (its kernels split with their scales); Qwen3-Next's quantized experts are refused
-    on a mesh, as the Llama family's."""
+    """int8 on a 2x2 mesh gives the tokens of the same int8 model on one device: the kernels
+    split with their scales (Qwen3-Next's quantized experts by expert, as the Llama family's)."""
     import forge_jax as fj
 
     name, directory, _ = family
-    if name == "qwen3_next":
-        with pytest.raises(ValueError, match="expert weights are not split over a mesh"):
-            checkpoint.from_pretrained(directory, quantize="int8", mesh=_mesh((2, 2)))
-        return
     model = checkpoint.from_pretrained(directory, quantize="int8", mesh=_mesh((2, 2)),
                                        chunk_size=8)
     kernel = model.layers[0].linear_attn.in_proj_qkv.kernel.get_value()
